@@ -1,0 +1,1 @@
+"""Ray worker group and DeepSpeed workers. Knows nothing of Hydra: takes resolved plans."""

@@ -1,0 +1,86 @@
+"""Generate the DeepSpeed config from a resolved plan; users never hand-write DeepSpeed JSON.
+
+The bucket and ZeRO-3 limits are written out explicitly (at DeepSpeed's defaults) rather than
+left implicit, so the planner reads the same numbers DeepSpeed will use.
+"""
+
+from __future__ import annotations
+
+from plans.resolve import ResolvedPlan
+from plans.spec import Accelerator, Offload, OptimizerName, OptimSpec, Precision
+
+# DeepSpeed's defaults (deepspeed/runtime/zero/config.py), in elements.
+REDUCE_BUCKET_SIZE = 500_000_000
+ALLGATHER_BUCKET_SIZE = 500_000_000
+STAGE3_PREFETCH_BUCKET_SIZE = 50_000_000
+STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
+STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
+STAGE3_MAX_REUSE_DISTANCE = 1_000_000_000
+
+_OPTIMIZER_TYPE = {OptimizerName.adam: "Adam", OptimizerName.adamw: "AdamW", OptimizerName.sgd: "SGD"}
+
+
+def _offload_section(device: Offload, plan: ResolvedPlan) -> dict:
+    section: dict = {"device": device.value, "pin_memory": plan.accelerator == Accelerator.gpu}
+    if device == Offload.nvme:
+        section["nvme_path"] = plan.nvme_path
+    return section
+
+
+def optimizer_section(optim: OptimSpec, plan: ResolvedPlan) -> dict:
+    params: dict = {"lr": optim.lr, "weight_decay": optim.weight_decay}
+    if optim.name == OptimizerName.sgd:
+        params["momentum"] = optim.momentum
+    else:
+        params["betas"] = list(optim.betas)
+        params["eps"] = 1e-8
+        # Without offload on CPU workers, torch's Adam avoids JIT-building DeepSpeed's FusedAdam,
+        # which needs CUDA; with offload DeepSpeed picks its CPU Adam itself.
+        if plan.accelerator == Accelerator.cpu and plan.offload_optimizer == Offload.none:
+            params["torch_adam"] = True
+    return {"type": _OPTIMIZER_TYPE[optim.name], "params": params}
+
+
+def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int) -> dict:
+    """The DeepSpeed config dict for ``deepspeed.initialize(config=...)``."""
+    zero: dict = {
+        "stage": plan.zero_stage,
+        "reduce_bucket_size": REDUCE_BUCKET_SIZE,
+        "allgather_bucket_size": ALLGATHER_BUCKET_SIZE,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+    }
+    if plan.zero_stage == 3:
+        zero.update({
+            "stage3_prefetch_bucket_size": STAGE3_PREFETCH_BUCKET_SIZE,
+            "stage3_param_persistence_threshold": STAGE3_PARAM_PERSISTENCE_THRESHOLD,
+            "stage3_max_live_parameters": STAGE3_MAX_LIVE_PARAMETERS,
+            "stage3_max_reuse_distance": STAGE3_MAX_REUSE_DISTANCE,
+        })
+    if plan.offload_optimizer != Offload.none:
+        zero["offload_optimizer"] = _offload_section(plan.offload_optimizer, plan)
+    if plan.offload_param != Offload.none:
+        zero["offload_param"] = _offload_section(plan.offload_param, plan)
+
+    return {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum_steps,
+        "gradient_clipping": optim.grad_clip,
+        "steps_per_print": 1_000_000_000,  # we report progress ourselves
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero,
+        "bf16": {"enabled": plan.precision == Precision.bf16},
+        "fp16": {"enabled": plan.precision == Precision.fp16, "loss_scale": 0, "initial_scale_power": 16},
+        "optimizer": optimizer_section(optim, plan),
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": max(total_steps, 1),
+                "warmup_num_steps": max(min(optim.warmup_steps, total_steps), 1),
+                "warmup_min_ratio": 0.0,
+                "warmup_type": "linear",
+                "cos_min_ratio": optim.min_lr_ratio,
+            },
+        },
+    }

@@ -1,0 +1,23 @@
+"""What one training run hands to its workers: plain, picklable, free of Hydra objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from plans.resolve import ResolvedPlan
+from plans.spec import DataSpec, TrainSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainJob:
+    """Everything a worker needs to train; built by the driver, pickled to every actor."""
+
+    plan: ResolvedPlan
+    ds_config: dict
+    model_factory: Callable
+    """Returns a fresh ``torch.nn.Module`` (called inside the worker)."""
+    data: DataSpec
+    train: TrainSpec
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for the worker processes."""

@@ -1,0 +1,152 @@
+"""One DeepSpeed training process, run inside a Ray actor.
+
+The actor is created by :mod:`launchers.worker_group`; its ``train`` method is a Ray streaming
+generator that yields one report per logged step, so the driver sees progress live and
+notices a dead worker as soon as its stream breaks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from typing import Iterator
+
+from launchers.job import TrainJob
+from launchers.placement import RankSlot
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def enable_activation_checkpointing(module) -> None:
+    """Turn on recomputation through the model's own switch (Hugging Face's name)."""
+    switch = getattr(module, "gradient_checkpointing_enable", None)
+    if switch is None:
+        raise TypeError(f"{type(module).__name__} has no gradient_checkpointing_enable(); "
+                        "it cannot run with plan.activation_checkpointing=true")
+    switch()
+
+
+class TrainWorker:
+    """A DeepSpeed worker: one rank of the run."""
+
+    def __init__(self):
+        self.engine = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port, for rank 0 to host the rendezvous."""
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def setup(self, job: TrainJob, slot: RankSlot, world_size: int, master_addr: str, master_port: int) -> dict:
+        """Join the process group and build the DeepSpeed engine; returns facts for the driver."""
+        self.rank, self.world_size = slot.rank, world_size
+        os.environ.update(job.env)
+        os.environ.update({
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(slot.rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(slot.local_rank),
+            "LOCAL_SIZE": str(slot.local_world_size), "LOCAL_WORLD_SIZE": str(slot.local_world_size),
+        })
+        import deepspeed
+        import torch
+
+        from workloads.corpus import ByteWindows, ShardedBatches, load_bytes, split
+
+        self.job = job
+        plan = job.plan
+        backend = "gloo" if plan.accelerator.value == "cpu" else "nccl"
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        torch.manual_seed(job.train.seed)
+
+        module = job.model_factory()
+        if plan.activation_checkpointing:
+            enable_activation_checkpointing(module)
+        self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
+                                                    config=job.ds_config)
+        train_bytes, val_bytes = split(load_bytes(job.data.path), job.data.val_fraction)
+        dp_rank = self.rank  # pure data parallelism: every rank is its own dp replica
+        self.batches = ShardedBatches(ByteWindows(train_bytes, job.data.seq_len), batch_size=plan.micro_batch_size,
+                                      dp_rank=dp_rank, dp_size=plan.dp, seed=job.train.seed)
+        self.val_batches = ShardedBatches(ByteWindows(val_bytes, job.data.seq_len), batch_size=plan.micro_batch_size,
+                                          dp_rank=dp_rank, dp_size=plan.dp, seed=job.train.seed, shuffle=False)
+        return {"rank": self.rank, "pid": os.getpid(), "hostname": socket.gethostname(), "dp_rank": dp_rank}
+
+    def _loss(self, batch):
+        import torch.nn.functional as F
+
+        inputs, targets = (t.to(self.engine.device) for t in batch)
+        logits = self.engine(inputs)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def _mean_over_ranks(self, values: list[float]) -> list[float]:
+        import deepspeed.comm as dist
+        import torch
+
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return (t / self.world_size).tolist()
+
+    def evaluate(self) -> float:
+        import torch
+
+        self.engine.eval()
+        total = 0.0
+        with torch.no_grad():
+            for _ in range(self.job.train.eval_batches):
+                total += self._loss(next(self.val_batches)).item()
+        self.engine.train()
+        return self._mean_over_ranks([total / self.job.train.eval_batches])[0]
+
+    def train(self) -> Iterator[dict]:
+        """Run ``train.steps`` optimizer steps; yield a report every ``train.log_every`` steps."""
+        job, plan, spec = self.job, self.job.plan, self.job.train
+        tokens_per_step = plan.micro_batch_size * plan.grad_accum_steps * job.data.seq_len
+        first_batch_digest = None
+        interval_loss, interval_time, interval_steps = 0.0, 0.0, 0
+        self.engine.train()
+        for step in range(1, spec.steps + 1):
+            started = time.perf_counter()
+            step_loss = 0.0
+            for _ in range(plan.grad_accum_steps):
+                batch = next(self.batches)
+                if first_batch_digest is None:
+                    first_batch_digest = hashlib.sha1(batch[0].numpy().tobytes()).hexdigest()
+                loss = self._loss(batch)
+                self.engine.backward(loss)
+                self.engine.step()
+                step_loss += loss.item()
+            interval_time += time.perf_counter() - started
+            interval_loss += step_loss / plan.grad_accum_steps
+            interval_steps += 1
+            last = step == spec.steps
+            if step % spec.log_every and not last:
+                continue
+            local_loss = interval_loss / interval_steps
+            global_loss, = self._mean_over_ranks([local_loss])
+            report = {
+                "rank": self.rank, "step": step, "loss": global_loss, "local_loss": local_loss,
+                "lr": self.engine.get_lr()[0], "step_time_s": interval_time / interval_steps,
+                "tokens_per_s": tokens_per_step * interval_steps / interval_time,
+                "first_batch_digest": first_batch_digest,
+            }
+            if (spec.eval_every and step % spec.eval_every == 0) or last:
+                report["eval_loss"] = self.evaluate()
+            yield report
+            interval_loss, interval_time, interval_steps = 0.0, 0.0, 0
+
+    def shutdown(self) -> None:
+        import deepspeed.comm as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,137 @@
+"""The worker group: create → setup → train → shutdown, one Ray actor per device.
+
+A placement group reserves one bundle per worker before any actor starts, so a run either
+gets all its devices or none; a failed start tears down whatever was created.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from launchers.job import TrainJob
+from launchers.placement import RankSlot, assign_ranks
+from launchers.worker import TrainWorker
+from plans.errors import OrchError
+
+
+class WorkerGroupError(OrchError):
+    """The worker group could not start or a worker failed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerGroupSpec:
+    world_size: int
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    strategy: str = "PACK"
+    """Placement group strategy; PACK keeps workers on as few nodes as possible."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment of the worker processes (set before anything is imported there)."""
+    wait_s: float = 120.0
+    """How long to wait for the cluster to grant the resources."""
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.cpus_per_worker}
+        if self.gpus_per_worker:
+            bundle["GPU"] = self.gpus_per_worker
+        return bundle
+
+
+def _resource_shortfall(spec: WorkerGroupSpec) -> str:
+    available = ray.available_resources()
+    needs = ", ".join(f"{v:g} {k}" for k, v in spec.bundle.items())
+    free = ", ".join(f"{available.get(k, 0):g} {k}" for k in spec.bundle)
+    return f"the plan needs {spec.world_size} workers with {needs} each; the cluster has {free} free"
+
+
+class WorkerGroup:
+    """A running set of :class:`TrainWorker` actors with ranks assigned."""
+
+    def __init__(self, spec: WorkerGroupSpec, pg, actors: list, slots: list[RankSlot]):
+        self.spec = spec
+        self._pg = pg
+        self.actors = actors
+        self.slots = slots
+        self.facts: list[dict] = []
+
+    @classmethod
+    def create(cls, spec: WorkerGroupSpec) -> "WorkerGroup":
+        pg = placement_group([spec.bundle] * spec.world_size, strategy=spec.strategy)
+        actors: list = []
+        try:
+            ready, _ = ray.wait([pg.ready()], timeout=spec.wait_s)
+            if not ready:
+                raise WorkerGroupError(f"no placement within {spec.wait_s:g}s: {_resource_shortfall(spec)}. "
+                                       "Fix: lower cluster.devices_per_node/cluster.nodes or add nodes.")
+            remote_cls = ray.remote(TrainWorker)
+            for i in range(spec.world_size):
+                actor = remote_cls.options(
+                    num_cpus=spec.cpus_per_worker, num_gpus=spec.gpus_per_worker,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=i),
+                    runtime_env={"env_vars": spec.env},
+                ).remote()
+                actors.append(actor)
+            node_ids = ray.get([a.node_id.remote() for a in actors])
+            slots = assign_ranks(node_ids)
+            order = sorted(range(len(actors)), key=lambda i: slots[i].rank)
+            return cls(spec, pg, [actors[i] for i in order], [slots[i] for i in order])
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor)
+            remove_placement_group(pg)
+            raise
+
+    def setup(self, job: TrainJob) -> list[dict]:
+        """Rendezvous on rank 0's node and build the DeepSpeed engine on every rank."""
+        master_addr, master_port = ray.get(self.actors[0].address.remote())
+        world_size = len(self.actors)
+        self.facts = ray.get([actor.setup.remote(job, slot, world_size, master_addr, master_port)
+                              for actor, slot in zip(self.actors, self.slots)])
+        for fact, slot in zip(self.facts, self.slots):
+            fact["node_id"] = slot.node_id
+        return self.facts
+
+    def train(self) -> Iterator[list[dict]]:
+        """Yield, per logged step, the reports of all ranks (ordered by rank).
+
+        A worker that dies raises here at once (Ray's ActorDiedError / the task's exception)
+        instead of the other ranks waiting in a collective forever.
+        """
+        streams = {self.actors[r].train.options(num_returns="streaming").remote(): r
+                   for r in range(len(self.actors))}
+        by_step: dict[int, dict[int, dict]] = {}
+        while streams:
+            ready, _ = ray.wait(list(streams), num_returns=1)
+            for stream in ready:
+                try:
+                    ref = next(stream)
+                except StopIteration:
+                    del streams[stream]
+                    continue
+                report = ray.get(ref)
+                reports = by_step.setdefault(report["step"], {})
+                reports[report["rank"]] = report
+                if len(reports) == len(self.actors):
+                    yield [reports[r] for r in sorted(reports)]
+                    del by_step[report["step"]]
+
+    def shutdown(self) -> None:
+        """Stop every actor and release the placement group; safe to call twice."""
+        if self._pg is None:
+            return
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=30)
+        except Exception:  # a dead or hung worker cannot shut down cleanly; it is killed below
+            pass
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self._pg)
+        self._pg = None
+

@@ -1,0 +1,1 @@
+"""The orchestrator: CLI, driver and tracking glue over plans/ and launchers/."""

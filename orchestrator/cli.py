@@ -1,0 +1,77 @@
+"""`orch <command> [hydra overrides]`: the command picks a Hydra app, the rest is Hydra's.
+
+Hydra owns ``sys.argv`` once a command is chosen, so overrides, ``--multirun``, ``--cfg job``
+and ``--help`` all behave as in any Hydra app.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from orchestrator.config import RunConfig, register_configs
+from plans.errors import OrchError
+
+register_configs()
+
+USAGE = """usage: orch <command> [overrides...]
+
+commands:
+  train    train the declared run on Ray with DeepSpeed, tracked in MLflow
+  config   print the composed config (same overrides as train)
+
+Overrides are Hydra's: key=value, group=option, --multirun a=1,2. See README.md.
+"""
+
+# Exit code for a run refused because of the user's input (plan, config).
+EXIT_USAGE = 2
+
+
+def _typed(cfg: DictConfig) -> tuple[RunConfig, dict, str]:
+    """The composed config as typed dataclasses, the model config as a plain dict, and YAML."""
+    yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    typed = OmegaConf.to_object(cfg)
+    return typed, model_cfg, yaml
+
+
+def _fail(error: OrchError) -> None:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def train_app(cfg: DictConfig) -> None:
+    from orchestrator.driver import run_training
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    try:
+        typed, model_cfg, yaml = _typed(cfg)
+        run_training(typed, model_cfg, yaml)
+    except OrchError as error:
+        _fail(error)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def config_app(cfg: DictConfig) -> None:
+    print(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+COMMANDS = {"train": train_app, "config": config_app}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return EXIT_USAGE
+    sys.argv = [f"orch-{command}", *rest]
+    COMMANDS[command]()
+    return 0

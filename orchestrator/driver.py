@@ -1,0 +1,187 @@
+"""`orch train`: validate the plan, launch the worker group, show progress, track the run.
+
+Order matters: every check that can fail on user input runs before any Ray resource exists,
+and the MLflow run is ended (FINISHED, FAILED or KILLED) whatever happens after it started.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+from hydra.utils import instantiate
+
+from launchers.ds_config import build_ds_config
+from launchers.job import TrainJob
+from launchers.ray_session import ray_session
+from launchers.worker_group import WorkerGroup, WorkerGroupSpec
+from orchestrator.config import RunConfig
+from orchestrator.progress import Progress
+from orchestrator.tracking import RunTracker, flatten, git_commit, redact_uri
+from plans.errors import PlanError, Violation
+from plans.model_facts import ModelFacts, inspect_model
+from plans.resolve import ResolvedPlan, resolve_plan
+from plans.spec import Accelerator
+from workloads.corpus import BYTE_VOCAB
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports back (the CLI prints it; tests assert on it)."""
+
+    run_id: str | None
+    plan: ResolvedPlan
+    model: ModelFacts
+    reports: list[list[dict]] = field(default_factory=list)
+    """Per logged step, the report of every rank."""
+    worker_facts: list[dict] = field(default_factory=list)
+    wall_s: float = 0.0
+    time_to_first_step_s: float = 0.0
+
+    @property
+    def final_loss(self) -> float:
+        return self.reports[-1][0]["loss"]
+
+    @property
+    def eval_loss(self) -> float | None:
+        return self.reports[-1][0].get("eval_loss")
+
+
+def build_model(model_cfg: dict):
+    """Instantiate the model config's ``_target_`` (runs in the driver on meta and in workers)."""
+    return instantiate(model_cfg, _convert_="all")
+
+
+def _check_model(facts: ModelFacts, cfg: RunConfig) -> None:
+    problems = []
+    if facts.output_vocab < BYTE_VOCAB:
+        problems.append(Violation("model.vocab_size", facts.output_vocab,
+                                  f"the byte-level corpus needs {BYTE_VOCAB} output classes.",
+                                  f"set model.vocab_size={BYTE_VOCAB} or more"))
+    if cfg.plan.activation_checkpointing and not facts.supports_activation_checkpointing:
+        problems.append(Violation("plan.activation_checkpointing", True,
+                                  "the model has no gradient_checkpointing_enable() method.",
+                                  "implement it on the model, or set plan.activation_checkpointing=false"))
+    if problems:
+        raise PlanError(problems)
+
+
+def worker_env(plan: ResolvedPlan) -> dict[str, str]:
+    env = {"PYTHONUNBUFFERED": "1"}
+    if plan.accelerator == Accelerator.cpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=None) -> TrainResult:
+    """Train one declared run end to end and return its result."""
+    out = stream or sys.stdout
+    started = time.perf_counter()
+    plan = resolve_plan(cfg.plan, cfg.cluster, cfg.train)
+    factory = functools.partial(build_model, model_cfg)
+    facts = inspect_model(factory, cfg.data.seq_len)
+    _check_model(facts, cfg)
+    ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps)
+    job = TrainJob(plan=plan, ds_config=ds_config, model_factory=factory, data=cfg.data, train=cfg.train,
+                   env=worker_env(plan))
+    group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
+                                 gpus_per_worker=1.0 if plan.accelerator == Accelerator.gpu else 0.0,
+                                 env=job.env, wait_s=cfg.cluster.wait_s)
+    result = TrainResult(run_id=None, plan=plan, model=facts)
+
+    tracker = None
+    if cfg.tracking.enabled:
+        params = flatten({"plan": plan.as_dict(), "model": {k: v for k, v in model_cfg.items()},
+                          "data": vars(cfg.data), "optim": vars(cfg.optim), "train": vars(cfg.train),
+                          "cluster": {**vars(cfg.cluster), "address": _address_param(cfg.cluster.address)}})
+        params["model.param_count"] = str(facts.param_count)
+        tags = {"world_size": str(plan.world_size),
+                "devices": f"{plan.world_size}x{plan.accelerator.value}",
+                "orch.command": "train"}
+        if commit := git_commit():
+            tags["git_commit"] = commit
+        tracker = RunTracker.start(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,
+                                   run_name=cfg.tracking.run_name, params=params, tags=tags)
+        result.run_id = tracker.run_id
+        tracker.log_text(config_yaml, "config/resolved.yaml")
+        tracker.log_dict(ds_config, "config/deepspeed.json")
+
+    print(f"plan: dp={plan.dp} tp={plan.tp} pp={plan.pp} zero_stage={plan.zero_stage} "
+          f"offload_optimizer={plan.offload_optimizer.value} offload_param={plan.offload_param.value} "
+          f"activation_checkpointing={plan.activation_checkpointing} precision={plan.precision.value} "
+          f"micro_batch_size={plan.micro_batch_size} grad_accum_steps={plan.grad_accum_steps} "
+          f"on {plan.world_size} {plan.accelerator.value} workers; model {facts.param_count:,} parameters",
+          file=out, flush=True)
+    status = "FAILED"
+    group = None
+    progress = Progress(cfg.train.steps)
+    try:
+        with ray_session(cfg.cluster.address, min_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
+                         object_store_gib=cfg.cluster.object_store_memory_gib):
+            group = WorkerGroup.create(group_spec)
+            result.worker_facts = group.setup(job)
+            if tracker:
+                tracker.set_tags({"nodes_used": str(len({f["node_id"] for f in result.worker_facts}))})
+            for reports in group.train():
+                if not result.reports:
+                    result.time_to_first_step_s = time.perf_counter() - started
+                result.reports.append(reports)
+                _report_step(reports, plan, progress, tracker)
+            group.shutdown()
+            group = None
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        progress.close()
+        if group is not None:
+            group.shutdown()
+        if tracker:
+            tracker.finish(status)
+        result.wall_s = time.perf_counter() - started
+    _print_summary(result, tracker, out)
+    return result
+
+
+def _address_param(address: str | None) -> str:
+    return "embedded" if address is None else redact_uri(address)
+
+
+def _report_step(reports: list[dict], plan: ResolvedPlan, progress: Progress, tracker: RunTracker | None) -> None:
+    lead = reports[0]
+    step_times = [r["step_time_s"] for r in reports]
+    slowest = max(step_times)
+    tokens_per_s = sum(r["tokens_per_s"] for r in reports) / plan.tp / plan.pp
+    metrics = {
+        "loss": lead["loss"], "lr": lead["lr"], "step_time_s": slowest,
+        "tokens_per_s": tokens_per_s,
+        "samples_per_s": plan.global_batch_size / slowest,
+        "step_time_spread_s": slowest - min(step_times),
+    }
+    if "eval_loss" in lead:
+        metrics["eval_loss"] = lead["eval_loss"]
+    if tracker:
+        tracker.log_metrics(metrics, lead["step"])
+    progress.update(lead["step"], lead["loss"], tokens_per_s, lead.get("eval_loss"))
+
+
+def _print_summary(result: TrainResult, tracker: RunTracker | None, out) -> None:
+    last = result.reports[-1][0] if result.reports else {}
+    lines = [f"done: {last.get('step', 0)} steps in {result.wall_s:.1f}s "
+             f"(first step after {result.time_to_first_step_s:.1f}s)"]
+    if last:
+        lines.append(f"final loss {last['loss']:.4f}" + (f", eval loss {last['eval_loss']:.4f}"
+                                                          if "eval_loss" in last else ""))
+    if tracker:
+        lines.append(f"MLflow run {tracker.run_id} in experiment {tracker.experiment_id} "
+                     f"({redact_uri(tracker.uri)})")
+        lines.append(f"open it: {tracker.ui_hint()}")
+    print("\n".join(lines), file=out, flush=True)
+
+
+def plan_summary_json(result: TrainResult) -> str:
+    return json.dumps({"run_id": result.run_id, "plan": result.plan.as_dict()})

@@ -1,0 +1,148 @@
+"""What the user declares: typed schemas of the plan, the cluster, the optimizer and the loop.
+
+These dataclasses hold declarations only; runtime facts (world size found on the cluster,
+parameter counts of the built model) are combined with them by :mod:`plans.resolve`, which
+returns a new :class:`plans.resolve.ResolvedPlan`. Hydra registers the same classes as
+structured configs, so an unknown or mistyped key fails at composition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+
+class Offload(str, Enum):
+    """Where ZeRO keeps a state it moves off the device."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class Precision(str, Enum):
+    """Training precision; bf16/fp16 keep fp32 master weights in the optimizer."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Accelerator(str, Enum):
+    """Kind of device one worker drives."""
+
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class OptimizerName(str, Enum):
+    adam = "adam"
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+@dataclass(kw_only=True)
+class PlanSpec:
+    """The parallelism plan: how the model and batch are split over the workers."""
+
+    dp: Optional[int] = None
+    """Data-parallel degree; null takes what the cluster leaves: world_size / (tp * pp)."""
+    tp: int = 1
+    """Tensor-parallel degree (layers split across devices)."""
+    pp: int = 1
+    """Pipeline stages."""
+    zero_stage: int = 0
+    """ZeRO stage 0-3: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
+    offload_optimizer: Offload = Offload.none
+    """Keep optimizer states (and the optimizer step) on cpu or nvme instead of the device."""
+    offload_param: Offload = Offload.none
+    """Keep parameters on cpu or nvme between uses (ZeRO-3 only)."""
+    nvme_path: Optional[str] = None
+    """Directory for NVMe offload; required when either offload is nvme."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward instead of keeping them (saves memory, costs compute)."""
+    micro_batch_size: int = 4
+    """Samples per worker per forward pass."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    precision: Precision = Precision.fp32
+    """fp32, or bf16/fp16 mixed precision with fp32 master weights."""
+    force: bool = False
+    """Launch even when the planner predicts the plan does not fit (prints a warning)."""
+
+
+@dataclass(kw_only=True)
+class ClusterSpec:
+    """The target cluster, declared; the live Ray cluster is checked against it at launch."""
+
+    address: Optional[str] = None
+    """Ray address: null starts an embedded local Ray; 'auto', 'host:6379' or 'ray://host:10001'."""
+    nodes: int = 1
+    """Number of nodes the plan uses."""
+    devices_per_node: int = 2
+    """Workers (one per device) on each node."""
+    accelerator: Accelerator = Accelerator.cpu
+    """cpu trains with gloo and DS_ACCELERATOR=cpu; gpu uses one GPU per worker and NCCL."""
+    device_memory_gib: float = 8.0
+    """Memory of one device (on cpu: the share of host memory one worker may use)."""
+    host_memory_gib: float = 24.0
+    """Host memory of one node (offloaded states of all local workers land here)."""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs reserved for each worker."""
+    object_store_memory_gib: float = 1.0
+    """Object store of the embedded Ray (ignored when joining a cluster)."""
+    wait_s: float = 60.0
+    """How long to wait for the cluster to grant the workers' resources before failing."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+@dataclass(kw_only=True)
+class OptimSpec:
+    """Optimizer and learning-rate schedule."""
+
+    name: OptimizerName = OptimizerName.adamw
+    lr: float = 1e-3
+    """Peak learning rate, reached after warmup_steps."""
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas."""
+    momentum: float = 0.0
+    """SGD momentum (0 keeps no momentum buffer)."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to lr; then cosine decay to min_lr_ratio * lr at train.steps."""
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+
+
+@dataclass(kw_only=True)
+class TrainSpec:
+    """The training loop."""
+
+    steps: int = 60
+    """Optimizer steps to run."""
+    log_every: int = 5
+    """Report and track metrics every this many steps."""
+    eval_every: int = 0
+    """Evaluate on held-out data every this many steps (0: only at the end)."""
+    eval_batches: int = 4
+    """Micro-batches per evaluation."""
+    seed: int = 1234
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step; null means micro_batch_size * grad_accum_steps * dp."""
+
+
+@dataclass(kw_only=True)
+class DataSpec:
+    """The training corpus, read as bytes (vocabulary of 256)."""
+
+    path: Optional[str] = None
+    """A text file (optionally .gz); null uses the corpus shipped with the project."""
+    seq_len: int = 128
+    """Tokens per sample; the built-in configs tie it to model.seq_len."""
+    val_fraction: float = 0.05
+    """Tail of the corpus held out for evaluation."""

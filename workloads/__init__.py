@@ -1,0 +1,1 @@
+"""Built-in training workloads: a small GPT and a byte-level text corpus."""

@@ -1,0 +1,83 @@
+"""A byte-level text corpus and a data-parallel sharded loader over it.
+
+The shipped corpus (``corpus.txt.gz``, ~500 KB of English prose: the docstrings of the Python
+standard library, rebuilt by ``workloads/make_corpus.py``) is small enough to ship and real
+enough that a falling loss means the model learns something. Any UTF-8 text file can replace
+it through ``data.path``.
+"""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import torch
+
+SHIPPED_CORPUS = Path(__file__).with_name("corpus.txt.gz")
+BYTE_VOCAB = 256
+
+
+def load_bytes(path: str | None = None) -> torch.Tensor:
+    """Return the corpus as a 1-D uint8 tensor of bytes."""
+    source = Path(path) if path else SHIPPED_CORPUS
+    raw = gzip.decompress(source.read_bytes()) if source.suffix == ".gz" else source.read_bytes()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+class ByteWindows(torch.utils.data.Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` bytes: inputs and next-byte targets."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int):
+        self.data = data
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.data[i * self.seq_len: (i + 1) * self.seq_len + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+def split(data: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hold out the tail of the corpus for evaluation."""
+    n_val = int(len(data) * val_fraction)
+    return data[: len(data) - n_val], data[len(data) - n_val:]
+
+
+class ShardedBatches:
+    """Endless micro-batches for one data-parallel rank.
+
+    Uses :class:`torch.utils.data.DistributedSampler`, so each dp rank reads a disjoint
+    shard; every pass over the data reshuffles with the epoch as seed, identically on all
+    ranks. ``position`` (batches drawn so far) is what a checkpoint must save to resume.
+    """
+
+    def __init__(self, dataset: ByteWindows, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                 shuffle: bool = True):
+        if len(dataset) < dp_size * batch_size:
+            raise ValueError(f"corpus too small: {len(dataset)} windows for dp({dp_size}) * "
+                             f"micro_batch_size({batch_size})")
+        self.sampler = torch.utils.data.DistributedSampler(
+            dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
+                                                  drop_last=True)
+        self.epoch = 0
+        self.position = 0
+        self._it = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        while True:
+            if self._it is None:
+                self.sampler.set_epoch(self.epoch)
+                self._it = iter(self.loader)
+            try:
+                batch = next(self._it)
+                self.position += 1
+                return batch
+            except StopIteration:
+                self.epoch += 1
+                self._it = None

@@ -1,0 +1,95 @@
+"""A small GPT-style decoder, the built-in model.
+
+Contract every model trained by the orchestrator follows (a user's own ``torch.nn.Module``
+selected through Hydra's ``_target_`` too): ``forward(input_ids: LongTensor[B, T]) ->
+logits[B, T, vocab]``. A model that can recompute activations in backward exposes
+``gradient_checkpointing_enable()`` (the name Hugging Face models use).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (y.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for y in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer with learned positions and (optionally) tied embeddings."""
+
+    def __init__(self, *, n_layer: int = 2, d_model: int = 128, n_head: int = 4, seq_len: int = 128,
+                 vocab_size: int = 256, tie_embeddings: bool = True):
+        super().__init__()
+        if d_model % n_head:
+            raise ValueError(f"model.d_model({d_model}) must be divisible by model.n_head({n_head})")
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.wte = nn.Embedding(vocab_size, d_model)
+        self.wpe = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        if tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.activation_checkpointing = False
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each block's activations in backward instead of saving them."""
+        self.activation_checkpointing = True
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[1]
+        pos = torch.arange(t, device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)
+        for block in self.blocks:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.lm_head(self.ln_f(x))
