@@ -62,7 +62,7 @@ def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int) -> d
     if plan.offload_param != Offload.none:
         zero["offload_param"] = _offload_section(plan.offload_param, plan)
 
-    return {
+    config = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,
@@ -84,3 +84,7 @@ def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int) -> d
             },
         },
     }
+    if optim.name == OptimizerName.sgd and plan.zero_stage > 0:
+        # DeepSpeed only whitelists Adam-family optimizers under ZeRO; torch's SGD partitions fine.
+        config["zero_allow_untested_optimizer"] = True
+    return config

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from plans.resolve import ResolvedPlan
 from plans.spec import DataSpec, TrainSpec

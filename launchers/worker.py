@@ -8,10 +8,12 @@ notices a dead worker as soon as its stream breaks.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 import time
-from typing import Iterator
+import warnings
+from collections.abc import Iterator
 
 from launchers.job import TrainJob
 from launchers.placement import RankSlot
@@ -60,6 +62,10 @@ class TrainWorker:
         })
         import deepspeed
         import torch
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.ERROR)  # progress is reported by the driver, not by every rank
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
         from workloads.corpus import ByteWindows, ShardedBatches, load_bytes, split
 

@@ -6,8 +6,8 @@ gets all its devices or none; a failed start tears down whatever was created.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -61,7 +61,7 @@ class WorkerGroup:
         self.facts: list[dict] = []
 
     @classmethod
-    def create(cls, spec: WorkerGroupSpec) -> "WorkerGroup":
+    def create(cls, spec: WorkerGroupSpec) -> WorkerGroup:
         pg = placement_group([spec.bundle] * spec.world_size, strategy=spec.strategy)
         actors: list = []
         try:
@@ -93,8 +93,8 @@ class WorkerGroup:
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         world_size = len(self.actors)
         self.facts = ray.get([actor.setup.remote(job, slot, world_size, master_addr, master_port)
-                              for actor, slot in zip(self.actors, self.slots)])
-        for fact, slot in zip(self.facts, self.slots):
+                              for actor, slot in zip(self.actors, self.slots, strict=True)])
+        for fact, slot in zip(self.facts, self.slots, strict=True):
             fact["node_id"] = slot.node_id
         return self.facts
 

@@ -12,7 +12,8 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.config import RunConfig, register_configs
+from launchers.ray_auth import use_token_auth_if_available
+from orchestrator.config import register_configs, to_typed
 from plans.errors import OrchError
 
 register_configs()
@@ -30,14 +31,6 @@ Overrides are Hydra's: key=value, group=option, --multirun a=1,2. See README.md.
 EXIT_USAGE = 2
 
 
-def _typed(cfg: DictConfig) -> tuple[RunConfig, dict, str]:
-    """The composed config as typed dataclasses, the model config as a plain dict, and YAML."""
-    yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    typed = OmegaConf.to_object(cfg)
-    return typed, model_cfg, yaml
-
-
 def _fail(error: OrchError) -> None:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(EXIT_USAGE)
@@ -49,7 +42,7 @@ def train_app(cfg: DictConfig) -> None:
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     try:
-        typed, model_cfg, yaml = _typed(cfg)
+        typed, model_cfg, yaml = to_typed(cfg)
         run_training(typed, model_cfg, yaml)
     except OrchError as error:
         _fail(error)
@@ -72,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return EXIT_USAGE
+    use_token_auth_if_available()
     sys.argv = [f"orch-{command}", *rest]
     COMMANDS[command]()
     return 0

@@ -7,12 +7,15 @@ loop schemas live in :mod:`plans.spec` (pure dataclasses the planner uses direct
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING
+from omegaconf import II, MISSING, DictConfig, OmegaConf
 
+from plans.errors import OrchError
 from plans.spec import ClusterSpec, DataSpec, OptimSpec, PlanSpec, TrainSpec
 
 
@@ -43,7 +46,7 @@ class TrackingConfig:
     """MLflow tracking URI: a local sqlite file by default, or http://host:5000 for a server."""
     experiment: str = "orch"
     """MLflow experiment name."""
-    run_name: Optional[str] = None
+    run_name: str | None = None
     """MLflow run name; null lets MLflow pick one."""
     enabled: bool = True
     """false runs without tracking (benchmarks use it as a baseline)."""
@@ -73,3 +76,41 @@ def register_configs() -> None:
     cs.store(group="optim", name="optim_schema", node=OptimSpec)
     cs.store(group="data", name="data_schema", node=DataSpec)
     cs.store(group="tracking", name="tracking_schema", node=TrackingConfig)
+
+
+class ConfigError(OrchError):
+    """A composed config that does not match its schema."""
+
+
+def _unknown_keys(node: DictConfig, prefix: str) -> Iterator[str]:
+    """Keys a typed node does not declare.
+
+    Hydra's ``+key=value`` appends keys even to structured nodes, and ``OmegaConf.to_object``
+    then drops them silently; a typo must fail instead.
+    """
+    schema = OmegaConf.get_type(node)
+    declared = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if declared is not None and key not in declared:
+            yield (f"{name}: {schema.__name__} has no key {key!r}; remove it or fix the spelling "
+                   f"(known keys: {', '.join(sorted(declared))})")
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            yield from _unknown_keys(child, f"{name}.")
+
+
+def to_typed(cfg: DictConfig) -> tuple[RunConfig, dict, str]:
+    """The composed config as typed dataclasses, the model config as a plain dict, and its YAML.
+
+    The model stays a plain dict because it is instantiated through its ``_target_`` inside
+    the workers, which must not depend on Hydra's config objects.
+    """
+    unknown = list(_unknown_keys(cfg, ""))
+    if unknown:
+        raise ConfigError("unknown config key(s):\n" + "\n".join(f"  - {u}" for u in unknown))
+    yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    typed = OmegaConf.to_object(cfg)
+    return typed, model_cfg, yaml

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from typing import Mapping
+from collections.abc import Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from mlflow.entities import Metric, Param, RunTag
@@ -65,7 +65,7 @@ class RunTracker:
 
     @classmethod
     def start(cls, *, uri: str, experiment: str, run_name: str | None, params: Mapping[str, str],
-              tags: Mapping[str, str]) -> "RunTracker":
+              tags: Mapping[str, str]) -> RunTracker:
         client = MlflowClient(tracking_uri=uri)
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else client.create_experiment(experiment)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
 
 
 class Offload(str, Enum):
@@ -46,7 +45,7 @@ class OptimizerName(str, Enum):
 class PlanSpec:
     """The parallelism plan: how the model and batch are split over the workers."""
 
-    dp: Optional[int] = None
+    dp: int | None = None
     """Data-parallel degree; null takes what the cluster leaves: world_size / (tp * pp)."""
     tp: int = 1
     """Tensor-parallel degree (layers split across devices)."""
@@ -58,7 +57,7 @@ class PlanSpec:
     """Keep optimizer states (and the optimizer step) on cpu or nvme instead of the device."""
     offload_param: Offload = Offload.none
     """Keep parameters on cpu or nvme between uses (ZeRO-3 only)."""
-    nvme_path: Optional[str] = None
+    nvme_path: str | None = None
     """Directory for NVMe offload; required when either offload is nvme."""
     activation_checkpointing: bool = False
     """Recompute activations in backward instead of keeping them (saves memory, costs compute)."""
@@ -76,7 +75,7 @@ class PlanSpec:
 class ClusterSpec:
     """The target cluster, declared; the live Ray cluster is checked against it at launch."""
 
-    address: Optional[str] = None
+    address: str | None = None
     """Ray address: null starts an embedded local Ray; 'auto', 'host:6379' or 'ray://host:10001'."""
     nodes: int = 1
     """Number of nodes the plan uses."""
@@ -132,7 +131,7 @@ class TrainSpec:
     eval_batches: int = 4
     """Micro-batches per evaluation."""
     seed: int = 1234
-    global_batch_size: Optional[int] = None
+    global_batch_size: int | None = None
     """Samples per optimizer step; null means micro_batch_size * grad_accum_steps * dp."""
 
 
@@ -140,7 +139,7 @@ class TrainSpec:
 class DataSpec:
     """The training corpus, read as bytes (vocabulary of 256)."""
 
-    path: Optional[str] = None
+    path: str | None = None
     """A text file (optionally .gz); null uses the corpus shipped with the project."""
     seq_len: int = 128
     """Tokens per sample; the built-in configs tie it to model.seq_len."""

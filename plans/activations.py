@@ -1,0 +1,225 @@
+"""Activation memory of one micro-batch, measured by running the model's own code on ``meta``.
+
+Autograd keeps, between forward and backward, exactly the tensors its nodes save for backward;
+``torch.autograd.graph.saved_tensors_hooks`` sees every one of them. Running the forward on the
+``meta`` device gives real shapes and dtypes without allocating, so the measurement is exact for
+the model's code (whatever attention or MLP it uses) and takes milliseconds even for a model that
+would not fit this machine. :func:`gpt_activation_bytes` is the closed form for the built-in GPT,
+kept as a cross-check of the measurement.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+ModelOrFactory = torch.nn.Module | Callable[[], torch.nn.Module]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationBytes:
+    """Bytes autograd holds for one micro-batch."""
+
+    saved: int
+    """Tensors saved for backward by the forward and the loss, plus the logits."""
+    recompute_peak: int
+    """With checkpointing: what recomputing the largest checkpointed layer in backward saves."""
+
+    @property
+    def peak(self) -> int:
+        """Saved bytes plus the one layer recomputed at a time in backward."""
+        return self.saved + self.recompute_peak
+
+
+class _CpuFlashAttentionOnMeta(TorchFunctionMode):
+    """Route ``scaled_dot_product_attention`` on meta tensors to the CPU flash-attention kernel.
+
+    With no real device to choose a backend for, SDPA on meta falls back to the math path, which
+    saves the T x T attention matrix. The CPU workers run ``_scaled_dot_product_flash_attention_
+    for_cpu`` instead, which saves only q, k, v, the output and a logsumexp (GPU flash and
+    memory-efficient kernels save the same), so measuring the math path would overstate attention
+    memory by a factor that grows with the sequence length.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
+            return _flash_for_cpu(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _flash_for_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    if enable_gqa:  # the CPU flash kernel has no grouped-query path; SDPA would not use it either
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=True)
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return out
+
+
+class _SavedTensors:
+    """Collects the storages autograd saves, each once, attributed to the checkpointable layer."""
+
+    def __init__(self, parameters: list[torch.nn.Parameter]):
+        # Storage objects are held, not just their ids: a Python storage object that is dropped
+        # can be freed and its id handed to the wrapper of a different storage, which would then
+        # be wrongly deduplicated or excluded.
+        self._parameter_storages = {id(s): s for s in (p.untyped_storage() for p in parameters)}
+        self._storages: dict[int, torch.UntypedStorage] = {}
+        self.by_layer: dict[int, int] = {}
+        self.current_layer: int | None = None
+
+    def add(self, tensor: torch.Tensor) -> None:
+        # The key is the identity of the untyped storage: ``data_ptr()`` is 0 for every meta
+        # tensor, and q, k and v saved by attention are three views of one qkv output. PyTorch
+        # keeps one Python object per storage alive while it is referenced, so views and the
+        # tensor they come from yield the same object (while it is held, see __init__); the
+        # whole storage is counted, since a
+        # saved view keeps all of it alive.
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._parameter_storages or key in self._storages:
+            return  # parameters are counted as model states, not activations
+        self._storages[key] = storage
+        if self.current_layer is not None:
+            self.by_layer[self.current_layer] = self.by_layer.get(self.current_layer, 0) + storage.nbytes()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.add(tensor)
+        return tensor
+
+    @property
+    def total(self) -> int:
+        return sum(s.nbytes() for s in self._storages.values())
+
+
+def _build_on_meta(factory_or_module: ModelOrFactory, dtype: torch.dtype) -> torch.nn.Module:
+    """A private meta copy in ``dtype``; a caller's module is never changed."""
+    if isinstance(factory_or_module, torch.nn.Module):
+        if any(t.device.type != "meta" for t in [*factory_or_module.parameters(), *factory_or_module.buffers()]):
+            raise ValueError("saved_activation_bytes needs a module built on the meta device; pass a factory "
+                             "instead, so the model is built there without allocating")
+        module = copy.deepcopy(factory_or_module)
+    else:
+        with torch.device("meta"):
+            module = factory_or_module()
+    # DeepSpeed casts the module to the training dtype; activations follow the parameters.
+    return module.to(dtype=dtype)
+
+
+def _checkpoint_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated layers a model checkpoints one at a time: the items of its ModuleLists.
+
+    That is how ``gradient_checkpointing_enable()`` works in workloads/gpt.py and in Hugging Face
+    models (one ``checkpoint`` call per transformer block).
+    """
+    return [layer for m in module.modules() if isinstance(m, torch.nn.ModuleList) for layer in m]
+
+
+def _measure(module: torch.nn.Module, micro_batch_size: int, seq_len: int) -> _SavedTensors:
+    saved = _SavedTensors(list(module.parameters()))
+    handles = []
+    for index, layer in enumerate(_checkpoint_units(module)):
+        def enter(_mod, _args, index=index):
+            saved.current_layer = index
+
+        def leave(_mod, _args, _out):
+            saved.current_layer = None
+
+        handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
+    input_ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _CpuFlashAttentionOnMeta():
+            logits = module(input_ids)
+            # The loss as the trainer computes it (launchers/worker.py): cross-entropy in fp32.
+            F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        # The logits are alive while the loss is computed even when no node saved them.
+        saved.add(logits)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return saved
+
+
+def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: int, seq_len: int,
+                        dtype: torch.dtype, checkpointing: bool) -> ActivationBytes:
+    """Bytes autograd saves for one micro-batch of the model's own code, measured on ``meta``.
+
+    Without checkpointing the recompute peak is 0. With it, the forward of the checkpointed model
+    gives what stays saved (each layer's input, the embedding and the head), and the largest
+    layer's saved bytes from an uncheckpointed forward give what one layer's recomputation holds
+    during backward. A checkpointing model without ModuleLists is charged its whole difference
+    as recompute, which is an upper bound.
+    """
+    plain = _measure(_build_on_meta(factory_or_module, dtype), micro_batch_size, seq_len)
+    if not checkpointing:
+        return ActivationBytes(saved=plain.total, recompute_peak=0)
+    module = _build_on_meta(factory_or_module, dtype)
+    enable = getattr(module, "gradient_checkpointing_enable", None)
+    if not callable(enable):
+        raise ValueError(f"{type(module).__name__} has no gradient_checkpointing_enable(); "
+                         "activation checkpointing cannot be measured for it")
+    enable()
+    checkpointed = _measure(module, micro_batch_size, seq_len)
+    recompute = max(plain.by_layer.values(), default=plain.total - checkpointed.total)
+    return ActivationBytes(saved=checkpointed.total, recompute_peak=recompute)
+
+
+def saved_activation_bytes(factory_or_module: ModelOrFactory, *, micro_batch_size: int, seq_len: int,
+                           dtype: torch.dtype, checkpointing: bool) -> int:
+    """Peak activation bytes of one micro-batch: :attr:`ActivationBytes.peak` of the measurement.
+
+    Gradients of activations in backward are transient (one layer's worth) and not included.
+    """
+    return measure_activations(factory_or_module, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                               dtype=dtype, checkpointing=checkpointing).peak
+
+
+def gpt_activation_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, vocab_size: int,
+                         micro_batch_size: int, bytes_per_elem: int, checkpointing: bool) -> int:
+    """Closed form of :func:`saved_activation_bytes` for workloads/gpt.py.
+
+    Korthikanti et al. (2022) count 34·sbh + 5·a·s²·b bytes per layer at 2 bytes per element
+    (s = seq_len, b = micro batch, h = d_model, a = heads). This model has no dropout, which
+    removes their two 1-byte masks (sbh each) and the s² dropout terms, and flash attention on
+    CPU keeps no s² scores, only a per-row fp32 logsumexp. Per layer, in elements of s·b·h:
+
+    ===============================================  ======
+    ln_1 input (LayerNorm saves x)                      1
+    qkv input (ln_1 output)                             1
+    q, k, v: three views of one storage, qkv output     3
+    attention output, also the proj input               1
+    ln_2 input                                          1
+    fc input (ln_2 output)                              1
+    gelu input (fc output)                              4
+    mlp proj input (gelu output)                        4
+    ===============================================  ======
+
+    16 elements, the paper's 34 bytes less the two dropout masks. The attention output is also
+    the proj input because the CPU flash kernel lays its output out as [b, s, a, h/a] when q is a
+    transposed view (as here), so ``transpose(1, 2).reshape`` is a view, not a copy. Added: fp32
+    statistics, LayerNorm's mean and rstd (2·s·b each, two norms) and attention's logsumexp
+    (a·s·b). Outside the layers: the token and position indices (int64), ln_f and lm_head
+    inputs, the logits, and the loss's fp32 log-softmax (targets in int64). With checkpointing a
+    layer keeps only its input (1) and one layer is recomputed in backward at a time.
+    """
+    s, b, h = seq_len, micro_batch_size, d_model
+    fp32, int64 = 4, 8
+    layer_norm_stats = 2 * s * b * fp32
+    layer = 16 * s * b * h * bytes_per_elem + 2 * layer_norm_stats + n_head * s * b * fp32
+    embedding = s * b * int64 + s * int64  # input_ids (wte) and positions (wpe)
+    head = 2 * s * b * h * bytes_per_elem + layer_norm_stats  # ln_f input, lm_head input, ln_f stats
+    logits = s * b * vocab_size * bytes_per_elem
+    # log_softmax output in fp32, the targets, and nll_loss's scalar total_weight.
+    loss = s * b * vocab_size * fp32 + s * b * int64 + fp32
+    outside = embedding + head + logits + loss
+    if not checkpointing:
+        return n_layer * layer + outside
+    return n_layer * s * b * h * bytes_per_elem + layer + outside

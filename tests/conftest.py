@@ -1,0 +1,52 @@
+"""Shared fixtures: the real composed config (shrunk for CPU), a module-scoped Ray, MLflow stores."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import ray
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig
+
+from orchestrator.config import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+# Small enough that a 2-worker run takes seconds on 2 cores, big enough for the loss to fall.
+FAST = ["train.steps=30", "train.log_every=5", "train.eval_batches=2", "plan.micro_batch_size=4"]
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    register_configs()
+    with initialize_config_module("conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One embedded Ray for a test module (starting Ray costs ~4 s); 2 CPUs like this machine."""
+    ray.init(num_cpus=2, object_store_memory=300 * 1024**2, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def sqlite_uri(tmp_path, monkeypatch) -> str:
+    """A fresh local MLflow store; the test runs in tmp_path so artifacts land there too."""
+    monkeypatch.chdir(tmp_path)
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env

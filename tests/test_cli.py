@@ -1,0 +1,56 @@
+"""The real command line, as a user runs it: `python -m orchestrator train ...`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import worker_env
+
+
+def orch(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=worker_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_plan_is_refused_before_anything_starts(tmp_path):
+    done = orch("train", "plan.zero_stage=5", "plan.dp=3", "plan.tp=2", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "error: the plan has 3 problem(s):" in done.stderr
+    assert "plan.zero_stage=5" in done.stderr and "plan.dp=3" in done.stderr and "plan.tp=2" in done.stderr
+    assert "Started a local Ray instance" not in done.stderr + done.stdout
+    assert not (tmp_path / "mlflow.db").exists(), "no run may be tracked for a refused plan"
+
+
+def test_unknown_command_and_help(tmp_path):
+    assert orch("--help", cwd=tmp_path).stdout.startswith("usage: orch <command>")
+    done = orch("trian", cwd=tmp_path)
+    assert done.returncode == 2 and "unknown command 'trian'" in done.stderr
+
+
+@pytest.mark.slow
+def test_train_with_defaults_tracks_a_local_run(tmp_path):
+    done = orch("train", "train.steps=20", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 20/20" in done.stderr  # plain progress lines when not on a terminal
+    assert "done: 20 steps" in done.stdout
+    assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in done.stdout
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("orch").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].info.run_id in done.stdout
+    assert runs[0].data.metrics["loss"] < 5.0
+
+
+@pytest.mark.slow
+def test_multirun_sweeps_one_mlflow_run_each(tmp_path):
+    done = orch("train", "--multirun", "plan.zero_stage=0,3", "train.steps=5", "train.log_every=5",
+                cwd=tmp_path, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("orch").experiment_id])
+    assert sorted(r.data.params["plan.zero_stage"] for r in runs) == ["0", "3"]
+    assert all(r.info.status == "FINISHED" for r in runs)

@@ -1,0 +1,104 @@
+"""Real services on loopback: a two-node Ray cluster from `ray start`, and an `mlflow server`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import free_port, worker_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+RAY = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+MLFLOW = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or "mlflow"
+NODE = ["--num-cpus=1", "--object-store-memory=200000000", "--disable-usage-stats"]
+
+
+def orch_train(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", "train", "train.steps=10", "train.log_every=5",
+                           *args], cwd=cwd, env=worker_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def two_node_ray():
+    """A head node and a second node, each with 1 CPU, so a 2-worker plan must span both."""
+    port, client_port = free_port(), free_port()
+    env = worker_env()
+    subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                    "--include-dashboard=false", f"--ray-client-server-port={client_port}", *NODE],
+                   env=env, check=True, capture_output=True, timeout=120)
+    try:
+        # `ray start --head` turns on token auth; a joining node must send the token it saved.
+        subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", *NODE], env={**env, "RAY_AUTH_MODE": "token"},
+                       check=True, capture_output=True, timeout=120)
+        yield {"gcs": f"127.0.0.1:{port}", "client": f"ray://127.0.0.1:{client_port}"}
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def test_workers_land_on_both_nodes_of_a_real_cluster(two_node_ray, tmp_path):
+    done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2", "cluster.devices_per_node=1",
+                      cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Started a local Ray instance" not in done.stderr
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
+    assert run.data.tags["nodes_used"] == "2"
+    assert run.data.params["cluster.address"] == two_node_ray["gcs"]
+    assert run.info.status == "FINISHED"
+
+
+def test_a_plan_larger_than_the_cluster_fails_clearly(two_node_ray, tmp_path):
+    done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.devices_per_node=3", "cluster.wait_s=5",
+                      cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "the plan needs 3 workers with 1 CPU each; the cluster has 2 CPU free" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    proc = subprocess.Popen([MLFLOW, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
+                             "--artifacts-destination", str(root / "artifacts")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("mlflow server did not start") from None
+                time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def test_a_run_tracked_on_a_real_mlflow_server(mlflow_server, tmp_path):
+    done = orch_train(f"tracking.uri={mlflow_server}", "tracking.experiment=server", "plan.zero_stage=1",
+                      cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{mlflow_server}/#/experiments/" in done.stdout
+    client = MlflowClient(tracking_uri=mlflow_server)
+    run = client.search_runs([client.get_experiment_by_name("server").experiment_id])[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["plan.zero_stage"] == "1"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10]
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "config")} == {
+        "config/resolved.yaml", "config/deepspeed.json"}
+    assert not (tmp_path / "mlflow.db").exists()

@@ -1,0 +1,88 @@
+"""Plan validation is pure: every rule is checked without Ray, DeepSpeed or a device."""
+
+from __future__ import annotations
+
+import pytest
+
+from plans.errors import PlanError
+from plans.resolve import resolve_plan
+from plans.spec import Accelerator, ClusterSpec, Offload, PlanSpec, Precision, TrainSpec
+
+
+def fields(error: PlanError) -> list[str]:
+    return [v.field for v in error.violations]
+
+
+def test_default_plan_fills_the_cluster_with_data_parallel_ranks():
+    plan = resolve_plan(PlanSpec(), ClusterSpec(nodes=2, devices_per_node=4), TrainSpec())
+    assert (plan.dp, plan.tp, plan.pp, plan.world_size) == (8, 1, 1, 8)
+    assert plan.global_batch_size == 4 * 8
+
+
+def test_every_problem_is_reported_at_once_with_field_value_and_fix():
+    with pytest.raises(PlanError) as info:
+        resolve_plan(PlanSpec(zero_stage=5, dp=3, tp=2, precision=Precision.fp16), ClusterSpec(), TrainSpec())
+    error = info.value
+    assert fields(error) == ["plan.zero_stage", "plan.tp", "plan.dp", "plan.precision"]
+    text = str(error)
+    assert "plan.zero_stage=5: ZeRO stages are 0, 1, 2 and 3." in text
+    assert "dp(3) * tp(2) * pp(1) = 6 != world size 2 (cluster.nodes=1 * cluster.devices_per_node=2)" in text
+    assert all(v.fix for v in error.violations)
+
+
+def test_dp_that_does_not_match_the_workers_names_the_arithmetic():
+    with pytest.raises(PlanError, match=r"plan.dp=3: dp\(3\) \* tp\(1\) \* pp\(1\) = 3 != world size 2") as info:
+        resolve_plan(PlanSpec(dp=3), ClusterSpec(), TrainSpec())
+    assert "set plan.dp=2" in info.value.violations[0].fix
+
+
+@pytest.mark.parametrize("tp,pp,field", [(2, 1, "plan.tp"), (1, 2, "plan.pp")])
+def test_tensor_and_pipeline_parallelism_are_rejected_not_ignored(tp, pp, field):
+    with pytest.raises(PlanError) as info:
+        resolve_plan(PlanSpec(tp=tp, pp=pp, dp=1), ClusterSpec(), TrainSpec())
+    assert fields(info.value) == [field]
+    assert "not implemented yet" in str(info.value)
+
+
+def test_offload_rules():
+    with pytest.raises(PlanError) as info:
+        resolve_plan(PlanSpec(zero_stage=0, offload_optimizer=Offload.cpu, offload_param=Offload.nvme),
+                     ClusterSpec(), TrainSpec())
+    assert fields(info.value) == ["plan.offload_param", "plan.offload_optimizer", "plan.nvme_path"]
+    plan = resolve_plan(PlanSpec(zero_stage=3, offload_optimizer=Offload.nvme, offload_param=Offload.cpu,
+                                 nvme_path="/nvme"), ClusterSpec(), TrainSpec())
+    assert plan.offload_optimizer == Offload.nvme
+
+
+def test_fp16_is_refused_on_cpu_but_planned_for_gpus():
+    with pytest.raises(PlanError, match="plan.precision='fp16': DeepSpeed does not support fp16 training on CPU"):
+        resolve_plan(PlanSpec(precision=Precision.fp16), ClusterSpec(), TrainSpec())
+    gpu = ClusterSpec(accelerator=Accelerator.gpu, devices_per_node=8)
+    assert resolve_plan(PlanSpec(precision=Precision.fp16), gpu, TrainSpec()).precision == Precision.fp16
+
+
+def test_global_batch_must_be_reachable_and_the_fix_computes_accumulation():
+    with pytest.raises(PlanError) as info:
+        resolve_plan(PlanSpec(micro_batch_size=4), ClusterSpec(), TrainSpec(global_batch_size=32))
+    assert info.value.violations[0].fix == "set plan.grad_accum_steps=4"
+    with pytest.raises(PlanError, match="micro_batch_size\\(4\\) \\* grad_accum_steps\\(1\\) \\* dp\\(2\\) = 8"):
+        resolve_plan(PlanSpec(micro_batch_size=4), ClusterSpec(), TrainSpec(global_batch_size=30))
+    ok = resolve_plan(PlanSpec(micro_batch_size=4, grad_accum_steps=4), ClusterSpec(), TrainSpec(global_batch_size=32))
+    assert ok.global_batch_size == 32
+
+
+def test_non_positive_sizes_are_rejected():
+    with pytest.raises(PlanError) as info:
+        resolve_plan(PlanSpec(micro_batch_size=0, grad_accum_steps=-1), ClusterSpec(devices_per_node=0),
+                     TrainSpec(steps=0))
+    assert {"plan.micro_batch_size", "plan.grad_accum_steps", "cluster.devices_per_node", "train.steps"} <= set(
+        fields(info.value))
+
+
+def test_plan_error_survives_pickling_across_processes():
+    import pickle
+
+    with pytest.raises(PlanError) as info:
+        resolve_plan(PlanSpec(zero_stage=7), ClusterSpec(), TrainSpec())
+    clone = pickle.loads(pickle.dumps(info.value))
+    assert fields(clone) == ["plan.zero_stage"] and str(clone) == str(info.value)
