@@ -7,6 +7,7 @@ notices a dead worker as soon as its stream breaks.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -115,24 +116,37 @@ class TrainWorker:
         return self._mean_over_ranks([total / self.job.train.eval_batches])[0]
 
     def train(self) -> Iterator[dict]:
-        """Run ``train.steps`` optimizer steps; yield a report every ``train.log_every`` steps."""
+        """Run ``train.steps`` optimizer steps; yield a report every ``train.log_every`` steps.
+
+        Step ``train.memory_probe_step`` runs under a :class:`PeakMemoryTracker`; from then on
+        every report carries this rank's measured peak and post-step tensor bytes, which the
+        planner's prediction is checked against. The tracker slows that one step down, and its
+        time is part of the interval's ``step_time_s``.
+        """
+        from launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
+
         job, plan, spec = self.job, self.job.plan, self.job.train
         tokens_per_step = plan.micro_batch_size * plan.grad_accum_steps * job.data.seq_len
         first_batch_digest = None
         interval_loss, interval_time, interval_steps = 0.0, 0.0, 0
+        measured: dict[str, int] = {}
         self.engine.train()
         for step in range(1, spec.steps + 1):
             started = time.perf_counter()
             step_loss = 0.0
-            for _ in range(plan.grad_accum_steps):
-                batch = next(self.batches)
-                if first_batch_digest is None:
-                    first_batch_digest = hashlib.sha1(batch[0].numpy().tobytes()).hexdigest()
-                loss = self._loss(batch)
-                self.engine.backward(loss)
-                self.engine.step()
-                step_loss += loss.item()
+            probe = PeakMemoryTracker() if step == spec.memory_probe_step else contextlib.nullcontext()
+            with probe:
+                for _ in range(plan.grad_accum_steps):
+                    batch = next(self.batches)
+                    if first_batch_digest is None:
+                        first_batch_digest = hashlib.sha1(batch[0].numpy().tobytes()).hexdigest()
+                    loss = self._loss(batch)
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    step_loss += loss.item()
             interval_time += time.perf_counter() - started
+            if step == spec.memory_probe_step:
+                measured = {"measured_peak_bytes": probe.peak, "measured_state_bytes": live_tensor_bytes()}
             interval_loss += step_loss / plan.grad_accum_steps
             interval_steps += 1
             last = step == spec.steps
@@ -144,7 +158,7 @@ class TrainWorker:
                 "rank": self.rank, "step": step, "loss": global_loss, "local_loss": local_loss,
                 "lr": self.engine.get_lr()[0], "step_time_s": interval_time / interval_steps,
                 "tokens_per_s": tokens_per_step * interval_steps / interval_time,
-                "first_batch_digest": first_batch_digest,
+                "first_batch_digest": first_batch_digest, **measured,
             }
             if (spec.eval_every and step % spec.eval_every == 0) or last:
                 report["eval_loss"] = self.evaluate()

@@ -22,8 +22,10 @@ USAGE = """usage: orch <command> [overrides...]
 
 commands:
   train    train the declared run on Ray with DeepSpeed, tracked in MLflow
+  check    predict per-device memory of the plan and say whether it fits [--json]
   config   print the composed config (same overrides as train)
 
+`check` exits 0 when the plan fits, 1 when it does not, 2 on invalid input.
 Overrides are Hydra's: key=value, group=option, --multirun a=1,2. See README.md.
 """
 
@@ -48,12 +50,35 @@ def train_app(cfg: DictConfig) -> None:
         _fail(error)
 
 
+# Set by main() from `--json`, which Hydra itself would reject.
+_OPTIONS = {"json": False}
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def check_app(cfg: DictConfig) -> None:
+    import json
+
+    from orchestrator.checking import check_run, render
+
+    try:
+        typed, model_cfg, _ = to_typed(cfg)
+        estimate, _ = check_run(typed, model_cfg)
+    except OrchError as error:
+        _fail(error)
+    if _OPTIONS["json"]:
+        print(json.dumps(estimate.as_json(), indent=2))
+    else:
+        print(render(estimate, typed))
+    if not estimate.feasible:
+        sys.exit(1)
+
+
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def config_app(cfg: DictConfig) -> None:
     print(OmegaConf.to_yaml(cfg, resolve=True))
 
 
-COMMANDS = {"train": train_app, "config": config_app}
+COMMANDS = {"train": train_app, "check": check_app, "config": config_app}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = args[0], args[1:]
+    _OPTIONS["json"] = "--json" in rest
+    rest = [a for a in rest if a != "--json"]
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return EXIT_USAGE

@@ -6,26 +6,26 @@ and the MLflow run is ended (FINISHED, FAILED or KILLED) whatever happens after 
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import sys
 import time
 from dataclasses import dataclass, field
 
-from hydra.utils import instantiate
-
 from launchers.ds_config import build_ds_config
 from launchers.job import TrainJob
 from launchers.ray_session import ray_session
 from launchers.worker_group import WorkerGroup, WorkerGroupSpec
+from orchestrator.checking import check_run
 from orchestrator.config import RunConfig
+from orchestrator.models import model_factory
 from orchestrator.progress import Progress
 from orchestrator.tracking import RunTracker, flatten, git_commit, redact_uri
 from plans.errors import PlanError, Violation
-from plans.model_facts import ModelFacts, inspect_model
-from plans.resolve import ResolvedPlan, resolve_plan
+from plans.estimate import PlanEstimate
+from plans.model_facts import ModelFacts
+from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator
-from workloads.corpus import BYTE_VOCAB
 
 
 @dataclass
@@ -50,25 +50,6 @@ class TrainResult:
         return self.reports[-1][0].get("eval_loss")
 
 
-def build_model(model_cfg: dict):
-    """Instantiate the model config's ``_target_`` (runs in the driver on meta and in workers)."""
-    return instantiate(model_cfg, _convert_="all")
-
-
-def _check_model(facts: ModelFacts, cfg: RunConfig) -> None:
-    problems = []
-    if facts.output_vocab < BYTE_VOCAB:
-        problems.append(Violation("model.vocab_size", facts.output_vocab,
-                                  f"the byte-level corpus needs {BYTE_VOCAB} output classes.",
-                                  f"set model.vocab_size={BYTE_VOCAB} or more"))
-    if cfg.plan.activation_checkpointing and not facts.supports_activation_checkpointing:
-        problems.append(Violation("plan.activation_checkpointing", True,
-                                  "the model has no gradient_checkpointing_enable() method.",
-                                  "implement it on the model, or set plan.activation_checkpointing=false"))
-    if problems:
-        raise PlanError(problems)
-
-
 def worker_env(plan: ResolvedPlan) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
     if plan.accelerator == Accelerator.cpu:
@@ -80,10 +61,14 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     """Train one declared run end to end and return its result."""
     out = stream or sys.stdout
     started = time.perf_counter()
-    plan = resolve_plan(cfg.plan, cfg.cluster, cfg.train)
-    factory = functools.partial(build_model, model_cfg)
-    facts = inspect_model(factory, cfg.data.seq_len)
-    _check_model(facts, cfg)
+    estimate, facts = check_run(cfg, model_cfg)
+    plan = estimate.plan
+    if not estimate.feasible:
+        if not cfg.plan.force:
+            raise PlanError(_with_suggestions(estimate))
+        print("warning: the planner predicts this plan does not fit; launching anyway because plan.force=true",
+              file=sys.stderr)
+    factory = model_factory(model_cfg)
     ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps)
     job = TrainJob(plan=plan, ds_config=ds_config, model_factory=factory, data=cfg.data, train=cfg.train,
                    env=worker_env(plan))
@@ -98,6 +83,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
                           "data": vars(cfg.data), "optim": vars(cfg.optim), "train": vars(cfg.train),
                           "cluster": {**vars(cfg.cluster), "address": _address_param(cfg.cluster.address)}})
         params["model.param_count"] = str(facts.param_count)
+        params.update({f"memory.predicted.{k}": str(v) for k, v in estimate.per_device.as_dict().items()})
         tags = {"world_size": str(plan.world_size),
                 "devices": f"{plan.world_size}x{plan.accelerator.value}",
                 "orch.command": "train"}
@@ -108,6 +94,8 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         result.run_id = tracker.run_id
         tracker.log_text(config_yaml, "config/resolved.yaml")
         tracker.log_dict(ds_config, "config/deepspeed.json")
+        tracker.log_dict(estimate.as_json(), "plan/estimate.json")
+        tracker.log_metrics({"memory/predicted_peak_bytes": estimate.per_device.total}, step=0)
 
     print(f"plan: dp={plan.dp} tp={plan.tp} pp={plan.pp} zero_stage={plan.zero_stage} "
           f"offload_optimizer={plan.offload_optimizer.value} offload_param={plan.offload_param.value} "
@@ -145,6 +133,13 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         result.wall_s = time.perf_counter() - started
     _print_summary(result, tracker, out)
     return result
+
+
+def _with_suggestions(estimate: PlanEstimate) -> list[Violation]:
+    """The planner's violations, with the fixes it found folded into each one."""
+    fixes = "; or ".join(estimate.suggestions) if estimate.suggestions else None
+    return [dataclasses.replace(v, fix=f"{fixes or v.fix} (or set plan.force=true to launch anyway)")
+            for v in estimate.violations]
 
 
 def _address_param(address: str | None) -> str:

@@ -133,6 +133,9 @@ class TrainSpec:
     seed: int = 1234
     global_batch_size: int | None = None
     """Samples per optimizer step; null means micro_batch_size * grad_accum_steps * dp."""
+    memory_probe_step: int = 2
+    """Measure every worker's real peak tensor memory during this step (0 disables); later
+    steps run unobserved, at full speed."""
 
 
 @dataclass(kw_only=True)

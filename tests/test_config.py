@@ -13,7 +13,7 @@ from omegaconf.errors import ValidationError
 from conftest import REPO, compose_config
 from launchers.ds_config import build_ds_config
 from orchestrator.config import ConfigError, RunConfig, to_typed
-from orchestrator.driver import build_model
+from orchestrator.models import build_model
 from plans.resolve import resolve_plan
 from plans.spec import PlanSpec
 

@@ -1,0 +1,197 @@
+"""Measure a worker's real tensor memory on CPU, where no allocator keeps statistics.
+
+``torch.cuda.max_memory_allocated`` has no CPU counterpart: the CPU allocator is plain
+``malloc``/``mmap`` and counts nothing. The process RSS is no substitute either, because it also
+holds the interpreter, Ray, gloo's buffers and pages glibc has not returned yet. What the planner
+predicts is bytes of *tensors*, so this module counts exactly those, from two torch primitives:
+
+* :func:`live_tensor_bytes` scans the garbage collector's objects for tensors and adds up their
+  distinct storages: what the process holds at one moment (after a step: the model states).
+* :class:`PeakMemoryTracker` watches every operator call while it is active (a
+  ``TorchDispatchMode``) and a ``weakref.finalize`` on every storage it knows, so it keeps a
+  running total of tensor bytes and remembers its maximum: the peak of one step.
+
+Both run only in the step the worker probes (``train.memory_probe_step``); a dispatch mode costs
+a few microseconds of Python per operator, and the scan walks every object of the process.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _storage_of(obj) -> torch.UntypedStorage | None:
+    """The storage behind a tensor, or None for tensors that own no countable memory.
+
+    Meta tensors have sizes but no memory. Sparse, nested and wrapper-subclass tensors have no
+    single untyped storage (``untyped_storage()`` raises); they are not counted (a blind spot
+    that the dense models trained here never hit).
+    """
+    if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
+        return None
+    try:
+        return obj.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _tensors_in_process():
+    """Every tensor the garbage collector knows, and the ``.grad`` of every leaf among them.
+
+    A gradient autograd wrote from C++ has no Python object until someone reads ``.grad``, so
+    ``gc.get_objects()`` alone would miss the gradients of a plain ``torch.optim`` loop. ``.grad``
+    is read only on leaves: reading it on a non-leaf tensor warns and is always None.
+    """
+    for obj in gc.get_objects():
+        # ``type()`` rather than ``isinstance``: isinstance also asks the object's ``__class__``,
+        # which some module-level proxies answer with a deprecation warning.
+        if issubclass(type(obj), torch.Tensor):
+            yield obj
+            if obj.is_leaf and obj.requires_grad and obj.grad is not None:
+                yield obj.grad
+
+
+def _live_storages() -> dict[tuple[str, int], torch.UntypedStorage]:
+    """The distinct storages of all live tensors, keyed by device and address.
+
+    Keyed by address rather than by storage object because two storage objects can wrap the same
+    memory (``torch.from_numpy`` twice on one array); views and DeepSpeed's flat buffers with
+    parameters narrowed out of them already share one storage object. Empty storages (address 0)
+    own no bytes and are skipped.
+    """
+    storages: dict[tuple[str, int], torch.UntypedStorage] = {}
+    for tensor in _tensors_in_process():
+        storage = _storage_of(tensor)
+        if storage is not None and storage.data_ptr():
+            storages.setdefault((storage.device.type, storage.data_ptr()), storage)
+    return storages
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of all distinct tensor storages alive in this process: what the engine holds.
+
+    Tensors only C++ references (autograd's saved tensors between forward and backward, a C++
+    extension's private buffers) are invisible to this scan; after an optimizer step no autograd
+    graph is left, so for the model states this is complete. Garbage in reference cycles that
+    ``gc`` has not collected yet is counted, since its memory is still allocated.
+    """
+    return sum(s.nbytes() for s in _live_storages().values())
+
+
+@dataclass
+class _Tracked:
+    """What the tracker last saw of one storage; ``nbytes`` changes when the storage is resized."""
+
+    nbytes: int
+    data_ptr: int
+    finalizer: weakref.finalize
+
+
+class PeakMemoryTracker(TorchDispatchMode):
+    """The peak of the process's tensor bytes while the ``with`` block runs.
+
+    On entry the baseline is :func:`live_tensor_bytes`, and every baseline storage gets a
+    finalizer. After every operator the storages of its inputs and outputs are looked at: one not
+    seen before is added to the running total (and gets a finalizer); one seen before but now of
+    a different size (``resize_``, ZeRO-3's ``set_``) changes the total by the difference. A
+    finalizer fires when the storage is freed and takes its bytes off the total, which is how
+    ``param.data = torch.empty(0)`` (ZeRO-3 releasing a gathered parameter) and activations
+    released in backward come off. :attr:`peak` is the largest total after any operator.
+
+    It sees: forward, autograd's backward (on CPU the engine runs the ops on the calling thread,
+    and it carries the dispatch mode to its threads anyway), recomputation of checkpointed
+    layers, ``torch.optim`` steps, collectives (c10d ops are dispatcher ops) and tensors made
+    outside the dispatcher (``torch.from_numpy``, C++ extensions) as soon as an operator uses
+    them. DeepSpeed's CPU Adam updates its tensors in place, so it changes nothing to count.
+
+    Blind spots:
+
+    * memory a kernel allocates and frees inside one operator (scratch buffers, the per-thread
+      workspaces of oneDNN and flash attention): never a tensor that an operator returns;
+    * operators run on other threads, which do not carry the mode;
+    * storage resized through ``UntypedStorage.resize_`` directly: the new size is seen only when
+      an operator next touches a tensor on that storage;
+    * a storage that existed on entry but only C++ held (so the baseline scan missed it) counts
+      from the first operator that uses it, not from the start.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._tracked: dict[int, _Tracked] = {}
+        self._by_address: dict[int, int] = {}
+        self.baseline = 0
+        self.current = 0
+        self.peak = 0
+
+    def __enter__(self):
+        self._tracked.clear()
+        self._by_address.clear()
+        self.current = 0
+        for storage in _live_storages().values():
+            self._see(storage)
+        self.baseline = self.peak = self.current
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            # Finalizers left registered would keep this tracker alive and keep counting after the
+            # step; the numbers are final once the block ends.
+            for tracked in self._tracked.values():
+                tracked.finalizer.detach()
+            self._tracked.clear()
+            self._by_address.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # Inputs too: an in-place op or an op on a tensor made outside the dispatcher returns no
+        # new storage, but its input may be one the tracker has not met yet.
+        for leaf in tree_flatten((args, kwargs, out))[0]:
+            storage = _storage_of(leaf)
+            if storage is not None:
+                self._see(storage)
+        return out
+
+    def _see(self, storage: torch.UntypedStorage) -> None:
+        # Keyed by the storage object's identity: PyTorch keeps one Python object per storage for
+        # as long as the storage lives, and the finalizer removes the key before the identity can
+        # be reused. The address alone would not do, since resizing a storage moves it.
+        key = id(storage)
+        nbytes, address = storage.nbytes(), storage.data_ptr()
+        tracked = self._tracked.get(key)
+        if tracked is not None:
+            if tracked.nbytes != nbytes or tracked.data_ptr != address:
+                self._by_address.pop(tracked.data_ptr, None)
+                if address:
+                    self._by_address[address] = key
+                self._add(nbytes - tracked.nbytes)
+                tracked.nbytes, tracked.data_ptr = nbytes, address
+            return
+        if address and address in self._by_address:
+            return  # a second storage object over memory already counted
+        finalizer = weakref.finalize(storage, self._freed, key)
+        finalizer.atexit = False
+        self._tracked[key] = _Tracked(nbytes=nbytes, data_ptr=address, finalizer=finalizer)
+        if address:
+            self._by_address[address] = key
+        self._add(nbytes)
+
+    def _freed(self, key: int) -> None:
+        tracked = self._tracked.pop(key, None)
+        if tracked is None:
+            return
+        if self._by_address.get(tracked.data_ptr) == key:
+            del self._by_address[tracked.data_ptr]
+        self.current -= tracked.nbytes
+
+    def _add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)

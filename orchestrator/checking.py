@@ -1,0 +1,92 @@
+"""`orch check`: the planner's verdict on a declared plan, as a table or as JSON.
+
+`orch train` runs the same check before any Ray resource exists and refuses a plan that
+does not fit unless ``plan.force=true``.
+"""
+
+from __future__ import annotations
+
+from launchers.ds_config import build_ds_config
+from orchestrator.config import RunConfig
+from orchestrator.models import model_factory
+from plans.errors import PlanError, Violation
+from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
+from plans.model_facts import ModelFacts, inspect_model
+from plans.resolve import ResolvedPlan, resolve_plan
+from workloads.corpus import BYTE_VOCAB
+
+
+def _check_model(facts: ModelFacts, cfg: RunConfig) -> None:
+    problems = []
+    if facts.output_vocab < BYTE_VOCAB:
+        problems.append(Violation("model.vocab_size", facts.output_vocab,
+                                  f"the byte-level corpus needs {BYTE_VOCAB} output classes.",
+                                  f"set model.vocab_size={BYTE_VOCAB} or more"))
+    if cfg.plan.activation_checkpointing and not facts.supports_activation_checkpointing:
+        problems.append(Violation("plan.activation_checkpointing", True,
+                                  "the model has no gradient_checkpointing_enable() method.",
+                                  "implement it on the model, or set plan.activation_checkpointing=false"))
+    if problems:
+        raise PlanError(problems)
+
+
+def check_run(cfg: RunConfig, model_cfg: dict) -> tuple[PlanEstimate, ModelFacts]:
+    """Resolve the plan and check the model (raising PlanError on bad input), then estimate memory."""
+    plan = resolve_plan(cfg.plan, cfg.cluster, cfg.train)
+    factory = model_factory(model_cfg)
+    facts = inspect_model(factory, cfg.data.seq_len)  # the model's contract, before any arithmetic on it
+    _check_model(facts, cfg)
+    probe = ModelProbe(factory, cfg.data.seq_len)
+
+    def ds_config(candidate: ResolvedPlan) -> dict:
+        return build_ds_config(candidate, cfg.optim, cfg.train.steps)
+
+    return check_plan(plan, cfg.cluster, cfg.optim, probe, ds_config), facts
+
+
+def _fmt(n: int) -> str:
+    if n >= GIB:
+        return f"{n / GIB:10.2f} GiB"
+    return f"{n / 1024**2:10.1f} MiB"
+
+
+def render(estimate: PlanEstimate, cfg: RunConfig) -> str:
+    """The human-readable report: breakdown, host side, verdict and fixes."""
+    p, d, h, m = estimate.plan, estimate.per_device, estimate.per_node_host, estimate.model
+    lines = [
+        f"plan     dp={p.dp} tp={p.tp} pp={p.pp} zero_stage={p.zero_stage} "
+        f"offload_optimizer={p.offload_optimizer.value} offload_param={p.offload_param.value} "
+        f"activation_checkpointing={str(p.activation_checkpointing).lower()} precision={p.precision.value} "
+        f"micro_batch_size={p.micro_batch_size} grad_accum_steps={p.grad_accum_steps} "
+        f"(global batch {p.global_batch_size})",
+        f"cluster  {cfg.cluster.nodes} node(s) x {cfg.cluster.devices_per_node} {p.accelerator.value} device(s) "
+        f"of {cfg.cluster.device_memory_gib:g} GiB, {cfg.cluster.host_memory_gib:g} GiB host memory per node",
+        f"model    {m.param_count:,} parameters ({m.trainable_count:,} trainable), "
+        f"largest layer {m.largest_layer_params:,}",
+        "",
+        "per device (most loaded)",
+    ]
+    rows = [("parameters", d.params), ("gradients", d.grads), ("optimizer states", d.optimizer_states),
+            ("activations", d.activations), ("DeepSpeed buffers", d.buffers), ("allocator reserve", d.reserve)]
+    lines += [f"  {name:<20}{_fmt(value)}" for name, value in rows]
+    lines += [f"  {'total':<20}{_fmt(d.total)}", f"  {'capacity':<20}{_fmt(d.capacity)}",
+              f"  {'headroom':<20}{_fmt(d.headroom) if d.headroom >= 0 else '-' + _fmt(-d.headroom).strip():>14}"]
+    if len(estimate.stages) > 1:
+        lines.append("")
+        lines += [f"  stage {i}: total {_fmt(s.total).strip()}" for i, s in enumerate(estimate.stages)]
+    lines += ["", "host memory per node",
+              f"  {'offloaded states':<20}{_fmt(h.offloaded)}"]
+    if h.device_share:
+        lines.append(f"  {'CPU workers':<20}{_fmt(h.device_share)}")
+    lines += [f"  {'total':<20}{_fmt(h.total)}", f"  {'capacity':<20}{_fmt(h.capacity)}", ""]
+    if estimate.feasible:
+        lines.append(f"verdict  FITS: {_fmt(d.total).strip()} of {_fmt(d.capacity).strip()} per device")
+    else:
+        lines.append("verdict  DOES NOT FIT")
+        lines += [f"  - {v.field}: {v.message}" for v in estimate.violations]
+        if estimate.suggestions:
+            lines.append("  smallest changes that fit:")
+            lines += [f"    * {s}" for s in estimate.suggestions]
+        else:
+            lines.append("  no single or paired plan change fits: use more or larger devices")
+    return "\n".join(lines)

@@ -1,0 +1,223 @@
+"""Per-device and per-node memory of a resolved plan, the verdict, and the fixes that would fit.
+
+Combines the pure pieces: parameter counts of the model built on ``meta``
+(:mod:`plans.memory`), activations measured by running its forward on ``meta``
+(:mod:`plans.activations`), and DeepSpeed's buffers read from the generated DeepSpeed config.
+Nothing is allocated, so a 175B-parameter model is checked in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from plans.activations import measure_activations
+from plans.errors import Violation
+from plans.memory import (
+    MemoryBreakdown,
+    ModelStats,
+    memory_breakdown,
+    model_state_bytes,
+    model_stats,
+    stage3_persistent_params,
+    zero_buffer_bytes,
+)
+from plans.resolve import ResolvedPlan
+from plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision
+
+GIB = 1024**3
+_DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostMemory:
+    """What one node's host memory must hold for its local workers."""
+
+    offloaded: int
+    """Offloaded parameters, gradients and optimizer states of all local ranks."""
+    device_share: int
+    """On CPU workers the "device" is host memory too: the local workers' device totals."""
+    total: int
+    capacity: int
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanEstimate:
+    """The planner's answer for one plan on one cluster."""
+
+    plan: ResolvedPlan
+    model: ModelStats
+    per_device: MemoryBreakdown
+    """The most loaded device."""
+    stages: list[MemoryBreakdown]
+    """One entry per pipeline stage (a single entry without pipelining)."""
+    per_node_host: HostMemory
+    violations: list[Violation] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+    """Smallest plan changes that would make an infeasible plan fit."""
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+    def as_json(self) -> dict:
+        """The stable ``orch check --json`` document (other tools read these names)."""
+
+        def device(b: MemoryBreakdown) -> dict:
+            return {k: getattr(b, k) for k in ("params", "grads", "optimizer_states", "activations", "buffers",
+                                               "reserve", "total", "capacity")}
+
+        return {
+            "feasible": self.feasible,
+            "world_size": self.plan.world_size,
+            "plan": self.plan.as_dict(),
+            "model": dataclasses.asdict(self.model),
+            "per_device": device(self.per_device),
+            "per_node_host": {"total": self.per_node_host.total, "capacity": self.per_node_host.capacity,
+                              "offloaded": self.per_node_host.offloaded,
+                              "device_share": self.per_node_host.device_share},
+            "stages": [device(s) for s in self.stages],
+            "violations": [{"field": v.field, "message": f"{v.message} Fix: {v.fix}"} for v in self.violations],
+            "suggestions": list(self.suggestions),
+        }
+
+
+class ModelProbe:
+    """A model built once on ``meta``, with its activation measurements cached.
+
+    The tuner and the fix search estimate many plans of one model; parameter counts never
+    change and activations only depend on (micro-batch, precision, checkpointing).
+    """
+
+    def __init__(self, factory: Callable[[], torch.nn.Module], seq_len: int):
+        self.factory = factory
+        self.seq_len = seq_len
+        with torch.device("meta"):
+            self.module = factory()
+        self.stats = model_stats(self.module)
+        self._activations = functools.lru_cache(maxsize=None)(self._measure)
+
+    def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool) -> int:
+        return measure_activations(self.factory, micro_batch_size=micro_batch_size, seq_len=self.seq_len,
+                                   dtype=_DTYPE[precision], checkpointing=checkpointing).peak
+
+    def activations(self, plan: ResolvedPlan) -> int:
+        return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing)
+
+    def persistent_params(self, ds_config: dict) -> int:
+        """Parameters ZeRO-3 keeps whole on every rank (under the persistence threshold)."""
+        zero = ds_config.get("zero_optimization", {})
+        if int(zero.get("stage", 0)) != 3:
+            return 0
+        return stage3_persistent_params(self.module, int(zero.get("stage3_param_persistence_threshold", 100_000)))
+
+
+def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds_config: dict,
+                  probe: ModelProbe) -> PlanEstimate:
+    """Predict the peak bytes of every device and node for ``plan``; no fix search."""
+    stats = probe.stats
+    states = model_state_bytes(param_count=stats.param_count, trainable_count=stats.trainable_count,
+                               zero_stage=plan.zero_stage, dp=plan.dp, precision=plan.precision,
+                               optimizer=optim.name, momentum=optim.momentum,
+                               offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param)
+    buffers = zero_buffer_bytes(ds_config, param_count=stats.param_count,
+                                largest_layer_params=stats.largest_layer_params, dp=plan.dp,
+                                precision=plan.precision, accelerator=plan.accelerator,
+                                persistent_params=probe.persistent_params(ds_config))
+    capacity = int(cluster.device_memory_gib * GIB)
+    device = memory_breakdown(states=states, activations=probe.activations(plan), buffers=buffers,
+                              capacity=capacity, accelerator=plan.accelerator)
+    local = cluster.devices_per_node
+    offloaded = states.host_total * local
+    device_share = device.total * local if plan.accelerator == Accelerator.cpu else 0
+    host = HostMemory(offloaded=offloaded, device_share=device_share, total=offloaded + device_share,
+                      capacity=int(cluster.host_memory_gib * GIB))
+    violations = []
+    if not device.fits:
+        violations.append(Violation(
+            "cluster.device_memory_gib", cluster.device_memory_gib,
+            f"the plan needs {_gib(device.total)} per device but a device has {_gib(capacity)} "
+            f"({_parts(device)}).",
+            "see the suggested plan changes, or use devices with more memory"))
+    if not host.fits:
+        violations.append(Violation(
+            "cluster.host_memory_gib", cluster.host_memory_gib,
+            f"the plan needs {_gib(host.total)} of host memory per node but a node has {_gib(host.capacity)} "
+            f"({_gib(offloaded)} offloaded states of {local} workers"
+            + (f" + {_gib(device_share)} of the CPU workers' own memory" if device_share else "") + ").",
+            "offload less (plan.offload_optimizer / plan.offload_param), or use fewer workers per node"))
+    return PlanEstimate(plan=plan, model=stats, per_device=device, stages=[device], per_node_host=host,
+                        violations=violations)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / 1024**2:.1f} MiB"
+
+
+def _parts(b: MemoryBreakdown) -> str:
+    names = ("params", "grads", "optimizer_states", "activations", "buffers", "reserve")
+    return " + ".join(f"{name} {_gib(getattr(b, name))}" for name in names)
+
+
+# Plan changes tried, cheapest first, when a plan does not fit: (what to tell the user, change).
+def _candidate_changes(plan: ResolvedPlan) -> list[tuple[str, dict]]:
+    changes: list[tuple[str, dict]] = []
+    if not plan.activation_checkpointing:
+        changes.append(("turn on plan.activation_checkpointing", {"activation_checkpointing": True}))
+    if plan.pp == 1:
+        for stage in range(plan.zero_stage + 1, 4):
+            changes.append((f"raise plan.zero_stage to {stage}", {"zero_stage": stage}))
+    if plan.micro_batch_size > 1:
+        half = plan.micro_batch_size // 2
+        changes.append((f"halve plan.micro_batch_size to {half} (and double plan.grad_accum_steps to "
+                        f"{plan.grad_accum_steps * 2} to keep the global batch)",
+                        {"micro_batch_size": half, "grad_accum_steps": plan.grad_accum_steps * 2}))
+    if plan.offload_optimizer == Offload.none and plan.pp == 1:
+        stage = max(plan.zero_stage, 1)
+        what = "set plan.offload_optimizer=cpu" + (f" with plan.zero_stage={stage}" if stage != plan.zero_stage else "")
+        changes.append((what, {"offload_optimizer": Offload.cpu, "zero_stage": stage}))
+    if plan.offload_param == Offload.none and plan.pp == 1:
+        changes.append(("set plan.offload_param=cpu and plan.offload_optimizer=cpu with plan.zero_stage=3",
+                        {"offload_param": Offload.cpu, "offload_optimizer": Offload.cpu, "zero_stage": 3}))
+    return changes
+
+
+def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe,
+                  build_config: Callable[[ResolvedPlan], dict], limit: int = 3) -> list[str]:
+    """Single changes (then pairs) that make the plan fit, cheapest first."""
+    singles = _candidate_changes(plan)
+    found: list[str] = []
+    for what, change in singles:
+        candidate = dataclasses.replace(plan, **change)
+        if estimate_plan(candidate, cluster, optim, build_config(candidate), probe).feasible:
+            found.append(what)
+    if found:
+        return found[:limit]
+    for i, (what_a, change_a) in enumerate(singles):
+        for what_b, change_b in singles[i + 1:]:
+            merged = {**change_a, **change_b}
+            if "zero_stage" in change_a and "zero_stage" in change_b:
+                merged["zero_stage"] = max(change_a["zero_stage"], change_b["zero_stage"])
+            candidate = dataclasses.replace(plan, **merged)
+            if estimate_plan(candidate, cluster, optim, build_config(candidate), probe).feasible:
+                found.append(f"{what_a}, and {what_b}")
+                if len(found) >= limit:
+                    return found
+    return found
+
+
+def check_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe,
+               build_config: Callable[[ResolvedPlan], dict]) -> PlanEstimate:
+    """Estimate the plan and, when it does not fit, search for the changes that would."""
+    estimate = estimate_plan(plan, cluster, optim, build_config(plan), probe)
+    if estimate.feasible:
+        return estimate
+    return dataclasses.replace(estimate, suggestions=suggest_fixes(plan, cluster, optim, probe, build_config))

@@ -1,0 +1,96 @@
+"""`orch check`: the planner's verdict, in process and through the real command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import compose_config, worker_env
+from orchestrator.checking import check_run
+from orchestrator.config import to_typed
+from plans.estimate import GIB
+
+BIG = ["model=gpt3_175b", "cluster=a100_8x", "cluster.nodes=128", "plan.precision=bf16", "plan.micro_batch_size=1"]
+
+
+def check(*overrides: str):
+    typed, model_cfg, _ = to_typed(compose_config(*overrides))
+    return check_run(typed, model_cfg)[0]
+
+
+def orch(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=worker_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_zero_stages_shrink_the_model_states_per_device():
+    totals = [check(f"plan.zero_stage={s}", "model.d_model=256").per_device for s in range(4)]
+    states = [b.params + b.grads + b.optimizer_states for b in totals]
+    assert states[0] > states[1] > states[2] > states[3]
+
+
+def test_checkpointing_and_smaller_micro_batches_shrink_activations():
+    base = check("plan.micro_batch_size=8").per_device.activations
+    assert check("plan.micro_batch_size=8", "plan.activation_checkpointing=true").per_device.activations < base
+    half = check("plan.micro_batch_size=4").per_device.activations
+    assert abs(2 * half - base) / base < 0.01  # linear in the batch, up to per-step constants
+
+
+def test_a_plan_that_does_not_fit_names_the_binding_constraint_and_fixes():
+    estimate = check(*BIG, "plan.zero_stage=1")
+    assert not estimate.feasible
+    assert [v.field for v in estimate.violations] == ["cluster.device_memory_gib"]
+    assert "per device but a device has 80.00 GiB" in estimate.violations[0].message
+    assert any("plan.zero_stage to 3" in s for s in estimate.suggestions)
+    assert check(*BIG, "plan.zero_stage=3", "plan.activation_checkpointing=true").feasible
+
+
+def test_offload_moves_states_to_host_memory():
+    on_device = check("plan.zero_stage=2", "model.d_model=256")
+    offloaded = check("plan.zero_stage=2", "model.d_model=256", "plan.offload_optimizer=cpu")
+    assert offloaded.per_device.optimizer_states == 0 < on_device.per_device.optimizer_states
+    assert offloaded.per_node_host.offloaded > 0 == on_device.per_node_host.offloaded
+
+
+def test_host_memory_is_checked_per_node():
+    estimate = check("plan.zero_stage=3", "plan.offload_optimizer=cpu", "plan.offload_param=cpu",
+                     "cluster.host_memory_gib=0.001")
+    assert [v.field for v in estimate.violations] == ["cluster.host_memory_gib"]
+
+
+def test_check_json_is_one_document_with_the_stable_names(tmp_path):
+    done = orch("check", "--json", "plan.zero_stage=3", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)  # nothing but JSON on stdout
+    assert doc["feasible"] is True and doc["world_size"] == 2 and doc["plan"]["zero_stage"] == 3
+    assert doc["model"]["param_count"] > 0
+    assert set(doc["per_device"]) >= {"params", "grads", "optimizer_states", "activations", "buffers", "total",
+                                      "capacity"}
+    assert doc["per_device"]["capacity"] == 8 * GIB
+    assert set(doc["per_node_host"]) >= {"total", "capacity"}
+    assert len(doc["stages"]) == 1 and doc["violations"] == []
+
+
+def test_check_a_175b_model_on_1024_devices_without_allocating_it(tmp_path):
+    done = orch("check", "--json", *BIG, "plan.zero_stage=3", "plan.activation_checkpointing=true", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["world_size"] == 1024 and 174e9 < doc["model"]["param_count"] < 176e9
+    # ZeRO-3 mixed-precision Adam: 16 bytes per parameter spread over 1024 devices.
+    states = doc["per_device"]["params"] + doc["per_device"]["grads"] + doc["per_device"]["optimizer_states"]
+    assert abs(states - 16 * doc["model"]["param_count"] / 1024) / states < 0.01
+
+
+def test_check_table_and_exit_code_for_a_plan_that_does_not_fit(tmp_path):
+    done = orch("check", *BIG, "plan.zero_stage=0", cwd=tmp_path)
+    assert done.returncode == 1
+    assert "verdict  DOES NOT FIT" in done.stdout and "smallest changes that fit:" in done.stdout
+
+
+def test_train_refuses_a_plan_that_does_not_fit_before_starting_ray(tmp_path):
+    done = orch("train", "cluster.device_memory_gib=0.01", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "cluster.device_memory_gib=0.01: the plan needs" in done.stderr
+    assert "plan.force=true" in done.stderr
+    assert "Started a local Ray instance" not in done.stderr
