@@ -41,12 +41,19 @@ def optimizer_section(optim: OptimSpec, plan: ResolvedPlan) -> dict:
     return {"type": _OPTIMIZER_TYPE[optim.name], "params": params}
 
 
-def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int) -> dict:
-    """The DeepSpeed config dict for ``deepspeed.initialize(config=...)``."""
+def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int, *,
+                    param_count: int | None = None) -> dict:
+    """The DeepSpeed config dict for ``deepspeed.initialize(config=...)``.
+
+    With ``param_count`` the communication buckets are capped at the model's size: DeepSpeed
+    allocates its reduce bucket at full size (500M elements = 2 GB in fp32) whatever the model,
+    which a small model never fills.
+    """
+    cap = param_count if param_count else REDUCE_BUCKET_SIZE
     zero: dict = {
         "stage": plan.zero_stage,
-        "reduce_bucket_size": REDUCE_BUCKET_SIZE,
-        "allgather_bucket_size": ALLGATHER_BUCKET_SIZE,
+        "reduce_bucket_size": min(REDUCE_BUCKET_SIZE, cap),
+        "allgather_bucket_size": min(ALLGATHER_BUCKET_SIZE, cap),
         "overlap_comm": False,
         "contiguous_gradients": True,
     }

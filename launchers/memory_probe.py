@@ -45,15 +45,16 @@ def _tensors_in_process():
     """Every tensor the garbage collector knows, and the ``.grad`` of every leaf among them.
 
     A gradient autograd wrote from C++ has no Python object until someone reads ``.grad``, so
-    ``gc.get_objects()`` alone would miss the gradients of a plain ``torch.optim`` loop. ``.grad``
-    is read only on leaves: reading it on a non-leaf tensor warns and is always None.
+    ``gc.get_objects()`` alone would miss the gradients of a plain ``torch.optim`` loop. Leaves
+    include tensors that do not require grad, which is what DeepSpeed hangs its flat fp32
+    gradients on. ``.grad`` is not read on non-leaf tensors: it warns there and is always None.
     """
     for obj in gc.get_objects():
         # ``type()`` rather than ``isinstance``: isinstance also asks the object's ``__class__``,
         # which some module-level proxies answer with a deprecation warning.
         if issubclass(type(obj), torch.Tensor):
             yield obj
-            if obj.is_leaf and obj.requires_grad and obj.grad is not None:
+            if obj.is_leaf and obj.grad is not None:
                 yield obj.grad
 
 

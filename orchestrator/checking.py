@@ -39,7 +39,7 @@ def check_run(cfg: RunConfig, model_cfg: dict) -> tuple[PlanEstimate, ModelFacts
     probe = ModelProbe(factory, cfg.data.seq_len)
 
     def ds_config(candidate: ResolvedPlan) -> dict:
-        return build_ds_config(candidate, cfg.optim, cfg.train.steps)
+        return build_ds_config(candidate, cfg.optim, cfg.train.steps, param_count=probe.stats.param_count)
 
     return check_plan(plan, cfg.cluster, cfg.optim, probe, ds_config), facts
 

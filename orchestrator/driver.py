@@ -35,6 +35,7 @@ class TrainResult:
     run_id: str | None
     plan: ResolvedPlan
     model: ModelFacts
+    estimate: PlanEstimate
     reports: list[list[dict]] = field(default_factory=list)
     """Per logged step, the report of every rank."""
     worker_facts: list[dict] = field(default_factory=list)
@@ -69,13 +70,13 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         print("warning: the planner predicts this plan does not fit; launching anyway because plan.force=true",
               file=sys.stderr)
     factory = model_factory(model_cfg)
-    ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps)
+    ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=facts.param_count)
     job = TrainJob(plan=plan, ds_config=ds_config, model_factory=factory, data=cfg.data, train=cfg.train,
                    env=worker_env(plan))
     group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
                                  gpus_per_worker=1.0 if plan.accelerator == Accelerator.gpu else 0.0,
                                  env=job.env, wait_s=cfg.cluster.wait_s)
-    result = TrainResult(run_id=None, plan=plan, model=facts)
+    result = TrainResult(run_id=None, plan=plan, model=facts, estimate=estimate)
 
     tracker = None
     if cfg.tracking.enabled:
@@ -159,6 +160,10 @@ def _report_step(reports: list[dict], plan: ResolvedPlan, progress: Progress, tr
     }
     if "eval_loss" in lead:
         metrics["eval_loss"] = lead["eval_loss"]
+    if "measured_peak_bytes" in lead:
+        # The most loaded rank is what has to fit; the planner predicts that rank.
+        metrics["memory/measured_peak_bytes"] = max(r["measured_peak_bytes"] for r in reports)
+        metrics["memory/measured_state_bytes"] = max(r["measured_state_bytes"] for r in reports)
     if tracker:
         tracker.log_metrics(metrics, lead["step"])
     progress.update(lead["step"], lead["loss"], tokens_per_s, lead.get("eval_loss"))

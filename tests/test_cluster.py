@@ -102,3 +102,12 @@ def test_a_run_tracked_on_a_real_mlflow_server(mlflow_server, tmp_path):
     assert {a.path for a in client.list_artifacts(run.info.run_id, "config")} == {
         "config/resolved.yaml", "config/deepspeed.json"}
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_ray_client_address(two_node_ray, tmp_path):
+    done = orch_train(f"cluster.address={two_node_ray['client']}", "cluster.nodes=2", "cluster.devices_per_node=1",
+                      cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
+    assert run.data.tags["nodes_used"] == "2" and run.info.status == "FINISHED"

@@ -151,8 +151,11 @@ def test_every_rank_reports_measured_memory_and_zero2_shards_states(local_ray, s
             assert report["measured_peak_bytes"] >= report["measured_state_bytes"] > 0, report
         held[stage] = [r["measured_state_bytes"] for r in reports]
     psi = result.model.param_count * FP32
-    # Stage 0 holds params, grads and two Adam moments whole (4 psi); stage 2 keeps the params
-    # whole and shards the fp32 master, the moments and the gradient partition over 2 ranks, plus
-    # the reduction bucket: far less than stage 0 on every rank.
+    # After a step DeepSpeed has already dropped the gradients (zero_grad), so stage 0 holds the
+    # params and Adam's two moments whole (3 psi). Stage 2 keeps the params whole and shards its
+    # fp32 master copy and the moments over the 2 ranks: psi + 3 psi / 2. The rest of what a
+    # worker holds (the corpus, RNG states) is the same in both runs, so the difference is psi / 2;
+    # 1% covers the partitions' padding to a multiple of the rank count.
     for stage0, stage2 in zip(held[0], held[2], strict=True):
-        assert stage2 < stage0 - psi, (held, psi)
+        assert stage2 < stage0
+        assert stage0 - stage2 == pytest.approx(psi / 2, rel=0.01), (held, psi)
