@@ -12,7 +12,9 @@ import hashlib
 import logging
 import os
 import socket
+import threading
 import time
+import traceback
 import warnings
 from collections.abc import Iterator
 
@@ -164,6 +166,39 @@ class TrainWorker:
                 report["eval_loss"] = self.evaluate()
             yield report
             interval_loss, interval_time, interval_steps = 0.0, 0.0, 0
+
+    def start(self) -> None:
+        """Run :meth:`train` on a thread of its own and return at once.
+
+        The driver then calls :meth:`poll`, which the actor keeps answering while the step
+        runs. Polling works through every way of reaching Ray, Ray Client (``ray://``) included,
+        which streaming generators do not, and a poll that stops being answered tells the
+        driver the process is gone.
+        """
+        self._reports: list[dict] = []
+        self._done = False
+        self._error: str | None = None
+        device = getattr(self.engine, "device", None)
+
+        def run() -> None:
+            try:
+                if device is not None and getattr(device, "type", "cpu") == "cuda":
+                    import torch
+
+                    torch.cuda.set_device(device)  # the current device is per thread
+                for report in self.train():
+                    self._reports.append(report)  # list.append is atomic under the GIL
+            except BaseException:  # reported to the driver through poll(), never swallowed
+                self._error = traceback.format_exc()
+            finally:
+                self._done = True
+
+        self._thread = threading.Thread(target=run, name=f"train-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    def poll(self, seen: int) -> dict:
+        """Reports after the first ``seen``, whether training ended, and its traceback if it failed."""
+        return {"reports": self._reports[seen:], "done": self._done, "error": self._error}
 
     def shutdown(self) -> None:
         import deepspeed.comm as dist

@@ -6,6 +6,7 @@ gets all its devices or none; a failed start tears down whatever was created.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -21,6 +22,19 @@ from plans.errors import OrchError
 
 class WorkerGroupError(OrchError):
     """The worker group could not start or a worker failed."""
+
+
+class WorkerFailedError(WorkerGroupError):
+    """Training raised inside one worker; carries that worker's traceback."""
+
+    def __init__(self, rank: int, traceback_text: str):
+        self.rank = rank
+        self.traceback_text = traceback_text
+        last = traceback_text.strip().splitlines()[-1] if traceback_text.strip() else "unknown error"
+        super().__init__(f"rank {rank} failed: {last}\n{traceback_text}")
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.traceback_text))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,29 +112,32 @@ class WorkerGroup:
             fact["node_id"] = slot.node_id
         return self.facts
 
-    def train(self) -> Iterator[list[dict]]:
+    def train(self, poll_interval_s: float = 0.1) -> Iterator[list[dict]]:
         """Yield, per logged step, the reports of all ranks (ordered by rank).
 
-        A worker that dies raises here at once (Ray's ActorDiedError / the task's exception)
-        instead of the other ranks waiting in a collective forever.
+        Polls every worker; a worker whose training raised fails the run with its traceback,
+        and a dead worker raises Ray's ActorDiedError at once, instead of the other ranks
+        waiting in a collective forever.
         """
-        streams = {self.actors[r].train.options(num_returns="streaming").remote(): r
-                   for r in range(len(self.actors))}
+        ray.get([actor.start.remote() for actor in self.actors])
+        seen = [0] * len(self.actors)
         by_step: dict[int, dict[int, dict]] = {}
-        while streams:
-            ready, _ = ray.wait(list(streams), num_returns=1)
-            for stream in ready:
-                try:
-                    ref = next(stream)
-                except StopIteration:
-                    del streams[stream]
-                    continue
-                report = ray.get(ref)
-                reports = by_step.setdefault(report["step"], {})
-                reports[report["rank"]] = report
-                if len(reports) == len(self.actors):
-                    yield [reports[r] for r in sorted(reports)]
-                    del by_step[report["step"]]
+        while True:
+            polls = ray.get([actor.poll.remote(n) for actor, n in zip(self.actors, seen, strict=True)])
+            for rank, poll in enumerate(polls):
+                if poll["error"]:
+                    raise WorkerFailedError(rank, poll["error"])
+                seen[rank] += len(poll["reports"])
+                for report in poll["reports"]:
+                    by_step.setdefault(report["step"], {})[rank] = report
+            for step in sorted(by_step):
+                if len(by_step[step]) < len(self.actors):
+                    break
+                reports = by_step.pop(step)
+                yield [reports[r] for r in sorted(reports)]
+            if all(poll["done"] for poll in polls) and not by_step:
+                return
+            time.sleep(poll_interval_s)
 
     def shutdown(self) -> None:
         """Stop every actor and release the placement group; safe to call twice."""

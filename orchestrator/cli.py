@@ -34,8 +34,11 @@ EXIT_USAGE = 2
 
 
 def _fail(error: OrchError) -> None:
+    from launchers.worker_group import WorkerFailedError
+
     print(f"error: {error}", file=sys.stderr)
-    sys.exit(EXIT_USAGE)
+    # A failure inside training is not the user's input: exit 1, as a crashed script would.
+    sys.exit(1 if isinstance(error, WorkerFailedError) else EXIT_USAGE)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")

@@ -69,3 +69,25 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
 
     with open(ds) as f:
         assert json.load(f)["zero_optimization"]["stage"] == 2
+
+
+def test_a_failing_worker_fails_the_run_cleanly(local_ray, sqlite_uri):
+    import time
+
+    import ray
+
+    from launchers.worker_group import WorkerFailedError
+
+    with pytest.raises(WorkerFailedError) as info:
+        train(sqlite_uri, "model._target_=faulty_models.ExplodingGPT", "tracking.run_name=exploding")
+    assert "RuntimeError: boom: deliberately broken model" in str(info.value)
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    run = client.search_runs([client.get_experiment_by_name("orch").experiment_id],
+                             filter_string="attributes.run_name = 'exploding'")[0]
+    assert run.info.status == "FAILED"
+    # Nothing leaks: every placement group is removed and every CPU is free again.
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, "worker actors still hold resources"
+        time.sleep(0.5)
