@@ -9,10 +9,12 @@ from __future__ import annotations
 from launchers.ds_config import build_ds_config
 from orchestrator.config import RunConfig
 from orchestrator.models import model_factory
+from plans.cluster_facts import reconcile
 from plans.errors import PlanError, Violation
 from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
 from plans.model_facts import ModelFacts, inspect_model
 from plans.resolve import ResolvedPlan, resolve_plan
+from plans.spec import ClusterSpec
 from workloads.corpus import BYTE_VOCAB
 
 
@@ -30,9 +32,33 @@ def _check_model(facts: ModelFacts, cfg: RunConfig) -> None:
         raise PlanError(problems)
 
 
-def check_run(cfg: RunConfig, model_cfg: dict) -> tuple[PlanEstimate, ModelFacts]:
-    """Resolve the plan and check the model (raising PlanError on bad input), then estimate memory."""
-    plan = resolve_plan(cfg.plan, cfg.cluster, cfg.train)
+def live_cluster(cfg: RunConfig) -> tuple[ClusterSpec, list[str]]:
+    """The cluster to plan for: read off the live Ray cluster when there is an address.
+
+    Returns the cluster and notes on which declared numbers the live facts replaced; raises
+    PlanError when the live cluster cannot host the declared workers.
+    """
+    if cfg.cluster.address is None or not cfg.cluster.discover:
+        return cfg.cluster, []
+    from launchers.discovery import discover_nodes
+    from launchers.ray_session import ray_session
+
+    with ray_session(cfg.cluster.address):
+        nodes = discover_nodes(timeout_s=cfg.cluster.wait_s)
+    cluster, violations, notes = reconcile(cfg.cluster, nodes)
+    if violations:
+        raise PlanError(violations)
+    return cluster, notes
+
+
+def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = None
+              ) -> tuple[PlanEstimate, ModelFacts]:
+    """Resolve the plan and check the model (raising PlanError on bad input), then estimate memory.
+
+    ``cluster`` is what :func:`live_cluster` found; the declared ``cfg.cluster`` by default.
+    """
+    cluster = cluster or cfg.cluster
+    plan = resolve_plan(cfg.plan, cluster, cfg.train)
     factory = model_factory(model_cfg)
     facts = inspect_model(factory, cfg.data.seq_len)  # the model's contract, before any arithmetic on it
     _check_model(facts, cfg)
@@ -41,7 +67,7 @@ def check_run(cfg: RunConfig, model_cfg: dict) -> tuple[PlanEstimate, ModelFacts
     def ds_config(candidate: ResolvedPlan) -> dict:
         return build_ds_config(candidate, cfg.optim, cfg.train.steps, param_count=probe.stats.param_count)
 
-    return check_plan(plan, cfg.cluster, cfg.optim, probe, ds_config), facts
+    return check_plan(plan, cluster, cfg.optim, probe, ds_config), facts
 
 
 def _fmt(n: int) -> str:
@@ -50,7 +76,7 @@ def _fmt(n: int) -> str:
     return f"{n / 1024**2:10.1f} MiB"
 
 
-def render(estimate: PlanEstimate, cfg: RunConfig) -> str:
+def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) -> str:
     """The human-readable report: breakdown, host side, verdict and fixes."""
     p, d, h, m = estimate.plan, estimate.per_device, estimate.per_node_host, estimate.model
     lines = [
@@ -59,8 +85,10 @@ def render(estimate: PlanEstimate, cfg: RunConfig) -> str:
         f"activation_checkpointing={str(p.activation_checkpointing).lower()} precision={p.precision.value} "
         f"micro_batch_size={p.micro_batch_size} grad_accum_steps={p.grad_accum_steps} "
         f"(global batch {p.global_batch_size})",
-        f"cluster  {cfg.cluster.nodes} node(s) x {cfg.cluster.devices_per_node} {p.accelerator.value} device(s) "
-        f"of {cfg.cluster.device_memory_gib:g} GiB, {cfg.cluster.host_memory_gib:g} GiB host memory per node",
+        f"cluster  {cluster.nodes} node(s) x {cluster.devices_per_node} {p.accelerator.value} device(s) "
+        f"of {cluster.device_memory_gib:g} GiB, {cluster.host_memory_gib:g} GiB host memory per node"
+        + (" (read off the live cluster)" if cluster.address and cluster.discover else " (declared)"),
+        *[f"         {note}" for note in notes],
         f"model    {m.param_count:,} parameters ({m.trainable_count:,} trainable), "
         f"largest layer {m.largest_layer_params:,}",
         "",

@@ -61,17 +61,22 @@ _OPTIONS = {"json": False}
 def check_app(cfg: DictConfig) -> None:
     import json
 
-    from orchestrator.checking import check_run, render
+    from orchestrator.checking import check_run, live_cluster, render
 
     try:
         typed, model_cfg, _ = to_typed(cfg)
-        estimate, _ = check_run(typed, model_cfg)
+        cluster, notes = live_cluster(typed)
+        estimate, _ = check_run(typed, model_cfg, cluster)
     except OrchError as error:
         _fail(error)
     if _OPTIONS["json"]:
-        print(json.dumps(estimate.as_json(), indent=2))
+        doc = estimate.as_json()
+        doc["cluster"] = {"source": "live" if cluster.address and cluster.discover else "declared",
+                          "notes": notes, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
+                          "device_memory_gib": cluster.device_memory_gib, "host_memory_gib": cluster.host_memory_gib}
+        print(json.dumps(doc, indent=2))
     else:
-        print(render(estimate, typed))
+        print(render(estimate, cluster, notes))
     if not estimate.feasible:
         sys.exit(1)
 

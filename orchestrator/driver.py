@@ -16,7 +16,7 @@ from launchers.ds_config import build_ds_config
 from launchers.job import TrainJob
 from launchers.ray_session import ray_session
 from launchers.worker_group import WorkerGroup, WorkerGroupSpec
-from orchestrator.checking import check_run
+from orchestrator.checking import check_run, live_cluster
 from orchestrator.config import RunConfig
 from orchestrator.models import model_factory
 from orchestrator.progress import Progress
@@ -62,7 +62,10 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     """Train one declared run end to end and return its result."""
     out = stream or sys.stdout
     started = time.perf_counter()
-    estimate, facts = check_run(cfg, model_cfg)
+    cluster, notes = live_cluster(cfg)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    estimate, facts = check_run(cfg, model_cfg, cluster)
     plan = estimate.plan
     if not estimate.feasible:
         if not cfg.plan.force:

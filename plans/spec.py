@@ -93,6 +93,9 @@ class ClusterSpec:
     """Object store of the embedded Ray (ignored when joining a cluster)."""
     wait_s: float = 60.0
     """How long to wait for the cluster to grant the workers' resources before failing."""
+    discover: bool = True
+    """With an address, `orch check` reads nodes and memory from the live cluster instead of
+    trusting the declared numbers."""
 
     @property
     def world_size(self) -> int:

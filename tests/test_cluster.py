@@ -111,3 +111,21 @@ def test_ray_client_address(two_node_ray, tmp_path):
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
     assert run.data.tags["nodes_used"] == "2" and run.info.status == "FINISHED"
+
+
+def test_check_reads_the_live_cluster(two_node_ray, tmp_path):
+    import json
+
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "check", "--json",
+                           f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2", "cluster.devices_per_node=1",
+                           "cluster.host_memory_gib=0.5"], cwd=tmp_path, env=worker_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    assert doc["cluster"]["source"] == "live"
+    assert doc["cluster"]["host_memory_gib"] > 1  # this machine's memory, not the declared 0.5
+    assert any("cluster.host_memory_gib: declared 0.5" in n for n in doc["cluster"]["notes"])
+    too_many = subprocess.run([sys.executable, "-m", "orchestrator", "check", f"cluster.address={two_node_ray['gcs']}",
+                               "cluster.nodes=3", "cluster.devices_per_node=1"], cwd=tmp_path, env=worker_env(),
+                              capture_output=True, text=True, timeout=300)
+    assert too_many.returncode == 2 and "the live cluster has room for 2" in too_many.stderr
