@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, Offload, OptimizerName, OptimSpec, Precision
+from workloads.gpt import TP_LAYER_SPECS
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py), in elements.
 REDUCE_BUCKET_SIZE = 500_000_000
@@ -41,13 +42,38 @@ def optimizer_section(optim: OptimSpec, plan: ResolvedPlan) -> dict:
     return {"type": _OPTIMIZER_TYPE[optim.name], "params": params}
 
 
+def tensor_parallel_section(tp: int, layer_specs: list[dict]) -> dict:
+    """DeepSpeed's AutoTP training section: shard the layers ``layer_specs`` name over ``tp`` ranks.
+
+    ``layer_specs`` follow ``tensor_parallel.partition_config.layer_specs``
+    (deepspeed/module_inject/autotp_config.py): ``patterns`` (regexes over full parameter names),
+    ``partition_type`` (``column``, ``row`` or ``skip``) and optionally ``shape`` and
+    ``partition_dim`` for fused weights. DeepSpeed's own per-architecture defaults are turned off
+    (``use_default_specs: false``): only what the model declares is sharded, and every layer no
+    pattern matches stays replicated. ``deepspeed.initialize`` applies the sharding itself, before
+    ZeRO sees the parameters; no ``tp_model_init`` call is needed (the worker passes DeepSpeed's
+    tensor/data-parallel groups as ``mpu`` only so the batch check counts dp ranks).
+    """
+    if not layer_specs:
+        raise ValueError(f"plan.tp={tp} needs the model's tensor-parallel layer specs; none were given")
+    return {
+        "autotp_size": tp,
+        "partition_config": {"use_default_specs": False, "layer_specs": [dict(spec) for spec in layer_specs]},
+    }
+
+
 def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int, *,
-                    param_count: int | None = None) -> dict:
+                    param_count: int | None = None, tp_layer_specs: list[dict] | None = None) -> dict:
     """The DeepSpeed config dict for ``deepspeed.initialize(config=...)``.
 
     With ``param_count`` the communication buckets are capped at the model's size: DeepSpeed
     allocates its reduce bucket at full size (500M elements = 2 GB in fp32) whatever the model,
     which a small model never fills.
+
+    With ``plan.tp > 1`` the config gains a ``tensor_parallel`` section (see
+    :func:`tensor_parallel_section`) sharding the layers ``tp_layer_specs`` names; without them,
+    the built-in GPT's (:data:`workloads.gpt.TP_LAYER_SPECS`). ``train_batch_size`` stays
+    micro × accumulation × dp: the ranks of one tensor-parallel group share their batch.
     """
     cap = param_count if param_count else REDUCE_BUCKET_SIZE
     zero: dict = {
@@ -91,6 +117,9 @@ def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int, *,
             },
         },
     }
+    if plan.tp > 1:
+        specs = TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs
+        config["tensor_parallel"] = tensor_parallel_section(plan.tp, specs)
     if optim.name == OptimizerName.sgd and plan.zero_stage > 0:
         # DeepSpeed only whitelists Adam-family optimizers under ZeRO; torch's SGD partitions fine.
         config["zero_allow_untested_optimizer"] = True

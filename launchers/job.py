@@ -21,3 +21,7 @@ class TrainJob:
     train: TrainSpec
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the worker processes."""
+    run_id: str | None = None
+    """MLflow run id, recorded with each published checkpoint so a resume continues that run."""
+    resume_tag: str | None = None
+    """Checkpoint tag (in train.checkpoint_dir) to load before training; None starts fresh."""

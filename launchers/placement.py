@@ -31,3 +31,29 @@ def assign_ranks(node_ids: list[str]) -> list[RankSlot]:
             slots[actor] = RankSlot(rank, node, local_rank, len(actors))
             rank += 1
     return slots  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ParallelCoords:
+    """Where one rank sits in the dp × tp grid."""
+
+    dp_rank: int
+    """Which data-parallel replica (and data shard) the rank belongs to."""
+    tp_rank: int
+    """Which shard of the tensor-parallel layers the rank holds."""
+
+
+def parallel_coords(rank: int, world_size: int, tp: int) -> ParallelCoords:
+    """The rank's data- and tensor-parallel coordinates, tp innermost: ``rank = dp_rank * tp + tp_rank``.
+
+    Tensor-parallel groups are blocks of ``tp`` consecutive ranks, so with :func:`assign_ranks`
+    (a node's ranks are contiguous) and tp dividing the devices per node, a group never spans
+    nodes. DeepSpeed builds the same groups: a ``(data_parallel, tensor_parallel)`` device mesh
+    (``deepspeed.utils.groups._init_tp_mesh_device``). All ranks of one group must read the same
+    batch, so the data shard is chosen by ``dp_rank``.
+    """
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"tp({tp}) must be at least 1 and divide the world size {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the world of {world_size}")
+    return ParallelCoords(dp_rank=rank // tp, tp_rank=rank % tp)

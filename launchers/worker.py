@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -19,7 +20,7 @@ import warnings
 from collections.abc import Iterator
 
 from launchers.job import TrainJob
-from launchers.placement import RankSlot
+from launchers.placement import ParallelCoords, RankSlot, parallel_coords
 
 
 def _free_port() -> int:
@@ -42,6 +43,12 @@ class TrainWorker:
 
     def __init__(self):
         self.engine = None
+        self.start_step = 0
+        self.progress_step = 0
+        """The last optimizer step this rank finished (read by the driver's hang detection)."""
+        self.milestones = 0
+        """Forward, backward and step calls finished: when every rank stalls, the ones with
+        the fewest are where the others wait for them."""
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the rendezvous."""
@@ -78,18 +85,78 @@ class TrainWorker:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         torch.manual_seed(job.train.seed)
 
+        coords = parallel_coords(self.rank, world_size, plan.tp)
         module = job.model_factory()
         if plan.activation_checkpointing:
             enable_activation_checkpointing(module)
+        full_numel = sum(p.numel() for p in module.parameters())
+        # With plan.tp > 1 the config's tensor_parallel section makes initialize() shard the model
+        # (AutoTP) before ZeRO wraps it; the parameter generator is read after that, so the
+        # optimizer gets the shards.
         self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
-                                                    config=job.ds_config)
+                                                    config=job.ds_config, mpu=self._tensor_parallel_groups(coords))
+        if plan.tp > 1 and sum(p.numel() for p in module.parameters()) == full_numel:
+            raise RuntimeError(f"plan.tp={plan.tp}, but no layer of {type(module).__name__} matched the "
+                               "tensor-parallel layer specs: every rank would hold and compute the whole model")
         train_bytes, val_bytes = split(load_bytes(job.data.path), job.data.val_fraction)
-        dp_rank = self.rank  # pure data parallelism: every rank is its own dp replica
+        # The ranks of one tensor-parallel group hold shards of one replica: they read the same batch.
+        dp_rank = coords.dp_rank
         self.batches = ShardedBatches(ByteWindows(train_bytes, job.data.seq_len), batch_size=plan.micro_batch_size,
                                       dp_rank=dp_rank, dp_size=plan.dp, seed=job.train.seed)
         self.val_batches = ShardedBatches(ByteWindows(val_bytes, job.data.seq_len), batch_size=plan.micro_batch_size,
                                           dp_rank=dp_rank, dp_size=plan.dp, seed=job.train.seed, shuffle=False)
-        return {"rank": self.rank, "pid": os.getpid(), "hostname": socket.gethostname(), "dp_rank": dp_rank}
+        self.start_step = self._resume(job) if job.resume_tag else 0
+        return {"rank": self.rank, "pid": os.getpid(), "hostname": socket.gethostname(), "dp_rank": dp_rank,
+                "tp_rank": coords.tp_rank, "start_step": self.start_step}
+
+    def _resume(self, job: TrainJob) -> int:
+        """Load model, optimizer and scheduler (DeepSpeed), then data position and RNG; return the step."""
+        import torch
+
+        _, client_state = self.engine.load_checkpoint(job.train.checkpoint_dir, tag=job.resume_tag)
+        if client_state is None:
+            raise RuntimeError(f"checkpoint {job.resume_tag} in {job.train.checkpoint_dir} could not be loaded")
+        self.batches.load_state_dict(client_state["data"])
+        self.val_batches.load_state_dict(client_state["val_data"])
+        torch.set_rng_state(client_state["rng"])
+        return int(client_state["step"])
+
+    def _save(self, step: int) -> None:
+        """Write this rank's part of the checkpoint; rank 0 publishes it once every rank is done."""
+        import deepspeed.comm as dist
+        import torch
+
+        from launchers.checkpoint import publish, tag_for
+
+        spec = self.job.train
+        client_state = {"step": step, "data": self.batches.state_dict(), "val_data": self.val_batches.state_dict(),
+                        "rng": torch.get_rng_state()}
+        self.engine.save_checkpoint(spec.checkpoint_dir, tag=tag_for(step), client_state=client_state,
+                                    save_latest=False)
+        dist.barrier()
+        if self.rank == 0:
+            publish(spec.checkpoint_dir, step, self.job.run_id, spec.keep_checkpoints)
+        dist.barrier()
+
+    def _tensor_parallel_groups(self, coords: ParallelCoords):
+        """DeepSpeed's tensor- and data-parallel groups, built before ``deepspeed.initialize`` (None at tp=1).
+
+        initialize() would build the same groups itself, but only after it has checked the batch
+        sizes against the world size, counting every rank as a data-parallel replica: with the
+        groups passed as ``mpu`` it counts dp ranks only, so ``train_batch_size`` stays
+        micro × accumulation × dp. The layout is ours (:func:`parallel_coords`); a DeepSpeed
+        that grouped ranks differently would feed one tensor-parallel group different data.
+        """
+        if self.job.plan.tp == 1:
+            return None
+        from deepspeed.utils import groups
+
+        groups._init_tp_mesh_device(tensor_model_parallel_size=self.job.plan.tp)
+        theirs = (groups.get_data_parallel_rank(), groups.get_tensor_model_parallel_rank())
+        if theirs != (coords.dp_rank, coords.tp_rank):
+            raise RuntimeError(f"rank {self.rank}: DeepSpeed placed it at (dp_rank, tp_rank) = {theirs}, "
+                               f"the orchestrator at {(coords.dp_rank, coords.tp_rank)}")
+        return groups
 
     def _loss(self, batch):
         import torch.nn.functional as F
@@ -133,7 +200,7 @@ class TrainWorker:
         interval_loss, interval_time, interval_steps = 0.0, 0.0, 0
         measured: dict[str, int] = {}
         self.engine.train()
-        for step in range(1, spec.steps + 1):
+        for step in range(self.start_step + 1, spec.steps + 1):
             started = time.perf_counter()
             step_loss = 0.0
             probe = PeakMemoryTracker() if step == spec.memory_probe_step else contextlib.nullcontext()
@@ -143,8 +210,11 @@ class TrainWorker:
                     if first_batch_digest is None:
                         first_batch_digest = hashlib.sha1(batch[0].numpy().tobytes()).hexdigest()
                     loss = self._loss(batch)
+                    self.milestones += 1
                     self.engine.backward(loss)
+                    self.milestones += 1
                     self.engine.step()
+                    self.milestones += 1
                     step_loss += loss.item()
             interval_time += time.perf_counter() - started
             if step == spec.memory_probe_step:
@@ -152,6 +222,10 @@ class TrainWorker:
             interval_loss += step_loss / plan.grad_accum_steps
             interval_steps += 1
             last = step == spec.steps
+            self.progress_step = step
+            self._progress_at = time.monotonic()
+            if spec.checkpoint_every and (step % spec.checkpoint_every == 0 or last):
+                self._save(step)
             if step % spec.log_every and not last:
                 continue
             local_loss = interval_loss / interval_steps
@@ -176,6 +250,7 @@ class TrainWorker:
         driver the process is gone.
         """
         self._reports: list[dict] = []
+        self._progress_at = time.monotonic()
         self._done = False
         self._error: str | None = None
         device = getattr(self.engine, "device", None)
@@ -197,8 +272,19 @@ class TrainWorker:
         self._thread.start()
 
     def poll(self, seen: int) -> dict:
-        """Reports after the first ``seen``, whether training ended, and its traceback if it failed."""
-        return {"reports": self._reports[seen:], "done": self._done, "error": self._error}
+        """Reports after the first ``seen``, whether training ended, its traceback if it failed,
+        and how long ago this rank last finished an optimizer step (for hang detection)."""
+        return {"reports": self._reports[seen:], "done": self._done, "error": self._error,
+                "step": self.progress_step, "milestones": self.milestones,
+                "since_progress_s": time.monotonic() - self._progress_at}
+
+    def stacks(self) -> str:
+        """Every thread's Python stack, answered even while the training thread is stuck."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        parts = []
+        for ident, frame in sys._current_frames().items():
+            parts.append(f"--- thread {names.get(ident, ident)} ---\n" + "".join(traceback.format_stack(frame)))
+        return "\n".join(parts)
 
     def shutdown(self) -> None:
         import deepspeed.comm as dist

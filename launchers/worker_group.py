@@ -24,6 +24,23 @@ class WorkerGroupError(OrchError):
     """The worker group could not start or a worker failed."""
 
 
+class WorkerDiedError(WorkerGroupError):
+    """A worker process is gone (killed, out of memory, node lost)."""
+
+
+class WorkerHangError(WorkerGroupError):
+    """Ranks stopped making progress; carries every rank's stack."""
+
+    def __init__(self, ranks: list[int], detail: str, stacks: dict[int, str]):
+        self.ranks = ranks
+        self.detail = detail
+        self.stacks = stacks
+        super().__init__(f"rank(s) {', '.join(map(str, ranks))} stopped reporting: {detail}")
+
+    def __reduce__(self):
+        return (type(self), (self.ranks, self.detail, self.stacks))
+
+
 class WorkerFailedError(WorkerGroupError):
     """Training raised inside one worker; carries that worker's traceback."""
 
@@ -112,12 +129,13 @@ class WorkerGroup:
             fact["node_id"] = slot.node_id
         return self.facts
 
-    def train(self, poll_interval_s: float = 0.1) -> Iterator[list[dict]]:
+    def train(self, *, hang_timeout_s: float = 0.0, poll_interval_s: float = 0.1) -> Iterator[list[dict]]:
         """Yield, per logged step, the reports of all ranks (ordered by rank).
 
         Polls every worker; a worker whose training raised fails the run with its traceback,
         and a dead worker raises Ray's ActorDiedError at once, instead of the other ranks
-        waiting in a collective forever.
+        waiting in a collective forever. A rank that finishes no step for ``hang_timeout_s``
+        raises :class:`WorkerHangError` with every rank's stack.
         """
         ray.get([actor.start.remote() for actor in self.actors])
         seen = [0] * len(self.actors)
@@ -137,14 +155,31 @@ class WorkerGroup:
                 yield [reports[r] for r in sorted(reports)]
             if all(poll["done"] for poll in polls) and not by_step:
                 return
+            stalled = [r for r, poll in enumerate(polls)
+                       if not poll["done"] and hang_timeout_s and poll["since_progress_s"] > hang_timeout_s]
+            if stalled:
+                raise self._hang_error(polls, stalled, hang_timeout_s)
             time.sleep(poll_interval_s)
+
+    def _hang_error(self, polls: list[dict], stalled: list[int], timeout_s: float) -> WorkerHangError:
+        """Name the ranks that fell behind (the others wait for them in a collective)."""
+        behind = min(polls[r]["milestones"] for r in stalled)
+        culprits = [r for r in stalled if polls[r]["milestones"] == behind]
+        stacks = {}
+        for rank, actor in enumerate(self.actors):
+            try:
+                stacks[rank] = ray.get(actor.stacks.remote(), timeout=10)
+            except Exception as exc:  # a rank too broken to answer is itself worth reporting
+                stacks[rank] = f"<no stack: {type(exc).__name__}: {exc}>"
+        steps = ", ".join(f"rank {r}: step {p['step']}" for r, p in enumerate(polls))
+        return WorkerHangError(culprits, f"no optimizer step for {timeout_s:g}s ({steps})", stacks)
 
     def shutdown(self) -> None:
         """Stop every actor and release the placement group; safe to call twice."""
         if self._pg is None:
             return
         try:
-            ray.get([a.shutdown.remote() for a in self.actors], timeout=30)
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=10)
         except Exception:  # a dead or hung worker cannot shut down cleanly; it is killed below
             pass
         for actor in self.actors:

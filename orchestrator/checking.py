@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from launchers.ds_config import build_ds_config
 from orchestrator.config import RunConfig
-from orchestrator.models import model_factory
+from orchestrator.models import model_factory, split_model_config
 from plans.cluster_facts import reconcile
 from plans.errors import PlanError, Violation
 from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
@@ -59,13 +59,15 @@ def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = Non
     """
     cluster = cluster or cfg.cluster
     plan = resolve_plan(cfg.plan, cluster, cfg.train)
-    factory = model_factory(model_cfg)
+    constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
+    factory = model_factory(constructor_cfg)
     facts = inspect_model(factory, cfg.data.seq_len)  # the model's contract, before any arithmetic on it
     _check_model(facts, cfg)
     probe = ModelProbe(factory, cfg.data.seq_len)
 
     def ds_config(candidate: ResolvedPlan) -> dict:
-        return build_ds_config(candidate, cfg.optim, cfg.train.steps, param_count=probe.stats.param_count)
+        return build_ds_config(candidate, cfg.optim, cfg.train.steps, param_count=probe.stats.param_count,
+                               tp_layer_specs=tp_layer_specs)
 
     return check_plan(plan, cluster, cfg.optim, probe, ds_config), facts
 

@@ -34,11 +34,12 @@ EXIT_USAGE = 2
 
 
 def _fail(error: OrchError) -> None:
-    from launchers.worker_group import WorkerFailedError
+    from launchers.worker_group import WorkerDiedError, WorkerFailedError, WorkerHangError
 
     print(f"error: {error}", file=sys.stderr)
     # A failure inside training is not the user's input: exit 1, as a crashed script would.
-    sys.exit(1 if isinstance(error, WorkerFailedError) else EXIT_USAGE)
+    runtime = (WorkerFailedError, WorkerHangError, WorkerDiedError)
+    sys.exit(1 if isinstance(error, runtime) else EXIT_USAGE)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")

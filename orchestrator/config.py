@@ -36,6 +36,9 @@ class GPTModelConfig:
     """Vocabulary; the byte-level corpus needs at least 256."""
     tie_embeddings: bool = True
     """Share the input embedding and the output head."""
+    tp: int = II("plan.tp")
+    """Tensor-parallel degree the model is sharded over; follows plan.tp (the model checks that
+    model.n_head divides by it, so a bad plan.tp fails in the planner, naming both)."""
 
 
 @dataclass(kw_only=True)
@@ -50,6 +53,9 @@ class TrackingConfig:
     """MLflow run name; null lets MLflow pick one."""
     enabled: bool = True
     """false runs without tracking (benchmarks use it as a baseline)."""
+    fallback: str | None = None
+    """local: when the tracking server is unreachable at start, track in sqlite:///mlflow.db
+    with a warning instead of failing."""
 
 
 @dataclass(kw_only=True)

@@ -10,22 +10,32 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ray.exceptions import RayActorError
+
+from launchers.checkpoint import latest
 from launchers.ds_config import build_ds_config
 from launchers.job import TrainJob
 from launchers.ray_session import ray_session
-from launchers.worker_group import WorkerGroup, WorkerGroupSpec
+from launchers.worker_group import (
+    WorkerDiedError,
+    WorkerFailedError,
+    WorkerGroup,
+    WorkerGroupSpec,
+    WorkerHangError,
+)
 from orchestrator.checking import check_run, live_cluster
 from orchestrator.config import RunConfig
-from orchestrator.models import model_factory
+from orchestrator.models import model_factory, split_model_config
 from orchestrator.progress import Progress
-from orchestrator.tracking import RunTracker, flatten, git_commit, redact_uri
+from orchestrator.tracking import RunTracker, TrackingError, check_reachable, flatten, git_commit, redact_uri
 from plans.errors import PlanError, Violation
 from plans.estimate import PlanEstimate
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
-from plans.spec import Accelerator
+from plans.spec import Accelerator, ResumeMode
 
 
 @dataclass
@@ -58,8 +68,13 @@ def worker_env(plan: ResolvedPlan) -> dict[str, str]:
     return env
 
 
-def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=None) -> TrainResult:
-    """Train one declared run end to end and return its result."""
+def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=None,
+                 on_report: Callable[[list[dict], list[dict]], None] | None = None) -> TrainResult:
+    """Train one declared run end to end and return its result.
+
+    ``on_report(reports, worker_facts)`` is called for every logged step, replays included
+    (tests use it to inject faults at a known step).
+    """
     out = stream or sys.stdout
     started = time.perf_counter()
     cluster, notes = live_cluster(cfg)
@@ -72,8 +87,10 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
             raise PlanError(_with_suggestions(estimate))
         print("warning: the planner predicts this plan does not fit; launching anyway because plan.force=true",
               file=sys.stderr)
-    factory = model_factory(model_cfg)
-    ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=facts.param_count)
+    constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
+    factory = model_factory(constructor_cfg)
+    ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=facts.param_count,
+                                tp_layer_specs=tp_layer_specs)
     job = TrainJob(plan=plan, ds_config=ds_config, model_factory=factory, data=cfg.data, train=cfg.train,
                    env=worker_env(plan))
     group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
@@ -81,25 +98,20 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
                                  env=job.env, wait_s=cfg.cluster.wait_s)
     result = TrainResult(run_id=None, plan=plan, model=facts, estimate=estimate)
 
+    published = latest(cfg.train.checkpoint_dir) if cfg.train.resume == ResumeMode.auto else None
+    if published:
+        job = dataclasses.replace(job, resume_tag=published.tag)
+        print(f"resuming from {cfg.train.checkpoint_dir}/{published.tag} (step {published.step})", file=out)
+
     tracker = None
     if cfg.tracking.enabled:
-        params = flatten({"plan": plan.as_dict(), "model": {k: v for k, v in model_cfg.items()},
-                          "data": vars(cfg.data), "optim": vars(cfg.optim), "train": vars(cfg.train),
-                          "cluster": {**vars(cfg.cluster), "address": _address_param(cfg.cluster.address)}})
-        params["model.param_count"] = str(facts.param_count)
-        params.update({f"memory.predicted.{k}": str(v) for k, v in estimate.per_device.as_dict().items()})
-        tags = {"world_size": str(plan.world_size),
-                "devices": f"{plan.world_size}x{plan.accelerator.value}",
-                "orch.command": "train"}
-        if commit := git_commit():
-            tags["git_commit"] = commit
-        tracker = RunTracker.start(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,
-                                   run_name=cfg.tracking.run_name, params=params, tags=tags)
+        cfg = _reachable_tracking(cfg)
+        if published and published.run_id:
+            tracker = RunTracker.resume(uri=cfg.tracking.uri, run_id=published.run_id)
+        else:
+            tracker = _start_tracking(cfg, model_cfg, plan, facts, estimate, ds_config, config_yaml)
         result.run_id = tracker.run_id
-        tracker.log_text(config_yaml, "config/resolved.yaml")
-        tracker.log_dict(ds_config, "config/deepspeed.json")
-        tracker.log_dict(estimate.as_json(), "plan/estimate.json")
-        tracker.log_metrics({"memory/predicted_peak_bytes": estimate.per_device.total}, step=0)
+        job = dataclasses.replace(job, run_id=tracker.run_id)
 
     print(f"plan: dp={plan.dp} tp={plan.tp} pp={plan.pp} zero_stage={plan.zero_stage} "
           f"offload_optimizer={plan.offload_optimizer.value} offload_param={plan.offload_param.value} "
@@ -108,35 +120,110 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
           f"on {plan.world_size} {plan.accelerator.value} workers; model {facts.param_count:,} parameters",
           file=out, flush=True)
     status = "FAILED"
-    group = None
     progress = Progress(cfg.train.steps)
+    logged_step = published.step if published else 0
     try:
         with ray_session(cfg.cluster.address, min_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
                          object_store_gib=cfg.cluster.object_store_memory_gib):
-            group = WorkerGroup.create(group_spec)
-            result.worker_facts = group.setup(job)
-            if tracker:
-                tracker.set_tags({"nodes_used": str(len({f["node_id"] for f in result.worker_facts}))})
-            for reports in group.train():
-                if not result.reports:
-                    result.time_to_first_step_s = time.perf_counter() - started
-                result.reports.append(reports)
-                _report_step(reports, plan, progress, tracker)
-            group.shutdown()
-            group = None
+            failures = 0
+            while True:
+                group = WorkerGroup.create(group_spec)
+                try:
+                    result.worker_facts = group.setup(job)
+                    if tracker:
+                        tracker.set_tags({"nodes_used": str(len({f["node_id"] for f in result.worker_facts}))})
+                    for reports in group.train(hang_timeout_s=cfg.train.hang_timeout_s):
+                        if not result.reports:
+                            result.time_to_first_step_s = time.perf_counter() - started
+                        result.reports.append(reports)
+                        if on_report:
+                            on_report(reports, result.worker_facts)
+                        if reports[0]["step"] <= logged_step:
+                            continue  # replayed after a restart: tracked the first time
+                        logged_step = reports[0]["step"]
+                        _report_step(reports, plan, progress, tracker)
+                    break
+                except (WorkerFailedError, WorkerHangError, RayActorError) as error:
+                    if isinstance(error, WorkerHangError):
+                        _save_stacks(error, tracker, failures + 1, out)
+                    failures += 1
+                    if failures > cfg.train.max_failures:
+                        if isinstance(error, RayActorError):
+                            raise WorkerDiedError(f"a worker died and train.max_failures={cfg.train.max_failures} "
+                                                  f"restarts are used up: {error}") from error
+                        raise
+                    job = _prepare_restart(job, cfg, error, failures, logged_step, tracker, out)
+                finally:
+                    group.shutdown()
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:
         progress.close()
-        if group is not None:
-            group.shutdown()
         if tracker:
             tracker.finish(status)
         result.wall_s = time.perf_counter() - started
     _print_summary(result, tracker, out)
     return result
+
+
+def _reachable_tracking(cfg: RunConfig) -> RunConfig:
+    """The config with a tracking URI that answers, falling back to a local store if asked to."""
+    try:
+        check_reachable(cfg.tracking.uri)
+        return cfg
+    except TrackingError as error:
+        if cfg.tracking.fallback != "local":
+            raise
+        print(f"warning: {str(error).split(' Fix:')[0]}; tracking in sqlite:///mlflow.db instead "
+              "(tracking.fallback=local)", file=sys.stderr)
+        return dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, uri="sqlite:///mlflow.db"))
+
+
+def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: ModelFacts,
+                    estimate: PlanEstimate, ds_config: dict, config_yaml: str) -> RunTracker:
+    """A new MLflow run with the flattened resolved config as params and the configs as artifacts."""
+    params = flatten({"plan": plan.as_dict(), "model": dict(model_cfg),
+                      "data": vars(cfg.data), "optim": vars(cfg.optim), "train": vars(cfg.train),
+                      "cluster": {**vars(cfg.cluster), "address": _address_param(cfg.cluster.address)}})
+    params["model.param_count"] = str(facts.param_count)
+    params.update({f"memory.predicted.{k}": str(v) for k, v in estimate.per_device.as_dict().items()})
+    tags = {"world_size": str(plan.world_size), "devices": f"{plan.world_size}x{plan.accelerator.value}",
+            "orch.command": "train"}
+    if commit := git_commit():
+        tags["git_commit"] = commit
+    tracker = RunTracker.start(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,
+                               run_name=cfg.tracking.run_name, params=params, tags=tags)
+    tracker.log_text(config_yaml, "config/resolved.yaml")
+    tracker.log_dict(ds_config, "config/deepspeed.json")
+    tracker.log_dict(estimate.as_json(), "plan/estimate.json")
+    tracker.log_metrics({"memory/predicted_peak_bytes": estimate.per_device.total}, step=0)
+    return tracker
+
+
+def _save_stacks(error: WorkerHangError, tracker: RunTracker | None, attempt: int, out) -> None:
+    """Keep the evidence of a hang: every rank's Python stack, in the MLflow run."""
+    print(f"hang: {error}", file=out, flush=True)
+    if tracker:
+        for rank, text in error.stacks.items():
+            tracker.log_text(text, f"hangs/attempt{attempt}/rank{rank}.txt")
+        tracker.set_tags({f"hang.{attempt}.ranks": ",".join(map(str, error.ranks))})
+
+
+def _prepare_restart(job: TrainJob, cfg: RunConfig, error: Exception, failures: int, logged_step: int,
+                     tracker: RunTracker | None, out) -> TrainJob:
+    """Record why the group failed and point the next attempt at the latest published checkpoint."""
+    cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    published = latest(cfg.train.checkpoint_dir) if cfg.train.checkpoint_every else None
+    start = f"step {published.step}" if published else "the beginning (no checkpoint yet)"
+    print(f"restart {failures}/{cfg.train.max_failures}: {type(error).__name__}: {cause}; resuming from {start}",
+          file=out, flush=True)
+    if tracker:
+        tracker.set_tags({"restarts": str(failures), f"restart.{failures}.cause": f"{type(error).__name__}: {cause}",
+                          f"restart.{failures}.resumed_from_step": str(published.step if published else 0)})
+        tracker.log_metrics({"restarts": failures}, step=logged_step)
+    return dataclasses.replace(job, resume_tag=published.tag if published else None)
 
 
 def _with_suggestions(estimate: PlanEstimate) -> list[Violation]:

@@ -17,3 +17,15 @@ def build_model(model_cfg: dict) -> torch.nn.Module:
 def model_factory(model_cfg: dict) -> Callable[[], torch.nn.Module]:
     """A picklable zero-argument factory, so workers build the model themselves."""
     return functools.partial(build_model, model_cfg)
+
+
+# A model config key that is not a constructor argument: the model's tensor-parallel layer specs.
+TP_SPECS_KEY = "tp_layer_specs"
+
+
+def split_model_config(model_cfg: dict) -> tuple[dict, list[dict] | None]:
+    """The constructor's config, and the model's own tensor-parallel layer specs if it declares
+    them (``tp_layer_specs``: a list of ``{patterns, partition_type, ...}`` as DeepSpeed's AutoTP
+    takes them); without them the built-in GPT's specs apply."""
+    constructor = {k: v for k, v in model_cfg.items() if k != TP_SPECS_KEY}
+    return constructor, model_cfg.get(TP_SPECS_KEY)

@@ -10,11 +10,15 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
+
+from plans.errors import OrchError
 
 # MLflow accepts at most this many params in one log_batch call.
 _PARAMS_PER_BATCH = 100
@@ -53,6 +57,29 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+class TrackingError(OrchError):
+    """The tracking backend cannot be used."""
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, with a fix, when a tracking server does not answer.
+
+    MLflow's own client retries an unreachable server with backoff for minutes before it
+    gives up; a user who mistyped tracking.uri should know at once, before any worker starts.
+    """
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s):
+            return
+    except urllib.error.HTTPError:
+        return  # the server answered (a proxy in front may not route /health): reachable
+    except OSError as exc:
+        raise TrackingError(
+            f"tracking.uri={redact_uri(uri)}: no MLflow server answers there ({exc}). Fix: start the "
+            "server, correct tracking.uri, or set tracking.fallback=local to track in ./mlflow.db") from exc
+
+
 class RunTracker:
     """One MLflow run. Create with :meth:`start`; always :meth:`finish` it."""
 
@@ -75,6 +102,14 @@ class RunTracker:
         for i in range(0, len(items), _PARAMS_PER_BATCH):
             client.log_batch(tracker.run_id, params=items[i:i + _PARAMS_PER_BATCH])
         return tracker
+
+    @classmethod
+    def resume(cls, *, uri: str, run_id: str) -> RunTracker:
+        """Continue an existing run (a resumed training): same id, marked RUNNING again."""
+        client = MlflowClient(tracking_uri=uri)
+        run = client.get_run(run_id)
+        client.update_run(run_id, status="RUNNING")
+        return cls(client, run_id, run.info.experiment_id, uri)
 
     @property
     def run_name(self) -> str:

@@ -11,10 +11,15 @@ from dataclasses import asdict, dataclass
 from plans.errors import PlanError, Violation
 from plans.spec import Accelerator, ClusterSpec, Offload, PlanSpec, Precision, TrainSpec
 
-# Degrees above one that the launcher cannot run yet; the planner rejects them rather than
-# silently training something else.
-IMPLEMENTED_TP = 1
+# Pipeline stages the launcher cannot run yet; the planner rejects them rather than silently
+# training something else.
 IMPLEMENTED_PP = 1
+# ZeRO stages DeepSpeed's AutoTP is documented to *train* with: its tutorial
+# (docs/_tutorials/autotp-training.md) lists 0, 1 and 2, and its grad-norm parity tests
+# (tests/unit/model_parallelism/test_autotp_training.py) cover those three. ZeRO-3 is only tested
+# to initialise there, although the 0.19 engine says it trains (and a dp=2 x tp=2 run here matched
+# dp=2); add 3 once a parity test in tests/test_tensor_parallel.py covers it.
+TP_ZERO_STAGES = (0, 1, 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,9 +70,22 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
     if plan.zero_stage not in (0, 1, 2, 3):
         v.append(Violation("plan.zero_stage", plan.zero_stage, "ZeRO stages are 0, 1, 2 and 3.",
                            "set plan.zero_stage to 0, 1, 2 or 3"))
-    if plan.tp > IMPLEMENTED_TP:
-        v.append(Violation("plan.tp", plan.tp, "tensor parallelism is not implemented yet.",
-                           "set plan.tp=1 and use data parallelism (plan.dp) with ZeRO"))
+    tp_fits_node = plan.tp < 1 or cluster.devices_per_node < 1 or cluster.devices_per_node % plan.tp == 0
+    if not tp_fits_node:
+        # Tensor-parallel ranks all-reduce in every layer, forward and backward: only the links
+        # inside a node are fast enough, so a TP group never spans nodes.
+        v.append(Violation("plan.tp", plan.tp,
+                           f"a tensor-parallel group must sit inside one node, but tp({plan.tp}) does not divide "
+                           f"cluster.devices_per_node({cluster.devices_per_node}) "
+                           f"({cluster.devices_per_node} % {plan.tp} = {cluster.devices_per_node % plan.tp}).",
+                           f"set plan.tp to a divisor of {cluster.devices_per_node}: "
+                           f"{', '.join(str(d) for d in _divisors(cluster.devices_per_node))}"))
+    if plan.tp > 1 and plan.zero_stage in (0, 1, 2, 3) and plan.zero_stage not in TP_ZERO_STAGES:
+        v.append(Violation("plan.zero_stage", plan.zero_stage,
+                           f"DeepSpeed's tensor parallelism (AutoTP) trains with ZeRO stages "
+                           f"{', '.join(map(str, TP_ZERO_STAGES))} only, not stage {plan.zero_stage} "
+                           f"(plan.tp={plan.tp}).",
+                           f"set plan.zero_stage={max(TP_ZERO_STAGES)}, or plan.tp=1 to keep ZeRO-{plan.zero_stage}"))
     if plan.pp > IMPLEMENTED_PP:
         v.append(Violation("plan.pp", plan.pp, "pipeline parallelism is not implemented yet.",
                            "set plan.pp=1 and use data parallelism (plan.dp) with ZeRO"))
@@ -75,7 +93,7 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
     model_parallel = max(plan.tp, 1) * max(plan.pp, 1)
     dp = plan.dp
     if dp is None:
-        if world >= 1 and world % model_parallel:
+        if world >= 1 and world % model_parallel and tp_fits_node:
             v.append(Violation("plan.tp", plan.tp,
                                f"tp({plan.tp}) * pp({plan.pp}) = {model_parallel} does not divide "
                                f"the world size {world} (cluster.nodes={cluster.nodes} * "
@@ -125,6 +143,10 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
         micro_batch_size=plan.micro_batch_size, grad_accum_steps=plan.grad_accum_steps,
         precision=plan.precision, accelerator=cluster.accelerator,
     )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _batch_fix(global_batch: int, micro: int, dp: int) -> str:

@@ -35,6 +35,11 @@ class Accelerator(str, Enum):
     gpu = "gpu"
 
 
+class ResumeMode(str, Enum):
+    never = "never"
+    auto = "auto"
+
+
 class OptimizerName(str, Enum):
     adam = "adam"
     adamw = "adamw"
@@ -139,6 +144,19 @@ class TrainSpec:
     memory_probe_step: int = 2
     """Measure every worker's real peak tensor memory during this step (0 disables); later
     steps run unobserved, at full speed."""
+    checkpoint_every: int = 0
+    """Write a DeepSpeed checkpoint every this many steps, and at the last step (0: never)."""
+    checkpoint_dir: str = "checkpoints"
+    """Where checkpoints go (a shared path on multi-node clusters)."""
+    keep_checkpoints: int = 2
+    """Published checkpoints kept; older ones are deleted."""
+    resume: ResumeMode = ResumeMode.never
+    """auto: continue from the latest checkpoint in checkpoint_dir (same MLflow run) if there is one."""
+    max_failures: int = 0
+    """Restarts of the whole worker group from the latest checkpoint after a worker fails."""
+    hang_timeout_s: float = 900.0
+    """A rank that finishes no optimizer step for this long is declared hung: every rank's
+    stack is saved to the MLflow run, then the group restarts or fails (0 disables)."""
 
 
 @dataclass(kw_only=True)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -17,10 +20,10 @@ def orch(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def test_bad_plan_is_refused_before_anything_starts(tmp_path):
-    done = orch("train", "plan.zero_stage=5", "plan.dp=3", "plan.tp=2", cwd=tmp_path, timeout=120)
+    done = orch("train", "plan.zero_stage=5", "plan.dp=3", "plan.tp=3", cwd=tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "error: the plan has 3 problem(s):" in done.stderr
-    assert "plan.zero_stage=5" in done.stderr and "plan.dp=3" in done.stderr and "plan.tp=2" in done.stderr
+    assert "plan.zero_stage=5" in done.stderr and "plan.dp=3" in done.stderr and "plan.tp=3" in done.stderr
     assert "Started a local Ray instance" not in done.stderr + done.stdout
     assert not (tmp_path / "mlflow.db").exists(), "no run may be tracked for a refused plan"
 
@@ -54,3 +57,69 @@ def test_multirun_sweeps_one_mlflow_run_each(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("orch").experiment_id])
     assert sorted(r.data.params["plan.zero_stage"] for r in runs) == ["0", "3"]
     assert all(r.info.status == "FINISHED" for r in runs)
+
+
+def _descendants(root: int) -> set[int]:
+    """PIDs of every process below ``root`` (read from /proc, no extra dependency)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.add(pid)
+        except OSError:
+            continue
+    return alive
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_cleanly_and_marks_the_run_killed(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "train.steps=100000",
+                             "train.log_every=5"], cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    seen = ""
+    while "step 10/" not in seen:  # training is really under way
+        assert time.monotonic() < deadline and proc.poll() is None, seen[-3000:]
+        seen += proc.stderr.readline()
+    spawned = _descendants(proc.pid)  # the embedded Ray's daemons and the worker processes
+    assert len(spawned) >= 3, spawned
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
+    assert run.info.status == "KILLED"
+    deadline = time.monotonic() + 30
+    while _alive(spawned):
+        assert time.monotonic() < deadline, f"left behind: {_alive(spawned)}"
+        time.sleep(1)
+
+
+def test_an_unreachable_tracking_server_is_a_clear_error_before_anything_starts(tmp_path):
+    from conftest import free_port
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    done = orch("train", f"tracking.uri={uri}", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2
+    assert f"tracking.uri={uri}: no MLflow server answers there" in done.stderr
+    assert "tracking.fallback=local" in done.stderr
+    assert "Started a local Ray instance" not in done.stderr

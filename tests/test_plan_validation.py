@@ -21,12 +21,12 @@ def test_default_plan_fills_the_cluster_with_data_parallel_ranks():
 
 def test_every_problem_is_reported_at_once_with_field_value_and_fix():
     with pytest.raises(PlanError) as info:
-        resolve_plan(PlanSpec(zero_stage=5, dp=3, tp=2, precision=Precision.fp16), ClusterSpec(), TrainSpec())
+        resolve_plan(PlanSpec(zero_stage=5, dp=3, tp=3, precision=Precision.fp16), ClusterSpec(), TrainSpec())
     error = info.value
     assert fields(error) == ["plan.zero_stage", "plan.tp", "plan.dp", "plan.precision"]
     text = str(error)
     assert "plan.zero_stage=5: ZeRO stages are 0, 1, 2 and 3." in text
-    assert "dp(3) * tp(2) * pp(1) = 6 != world size 2 (cluster.nodes=1 * cluster.devices_per_node=2)" in text
+    assert "dp(3) * tp(3) * pp(1) = 9 != world size 2 (cluster.nodes=1 * cluster.devices_per_node=2)" in text
     assert all(v.fix for v in error.violations)
 
 
@@ -36,12 +36,44 @@ def test_dp_that_does_not_match_the_workers_names_the_arithmetic():
     assert "set plan.dp=2" in info.value.violations[0].fix
 
 
-@pytest.mark.parametrize("tp,pp,field", [(2, 1, "plan.tp"), (1, 2, "plan.pp")])
-def test_tensor_and_pipeline_parallelism_are_rejected_not_ignored(tp, pp, field):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_parallelism_is_rejected_not_ignored(tp):
     with pytest.raises(PlanError) as info:
-        resolve_plan(PlanSpec(tp=tp, pp=pp, dp=1), ClusterSpec(), TrainSpec())
-    assert fields(info.value) == [field]
-    assert "not implemented yet" in str(info.value)
+        resolve_plan(PlanSpec(tp=tp, pp=2, dp=1), ClusterSpec(devices_per_node=2 * tp), TrainSpec())
+    assert fields(info.value) == ["plan.pp"]
+    assert "plan.pp=2: pipeline parallelism is not implemented yet." in str(info.value)
+
+
+def test_tensor_parallel_plan_resolves_with_dp_filling_the_rest():
+    plan = resolve_plan(PlanSpec(tp=2), ClusterSpec(nodes=2, devices_per_node=4), TrainSpec())
+    assert (plan.dp, plan.tp, plan.world_size) == (4, 2, 8)
+    # The ranks of a tensor-parallel group share one batch: only dp multiplies it.
+    assert plan.global_batch_size == 4 * 4
+    assert resolve_plan(PlanSpec(tp=2, dp=1), ClusterSpec(), TrainSpec()).dp == 1
+
+
+def test_a_tensor_parallel_group_must_sit_inside_one_node():
+    # 2 nodes of 3 devices: tp=2 divides the world (6) but would split a group across nodes.
+    with pytest.raises(PlanError) as info:
+        resolve_plan(PlanSpec(tp=2), ClusterSpec(nodes=2, devices_per_node=3), TrainSpec())
+    assert fields(info.value) == ["plan.tp"]
+    violation = info.value.violations[0]
+    assert str(violation) == ("plan.tp=2: a tensor-parallel group must sit inside one node, but tp(2) does not "
+                              "divide cluster.devices_per_node(3) (3 % 2 = 1). "
+                              "Fix: set plan.tp to a divisor of 3: 1, 3")
+
+
+def test_tensor_parallelism_refuses_zero_stage_3_naming_the_stage():
+    with pytest.raises(PlanError) as info:
+        resolve_plan(PlanSpec(tp=2, dp=1, zero_stage=3), ClusterSpec(), TrainSpec())
+    assert fields(info.value) == ["plan.zero_stage"]
+    assert str(info.value.violations[0]) == (
+        "plan.zero_stage=3: DeepSpeed's tensor parallelism (AutoTP) trains with ZeRO stages 0, 1, 2 only, "
+        "not stage 3 (plan.tp=2). Fix: set plan.zero_stage=2, or plan.tp=1 to keep ZeRO-3")
+    for stage in (0, 1, 2):
+        assert resolve_plan(PlanSpec(tp=2, dp=1, zero_stage=stage), ClusterSpec(), TrainSpec()).zero_stage == stage
+    # ZeRO-3 without tensor parallelism stays fine.
+    assert resolve_plan(PlanSpec(zero_stage=3), ClusterSpec(), TrainSpec()).zero_stage == 3
 
 
 def test_offload_rules():

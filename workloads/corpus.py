@@ -50,7 +50,8 @@ class ShardedBatches:
 
     Uses :class:`torch.utils.data.DistributedSampler`, so each dp rank reads a disjoint
     shard; every pass over the data reshuffles with the epoch as seed, identically on all
-    ranks. ``position`` (batches drawn so far) is what a checkpoint must save to resume.
+    ranks. :meth:`state_dict` (epoch and batches drawn in it) is what a checkpoint saves, so a
+    resumed run reads exactly the batches the interrupted one would have read next.
     """
 
     def __init__(self, dataset: ByteWindows, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
@@ -64,7 +65,18 @@ class ShardedBatches:
                                                   drop_last=True)
         self.epoch = 0
         self.position = 0
+        """Batches drawn in the current epoch."""
         self._it = None
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue after ``state``: the same epoch's order, skipping the batches already drawn."""
+        self.epoch, self.position = int(state["epoch"]), 0
+        self._it = None
+        for _ in range(int(state["position"])):
+            next(self)
 
     def __iter__(self):
         return self
@@ -80,4 +92,5 @@ class ShardedBatches:
                 return batch
             except StopIteration:
                 self.epoch += 1
+                self.position = 0
                 self._it = None

@@ -4,6 +4,11 @@ Contract every model trained by the orchestrator follows (a user's own ``torch.n
 selected through Hydra's ``_target_`` too): ``forward(input_ids: LongTensor[B, T]) ->
 logits[B, T, vocab]``. A model that can recompute activations in backward exposes
 ``gradient_checkpointing_enable()`` (the name Hugging Face models use).
+
+Tensor parallelism (``plan.tp > 1``) is applied by DeepSpeed's AutoTP *after* the model is
+built: :data:`TP_LAYER_SPECS` names the layers it shards. The model itself is never told which
+shard it holds: its attention reads the number of local heads off the width of ``qkv``'s output,
+so the same code runs whole (on ``meta`` in the planner, at tp=1) and sharded.
 """
 
 from __future__ import annotations
@@ -13,20 +18,38 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+# How AutoTP shards the built-in GPT, in the schema of DeepSpeed's
+# ``tensor_parallel.partition_config.layer_specs`` (deepspeed/module_inject/autotp_config.py):
+# regexes matched against full parameter names. Megatron's layout: the first linear of each
+# sublayer is column-parallel (its output split by heads or hidden units, no communication in
+# forward) and the second row-parallel (its input split, one all-reduce in forward). ``qkv`` packs
+# q, k and v on dim 0, so ``shape: [3, -1]`` splits each of the three separately and every rank
+# gets whole heads of all three. Embeddings, the (tied) output head and the layer norms match no
+# spec and stay replicated.
+TP_LAYER_SPECS: list[dict] = [
+    {"patterns": [r".*\.attn\.qkv\.weight$"], "partition_type": "column", "shape": [3, -1], "partition_dim": 0},
+    {"patterns": [r".*\.mlp\.fc\.weight$"], "partition_type": "column"},
+    {"patterns": [r".*\.attn\.proj\.weight$", r".*\.mlp\.proj\.weight$"], "partition_type": "row"},
+]
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int):
         super().__init__()
-        self.n_head = n_head
+        self.head_dim = d_model // n_head
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (y.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for y in (q, k, v))
+        b, t, _ = x.shape
+        # Under tensor parallelism qkv is column-sharded: each third holds this rank's heads only,
+        # and proj (row-sharded) takes exactly that width and all-reduces to the full d_model.
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        width = q.shape[-1]
+        heads = width // self.head_dim
+        q, k, v = (y.reshape(b, t, heads, self.head_dim).transpose(1, 2) for y in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, width))
 
 
 class MLP(nn.Module):
@@ -56,10 +79,18 @@ class GPT(nn.Module):
     """Decoder-only transformer with learned positions and (optionally) tied embeddings."""
 
     def __init__(self, *, n_layer: int = 2, d_model: int = 128, n_head: int = 4, seq_len: int = 128,
-                 vocab_size: int = 256, tie_embeddings: bool = True):
+                 vocab_size: int = 256, tie_embeddings: bool = True, tp: int = 1):
+        """``tp`` is the tensor-parallel degree the model will be sharded over (the config ties it
+        to ``plan.tp``); the model only checks that its heads split evenly, AutoTP does the rest."""
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"model.d_model({d_model}) must be divisible by model.n_head({n_head})")
+        if tp >= 1 and n_head % tp:
+            # Each tensor-parallel rank computes whole attention heads; since n_head divides d_model,
+            # this also makes d_model and the MLP width (4 * d_model) divisible by tp.
+            raise ValueError(f"model.n_head({n_head}) must be divisible by plan.tp({tp}): each tensor-parallel "
+                             f"rank holds n_head / tp whole heads (n_head % tp = {n_head % tp}); "
+                             "choose plan.tp among the divisors of model.n_head")
         self.seq_len = seq_len
         self.vocab_size = vocab_size
         self.wte = nn.Embedding(vocab_size, d_model)
