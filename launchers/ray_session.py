@@ -8,7 +8,13 @@ from collections.abc import Iterator
 
 import ray
 
+from plans.errors import OrchError
+
 GIB = 1024**3
+
+
+class RayConnectError(OrchError):
+    """The declared Ray cluster cannot be reached."""
 
 
 @contextlib.contextmanager
@@ -26,7 +32,13 @@ def ray_session(address: str | None, *, min_cpus: float = 0, object_store_gib: f
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)),
                  object_store_memory=int(object_store_gib * GIB), include_dashboard=False)
     else:
-        ray.init(address=address)
+        try:
+            ray.init(address=address)
+        except (ConnectionError, RuntimeError) as exc:
+            raise RayConnectError(
+                f"cluster.address={address}: cannot connect to a Ray cluster there ({exc}). Fix: start the "
+                "cluster (`ray start --head`), correct cluster.address, or set cluster.address=null for an "
+                "embedded local Ray") from exc
     try:
         yield
     finally:

@@ -1,18 +1,23 @@
 """MLflow tracking of a run: params, metrics, artifacts and tags.
 
-Metrics go through ``MlflowClient.log_batch(..., synchronous=False)``: MLflow queues them on
-its own background thread, so a slow tracking server (~0.1 s per call here) never stalls the
-training loop; :meth:`RunTracker.finish` waits for the queued batches before ending the run.
+Metrics go to a :class:`MetricBuffer` that a background thread sends in batches, so a slow
+tracking server (~0.1 s per call here) never stalls the training loop, and a server that goes
+away in the middle of a run only delays them: they are sent once it is back, and
+:meth:`RunTracker.finish` waits for them before ending the run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from mlflow.entities import Metric, Param, RunTag
@@ -80,15 +85,103 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
             "server, correct tracking.uri, or set tracking.fallback=local to track in ./mlflow.db") from exc
 
 
+class MetricBuffer:
+    """Metrics queued in memory and sent by a background thread, surviving server outages.
+
+    MLflow's own asynchronous logging drops a batch once its retries are spent, so a tracking
+    server restarted in the middle of a run would lose metrics. Here a failed batch stays at
+    the head of the queue and is retried until the server answers again; the training loop
+    only ever appends.
+    """
+
+    def __init__(self, send: Callable[[list[Metric]], None], *, retry_s: float = 2.0, max_batch: int = 1000):
+        self._send = send
+        self._retry_s = retry_s
+        self._max_batch = max_batch
+        self._queue: list[Metric] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.outage_since: float | None = None
+        self._thread = threading.Thread(target=self._loop, name="mlflow-metrics", daemon=True)
+        self._thread.start()
+
+    def put(self, metrics: list[Metric]) -> None:
+        with self._lock:
+            self._queue.extend(metrics)
+        self._wake.set()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def _send_head(self) -> bool:
+        """Send the oldest batch; False (batch kept) when the server does not take it."""
+        with self._lock:
+            batch = self._queue[:self._max_batch]
+        if not batch:
+            return True
+        try:
+            self._send(batch)
+        except Exception as exc:  # any failure of the backend: keep the batch and retry later
+            if self.outage_since is None:
+                self.outage_since = time.monotonic()
+                _warn(f"tracking server unreachable ({type(exc).__name__}); buffering metrics, training goes on")
+            return False
+        with self._lock:
+            del self._queue[:len(batch)]
+        if self.outage_since is not None:
+            _warn(f"tracking server back after {time.monotonic() - self.outage_since:.0f}s; "
+                  "buffered metrics sent")
+            self.outage_since = None
+        return True
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            while self.pending() and not self._stop:
+                if not self._send_head():
+                    time.sleep(self._retry_s)
+
+    def close(self, timeout_s: float) -> list[Metric]:
+        """Stop the thread, send what is left until ``timeout_s``; return what could not be sent."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.pending() and time.monotonic() < deadline:
+            if not self._send_head():
+                time.sleep(self._retry_s)
+        with self._lock:
+            left, self._queue = self._queue, []
+        return left
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _bound_http_retries() -> None:
+    """Make one MLflow HTTP call give up within seconds rather than minutes.
+
+    :class:`MetricBuffer` retries for as long as it takes, so MLflow's own long backoff would
+    only delay noticing an outage. A user's explicit settings win.
+    """
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+
+
 class RunTracker:
-    """One MLflow run. Create with :meth:`start`; always :meth:`finish` it."""
+    """One MLflow run. Create with :meth:`start` or :meth:`resume`; always :meth:`finish` it."""
 
     def __init__(self, client: MlflowClient, run_id: str, experiment_id: str, uri: str):
+        _bound_http_retries()
         self.client = client
         self.run_id = run_id
         self.experiment_id = experiment_id
         self.uri = uri
-        self._pending = []  # RunOperations of queued metric batches
+        self._metrics = MetricBuffer(lambda batch: client.log_batch(run_id, metrics=batch))
 
     @classmethod
     def start(cls, *, uri: str, experiment: str, run_name: str | None, params: Mapping[str, str],
@@ -116,26 +209,39 @@ class RunTracker:
         return self.client.get_run(self.run_id).info.run_name
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Queue metrics for one step; returns at once."""
+        """Queue metrics for one step; returns at once, whatever the server's state."""
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self._pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
+        self._metrics.put([Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def _best_effort(self, what: str, call: Callable[[], object]) -> None:
+        """Tags and artifacts during training: a tracking outage must not kill the run."""
+        try:
+            call()
+        except Exception as exc:  # the run goes on; the user is told what was not recorded
+            _warn(f"could not record {what} in MLflow ({type(exc).__name__}: {exc})")
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        batch = [RunTag(k, str(v)) for k, v in tags.items()]
+        self._best_effort(f"tags {sorted(tags)}", lambda: self.client.log_batch(self.run_id, tags=batch))
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        self._best_effort(artifact_file, lambda: self.client.log_text(self.run_id, text, artifact_file))
 
     def log_dict(self, obj: dict, artifact_file: str) -> None:
-        self.client.log_dict(self.run_id, obj, artifact_file)
+        self._best_effort(artifact_file, lambda: self.client.log_dict(self.run_id, obj, artifact_file))
 
-    def finish(self, status: str = "FINISHED") -> None:
-        """Flush queued metrics, then end the run with ``FINISHED``, ``FAILED`` or ``KILLED``."""
-        for operation in self._pending:
-            operation.wait()
-        self._pending.clear()
-        self.client.set_terminated(self.run_id, status=status)
+    def finish(self, status: str = "FINISHED", timeout_s: float = 120.0) -> None:
+        """Send buffered metrics (waiting up to ``timeout_s`` for the server), then end the run
+        as ``FINISHED``, ``FAILED`` or ``KILLED``. Metrics that still cannot be sent are written
+        to a local JSON file, so nothing is lost."""
+        unsent = self._metrics.close(timeout_s)
+        if unsent:
+            path = Path(f"mlflow-unsent-{self.run_id}.json")
+            path.write_text(json.dumps([{"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}
+                                        for m in unsent]))
+            _warn(f"{len(unsent)} metrics could not reach the tracking server; saved to {path.resolve()}")
+        self._best_effort(f"the run status {status}",
+                          lambda: self.client.set_terminated(self.run_id, status=status))
 
     def ui_hint(self) -> str:
         """How a user opens this run."""

@@ -63,30 +63,43 @@ def test_a_plan_larger_than_the_cluster_fails_clearly(two_node_ray, tmp_path):
     assert "the plan needs 3 workers with 1 CPU each; the cluster has 2 CPU free" in done.stderr
 
 
+def start_mlflow_server(root, port: int) -> subprocess.Popen:
+    return subprocess.Popen([MLFLOW, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
+                             "--artifacts-destination", str(root / "artifacts")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("mlflow server did not start") from None
+            time.sleep(1)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    proc = subprocess.Popen([MLFLOW, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
-                             "--artifacts-destination", str(root / "artifacts")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = start_mlflow_server(root, port)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("mlflow server did not start") from None
-                time.sleep(1)
+        wait_healthy(url, proc)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        stop(proc)
 
 
 def test_a_run_tracked_on_a_real_mlflow_server(mlflow_server, tmp_path):
@@ -129,3 +142,35 @@ def test_check_reads_the_live_cluster(two_node_ray, tmp_path):
                                "cluster.nodes=3", "cluster.devices_per_node=1"], cwd=tmp_path, env=worker_env(),
                               capture_output=True, text=True, timeout=300)
     assert too_many.returncode == 2 and "the live cluster has room for 2" in too_many.stderr
+
+
+def test_metrics_survive_a_tracking_server_restart_mid_run(tmp_path, monkeypatch):
+    from conftest import compose_config
+    from orchestrator.config import to_typed
+    from orchestrator.driver import run_training
+
+    monkeypatch.chdir(tmp_path)
+    root, port = tmp_path / "server", free_port()
+    root.mkdir()
+    url = f"http://127.0.0.1:{port}"
+    servers = [start_mlflow_server(root, port)]
+    wait_healthy(url, servers[0])
+
+    def restart_server_at_step_10(reports, facts):
+        if reports[0]["step"] == 10 and len(servers) == 1:
+            stop(servers[0])  # the server goes away mid-run ...
+            servers.append(start_mlflow_server(root, port))  # ... and comes back some seconds later
+
+    try:
+        cfg = compose_config("train.steps=150", "train.log_every=5", "train.eval_batches=1",
+                             "plan.micro_batch_size=4", f"tracking.uri={url}", "tracking.experiment=outage")
+        result = run_training(*to_typed(cfg), on_report=restart_server_at_step_10)
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=url)
+        assert [m.step for m in client.get_metric_history(result.run_id, "loss")] == list(range(5, 151, 5))
+        assert client.get_run(result.run_id).info.status == "FINISHED"
+        assert not list(tmp_path.glob("mlflow-unsent-*.json"))
+    finally:
+        for proc in servers:
+            stop(proc)
