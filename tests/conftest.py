@@ -50,3 +50,67 @@ def worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def descendants(root: int) -> set[int]:
+    """PIDs of every process below ``root`` (read from /proc, no extra dependency)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.add(pid)
+        except OSError:
+            continue
+    return alive
+
+
+def processes_mentioning(text: str) -> set[int]:
+    """PIDs whose command line contains ``text`` (e.g. a Ray cluster's own temp dir)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        found.add(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def kill_tree(pids: set[int], grace_s: float = 10.0) -> None:
+    """SIGTERM these processes and all below them, then SIGKILL what is left after ``grace_s``."""
+    import signal
+    import time
+
+    targets = set(pids)
+    for pid in pids:
+        targets |= descendants(pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in alive(targets):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while alive(targets) and time.monotonic() < deadline:
+            time.sleep(0.2)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import worker_env
+from conftest import alive, descendants, worker_env
 
 
 def orch(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -59,37 +58,6 @@ def test_multirun_sweeps_one_mlflow_run_each(tmp_path):
     assert all(r.info.status == "FINISHED" for r in runs)
 
 
-def _descendants(root: int) -> set[int]:
-    """PIDs of every process below ``root`` (read from /proc, no extra dependency)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.add(pid)
-        except OSError:
-            continue
-    return alive
-
-
 @pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_marks_the_run_killed(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "train.steps=100000",
@@ -100,7 +68,7 @@ def test_ctrl_c_stops_cleanly_and_marks_the_run_killed(tmp_path):
     while "step 10/" not in seen:  # training is really under way
         assert time.monotonic() < deadline and proc.poll() is None, seen[-3000:]
         seen += proc.stderr.readline()
-    spawned = _descendants(proc.pid)  # the embedded Ray's daemons and the worker processes
+    spawned = descendants(proc.pid)  # the embedded Ray's daemons and the worker processes
     assert len(spawned) >= 3, spawned
     proc.send_signal(signal.SIGINT)
     _, rest = proc.communicate(timeout=120)
@@ -109,8 +77,8 @@ def test_ctrl_c_stops_cleanly_and_marks_the_run_killed(tmp_path):
     run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
     assert run.info.status == "KILLED"
     deadline = time.monotonic() + 30
-    while _alive(spawned):
-        assert time.monotonic() < deadline, f"left behind: {_alive(spawned)}"
+    while alive(spawned):
+        assert time.monotonic() < deadline, f"left behind: {alive(spawned)}"
         time.sleep(1)
 
 

@@ -7,13 +7,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import free_port, worker_env
+from conftest import free_port, kill_tree, processes_mentioning, worker_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -29,19 +30,25 @@ def orch_train(*args: str, cwd) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def two_node_ray():
-    """A head node and a second node, each with 1 CPU, so a 2-worker plan must span both."""
+    """A head node and a second node, each with 1 CPU, so a 2-worker plan must span both.
+
+    The cluster keeps its files in a temp dir of its own, and teardown stops exactly the
+    processes that mention it: `ray stop` would also kill any other Ray on the machine.
+    """
     port, client_port = free_port(), free_port()
     env = worker_env()
-    subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                    "--include-dashboard=false", f"--ray-client-server-port={client_port}", *NODE],
-                   env=env, check=True, capture_output=True, timeout=120)
+    temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length limit
     try:
+        subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                        "--include-dashboard=false", f"--ray-client-server-port={client_port}",
+                        f"--temp-dir={temp_dir}", *NODE], env=env, check=True, capture_output=True, timeout=120)
         # `ray start --head` turns on token auth; a joining node must send the token it saved.
         subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", *NODE], env={**env, "RAY_AUTH_MODE": "token"},
                        check=True, capture_output=True, timeout=120)
         yield {"gcs": f"127.0.0.1:{port}", "client": f"ray://127.0.0.1:{client_port}"}
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        kill_tree(processes_mentioning(temp_dir))
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_workers_land_on_both_nodes_of_a_real_cluster(two_node_ray, tmp_path):
