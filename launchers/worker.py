@@ -38,6 +38,27 @@ def enable_activation_checkpointing(module) -> None:
     switch()
 
 
+def _unlink_shared_memory_buffers(master_addr: str, master_port: int) -> None:
+    """Remove this run's names of DeepSpeed's CPU all-reduce buffers from /dev/shm.
+
+    DeepSpeed's CPU backend creates a 67 MB shared-memory file per local rank at
+    ``init_distributed`` and never deletes it; runs would pile them up until memory runs out.
+    Every local rank has mapped every peer's buffer once ``init_distributed`` returned, so after
+    a barrier the names can go: the memory stays mapped for this run and is freed by the kernel
+    when the last worker exits, even one killed with SIGKILL.
+    """
+    import glob
+
+    import deepspeed.comm as dist
+
+    dist.barrier()
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{master_addr}_{master_port}_*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # a peer on this node removed it first
+            pass
+
+
 class TrainWorker:
     """A DeepSpeed worker: one rank of the run."""
 
@@ -83,6 +104,7 @@ class TrainWorker:
         plan = job.plan
         backend = "gloo" if plan.accelerator.value == "cpu" else "nccl"
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        _unlink_shared_memory_buffers(master_addr, master_port)
         torch.manual_seed(job.train.seed)
 
         coords = parallel_coords(self.rank, world_size, plan.tp)

@@ -94,12 +94,13 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
         f"model    {m.param_count:,} parameters ({m.trainable_count:,} trainable), "
         f"largest layer {m.largest_layer_params:,}",
         "",
-        "per device (most loaded)",
+        f"per device (most loaded), at its peak in the {d.phase} phase",
     ]
     rows = [("parameters", d.params), ("gradients", d.grads), ("optimizer states", d.optimizer_states),
             ("activations", d.activations), ("DeepSpeed buffers", d.buffers), ("allocator reserve", d.reserve)]
     lines += [f"  {name:<20}{_fmt(value)}" for name, value in rows]
-    lines += [f"  {'total':<20}{_fmt(d.total)}", f"  {'capacity':<20}{_fmt(d.capacity)}",
+    lines += [f"  {'total':<20}{_fmt(d.total)}", f"  {'  held between steps':<20}{_fmt(d.held)}",
+              f"  {'capacity':<20}{_fmt(d.capacity)}",
               f"  {'headroom':<20}{_fmt(d.headroom) if d.headroom >= 0 else '-' + _fmt(-d.headroom).strip():>14}"]
     if len(estimate.stages) > 1:
         lines.append("")

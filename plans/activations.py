@@ -11,12 +11,16 @@ kept as a cross-check of the measurement.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 ModelOrFactory = torch.nn.Module | Callable[[], torch.nn.Module]
 
@@ -29,6 +33,17 @@ class ActivationBytes:
     """Tensors saved for backward by the forward and the loss, plus the logits."""
     recompute_peak: int
     """With checkpointing: what recomputing the largest checkpointed layer in backward saves."""
+    forward_peak: int = 0
+    """Most bytes of non-parameter tensors alive at once from the start of forward to the loss."""
+    backward_peak: int = 0
+    """Most bytes alive at once over forward and backward when every parameter gradient leaves as
+    soon as autograd produces it (ZeRO-2/3 copy it into their bucket in a hook): saved tensors,
+    gradients of activations, recomputed layers and the one parameter gradient being produced."""
+    backward_peak_with_grads: int = 0
+    """The same peak when parameter gradients stay in ``.grad`` until the optimizer step (ZeRO-0/1),
+    gradients included."""
+    grads_at_backward_peak: int = 0
+    """Bytes of parameter gradients in ``.grad`` at the moment of ``backward_peak_with_grads``."""
 
     @property
     def peak(self) -> int:
@@ -148,10 +163,85 @@ def _measure(module: torch.nn.Module, micro_batch_size: int, seq_len: int) -> _S
     return saved
 
 
+class _LiveBytes(TorchDispatchMode):
+    """A running total of the bytes of meta storages that operators create, and its maxima.
+
+    Like launchers/memory_probe.py's tracker, but on ``meta``: a storage is counted when an
+    operator returns it and uncounted by a ``weakref.finalize`` when it is freed. Parameter
+    storages are model states and never counted. Parameter gradients are handed to
+    :meth:`grad_ready` by a post-accumulate hook that drops them at once, so the total is what
+    ZeRO-2/3 keep (the gradient leaves for the bucket) and ``total + grads`` what ZeRO-0/1 keep.
+    """
+
+    def __init__(self, parameters: list[torch.nn.Parameter]):
+        super().__init__()
+        # Held, not just their ids, for the reason given in _SavedTensors.__init__.
+        self._parameter_storages = {id(s): s for s in (p.untyped_storage() for p in parameters)}
+        self._sizes: dict[int, int] = {}
+        self.current = 0
+        self.grads = 0
+        self.peak = 0
+        self.peak_with_grads = 0
+        self.grads_at_peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self._see(leaf.untyped_storage())
+        return out
+
+    def _see(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self._parameter_storages or key in self._sizes:
+            return
+        self._sizes[key] = storage.nbytes()
+        finalizer = weakref.finalize(storage, self._freed, key)
+        finalizer.atexit = False
+        self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        if self.current + self.grads > self.peak_with_grads:
+            self.peak_with_grads, self.grads_at_peak = self.current + self.grads, self.grads
+
+    def _freed(self, key: int) -> None:
+        self.current -= self._sizes.pop(key, 0)
+
+    def grad_ready(self, param: torch.Tensor) -> None:
+        self.grads += param.grad.untyped_storage().nbytes()
+        param.grad = None
+
+
+def _live_peaks(module: torch.nn.Module, micro_batch_size: int, seq_len: int) -> tuple[int, _LiveBytes]:
+    """Run forward, loss and backward on meta; the forward's peak and the tracker after backward."""
+    parameters = [p for p in module.parameters() if p.requires_grad]
+    live = _LiveBytes(list(module.parameters()))
+    handles = [p.register_post_accumulate_grad_hook(live.grad_ready) for p in parameters]
+    input_ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    try:
+        with live, _CpuFlashAttentionOnMeta():
+            logits = module(input_ids)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            del logits
+            forward_peak = live.peak
+            # The engine is called directly: ``loss.backward()`` and ``torch.autograd.backward`` are
+            # themselves torch functions, so the flash-attention mode would be popped for their
+            # whole duration and a checkpointed layer would be recomputed on the math path.
+            _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (),
+                                 allow_unreachable=True, accumulate_grad=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return forward_peak, live
+
+
 def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: int, seq_len: int,
                         dtype: torch.dtype, checkpointing: bool) -> ActivationBytes:
     """Bytes autograd saves for one micro-batch of the model's own code, measured on ``meta``.
 
+    The forward and backward peaks come from running forward, loss and backward on meta under a
+    tracker of live storages (:class:`_LiveBytes`): they include what the saved-tensor count
+    leaves out, the gradients of activations in backward and the recomputed layer's transients.
     Without checkpointing the recompute peak is 0. With it, the forward of the checkpointed model
     gives what stays saved (each layer's input, the embedding and the head), and the largest
     layer's saved bytes from an uncheckpointed forward give what one layer's recomputation holds
@@ -159,17 +249,27 @@ def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: 
     as recompute, which is an upper bound.
     """
     plain = _measure(_build_on_meta(factory_or_module, dtype), micro_batch_size, seq_len)
-    if not checkpointing:
-        return ActivationBytes(saved=plain.total, recompute_peak=0)
     module = _build_on_meta(factory_or_module, dtype)
+    if checkpointing:
+        _enable_checkpointing(module)
+    forward_peak, live = _live_peaks(module, micro_batch_size, seq_len)
+    peaks = dict(forward_peak=forward_peak, backward_peak=live.peak, backward_peak_with_grads=live.peak_with_grads,
+                 grads_at_backward_peak=live.grads_at_peak)
+    if not checkpointing:
+        return ActivationBytes(saved=plain.total, recompute_peak=0, **peaks)
+    checkpointed_module = _build_on_meta(factory_or_module, dtype)
+    _enable_checkpointing(checkpointed_module)
+    checkpointed = _measure(checkpointed_module, micro_batch_size, seq_len)
+    recompute = max(plain.by_layer.values(), default=plain.total - checkpointed.total)
+    return ActivationBytes(saved=checkpointed.total, recompute_peak=recompute, **peaks)
+
+
+def _enable_checkpointing(module: torch.nn.Module) -> None:
     enable = getattr(module, "gradient_checkpointing_enable", None)
     if not callable(enable):
         raise ValueError(f"{type(module).__name__} has no gradient_checkpointing_enable(); "
                          "activation checkpointing cannot be measured for it")
     enable()
-    checkpointed = _measure(module, micro_batch_size, seq_len)
-    recompute = max(plain.by_layer.values(), default=plain.total - checkpointed.total)
-    return ActivationBytes(saved=checkpointed.total, recompute_peak=recompute)
 
 
 def saved_activation_bytes(factory_or_module: ModelOrFactory, *, micro_batch_size: int, seq_len: int,

@@ -1,9 +1,11 @@
 """Per-device and per-node memory of a resolved plan, the verdict, and the fixes that would fit.
 
 Combines the pure pieces: parameter counts of the model built on ``meta``
-(:mod:`plans.memory`), activations measured by running its forward on ``meta``
+(:mod:`plans.memory`), activations measured by running its forward and backward on ``meta``
 (:mod:`plans.activations`), and DeepSpeed's buffers read from the generated DeepSpeed config.
-Nothing is allocated, so a 175B-parameter model is checked in seconds.
+The peak of a device is what it holds between steps plus the worst phase of a step
+(:func:`plans.memory.step_phases`). Nothing is allocated, so a 175B-parameter model is checked
+in seconds.
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plans.activations import measure_activations
+from plans.activations import ActivationBytes, measure_activations
 from plans.errors import Violation
 from plans.memory import (
+    DevicePhases,
     MemoryBreakdown,
+    ModelStateBytes,
     ModelStats,
     memory_breakdown,
     model_state_bytes,
     model_stats,
     stage3_persistent_params,
-    zero_buffer_bytes,
+    step_phases,
 )
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision
@@ -60,6 +64,13 @@ class PlanEstimate:
     stages: list[MemoryBreakdown]
     """One entry per pipeline stage (a single entry without pipelining)."""
     per_node_host: HostMemory
+    states: ModelStateBytes | None = None
+    """The ZeRO paper's model states of the most loaded rank (gradients included, as in its Table 1)."""
+    host_per_device: int = 0
+    """Host bytes one rank's offloaded states and staging buffers take (in the worker's own
+    process on CPU workers, where "device" and host memory are the same RAM)."""
+    phases: DevicePhases | None = None
+    """The most loaded device through a step: what it holds and what each phase adds."""
     violations: list[Violation] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     """Smallest plan changes that would make an infeasible plan fit."""
@@ -72,8 +83,14 @@ class PlanEstimate:
         """The stable ``orch check --json`` document (other tools read these names)."""
 
         def device(b: MemoryBreakdown) -> dict:
+            # The components are the bytes alive at the peak, in ``phase``; they add up to total.
             return {k: getattr(b, k) for k in ("params", "grads", "optimizer_states", "activations", "buffers",
-                                               "reserve", "total", "capacity")}
+                                               "reserve", "total", "capacity", "held", "phase")}
+
+        phases = {}
+        if self.phases is not None:
+            phases = {p.phase: {**dataclasses.asdict(p), "total": p.total}
+                      for p in [self.phases.held, *self.phases.phases]}
 
         return {
             "feasible": self.feasible,
@@ -85,6 +102,7 @@ class PlanEstimate:
                               "offloaded": self.per_node_host.offloaded,
                               "device_share": self.per_node_host.device_share},
             "stages": [device(s) for s in self.stages],
+            "phases": phases,
             "violations": [{"field": v.field, "message": f"{v.message} Fix: {v.fix}"} for v in self.violations],
             "suggestions": list(self.suggestions),
         }
@@ -105,11 +123,11 @@ class ModelProbe:
         self.stats = model_stats(self.module)
         self._activations = functools.lru_cache(maxsize=None)(self._measure)
 
-    def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool) -> int:
+    def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool) -> ActivationBytes:
         return measure_activations(self.factory, micro_batch_size=micro_batch_size, seq_len=self.seq_len,
-                                   dtype=_DTYPE[precision], checkpointing=checkpointing).peak
+                                   dtype=_DTYPE[precision], checkpointing=checkpointing)
 
-    def activations(self, plan: ResolvedPlan) -> int:
+    def activations(self, plan: ResolvedPlan) -> ActivationBytes:
         return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing)
 
     def persistent_params(self, ds_config: dict) -> int:
@@ -128,15 +146,14 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds
                                zero_stage=plan.zero_stage, dp=plan.dp, precision=plan.precision,
                                optimizer=optim.name, momentum=optim.momentum,
                                offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param)
-    buffers = zero_buffer_bytes(ds_config, param_count=stats.param_count,
-                                largest_layer_params=stats.largest_layer_params, dp=plan.dp,
-                                precision=plan.precision, accelerator=plan.accelerator,
-                                persistent_params=probe.persistent_params(ds_config))
+    phases = step_phases(ds_config, states=states, model=stats, activations=probe.activations(plan), dp=plan.dp,
+                         precision=plan.precision, grad_accum_steps=plan.grad_accum_steps,
+                         accelerator=plan.accelerator, persistent_params=probe.persistent_params(ds_config))
     capacity = int(cluster.device_memory_gib * GIB)
-    device = memory_breakdown(states=states, activations=probe.activations(plan), buffers=buffers,
-                              capacity=capacity, accelerator=plan.accelerator)
+    device = memory_breakdown(device=phases, capacity=capacity, accelerator=plan.accelerator)
     local = cluster.devices_per_node
-    offloaded = states.host_total * local
+    host_per_device = states.host_total + phases.host_buffers
+    offloaded = host_per_device * local
     device_share = device.total * local if plan.accelerator == Accelerator.cpu else 0
     host = HostMemory(offloaded=offloaded, device_share=device_share, total=offloaded + device_share,
                       capacity=int(cluster.host_memory_gib * GIB))
@@ -145,7 +162,7 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds
         violations.append(Violation(
             "cluster.device_memory_gib", cluster.device_memory_gib,
             f"the plan needs {_gib(device.total)} per device but a device has {_gib(capacity)} "
-            f"({_parts(device)}).",
+            f"(at its peak, in the {device.phase} phase: {_parts(device)}).",
             "see the suggested plan changes, or use devices with more memory"))
     if not host.fits:
         violations.append(Violation(
@@ -155,6 +172,7 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds
             + (f" + {_gib(device_share)} of the CPU workers' own memory" if device_share else "") + ").",
             "offload less (plan.offload_optimizer / plan.offload_param), or use fewer workers per node"))
     return PlanEstimate(plan=plan, model=stats, per_device=device, stages=[device], per_node_host=host,
+                        states=states, host_per_device=host_per_device, phases=phases,
                         violations=violations)
 
 

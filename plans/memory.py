@@ -1,5 +1,11 @@
 """How many bytes one rank needs: model states, ZeRO buffers and an allocator reserve.
 
+Two views of the same bytes. :func:`model_state_bytes` is the ZeRO paper's accounting of
+parameters, gradients and optimizer states. :func:`step_phases` follows one training step: what
+persists between steps, and what each phase (forward, backward, end-of-backward reduction,
+optimizer step) adds while it runs; the predicted peak is what persists plus the worst phase,
+because most transients never coexist.
+
 Everything here is arithmetic on counts, so the planner can check a plan for a model far larger
 than this machine in microseconds. The byte counts follow what DeepSpeed 0.19 actually allocates
 (``deepspeed/runtime/zero/stage_1_and_2.py`` and ``stage3.py``), not a textbook simplification;
@@ -15,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from plans.activations import ActivationBytes
 from plans.spec import Accelerator, Offload, OptimizerName, Precision
 
 # Why 10%: PyTorch's CUDA caching allocator rounds every block up (512 B small blocks, 2 MiB
@@ -50,6 +57,9 @@ class ModelStats:
     """Parameters with ``requires_grad``: only these have gradients and optimizer states."""
     largest_layer_params: int
     """Most parameters owned directly by one module; ZeRO-3 gathers one such module whole."""
+    largest_param: int = 0
+    """Elements of the largest parameter tensor: DeepSpeed's offload staging buffers and torch
+    Adam's per-tensor temporaries are this size."""
 
 
 def model_stats(module: torch.nn.Module) -> ModelStats:
@@ -67,6 +77,7 @@ def model_stats(module: torch.nn.Module) -> ModelStats:
         param_count=sum(p.numel() for p in distinct),
         trainable_count=sum(p.numel() for p in distinct if p.requires_grad),
         largest_layer_params=largest,
+        largest_param=max((p.numel() for p in distinct), default=0),
     )
 
 
@@ -118,19 +129,18 @@ def _optimizer_moment_bytes(optimizer: OptimizerName, momentum: float) -> int:
 def _master_copy_bytes(precision: Precision, zero_stage: int, optimizer_offloaded: bool) -> int:
     """fp32 bytes per trainable parameter of the optimizer's own copy of the weights.
 
-    Mixed precision always keeps an fp32 master. In fp32 the answer depends on the stage:
-    stage 0 steps the model's own parameters; stages 1-2 ``clone()`` the rank's partition into
-    ``single_partition_of_fp32_groups`` even when it is already fp32 (stage_1_and_2.py); stage 3
-    reuses the fp32 partition when it stays on the device and copies it only when the optimizer
-    is offloaded (``_create_fp32_partitions`` in stage3.py).
+    Mixed precision always keeps an fp32 master. In fp32 stage 0 steps the model's own
+    parameters; stages 1-2 ``clone()`` the rank's partition into ``single_partition_of_fp32_groups``
+    even when it is already fp32 (stage_1_and_2.py). Stage 3 means to reuse it
+    (``_create_fp32_partitions``, stage3.py line 1167 appends ``fp16_partitioned_groups_flat[i]``),
+    but that flat tensor is not the storage the parameters' ``ds_tensor`` partitions live in:
+    a real fp32 stage-3 worker holds both as separate 4Φ/N storages (measured, and identified by
+    matching storages to ``fp16_partitioned_groups`` and ``fp32_partitioned_groups_flat``).
     """
+    del optimizer_offloaded  # every offloaded master is a copy too; kept for the call sites' clarity
     if precision != Precision.fp32:
         return _FP32
-    if zero_stage in (1, 2):
-        return _FP32
-    if zero_stage == 3 and optimizer_offloaded:
-        return _FP32
-    return 0
+    return _FP32 if zero_stage >= 1 else 0
 
 
 def model_state_bytes(*, param_count: int, trainable_count: int, zero_stage: int, dp: int, precision: Precision,
@@ -212,76 +222,169 @@ def _offloaded(section: dict, key: str) -> bool:
     return (section.get(key) or {}).get("device", "none") != "none"
 
 
-def zero_buffer_bytes(ds_config: dict, *, param_count: int, largest_layer_params: int, dp: int,
-                      precision: Precision, accelerator: Accelerator = Accelerator.cpu,
-                      persistent_params: int = 0) -> int:
-    """Bytes of DeepSpeed's communication buffers and optimizer-step temporaries on one device.
+def _torch_adam(ds_config: dict) -> bool:
+    """Whether the optimizer step runs torch's Adam (CPU workers without offload, ds_config.py).
 
-    Read from the generated DeepSpeed config (``launchers/ds_config.py``); bucket sizes there are
-    in elements. ``persistent_params`` is :func:`stage3_persistent_params` of the model (0 for a
-    hypothetical model whose parameter shapes are unknown). The sum is conservative: the
-    optimizer-step temporary never coexists with activations, but is added to them anyway.
+    On CPU torch's Adam takes its single-tensor path: ``exp_avg_sq.sqrt()`` and the division by
+    the bias correction are two temporaries the size of the tensor being stepped. DeepSpeed's
+    FusedAdam (GPU) and CPU Adam (offload) update in place and allocate nothing.
+    """
+    optimizer = ds_config.get("optimizer") or {}
+    return optimizer.get("type") in ("Adam", "AdamW") and bool((optimizer.get("params") or {}).get("torch_adam"))
 
-    Sources (deepspeed/runtime/...):
-    * ``zero/stage_1_and_2.py`` ``setup_buckets``: with ``contiguous_gradients`` (forced on by
-      optimizer offload) each backward allocates a reduction bucket of ``reduce_bucket_size``
-      elements in the gradient dtype, two with ``overlap_comm``. It is ``torch.empty`` of the full
-      size whatever the model: a GPU's caching allocator reserves all of it, while on CPU only
-      the pages written (at most the model's gradient) become resident, hence the min with Ψ.
-    * ``utils.py`` ``all_gather_dp_groups``: stage 1-2 gathers updated weights in place into the
-      flat parameter buffer, so ``allgather_bucket_size`` allocates nothing.
-    * ``stage_1_and_2.py`` ``step``: without offload the rank's gradient partition is flattened
-      and cast into an fp32 ``.grad`` of the master (4Φ/N) for the optimizer step.
-    * ``zero/stage3.py``: a reduction bucket of ``reduce_bucket_size`` (allocated eagerly in
-      ``__init__``); ``_prepare_fp32_grad_for_sub_group`` casts one sub-group (at most
-      ``sub_group_size`` elements) of gradients to fp32 at a time for the step.
-    * ``zero/partitioned_param_coordinator.py``: while a module runs, its parameters are gathered
-      whole and up to ``stage3_prefetch_bucket_size`` more elements are prefetched, never beyond
-      ``stage3_max_live_parameters``; the gathered module's full gradient exists until it is
-      reduce-scattered (DeepSpeed's own estimator budgets 4 bytes per largest-layer parameter for
-      this pair). Parameters under ``stage3_param_persistence_threshold`` stay gathered always.
-    * ``engine.py`` ``allreduce_gradients``: stage 0 flattens gradients into buckets of
-      MEMORY_OPT_ALLREDUCE_SIZE elements to all-reduce them.
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseBytes:
+    """Bytes of one device by kind: what persists across steps, or what one phase adds to it."""
+
+    phase: str
+    """``held`` (between steps), ``forward``, ``backward``, ``reduction`` or ``optimizer step``."""
+    params: int = 0
+    grads: int = 0
+    optimizer_states: int = 0
+    activations: int = 0
+    buffers: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_states + self.activations + self.buffers
+
+
+@dataclass(frozen=True, kw_only=True)
+class DevicePhases:
+    """One device through a training step: what it holds, and what each phase adds at its worst."""
+
+    held: PhaseBytes
+    """Alive from one step to the next: parameters, optimizer states, persistent ZeRO buffers."""
+    phases: list[PhaseBytes]
+    """Transients of each phase, on top of ``held``."""
+    host_buffers: int = 0
+    """Persistent staging buffers DeepSpeed keeps in host memory (outside ModelStateBytes)."""
+
+    @property
+    def binding(self) -> PhaseBytes:
+        """The phase whose transients are largest: the step's peak is ``held`` plus these."""
+        return max(self.phases, key=lambda p: p.total)
+
+
+def step_phases(ds_config: dict, *, states: ModelStateBytes, model: ModelStats, activations: ActivationBytes,
+                dp: int, precision: Precision, grad_accum_steps: int = 1,
+                accelerator: Accelerator = Accelerator.cpu, persistent_params: int = 0) -> DevicePhases:
+    """What one device holds between steps and what each phase of a step adds, as DeepSpeed 0.19 runs.
+
+    The peak is ``held`` plus the largest phase, not the sum of everything: the all-reduce bucket
+    of stage 0 is flattened after autograd has freed the activations, the optimizer step's fp32
+    temporaries never meet them either, and ZeRO-1/2 gradients leave ``.grad`` for the reduction
+    bucket as autograd produces them. Every number below was checked against a real 2-worker run
+    traced per phase (bench/memory_accuracy.py); ``persistent_params`` is
+    :func:`stage3_persistent_params` of the model. Sources, deepspeed/runtime/...:
+
+    * held, stage 0: the parameters and torch Adam's moments; gradients are freed by
+      ``zero_grad`` after each step.
+    * held, stages 1-2: the parameters and the partitioned master and moments; no gradient
+      survives the step (``grads_in_partition`` and the bucket are rebuilt every backward). With
+      offload, ``temp_grad_buffer_for_gpu_offload`` on the device and
+      ``temp_grad_buffer_for_cpu_offload`` on the host, one largest parameter each
+      (``zero/stage_1_and_2.py`` lines 653-661), persist.
+    * held, stage 3: the parameter and gradient partitions (``grad_partitions_flat_buffer``), the
+      master and moments, the parameters under the persistence threshold kept whole, and the
+      reduction bucket, allocated once in ``__init__`` (``zero/stage3.py`` line 782).
+    * forward: the activations as they accumulate (``forward_peak``); stage 3 also holds every
+      gathered parameter twice, the all-gather's flat output (``partition_parameters.py`` line
+      1343, kept alive by its handle's ``partitions``) and the ``torch.cat`` copy that becomes
+      ``param.data`` (line 795); within ``stage3_max_reuse_distance`` nothing is released
+      before backward, so that is all non-persistent parameters up to ``stage3_max_live_parameters``.
+    * backward: the activations' backward peak; at stages 0-1 autograd accumulates ``.grad``
+      until the end of backward (``backward_peak_with_grads``), at stages 2-3 each gradient moves
+      to the bucket as it appears (``backward_peak``). Stages 1-2 allocate the bucket of
+      ``reduce_bucket_size`` (``setup_buckets``, line 3266); stage 3 keeps the gathered
+      parameters once (the all-gather buffers are gone).
+    * reduction, after autograd, activations freed: stage 0 all-reduces the full gradients
+      through a flat bucket of MEMORY_OPT_ALLREDUCE_SIZE elements (``engine.py``); stages 1-2
+      keep the bucket and the rank's gradient partition.
+    * optimizer step: stage 0 keeps the full gradients (mixed precision adds the fp32 copy its
+      FP16/BF16 optimizer steps on); stages 1-2 flatten the partition to an fp32 ``.grad`` of the
+      master (``step``, line 3118); stage 3 flattens one sub-group (``_prepare_fp32_grad_for_
+      sub_group``); torch Adam then adds two temporaries of the tensor it steps (:func:`_torch_adam`).
+    * ``grad_accum_steps > 1``: the gradients of earlier micro-batches coexist with the next
+      micro-batch's forward and backward (full at stages 0-1, the partition at stage 2).
     """
     zero = _zero_section(ds_config)
     stage = int(zero.get("stage", 0))
     b = bytes_per_element(precision)
     n = max(dp, 1)
+    psi, phi = model.param_count, model.trainable_count
+    largest_param = model.largest_param or model.largest_layer_params
+    offloaded = stage >= 1 and _offloaded(zero, "offload_optimizer")
+    adam_temporaries = 2 if _torch_adam(ds_config) else 0
+    accumulating = grad_accum_steps > 1
+
+    def part(x: int) -> int:
+        return -(-x // n)
 
     def resident(elements: int) -> int:
-        return elements if accelerator == Accelerator.gpu else min(elements, param_count)
+        # torch.empty of the bucket: a GPU's caching allocator reserves all of it; on CPU the
+        # bucket is capped at the model by ds_config.py and only pages written become resident.
+        return elements if accelerator == Accelerator.gpu else min(elements, psi)
+
+    contiguous = bool(zero.get("contiguous_gradients", True)) or offloaded
+    reduce_bucket = b * resident(int(zero.get("reduce_bucket_size", 500_000_000))) if contiguous else 0
 
     if stage == 0:
-        bucket = b * min(_STAGE0_ALLREDUCE_BUCKET, param_count) if n > 1 else 0
-        # Mixed precision at stage 0 runs DeepSpeed's FP16_Optimizer, which casts the whole
-        # gradient to an fp32 ``.grad`` of its flat master for the step.
-        step = _FP32 * param_count if precision != Precision.fp32 else 0
-        return bucket + step
-
-    optimizer_offloaded = _offloaded(zero, "offload_optimizer")
-    contiguous = bool(zero.get("contiguous_gradients", True)) or optimizer_offloaded
-    reduce_bucket = int(zero.get("reduce_bucket_size", 500_000_000))
-    buckets = 2 if zero.get("overlap_comm", False) and stage < 3 else 1
-    total = b * resident(reduce_bucket) * buckets if contiguous else 0
+        held = PhaseBytes(phase="held", params=states.params, optimizer_states=states.optimizer_states)
+        full_grads = b * phi
+        during_backward = activations.backward_peak if accumulating else \
+            activations.backward_peak_with_grads - activations.grads_at_backward_peak
+        grads_in_backward = full_grads if accumulating else activations.grads_at_backward_peak
+        mixed_fp32_grads = _FP32 * phi if precision != Precision.fp32 else 0
+        phases = [
+            PhaseBytes(phase="forward", activations=activations.forward_peak,
+                       grads=full_grads if accumulating else 0),
+            PhaseBytes(phase="backward", activations=during_backward, grads=grads_in_backward),
+            PhaseBytes(phase="reduction", grads=full_grads,
+                       buffers=b * min(_STAGE0_ALLREDUCE_BUCKET, psi) if n > 1 else 0),
+            PhaseBytes(phase="optimizer step", grads=full_grads,
+                       buffers=mixed_fp32_grads + adam_temporaries * _FP32 * largest_param),
+        ]
+        return DevicePhases(held=held, phases=phases)
 
     if stage in (1, 2):
-        if optimizer_offloaded:
-            # temp_grad_buffer_for_gpu_offload: one parameter's gradient staged for the copy.
-            total += b * largest_layer_params
+        staging = b * largest_param if offloaded else 0
+        held = PhaseBytes(phase="held", params=states.params, optimizer_states=states.optimizer_states,
+                          buffers=staging)
+        buckets = reduce_bucket * (2 if zero.get("overlap_comm", False) else 1)
+        partition = 0 if offloaded else part(b * phi)
+        if stage == 1:
+            earlier = b * phi if accumulating else 0
+            during_backward = activations.backward_peak if accumulating else \
+                activations.backward_peak_with_grads - activations.grads_at_backward_peak
+            grads_in_backward = earlier or activations.grads_at_backward_peak
         else:
-            total += _FP32 * -(-param_count // n)
-        return total
+            earlier = partition if accumulating else 0
+            during_backward, grads_in_backward = activations.backward_peak, earlier
+        phases = [
+            PhaseBytes(phase="forward", activations=activations.forward_peak, grads=earlier),
+            PhaseBytes(phase="backward", activations=during_backward, grads=grads_in_backward, buffers=buckets),
+            PhaseBytes(phase="reduction", grads=partition, buffers=buckets),
+        ]
+        if not offloaded:
+            fp32_partition = _FP32 * part(phi)
+            phases.append(PhaseBytes(phase="optimizer step",
+                                     buffers=fp32_partition * (1 + adam_temporaries)))
+        return DevicePhases(held=held, phases=phases, host_buffers=staging)
 
-    prefetch = int(zero.get("stage3_prefetch_bucket_size", 50_000_000))
+    held = PhaseBytes(phase="held", params=states.params + b * persistent_params, grads=states.grads,
+                      optimizer_states=states.optimizer_states, buffers=reduce_bucket)
     max_live = int(zero.get("stage3_max_live_parameters", 1_000_000_000))
-    gathered = min(largest_layer_params + prefetch, max(max_live, largest_layer_params), param_count)
-    total += b * gathered  # gathered parameters
-    total += b * largest_layer_params  # the gathered module's gradient before reduce-scatter
-    total += b * persistent_params
-    if not optimizer_offloaded:
-        sub_group = int(zero.get("sub_group_size", _STAGE3_SUB_GROUP_SIZE))
-        total += _FP32 * min(sub_group, -(-param_count // n))
-    return total
+    gathered = b * min(max(psi - persistent_params, 0), max(max_live, model.largest_layer_params))
+    phases = [
+        PhaseBytes(phase="forward", activations=activations.forward_peak, buffers=2 * gathered),
+        PhaseBytes(phase="backward", activations=activations.backward_peak, buffers=gathered),
+    ]
+    if not offloaded:
+        sub_group = _FP32 * min(int(zero.get("sub_group_size", _STAGE3_SUB_GROUP_SIZE)), part(phi))
+        phases.append(PhaseBytes(phase="optimizer step", buffers=sub_group * (1 + adam_temporaries)))
+    return DevicePhases(held=held, phases=phases)
 
 
 def reserve_bytes(subtotal: int, accelerator: Accelerator) -> int:
@@ -291,20 +394,29 @@ def reserve_bytes(subtotal: int, accelerator: Accelerator) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryBreakdown:
-    """Predicted peak bytes of one device, by kind, against the device's capacity."""
+    """Predicted peak bytes of one device, by kind, at the phase of the step where it peaks.
+
+    Each component is what is alive at that moment (``held`` plus the binding phase's
+    transients), so ``params + grads + optimizer_states + activations + buffers + reserve`` is
+    ``total``.
+    """
 
     params: int
     grads: int
     optimizer_states: int
     activations: int
-    """Saved activations of one micro-batch (plus one block's recompute under checkpointing)."""
+    """Activation bytes alive at the peak (saved tensors, activation gradients, a recomputed layer)."""
     buffers: int
-    """ZeRO communication buckets, gathered ZeRO-3 layers and optimizer-step temporaries."""
+    """ZeRO buckets, gathered ZeRO-3 parameters and optimizer-step temporaries alive at the peak."""
     reserve: int
     """Allocator fragmentation headroom."""
     total: int
     capacity: int
     """Bytes the device (on CPU: the worker's share of host memory) offers."""
+    held: int = 0
+    """Bytes held between steps (parameters, optimizer states, persistent buffers)."""
+    phase: str = "held"
+    """The phase of the step where the peak is: forward, backward, reduction or optimizer step."""
 
     @property
     def headroom(self) -> int:
@@ -315,16 +427,18 @@ class MemoryBreakdown:
     def fits(self) -> bool:
         return self.total <= self.capacity
 
-    def as_dict(self) -> dict[str, int | bool]:
+    def as_dict(self) -> dict[str, int | bool | str]:
         """Plain values, for tracking and JSON output."""
         return {**asdict(self), "headroom": self.headroom, "fits": self.fits}
 
 
-def memory_breakdown(*, states: ModelStateBytes, activations: int, buffers: int, capacity: int,
-                     accelerator: Accelerator) -> MemoryBreakdown:
-    """Add the device-side parts up, with the allocator reserve on the sum."""
-    subtotal = states.device_total + activations + buffers
+def memory_breakdown(*, device: DevicePhases, capacity: int, accelerator: Accelerator) -> MemoryBreakdown:
+    """The peak: what is held plus the binding phase's transients, with the allocator reserve on it."""
+    held, peak = device.held, device.binding
+    subtotal = held.total + peak.total
     reserve = reserve_bytes(subtotal, accelerator)
-    return MemoryBreakdown(params=states.params, grads=states.grads, optimizer_states=states.optimizer_states,
-                           activations=activations, buffers=buffers, reserve=reserve, total=subtotal + reserve,
-                           capacity=capacity)
+    return MemoryBreakdown(params=held.params + peak.params, grads=held.grads + peak.grads,
+                           optimizer_states=held.optimizer_states + peak.optimizer_states,
+                           activations=held.activations + peak.activations, buffers=held.buffers + peak.buffers,
+                           reserve=reserve, total=subtotal + reserve, capacity=capacity, held=held.total,
+                           phase=peak.phase)

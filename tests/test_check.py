@@ -25,9 +25,18 @@ def orch(*args: str, cwd) -> subprocess.CompletedProcess:
 
 
 def test_zero_stages_shrink_the_model_states_per_device():
-    totals = [check(f"plan.zero_stage={s}", "model.d_model=256").per_device for s in range(4)]
-    states = [b.params + b.grads + b.optimizer_states for b in totals]
+    # The ZeRO paper's model states (gradients included). What a rank holds between steps does not
+    # shrink the same way: DeepSpeed rebuilds stage 1-2 gradients every backward, and stage 3
+    # keeps a reduction bucket allocated (test_memory_estimate.py checks those phases).
+    estimates = [check(f"plan.zero_stage={s}", "model.d_model=256") for s in range(4)]
+    states = [e.states.device_total for e in estimates]
     assert states[0] > states[1] > states[2] > states[3]
+
+
+def test_the_breakdown_is_the_peak_phase_and_adds_up():
+    d = check("plan.zero_stage=2", "model.d_model=256").per_device
+    assert d.phase == "backward" and 0 < d.held < d.total
+    assert d.params + d.grads + d.optimizer_states + d.activations + d.buffers + d.reserve == d.total
 
 
 def test_checkpointing_and_smaller_micro_batches_shrink_activations():
@@ -66,7 +75,8 @@ def test_check_json_is_one_document_with_the_stable_names(tmp_path):
     assert doc["feasible"] is True and doc["world_size"] == 2 and doc["plan"]["zero_stage"] == 3
     assert doc["model"]["param_count"] > 0
     assert set(doc["per_device"]) >= {"params", "grads", "optimizer_states", "activations", "buffers", "total",
-                                      "capacity"}
+                                      "capacity", "held", "phase"}
+    assert set(doc["phases"]) >= {"held", "forward", "backward"}
     assert doc["per_device"]["capacity"] == 8 * GIB
     assert set(doc["per_node_host"]) >= {"total", "capacity"}
     assert len(doc["stages"]) == 1 and doc["violations"] == []
@@ -77,9 +87,11 @@ def test_check_a_175b_model_on_1024_devices_without_allocating_it(tmp_path):
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert doc["world_size"] == 1024 and 174e9 < doc["model"]["param_count"] < 176e9
-    # ZeRO-3 mixed-precision Adam: 16 bytes per parameter spread over 1024 devices.
+    # ZeRO-3 mixed-precision Adam: 16 bytes per parameter spread over 1024 devices, plus the
+    # parameters under stage3_param_persistence_threshold (biases, LayerNorms) that every rank
+    # keeps whole, about 1% here.
     states = doc["per_device"]["params"] + doc["per_device"]["grads"] + doc["per_device"]["optimizer_states"]
-    assert abs(states - 16 * doc["model"]["param_count"] / 1024) / states < 0.01
+    assert 0 <= (states - 16 * doc["model"]["param_count"] / 1024) / states < 0.02
 
 
 def test_check_table_and_exit_code_for_a_plan_that_does_not_fit(tmp_path):

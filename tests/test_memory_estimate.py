@@ -14,14 +14,21 @@ import torch  # noqa: E402
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs  # noqa: E402
 
-from plans.activations import gpt_activation_bytes, measure_activations, saved_activation_bytes  # noqa: E402
+from plans.activations import (  # noqa: E402
+    ActivationBytes,
+    gpt_activation_bytes,
+    measure_activations,
+    saved_activation_bytes,
+)
 from plans.memory import (  # noqa: E402
+    DevicePhases,
     ModelStateBytes,
+    ModelStats,
     memory_breakdown,
     model_state_bytes,
     model_stats,
     stage3_persistent_params,
-    zero_buffer_bytes,
+    step_phases,
 )
 from plans.spec import Accelerator, Offload, OptimizerName, Precision  # noqa: E402
 from workloads.gpt import GPT  # noqa: E402
@@ -68,13 +75,23 @@ def test_zero_paper_formulas_hold_exactly():
 # --- DeepSpeed's own estimators ------------------------------------------------------------------
 
 PSI, LARGEST = 800_000_000, 40_000_000  # divisible by the dp degrees used, so no rounding differs
+NO_ACTIVATIONS = ActivationBytes(saved=0, recompute_peak=0)
 
 
-def _step_temp(stage: int, dp: int) -> int:
-    """zero_buffer_bytes with buckets and gathering switched off: only the fp32 step copy."""
-    cfg = ds_config(stage, contiguous_gradients=False, stage3_prefetch_bucket_size=0)
-    buffers = zero_buffer_bytes(cfg, param_count=PSI, largest_layer_params=0, dp=dp, precision=Precision.bf16)
-    return buffers
+def phases(stage: int, dp: int, *, states_: ModelStateBytes | None = None, psi: int = PSI, largest: int = LARGEST,
+           activations: ActivationBytes = NO_ACTIVATIONS, precision: Precision = Precision.bf16,
+           accelerator: Accelerator = Accelerator.gpu, persistent_params: int = 0, grad_accum_steps: int = 1,
+           config: dict | None = None) -> DevicePhases:
+    model_states = states_ or states(psi=psi, stage=stage, dp=dp, precision=precision)
+    return step_phases(config or ds_config(stage), states=model_states,
+                       model=ModelStats(param_count=psi, trainable_count=psi, largest_layer_params=largest,
+                                        largest_param=largest),
+                       activations=activations, dp=dp, precision=precision, grad_accum_steps=grad_accum_steps,
+                       accelerator=accelerator, persistent_params=persistent_params)
+
+
+def phase(device: DevicePhases, name: str):
+    return next(p for p in device.phases if p.phase == name)
 
 
 @pytest.mark.parametrize("gpus", [2, 4, 8])
@@ -82,10 +99,11 @@ def test_zero2_matches_deepspeed_estimator_without_offload(gpus):
     _, ds_gpu = estimate_zero2_model_states_mem_needs(PSI, num_gpus_per_node=gpus, cpu_offload=False)
     ours = states(psi=PSI, stage=2, dp=gpus)
     # DeepSpeed budgets 2Ψ + 18Ψ/N: its 18 is 2 (bf16 grads) + 4 (fp32 grads) + 4 (master) + 8 (Adam).
-    # We keep the paper's 2Ψ + 14Ψ/N as model states and count the fp32 gradient copy that step()
-    # casts (4Ψ/N) among the buffers; together they are DeepSpeed's number to the byte.
-    assert _step_temp(2, gpus) == 4 * PSI // gpus
-    assert ours.device_total + _step_temp(2, gpus) == ds_gpu
+    # We keep the paper's 2Ψ + 14Ψ/N as model states; the fp32 gradient copy that step() casts
+    # (4Ψ/N) is the optimizer step's transient. Together they are DeepSpeed's number to the byte.
+    step = phase(phases(2, gpus), "optimizer step")
+    assert step.total == 4 * PSI // gpus  # FusedAdam on a GPU: no torch Adam temporaries
+    assert ours.device_total + step.total == ds_gpu
 
 
 @pytest.mark.parametrize("gpus", [2, 4])
@@ -107,16 +125,18 @@ def test_zero3_matches_deepspeed_estimator_without_offload(gpus):
     _, ds_gpu, ds_largest = estimate_zero3_model_states_mem_needs(PSI, LARGEST, num_gpus_per_node=gpus,
                                                                   cpu_offload=False, cpu_offload_params=False)
     ours = states(psi=PSI, stage=3, dp=gpus)
-    # The largest layer gathered: bf16 parameters + their bf16 gradient, 4 bytes each in both models.
-    cfg = ds_config(3, contiguous_gradients=False, stage3_prefetch_bucket_size=0)
-    gathered = zero_buffer_bytes(cfg, param_count=PSI, largest_layer_params=LARGEST, dp=gpus,
-                                 precision=Precision.bf16) - _step_temp(3, gpus)
-    assert gathered == ds_largest == 4 * LARGEST
+    # With at most one layer live, the forward holds it twice in bf16: the all-gather's flat output
+    # and the torch.cat copy that becomes param.data. DeepSpeed budgets the same 4 bytes per
+    # parameter of the largest layer, as its bf16 parameters plus their bf16 gradient.
+    config = ds_config(3, contiguous_gradients=False, stage3_max_live_parameters=LARGEST)
+    forward = phase(phases(3, gpus, config=config), "forward")
+    assert forward.buffers == ds_largest == 4 * LARGEST
     # DeepSpeed budgets 18Ψ/N for the partitioned states; we count the paper's 16Ψ/N (bf16 params
-    # 2 + grad_partitions_flat_buffer 2 + master 4 + Adam 8) plus the sub-group fp32 gradient copy
-    # of the step (4Ψ/N) among the buffers, so we are 2Ψ/N above DeepSpeed's estimate.
+    # 2 + grad_partitions_flat_buffer 2 + master 4 + Adam 8) and, in the optimizer step, the fp32
+    # gradient of the sub-group (4Ψ/N, sub_group_size ≥ Ψ/N here): 2Ψ/N above DeepSpeed.
     assert ours.device_total == 16 * PSI // gpus
-    assert ours.device_total + gathered + _step_temp(3, gpus) == ds_gpu + 2 * PSI // gpus
+    step = phase(phases(3, gpus, config=config), "optimizer step")
+    assert ours.device_total + step.total == ds_gpu - ds_largest + 2 * PSI // gpus
 
 
 @pytest.mark.parametrize("gpus", [2, 8])
@@ -141,13 +161,15 @@ def test_zero3_offload_matches_deepspeed_estimator(gpus):
 
 # --- precision, optimizer, frozen parameters, offload -------------------------------------------
 
-def test_fp32_adam_has_no_master_copy_where_deepspeed_reuses_the_weights():
+def test_fp32_adam_has_a_master_copy_only_under_zero():
     psi, n = 1_000, 4
     s0 = states(psi=psi, stage=0, dp=n, precision=Precision.fp32)
     assert (s0.params, s0.grads, s0.optimizer_states) == (4 * psi, 4 * psi, 8 * psi)
+    # Stages 1-2 clone the partition into single_partition_of_fp32_groups even in fp32; stage 3
+    # ends up with a separate fp32_partitioned_groups_flat too (measured: a real fp32 stage-3
+    # worker holds five 4Ψ/N storages, parameters, gradients, master and two moments).
     s3 = states(psi=psi, stage=3, dp=n, precision=Precision.fp32)
-    assert (s3.params, s3.grads, s3.optimizer_states) == (4 * psi // n, 4 * psi // n, 8 * psi // n)
-    # Stages 1-2 clone the partition into single_partition_of_fp32_groups even in fp32.
+    assert (s3.params, s3.grads, s3.optimizer_states) == (4 * psi // n, 4 * psi // n, 12 * psi // n)
     s2 = states(psi=psi, stage=2, dp=n, precision=Precision.fp32)
     assert (s2.params, s2.grads, s2.optimizer_states) == (4 * psi, 4 * psi // n, 12 * psi // n)
 
@@ -201,14 +223,13 @@ def test_param_offload_moves_the_partition_to_host():
 
 def test_buckets_are_capped_by_the_model_on_cpu_but_not_on_gpu():
     small = 1_000_000
-    cfg = ds_config(2)
-    kwargs = dict(param_count=small, largest_layer_params=small // 10, dp=2, precision=Precision.bf16)
-    cpu = zero_buffer_bytes(cfg, accelerator=Accelerator.cpu, **kwargs)
-    gpu = zero_buffer_bytes(cfg, accelerator=Accelerator.gpu, **kwargs)
-    assert cpu == 2 * small + 4 * small // 2  # bucket touched up to the model, plus the fp32 step copy
-    assert gpu == 2 * 500_000_000 + 4 * small // 2  # torch.empty(reduce_bucket_size) reserved whole
-    overlapped = zero_buffer_bytes(ds_config(2, overlap_comm=True), accelerator=Accelerator.gpu, **kwargs)
-    assert overlapped == gpu + 2 * 500_000_000
+    kwargs = dict(psi=small, largest=small // 10)
+    cpu = phase(phases(2, 2, accelerator=Accelerator.cpu, **kwargs), "backward")
+    gpu = phase(phases(2, 2, accelerator=Accelerator.gpu, **kwargs), "backward")
+    assert cpu.buffers == 2 * small  # bucket touched up to the model
+    assert gpu.buffers == 2 * 500_000_000  # torch.empty(reduce_bucket_size) reserved whole
+    overlapped = phase(phases(2, 2, config=ds_config(2, overlap_comm=True), **kwargs), "backward")
+    assert overlapped.buffers == 2 * gpu.buffers
 
 
 def test_stage3_persistent_params_of_the_small_gpt_are_all_of_it():
@@ -217,21 +238,83 @@ def test_stage3_persistent_params_of_the_small_gpt_are_all_of_it():
     # Every tensor of the default GPT is under DeepSpeed's 1e5 threshold: stage 3 keeps it whole.
     assert stage3_persistent_params(gpt, 100_000) == stats.param_count
     assert stage3_persistent_params(gpt, 0) == 0
-    kwargs = dict(param_count=stats.param_count, largest_layer_params=stats.largest_layer_params, dp=2,
-                  precision=Precision.bf16)
-    with_persistent = zero_buffer_bytes(ds_config(3), persistent_params=stats.param_count, **kwargs)
-    without = zero_buffer_bytes(ds_config(3), **kwargs)
-    assert with_persistent - without == 2 * stats.param_count
+    kwargs = dict(psi=stats.param_count, largest=stats.largest_layer_params)
+    with_persistent = phases(3, 2, persistent_params=stats.param_count, **kwargs)
+    without = phases(3, 2, **kwargs)
+    assert with_persistent.held.params - without.held.params == 2 * stats.param_count
+    # Nothing is left to gather when every parameter persists.
+    assert phase(with_persistent, "forward").buffers == 0 < phase(without, "forward").buffers
+
+
+# --- the phases of a step ----------------------------------------------------------------------
+
+ACTS = ActivationBytes(saved=0, recompute_peak=0, forward_peak=50_000_000, backward_peak=60_000_000,
+                       backward_peak_with_grads=70_000_000, grads_at_backward_peak=5_000_000)
+SMALL = 10_000_000
+
+
+def test_the_peak_is_held_plus_the_worst_phase_not_the_sum_of_everything():
+    psi = SMALL // 2
+    device = phases(0, 2, psi=psi, largest=psi // 10, activations=ACTS, precision=Precision.fp32,
+                    accelerator=Accelerator.cpu)
+    # Stage 0 frees gradients after the step: held are the parameters and Adam's two moments.
+    assert device.held.total == 3 * 4 * psi and device.held.grads == 0
+    backward = phase(device, "backward")
+    # In backward autograd has produced only some gradients; the all-reduce bucket comes later.
+    assert (backward.activations, backward.grads, backward.buffers) == (65_000_000, 5_000_000, 0)
+    reduction = phase(device, "reduction")
+    assert (reduction.activations, reduction.grads, reduction.buffers) == (0, 4 * psi, 4 * psi)
+    assert device.binding is backward
+    breakdown = memory_breakdown(device=device, capacity=10**9, accelerator=Accelerator.cpu)
+    assert breakdown.phase == "backward" and breakdown.held == device.held.total
+    assert breakdown.total == device.held.total + backward.total
+
+
+def test_gradient_accumulation_keeps_full_gradients_next_to_the_activations():
+    once = phase(phases(1, 2, psi=SMALL, activations=ACTS, accelerator=Accelerator.cpu), "backward")
+    accumulating = phase(phases(1, 2, psi=SMALL, activations=ACTS, accelerator=Accelerator.cpu,
+                                grad_accum_steps=4), "backward")
+    assert once.grads == ACTS.grads_at_backward_peak
+    assert (accumulating.activations, accumulating.grads) == (ACTS.backward_peak, 2 * SMALL)
+    stage2 = phase(phases(2, 2, psi=SMALL, activations=ACTS, accelerator=Accelerator.cpu, grad_accum_steps=4),
+                   "forward")
+    assert stage2.grads == 2 * SMALL // 2  # the rank's grads_in_partition
+
+
+def test_zero2_gradients_leave_for_the_bucket_and_zero1_keep_them_in_backward():
+    z1 = phase(phases(1, 2, psi=SMALL, activations=ACTS, accelerator=Accelerator.cpu), "backward")
+    z2 = phase(phases(2, 2, psi=SMALL, activations=ACTS, accelerator=Accelerator.cpu), "backward")
+    assert z1.activations + z1.grads == ACTS.backward_peak_with_grads
+    assert z2.activations + z2.grads == ACTS.backward_peak
+    assert z1.buffers == z2.buffers == 2 * SMALL  # the bf16 bucket, capped at the model on CPU
+
+
+def test_optimizer_offload_keeps_its_staging_buffers():
+    device = phases(2, 2, psi=SMALL, largest=SMALL // 10, activations=ACTS, accelerator=Accelerator.cpu,
+                    states_=states(psi=SMALL, stage=2, dp=2, offload_optimizer=Offload.cpu),
+                    config=ds_config(2, offload_optimizer={"device": "cpu"}))
+    # temp_grad_buffer_for_gpu_offload on the device, ..._for_cpu_offload on the host, one parameter each.
+    assert device.held.buffers == device.host_buffers == 2 * SMALL // 10
+    # CPU Adam steps in place on the host: no step phase on the device.
+    assert [p.phase for p in device.phases] == ["forward", "backward", "reduction"]
+
+
+def test_torch_adam_adds_two_temporaries_of_the_stepped_tensor():
+    config = {**ds_config(2), "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
+    step = phase(phases(2, 2, psi=SMALL, precision=Precision.fp32, config=config), "optimizer step")
+    assert step.buffers == 3 * 4 * SMALL // 2  # the fp32 gradient partition, sqrt and division
 
 
 def test_breakdown_adds_up_and_reserves_only_on_gpu():
-    s = states(psi=1_000_000, stage=2, dp=2)
-    cpu = memory_breakdown(states=s, activations=3_000, buffers=5_000, capacity=10**8, accelerator=Accelerator.cpu)
-    assert cpu.reserve == 0 and cpu.total == s.device_total + 8_000 and cpu.fits
-    assert cpu.headroom == 10**8 - cpu.total
-    gpu = memory_breakdown(states=s, activations=3_000, buffers=5_000, capacity=cpu.total, accelerator=Accelerator.gpu)
+    device = phases(2, 2, psi=1_000_000, largest=100_000, activations=ACTS, accelerator=Accelerator.cpu)
+    cpu = memory_breakdown(device=device, capacity=10**9, accelerator=Accelerator.cpu)
+    parts = cpu.params + cpu.grads + cpu.optimizer_states + cpu.activations + cpu.buffers
+    assert cpu.reserve == 0 and cpu.total == parts and cpu.fits
+    assert cpu.headroom == 10**9 - cpu.total
+    gpu = memory_breakdown(device=device, capacity=cpu.total, accelerator=Accelerator.gpu)
     assert gpu.reserve == int(cpu.total * 0.10) and not gpu.fits and gpu.headroom == -gpu.reserve
     assert gpu.as_dict()["fits"] is False and gpu.as_dict()["total"] == gpu.total
+    assert gpu.as_dict()["phase"] == "backward"
 
 
 # --- model stats -----------------------------------------------------------------------------------
@@ -328,3 +411,21 @@ def test_a_module_with_real_weights_is_refused():
     with pytest.raises(ValueError, match="meta device"):
         saved_activation_bytes(torch.nn.Linear(2, 2), micro_batch_size=1, seq_len=4, dtype=torch.float32,
                                checkpointing=False)
+
+
+def test_backward_peaks_match_a_real_worker():
+    # Tensor bytes above what a real fp32 2-worker run held (launchers/memory_probe.py, DeepSpeed
+    # 0.19, this model at micro-batch 8), less the ZeRO bucket of Ψ fp32 elements: the backward
+    # peak with gradients leaving for the bucket (ZeRO-2: 70.44 MiB, checkpointed 25.30 MiB) and
+    # with gradients kept in .grad (ZeRO-1, checkpointed: 31.34 MiB).
+    shape = dict(n_layer=4, d_model=256, n_head=8, seq_len=128, vocab_size=256)
+    kwargs = dict(micro_batch_size=8, seq_len=128, dtype=torch.float32)
+    plain = measure_activations(partial(GPT, **shape), checkpointing=False, **kwargs)
+    ckpt = measure_activations(partial(GPT, **shape), checkpointing=True, **kwargs)
+    mib = 2**20
+    assert plain.backward_peak / mib == pytest.approx(70.44, rel=0.002)
+    assert ckpt.backward_peak / mib == pytest.approx(25.30, rel=0.002)
+    assert ckpt.backward_peak_with_grads / mib == pytest.approx(31.34, rel=0.002)
+    # The saved-tensor count is the forward's end; backward adds the activation gradients.
+    assert plain.forward_peak <= plain.saved < plain.backward_peak
+    assert ckpt.forward_peak < ckpt.backward_peak < plain.backward_peak
