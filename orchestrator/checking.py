@@ -16,6 +16,7 @@ from plans.model_facts import ModelFacts, inspect_model
 from plans.resolve import ResolvedPlan, resolve_plan
 from plans.spec import ClusterSpec
 from workloads.corpus import BYTE_VOCAB
+from workloads.gpt import TP_LAYER_SPECS
 
 
 def _check_model(facts: ModelFacts, cfg: RunConfig) -> None:
@@ -63,7 +64,8 @@ def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = Non
     factory = model_factory(constructor_cfg)
     facts = inspect_model(factory, cfg.data.seq_len)  # the model's contract, before any arithmetic on it
     _check_model(facts, cfg)
-    probe = ModelProbe(factory, cfg.data.seq_len)
+    probe = ModelProbe(factory, cfg.data.seq_len,
+                       tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs)
 
     def ds_config(candidate: ResolvedPlan) -> dict:
         return build_ds_config(candidate, cfg.optim, cfg.train.steps, param_count=probe.stats.param_count,

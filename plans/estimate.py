@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -115,13 +116,49 @@ class ModelProbe:
     change and activations only depend on (micro-batch, precision, checkpointing).
     """
 
-    def __init__(self, factory: Callable[[], torch.nn.Module], seq_len: int):
+    def __init__(self, factory: Callable[[], torch.nn.Module], seq_len: int,
+                 tp_layer_specs: list[dict] | None = None):
         self.factory = factory
         self.seq_len = seq_len
+        self.tp_layer_specs = tp_layer_specs or []
         with torch.device("meta"):
             self.module = factory()
         self.stats = model_stats(self.module)
         self._activations = functools.lru_cache(maxsize=None)(self._measure)
+
+    @functools.cached_property
+    def tensor_parallel_params(self) -> tuple[int, int]:
+        """(all, trainable) parameters that tensor parallelism shards, per the AutoTP layer specs.
+
+        A spec names a layer's weight; a column-parallel layer's bias is split with it, a
+        row-parallel layer's bias stays whole (DeepSpeed's LinearLayer / LinearAllreduce).
+        """
+        patterns = [(re.compile(p), spec.get("partition_type", "column"))
+                    for spec in self.tp_layer_specs for p in spec.get("patterns", [])]
+        sharded, trainable = 0, 0
+        for name, module in self.module.named_modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.nn.Parameter):
+                continue
+            kinds = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
+            if not kinds:
+                continue
+            params = [weight]
+            bias = getattr(module, "bias", None)
+            if kinds[0] == "column" and isinstance(bias, torch.nn.Parameter):
+                params.append(bias)
+            sharded += sum(p.numel() for p in params)
+            trainable += sum(p.numel() for p in params if p.requires_grad)
+        return sharded, trainable
+
+    def stats_for(self, tp: int) -> ModelStats:
+        """Parameter counts one rank holds when the model is split ``tp`` ways."""
+        if tp <= 1:
+            return self.stats
+        sharded, sharded_trainable = self.tensor_parallel_params
+        return dataclasses.replace(
+            self.stats, param_count=self.stats.param_count - sharded + -(-sharded // tp),
+            trainable_count=self.stats.trainable_count - sharded_trainable + -(-sharded_trainable // tp))
 
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool) -> ActivationBytes:
         return measure_activations(self.factory, micro_batch_size=micro_batch_size, seq_len=self.seq_len,
@@ -141,7 +178,7 @@ class ModelProbe:
 def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds_config: dict,
                   probe: ModelProbe) -> PlanEstimate:
     """Predict the peak bytes of every device and node for ``plan``; no fix search."""
-    stats = probe.stats
+    stats = probe.stats_for(plan.tp)
     states = model_state_bytes(param_count=stats.param_count, trainable_count=stats.trainable_count,
                                zero_stage=plan.zero_stage, dp=plan.dp, precision=plan.precision,
                                optimizer=optim.name, momentum=optim.momentum,
@@ -171,7 +208,7 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds
             f"({_gib(offloaded)} offloaded states of {local} workers"
             + (f" + {_gib(device_share)} of the CPU workers' own memory" if device_share else "") + ").",
             "offload less (plan.offload_optimizer / plan.offload_param), or use fewer workers per node"))
-    return PlanEstimate(plan=plan, model=stats, per_device=device, stages=[device], per_node_host=host,
+    return PlanEstimate(plan=plan, model=probe.stats, per_device=device, stages=[device], per_node_host=host,
                         states=states, host_per_device=host_per_device, phases=phases,
                         violations=violations)
 

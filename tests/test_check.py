@@ -106,3 +106,13 @@ def test_train_refuses_a_plan_that_does_not_fit_before_starting_ray(tmp_path):
     assert "cluster.device_memory_gib=0.01: the plan needs" in done.stderr
     assert "plan.force=true" in done.stderr
     assert "Started a local Ray instance" not in done.stderr
+
+
+def test_tensor_parallel_plans_divide_the_sharded_layers_by_tp():
+    d, layers = 256, 2
+    whole = check("plan.tp=1", "plan.dp=2", f"model.d_model={d}", f"model.n_layer={layers}")
+    split = check("plan.tp=2", "plan.dp=1", f"model.d_model={d}", f"model.n_layer={layers}")
+    # Per block AutoTP shards qkv and fc (weights and biases) and the two projections' weights.
+    sharded = layers * (12 * d * d + 7 * d)
+    assert whole.per_device.params - split.per_device.params == 4 * (sharded - sharded // 2)  # fp32
+    assert split.model.param_count == whole.model.param_count  # the model itself is unchanged
