@@ -64,8 +64,13 @@ def test_workers_land_on_both_nodes_of_a_real_cluster(two_node_ray, tmp_path):
 
 
 def test_a_plan_larger_than_the_cluster_fails_clearly(two_node_ray, tmp_path):
+    # Read off the live cluster before anything is reserved ...
+    done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.devices_per_node=3", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "= 3 workers, but the live cluster has room for 2 1-CPU workers on 2 node(s)" in done.stderr
+    # ... and, without discovery, when the placement group cannot be granted within cluster.wait_s.
     done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.devices_per_node=3", "cluster.wait_s=5",
-                      cwd=tmp_path)
+                      "cluster.discover=false", cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "the plan needs 3 workers with 1 CPU each; the cluster has 2 CPU free" in done.stderr
 
