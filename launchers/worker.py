@@ -38,6 +38,27 @@ def enable_activation_checkpointing(module) -> None:
     switch()
 
 
+def _matmul_tflops(precision: str, device, size: int = 1024, seconds: float = 0.3) -> float:
+    """This worker's sustained dense matmul throughput in the training precision, measured.
+
+    MFU is reported against it: on CPU workers there is no datasheet peak to quote, and on
+    GPUs a measured figure also reflects clocks and power limits.
+    """
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    a @ b  # warm-up
+    runs, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        a @ b
+        runs += 1
+    if getattr(device, "type", "cpu") == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * size**3 * runs / (time.perf_counter() - started) / 1e12
+
+
 def _unlink_shared_memory_buffers(master_addr: str, master_port: int) -> None:
     """Remove this run's names of DeepSpeed's CPU all-reduce buffers from /dev/shm.
 
@@ -129,7 +150,8 @@ class TrainWorker:
                                           dp_rank=dp_rank, dp_size=plan.dp, seed=job.train.seed, shuffle=False)
         self.start_step = self._resume(job) if job.resume_tag else 0
         return {"rank": self.rank, "pid": os.getpid(), "hostname": socket.gethostname(), "dp_rank": dp_rank,
-                "tp_rank": coords.tp_rank, "start_step": self.start_step}
+                "tp_rank": coords.tp_rank, "start_step": self.start_step,
+                "peak_tflops": _matmul_tflops(plan.precision.value, self.engine.device)}
 
     def _resume(self, job: TrainJob) -> int:
         """Load model, optimizer and scheduler (DeepSpeed), then data position and RNG; return the step."""

@@ -24,6 +24,8 @@ commands:
   train    train the declared run on Ray with DeepSpeed, tracked in MLflow
   check    predict per-device memory of the plan and say whether it fits [--json]
   config   print the composed config (same overrides as train)
+  runs     list recent runs of tracking.experiment
+  report   RUN_ID [--out DIR]: summary of a run and its plots (loss, throughput, memory)
 
 `check` exits 0 when the plan fits, 1 when it does not, 2 on invalid input.
 Overrides are Hydra's: key=value, group=option, --multirun a=1,2. See README.md.
@@ -55,7 +57,7 @@ def train_app(cfg: DictConfig) -> None:
 
 
 # Set by main() from `--json`, which Hydra itself would reject.
-_OPTIONS = {"json": False}
+_OPTIONS: dict = {"json": False, "run_id": None, "out": None}
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
@@ -87,7 +89,40 @@ def config_app(cfg: DictConfig) -> None:
     print(OmegaConf.to_yaml(cfg, resolve=True))
 
 
-COMMANDS = {"train": train_app, "check": check_app, "config": config_app}
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def runs_app(cfg: DictConfig) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from orchestrator.report import runs_table
+
+    print(runs_table(MlflowClient(tracking_uri=cfg.tracking.uri), cfg.tracking.experiment))
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def report_app(cfg: DictConfig) -> None:
+    from pathlib import Path
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from orchestrator.report import summary, write_plots
+
+    run_id = _OPTIONS["run_id"]
+    if not run_id:
+        print("error: orch report needs a run id: orch report RUN_ID [tracking.uri=...]", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    try:
+        print(summary(client, run_id))
+    except MlflowException as error:
+        print(f"error: run {run_id} not found in {cfg.tracking.uri}: {error.message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    out = Path(_OPTIONS["out"] or f"reports/{run_id}")
+    for path in write_plots(client, run_id, out):
+        print(f"wrote {path}")
+
+
+COMMANDS = {"train": train_app, "check": check_app, "config": config_app, "runs": runs_app, "report": report_app}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     _OPTIONS["json"] = "--json" in rest
     rest = [a for a in rest if a != "--json"]
+    if "--out" in rest:  # orch report RUN_ID --out DIR
+        i = rest.index("--out")
+        _OPTIONS["out"] = rest[i + 1] if i + 1 < len(rest) else None
+        rest = rest[:i] + rest[i + 2:]
+    if command == "report":
+        plain = [a for a in rest if "=" not in a and not a.startswith("-")]
+        _OPTIONS["run_id"] = plain[0] if plain else None
+        rest = [a for a in rest if a not in plain[:1]]
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return EXIT_USAGE

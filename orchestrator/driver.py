@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ray.exceptions import RayActorError
 
@@ -33,6 +35,7 @@ from orchestrator.progress import Progress
 from orchestrator.tracking import RunTracker, TrackingError, check_reachable, flatten, git_commit, redact_uri
 from plans.errors import PlanError, Violation
 from plans.estimate import PlanEstimate
+from plans.flops import training_flops_per_sample
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ResumeMode
@@ -89,6 +92,8 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
               file=sys.stderr)
     constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
     factory = model_factory(constructor_cfg)
+    flops_per_sample = training_flops_per_sample(factory, cfg.data.seq_len,
+                                                 checkpointing=plan.activation_checkpointing)
     ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=facts.param_count,
                                 tp_layer_specs=tp_layer_specs)
     job = TrainJob(plan=plan, ds_config=ds_config, model_factory=factory, data=cfg.data, train=cfg.train,
@@ -131,7 +136,8 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
                 try:
                     result.worker_facts = group.setup(job)
                     if tracker:
-                        tracker.set_tags({"nodes_used": str(len({f["node_id"] for f in result.worker_facts}))})
+                        tracker.set_tags({"nodes_used": str(len({f["node_id"] for f in result.worker_facts})),
+                                          "peak_tflops_per_device": f"{_mean_peak(result.worker_facts):.4f}"})
                     for reports in group.train(hang_timeout_s=cfg.train.hang_timeout_s):
                         if not result.reports:
                             result.time_to_first_step_s = time.perf_counter() - started
@@ -141,7 +147,8 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
                         if reports[0]["step"] <= logged_step:
                             continue  # replayed after a restart: tracked the first time
                         logged_step = reports[0]["step"]
-                        _report_step(reports, plan, progress, tracker)
+                        _report_step(reports, plan, progress, tracker, flops_per_sample,
+                                     _mean_peak(result.worker_facts))
                     break
                 except (WorkerFailedError, WorkerHangError, RayActorError) as error:
                     if isinstance(error, WorkerHangError):
@@ -163,6 +170,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         progress.close()
         if tracker:
             tracker.finish(status)
+            _log_plots(tracker)
         result.wall_s = time.perf_counter() - started
     _print_summary(result, tracker, out)
     return result
@@ -179,6 +187,23 @@ def _reachable_tracking(cfg: RunConfig) -> RunConfig:
         print(f"warning: {str(error).split(' Fix:')[0]}; tracking in sqlite:///mlflow.db instead "
               "(tracking.fallback=local)", file=sys.stderr)
         return dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, uri="sqlite:///mlflow.db"))
+
+
+def _log_plots(tracker: RunTracker) -> None:
+    """Loss, throughput and memory pictures into the run's ``plots/`` (best effort)."""
+    from orchestrator.report import write_plots
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_plots(tracker.client, tracker.run_id, Path(tmp))
+            tracker.client.log_artifacts(tracker.run_id, tmp, "plots")
+    except Exception as exc:  # pictures are a convenience; the run's data is already recorded
+        print(f"warning: could not log plots ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+
+def _mean_peak(worker_facts: list[dict]) -> float:
+    peaks = [f.get("peak_tflops", 0.0) for f in worker_facts]
+    return sum(peaks) / len(peaks) if peaks else 0.0
 
 
 def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: ModelFacts,
@@ -237,7 +262,8 @@ def _address_param(address: str | None) -> str:
     return "embedded" if address is None else redact_uri(address)
 
 
-def _report_step(reports: list[dict], plan: ResolvedPlan, progress: Progress, tracker: RunTracker | None) -> None:
+def _report_step(reports: list[dict], plan: ResolvedPlan, progress: Progress, tracker: RunTracker | None,
+                 flops_per_sample: int, peak_tflops: float) -> None:
     lead = reports[0]
     step_times = [r["step_time_s"] for r in reports]
     slowest = max(step_times)
@@ -248,12 +274,19 @@ def _report_step(reports: list[dict], plan: ResolvedPlan, progress: Progress, tr
         "samples_per_s": plan.global_batch_size / slowest,
         "step_time_spread_s": slowest - min(step_times),
     }
+    # Every device does an equal share of the step's FLOPs (dp splits the batch, tp the layers).
+    tflops = flops_per_sample * plan.global_batch_size / slowest / plan.world_size / 1e12
+    metrics["tflops_per_device"] = tflops
+    if peak_tflops > 0:
+        metrics["mfu"] = tflops / peak_tflops
     if "eval_loss" in lead:
         metrics["eval_loss"] = lead["eval_loss"]
     if "measured_peak_bytes" in lead:
         # The most loaded rank is what has to fit; the planner predicts that rank.
         metrics["memory/measured_peak_bytes"] = max(r["measured_peak_bytes"] for r in reports)
         metrics["memory/measured_state_bytes"] = max(r["measured_state_bytes"] for r in reports)
+        for r in reports:
+            metrics[f"memory/rank{r['rank']}/measured_peak_bytes"] = r["measured_peak_bytes"]
     if tracker:
         tracker.log_metrics(metrics, lead["step"])
     progress.update(lead["step"], lead["loss"], tokens_per_s, lead.get("eval_loss"))

@@ -45,6 +45,13 @@ def test_train_with_defaults_tracks_a_local_run(tmp_path):
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert runs[0].info.run_id in done.stdout
     assert runs[0].data.metrics["loss"] < 5.0
+    # The run can be listed and reported afterwards, with its pictures.
+    listed = orch("runs", cwd=tmp_path)
+    assert listed.returncode == 0 and runs[0].info.run_id[:12] in listed.stdout and "FINISHED" in listed.stdout
+    report = orch("report", runs[0].info.run_id, "--out", "rep", cwd=tmp_path)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "throughput" in report.stdout and "MFU" in report.stdout and "restarts   0" in report.stdout
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["loss.png", "memory.png", "throughput.png"]
 
 
 @pytest.mark.slow

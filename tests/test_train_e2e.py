@@ -56,12 +56,16 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
     assert not any(k.lower().startswith(("env", "environ")) for k in params)
     assert run.data.tags["world_size"] == "2" and run.data.tags["devices"] == "2xcpu"
     assert run.data.tags["nodes_used"] == "1"
-    for key in ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s"):
+    for key in ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "tflops_per_device", "mfu"):
         history = client.get_metric_history(result.run_id, key)
         assert [m.step for m in history] == [5, 10, 15, 20, 25, 30], key
     losses = [m.value for m in client.get_metric_history(result.run_id, "loss")]
     assert losses == pytest.approx([r[0]["loss"] for r in result.reports])
     assert [m.step for m in client.get_metric_history(result.run_id, "eval_loss")] == [30]
+    assert 0 < run.data.metrics["mfu"] < 1.5  # against a measured matmul peak: near or below 1
+    assert {a.path for a in client.list_artifacts(result.run_id, "plots")} == {
+        "plots/loss.png", "plots/throughput.png", "plots/memory.png"}
+    assert run.data.metrics["memory/rank1/measured_peak_bytes"] > 0
     artifacts = {a.path for a in client.list_artifacts(result.run_id, "config")}
     assert artifacts == {"config/resolved.yaml", "config/deepspeed.json"}
     ds = client.download_artifacts(result.run_id, "config/deepspeed.json")

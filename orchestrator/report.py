@@ -1,0 +1,114 @@
+"""Pictures and summaries of tracked runs: `orch report RUN_ID`, `orch runs`, and the plots
+every `orch train` logs to its MLflow run when it ends.
+
+Everything is read back from MLflow, so a report looks the same whether it is made at the end
+of training or weeks later from another machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on training nodes or CI
+import matplotlib.pyplot as plt  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+MIB = 1024**2
+_COMPONENTS = ("params", "grads", "optimizer_states", "activations", "buffers", "reserve")
+
+
+def _history(client: MlflowClient, run_id: str, key: str) -> tuple[list[int], list[float]]:
+    points = sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+    return [m.step for m in points], [m.value for m in points]
+
+
+def write_plots(client: MlflowClient, run_id: str, out_dir: Path) -> list[Path]:
+    """loss.png, throughput.png and memory.png for a run; returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run = client.get_run(run_id)
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in ("loss", "eval_loss"):
+        steps, values = _history(client, run_id, key)
+        if steps:
+            ax.plot(steps, values, marker="o" if key == "eval_loss" else None, label=key)
+    ax.set(xlabel="step", ylabel="cross-entropy (nats)", title=f"loss: {run.info.run_name}")
+    ax.legend()
+    written.append(_save(fig, out_dir / "loss.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps, values = _history(client, run_id, "tokens_per_s")
+    ax.plot(steps, values, color="tab:green", label="tokens/s")
+    ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    mfu_steps, mfu = _history(client, run_id, "mfu")
+    if mfu_steps:
+        twin = ax.twinx()
+        twin.plot(mfu_steps, [100 * v for v in mfu], color="tab:orange", label="MFU %")
+        twin.set_ylabel("MFU (% of measured matmul peak)")
+    written.append(_save(fig, out_dir / "throughput.png"))
+
+    params = run.data.params
+    predicted = {c: int(params.get(f"memory.predicted.{c}", 0)) / MIB for c in _COMPONENTS}
+    measured = {key.split("/")[1]: value / MIB for key, value in run.data.metrics.items()
+                if key.startswith("memory/rank") and key.endswith("/measured_peak_bytes")}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = 0.0
+    for component, mib in predicted.items():
+        ax.bar("predicted", mib, bottom=bottom, label=component)
+        bottom += mib
+    for rank, mib in sorted(measured.items()):
+        ax.bar(f"measured {rank}", mib, color="tab:gray")
+    ax.set(ylabel="MiB per device", title="memory: predicted components vs measured peak")
+    ax.legend(fontsize="small")
+    written.append(_save(fig, out_dir / "memory.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summary(client: MlflowClient, run_id: str) -> str:
+    """Plan, outcome, throughput, memory and restarts of one run, as text."""
+    run = client.get_run(run_id)
+    p, m, t = run.data.params, run.data.metrics, run.data.tags
+    plan = " ".join(f"{k}={p[f'plan.{k}']}" for k in ("dp", "tp", "pp", "zero_stage", "offload_optimizer",
+                                                     "activation_checkpointing", "precision", "micro_batch_size",
+                                                     "grad_accum_steps") if f"plan.{k}" in p)
+    lines = [f"run        {run_id} ({run.info.run_name}), {run.info.status}",
+             f"plan       {plan}",
+             f"model      {int(p.get('model.param_count', 0)):,} parameters on {t.get('devices', '?')} workers"]
+    if "loss" in m:
+        lines.append(f"loss       {m['loss']:.4f}" + (f", eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""))
+    if "tokens_per_s" in m:
+        lines.append(f"throughput {m['tokens_per_s']:,.0f} tokens/s, {m.get('tflops_per_device', 0):.4f} TFLOP/s "
+                     f"per device, MFU {100 * m.get('mfu', 0):.1f}%")
+    if "memory/measured_peak_bytes" in m:
+        lines.append(f"memory     predicted peak {int(p.get('memory.predicted.total', 0)) / MIB:.1f} MiB, "
+                     f"measured {m['memory/measured_peak_bytes'] / MIB:.1f} MiB per device")
+    lines.append(f"restarts   {t.get('restarts', '0')}")
+    return "\n".join(lines)
+
+
+def runs_table(client: MlflowClient, experiment: str, limit: int = 20) -> str:
+    """The most recent runs of an experiment, one line each."""
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return f"no experiment named {experiment!r}"
+    runs = client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit)
+    rows = [("run id", "name", "status", "plan", "loss", "tokens/s")]
+    for run in runs:
+        p, m = run.data.params, run.data.metrics
+        plan = f"dp{p.get('plan.dp', '?')} tp{p.get('plan.tp', '?')} pp{p.get('plan.pp', '?')} " \
+               f"z{p.get('plan.zero_stage', '?')}"
+        rows.append((run.info.run_id[:12], run.info.run_name or "", run.info.status, plan,
+                     f"{m['loss']:.4f}" if "loss" in m else "-",
+                     f"{m['tokens_per_s']:,.0f}" if "tokens_per_s" in m else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
