@@ -1,0 +1,99 @@
+"""Planner speed: `orch check` for GPT-3 175B as the cluster grows, and plans estimated per second.
+
+The model is built once on ``meta`` and its activations measured; then every cluster
+size from 64 to 4096 declared 80 GiB devices is checked with ZeRO-3, and a sweep of plan
+variants is estimated against the cached model to give plans per second. Times are relative to
+the 64-device check in the same process (machines here are noisy).
+
+    python bench/planner_speed.py [--markdown bench/results/planner_speed.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hydra import compose, initialize_config_module  # noqa: E402
+
+from launchers.ds_config import build_ds_config  # noqa: E402
+from orchestrator.config import register_configs, to_typed  # noqa: E402
+from orchestrator.models import model_factory  # noqa: E402
+from plans.estimate import ModelProbe, check_plan, estimate_plan  # noqa: E402
+from plans.resolve import resolve_plan  # noqa: E402
+from plans.spec import Offload  # noqa: E402
+from workloads.gpt import TP_LAYER_SPECS  # noqa: E402
+
+BIG = ["model=gpt3_175b", "cluster=a100_8x", "plan.precision=bf16", "plan.micro_batch_size=1",
+       "plan.zero_stage=3", "plan.activation_checkpointing=true"]
+
+
+def config(nodes: int):
+    register_configs()
+    with initialize_config_module("conf", version_base="1.3"):
+        return to_typed(compose("config", overrides=[*BIG, f"cluster.nodes={nodes}"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+
+    typed, model_cfg, _ = config(8)
+    started = time.perf_counter()
+    probe = ModelProbe(model_factory(model_cfg), typed.data.seq_len, tp_layer_specs=TP_LAYER_SPECS)
+    probe.activations(resolve_plan(typed.plan, typed.cluster, typed.train))  # measured once per model
+    build_s = time.perf_counter() - started
+
+    rows = []
+    for devices in (64, 256, 1024, 4096):
+        typed, _, _ = config(devices // 8)
+        plan = resolve_plan(typed.plan, typed.cluster, typed.train)
+        started = time.perf_counter()
+        estimate = check_plan(plan, typed.cluster, typed.optim, probe,
+                              lambda p, t=typed: build_ds_config(p, t.optim, t.train.steps,
+                                                                 param_count=probe.stats.param_count))
+        rows.append((devices, time.perf_counter() - started, estimate.per_device.total / 2**30, estimate.feasible))
+
+    typed, _, _ = config(128)
+    base = resolve_plan(typed.plan, typed.cluster, typed.train)
+    variants = [dataclasses.replace(base, zero_stage=z, offload_optimizer=o, activation_checkpointing=c,
+                                    micro_batch_size=m)
+                for z, o, c, m in itertools.product(range(1, 4), (Offload.none, Offload.cpu), (False, True),
+                                                    (1, 2, 4))]
+    for v in variants:  # first pass measures the activations of each (micro-batch, checkpointing)
+        estimate_plan(v, typed.cluster, typed.optim, build_ds_config(v, typed.optim, 1), probe)
+    started = time.perf_counter()
+    repeats = 20
+    for _ in range(repeats):
+        for v in variants:
+            estimate_plan(v, typed.cluster, typed.optim, build_ds_config(v, typed.optim, 1), probe)
+    per_second = repeats * len(variants) / (time.perf_counter() - started)
+
+    first = rows[0][1]
+    lines = [f"Planner speed, {datetime.date.today()}, {platform.machine()}, GPT-3 175B "
+             f"({probe.stats.param_count:,} parameters), ZeRO-3 bf16; `python bench/planner_speed.py`", "",
+             f"Building the model on meta and measuring its activations: {build_s:.2f} s (once per model; "
+             "the checks below reuse it).", "",
+             "| devices | check time (s) | relative to 64 | per-device peak (GiB) | fits |",
+             "|---:|---:|---:|---:|:---:|"]
+    lines += [f"| {d} | {t:.3f} | {t / first:.2f}x | {g:.2f} | {'yes' if f else 'no'} |" for d, t, g, f in rows]
+    lines += ["", f"Plans estimated per second against the cached model: {per_second:,.0f} "
+                  f"({len(variants)} variants x {repeats})."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
