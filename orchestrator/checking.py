@@ -111,7 +111,10 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
               f"  {'offloaded states':<20}{_fmt(h.offloaded)}"]
     if h.device_share:
         lines.append(f"  {'CPU workers':<20}{_fmt(h.device_share)}")
-    lines += [f"  {'total':<20}{_fmt(h.total)}", f"  {'capacity':<20}{_fmt(h.capacity)}", ""]
+    lines += [f"  {'total':<20}{_fmt(h.total)}", f"  {'capacity':<20}{_fmt(h.capacity)}"]
+    if h.nvme:
+        lines.append(f"  {'on NVMe':<20}{_fmt(h.nvme)}  (plan.nvme_path={p.nvme_path})")
+    lines.append("")
     if estimate.feasible:
         lines.append(f"verdict  FITS: {_fmt(d.total).strip()} of {_fmt(d.capacity).strip()} per device")
     else:

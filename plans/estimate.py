@@ -48,6 +48,8 @@ class HostMemory:
     """On CPU workers the "device" is host memory too: the local workers' device totals."""
     total: int
     capacity: int
+    nvme: int = 0
+    """States offloaded to NVMe by all local ranks (on the node's disk, not in its memory)."""
 
     @property
     def fits(self) -> bool:
@@ -101,7 +103,8 @@ class PlanEstimate:
             "per_device": device(self.per_device),
             "per_node_host": {"total": self.per_node_host.total, "capacity": self.per_node_host.capacity,
                               "offloaded": self.per_node_host.offloaded,
-                              "device_share": self.per_node_host.device_share},
+                              "device_share": self.per_node_host.device_share,
+                              "nvme": self.per_node_host.nvme},
             "stages": [device(s) for s in self.stages],
             "phases": phases,
             "violations": [{"field": v.field, "message": f"{v.message} Fix: {v.fix}"} for v in self.violations],
@@ -189,11 +192,15 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds
     capacity = int(cluster.device_memory_gib * GIB)
     device = memory_breakdown(device=phases, capacity=capacity, accelerator=plan.accelerator)
     local = cluster.devices_per_node
-    host_per_device = states.host_total + phases.host_buffers
+    # NVMe offload swaps the states to disk through buffers in host memory: the states count
+    # against the disk, not the host's memory.
+    nvme_per_device = (states.host_optimizer_states if plan.offload_optimizer == Offload.nvme else 0) + (
+        states.host_params if plan.offload_param == Offload.nvme else 0)
+    host_per_device = states.host_total + phases.host_buffers - nvme_per_device
     offloaded = host_per_device * local
     device_share = device.total * local if plan.accelerator == Accelerator.cpu else 0
     host = HostMemory(offloaded=offloaded, device_share=device_share, total=offloaded + device_share,
-                      capacity=int(cluster.host_memory_gib * GIB))
+                      capacity=int(cluster.host_memory_gib * GIB), nvme=nvme_per_device * local)
     violations = []
     if not device.fits:
         violations.append(Violation(

@@ -116,3 +116,11 @@ def test_tensor_parallel_plans_divide_the_sharded_layers_by_tp():
     sharded = layers * (12 * d * d + 7 * d)
     assert whole.per_device.params - split.per_device.params == 4 * (sharded - sharded // 2)  # fp32
     assert split.model.param_count == whole.model.param_count  # the model itself is unchanged
+
+
+def test_nvme_offload_counts_against_the_disk_not_host_memory():
+    common = ["plan.zero_stage=3", "model.d_model=256", "plan.nvme_path=/nvme"]
+    cpu = check(*common, "plan.offload_optimizer=cpu", "plan.offload_param=cpu").per_node_host
+    nvme = check(*common, "plan.offload_optimizer=nvme", "plan.offload_param=nvme").per_node_host
+    assert cpu.nvme == 0 < nvme.nvme
+    assert nvme.offloaded + nvme.nvme == cpu.offloaded
