@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -57,3 +57,13 @@ def parallel_coords(rank: int, world_size: int, tp: int) -> ParallelCoords:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the world of {world_size}")
     return ParallelCoords(dp_rank=rank // tp, tp_rank=rank % tp)
+
+
+def rank_layout(world_size: int, devices_per_node: int, tp: int) -> list[dict[str, int]]:
+    """Where every rank of a plan runs, as launched: node, local rank, dp and tp coordinates.
+
+    Nodes fill in order (:func:`assign_ranks` keeps a node's ranks contiguous) and tp is the
+    innermost dimension, so tensor-parallel groups share a node and dp replicas span nodes.
+    """
+    return [{"rank": r, "node": r // devices_per_node, "local_rank": r % devices_per_node,
+             **asdict(parallel_coords(r, world_size, tp))} for r in range(world_size)]

@@ -7,6 +7,7 @@ does not fit unless ``plan.force=true``.
 from __future__ import annotations
 
 from launchers.ds_config import build_ds_config
+from launchers.placement import rank_layout
 from orchestrator.config import RunConfig
 from orchestrator.models import model_factory, split_model_config
 from plans.cluster_facts import reconcile
@@ -80,6 +81,19 @@ def _fmt(n: int) -> str:
     return f"{n / 1024**2:10.1f} MiB"
 
 
+def _placement_lines(layout: list[dict[str, int]], max_nodes: int = 8) -> list[str]:
+    """One line per node: its ranks and their (dp, tp) coordinates."""
+    by_node: dict[int, list[dict[str, int]]] = {}
+    for slot in layout:
+        by_node.setdefault(slot["node"], []).append(slot)
+    lines = ["placement (rank: dp,tp)"]
+    for node, slots in list(by_node.items())[:max_nodes]:
+        lines.append(f"  node {node}: " + " ".join(f"{s['rank']}:{s['dp_rank']},{s['tp_rank']}" for s in slots))
+    if len(by_node) > max_nodes:
+        lines.append(f"  ... {len(by_node) - max_nodes} more nodes laid out the same way")
+    return lines
+
+
 def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) -> str:
     """The human-readable report: breakdown, host side, verdict and fixes."""
     p, d, h, m = estimate.plan, estimate.per_device, estimate.per_node_host, estimate.model
@@ -115,6 +129,7 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
     if h.nvme:
         lines.append(f"  {'on NVMe':<20}{_fmt(h.nvme)}  (plan.nvme_path={p.nvme_path})")
     lines.append("")
+    lines += _placement_lines(rank_layout(p.world_size, cluster.devices_per_node, p.tp)) + [""]
     if estimate.feasible:
         lines.append(f"verdict  FITS: {_fmt(d.total).strip()} of {_fmt(d.capacity).strip()} per device")
     else:

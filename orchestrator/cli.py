@@ -64,6 +64,7 @@ _OPTIONS: dict = {"json": False, "run_id": None, "out": None}
 def check_app(cfg: DictConfig) -> None:
     import json
 
+    from launchers.placement import rank_layout
     from orchestrator.checking import check_run, live_cluster, render
 
     try:
@@ -77,6 +78,7 @@ def check_app(cfg: DictConfig) -> None:
         doc["cluster"] = {"source": "live" if cluster.address and cluster.discover else "declared",
                           "notes": notes, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
                           "device_memory_gib": cluster.device_memory_gib, "host_memory_gib": cluster.host_memory_gib}
+        doc["placement"] = rank_layout(estimate.plan.world_size, cluster.devices_per_node, estimate.plan.tp)
         print(json.dumps(doc, indent=2))
     else:
         print(render(estimate, cluster, notes))

@@ -20,6 +20,7 @@ from ray.exceptions import RayActorError
 from launchers.checkpoint import latest
 from launchers.ds_config import build_ds_config
 from launchers.job import TrainJob
+from launchers.placement import rank_layout
 from launchers.ray_session import ray_session
 from launchers.worker_group import (
     WorkerDiedError,
@@ -223,6 +224,8 @@ def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: 
     tracker.log_text(config_yaml, "config/resolved.yaml")
     tracker.log_dict(ds_config, "config/deepspeed.json")
     tracker.log_dict(estimate.as_json(), "plan/estimate.json")
+    tracker.log_dict({"placement": rank_layout(plan.world_size, cfg.cluster.devices_per_node, plan.tp)},
+                     "plan/placement.json")
     tracker.log_metrics({"memory/predicted_peak_bytes": estimate.per_device.total}, step=0)
     return tracker
 

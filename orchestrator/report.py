@@ -36,7 +36,8 @@ def write_plots(client: MlflowClient, run_id: str, out_dir: Path) -> list[Path]:
         if steps:
             ax.plot(steps, values, marker="o" if key == "eval_loss" else None, label=key)
     ax.set(xlabel="step", ylabel="cross-entropy (nats)", title=f"loss: {run.info.run_name}")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     written.append(_save(fig, out_dir / "loss.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))

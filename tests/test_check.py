@@ -124,3 +124,23 @@ def test_nvme_offload_counts_against_the_disk_not_host_memory():
     nvme = check(*common, "plan.offload_optimizer=nvme", "plan.offload_param=nvme").per_node_host
     assert cpu.nvme == 0 < nvme.nvme
     assert nvme.offloaded + nvme.nvme == cpu.offloaded
+
+
+def test_rank_layout_keeps_tensor_parallel_groups_inside_a_node():
+    from launchers.placement import rank_layout
+
+    layout = rank_layout(world_size=16, devices_per_node=8, tp=4)
+    assert [(s["node"], s["dp_rank"], s["tp_rank"]) for s in layout[:9]] == [
+        (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3), (0, 1, 0), (0, 1, 1), (0, 1, 2), (0, 1, 3), (1, 2, 0)]
+    groups: dict[int, set[int]] = {}
+    for slot in layout:
+        groups.setdefault(slot["dp_rank"], set()).add(slot["node"])
+    assert all(len(nodes) == 1 for nodes in groups.values())
+
+
+def test_check_json_shows_the_placement(tmp_path):
+    done = orch("check", "--json", "plan.tp=2", "plan.dp=1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["placement"] == [
+        {"rank": 0, "node": 0, "local_rank": 0, "dp_rank": 0, "tp_rank": 0},
+        {"rank": 1, "node": 0, "local_rank": 1, "dp_rank": 0, "tp_rank": 1}]
