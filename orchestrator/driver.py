@@ -7,7 +7,6 @@ and the MLflow run is ended (FINISHED, FAILED or KILLED) whatever happens after 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import tempfile
 import time
@@ -307,7 +306,3 @@ def _print_summary(result: TrainResult, tracker: RunTracker | None, out) -> None
                      f"({redact_uri(tracker.uri)})")
         lines.append(f"open it: {tracker.ui_hint()}")
     print("\n".join(lines), file=out, flush=True)
-
-
-def plan_summary_json(result: TrainResult) -> str:
-    return json.dumps({"run_id": result.run_id, "plan": result.plan.as_dict()})

@@ -204,10 +204,6 @@ class RunTracker:
         client.update_run(run_id, status="RUNNING")
         return cls(client, run_id, run.info.experiment_id, uri)
 
-    @property
-    def run_name(self) -> str:
-        return self.client.get_run(self.run_id).info.run_name
-
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Queue metrics for one step; returns at once, whatever the server's state."""
         now = int(time.time() * 1000)
