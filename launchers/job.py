@@ -17,6 +17,8 @@ class TrainJob:
     ds_config: dict
     model_factory: Callable
     """Returns a fresh ``torch.nn.Module`` (called inside the worker)."""
+    pipeline_layers: Callable | None = None
+    """With plan.pp > 1: returns the model as DeepSpeed ``LayerSpec`` objects, in order."""
     data: DataSpec
     train: TrainSpec
     env: dict[str, str] = field(default_factory=dict)

@@ -20,13 +20,20 @@ import warnings
 from collections.abc import Iterator
 
 from launchers.job import TrainJob
-from launchers.placement import ParallelCoords, RankSlot, parallel_coords
+from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def next_token_loss(logits, targets):
+    """The training objective: next-byte cross-entropy, computed in fp32 whatever the precision."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def enable_activation_checkpointing(module) -> None:
@@ -128,16 +135,21 @@ class TrainWorker:
         _unlink_shared_memory_buffers(master_addr, master_port)
         torch.manual_seed(job.train.seed)
 
-        coords = parallel_coords(self.rank, world_size, plan.tp)
-        module = job.model_factory()
-        if plan.activation_checkpointing:
-            enable_activation_checkpointing(module)
+        coords = parallel_coords(self.rank, world_size, plan.tp, plan.pp)
+        if plan.pp > 1:
+            module = self._pipeline_module(job)
+            mpu = None  # the PipelineModule's own grid is the engine's mpu
+        else:
+            module = job.model_factory()
+            if plan.activation_checkpointing:
+                enable_activation_checkpointing(module)
+            mpu = self._tensor_parallel_groups(coords)
         full_numel = sum(p.numel() for p in module.parameters())
         # With plan.tp > 1 the config's tensor_parallel section makes initialize() shard the model
         # (AutoTP) before ZeRO wraps it; the parameter generator is read after that, so the
         # optimizer gets the shards.
         self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
-                                                    config=job.ds_config, mpu=self._tensor_parallel_groups(coords))
+                                                    config=job.ds_config, mpu=mpu)
         if plan.tp > 1 and sum(p.numel() for p in module.parameters()) == full_numel:
             raise RuntimeError(f"plan.tp={plan.tp}, but no layer of {type(module).__name__} matched the "
                                "tensor-parallel layer specs: every rank would hold and compute the whole model")
@@ -149,15 +161,66 @@ class TrainWorker:
         self.val_batches = ShardedBatches(ByteWindows(val_bytes, job.data.seq_len), batch_size=plan.micro_batch_size,
                                           dp_rank=dp_rank, dp_size=plan.dp, seed=job.train.seed, shuffle=False)
         self.start_step = self._resume(job) if job.resume_tag else 0
+        self.first_batch_digest: str | None = None
+        self.train_batches = self._recorded(self.batches)
         return {"rank": self.rank, "pid": os.getpid(), "hostname": socket.gethostname(), "dp_rank": dp_rank,
-                "tp_rank": coords.tp_rank, "start_step": self.start_step,
+                "tp_rank": coords.tp_rank, "pp_rank": coords.pp_rank, "start_step": self.start_step,
+                "params_on_rank": sum(p.numel() for p in module.parameters()),
                 "peak_tflops": _matmul_tflops(plan.precision.value, self.engine.device)}
+
+    def _pipeline_module(self, job: TrainJob):
+        """The model as DeepSpeed pipeline stages; this rank builds only its own stage's layers.
+
+        The grid is ours (:func:`parallel_coords`, axes :data:`GRID_AXES`), handed to DeepSpeed as
+        a ``ProcessTopology``, so the stage, replica and data shard of every rank are what
+        ``orch check`` showed. With activation checkpointing each layer with parameters is
+        recomputed in backward (``activation_checkpoint_interval=1``), with torch's
+        non-reentrant checkpoint as the model's own switch uses.
+        """
+        import functools
+
+        import torch.utils.checkpoint
+        from deepspeed.pipe import PipelineModule
+        from deepspeed.runtime.pipe.topology import ProcessTopology
+
+        plan = job.plan
+        if job.pipeline_layers is None:
+            raise RuntimeError(f"plan.pp={plan.pp} but the job carries no pipeline layers for the model")
+        recompute = {}
+        if plan.activation_checkpointing:
+            recompute = {"activation_checkpoint_interval": 1,
+                         "activation_checkpoint_func": functools.partial(torch.utils.checkpoint.checkpoint,
+                                                                         use_reentrant=False)}
+        topology = ProcessTopology(axes=list(GRID_AXES), dims=[plan.dp, plan.pp, plan.tp])
+        module = PipelineModule(layers=job.pipeline_layers(), topology=topology, loss_fn=next_token_loss,
+                                partition_method=plan.pp_partition, **recompute)
+        # DeepSpeed 0.19's gradient clipping without ZeRO (runtime/utils.py clip_grad_norm_) counts
+        # only the parameters of model-parallel rank 0 plus those marked model-parallel, and the
+        # pipeline grid makes every stage but the first a model-parallel rank > 0: the global norm
+        # would leave out all later stages and clip too little. Marking each stage's own parameters
+        # (not the copies of tied weights a later stage holds, which DeepSpeed marks
+        # ds_pipe_replicated) makes the sum over stages the norm of the whole model, as without
+        # a pipeline. ZeRO-1 and bf16 compute their norms elsewhere and ignore the mark.
+        for param in module.parameters():
+            if not getattr(param, "ds_pipe_replicated", False):
+                param.model_parallel = True
+        return module
+
+    def _recorded(self, batches):
+        """The training batches, fingerprinting the first this rank reads (tests compare them)."""
+        for batch in batches:
+            if self.first_batch_digest is None:
+                self.first_batch_digest = hashlib.sha1(batch[0].numpy().tobytes()).hexdigest()
+            yield batch
 
     def _resume(self, job: TrainJob) -> int:
         """Load model, optimizer and scheduler (DeepSpeed), then data position and RNG; return the step."""
         import torch
 
-        _, client_state = self.engine.load_checkpoint(job.train.checkpoint_dir, tag=job.resume_tag)
+        from launchers.safe_load import weights_only_loading
+
+        with weights_only_loading(self.engine):  # a checkpoint file must not be able to run code
+            _, client_state = self.engine.load_checkpoint(job.train.checkpoint_dir, tag=job.resume_tag)
         if client_state is None:
             raise RuntimeError(f"checkpoint {job.resume_tag} in {job.train.checkpoint_dir} could not be loaded")
         self.batches.load_state_dict(client_state["data"])
@@ -203,11 +266,8 @@ class TrainWorker:
         return groups
 
     def _loss(self, batch):
-        import torch.nn.functional as F
-
         inputs, targets = (t.to(self.engine.device) for t in batch)
-        logits = self.engine(inputs)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return next_token_loss(self.engine(inputs), targets)
 
     def _mean_over_ranks(self, values: list[float]) -> list[float]:
         import deepspeed.comm as dist
@@ -220,13 +280,20 @@ class TrainWorker:
     def evaluate(self) -> float:
         import torch
 
+        batches = self.job.train.eval_batches
+        if self.job.plan.pp > 1:
+            # The last stage computes the loss; DeepSpeed averages it over the micro-batches and
+            # the data-parallel replicas and broadcasts it to every stage.
+            loss = self.engine.eval_batch(self.val_batches, num_micro_batches=batches)
+            self.engine.train()
+            return self._mean_over_ranks([loss.item()])[0]
         self.engine.eval()
         total = 0.0
         with torch.no_grad():
-            for _ in range(self.job.train.eval_batches):
+            for _ in range(batches):
                 total += self._loss(next(self.val_batches)).item()
         self.engine.train()
-        return self._mean_over_ranks([total / self.job.train.eval_batches])[0]
+        return self._mean_over_ranks([total / batches])[0]
 
     def train(self) -> Iterator[dict]:
         """Run ``train.steps`` optimizer steps; yield a report every ``train.log_every`` steps.
@@ -240,7 +307,6 @@ class TrainWorker:
 
         job, plan, spec = self.job, self.job.plan, self.job.train
         tokens_per_step = plan.micro_batch_size * plan.grad_accum_steps * job.data.seq_len
-        first_batch_digest = None
         interval_loss, interval_time, interval_steps = 0.0, 0.0, 0
         measured: dict[str, int] = {}
         self.engine.train()
@@ -249,17 +315,20 @@ class TrainWorker:
             step_loss = 0.0
             probe = PeakMemoryTracker() if step == spec.memory_probe_step else contextlib.nullcontext()
             with probe:
-                for _ in range(plan.grad_accum_steps):
-                    batch = next(self.batches)
-                    if first_batch_digest is None:
-                        first_batch_digest = hashlib.sha1(batch[0].numpy().tobytes()).hexdigest()
-                    loss = self._loss(batch)
-                    self.milestones += 1
-                    self.engine.backward(loss)
-                    self.milestones += 1
-                    self.engine.step()
-                    self.milestones += 1
-                    step_loss += loss.item()
+                if plan.pp > 1:
+                    # One call runs every micro-batch through the stages (DeepSpeed's 1F1B schedule)
+                    # and steps the optimizer; the loss comes back to every stage, averaged.
+                    step_loss = self.engine.train_batch(data_iter=self.train_batches).item() * plan.grad_accum_steps
+                    self.milestones += 3
+                else:
+                    for _ in range(plan.grad_accum_steps):
+                        loss = self._loss(next(self.train_batches))
+                        self.milestones += 1
+                        self.engine.backward(loss)
+                        self.milestones += 1
+                        self.engine.step()
+                        self.milestones += 1
+                        step_loss += loss.item()
             interval_time += time.perf_counter() - started
             if step == spec.memory_probe_step:
                 measured = {"measured_peak_bytes": probe.peak, "measured_state_bytes": live_tensor_bytes()}
@@ -278,7 +347,7 @@ class TrainWorker:
                 "rank": self.rank, "step": step, "loss": global_loss, "local_loss": local_loss,
                 "lr": self.engine.get_lr()[0], "step_time_s": interval_time / interval_steps,
                 "tokens_per_s": tokens_per_step * interval_steps / interval_time,
-                "first_batch_digest": first_batch_digest, **measured,
+                "first_batch_digest": self.first_batch_digest, **measured,
             }
             if (spec.eval_every and step % spec.eval_every == 0) or last:
                 report["eval_loss"] = self.evaluate()

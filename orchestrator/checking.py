@@ -9,7 +9,7 @@ from __future__ import annotations
 from launchers.ds_config import build_ds_config
 from launchers.placement import rank_layout
 from orchestrator.config import RunConfig
-from orchestrator.models import model_factory, split_model_config
+from orchestrator.models import PIPELINE_LAYERS_METHOD, model_factory, pipeline_layers_factory, split_model_config
 from plans.cluster_facts import reconcile
 from plans.errors import PlanError, Violation
 from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
@@ -32,6 +32,26 @@ def _check_model(facts: ModelFacts, cfg: RunConfig) -> None:
                                   "implement it on the model, or set plan.activation_checkpointing=false"))
     if problems:
         raise PlanError(problems)
+
+
+def _check_pipeline(probe: ModelProbe, plan: ResolvedPlan, model_cfg: dict) -> None:
+    """The model can be split into ``plan.pp`` stages that each get layers with parameters."""
+    target = model_cfg.get("_target_", "the model")
+    if probe.pipeline_layers is None:
+        raise PlanError([Violation("plan.pp", plan.pp,
+                                   f"{target} cannot be split into pipeline stages: it has no "
+                                   f"{PIPELINE_LAYERS_METHOD}() classmethod returning its layers as DeepSpeed "
+                                   "LayerSpecs.", "set plan.pp=1, or give the model pipeline_layers() "
+                                   "(see workloads/gpt.py)")])
+    layers = probe.pipeline_layer_facts(plan)
+    empty = [stage.index for stage in probe.stages(plan) if stage.trainable == 0]
+    if empty:
+        weighted = sum(1 for layer in layers if layer.trainable)
+        raise PlanError([Violation("plan.pp", plan.pp,
+                                   f"{target} has {len(layers)} pipeline layers, {weighted} of them with parameters; "
+                                   f"split {plan.pp} ways by plan.pp_partition={plan.pp_partition}, stage(s) "
+                                   f"{', '.join(map(str, empty))} would get no parameters to train.",
+                                   f"set plan.pp to at most {weighted}, or use more layers (model.n_layer)")])
 
 
 def live_cluster(cfg: RunConfig) -> tuple[ClusterSpec, list[str]]:
@@ -66,7 +86,10 @@ def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = Non
     facts = inspect_model(factory, cfg.data.seq_len)  # the model's contract, before any arithmetic on it
     _check_model(facts, cfg)
     probe = ModelProbe(factory, cfg.data.seq_len,
-                       tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs)
+                       tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs,
+                       pipeline_layers=pipeline_layers_factory(constructor_cfg))
+    if plan.pp > 1:
+        _check_pipeline(probe, plan, model_cfg)
 
     def ds_config(candidate: ResolvedPlan) -> dict:
         return build_ds_config(candidate, cfg.optim, cfg.train.steps, param_count=probe.stats.param_count,
@@ -82,16 +105,28 @@ def _fmt(n: int) -> str:
 
 
 def _placement_lines(layout: list[dict[str, int]], max_nodes: int = 8) -> list[str]:
-    """One line per node: its ranks and their (dp, tp) coordinates."""
+    """One line per node: its ranks and their (dp, pp, tp) coordinates."""
     by_node: dict[int, list[dict[str, int]]] = {}
     for slot in layout:
         by_node.setdefault(slot["node"], []).append(slot)
-    lines = ["placement (rank: dp,tp)"]
+    lines = ["placement (rank: dp,pp,tp)"]
     for node, slots in list(by_node.items())[:max_nodes]:
-        lines.append(f"  node {node}: " + " ".join(f"{s['rank']}:{s['dp_rank']},{s['tp_rank']}" for s in slots))
+        lines.append(f"  node {node}: " + " ".join(f"{s['rank']}:{s['dp_rank']},{s['pp_rank']},{s['tp_rank']}"
+                                                   for s in slots))
     if len(by_node) > max_nodes:
         lines.append(f"  ... {len(by_node) - max_nodes} more nodes laid out the same way")
     return lines
+
+
+def _layer_names(names: list[str]) -> str:
+    """``Embedding, Block x 2, LayerNorm``: runs of one layer class collapsed."""
+    runs: list[list] = []
+    for name in names:
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    return ", ".join(name if count == 1 else f"{name} x {count}" for name, count in runs)
 
 
 def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) -> str:
@@ -118,9 +153,16 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
     lines += [f"  {'total':<20}{_fmt(d.total)}", f"  {'  held between steps':<20}{_fmt(d.held)}",
               f"  {'capacity':<20}{_fmt(d.capacity)}",
               f"  {'headroom':<20}{_fmt(d.headroom) if d.headroom >= 0 else '-' + _fmt(-d.headroom).strip():>14}"]
-    if len(estimate.stages) > 1:
-        lines.append("")
-        lines += [f"  stage {i}: total {_fmt(s.total).strip()}" for i, s in enumerate(estimate.stages)]
+    if estimate.pipeline:
+        lines += ["", f"pipeline stages ({p.pp_partition} partition; {p.grad_accum_steps} micro-batches per step)"]
+        for stage, memory in zip(estimate.pipeline, estimate.stages, strict=True):
+            names = _layer_names(stage.layers)
+            lines.append(f"  stage {stage.index}: layers {stage.start}-{stage.stop - 1} ({names}), "
+                         f"{stage.params:,} params, {stage.in_flight} micro-batch(es) in flight, "
+                         f"peak {_fmt(memory.total).strip()}")
+        bubble = estimate.bubble
+        lines.append(f"  bubble (pp-1)/micro-batches = {bubble:.0%} of the compute time idle"
+                     + (f"; raise plan.grad_accum_steps (>= {4 * p.pp} keeps it under 25%)" if bubble > 0.25 else ""))
     lines += ["", "host memory per node",
               f"  {'offloaded states':<20}{_fmt(h.offloaded)}"]
     if h.device_share:
@@ -129,7 +171,7 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
     if h.nvme:
         lines.append(f"  {'on NVMe':<20}{_fmt(h.nvme)}  (plan.nvme_path={p.nvme_path})")
     lines.append("")
-    lines += _placement_lines(rank_layout(p.world_size, cluster.devices_per_node, p.tp)) + [""]
+    lines += _placement_lines(rank_layout(p.world_size, cluster.devices_per_node, p.tp, p.pp)) + [""]
     if estimate.feasible:
         lines.append(f"verdict  FITS: {_fmt(d.total).strip()} of {_fmt(d.capacity).strip()} per device")
     else:

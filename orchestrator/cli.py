@@ -78,7 +78,8 @@ def check_app(cfg: DictConfig) -> None:
         doc["cluster"] = {"source": "live" if cluster.address and cluster.discover else "declared",
                           "notes": notes, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
                           "device_memory_gib": cluster.device_memory_gib, "host_memory_gib": cluster.host_memory_gib}
-        doc["placement"] = rank_layout(estimate.plan.world_size, cluster.devices_per_node, estimate.plan.tp)
+        plan = estimate.plan
+        doc["placement"] = rank_layout(plan.world_size, cluster.devices_per_node, plan.tp, plan.pp)
         print(json.dumps(doc, indent=2))
     else:
         print(render(estimate, cluster, notes))

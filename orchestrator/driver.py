@@ -27,10 +27,11 @@ from launchers.worker_group import (
     WorkerGroup,
     WorkerGroupSpec,
     WorkerHangError,
+    collective_timeout_env,
 )
 from orchestrator.checking import check_run, live_cluster
 from orchestrator.config import RunConfig
-from orchestrator.models import model_factory, split_model_config
+from orchestrator.models import model_factory, pipeline_layers_factory, split_model_config
 from orchestrator.progress import Progress
 from orchestrator.tracking import RunTracker, TrackingError, check_reachable, flatten, git_commit, redact_uri
 from plans.errors import PlanError, Violation
@@ -97,7 +98,8 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=facts.param_count,
                                 tp_layer_specs=tp_layer_specs)
     job = TrainJob(plan=plan, ds_config=ds_config, model_factory=factory, data=cfg.data, train=cfg.train,
-                   env=worker_env(plan))
+                   env={**worker_env(plan), **collective_timeout_env(cfg.train.hang_timeout_s)},
+                   pipeline_layers=pipeline_layers_factory(constructor_cfg) if plan.pp > 1 else None)
     group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
                                  gpus_per_worker=1.0 if plan.accelerator == Accelerator.gpu else 0.0,
                                  env=job.env, wait_s=cfg.cluster.wait_s)
@@ -223,7 +225,7 @@ def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: 
     tracker.log_text(config_yaml, "config/resolved.yaml")
     tracker.log_dict(ds_config, "config/deepspeed.json")
     tracker.log_dict(estimate.as_json(), "plan/estimate.json")
-    tracker.log_dict({"placement": rank_layout(plan.world_size, cfg.cluster.devices_per_node, plan.tp)},
+    tracker.log_dict({"placement": rank_layout(plan.world_size, cfg.cluster.devices_per_node, plan.tp, plan.pp)},
                      "plan/placement.json")
     tracker.log_metrics({"memory/predicted_peak_bytes": estimate.per_device.total}, step=0)
     return tracker

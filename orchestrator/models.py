@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 
 
 def build_model(model_cfg: dict) -> torch.nn.Module:
@@ -29,3 +29,21 @@ def split_model_config(model_cfg: dict) -> tuple[dict, list[dict] | None]:
     takes them); without them the built-in GPT's specs apply."""
     constructor = {k: v for k, v in model_cfg.items() if k != TP_SPECS_KEY}
     return constructor, model_cfg.get(TP_SPECS_KEY)
+
+
+# The classmethod a model offers to be split into pipeline stages (plan.pp > 1).
+PIPELINE_LAYERS_METHOD = "pipeline_layers"
+
+
+def pipeline_layers_factory(model_cfg: dict) -> Callable[[], list] | None:
+    """A picklable factory of the model's pipeline layers, or None if the model cannot be pipelined.
+
+    The model's ``_target_`` class declares them with a ``pipeline_layers(**same arguments)``
+    classmethod returning DeepSpeed ``LayerSpec`` / ``TiedLayerSpec`` objects in forward order
+    (see workloads/gpt.py): each stage then builds only its own layers.
+    """
+    target = get_class(model_cfg["_target_"]) if "_target_" in model_cfg else None
+    if target is None or not callable(getattr(target, PIPELINE_LAYERS_METHOD, None)):
+        return None
+    method = f"{model_cfg['_target_']}.{PIPELINE_LAYERS_METHOD}"
+    return functools.partial(build_model, {**model_cfg, "_target_": method})

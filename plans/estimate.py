@@ -31,6 +31,14 @@ from plans.memory import (
     stage3_persistent_params,
     step_phases,
 )
+from plans.pipeline import (
+    PipelineLayer,
+    PipelineStage,
+    bubble_fraction,
+    measure_pipeline_layers,
+    pipeline_stages,
+    stage_activations,
+)
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision
 
@@ -66,6 +74,8 @@ class PlanEstimate:
     """The most loaded device."""
     stages: list[MemoryBreakdown]
     """One entry per pipeline stage (a single entry without pipelining)."""
+    pipeline: list[PipelineStage] = field(default_factory=list)
+    """With plan.pp > 1: each stage's layers and parameters, in the order of ``stages``."""
     per_node_host: HostMemory
     states: ModelStateBytes | None = None
     """The ZeRO paper's model states of the most loaded rank (gradients included, as in its Table 1)."""
@@ -81,6 +91,11 @@ class PlanEstimate:
     @property
     def feasible(self) -> bool:
         return not self.violations
+
+    @property
+    def bubble(self) -> float:
+        """Pipeline idle time relative to useful work, (pp - 1) / micro-batches (0 without pp)."""
+        return bubble_fraction(self.plan.pp, self.plan.grad_accum_steps) if self.plan.pp > 1 else 0.0
 
     def as_json(self) -> dict:
         """The stable ``orch check --json`` document (other tools read these names)."""
@@ -106,6 +121,7 @@ class PlanEstimate:
                               "device_share": self.per_node_host.device_share,
                               "nvme": self.per_node_host.nvme},
             "stages": [device(s) for s in self.stages],
+            "pipeline": {"bubble_fraction": self.bubble, "stages": [dataclasses.asdict(s) for s in self.pipeline]},
             "phases": phases,
             "violations": [{"field": v.field, "message": f"{v.message} Fix: {v.fix}"} for v in self.violations],
             "suggestions": list(self.suggestions),
@@ -120,10 +136,13 @@ class ModelProbe:
     """
 
     def __init__(self, factory: Callable[[], torch.nn.Module], seq_len: int,
-                 tp_layer_specs: list[dict] | None = None):
+                 tp_layer_specs: list[dict] | None = None, pipeline_layers: Callable[[], list] | None = None):
         self.factory = factory
         self.seq_len = seq_len
         self.tp_layer_specs = tp_layer_specs or []
+        self.pipeline_layers = pipeline_layers
+        """The model's pipeline layers factory (None: the model cannot be pipelined)."""
+        self._pipeline = functools.lru_cache(maxsize=None)(self._measure_pipeline)
         with torch.device("meta"):
             self.module = factory()
         self.stats = model_stats(self.module)
@@ -170,6 +189,20 @@ class ModelProbe:
     def activations(self, plan: ResolvedPlan) -> ActivationBytes:
         return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing)
 
+    def _measure_pipeline(self, micro_batch_size: int, precision: Precision) -> list[PipelineLayer]:
+        if self.pipeline_layers is None:
+            raise ValueError("the model declares no pipeline layers")
+        return measure_pipeline_layers(self.pipeline_layers(), micro_batch_size=micro_batch_size,
+                                       seq_len=self.seq_len, dtype=_DTYPE[precision])
+
+    def pipeline_layer_facts(self, plan: ResolvedPlan) -> list[PipelineLayer]:
+        """Every pipeline layer of the model, measured for the plan's micro-batch and precision."""
+        return self._pipeline(plan.micro_batch_size, plan.precision)
+
+    def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
+        return pipeline_stages(self.pipeline_layer_facts(plan), pp=plan.pp, method=plan.pp_partition,
+                               micro_batches=plan.grad_accum_steps)
+
     def persistent_params(self, ds_config: dict) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (under the persistence threshold)."""
         zero = ds_config.get("zero_optimization", {})
@@ -178,19 +211,53 @@ class ModelProbe:
         return stage3_persistent_params(self.module, int(zero.get("stage3_param_persistence_threshold", 100_000)))
 
 
-def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds_config: dict,
-                  probe: ModelProbe) -> PlanEstimate:
-    """Predict the peak bytes of every device and node for ``plan``; no fix search."""
-    stats = probe.stats_for(plan.tp)
+def _device_phases(plan: ResolvedPlan, optim: OptimSpec, ds_config: dict, probe: ModelProbe, stats: ModelStats,
+                   activations: ActivationBytes, grad_accum_steps: int) -> tuple[ModelStateBytes, DevicePhases]:
     states = model_state_bytes(param_count=stats.param_count, trainable_count=stats.trainable_count,
                                zero_stage=plan.zero_stage, dp=plan.dp, precision=plan.precision,
                                optimizer=optim.name, momentum=optim.momentum,
                                offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param)
-    phases = step_phases(ds_config, states=states, model=stats, activations=probe.activations(plan), dp=plan.dp,
-                         precision=plan.precision, grad_accum_steps=plan.grad_accum_steps,
+    phases = step_phases(ds_config, states=states, model=stats, activations=activations, dp=plan.dp,
+                         precision=plan.precision, grad_accum_steps=grad_accum_steps,
                          accelerator=plan.accelerator, persistent_params=probe.persistent_params(ds_config))
+    return states, phases
+
+
+def _stage_stats(probe: ModelProbe, stage: PipelineStage, tp: int) -> ModelStats:
+    """A stage's parameter counts; its tensor-parallel layers split tp ways, in the model's proportion."""
+    whole, sharded = probe.stats, probe.stats_for(tp)
+    keep = sharded.param_count / whole.param_count if whole.param_count else 1.0
+    keep_trainable = sharded.trainable_count / whole.trainable_count if whole.trainable_count else 1.0
+    return ModelStats(param_count=round(stage.params * keep), trainable_count=round(stage.trainable * keep_trainable),
+                      largest_layer_params=min(whole.largest_layer_params, stage.params),
+                      largest_param=stage.largest_param)
+
+
+def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds_config: dict,
+                  probe: ModelProbe) -> PlanEstimate:
+    """Predict the peak bytes of every device and node for ``plan``; no fix search.
+
+    With pipeline stages every stage is estimated on its own (its layers' parameters, its share
+    of the activations times the micro-batches it holds in flight) and the most loaded one
+    decides; gradients count as accumulating, since 1F1B runs later forwards while earlier
+    micro-batches' gradients sit in ``.grad``.
+    """
     capacity = int(cluster.device_memory_gib * GIB)
-    device = memory_breakdown(device=phases, capacity=capacity, accelerator=plan.accelerator)
+    whole_activations = probe.activations(plan)
+    pipeline: list[PipelineStage] = []
+    if plan.pp > 1:
+        pipeline = probe.stages(plan)
+        total_saved = sum(layer.saved_bytes for layer in probe.pipeline_layer_facts(plan))
+        per_stage = [_device_phases(plan, optim, ds_config, probe, _stage_stats(probe, stage, plan.tp),
+                                    stage_activations(whole_activations, stage, total_saved),
+                                    max(plan.grad_accum_steps, 2)) for stage in pipeline]
+    else:
+        per_stage = [_device_phases(plan, optim, ds_config, probe, probe.stats_for(plan.tp), whole_activations,
+                                    plan.grad_accum_steps)]
+    stages = [memory_breakdown(device=phases, capacity=capacity, accelerator=plan.accelerator)
+              for _, phases in per_stage]
+    worst = max(range(len(stages)), key=lambda i: stages[i].total)
+    device, (states, phases) = stages[worst], per_stage[worst]
     local = cluster.devices_per_node
     # NVMe offload swaps the states to disk through buffers in host memory: the states count
     # against the disk, not the host's memory.
@@ -203,9 +270,10 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds
                       capacity=int(cluster.host_memory_gib * GIB), nvme=nvme_per_device * local)
     violations = []
     if not device.fits:
+        where = f" on pipeline stage {worst}" if plan.pp > 1 else ""
         violations.append(Violation(
             "cluster.device_memory_gib", cluster.device_memory_gib,
-            f"the plan needs {_gib(device.total)} per device but a device has {_gib(capacity)} "
+            f"the plan needs {_gib(device.total)} per device{where} but a device has {_gib(capacity)} "
             f"(at its peak, in the {device.phase} phase: {_parts(device)}).",
             "see the suggested plan changes, or use devices with more memory"))
     if not host.fits:
@@ -215,8 +283,8 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds
             f"({_gib(offloaded)} offloaded states of {local} workers"
             + (f" + {_gib(device_share)} of the CPU workers' own memory" if device_share else "") + ").",
             "offload less (plan.offload_optimizer / plan.offload_param), or use fewer workers per node"))
-    return PlanEstimate(plan=plan, model=probe.stats, per_device=device, stages=[device], per_node_host=host,
-                        states=states, host_per_device=host_per_device, phases=phases,
+    return PlanEstimate(plan=plan, model=probe.stats, per_device=device, stages=stages, pipeline=pipeline,
+                        per_node_host=host, states=states, host_per_device=host_per_device, phases=phases,
                         violations=violations)
 
 

@@ -11,9 +11,11 @@ from dataclasses import asdict, dataclass
 from plans.errors import PlanError, Violation
 from plans.spec import Accelerator, ClusterSpec, Offload, PlanSpec, Precision, TrainSpec
 
-# Pipeline stages the launcher cannot run yet; the planner rejects them rather than silently
-# training something else.
-IMPLEMENTED_PP = 1
+# ZeRO stages DeepSpeed's pipeline engine trains with: it asserts stage < 2
+# (deepspeed/runtime/pipe/engine.py, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism").
+PP_ZERO_STAGES = (0, 1)
+# DeepSpeed PipelineModule's partition methods ("profile" is declared there but not implemented).
+PP_PARTITIONS = ("parameters", "uniform")
 # ZeRO stages DeepSpeed's AutoTP is documented to *train* with: its tutorial
 # (docs/_tutorials/autotp-training.md) lists 0, 1 and 2, and its grad-norm parity tests
 # (tests/unit/model_parallelism/test_autotp_training.py) cover those three. ZeRO-3 is only tested
@@ -35,6 +37,7 @@ class ResolvedPlan:
     offload_param: Offload
     nvme_path: str | None
     activation_checkpointing: bool
+    pp_partition: str = "parameters"
     micro_batch_size: int
     grad_accum_steps: int
     precision: Precision
@@ -86,9 +89,17 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
                            f"{', '.join(map(str, TP_ZERO_STAGES))} only, not stage {plan.zero_stage} "
                            f"(plan.tp={plan.tp}).",
                            f"set plan.zero_stage={max(TP_ZERO_STAGES)}, or plan.tp=1 to keep ZeRO-{plan.zero_stage}"))
-    if plan.pp > IMPLEMENTED_PP:
-        v.append(Violation("plan.pp", plan.pp, "pipeline parallelism is not implemented yet.",
-                           "set plan.pp=1 and use data parallelism (plan.dp) with ZeRO"))
+    if plan.pp > 1 and plan.zero_stage in (2, 3):
+        v.append(Violation("plan.zero_stage", plan.zero_stage,
+                           f"DeepSpeed's pipeline engine trains with ZeRO stages "
+                           f"{', '.join(map(str, PP_ZERO_STAGES))} only, not stage {plan.zero_stage} "
+                           f"(plan.pp={plan.pp}): it partitions gradients itself, stage by stage.",
+                           f"set plan.zero_stage={max(PP_ZERO_STAGES)}, or plan.pp=1 to keep ZeRO-{plan.zero_stage}"))
+    if plan.pp_partition not in PP_PARTITIONS and not (plan.pp_partition.startswith("type:")
+                                                        and len(plan.pp_partition) > len("type:")):
+        v.append(Violation("plan.pp_partition", plan.pp_partition,
+                           "is not a partition method of DeepSpeed's PipelineModule.",
+                           "set plan.pp_partition to parameters, uniform or type:REGEX (e.g. type:Block)"))
 
     model_parallel = max(plan.tp, 1) * max(plan.pp, 1)
     dp = plan.dp
@@ -140,7 +151,7 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
         dp=dp, tp=plan.tp, pp=plan.pp, world_size=world, zero_stage=plan.zero_stage,
         offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param,
         nvme_path=plan.nvme_path, activation_checkpointing=plan.activation_checkpointing,
-        micro_batch_size=plan.micro_batch_size, grad_accum_steps=plan.grad_accum_steps,
+        pp_partition=plan.pp_partition, micro_batch_size=plan.micro_batch_size, grad_accum_steps=plan.grad_accum_steps,
         precision=plan.precision, accelerator=cluster.accelerator,
     )
 

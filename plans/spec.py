@@ -55,7 +55,11 @@ class PlanSpec:
     tp: int = 1
     """Tensor-parallel degree (layers split across devices)."""
     pp: int = 1
-    """Pipeline stages."""
+    """Pipeline stages; each optimizer step runs grad_accum_steps micro-batches through them."""
+    pp_partition: str = "parameters"
+    """How layers are split into stages (DeepSpeed's PipelineModule partition_method):
+    'parameters' balances parameter counts, 'uniform' layer counts, 'type:REGEX' the layers whose
+    class name matches (e.g. 'type:Block' balances transformer blocks)."""
     zero_stage: int = 0
     """ZeRO stage 0-3: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
     offload_optimizer: Offload = Offload.none
@@ -101,6 +105,19 @@ class ClusterSpec:
     discover: bool = True
     """With an address, `orch check` reads nodes and memory from the live cluster instead of
     trusting the declared numbers."""
+    device_tflops: float = 0.1
+    """Peak dense matmul TFLOP/s of one device at the plan's precision (A100: 312 bf16, 19.5 fp32).
+    `orch tune` predicts compute time from it unless it measured the live cluster."""
+    intra_node_gbps: float = 40.0
+    """Gbit/s each device can send to the others of its node (NVLink, or shared memory on CPU)."""
+    inter_node_gbps: float = 10.0
+    """Gbit/s each device can send to other nodes (its share of the node's network)."""
+    host_link_gbps: float = 80.0
+    """Gbit/s between a device and its host's memory (PCIe; offloaded states cross it every step)."""
+    device_memory_gb_per_s: float = 5.0
+    """Memory bandwidth of one device in GB/s (the optimizer step is bound by it)."""
+    host_memory_gb_per_s: float = 10.0
+    """Memory bandwidth of one node's host memory in GB/s, shared by its workers' CPU optimizers."""
 
     @property
     def world_size(self) -> int:

@@ -30,3 +30,36 @@ class HangingGPT(GPT):
             if HangingGPT.calls == 4:
                 time.sleep(3600)
         return super().forward(input_ids)
+
+
+class CollectiveStallGPT(GPT):
+    """Rank 1 enters, in its fourth real forward pass, an all-reduce that rank 0 never joins.
+
+    The classic rank-conditional collective: rank 1 then waits inside gloo for its peer, while
+    rank 0 waits inside the gradient all-reduce of its backward pass for rank 1. Both ranks are
+    stuck in a collective and neither Python frame sleeps. The stray all-reduce runs on a group
+    of its own, so gloo cannot pair it with the gradient all-reduce and fail fast; it waits for
+    the group's timeout, as a real deadlock does.
+    """
+
+    calls = 0
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.side_group = None
+        if torch.distributed.is_initialized():  # in a worker; the planner builds the model on meta without one
+            # Every rank must create the group, in the same order (it is a collective call itself).
+            self.side_group = torch.distributed.new_group(ranks=[0, 1], backend="gloo")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.side_group is not None and torch.distributed.get_rank() == 1:
+            CollectiveStallGPT.calls += 1
+            if CollectiveStallGPT.calls == 4:
+                torch.distributed.all_reduce(torch.ones(1), group=self.side_group)
+        return super().forward(input_ids)
+
+
+class UnpipelinedGPT(GPT):
+    """A model that does not offer its layers to a pipeline (like most user models)."""
+
+    pipeline_layers = None

@@ -138,9 +138,28 @@ def test_rank_layout_keeps_tensor_parallel_groups_inside_a_node():
     assert all(len(nodes) == 1 for nodes in groups.values())
 
 
+def test_rank_layout_puts_tp_inside_nodes_then_stages_then_replicas_across_nodes():
+    from launchers.placement import rank_layout
+
+    # 2 nodes of 4: tp=2 x pp=2 fills a node; the two replicas are the two nodes.
+    layout = rank_layout(world_size=8, devices_per_node=4, tp=2, pp=2)
+    assert [(s["node"], s["dp_rank"], s["pp_rank"], s["tp_rank"]) for s in layout] == [
+        (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 0, 1, 1),
+        (1, 1, 0, 0), (1, 1, 0, 1), (1, 1, 1, 0), (1, 1, 1, 1)]
+    # The same grid as DeepSpeed's topology with our axis order.
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    from launchers.placement import GRID_AXES
+
+    topo = ProcessTopology(axes=list(GRID_AXES), dims=[2, 2, 2])
+    for slot in layout:
+        coord = topo.get_coord(slot["rank"])
+        assert (coord.data, coord.pipe, coord.model) == (slot["dp_rank"], slot["pp_rank"], slot["tp_rank"])
+
+
 def test_check_json_shows_the_placement(tmp_path):
     done = orch("check", "--json", "plan.tp=2", "plan.dp=1", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["placement"] == [
-        {"rank": 0, "node": 0, "local_rank": 0, "dp_rank": 0, "tp_rank": 0},
-        {"rank": 1, "node": 0, "local_rank": 1, "dp_rank": 0, "tp_rank": 1}]
+        {"rank": 0, "node": 0, "local_rank": 0, "dp_rank": 0, "tp_rank": 0, "pp_rank": 0},
+        {"rank": 1, "node": 0, "local_rank": 1, "dp_rank": 0, "tp_rank": 1, "pp_rank": 0}]

@@ -338,9 +338,9 @@ def test_model_stats_counts_tied_embedding_once():
 
 def test_model_stats_counts_frozen_params():
     gpt = _gpt_on_meta()
-    gpt.wpe.weight.requires_grad_(False)
+    gpt.embed.wpe.weight.requires_grad_(False)
     stats = model_stats(gpt)
-    assert stats.param_count - stats.trainable_count == gpt.wpe.weight.numel()
+    assert stats.param_count - stats.trainable_count == gpt.embed.wpe.weight.numel()
 
 
 # --- activations -----------------------------------------------------------------------------------
@@ -404,7 +404,7 @@ def test_a_module_argument_is_left_unchanged():
     saved_activation_bytes(gpt, micro_batch_size=1, seq_len=GPT_SHAPE["seq_len"], dtype=torch.bfloat16,
                            checkpointing=True)
     assert gpt.activation_checkpointing is False
-    assert gpt.wte.weight.dtype == torch.float32
+    assert gpt.embed.wte.weight.dtype == torch.float32
 
 
 def test_a_module_with_real_weights_is_refused():

@@ -36,12 +36,11 @@ def test_dp_that_does_not_match_the_workers_names_the_arithmetic():
     assert "set plan.dp=2" in info.value.violations[0].fix
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_pipeline_parallelism_is_rejected_not_ignored(tp):
-    with pytest.raises(PlanError) as info:
-        resolve_plan(PlanSpec(tp=tp, pp=2, dp=1), ClusterSpec(devices_per_node=2 * tp), TrainSpec())
-    assert fields(info.value) == ["plan.pp"]
-    assert "plan.pp=2: pipeline parallelism is not implemented yet." in str(info.value)
+def test_pipeline_plan_resolves_with_dp_filling_the_rest():
+    plan = resolve_plan(PlanSpec(pp=2, tp=2, zero_stage=1), ClusterSpec(nodes=2, devices_per_node=4), TrainSpec())
+    assert (plan.dp, plan.tp, plan.pp, plan.world_size) == (2, 2, 2, 8)
+    # Micro-batches flow through the stages: only dp multiplies the batch.
+    assert plan.global_batch_size == plan.micro_batch_size * plan.grad_accum_steps * 2
 
 
 def test_tensor_parallel_plan_resolves_with_dp_filling_the_rest():

@@ -9,6 +9,11 @@ Tensor parallelism (``plan.tp > 1``) is applied by DeepSpeed's AutoTP *after* th
 built: :data:`TP_LAYER_SPECS` names the layers it shards. The model itself is never told which
 shard it holds: its attention reads the number of local heads off the width of ``qkv``'s output,
 so the same code runs whole (on ``meta`` in the planner, at tp=1) and sharded.
+
+Pipeline parallelism (``plan.pp > 1``) needs the model as a flat sequence of layers, each stage
+building only its own: :meth:`GPT.pipeline_layers` returns them as DeepSpeed ``LayerSpec`` objects.
+Every layer draws its initial weights from a seed of its own (the run's seed and the layer's
+index), so the model built whole and the model built stage by stage start from the same weights.
 """
 
 from __future__ import annotations
@@ -31,6 +36,29 @@ TP_LAYER_SPECS: list[dict] = [
     {"patterns": [r".*\.mlp\.fc\.weight$"], "partition_type": "column"},
     {"patterns": [r".*\.attn\.proj\.weight$", r".*\.mlp\.proj\.weight$"], "partition_type": "row"},
 ]
+
+
+def layer_seed(base: int, index: int) -> int:
+    """The seed layer ``index`` initializes its weights from (a pure function of the run's seed)."""
+    return (base * 1_000_003 + index) % 2**63
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def _initialize(module: nn.Module, seed: int | None) -> nn.Module:
+    """Initialize ``module``'s weights from ``seed`` without disturbing the global RNG."""
+    if seed is None:
+        module.apply(_init_weights)
+        return module
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module.apply(_init_weights)
+    return module
 
 
 class CausalSelfAttention(nn.Module):
@@ -63,64 +91,122 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_head: int):
+    def __init__(self, d_model: int, n_head: int, init_seed: int | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, n_head)
         self.ln_2 = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model)
+        _initialize(self, init_seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
+class Embedding(nn.Module):
+    """Token plus learned position embeddings: ids [B, T] -> hidden [B, T, d_model]."""
+
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, init_seed: int | None = None):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, d_model)
+        self.wpe = nn.Embedding(seq_len, d_model)
+        _initialize(self, init_seed)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.wte(input_ids) + self.wpe(pos)
+
+
+class LMHead(nn.Module):
+    """The output projection when it is not tied to the token embedding."""
+
+    def __init__(self, d_model: int, vocab_size: int, init_seed: int | None = None):
+        super().__init__()
+        self.proj = nn.Linear(d_model, vocab_size, bias=False)
+        _initialize(self, init_seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def tied_logits(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
+    """The output head that reuses the token embedding's weight (the last pipeline stage's copy)."""
+    return F.linear(x, embedding.wte.weight)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-byte cross-entropy in fp32, as the trainer computes it with or without a pipeline."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class GPT(nn.Module):
-    """Decoder-only transformer with learned positions and (optionally) tied embeddings."""
+    """Decoder-only transformer with learned positions and (optionally) tied embeddings.
+
+    Layer ``i`` of :meth:`pipeline_layers` (the embedding is 0, block ``k`` is ``k + 1``, an untied
+    head is last) is initialized from ``layer_seed(torch.initial_seed(), i)``.
+    """
 
     def __init__(self, *, n_layer: int = 2, d_model: int = 128, n_head: int = 4, seq_len: int = 128,
                  vocab_size: int = 256, tie_embeddings: bool = True, tp: int = 1):
         """``tp`` is the tensor-parallel degree the model will be sharded over (the config ties it
         to ``plan.tp``); the model only checks that its heads split evenly, AutoTP does the rest."""
         super().__init__()
-        if d_model % n_head:
-            raise ValueError(f"model.d_model({d_model}) must be divisible by model.n_head({n_head})")
-        if tp >= 1 and n_head % tp:
-            # Each tensor-parallel rank computes whole attention heads; since n_head divides d_model,
-            # this also makes d_model and the MLP width (4 * d_model) divisible by tp.
-            raise ValueError(f"model.n_head({n_head}) must be divisible by plan.tp({tp}): each tensor-parallel "
-                             f"rank holds n_head / tp whole heads (n_head % tp = {n_head % tp}); "
-                             "choose plan.tp among the divisors of model.n_head")
+        _check_shape(d_model=d_model, n_head=n_head, tp=tp)
+        base = torch.initial_seed()
         self.seq_len = seq_len
         self.vocab_size = vocab_size
-        self.wte = nn.Embedding(vocab_size, d_model)
-        self.wpe = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.embed = Embedding(vocab_size, seq_len, d_model, init_seed=layer_seed(base, 0))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, init_seed=layer_seed(base, 1 + i)) for i in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        if tie_embeddings:
-            self.lm_head.weight = self.wte.weight
+        self.lm_head = None if tie_embeddings else LMHead(d_model, vocab_size, init_seed=layer_seed(base, n_layer + 2))
         self.activation_checkpointing = False
-        self.apply(self._init_weights)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    @classmethod
+    def pipeline_layers(cls, *, n_layer: int = 2, d_model: int = 128, n_head: int = 4, seq_len: int = 128,
+                        vocab_size: int = 256, tie_embeddings: bool = True, tp: int = 1) -> list:
+        """The model as DeepSpeed pipeline layers, built lazily by the stage that owns each.
+
+        Embedding, the blocks, the final norm and the head: the same modules, weights and
+        arithmetic as :meth:`forward`. A tied head is a ``TiedLayerSpec`` of the embedding, so the
+        first and last stages each hold a copy whose gradients DeepSpeed all-reduces.
+        """
+        from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+        _check_shape(d_model=d_model, n_head=n_head, tp=tp)
+        base = torch.initial_seed()
+        embed = ("embed", Embedding, vocab_size, seq_len, d_model)
+        layers: list = [TiedLayerSpec(*embed, init_seed=layer_seed(base, 0), tied_weight_attr="wte.weight")]
+        layers += [LayerSpec(Block, d_model, n_head, init_seed=layer_seed(base, 1 + i)) for i in range(n_layer)]
+        layers.append(LayerSpec(nn.LayerNorm, d_model))
+        if tie_embeddings:
+            layers.append(TiedLayerSpec(*embed, init_seed=layer_seed(base, 0), forward_fn=tied_logits,
+                                        tied_weight_attr="wte.weight"))
+        else:
+            layers.append(LayerSpec(LMHead, d_model, vocab_size, init_seed=layer_seed(base, n_layer + 2)))
+        return layers
 
     def gradient_checkpointing_enable(self) -> None:
         """Recompute each block's activations in backward instead of saving them."""
         self.activation_checkpointing = True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        t = input_ids.shape[1]
-        pos = torch.arange(t, device=input_ids.device)
-        x = self.wte(input_ids) + self.wpe(pos)
+        x = self.embed(input_ids)
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        return self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        return tied_logits(self.embed, x) if self.lm_head is None else self.lm_head(x)
+
+
+def _check_shape(*, d_model: int, n_head: int, tp: int) -> None:
+    if d_model % n_head:
+        raise ValueError(f"model.d_model({d_model}) must be divisible by model.n_head({n_head})")
+    if tp >= 1 and n_head % tp:
+        # Each tensor-parallel rank computes whole attention heads; since n_head divides d_model,
+        # this also makes d_model and the MLP width (4 * d_model) divisible by tp.
+        raise ValueError(f"model.n_head({n_head}) must be divisible by plan.tp({tp}): each tensor-parallel "
+                         f"rank holds n_head / tp whole heads (n_head % tp = {n_head % tp}); "
+                         "choose plan.tp among the divisors of model.n_head")

@@ -1,0 +1,137 @@
+"""Pipeline stages of a plan: which layers each stage gets, what they hold, and the bubble.
+
+The layers are the model's own pipeline layers (DeepSpeed ``LayerSpec`` objects, see
+workloads/gpt.py), built one at a time on ``meta``: the split is computed with DeepSpeed's own
+partition functions on the same weights ``PipelineModule`` uses, so every stage here is the stage
+a worker will build. Activations are measured per layer by running the layers in order on
+``meta``, as the stages will, with the loss on the last.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from plans.activations import ActivationBytes, _CpuFlashAttentionOnMeta, _SavedTensors
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineLayer:
+    """One layer of the pipeline, measured on ``meta``."""
+
+    name: str
+    """The layer's class name (what ``type:REGEX`` partitions match)."""
+    params: int
+    trainable: int
+    """Parameters with ``requires_grad``: DeepSpeed balances stages by these."""
+    largest_param: int
+    saved_bytes: int
+    """Bytes autograd saves in this layer for one micro-batch (the loss's go to the last layer)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineStage:
+    """The layers ``[start, stop)`` one stage runs and what they add up to."""
+
+    index: int
+    start: int
+    stop: int
+    layers: list[str]
+    params: int
+    trainable: int
+    largest_param: int
+    saved_bytes: int
+    """Saved activations of one micro-batch in this stage."""
+    in_flight: int
+    """Micro-batches whose activations the stage holds at once under DeepSpeed's 1F1B schedule:
+    ``min(pp - stage, micro-batches)`` (``TrainSchedule.num_pipe_buffers``); the first stage holds most."""
+
+
+def _build(spec) -> torch.nn.Module:
+    with torch.device("meta"):
+        return spec.build() if hasattr(spec, "build") else spec
+
+
+def _run(spec, module: torch.nn.Module, x):
+    forward_fn = getattr(spec, "forward_fn", None)
+    return forward_fn(module, x) if forward_fn is not None else module(x)
+
+
+def measure_pipeline_layers(specs: list, *, micro_batch_size: int, seq_len: int,
+                            dtype: torch.dtype) -> list[PipelineLayer]:
+    """Parameters and saved activations of every pipeline layer, on ``meta``, in order."""
+    import torch.nn.functional as F
+
+    modules = [_build(spec).to(dtype=dtype) for spec in specs]
+    saved = _SavedTensors([p for m in modules for p in m.parameters()])
+    x = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _CpuFlashAttentionOnMeta():
+        for index, (spec, module) in enumerate(zip(specs, modules, strict=True)):
+            saved.current_layer = index
+            x = _run(spec, module, x)
+        # The last stage computes the loss as the trainer does; its logits are alive meanwhile.
+        F.cross_entropy(x.float().reshape(-1, x.shape[-1]), targets.reshape(-1))
+        saved.add(x)
+    layers = []
+    for index, module in enumerate(modules):
+        params = list(module.parameters())
+        layers.append(PipelineLayer(
+            name=type(module).__name__, params=sum(p.numel() for p in params),
+            trainable=sum(p.numel() for p in params if p.requires_grad),
+            largest_param=max((p.numel() for p in params), default=0),
+            saved_bytes=saved.by_layer.get(index, 0)))
+    return layers
+
+
+def partition(layers: list[PipelineLayer], pp: int, method: str) -> list[int]:
+    """Stage boundaries (``pp + 1`` layer indices), as DeepSpeed's ``PipelineModule._partition_layers``."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    if method == "uniform":
+        return partition_uniform(num_items=len(layers), num_parts=pp)
+    if method == "parameters":
+        return partition_balanced(weights=[layer.trainable for layer in layers], num_parts=pp)
+    if method.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        return partition_balanced(weights=[1 if pattern.search(layer.name) else 0 for layer in layers],
+                                  num_parts=pp)
+    raise ValueError(f"unknown pipeline partition method {method!r}")
+
+
+def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_batches: int) -> list[PipelineStage]:
+    """The stages of a pp-stage pipeline over ``layers``; a stage may come out empty (see callers)."""
+    bounds = partition(layers, pp, method)
+    stages = []
+    for index in range(pp):
+        part = layers[bounds[index]:bounds[index + 1]]
+        stages.append(PipelineStage(
+            index=index, start=bounds[index], stop=bounds[index + 1], layers=[layer.name for layer in part],
+            params=sum(layer.params for layer in part), trainable=sum(layer.trainable for layer in part),
+            largest_param=max((layer.largest_param for layer in part), default=0),
+            saved_bytes=sum(layer.saved_bytes for layer in part), in_flight=min(pp - index, micro_batches)))
+    return stages
+
+
+def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved: int) -> ActivationBytes:
+    """One stage's activations: the whole model's measurement scaled to the stage's share of the
+    saved bytes, plus the saved tensors of the micro-batches it holds in flight meanwhile."""
+    share = stage.saved_bytes / total_saved if total_saved else 0.0
+    waiting = (stage.in_flight - 1) * round(whole.saved * share)
+
+    def scaled(x: int) -> int:
+        return round(x * share)
+
+    return ActivationBytes(
+        saved=scaled(whole.saved) + waiting, recompute_peak=whole.recompute_peak if stage.saved_bytes else 0,
+        forward_peak=scaled(whole.forward_peak) + waiting, backward_peak=scaled(whole.backward_peak) + waiting,
+        backward_peak_with_grads=scaled(whole.backward_peak_with_grads - whole.grads_at_backward_peak) + waiting,
+        grads_at_backward_peak=0)
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """Idle time of the pipeline relative to its useful work: ``(pp - 1) / micro-batches``
+    (GPipe / Megatron-LM's bubble; 1F1B has the same bubble, with less memory)."""
+    return (pp - 1) / micro_batches if micro_batches else float("inf")

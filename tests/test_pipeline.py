@@ -1,0 +1,132 @@
+"""Pipeline parallelism: the pure rules and stage split in milliseconds, then real DeepSpeed
+PipelineModule training on 2 CPU workers in Ray actors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAST, compose_config
+from orchestrator.checking import check_run
+from orchestrator.config import to_typed
+from orchestrator.models import pipeline_layers_factory
+from plans.errors import PlanError
+from plans.pipeline import bubble_fraction, measure_pipeline_layers, pipeline_stages
+from plans.resolve import resolve_plan
+from plans.spec import ClusterSpec, PlanSpec, TrainSpec
+from workloads.gpt import GPT
+
+# --- pure ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_pipelines_refuse_zero_stages_the_pipeline_engine_does_not_run(stage):
+    with pytest.raises(PlanError) as info:
+        resolve_plan(PlanSpec(pp=2, dp=1, zero_stage=stage), ClusterSpec(), TrainSpec())
+    violation = info.value.violations[0]
+    assert violation.field == "plan.zero_stage" and violation.value == stage
+    assert "pipeline engine trains with ZeRO stages 0, 1 only" in violation.message
+    assert "set plan.zero_stage=1, or plan.pp=1" in violation.fix
+
+
+def test_pipeline_partition_must_be_one_deepspeed_knows():
+    with pytest.raises(PlanError, match=r"plan.pp_partition"):
+        resolve_plan(PlanSpec(pp=2, dp=1, pp_partition="by_magic"), ClusterSpec(), TrainSpec())
+    for method in ("parameters", "uniform", "type:Block"):
+        assert resolve_plan(PlanSpec(pp=2, dp=1, pp_partition=method), ClusterSpec(), TrainSpec()).pp == 2
+
+
+def test_gpt_built_whole_and_as_pipeline_layers_starts_from_the_same_weights():
+    torch.manual_seed(7)
+    whole = GPT(n_layer=2, d_model=32, n_head=2, seq_len=16)
+    torch.manual_seed(7)
+    specs = GPT.pipeline_layers(n_layer=2, d_model=32, n_head=2, seq_len=16)
+    layers = [spec.build() for spec in specs]
+    torch.testing.assert_close(layers[0].wte.weight, whole.embed.wte.weight)
+    torch.testing.assert_close(layers[2].mlp.fc.weight, whole.blocks[1].mlp.fc.weight)
+    # And they compute the same logits, the tied head reusing the embedding.
+    ids = torch.randint(0, 256, (2, 16))
+    x = ids
+    for spec, layer in zip(specs, layers, strict=True):
+        x = spec.forward_fn(layer, x) if getattr(spec, "forward_fn", None) else layer(x)
+    torch.testing.assert_close(x, whole(ids))
+
+
+def test_stages_split_the_layers_as_deepspeed_does():
+    specs = GPT.pipeline_layers(n_layer=4, d_model=64, n_head=2, seq_len=16)
+    layers = measure_pipeline_layers(specs, micro_batch_size=2, seq_len=16, dtype=torch.float32)
+    assert [layer.name for layer in layers] == ["Embedding", "Block", "Block", "Block", "Block", "LayerNorm",
+                                                "Embedding"]
+    stages = pipeline_stages(layers, pp=2, method="type:Block", micro_batches=4)
+    assert [(s.start, s.stop) for s in stages] == [(0, 3), (3, 7)]  # two blocks each
+    assert [s.in_flight for s in stages] == [2, 1]  # 1F1B: the first stage holds the most
+    # Every layer saves activations; the head also holds the logits and the loss's fp32
+    # log-softmax, each micro-batch x seq_len x vocab.
+    assert all(layer.saved_bytes > 0 for layer in layers)
+    assert layers[-1].saved_bytes > 2 * (2 * 16 * 256 * 4)
+    assert bubble_fraction(2, 4) == 0.25
+
+
+def test_check_shows_pipeline_stages_and_the_bubble():
+    typed, model_cfg, _ = to_typed(compose_config("plan.pp=2", "plan.dp=1", "plan.grad_accum_steps=2"))
+    estimate, _ = check_run(typed, model_cfg)
+    assert len(estimate.stages) == len(estimate.pipeline) == 2
+    assert estimate.bubble == 0.5
+    assert estimate.per_device.total == max(s.total for s in estimate.stages)
+    doc = estimate.as_json()
+    assert doc["pipeline"]["bubble_fraction"] == 0.5
+    assert [s["index"] for s in doc["pipeline"]["stages"]] == [0, 1]
+
+
+def test_more_stages_than_layers_with_parameters_is_refused_before_launch():
+    cfg = compose_config("plan.pp=6", "plan.dp=1", "cluster.devices_per_node=6", "model.n_layer=1")
+    typed, model_cfg, _ = to_typed(cfg)
+    with pytest.raises(PlanError) as info:
+        check_run(typed, model_cfg)
+    violation = info.value.violations[0]
+    assert violation.field == "plan.pp" and violation.value == 6
+    assert "has 4 pipeline layers, 4 of them with parameters" in violation.message
+    assert "set plan.pp to at most 4" in violation.fix
+
+
+def test_a_model_without_pipeline_layers_is_refused_with_the_reason():
+    assert pipeline_layers_factory({"_target_": "faulty_models.UnpipelinedGPT"}) is None
+    cfg = compose_config("plan.pp=2", "plan.dp=1", "model._target_=faulty_models.UnpipelinedGPT")
+    typed, model_cfg, _ = to_typed(cfg)
+    with pytest.raises(PlanError, match=r"faulty_models.UnpipelinedGPT cannot be split into pipeline stages"):
+        check_run(typed, model_cfg)
+
+
+# --- real DeepSpeed pipelines in Ray actors ------------------------------------------------------
+
+
+def train(sqlite_uri: str, *overrides: str):
+    from orchestrator.driver import run_training
+
+    cfg = compose_config(*FAST, f"tracking.uri={sqlite_uri}", *overrides)
+    return run_training(*to_typed(cfg))
+
+
+@pytest.mark.slow
+def test_pp2_follows_the_data_parallel_loss_curve(local_ray, sqlite_uri):
+    # Same global batch (8) and seed: dp=2 with one micro-batch of 4 per rank, pp=2 with one
+    # replica running two micro-batches of 4 through two stages. dp=1 reads the permutation's
+    # first 8 samples in two micro-batches of 4, the same 8 the two dp=2 ranks read (see
+    # test_tensor_parallel), and both start from the same weights (per-layer seeds). What
+    # differs is summation order (a mean over micro-batches vs over ranks) and the tied
+    # embedding's gradient, summed across the two stages that hold it: ~1e-7 per step in fp32.
+    dp = train(sqlite_uri, "plan.dp=2", "plan.micro_batch_size=4")
+    pp = train(sqlite_uri, "plan.dp=1", "plan.pp=2", "plan.micro_batch_size=4", "plan.grad_accum_steps=2")
+    assert [(f["dp_rank"], f["pp_rank"]) for f in pp.worker_facts] == [(0, 0), (0, 1)]
+    # Each stage holds its own layers only, as the planner split them.
+    assert [f["params_on_rank"] for f in pp.worker_facts] == [s.params for s in pp.estimate.pipeline]
+    assert sum(f["params_on_rank"] for f in pp.worker_facts) < 2 * pp.model.param_count
+    first, last = pp.reports[0], pp.reports[-1]
+    assert last[0]["loss"] < first[0]["loss"] - 0.5
+    for reports in pp.reports:  # the loss comes back from the last stage to every stage
+        assert reports[0]["loss"] == reports[1]["loss"]
+    assert [r[0]["loss"] for r in pp.reports] == pytest.approx([r[0]["loss"] for r in dp.reports], abs=PARITY)
+    assert pp.eval_loss == pytest.approx(dp.eval_loss, abs=PARITY)
+
+
+PARITY = 1e-3
