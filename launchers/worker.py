@@ -87,6 +87,24 @@ def _unlink_shared_memory_buffers(master_addr: str, master_port: int) -> None:
             pass
 
 
+class _PipelineTensorGrid:
+    """DeepSpeed's pipeline grid, answering the tensor-parallel questions AutoTP's engine asks too
+    (its check that a tensor-parallel group reads one batch calls them on the engine's mpu)."""
+
+    def __init__(self, grid):
+        self._grid = grid
+
+    def __getattr__(self, name):
+        return getattr(self._grid, name)
+
+    def get_tensor_model_parallel_group(self):
+        return self._grid.get_slice_parallel_group()
+
+    def get_tensor_model_parallel_src_rank(self):
+        """The global rank of tensor-parallel rank 0 in this rank's group."""
+        return self._grid.slice_group[0]
+
+
 class TrainWorker:
     """A DeepSpeed worker: one rank of the run."""
 
@@ -139,6 +157,8 @@ class TrainWorker:
         if plan.pp > 1:
             module = self._pipeline_module(job)
             mpu = None  # the PipelineModule's own grid is the engine's mpu
+            if plan.tp > 1:
+                self._share_pipeline_groups_with_autotp(module)
         else:
             module = job.model_factory()
             if plan.activation_checkpointing:
@@ -150,6 +170,12 @@ class TrainWorker:
         # optimizer gets the shards.
         self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                                     config=job.ds_config, mpu=mpu)
+        if plan.pp > 1:
+            self._mark_stage_parameters(module, coords)
+        if plan.pp > 1 and plan.tp > 1:
+            # AutoTP set the engine's mpu to deepspeed.utils.groups, which knows no pipeline;
+            # the pipeline engine asks its mpu for the pipe group every step.
+            self.engine.mpu = _PipelineTensorGrid(self.engine.grid)
         if plan.tp > 1 and sum(p.numel() for p in module.parameters()) == full_numel:
             raise RuntimeError(f"plan.tp={plan.tp}, but no layer of {type(module).__name__} matched the "
                                "tensor-parallel layer specs: every rank would hold and compute the whole model")
@@ -194,17 +220,43 @@ class TrainWorker:
         topology = ProcessTopology(axes=list(GRID_AXES), dims=[plan.dp, plan.pp, plan.tp])
         module = PipelineModule(layers=job.pipeline_layers(), topology=topology, loss_fn=next_token_loss,
                                 partition_method=plan.pp_partition, **recompute)
-        # DeepSpeed 0.19's gradient clipping without ZeRO (runtime/utils.py clip_grad_norm_) counts
-        # only the parameters of model-parallel rank 0 plus those marked model-parallel, and the
-        # pipeline grid makes every stage but the first a model-parallel rank > 0: the global norm
-        # would leave out all later stages and clip too little. Marking each stage's own parameters
-        # (not the copies of tied weights a later stage holds, which DeepSpeed marks
-        # ds_pipe_replicated) makes the sum over stages the norm of the whole model, as without
-        # a pipeline. ZeRO-1 and bf16 compute their norms elsewhere and ignore the mark.
+        return module
+
+    @staticmethod
+    def _mark_stage_parameters(module, coords: ParallelCoords) -> None:
+        """Make DeepSpeed's gradient norm count every parameter of the model exactly once.
+
+        DeepSpeed 0.19's clipping without ZeRO (runtime/utils.py ``clip_grad_norm_``) sums, over
+        the model-parallel group (pipe x tensor), the parameters of model-parallel rank 0 and
+        those marked model-parallel elsewhere. In a pipeline every stage but the first is a rank
+        > 0, so its layers would be left out and the run would clip too little. Marked here: each
+        stage's parameters on tensor-parallel rank 0, except the copies of tied weights a later
+        stage holds (DeepSpeed marks them ``ds_pipe_replicated``); AutoTP already marks the
+        shards every tensor-parallel rank holds (``tensor_model_parallel``). ZeRO-1 and bf16
+        compute their norms elsewhere and read the same marks.
+        """
+        if coords.tp_rank != 0:
+            return
         for param in module.parameters():
             if not getattr(param, "ds_pipe_replicated", False):
                 param.model_parallel = True
-        return module
+
+    @staticmethod
+    def _share_pipeline_groups_with_autotp(module) -> None:
+        """Make AutoTP shard each stage over the pipeline grid's tensor-parallel group.
+
+        DeepSpeed's AutoTP training builds its groups as a 2D (data, tensor) mesh over the whole
+        world (``groups._init_tp_mesh_device``), which would put different pipeline stages in one
+        data-parallel group. It keeps groups that already exist, so the grid's are set first:
+        tensor-parallel = the grid's "model" axis, data-parallel = its "data" axis, and
+        model-parallel = pipe x model (what gradient clipping sums the norm over).
+        """
+        from deepspeed.utils import groups
+
+        grid = module._grid
+        groups._TENSOR_MODEL_PARALLEL_GROUP = grid.get_slice_parallel_group()
+        groups._DATA_PARALLEL_GROUP = grid.get_data_parallel_group()
+        groups._MODEL_PARALLEL_GROUP = grid.get_model_parallel_group()
 
     def _recorded(self, batches):
         """The training batches, fingerprinting the first this rank reads (tests compare them)."""

@@ -200,8 +200,9 @@ class ModelProbe:
         return self._pipeline(plan.micro_batch_size, plan.precision)
 
     def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
+        ids = plan.micro_batch_size * self.seq_len * torch.tensor([], dtype=torch.long).element_size()
         return pipeline_stages(self.pipeline_layer_facts(plan), pp=plan.pp, method=plan.pp_partition,
-                               micro_batches=plan.grad_accum_steps)
+                               micro_batches=plan.grad_accum_steps, input_bytes=ids)
 
     def persistent_params(self, ds_config: dict) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (under the persistence threshold)."""
@@ -248,9 +249,13 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds
     if plan.pp > 1:
         pipeline = probe.stages(plan)
         total_saved = sum(layer.saved_bytes for layer in probe.pipeline_layer_facts(plan))
-        per_stage = [_device_phases(plan, optim, ds_config, probe, _stage_stats(probe, stage, plan.tp),
-                                    stage_activations(whole_activations, stage, total_saved),
-                                    max(plan.grad_accum_steps, 2)) for stage in pipeline]
+        per_stage = []
+        for stage in pipeline:
+            states, phases = _device_phases(plan, optim, ds_config, probe, _stage_stats(probe, stage, plan.tp),
+                                            stage_activations(whole_activations, stage, total_saved),
+                                            max(plan.grad_accum_steps, 2))
+            held = dataclasses.replace(phases.held, buffers=phases.held.buffers + stage.buffer_bytes)
+            per_stage.append((states, dataclasses.replace(phases, held=held)))
     else:
         per_stage = [_device_phases(plan, optim, ds_config, probe, probe.stats_for(plan.tp), whole_activations,
                                     plan.grad_accum_steps)]

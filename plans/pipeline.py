@@ -29,6 +29,8 @@ class PipelineLayer:
     largest_param: int
     saved_bytes: int
     """Bytes autograd saves in this layer for one micro-batch (the loss's go to the last layer)."""
+    output_bytes: int = 0
+    """Bytes of the layer's output for one micro-batch: what a stage ending here sends on."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +49,10 @@ class PipelineStage:
     in_flight: int
     """Micro-batches whose activations the stage holds at once under DeepSpeed's 1F1B schedule:
     ``min(pp - stage, micro-batches)`` (``TrainSchedule.num_pipe_buffers``); the first stage holds most."""
+    buffer_bytes: int = 0
+    """The pipeline engine's buffers, kept from one step to the next: ``max(2, in_flight)`` slots of
+    the stage's input and output (``PipelineEngine.pipe_buffers``), plus the receive buffer of a
+    stage after the first and the received-gradient buffer of a stage before the last."""
 
 
 def _build(spec) -> torch.nn.Module:
@@ -68,10 +74,12 @@ def measure_pipeline_layers(specs: list, *, micro_batch_size: int, seq_len: int,
     saved = _SavedTensors([p for m in modules for p in m.parameters()])
     x = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
     targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    outputs = []
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _CpuFlashAttentionOnMeta():
         for index, (spec, module) in enumerate(zip(specs, modules, strict=True)):
             saved.current_layer = index
             x = _run(spec, module, x)
+            outputs.append(x.numel() * x.element_size())
         # The last stage computes the loss as the trainer does; its logits are alive meanwhile.
         F.cross_entropy(x.float().reshape(-1, x.shape[-1]), targets.reshape(-1))
         saved.add(x)
@@ -82,7 +90,7 @@ def measure_pipeline_layers(specs: list, *, micro_batch_size: int, seq_len: int,
             name=type(module).__name__, params=sum(p.numel() for p in params),
             trainable=sum(p.numel() for p in params if p.requires_grad),
             largest_param=max((p.numel() for p in params), default=0),
-            saved_bytes=saved.by_layer.get(index, 0)))
+            saved_bytes=saved.by_layer.get(index, 0), output_bytes=outputs[index]))
     return layers
 
 
@@ -101,17 +109,26 @@ def partition(layers: list[PipelineLayer], pp: int, method: str) -> list[int]:
     raise ValueError(f"unknown pipeline partition method {method!r}")
 
 
-def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_batches: int) -> list[PipelineStage]:
-    """The stages of a pp-stage pipeline over ``layers``; a stage may come out empty (see callers)."""
+def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_batches: int,
+                    input_bytes: int = 0) -> list[PipelineStage]:
+    """The stages of a pp-stage pipeline over ``layers``; a stage may come out empty (see callers).
+
+    ``input_bytes`` is one micro-batch of the model's input (the token ids).
+    """
     bounds = partition(layers, pp, method)
     stages = []
     for index in range(pp):
         part = layers[bounds[index]:bounds[index + 1]]
+        received = layers[bounds[index] - 1].output_bytes if bounds[index] > 0 else input_bytes
+        sent = part[-1].output_bytes if part else received
+        in_flight = min(pp - index, micro_batches)
+        buffers = max(2, in_flight) * (received + sent) + (received if index > 0 else 0) + (
+            sent if index < pp - 1 else 0)
         stages.append(PipelineStage(
             index=index, start=bounds[index], stop=bounds[index + 1], layers=[layer.name for layer in part],
             params=sum(layer.params for layer in part), trainable=sum(layer.trainable for layer in part),
             largest_param=max((layer.largest_param for layer in part), default=0),
-            saved_bytes=sum(layer.saved_bytes for layer in part), in_flight=min(pp - index, micro_batches)))
+            saved_bytes=sum(layer.saved_bytes for layer in part), in_flight=in_flight, buffer_bytes=buffers))
     return stages
 
 

@@ -108,25 +108,53 @@ def train(sqlite_uri: str, *overrides: str):
 
 
 @pytest.mark.slow
-def test_pp2_follows_the_data_parallel_loss_curve(local_ray, sqlite_uri):
-    # Same global batch (8) and seed: dp=2 with one micro-batch of 4 per rank, pp=2 with one
-    # replica running two micro-batches of 4 through two stages. dp=1 reads the permutation's
-    # first 8 samples in two micro-batches of 4, the same 8 the two dp=2 ranks read (see
-    # test_tensor_parallel), and both start from the same weights (per-layer seeds). What
-    # differs is summation order (a mean over micro-batches vs over ranks) and the tied
-    # embedding's gradient, summed across the two stages that hold it: ~1e-7 per step in fp32.
+def test_pipelines_follow_the_data_parallel_loss_curve(local_ray, sqlite_uri):
+    # Same global batch (8) and seed: dp=2 with one micro-batch of 4 per rank; pp=2 (and
+    # tp=2 x pp=2 on 4 workers) with one replica running two micro-batches of 4 through two
+    # stages. dp=1 reads the permutation's first 8 samples in two micro-batches of 4, the same 8
+    # the two dp=2 ranks read (see test_tensor_parallel), and every run starts from the same
+    # weights (per-layer seeds). What differs is summation order (a mean over micro-batches vs
+    # over ranks, the tied embedding's gradient summed across the two stages holding it, the
+    # row-parallel all-reduces): ~1e-7 per step in fp32. 1e-3 leaves room for Adam to amplify
+    # that over 30 steps and is still hundreds of times smaller than the loss falls between two
+    # logged steps. Gradient clipping is on (optim.grad_clip=1): a pipeline whose norm missed a
+    # stage's gradients would clip differently and leave this tolerance within a few steps.
+    # train.eval_batches counts micro-batches per replica: the one pipeline replica evaluates
+    # twice as many as each of dp's two, so both runs evaluate the same 16 samples.
     dp = train(sqlite_uri, "plan.dp=2", "plan.micro_batch_size=4")
-    pp = train(sqlite_uri, "plan.dp=1", "plan.pp=2", "plan.micro_batch_size=4", "plan.grad_accum_steps=2")
+    one_replica = ["plan.dp=1", "plan.pp=2", "plan.micro_batch_size=4", "plan.grad_accum_steps=2",
+                   "train.eval_batches=4"]
+    pp = train(sqlite_uri, *one_replica)
+    grid = train(sqlite_uri, *one_replica, "plan.tp=2", "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5")
     assert [(f["dp_rank"], f["pp_rank"]) for f in pp.worker_facts] == [(0, 0), (0, 1)]
-    # Each stage holds its own layers only, as the planner split them.
+    assert [(f["pp_rank"], f["tp_rank"]) for f in grid.worker_facts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # Each stage holds its own layers only, as the planner split them; tp halves the blocks' share.
     assert [f["params_on_rank"] for f in pp.worker_facts] == [s.params for s in pp.estimate.pipeline]
-    assert sum(f["params_on_rank"] for f in pp.worker_facts) < 2 * pp.model.param_count
+    assert all(f["params_on_rank"] < s.params for f, s in zip(grid.worker_facts[::2], grid.estimate.pipeline,
+                                                                strict=True))
+    # The two ranks of a tensor-parallel group read the same batch on the first stage.
+    assert grid.reports[0][0]["first_batch_digest"] == grid.reports[0][1]["first_batch_digest"]
     first, last = pp.reports[0], pp.reports[-1]
     assert last[0]["loss"] < first[0]["loss"] - 0.5
-    for reports in pp.reports:  # the loss comes back from the last stage to every stage
-        assert reports[0]["loss"] == reports[1]["loss"]
-    assert [r[0]["loss"] for r in pp.reports] == pytest.approx([r[0]["loss"] for r in dp.reports], abs=PARITY)
-    assert pp.eval_loss == pytest.approx(dp.eval_loss, abs=PARITY)
+    for run in (pp, grid):
+        for reports in run.reports:  # the loss comes back from the last stage to every stage
+            assert len({r["loss"] for r in reports}) == 1
+        assert [r[0]["loss"] for r in run.reports] == pytest.approx([r[0]["loss"] for r in dp.reports], abs=PARITY)
+        assert run.eval_loss == pytest.approx(dp.eval_loss, abs=PARITY)
 
 
 PARITY = 1e-3
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_the_same_run(local_ray, sqlite_uri, tmp_path):
+    plan = ["plan.dp=1", "plan.pp=2", "plan.zero_stage=1", "plan.grad_accum_steps=2", "train.checkpoint_every=5",
+            f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.resume=auto"]
+    before = train(sqlite_uri, *plan, "train.steps=10")
+    after = train(sqlite_uri, *plan, "train.steps=20")
+    assert after.run_id == before.run_id
+    assert {f["start_step"] for f in after.worker_facts} == {10}
+    assert [r[0]["step"] for r in after.reports] == [15, 20]
+    # Training went on from the checkpoint: the loss right after resuming is where it had got to,
+    # far below a fresh start's (ln 256 = 5.5).
+    assert after.reports[0][0]["loss"] < before.reports[0][0]["loss"] - 0.5
