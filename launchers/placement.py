@@ -79,3 +79,20 @@ def rank_layout(world_size: int, devices_per_node: int, tp: int, pp: int = 1) ->
     """
     return [{"rank": r, "node": r // devices_per_node, "local_rank": r % devices_per_node,
              **asdict(parallel_coords(r, world_size, tp, pp))} for r in range(world_size)]
+
+
+def placement_strategy(nodes: int) -> str:
+    """The Ray placement-group strategy for a plan's one-bundle-per-device group.
+
+    One node: ``STRICT_PACK``, every device there or none. Several nodes: ``PACK``, which fills
+    a node before the next, so the contiguous ranks of a node (:func:`assign_ranks`) hold whole
+    tensor-parallel groups; :func:`straddling_groups` checks what Ray actually granted.
+    """
+    return "STRICT_PACK" if nodes <= 1 else "PACK"
+
+
+def straddling_groups(slots: list[RankSlot], tp: int) -> list[list[int]]:
+    """Tensor-parallel groups (ranks) whose members landed on more than one node."""
+    by_rank = sorted(slots, key=lambda s: s.rank)
+    groups = [by_rank[i:i + tp] for i in range(0, len(by_rank), tp)]
+    return [[s.rank for s in group] for group in groups if len({s.node_id for s in group}) > 1]

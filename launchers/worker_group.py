@@ -6,6 +6,7 @@ gets all its devices or none; a failed start tears down whatever was created.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launchers.job import TrainJob
-from launchers.placement import RankSlot, assign_ranks
+from launchers.placement import RankSlot, assign_ranks, straddling_groups
 from launchers.worker import TrainWorker
 from plans.errors import OrchError
 
@@ -60,7 +61,9 @@ class WorkerGroupSpec:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     strategy: str = "PACK"
-    """Placement group strategy; PACK keeps workers on as few nodes as possible."""
+    """Placement group strategy (:func:`launchers.placement.placement_strategy`)."""
+    tp: int = 1
+    """Tensor-parallel degree: each group of tp consecutive ranks must land on one node."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment of the worker processes (set before anything is imported there)."""
     wait_s: float = 120.0
@@ -72,6 +75,21 @@ class WorkerGroupSpec:
         if self.gpus_per_worker:
             bundle["GPU"] = self.gpus_per_worker
         return bundle
+
+
+def collective_timeout_env(hang_timeout_s: float) -> dict[str, str]:
+    """Worker environment that makes the process group's own timeout outlast the hang detector.
+
+    A collective that never completes also ends in gloo or NCCL, once the process group's
+    timeout passes: DeepSpeed's ``DEEPSPEED_TIMEOUT`` minutes, read when it is imported, 10 by
+    default, which is *shorter* than the default ``train.hang_timeout_s`` of 900 s. The rank
+    would then fail with a bare timeout and no stacks. Adding DeepSpeed's own 10 minutes on top
+    of the hang timeout leaves the detector time to collect every rank's stack first. With
+    hang detection off (0) the process group's timeout stays as DeepSpeed sets it: the only guard.
+    """
+    if not hang_timeout_s:
+        return {}
+    return {"DEEPSPEED_TIMEOUT": str(math.ceil(hang_timeout_s / 60) + 10)}
 
 
 def _resource_shortfall(spec: WorkerGroupSpec) -> str:
@@ -111,6 +129,12 @@ class WorkerGroup:
                 actors.append(actor)
             node_ids = ray.get([a.node_id.remote() for a in actors])
             slots = assign_ranks(node_ids)
+            straddling = straddling_groups(slots, spec.tp)
+            if straddling:
+                raise WorkerGroupError(
+                    f"Ray placed tensor-parallel group(s) {straddling} across nodes (tp={spec.tp}): the "
+                    "cluster's free devices are spread unevenly over its nodes. Fix: free whole nodes, "
+                    "or set plan.tp to a divisor of the free devices of every node")
             order = sorted(range(len(actors)), key=lambda i: slots[i].rank)
             return cls(spec, pg, [actors[i] for i in order], [slots[i] for i in order])
         except BaseException:
@@ -123,8 +147,15 @@ class WorkerGroup:
         """Rendezvous on rank 0's node and build the DeepSpeed engine on every rank."""
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         world_size = len(self.actors)
-        self.facts = ray.get([actor.setup.remote(job, slot, world_size, master_addr, master_port)
-                              for actor, slot in zip(self.actors, self.slots, strict=True)])
+        try:
+            self.facts = ray.get([actor.setup.remote(job, slot, world_size, master_addr, master_port)
+                                  for actor, slot in zip(self.actors, self.slots, strict=True)])
+        except ray.exceptions.RayTaskError as error:
+            # An error a worker raises on purpose (a checkpoint the safe loader refused) is a
+            # message for the user, which Ray's wrapper would bury under a remote traceback.
+            if isinstance(error.cause, OrchError):
+                raise error.cause from None
+            raise
         for fact, slot in zip(self.facts, self.slots, strict=True):
             fact["node_id"] = slot.node_id
         return self.facts

@@ -19,7 +19,7 @@ from ray.exceptions import RayActorError
 from launchers.checkpoint import latest
 from launchers.ds_config import build_ds_config
 from launchers.job import TrainJob
-from launchers.placement import rank_layout
+from launchers.placement import placement_strategy, rank_layout
 from launchers.ray_session import ray_session
 from launchers.worker_group import (
     WorkerDiedError,
@@ -73,11 +73,13 @@ def worker_env(plan: ResolvedPlan) -> dict[str, str]:
 
 
 def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=None,
-                 on_report: Callable[[list[dict], list[dict]], None] | None = None) -> TrainResult:
+                 on_report: Callable[[list[dict], list[dict]], None] | None = None,
+                 tags: dict[str, str] | None = None) -> TrainResult:
     """Train one declared run end to end and return its result.
 
     ``on_report(reports, worker_facts)`` is called for every logged step, replays included
-    (tests use it to inject faults at a known step).
+    (tests use it to inject faults at a known step). ``tags`` go onto the new MLflow run
+    (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``).
     """
     out = stream or sys.stdout
     started = time.perf_counter()
@@ -102,7 +104,8 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
                    pipeline_layers=pipeline_layers_factory(constructor_cfg) if plan.pp > 1 else None)
     group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
                                  gpus_per_worker=1.0 if plan.accelerator == Accelerator.gpu else 0.0,
-                                 env=job.env, wait_s=cfg.cluster.wait_s)
+                                 env=job.env, wait_s=cfg.cluster.wait_s, tp=plan.tp,
+                                 strategy=placement_strategy(cluster.nodes))
     result = TrainResult(run_id=None, plan=plan, model=facts, estimate=estimate)
 
     published = latest(cfg.train.checkpoint_dir) if cfg.train.resume == ResumeMode.auto else None
@@ -116,7 +119,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         if published and published.run_id:
             tracker = RunTracker.resume(uri=cfg.tracking.uri, run_id=published.run_id)
         else:
-            tracker = _start_tracking(cfg, model_cfg, plan, facts, estimate, ds_config, config_yaml)
+            tracker = _start_tracking(cfg, model_cfg, plan, facts, estimate, ds_config, config_yaml, tags or {})
         result.run_id = tracker.run_id
         job = dataclasses.replace(job, run_id=tracker.run_id)
 
@@ -138,6 +141,8 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
                 try:
                     result.worker_facts = group.setup(job)
                     if tracker:
+                        tracker.log_dict({"ranks": [{k: f.get(k) for k in _REALIZED_PLACEMENT}
+                                                    for f in result.worker_facts]}, "plan/placement_realized.json")
                         tracker.set_tags({"nodes_used": str(len({f["node_id"] for f in result.worker_facts})),
                                           "peak_tflops_per_device": f"{_mean_peak(result.worker_facts):.4f}"})
                     for reports in group.train(hang_timeout_s=cfg.train.hang_timeout_s):
@@ -178,6 +183,10 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     return result
 
 
+# What each rank reports of where it runs, logged next to the planned layout (plan/placement.json).
+_REALIZED_PLACEMENT = ("rank", "node_id", "hostname", "pid", "dp_rank", "pp_rank", "tp_rank")
+
+
 def _reachable_tracking(cfg: RunConfig) -> RunConfig:
     """The config with a tracking URI that answers, falling back to a local store if asked to."""
     try:
@@ -209,7 +218,8 @@ def _mean_peak(worker_facts: list[dict]) -> float:
 
 
 def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: ModelFacts,
-                    estimate: PlanEstimate, ds_config: dict, config_yaml: str) -> RunTracker:
+                    estimate: PlanEstimate, ds_config: dict, config_yaml: str,
+                    extra_tags: dict[str, str]) -> RunTracker:
     """A new MLflow run with the flattened resolved config as params and the configs as artifacts."""
     params = flatten({"plan": plan.as_dict(), "model": dict(model_cfg),
                       "data": vars(cfg.data), "optim": vars(cfg.optim), "train": vars(cfg.train),
@@ -217,7 +227,7 @@ def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: 
     params["model.param_count"] = str(facts.param_count)
     params.update({f"memory.predicted.{k}": str(v) for k, v in estimate.per_device.as_dict().items()})
     tags = {"world_size": str(plan.world_size), "devices": f"{plan.world_size}x{plan.accelerator.value}",
-            "orch.command": "train"}
+            "orch.command": "train", **extra_tags}
     if commit := git_commit():
         tags["git_commit"] = commit
     tracker = RunTracker.start(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,

@@ -163,3 +163,16 @@ def test_check_json_shows_the_placement(tmp_path):
     assert json.loads(done.stdout)["placement"] == [
         {"rank": 0, "node": 0, "local_rank": 0, "dp_rank": 0, "tp_rank": 0, "pp_rank": 0},
         {"rank": 1, "node": 0, "local_rank": 1, "dp_rank": 0, "tp_rank": 1, "pp_rank": 0}]
+
+
+def test_placement_strategy_and_straddling_tensor_parallel_groups():
+    from launchers.placement import RankSlot, assign_ranks, placement_strategy, straddling_groups
+
+    assert placement_strategy(1) == "STRICT_PACK" and placement_strategy(4) == "PACK"
+    even = assign_ranks(["a", "a", "b", "b"])
+    assert straddling_groups(even, tp=2) == []
+    # Ray granted 3 devices on one node and 1 on the other: ranks 2 and 3 would all-reduce across nodes.
+    uneven = assign_ranks(["a", "a", "a", "b"])
+    assert straddling_groups(uneven, tp=2) == [[2, 3]]
+    assert straddling_groups(uneven, tp=1) == []
+    assert straddling_groups([RankSlot(0, "a", 0, 1)], tp=1) == []
