@@ -10,13 +10,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from plans.errors import OrchError
+
 LATEST = "latest.json"
+_TAG = re.compile(r"step_[0-9]{9}")
+_RUN_ID = re.compile(r"[A-Za-z0-9][\w\-]{0,255}")
+"""MLflow's own rule for run ids (``mlflow.utils.validation``): no separators, no dots."""
+
+
+class CheckpointRecordError(OrchError):
+    """``latest.json`` names something this orchestrator never writes (e.g. a path outside its directory)."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,28 @@ def latest(checkpoint_dir: str | os.PathLike) -> Published | None:
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    return Published(tag=data["tag"], step=int(data["step"]), run_id=data.get("run_id"), tags=list(data["tags"]))
+    record = Published(tag=data["tag"], step=int(data["step"]), run_id=data.get("run_id"), tags=list(data["tags"]))
+    _check_record(record, path)
+    return record
+
+
+def _check_record(record: Published, path: Path) -> None:
+    """Refuse a record whose names could leave the checkpoint directory.
+
+    Tags become paths that are loaded and, when pruned, deleted; the run id selects the MLflow
+    run to continue. Only names :func:`tag_for` and MLflow produce are accepted, so an edited
+    or planted ``latest.json`` cannot point a resume, or a prune, at another directory.
+    """
+    for tag in [record.tag, *record.tags]:
+        if not isinstance(tag, str) or not _TAG.fullmatch(tag):
+            raise CheckpointRecordError(
+                f"{path}: tag={tag!r} is not a checkpoint tag this orchestrator writes ({tag_for(0)} and so on); "
+                "it could name a path outside train.checkpoint_dir. Fix: delete the file to start fresh, or point "
+                "train.checkpoint_dir at a directory this orchestrator wrote")
+    if record.run_id is not None and not (isinstance(record.run_id, str) and _RUN_ID.fullmatch(record.run_id)):
+        raise CheckpointRecordError(
+            f"{path}: run_id={record.run_id!r} is not an MLflow run id. Fix: delete the file to start fresh, or "
+            "point train.checkpoint_dir at a directory this orchestrator wrote")
 
 
 def publish(checkpoint_dir: str | os.PathLike, step: int, run_id: str | None, keep: int) -> Published:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import re
 from collections.abc import Iterator
 
 from plans.errors import OrchError
@@ -52,10 +51,11 @@ def load_weights_only(path: str, map_location=None):
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
-        refused = _refused_globals(path, allowed) or [_unpickler_complaint(error)]
+        refused = _refused_globals(path, allowed)
+        what = (f"holds pickled objects that could run code when loaded: {', '.join(refused)}" if refused
+                else f"was refused by the weights-only unpickler ({_unpickler_complaint(error)})")
         raise UnsafeCheckpointError(
-            f"checkpoint file {path} holds pickled objects that could run code when loaded: "
-            f"{', '.join(refused)}. It was not loaded. Fix: resume only from checkpoints this "
+            f"checkpoint file {path} {what}. It was not loaded. Fix: resume only from checkpoints this "
             "orchestrator wrote (train.checkpoint_dir, or train.resume=never to start fresh); if a "
             "DeepSpeed upgrade saves a new class, review it and add it to "
             "launchers.safe_load.deepspeed_checkpoint_globals") from None
@@ -73,9 +73,11 @@ def _refused_globals(path: str, allowed: list[type]) -> list[str]:
 
 
 def _unpickler_complaint(error: Exception) -> str:
-    """The one line of torch's long weights-only message that says what was refused."""
-    found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|$)", str(error), re.MULTILINE)
-    return found.group(1).strip() if found else str(error).strip().splitlines()[-1]
+    """The line of torch's long weights-only message that says what was refused."""
+    for line in str(error).splitlines():
+        if "unsupported" in line.lower():
+            return line.split("WeightsUnpickler error:")[-1].split(" Please use")[0].strip()
+    return str(error).strip()
 
 
 @contextlib.contextmanager

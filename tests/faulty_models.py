@@ -63,3 +63,13 @@ class UnpipelinedGPT(GPT):
     """A model that does not offer its layers to a pipeline (like most user models)."""
 
     pipeline_layers = None
+
+
+class OutOfMemoryAboveTwo(GPT):
+    """Fails like a device out of memory when a real micro-batch has more than 2 samples, so one
+    plan of a tuning fails and the others run (``orch tune`` must contain the failure)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.device.type != "meta" and input_ids.shape[0] > 2:
+            raise RuntimeError(f"simulated out of memory: micro-batch of {input_ids.shape[0]} samples")
+        return super().forward(input_ids)

@@ -248,7 +248,6 @@ def test_a_killed_worker_restarts_through_ray_client(two_node_ray, tmp_path):
     output = "".join(lines)
     assert proc.returncode == 0 and killed, output[-3000:]
     assert "restart 1/1: " in output and "resuming from step 10" in output, output[-3000:]
-    assert killed[0] not in train_worker_pids(two_node_ray["temp_dir"])
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
     assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import re
 import signal
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -15,6 +19,15 @@ from orchestrator.driver import run_training
 
 RUN = ["train.steps=30", "train.log_every=5", "train.eval_batches=1", "plan.micro_batch_size=4",
        "plan.zero_stage=1", "train.checkpoint_every=10"]
+
+
+def test_the_process_group_outlasts_the_hang_detector():
+    from launchers.worker_group import collective_timeout_env
+
+    # DeepSpeed's default (10 min) is shorter than train.hang_timeout_s's default (900 s).
+    assert collective_timeout_env(900) == {"DEEPSPEED_TIMEOUT": "25"}
+    assert int(collective_timeout_env(3601)["DEEPSPEED_TIMEOUT"]) * 60 > 3601
+    assert collective_timeout_env(0) == {}  # detection off: the process group's timeout is the guard
 
 
 def test_publish_is_atomic_and_prunes(tmp_path):
@@ -106,3 +119,159 @@ def test_tracking_falls_back_to_a_local_store_when_asked(local_ray, sqlite_uri, 
     assert "tracking in sqlite:///mlflow.db instead" in capsys.readouterr().err
     local = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert local.get_run(result.run_id).info.status == "FINISHED"
+
+
+class _PlantedPickle:
+    """Unpickling this calls ``open(path, "w")``: proof, if the file appears, that a load ran code."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _plant(checkpoint: Path, marker: Path) -> list[Path]:
+    """Add a code-running object to every model-states file of ``checkpoint`` (where client state lives)."""
+    import torch
+
+    planted = sorted(checkpoint.glob("*model_states.pt"))
+    for path in planted:
+        state = torch.load(path, weights_only=False)  # our own file, written a moment ago
+        state["planted"] = _PlantedPickle(marker)
+        torch.save(state, path)
+    assert not marker.exists()
+    return planted
+
+
+def test_weights_only_load_refuses_code_and_accepts_deepspeed_state(tmp_path):
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from launchers.safe_load import UnsafeCheckpointError, load_weights_only
+
+    # What ZeRO optimizers save besides tensors (runtime/zero/stage_1_and_2.py: state_dict()).
+    good = {"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0),
+            "param_slice_mappings": [{"w": fragment_address(numel=4, start=0)}], "t": torch.ones(2)}
+    torch.save(good, tmp_path / "good.pt")
+    loaded = load_weights_only(str(tmp_path / "good.pt"))
+    assert loaded["zero_stage"] is ZeroStageEnum.gradients and loaded["loss_scaler"].cur_scale == 1.0
+    assert loaded["param_slice_mappings"][0]["w"] == fragment_address(numel=4, start=0)
+
+    marker = tmp_path / "code-ran"
+    torch.save({**good, "planted": _PlantedPickle(marker)}, tmp_path / "bad.pt")
+    with pytest.raises(UnsafeCheckpointError) as info:
+        load_weights_only(str(tmp_path / "bad.pt"))
+    assert f"checkpoint file {tmp_path / 'bad.pt'} holds pickled objects that could run code" in str(info.value)
+    assert "io.open" in str(info.value) and "It was not loaded" in str(info.value)
+    assert not marker.exists()
+
+
+def test_latest_json_cannot_point_outside_the_checkpoint_dir(tmp_path):
+    from launchers.checkpoint import CheckpointRecordError
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    for tag, tags, run_id, named in [("../victim", ["../victim"], "run1", "tag='../victim'"),
+                                     (tag_for(10), ["/tmp", tag_for(10)], "run1", "tag='/tmp'"),
+                                     (tag_for(10), [tag_for(10)], "../../run", "run_id='../../run'")]:
+        (root / LATEST).write_text(json.dumps({"tag": tag, "step": 10, "run_id": run_id, "tags": tags}))
+        with pytest.raises(CheckpointRecordError, match=re.escape(named)):
+            latest(root)
+        # Publishing reads the record to prune old tags: it must refuse before deleting anything.
+        with pytest.raises(CheckpointRecordError):
+            publish(root, 20, "run1", keep=1)
+        assert victim.exists()
+
+
+@pytest.mark.slow
+# Stage 0 keeps everything in the model file; stage 3 splits model and optimizer states per
+# rank, so a pickle is planted there (in every model file). Stage 1 (the same optimizer code as
+# stage 2) is resumed by the tests above.
+@pytest.mark.parametrize("stage, plant", [(0, False), (3, True)], ids=["zero0", "zero3-planted"])
+def test_resume_loads_weights_only_and_refuses_a_planted_pickle(local_ray, tmp_path, stage, plant):
+    from launchers.safe_load import UnsafeCheckpointError
+
+    ckpt = tmp_path / "ckpt"
+    run = ["train.steps=6", "train.log_every=2", "train.eval_batches=1", "plan.micro_batch_size=2",
+           "train.checkpoint_every=4", f"plan.zero_stage={stage}", f"train.checkpoint_dir={ckpt}",
+           "tracking.enabled=false"]
+    first = run_training(*to_typed(compose_config(*run)))
+    # Point latest.json back at step 4 (as a crash after it would), so the resume replays 5-6.
+    publish(ckpt, 4, None, keep=2)
+    resumed = run_training(*to_typed(compose_config(*run, "train.resume=auto")))
+    assert resumed.worker_facts[0]["start_step"] == 4 and [r[0]["step"] for r in resumed.reports] == [6]
+    # Model, optimizer, scheduler, data position and RNG came back through the weights-only
+    # loader: the replayed steps compute what the first run computed (same tolerance as above).
+    assert resumed.reports[0][0]["loss"] == pytest.approx(first.reports[-1][0]["loss"], abs=1e-4)
+
+    if not plant:
+        return
+    marker = tmp_path / "code-ran"
+    planted = _plant(ckpt / latest(ckpt).tag, marker)
+    with pytest.raises(UnsafeCheckpointError) as info:
+        run_training(*to_typed(compose_config(*run, "train.resume=auto")))
+    # The worker's own message, not buried under Ray's remote traceback.
+    assert str(info.value).startswith("checkpoint file ")
+    assert "holds pickled objects that could run code when loaded: io.open" in str(info.value)
+    assert any(str(path) in str(info.value) for path in planted)
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_hang_inside_a_collective_is_detected_and_nothing_is_left(local_ray, sqlite_uri):
+    import time
+
+    import ray
+
+    from conftest import alive
+    from launchers.worker_group import WorkerHangError
+
+    timeout_s = 5
+    cfg = compose_config(*RUN, "train.log_every=1", "train.checkpoint_every=0", f"train.hang_timeout_s={timeout_s}",
+                         "model._target_=faulty_models.CollectiveStallGPT", f"tracking.uri={sqlite_uri}",
+                         "tracking.run_name=collective")
+    seen: dict = {}
+
+    def remember(reports, facts):
+        seen.update(pids={f["pid"] for f in facts}, step=reports[0]["step"], at=time.monotonic())
+        with open(f"/proc/{facts[0]['pid']}/environ") as f:  # what DeepSpeed read its timeout from
+            seen["env"] = dict(v.split("=", 1) for v in f.read().split("\0") if "=" in v)
+
+    class Terminal(io.StringIO):
+        """The driver's output, noting when it announces the hang (before it tears the group down)."""
+
+        def write(self, text: str) -> int:
+            if text.startswith("hang: "):
+                seen.setdefault("hang_at", time.monotonic())
+            return super().write(text)
+
+    with pytest.raises(WorkerHangError) as info:
+        run_training(*to_typed(cfg), on_report=remember, stream=Terminal())
+    detected_after = seen["hang_at"] - seen["at"]
+    # Steps 1-3 finished; rank 1 entered its stray all-reduce in step 4's forward pass, and rank 0
+    # the gradient all-reduce of step 4's backward: rank 1 is the one behind.
+    assert seen["step"] == 3 and info.value.ranks == [1]
+    assert f"rank(s) 1 stopped reporting: no optimizer step for {timeout_s}s" in str(info.value)
+    # Detected once the timeout passed, plus polling and collecting the stacks, far before gloo's
+    # own timeout (DEEPSPEED_TIMEOUT, raised above the hang timeout) would have ended it.
+    assert timeout_s - 1 < detected_after < timeout_s + 15, detected_after
+    assert seen["env"]["DEEPSPEED_TIMEOUT"] == "11"  # minutes: ceil(5 s) + DeepSpeed's default 10
+    assert "all_reduce(torch.ones(1), group=self.side_group)" in info.value.stacks[1]
+    assert "all_reduce" in info.value.stacks[0] and "backward" in info.value.stacks[0]
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    run = client.search_runs([client.get_experiment_by_name("orch").experiment_id],
+                             filter_string="attributes.run_name = 'collective'")[0]
+    assert run.info.status == "FAILED" and run.data.tags["hang.1.ranks"] == "1"
+    saved = {a.path for a in client.list_artifacts(run.info.run_id, "hangs/attempt1")}
+    assert saved == {"hangs/attempt1/rank0.txt", "hangs/attempt1/rank1.txt"}
+    # No worker process survives, although both were stuck inside gloo, and nothing stays reserved.
+    deadline = time.monotonic() + 30
+    while alive(seen["pids"]) or ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, f"left behind: processes {alive(seen['pids'])}"
+        time.sleep(0.5)
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
