@@ -2,7 +2,9 @@
 
 Every plan of ZeRO 0-3 x optimizer offload on/off x activation checkpointing on/off that
 DeepSpeed accepts (offload needs ZeRO >= 1: 14 plans) trains for a few steps with 2 workers
-in Ray actors, in fp32; a few bf16 plans follow. Each worker measures its real peak tensor bytes
+in Ray actors, in fp32; a few bf16 plans follow, then tensor- and pipeline-parallel plans
+(tp=2, pp=2, and tp=2 x pp=2 on 4 workers), compared rank by rank: every pipeline stage
+against the planner's row for that stage. Each worker measures its real peak tensor bytes
 during ``train.memory_probe_step`` and the tensor bytes it holds after that step
 (launchers/memory_probe.py). The MLflow run of each plan holds both next to the prediction. The
 table compares the most loaded rank against the planner's prediction for it.
@@ -57,14 +59,28 @@ BF16_PLANS = [
 ]
 
 
-def plans() -> list[list[str]]:
+# Tensor and pipeline parallelism; 4-worker plans run half a CPU per worker on this machine.
+FOUR_WORKERS = ["cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5"]
+PARALLEL_PLANS = [
+    ["plan.dp=1", "plan.tp=2"],
+    ["plan.dp=1", "plan.tp=2", "plan.zero_stage=2"],
+    ["plan.dp=1", "plan.pp=2", "plan.grad_accum_steps=2"],
+    ["plan.dp=1", "plan.pp=2", "plan.grad_accum_steps=4", "plan.zero_stage=1"],
+    ["plan.dp=1", "plan.pp=2", "plan.grad_accum_steps=2", "plan.activation_checkpointing=true"],
+    ["plan.dp=1", "plan.tp=2", "plan.pp=2", "plan.grad_accum_steps=2", *FOUR_WORKERS],
+]
+
+
+def plans(which: str = "all") -> list[list[str]]:
+    if which == "parallel":
+        return PARALLEL_PLANS
     matrix = []
     for stage, offload, ckpt in itertools.product(range(4), ("none", "cpu"), (False, True)):
         if stage == 0 and offload != "none":
             continue
         matrix.append([f"plan.zero_stage={stage}", f"plan.offload_optimizer={offload}",
                        f"plan.activation_checkpointing={str(ckpt).lower()}"])
-    return matrix + BF16_PLANS
+    return matrix + BF16_PLANS + PARALLEL_PLANS
 
 
 def non_model_bytes(data_path: str | None, micro_batch_size: int, seq_len: int) -> int:
@@ -72,7 +88,9 @@ def non_model_bytes(data_path: str | None, micro_batch_size: int, seq_len: int) 
     return load_bytes(data_path).untyped_storage().nbytes() + 2 * micro_batch_size * seq_len * 8
 
 
-def measure(overrides: list[str], tracking_uri: str) -> dict:
+def measure(overrides: list[str], tracking_uri: str) -> list[dict]:
+    """One row for the plan, or one per pipeline stage: the most loaded rank of each against
+    the planner's prediction for it."""
     register_configs()
     with initialize_config_module("conf", version_base="1.3"):
         cfg = compose("config", overrides=[*MODEL, *RUN, f"tracking.uri={tracking_uri}",
@@ -81,20 +99,25 @@ def measure(overrides: list[str], tracking_uri: str) -> dict:
     result = run_training(run_cfg, model_cfg, config_yaml)
     last = result.reports[-1]
     estimate = result.estimate
-    device = estimate.per_device
-    return {
-        "plan": " ".join(o.split(".", 1)[1] for o in overrides),
-        "phase": device.phase,
-        "predicted_peak": device.total + estimate.host_per_device,
-        "measured_peak": max(r["measured_peak_bytes"] for r in last),
-        "predicted_held": device.held + estimate.host_per_device,
-        "measured_held": max(r["measured_state_bytes"] for r in last),
-        "non_model": non_model_bytes(run_cfg.data.path, estimate.plan.micro_batch_size, run_cfg.data.seq_len),
-        "run_id": result.run_id,
-    }
+    stage_of = {f["rank"]: f.get("pp_rank", 0) for f in result.worker_facts}
+    name = " ".join(o.split(".", 1)[1] for o in overrides if not o.startswith("cluster."))
+    rows = []
+    for stage, device in enumerate(estimate.stages):
+        ranks = [r for r in last if stage_of[r["rank"]] == stage]
+        rows.append({
+            "plan": name + (f" (stage {stage})" if len(estimate.stages) > 1 else ""),
+            "phase": device.phase,
+            "predicted_peak": device.total + estimate.host_per_device,
+            "measured_peak": max(r["measured_peak_bytes"] for r in ranks),
+            "predicted_held": device.held + estimate.host_per_device,
+            "measured_held": max(r["measured_state_bytes"] for r in ranks),
+            "non_model": non_model_bytes(run_cfg.data.path, estimate.plan.micro_batch_size, run_cfg.data.seq_len),
+            "run_id": result.run_id,
+        })
+    return rows
 
 
-def measure_with_retry(overrides: list[str], tracking_uri: str, attempts: int = 3) -> dict:
+def measure_with_retry(overrides: list[str], tracking_uri: str, attempts: int = 3) -> list[dict]:
     """:func:`measure`, again when Ray lost the workers to the machine (the OOM killer on a shared host).
 
     A plan that fails for its own reasons fails the same way every time, so it still ends the run.
@@ -137,6 +160,8 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", type=Path, help="also write the table here")
+    parser.add_argument("--plans", choices=("all", "parallel"), default="all",
+                        help="all plans, or only the tensor- and pipeline-parallel ones")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every plan")
     args = parser.parse_args()
     store = tempfile.mkdtemp(prefix="orch-bench-")
@@ -144,7 +169,8 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:
-        rows = [measure_with_retry([*p, *args.overrides], f"sqlite:///{store}/mlflow.db") for p in plans()]
+        rows = [row for p in plans(args.plans)
+                for row in measure_with_retry([*p, *args.overrides], f"sqlite:///{store}/mlflow.db")]
     finally:
         ray.shutdown()
     hits = sum(within_target(r) for r in rows)

@@ -20,6 +20,8 @@ from pathlib import Path
 from plans.errors import OrchError
 
 LATEST = "latest.json"
+UNIVERSAL_SUFFIX = "_universal"
+"""A published tag's universal conversion lives next to it, as ``<tag>_universal``."""
 _TAG = re.compile(r"step_[0-9]{9}")
 _RUN_ID = re.compile(r"[A-Za-z0-9][\w\-]{0,255}")
 """MLflow's own rule for run ids (``mlflow.utils.validation``): no separators, no dots."""
@@ -38,6 +40,9 @@ class Published:
     run_id: str | None
     tags: list[str] = field(default_factory=list)
     """Every kept tag, oldest first."""
+    layout: dict[str, int] | None = None
+    """The plan that wrote it (dp, tp, pp, zero_stage, micro_batch_size, grad_accum_steps): a resume
+    with another dp goes through a universal checkpoint (:mod:`launchers.universal`)."""
 
 
 def tag_for(step: int) -> str:
@@ -50,7 +55,9 @@ def latest(checkpoint_dir: str | os.PathLike) -> Published | None:
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    record = Published(tag=data["tag"], step=int(data["step"]), run_id=data.get("run_id"), tags=list(data["tags"]))
+    layout = data.get("layout")
+    record = Published(tag=data["tag"], step=int(data["step"]), run_id=data.get("run_id"), tags=list(data["tags"]),
+                       layout={k: int(v) for k, v in layout.items()} if isinstance(layout, dict) else None)
     _check_record(record, path)
     return record
 
@@ -74,14 +81,16 @@ def _check_record(record: Published, path: Path) -> None:
             "point train.checkpoint_dir at a directory this orchestrator wrote")
 
 
-def publish(checkpoint_dir: str | os.PathLike, step: int, run_id: str | None, keep: int) -> Published:
-    """Record ``step``'s checkpoint as the latest and delete the ones beyond ``keep``."""
+def publish(checkpoint_dir: str | os.PathLike, step: int, run_id: str | None, keep: int,
+            layout: dict[str, int] | None = None) -> Published:
+    """Record ``step``'s checkpoint as the latest and delete the ones beyond ``keep`` (and any
+    universal conversion made from them)."""
     root = Path(checkpoint_dir)
     previous = latest(root)
     tag = tag_for(step)
     tags = [t for t in (previous.tags if previous else []) if t != tag] + [tag]
     kept, dropped = tags[-max(keep, 1):], tags[:-max(keep, 1)]
-    record = Published(tag=tag, step=step, run_id=run_id, tags=kept)
+    record = Published(tag=tag, step=step, run_id=run_id, tags=kept, layout=layout)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=".latest-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump({**asdict(record), "published_at": time.time()}, f)
@@ -90,4 +99,5 @@ def publish(checkpoint_dir: str | os.PathLike, step: int, run_id: str | None, ke
     os.replace(tmp, root / LATEST)
     for old in dropped:
         shutil.rmtree(root / old, ignore_errors=True)
+        shutil.rmtree(root / f"{old}{UNIVERSAL_SUFFIX}", ignore_errors=True)
     return record

@@ -271,12 +271,26 @@ class TrainWorker:
 
         from launchers.safe_load import weights_only_loading
 
-        with weights_only_loading(self.engine):  # a checkpoint file must not be able to run code
+        if self.engine.load_universal_checkpoint():
+            # DeepSpeed reads universal checkpoints past the checkpoint engine; the driver checked
+            # every file against the same allow-list before and after converting (launchers.universal).
             _, client_state = self.engine.load_checkpoint(job.train.checkpoint_dir, tag=job.resume_tag)
+        else:
+            with weights_only_loading(self.engine):  # a checkpoint file must not be able to run code
+                _, client_state = self.engine.load_checkpoint(job.train.checkpoint_dir, tag=job.resume_tag)
         if client_state is None:
             raise RuntimeError(f"checkpoint {job.resume_tag} in {job.train.checkpoint_dir} could not be loaded")
-        self.batches.load_state_dict(client_state["data"])
-        self.val_batches.load_state_dict(client_state["val_data"])
+        data, val_data = client_state["data"], client_state["val_data"]
+        saved = client_state.get("layout")
+        plan = job.plan
+        if saved and (saved["dp"], saved["micro_batch_size"]) != (plan.dp, plan.micro_batch_size):
+            from launchers.universal import resumed_position
+
+            data = {**data, "position": resumed_position(data["position"], saved, plan.micro_batch_size, plan.dp)}
+            val_data = {**val_data, "position": resumed_position(val_data["position"], saved,
+                                                                 plan.micro_batch_size, plan.dp)}
+        self.batches.load_state_dict(data)
+        self.val_batches.load_state_dict(val_data)
         torch.set_rng_state(client_state["rng"])
         return int(client_state["step"])
 
@@ -286,15 +300,17 @@ class TrainWorker:
         import torch
 
         from launchers.checkpoint import publish, tag_for
+        from launchers.universal import layout_of
 
         spec = self.job.train
+        layout = layout_of(self.job.plan)
         client_state = {"step": step, "data": self.batches.state_dict(), "val_data": self.val_batches.state_dict(),
-                        "rng": torch.get_rng_state()}
+                        "rng": torch.get_rng_state(), "layout": layout}
         self.engine.save_checkpoint(spec.checkpoint_dir, tag=tag_for(step), client_state=client_state,
                                     save_latest=False)
         dist.barrier()
         if self.rank == 0:
-            publish(spec.checkpoint_dir, step, self.job.run_id, spec.keep_checkpoints)
+            publish(spec.checkpoint_dir, step, self.job.run_id, spec.keep_checkpoints, layout=layout)
         dist.barrier()
 
     def _tensor_parallel_groups(self, coords: ParallelCoords):

@@ -16,11 +16,13 @@ from pathlib import Path
 
 from ray.exceptions import RayActorError
 
-from launchers.checkpoint import latest
+from launchers.checkpoint import Published, latest
 from launchers.ds_config import build_ds_config
 from launchers.job import TrainJob
 from launchers.placement import placement_strategy, rank_layout
 from launchers.ray_session import ray_session
+from launchers.universal import convert as convert_to_universal
+from launchers.universal import needs_universal
 from launchers.worker_group import (
     WorkerDiedError,
     WorkerFailedError,
@@ -110,8 +112,8 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
 
     published = latest(cfg.train.checkpoint_dir) if cfg.train.resume == ResumeMode.auto else None
     if published:
-        job = dataclasses.replace(job, resume_tag=published.tag)
-        print(f"resuming from {cfg.train.checkpoint_dir}/{published.tag} (step {published.step})", file=out)
+        job = _resume_from(job, cfg, published, out)
+        print(f"resuming from {cfg.train.checkpoint_dir}/{job.resume_tag} (step {published.step})", file=out)
 
     tracker = None
     if cfg.tracking.enabled:
@@ -262,7 +264,21 @@ def _prepare_restart(job: TrainJob, cfg: RunConfig, error: Exception, failures: 
         tracker.set_tags({"restarts": str(failures), f"restart.{failures}.cause": f"{type(error).__name__}: {cause}",
                           f"restart.{failures}.resumed_from_step": str(published.step if published else 0)})
         tracker.log_metrics({"restarts": failures}, step=logged_step)
-    return dataclasses.replace(job, resume_tag=published.tag if published else None)
+    if published is None:
+        return dataclasses.replace(job, resume_tag=None)
+    return _resume_from(job, cfg, published, out)
+
+
+def _resume_from(job: TrainJob, cfg: RunConfig, published: Published, out) -> TrainJob:
+    """The job pointed at ``published``: as written, or converted to a universal checkpoint when
+    it was written at another dp degree (raises PlanError for changes nothing can bridge)."""
+    config = {k: v for k, v in job.ds_config.items() if k != "checkpoint"}
+    if not needs_universal(published.layout, job.plan):
+        return dataclasses.replace(job, resume_tag=published.tag, ds_config=config)
+    print(f"the checkpoint at step {published.step} was written with dp={published.layout['dp']}; converting it "
+          f"to a universal checkpoint for dp={job.plan.dp}", file=out, flush=True)
+    tag = convert_to_universal(cfg.train.checkpoint_dir, published.tag, env=job.env)
+    return dataclasses.replace(job, resume_tag=tag, ds_config={**config, "checkpoint": {"load_universal": True}})
 
 
 def _with_suggestions(estimate: PlanEstimate) -> list[Violation]:

@@ -128,6 +128,32 @@ class PlanEstimate:
         }
 
 
+def shard_on_meta(factory: Callable[[], torch.nn.Module], layer_specs: list[dict], tp: int) -> torch.nn.Module:
+    """The model as one tensor-parallel rank holds it, on ``meta``: every layer an AutoTP spec
+    names gets the shapes of its shard (column-parallel: output rows / tp, with its bias;
+    row-parallel: input columns / tp, bias whole), as DeepSpeed's LinearLayer and LinearAllreduce
+    keep them. Running the model's own forward on it gives the activations of one rank: the
+    sharded layers' outputs and inputs shrink by tp, the rest stay whole (the row-parallel
+    all-reduce changes values, not shapes, so it is not needed on meta)."""
+    patterns = [(re.compile(p), spec.get("partition_type", "column"))
+                for spec in layer_specs for p in spec.get("patterns", [])]
+    with torch.device("meta"):
+        module = factory()
+    for name, layer in module.named_modules():
+        weight = getattr(layer, "weight", None)
+        kinds = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
+        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2 or not kinds or kinds[0] == "skip":
+            continue
+        rows, cols = weight.shape
+        if kinds[0] == "column":
+            layer.weight = torch.nn.Parameter(torch.empty(rows // tp, cols, device="meta", dtype=weight.dtype))
+            if isinstance(getattr(layer, "bias", None), torch.nn.Parameter):
+                layer.bias = torch.nn.Parameter(torch.empty(rows // tp, device="meta", dtype=weight.dtype))
+        else:
+            layer.weight = torch.nn.Parameter(torch.empty(rows, cols // tp, device="meta", dtype=weight.dtype))
+    return module
+
+
 class ModelProbe:
     """A model built once on ``meta``, with its activation measurements cached.
 
@@ -182,12 +208,14 @@ class ModelProbe:
             self.stats, param_count=self.stats.param_count - sharded + -(-sharded // tp),
             trainable_count=self.stats.trainable_count - sharded_trainable + -(-sharded_trainable // tp))
 
-    def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool) -> ActivationBytes:
-        return measure_activations(self.factory, micro_batch_size=micro_batch_size, seq_len=self.seq_len,
+    def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
+                 tp: int = 1) -> ActivationBytes:
+        factory = self.factory if tp <= 1 else functools.partial(shard_on_meta, self.factory, self.tp_layer_specs, tp)
+        return measure_activations(factory, micro_batch_size=micro_batch_size, seq_len=self.seq_len,
                                    dtype=_DTYPE[precision], checkpointing=checkpointing)
 
     def activations(self, plan: ResolvedPlan) -> ActivationBytes:
-        return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing)
+        return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing, plan.tp)
 
     def _measure_pipeline(self, micro_batch_size: int, precision: Precision) -> list[PipelineLayer]:
         if self.pipeline_layers is None:

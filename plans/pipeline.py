@@ -50,9 +50,14 @@ class PipelineStage:
     """Micro-batches whose activations the stage holds at once under DeepSpeed's 1F1B schedule:
     ``min(pp - stage, micro-batches)`` (``TrainSchedule.num_pipe_buffers``); the first stage holds most."""
     buffer_bytes: int = 0
-    """The pipeline engine's buffers, kept from one step to the next: ``max(2, in_flight)`` slots of
-    the stage's input and output (``PipelineEngine.pipe_buffers``), plus the receive buffer of a
-    stage after the first and the received-gradient buffer of a stage before the last."""
+    """The pipeline engine's buffers kept from one step to the next (runtime/pipe/engine.py): the
+    receive buffer of a stage after the first (``pipe_recv_buf``, one input) and the
+    received-gradient buffer of a stage before the last (``grad_layer``, one output); the first
+    stage also keeps its slots of token ids (``pipe_buffers['inputs']``), the last its slots of
+    outputs, the logits (``pipe_buffers['outputs']``)."""
+    in_flight_bytes: int = 0
+    """Inputs and outputs of the micro-batches in flight, held during the step: an output lives
+    until its backward, a received input until its gradient is sent back."""
 
 
 def _build(spec) -> torch.nn.Module:
@@ -122,21 +127,24 @@ def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_
         received = layers[bounds[index] - 1].output_bytes if bounds[index] > 0 else input_bytes
         sent = part[-1].output_bytes if part else received
         in_flight = min(pp - index, micro_batches)
-        buffers = max(2, in_flight) * (received + sent) + (received if index > 0 else 0) + (
-            sent if index < pp - 1 else 0)
+        slots = max(2, in_flight)  # TrainSchedule.num_pipe_buffers
+        # The last stage also keeps its outputs (the logits) in every slot until the slot is reused.
+        buffers = (received if index > 0 else slots * received) + (sent if index < pp - 1 else slots * sent)
         stages.append(PipelineStage(
             index=index, start=bounds[index], stop=bounds[index + 1], layers=[layer.name for layer in part],
             params=sum(layer.params for layer in part), trainable=sum(layer.trainable for layer in part),
             largest_param=max((layer.largest_param for layer in part), default=0),
-            saved_bytes=sum(layer.saved_bytes for layer in part), in_flight=in_flight, buffer_bytes=buffers))
+            saved_bytes=sum(layer.saved_bytes for layer in part), in_flight=in_flight, buffer_bytes=buffers,
+            in_flight_bytes=in_flight * ((received if index > 0 else 0) + sent)))
     return stages
 
 
 def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved: int) -> ActivationBytes:
     """One stage's activations: the whole model's measurement scaled to the stage's share of the
-    saved bytes, plus the saved tensors of the micro-batches it holds in flight meanwhile."""
+    saved bytes, plus the saved tensors, inputs and outputs of the micro-batches it holds in
+    flight meanwhile."""
     share = stage.saved_bytes / total_saved if total_saved else 0.0
-    waiting = (stage.in_flight - 1) * round(whole.saved * share)
+    waiting = (stage.in_flight - 1) * round(whole.saved * share) + stage.in_flight_bytes
 
     def scaled(x: int) -> int:
         return round(x * share)

@@ -1,0 +1,119 @@
+"""Resume at another data-parallel degree through DeepSpeed's universal checkpoints.
+
+A regular DeepSpeed checkpoint is written per rank of one layout: its ZeRO optimizer shards only
+load into the same dp degree. DeepSpeed's ``ds_to_universal`` converts one into a universal
+checkpoint (every parameter's fp32 weights and optimizer states whole, one folder each), which
+``deepspeed.initialize`` with ``checkpoint.load_universal`` loads into any dp. Universal
+checkpoints come from the ZeRO optimizers, so both the run that wrote the checkpoint and the one
+that resumes need ZeRO stage 1 or more, and tp and pp must stay what they were (the converter
+merges tensor-parallel slices, but pipeline layer files are loaded per stage).
+
+The converter and the universal loader unpickle without ``weights_only``, so every file is first
+checked against the same allow-list as a regular resume (:mod:`launchers.safe_load`): the input
+before conversion, the output before any worker loads it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from launchers.checkpoint import UNIVERSAL_SUFFIX
+from plans.errors import OrchError, PlanError, Violation
+
+# The layout keys whose change needs a universal checkpoint, and those that may not change at all.
+ELASTIC = ("dp",)
+FIXED = ("tp", "pp")
+_DONE = ".converted"
+
+
+class UniversalCheckpointError(OrchError):
+    """The conversion to a universal checkpoint failed."""
+
+
+def layout_of(plan) -> dict[str, int]:
+    """What a checkpoint records of the plan that wrote it."""
+    return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage,
+            "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps}
+
+
+def needs_universal(saved: dict[str, int] | None, plan) -> bool:
+    """Whether resuming ``plan`` from a checkpoint written with layout ``saved`` changes the dp degree.
+
+    Raises :class:`PlanError` for changes no checkpoint format can bridge.
+    """
+    if not saved:
+        return False
+    now = layout_of(plan)
+    problems = [Violation(f"plan.{key}", now[key],
+                          f"the checkpoint to resume was written with {key}={saved[key]}; a resume may change "
+                          "dp (through a universal checkpoint) but not tp or pp.",
+                          f"set plan.{key}={saved[key]}, or train.resume=never to start fresh")
+                for key in FIXED if key in saved and saved[key] != now[key]]
+    changed = any(key in saved and saved[key] != now[key] for key in ELASTIC)
+    if changed:
+        for name, stage in (("the checkpoint", saved.get("zero_stage", 0)), ("this plan", plan.zero_stage)):
+            if stage < 1:
+                field = "plan.zero_stage"
+                problems.append(Violation(
+                    field, plan.zero_stage,
+                    f"resuming at dp={plan.dp} from a checkpoint written at dp={saved['dp']} needs a universal "
+                    f"checkpoint, which DeepSpeed builds from ZeRO optimizer states: {name} has ZeRO stage {stage}.",
+                    f"resume with plan.dp={saved['dp']}, or write checkpoints with plan.zero_stage=1 or more"))
+    if problems:
+        raise PlanError(problems)
+    return changed
+
+
+def _check_files(folder: Path) -> None:
+    from launchers.safe_load import UnsafeCheckpointError, _refused_globals, deepspeed_checkpoint_globals
+
+    allowed = deepspeed_checkpoint_globals()
+    for path in sorted(folder.rglob("*.pt")):
+        refused = _refused_globals(str(path), allowed)
+        if refused:
+            raise UnsafeCheckpointError(
+                f"checkpoint file {path} holds pickled objects that could run code when loaded: "
+                f"{', '.join(refused)}. It was not converted or loaded. Fix: resume only from checkpoints this "
+                "orchestrator wrote, or train.resume=never to start fresh")
+
+
+def convert(checkpoint_dir: str | os.PathLike, tag: str, env: dict[str, str] | None = None) -> str:
+    """Convert the published ``tag`` into ``<tag>_universal`` (once) and return the new tag.
+
+    Runs DeepSpeed's own converter, ``python -m deepspeed.checkpoint.ds_to_universal``, in a
+    child process: it forks worker pools and prints progress, neither of which belongs in the
+    driver.
+    """
+    root = Path(checkpoint_dir)
+    source, target = root / tag, root / f"{tag}{UNIVERSAL_SUFFIX}"
+    if (target / _DONE).exists():
+        return target.name
+    _check_files(source)
+    done = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
+         "--output_folder", str(target), "--num_extract_workers", "1", "--num_merge_workers", "1",
+         # Without AutoTP nothing needs merging, and the model records no universal-checkpoint
+         # info; the converter then adds the minimal one (its version) itself.
+         "--inject_missing_state"],
+        env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+        raise UniversalCheckpointError(f"DeepSpeed could not convert {source} into a universal checkpoint:\n{tail}")
+    _check_files(target)
+    (target / _DONE).write_text(tag)
+    return target.name
+
+
+def resumed_position(position: int, saved: dict[str, int], micro_batch_size: int, dp: int) -> int:
+    """The batch position in the current epoch a rank continues from after a change of layout.
+
+    Every rank reads its own stride of one shuffled order (DistributedSampler), so after
+    ``position`` batches of ``micro x dp`` samples the whole layout has consumed the order's first
+    ``position * micro * dp`` samples; the new layout continues after the same ones (rounded
+    down to a whole batch: a few samples may be read twice, none skipped).
+    """
+    consumed = position * saved["micro_batch_size"] * saved["dp"]
+    return consumed // (micro_batch_size * dp)

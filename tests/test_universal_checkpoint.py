@@ -1,0 +1,75 @@
+"""Resuming at another data-parallel degree: the rules in milliseconds, then a real run that
+writes checkpoints at dp=2 and resumes at dp=1 through DeepSpeed's universal checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FAST, compose_config
+from launchers.checkpoint import latest, publish
+from launchers.universal import layout_of, needs_universal, resumed_position
+from orchestrator.config import to_typed
+from plans.errors import PlanError
+from plans.resolve import resolve_plan
+from plans.spec import ClusterSpec, PlanSpec, TrainSpec
+
+
+def plan(**kw):
+    devices = kw.pop("devices", 2)
+    return resolve_plan(PlanSpec(**kw), ClusterSpec(devices_per_node=devices), TrainSpec())
+
+
+def test_only_a_dp_change_needs_a_universal_checkpoint():
+    written = layout_of(plan(dp=2, zero_stage=1))
+    assert not needs_universal(written, plan(dp=2, zero_stage=1))
+    assert not needs_universal(None, plan(dp=2))  # a checkpoint from before layouts were recorded
+    assert needs_universal(written, plan(dp=1, zero_stage=1, devices=1))
+    # tp and pp cannot change on resume; the message says what the checkpoint has.
+    with pytest.raises(PlanError) as info:
+        needs_universal(written, plan(dp=1, tp=2, zero_stage=1))
+    assert info.value.violations[0].field == "plan.tp"
+    assert "written with tp=1" in info.value.violations[0].message
+
+
+def test_a_dp_change_needs_zero_optimizer_states_on_both_sides():
+    with pytest.raises(PlanError, match=r"from a checkpoint written at dp=2 needs a universal checkpoint"):
+        needs_universal(layout_of(plan(dp=2, zero_stage=0)), plan(dp=1, zero_stage=1, devices=1))
+    with pytest.raises(PlanError, match=r"this plan has ZeRO stage 0"):
+        needs_universal(layout_of(plan(dp=2, zero_stage=1)), plan(dp=1, zero_stage=0, devices=1))
+
+
+def test_the_data_position_follows_the_samples_consumed():
+    saved = {"dp": 2, "micro_batch_size": 4}
+    # 10 batches of 4 on each of 2 ranks: the first 80 samples of the order.
+    assert resumed_position(10, saved, micro_batch_size=4, dp=1) == 20
+    assert resumed_position(10, saved, micro_batch_size=8, dp=4) == 2  # 80 // 32: re-reads 16, skips none
+
+
+def test_latest_json_records_the_layout(tmp_path):
+    layout = layout_of(plan(dp=2, zero_stage=1))
+    publish(tmp_path, 5, None, keep=2, layout=layout)
+    assert latest(tmp_path).layout == layout
+
+
+@pytest.mark.slow
+def test_resume_at_another_dp_continues_the_same_curve(local_ray, sqlite_uri, tmp_path):
+    from orchestrator.driver import run_training
+
+    def train(*overrides):
+        # Warmup ends at the checkpoint, so the 5-step first run and the 10-step runs share their
+        # learning rates up to it (the schedule's length is read from the resuming run's config).
+        return run_training(*to_typed(compose_config(*FAST, f"tracking.uri={sqlite_uri}", "plan.zero_stage=1",
+                                                     "train.steps=10", "optim.warmup_steps=5", *overrides)))
+
+    checkpoints = ["train.checkpoint_every=5", f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.resume=auto"]
+    whole = train("plan.dp=2", "plan.micro_batch_size=4")
+    first = train(*checkpoints, "plan.dp=2", "plan.micro_batch_size=4", "train.steps=5")
+    # The same global batch (4 x 2 accumulation on one worker) and data order: after the
+    # conversion the run should take exactly the steps the dp=2 run took, up to summation order.
+    resumed = train(*checkpoints, "plan.dp=1", "cluster.devices_per_node=1", "plan.micro_batch_size=4",
+                    "plan.grad_accum_steps=2")
+    assert resumed.run_id == first.run_id
+    assert resumed.worker_facts[0]["start_step"] == 5
+    assert (tmp_path / "ckpt" / "step_000000005_universal").is_dir()
+    assert [r[0]["step"] for r in resumed.reports] == [10]
+    assert resumed.reports[-1][0]["loss"] == pytest.approx(whole.reports[-1][0]["loss"], abs=1e-4)
