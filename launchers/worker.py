@@ -176,6 +176,11 @@ class TrainWorker:
             # AutoTP set the engine's mpu to deepspeed.utils.groups, which knows no pipeline;
             # the pipeline engine asks its mpu for the pipe group every step.
             self.engine.mpu = _PipelineTensorGrid(self.engine.grid)
+            # The checkpoint's model-parallel rank and size were fixed during initialize() from
+            # the tensor-parallel group alone: the stages' tp rank 0 would all write one and the
+            # same ZeRO file. The pipe x tensor group tells them apart, as without AutoTP.
+            self.engine.checkpoint_mp_rank = self.engine.grid.get_model_parallel_rank()
+            self.engine.mp_world_size = self.engine.grid.get_model_parallel_world_size()
         if plan.tp > 1 and sum(p.numel() for p in module.parameters()) == full_numel:
             raise RuntimeError(f"plan.tp={plan.tp}, but no layer of {type(module).__name__} matched the "
                                "tensor-parallel layer specs: every rank would hold and compute the whole model")

@@ -147,13 +147,18 @@ PARITY = 1e-3
 
 
 @pytest.mark.slow
-def test_a_pipeline_checkpoint_resumes_the_same_run(local_ray, sqlite_uri, tmp_path):
-    plan = ["plan.dp=1", "plan.pp=2", "plan.zero_stage=1", "plan.grad_accum_steps=2", "train.checkpoint_every=5",
+def test_a_3d_checkpoint_resumes_the_same_run(local_ray, sqlite_uri, tmp_path):
+    # tp=2 x pp=2 on 4 workers: every rank writes its own shard of its own stage, and the
+    # checkpoint is published only once all four have.
+    plan = ["plan.dp=1", "plan.pp=2", "plan.tp=2", "plan.zero_stage=1", "plan.grad_accum_steps=2",
+            "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5", "train.checkpoint_every=5",
             f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.resume=auto"]
     before = train(sqlite_uri, *plan, "train.steps=10")
     after = train(sqlite_uri, *plan, "train.steps=20")
     assert after.run_id == before.run_id
     assert {f["start_step"] for f in after.worker_facts} == {10}
+    # One file per layer and tensor-parallel rank, and one ZeRO file per model-parallel rank (pipe x tp).
+    assert len(list((tmp_path / "ckpt" / "step_000000020").glob("zero_pp_rank_0_mp_rank_*_optim_states.pt"))) == 4
     assert [r[0]["step"] for r in after.reports] == [15, 20]
     # Training went on from the checkpoint: the loss right after resuming is where it had got to,
     # far below a fresh start's (ln 256 = 5.5).
