@@ -5,7 +5,11 @@ size from 64 to 4096 declared 80 GiB devices is checked with ZeRO-3, and a sweep
 variants is estimated against the cached model to give plans per second. Times are relative to
 the 64-device check in the same process (machines here are noisy).
 
-    python bench/planner_speed.py [--markdown bench/results/planner_speed.md]
+Then the whole `orch check` command, as a user runs it, is timed at each cluster size: a fresh
+process that composes the config, builds the model on ``meta``, measures its activations and
+checks the plan (``--cli-repeats`` runs per size, interleaved over the sizes; the median is shown).
+
+    python bench/planner_speed.py [--cli-repeats 3] [--markdown bench/results/planner_speed.md]
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ import argparse
 import dataclasses
 import datetime
 import itertools
-import platform
+import json
+import os
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from hydra import compose, initialize_config_module  # noqa: E402
 
+from bench.harness import machine  # noqa: E402
 from launchers.ds_config import build_ds_config  # noqa: E402
 from orchestrator.config import register_configs, to_typed  # noqa: E402
 from orchestrator.models import model_factory  # noqa: E402
@@ -32,6 +40,7 @@ from plans.resolve import resolve_plan  # noqa: E402
 from plans.spec import Offload  # noqa: E402
 from workloads.gpt import TP_LAYER_SPECS  # noqa: E402
 
+SIZES = (64, 256, 1024, 4096)
 BIG = ["model=gpt3_175b", "cluster=a100_8x", "plan.precision=bf16", "plan.micro_batch_size=1",
        "plan.zero_stage=3", "plan.activation_checkpointing=true"]
 
@@ -42,8 +51,27 @@ def config(nodes: int):
         return to_typed(compose("config", overrides=[*BIG, f"cluster.nodes={nodes}"]))
 
 
+def cli_check_times(repeats: int) -> dict[int, list[float]]:
+    """Wall time of a fresh `orch check --json` process per declared device count (sizes interleaved)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    times: dict[int, list[float]] = {devices: [] for devices in SIZES}
+    for _ in range(repeats):
+        for devices in SIZES:
+            started = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "orchestrator", "check", "--json", *BIG,
+                                   f"cluster.nodes={devices // 8}"], cwd=REPO, env=env, capture_output=True,
+                                  text=True, timeout=600)
+            times[devices].append(time.perf_counter() - started)
+            if done.returncode not in (0, 1):  # 1 is a plan that does not fit, still a finished check
+                raise RuntimeError(f"orch check failed at {devices} devices: {done.stderr[-2000:]}")
+            if json.loads(done.stdout)["world_size"] != devices:
+                raise RuntimeError(f"orch check planned for the wrong cluster size at {devices} devices")
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cli-repeats", type=int, default=3, help="`orch check` processes per cluster size")
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
 
@@ -54,7 +82,7 @@ def main() -> None:
     build_s = time.perf_counter() - started
 
     rows = []
-    for devices in (64, 256, 1024, 4096):
+    for devices in SIZES:
         typed, _, _ = config(devices // 8)
         plan = resolve_plan(typed.plan, typed.cluster, typed.train)
         started = time.perf_counter()
@@ -79,8 +107,9 @@ def main() -> None:
     per_second = repeats * len(variants) / (time.perf_counter() - started)
 
     first = rows[0][1]
-    lines = [f"Planner speed, {datetime.date.today()}, {platform.machine()}, GPT-3 175B "
-             f"({probe.stats.param_count:,} parameters), ZeRO-3 bf16; `python bench/planner_speed.py`", "",
+    lines = [f"Planner speed, {datetime.date.today()}, {machine()}, GPT-3 175B "
+             f"({probe.stats.param_count:,} parameters), ZeRO-3 bf16; "
+             f"`python bench/planner_speed.py --cli-repeats {args.cli_repeats}`", "",
              f"Building the model on meta and measuring its activations: {build_s:.2f} s (once per model; "
              "the checks below reuse it).", "",
              "| devices | check time (s) | relative to 64 | per-device peak (GiB) | fits |",
@@ -88,6 +117,17 @@ def main() -> None:
     lines += [f"| {d} | {t:.3f} | {t / first:.2f}x | {g:.2f} | {'yes' if f else 'no'} |" for d, t, g, f in rows]
     lines += ["", f"Plans estimated per second against the cached model: {per_second:,.0f} "
                   f"({len(variants)} variants x {repeats})."]
+    cli = cli_check_times(args.cli_repeats)
+    base = statistics.median(cli[SIZES[0]])
+    lines += ["", f"The whole `orch check --json` command per cluster size: a fresh process each time (imports, "
+                  f"config composition, the model on meta, activations, the check), {args.cli_repeats} runs per "
+                  "size interleaved over the sizes; median (min-max). The CPU is shared with other agents, so "
+                  "these times are noisy.", "",
+              "| devices | `orch check` wall time (s) | relative to 64 |", "|---:|---:|---:|"]
+    lines += [f"| {d} | {statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f}) | {statistics.median(t) / base:.2f}x |"
+              for d, t in cli.items()]
+    lines += ["", "`orch check model=gpt3_175b cluster=a100_8x cluster.nodes=N plan.precision=bf16 "
+                  "plan.micro_batch_size=1 plan.zero_stage=3 plan.activation_checkpointing=true --json`"]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.markdown:

@@ -1,0 +1,197 @@
+"""What the side-by-side benchmarks share: launch a training command, timestamp its step lines,
+reduce them to step times, and write the result table with the machine it ran on.
+
+Every runner compared here (``orch train``, ``torchrun`` with a plain DeepSpeed script, Ray
+Train) prints one ``step N/T ...`` line per step. The benchmark reads those lines as they come
+and notes when each arrived, so all runners are timed the same way, from the outside, from the
+moment the command was launched. A line may carry its own ``t=<unix time>`` stamp (the plain
+loop adds one), which is used instead of the arrival time: Ray forwards worker output through its
+log monitor, and that forwarding delay is not the runner's training time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+STEP_LINE = re.compile(r"step (\d+)/(\d+)\b(?:.*?\bt=(\d+\.\d+))?")
+
+
+class BenchError(RuntimeError):
+    """A benchmarked command failed; the message carries the tail of its output."""
+
+
+@dataclass
+class TimedRun:
+    """One launched command: when each step's line appeared (seconds after launch) and its output."""
+
+    label: str
+    step_at: dict[int, float] = field(default_factory=dict)
+    """Seconds after launch at which step N was reported (the first report of N wins)."""
+    wall_s: float = 0.0
+    """Launch to exit, teardown included."""
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def first_step_s(self) -> float:
+        return self.step_at[min(self.step_at)]
+
+    def steady_step_s(self, warmup: int) -> float:
+        """Seconds per step after ``warmup`` steps: the least-squares slope of report time on step.
+
+        A fit over every reported step, not (last - first) / n: a runner whose reports arrive in
+        batches (``orch`` polls its workers every 0.1 s) is then not penalised or favoured by where
+        the window's two ends happen to fall between polls.
+        """
+        points = sorted((s, t) for s, t in self.step_at.items() if s > warmup)
+        if len(points) < 3:
+            raise BenchError(f"{self.label}: only {len(points)} steps after the {warmup} warm-up steps; "
+                             "raise --steps")
+        return statistics.linear_regression([s for s, _ in points], [t for _, t in points]).slope
+
+    def time_to_step(self, step: int) -> float:
+        return self.step_at[step]
+
+
+def run_timed(label: str, cmd: list[str], *, cwd: Path, env: dict[str, str] | None = None,
+              timeout_s: float = 900) -> TimedRun:
+    """Run ``cmd`` with stdout and stderr merged, timestamping every ``step N/T`` line."""
+    run = TimedRun(label)
+    started_wall, started = time.time(), time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True)
+    # A hung run must not hang the benchmark: kill its process group (its own session) at the deadline.
+    watchdog = threading.Timer(timeout_s, lambda: proc.poll() is None and os.killpg(proc.pid, 9))
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            arrived = time.perf_counter() - started
+            run.output.append(line.rstrip("\n"))
+            match = STEP_LINE.search(line)
+            if match:
+                step = int(match.group(1))
+                stamped = float(match.group(3)) - started_wall if match.group(3) else arrived
+                run.step_at.setdefault(step, stamped)
+        proc.wait()
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:  # Ctrl-C: take the whole process group down with us
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    run.wall_s = time.perf_counter() - started
+    if run.wall_s >= timeout_s:
+        raise BenchError(f"{label}: killed after {timeout_s:.0f} s: {shlex.join(cmd)}")
+    if proc.returncode != 0 or not run.step_at:
+        tail = "\n".join(run.output[-80:])
+        raise BenchError(f"{label} failed (exit code {proc.returncode}): {shlex.join(cmd)}\n{tail}")
+    return run
+
+
+def interleaved(commands: dict[str, list[str]], repeats: int, *, cwd: Path, env: dict[str, str],
+                retries: int = 1) -> tuple[dict[str, list[TimedRun]], list[str]]:
+    """Run each command ``repeats`` times, alternating between them (a, b, a, b, ...).
+
+    On a shared machine load comes in bursts; alternating puts a burst on both sides instead of
+    on one. A launch that fails is retried up to ``retries`` times and its failure returned, so
+    the results can say how many launches failed instead of hiding them.
+    """
+    runs: dict[str, list[TimedRun]] = {label: [] for label in commands}
+    failures: list[str] = []
+    for i in range(repeats):
+        for label, cmd in commands.items():
+            print(f"repetition {i + 1}/{repeats}: {label}", file=sys.stderr, flush=True)
+            for attempt in range(retries + 1):
+                try:
+                    runs[label].append(run_timed(label, cmd, cwd=cwd, env=env))
+                    break
+                except BenchError as error:
+                    failures.append(str(error).splitlines()[0])
+                    print(f"{error}", file=sys.stderr, flush=True)
+                    if attempt == retries:
+                        raise
+    return runs, failures
+
+
+def failure_note(failures: list[str]) -> str:
+    if not failures:
+        return "- Every launch succeeded on its first attempt."
+    return f"- {len(failures)} launch(es) failed and were retried: " + "; ".join(failures)
+
+
+def orch_command(*overrides: str) -> list[str]:
+    return [PYTHON, "-m", "orchestrator", "train", *overrides]
+
+
+def bench_env(**extra: str) -> dict[str, str]:
+    """This environment with the repo importable and DeepSpeed on its CPU accelerator."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "bench"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update({"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", **extra})
+    return env
+
+
+def median_spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    """``median (min-max)``: the spread is shown, not hidden, on a shared and noisy machine."""
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def verdict(ratios: list[float], target: float) -> str:
+    """Whether ``ratios`` (one per repetition) meet ``ratio <= target``, without overstating it.
+
+    On a loaded machine one repetition can land far from the others; a median under the target
+    with repetitions above it is reported as such, not as a plain "met".
+    """
+    over = sum(r > target for r in ratios)
+    if statistics.median(ratios) > target:
+        return f"<= {target}: **missed** ({over} of {len(ratios)} repetitions over)"
+    if over:
+        return f"<= {target}: met by the median; {over} of {len(ratios)} repetitions over"
+    return f"<= {target}: met"
+
+
+def machine() -> str:
+    """The machine and software versions, for the results header."""
+    import deepspeed
+    import ray
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; Python "
+            f"{platform.python_version()}, torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, "
+            f"Ray {ray.__version__}")
+
+
+def header(title: str, argv: list[str]) -> list[str]:
+    """Title, date, machine and the command that reproduces the file."""
+    command = shlex.join(["python", *[os.path.relpath(a, REPO) if a.endswith(".py") else a for a in argv]])
+    return [f"# {title}", "",
+            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"- machine: {machine()}",
+            f"- reproduce: `{command}`", ""]
+
+
+def publish(lines: list[str], markdown: Path | None) -> None:
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if markdown:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(text)

@@ -1,0 +1,151 @@
+"""Orchestration overhead: `orch train` against the same DeepSpeed run launched by plain `torchrun`.
+
+Both sides train the built-in GPT with the same plan (dp=2, a ZeRO stage), DeepSpeed config
+(`launchers.ds_config.build_ds_config`, checked against the one `orch` logs), data shards and
+steps, and log every step. (a) is `python -m torch.distributed.run --nproc-per-node 2` running
+`bench/plain_deepspeed.py`; (b) is `orch train` as a subprocess, tracked in a local sqlite
+MLflow store, with its embedded Ray. Repetitions are interleaved (a, b, a, b, ...) because the
+machine is shared: a burst of load from elsewhere then hits both sides, not one.
+
+Measured from the outside, the same way for both: when each step's line appears after launch.
+
+- steady-state step time: the slope of report time over step, after the warm-up steps;
+- time to first step: launch to the first step's line (interpreter, imports, Ray, rendezvous,
+  DeepSpeed setup, the first step);
+- in-loop step time: the time the training loop itself measures for its forward, backward and
+  step (the slowest rank; `orch`'s ``step_time_s`` metric), which leaves out the logging and
+  polling around it.
+
+    python bench/overhead_vs_deepspeed.py [--steps 150] [--repeats 3] [--zero-stage 1]
+                                          [--markdown bench/results/overhead_vs_deepspeed.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import (  # noqa: E402
+    PYTHON,
+    REPO,
+    TimedRun,
+    bench_env,
+    failure_note,
+    header,
+    interleaved,
+    median_spread,
+    orch_command,
+    publish,
+    verdict,
+)
+from bench.run_spec import plain_job, same_ds_config, write_job  # noqa: E402
+
+TARGET = 1.03
+RUN_ID = re.compile(r"MLflow run ([0-9a-f]{32})")
+THREADS = re.compile(r"threads per rank: (\d+)")
+PLAIN_STEP_TIME = re.compile(r"(?:step|at) (\d+)/\d+\b.*?step_time ([\d.]+)")
+
+
+def plain_in_loop_step_s(run: TimedRun, warmup: int) -> float:
+    """Median over the steady steps of the slowest rank's in-loop step time, from every rank's lines."""
+    slowest: dict[int, float] = {}
+    for line in run.output:
+        if match := PLAIN_STEP_TIME.search(line):
+            step = int(match.group(1))
+            slowest[step] = max(slowest.get(step, 0.0), float(match.group(2)))
+    return statistics.median(t for s, t in slowest.items() if s > warmup)
+
+
+def orch_in_loop_step_s(run: TimedRun, tracking_uri: str, warmup: int) -> float:
+    """Median over the steady steps of the ``step_time_s`` metric `orch` logged (already the slowest rank)."""
+    from mlflow.tracking import MlflowClient
+
+    run_id = next(m.group(1) for line in run.output if (m := RUN_ID.search(line)))
+    history = MlflowClient(tracking_uri=tracking_uri).get_metric_history(run_id, "step_time_s")
+    return statistics.median(m.value for m in history if m.step > warmup)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the steady state")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each side, interleaved")
+    parser.add_argument("--zero-stage", type=int, default=1)
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+
+    overrides = ["model=gpt", "plan.dp=2", f"plan.zero_stage={args.zero_stage}", f"train.steps={args.steps}",
+                 "train.log_every=1"]
+    work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    job = plain_job(overrides)
+    job_path = write_job(job, work / "job.json")
+    tracking_uri = f"sqlite:///{work / 'mlflow.db'}"
+    env = bench_env()
+    plain_cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 str(REPO / "bench" / "plain_deepspeed.py"), "--job", str(job_path)]
+    orch_cmd = orch_command(*overrides, f"tracking.uri={tracking_uri}")
+
+    runs, failures = interleaved({"torchrun + DeepSpeed": plain_cmd, "orch train": orch_cmd}, args.repeats,
+                                 cwd=work, env=env)
+    plain, orch = runs["torchrun + DeepSpeed"], runs["orch train"]
+    same_ds_config(job, tracking_uri)
+    plain_loop = [plain_in_loop_step_s(r, args.warmup) for r in plain]
+    orch_loop = [orch_in_loop_step_s(r, tracking_uri, args.warmup) for r in orch]
+
+    steady_a = [r.steady_step_s(args.warmup) for r in plain]
+    steady_b = [r.steady_step_s(args.warmup) for r in orch]
+    ratios = [b / a for a, b in zip(steady_a, steady_b, strict=True)]
+    loop_ratios = [b / a for a, b in zip(plain_loop, orch_loop, strict=True)]
+    first_a, first_b = [r.first_step_s for r in plain], [r.first_step_s for r in orch]
+    wall_a, wall_b = [r.wall_s for r in plain], [r.wall_s for r in orch]
+    threads = next((m.group(1) for line in plain[0].output if (m := THREADS.search(line))), "not reported")
+
+    lines = header("Orchestration overhead: orch train vs torchrun + plain DeepSpeed", sys.argv)
+    lines += [f"Built-in GPT (`model=gpt`: {job['model']['n_layer']} layers, d_model {job['model']['d_model']}, "
+              f"seq_len {job['seq_len']}), dp=2 on 2 CPU ranks, ZeRO stage {args.zero_stage}, fp32, micro-batch "
+              f"{job['micro_batch_size']}, {args.steps} steps logged every step; steady state = steps after "
+              f"{args.warmup}. {args.repeats} repetitions of each side, interleaved. Values are medians over the "
+              "repetitions with (min-max); the ratio column is the median of the per-repetition ratios "
+              "(min-max).", "",
+              "| | torchrun + DeepSpeed | orch train | orch / plain | target |",
+              "|---|---:|---:|---:|---|",
+              f"| steady-state step time, wall clock (s) | {median_spread(steady_a, '{:.4f}')} | "
+              f"{median_spread(steady_b, '{:.4f}')} | {median_spread(ratios)} | "
+              f"{verdict(ratios, TARGET)} |",
+              f"| in-loop step time, slowest rank (s) | {median_spread(plain_loop, '{:.4f}')} | "
+              f"{median_spread(orch_loop, '{:.4f}')} | {median_spread(loop_ratios)} | |",
+              f"| time to first step (s) | {median_spread(first_a, '{:.1f}')} | {median_spread(first_b, '{:.1f}')} | "
+              f"{median_spread([b / a for a, b in zip(first_a, first_b, strict=True)], '{:.2f}')} | |",
+              f"| launch to exit (s) | {median_spread(wall_a, '{:.1f}')} | {median_spread(wall_b, '{:.1f}')} | "
+              f"{median_spread([b / a for a, b in zip(wall_a, wall_b, strict=True)], '{:.2f}')} | |",
+              "",
+              "Notes:",
+              "- The CPU is shared with other agents running tests, so these numbers are noisy: compare the "
+              "spreads, not only the medians.",
+              "- Both sides log every step (a loss all-reduce per step). Wall-clock times are taken when each "
+              "step's line appears; the plain loop stamps its lines itself, `orch` prints a line when its driver "
+              "has polled the step from the workers (every 0.1 s), so the slope is fitted over all steady steps.",
+              "- `orch train` also does, and is charged for: the plan check and memory estimate, the matmul probe "
+              "for MFU, the memory probe during step 2, MLflow tracking in sqlite (params, artifacts, per-step "
+              "metrics, plots at the end), and starting and stopping its embedded Ray.",
+              f"- Torch threads per rank: {threads} under torchrun (it sets OMP_NUM_THREADS=1); `orch`'s Ray actors "
+              "have 1 CPU each, for which Ray sets OMP_NUM_THREADS=1. Ray also starts its workers at nice 15 "
+              "(`RAY_worker_niceness`), the torchrun ranks run at nice 0; each side is launched in a session of "
+              "its own, and with the kernel's autogroup scheduling the nice value only ranks processes within "
+              "that session.",
+              "- The DeepSpeed config is generated once by `build_ds_config` and checked equal to the "
+              "`config/deepspeed.json` the `orch` run logged.",
+              failure_note(failures)]
+    publish(lines, args.markdown)
+    shutil.rmtree(work, ignore_errors=True)  # a failed run never gets here: its files stay for a look
+
+
+if __name__ == "__main__":
+    main()

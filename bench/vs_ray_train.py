@@ -1,0 +1,138 @@
+"""Versus Ray Train: the same DeepSpeed loop run by Ray Train's `TorchTrainer` and by `orch train`.
+
+Ray Train runs `bench/plain_deepspeed.py`'s loop (`train_loop_per_worker`) on 2 workers with
+1 CPU each, on a local Ray the script starts, as `orch` starts its embedded one; `orch train`
+runs the same model, plan, DeepSpeed config, data and steps. Each side is a fresh subprocess
+and is timed from launch: wall time to the N-th step, time to the first step, and launch to
+exit. Repetitions are interleaved (Ray Train, orch, Ray Train, ...) on this shared machine.
+
+Ray Train is an optional extra (``pip install -e ".[bench]"``); without it the script says so
+and exits.
+
+    python bench/vs_ray_train.py [--steps 100] [--repeats 3] [--zero-stage 1]
+                                 [--markdown bench/results/vs_ray_train.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import (  # noqa: E402
+    PYTHON,
+    bench_env,
+    failure_note,
+    header,
+    interleaved,
+    median_spread,
+    orch_command,
+    publish,
+    verdict,
+)
+
+GIB = 1024**3
+THREADS = re.compile(r"threads per rank: (\d+)")
+
+
+def run_ray_train(job_path: Path, storage: Path) -> None:
+    """The Ray Train side, run in its own process: start Ray, fit a TorchTrainer, stop Ray."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from bench.plain_deepspeed import train_loop_per_worker
+
+    job = json.loads(job_path.read_text())
+    # The same embedded Ray `orch` starts: 2 logical CPUs, a 1 GiB object store, no dashboard.
+    ray.init(address="local", num_cpus=2, object_store_memory=GIB, include_dashboard=False)
+    try:
+        trainer = TorchTrainer(train_loop_per_worker, train_loop_config=job,
+                               scaling_config=ScalingConfig(num_workers=job["world_size"], use_gpu=False,
+                                                            resources_per_worker={"CPU": 1}),
+                               run_config=RunConfig(name="bench", storage_path=str(storage)))
+        trainer.fit()
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each side, interleaved")
+    parser.add_argument("--zero-stage", type=int, default=1)
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--ray-train-job", type=Path, help=argparse.SUPPRESS)  # internal: the Ray Train side
+    args = parser.parse_args()
+    try:  # the ray wheel always ships ray.train; without the [train] extra its imports fail
+        import ray.train.torch  # noqa: F401
+    except ImportError as error:
+        sys.exit(f"Ray Train is not installed ({error}). It is an optional extra for this benchmark only: "
+                 'pip install -e ".[bench]"')
+    if args.ray_train_job:
+        run_ray_train(args.ray_train_job, args.ray_train_job.parent / "ray_results")
+        return
+
+    from bench.run_spec import plain_job, same_ds_config, write_job
+
+    overrides = ["model=gpt", "plan.dp=2", f"plan.zero_stage={args.zero_stage}", f"train.steps={args.steps}",
+                 "train.log_every=1"]
+    work = Path(tempfile.mkdtemp(prefix="bench-raytrain-"))
+    job = plain_job(overrides)
+    job_path = write_job(job, work / "job.json")
+    tracking_uri = f"sqlite:///{work / 'mlflow.db'}"
+    env = bench_env()
+    ray_cmd = [PYTHON, str(Path(__file__).resolve()), "--ray-train-job", str(job_path)]
+    orch_cmd = orch_command(*overrides, f"tracking.uri={tracking_uri}")
+
+    runs, failures = interleaved({"Ray Train": ray_cmd, "orch train": orch_cmd}, args.repeats, cwd=work, env=env)
+    ray_runs, orch_runs = runs["Ray Train"], runs["orch train"]
+    same_ds_config(job, tracking_uri)
+
+    rows = [("wall time to step N (s)", lambda r: r.time_to_step(args.steps), True),
+            ("time to first step (s)", lambda r: r.first_step_s, True),
+            ("launch to exit (s)", lambda r: r.wall_s, False)]
+    threads = next((m.group(1) for line in ray_runs[0].output if (m := THREADS.search(line))), "not reported")
+    lines = header("Versus Ray Train: orch train vs TorchTrainer running the same DeepSpeed loop", sys.argv)
+    lines += [f"Built-in GPT (`model=gpt`), dp=2 on 2 CPU workers, ZeRO stage {args.zero_stage}, fp32, "
+              f"micro-batch {job['micro_batch_size']}, N = {args.steps} steps logged every step. {args.repeats} "
+              "repetitions of each side, interleaved; medians with (min-max). The ratio column is the median of "
+              "the per-repetition ratios (min-max). Target: orch is not slower (ratio <= 1).", "",
+              "| | Ray Train TorchTrainer | orch train | orch / Ray Train | target |",
+              "|---|---:|---:|---:|---|"]
+    for name, measure, judged in rows:
+        a, b = [measure(r) for r in ray_runs], [measure(r) for r in orch_runs]
+        ratios = [y / x for x, y in zip(a, b, strict=True)]
+        target = verdict(ratios, 1.0) if judged else ""
+        lines.append(f"| {name} | {median_spread(a, '{:.1f}')} | {median_spread(b, '{:.1f}')} | "
+                     f"{median_spread(ratios, '{:.2f}')} | {target} |")
+    steady = [(r.steady_step_s(10), o.steady_step_s(10)) for r, o in zip(ray_runs, orch_runs, strict=True)]
+    lines.append(f"| steady-state step time after step 10 (s) | {median_spread([a for a, _ in steady], '{:.4f}')} | "
+                 f"{median_spread([b for _, b in steady], '{:.4f}')} | "
+                 f"{median_spread([b / a for a, b in steady])} | |")
+    lines += ["", "Notes:",
+              "- The CPU is shared with other agents running tests, so these numbers are noisy: compare the "
+              "spreads, not only the medians.",
+              "- Both sides start their own local Ray (2 CPUs, 1 GiB object store, no dashboard) inside the timed "
+              "process, and both end with an evaluation pass on the held-out data.",
+              "- Ray Train's step times come from the `t=` stamps its rank 0 prints (Ray forwards worker output "
+              "with a delay, which is not counted against it); `orch`'s from when its driver prints the step.",
+              "- `orch train` is also charged for its plan check, the matmul probe for MFU, the memory probe during "
+              "step 2 and MLflow tracking in a local sqlite store (per-step metrics, artifacts, plots at the end); "
+              "the Ray Train side tracks nothing.",
+              f"- Torch threads per Ray Train worker: {threads}; `orch`'s Ray actors have 1 CPU each, so 1 thread.",
+              "- The DeepSpeed config is generated once by `build_ds_config` and checked equal to the "
+              "`config/deepspeed.json` the `orch` run logged.",
+              failure_note(failures)]
+    publish(lines, args.markdown)
+    shutil.rmtree(work, ignore_errors=True)  # a failed run never gets here: its files stay for a look
+
+
+if __name__ == "__main__":
+    main()
