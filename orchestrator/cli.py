@@ -23,6 +23,8 @@ USAGE = """usage: orch <command> [overrides...]
 commands:
   train    train the declared run on Ray with DeepSpeed, tracked in MLflow
   check    predict per-device memory of the plan and say whether it fits [--json]
+  tune     rank the plans that fit by predicted step time (tune.trials=N: confirm the N best
+           with short real runs) and write the winner to conf/plan/ [--json]
   config   print the composed config (same overrides as train)
   runs     list recent runs of tracking.experiment
   report   RUN_ID [--out DIR]: summary of a run and its plots (loss, throughput, memory)
@@ -88,6 +90,25 @@ def check_app(cfg: DictConfig) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def tune_app(cfg: DictConfig) -> None:
+    import contextlib
+
+    from orchestrator.tuning import render, to_json_text, tune
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # With --json, stdout carries the JSON document only: whatever the libraries print while
+    # tuning (DeepSpeed's logger writes to stdout) and the trials' progress go to stderr.
+    quiet = contextlib.redirect_stdout(sys.stderr) if _OPTIONS["json"] else contextlib.nullcontext()
+    try:
+        typed, model_cfg, _ = to_typed(cfg)
+        with quiet:
+            result = tune(typed, model_cfg)
+    except OrchError as error:
+        _fail(error)
+    print(to_json_text(result, typed.tune.top_k) if _OPTIONS["json"] else render(result, typed.tune.top_k))
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def config_app(cfg: DictConfig) -> None:
     print(OmegaConf.to_yaml(cfg, resolve=True))
 
@@ -125,7 +146,8 @@ def report_app(cfg: DictConfig) -> None:
         print(f"wrote {path}")
 
 
-COMMANDS = {"train": train_app, "check": check_app, "config": config_app, "runs": runs_app, "report": report_app}
+COMMANDS = {"train": train_app, "check": check_app, "tune": tune_app, "config": config_app, "runs": runs_app,
+            "report": report_app}
 
 
 def main(argv: list[str] | None = None) -> int:

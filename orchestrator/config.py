@@ -59,6 +59,39 @@ class TrackingConfig:
 
 
 @dataclass(kw_only=True)
+class TuneConfig:
+    """`orch tune`: the search space it may vary, the short trials, and where the winner goes."""
+
+    trials: int = 0
+    """Run the this many best predicted plans as short real trials and pick the best measured (0: predict only)."""
+    trial_steps: int = 8
+    """Optimizer steps per trial; the first and the memory-probe step are not timed."""
+    trial_timeout_s: float = 300.0
+    """A trial still running (or stuck) after this long is stopped and reported; tuning goes on."""
+    top_k: int = 10
+    """Candidates shown in the table (and in --json); all are ranked."""
+    out: str | None = None
+    """Where the winning plan file goes; null: conf/plan/<name>.yaml, usable as plan=<name>."""
+    name: str = "tuned"
+    """Name of the winning plan file in conf/plan/ when tune.out is null."""
+    calibrate: bool = True
+    """Measure matmul, memory and all-reduce speeds on the Ray workers when Ray is used (an address,
+    or trials); false, or without Ray: the cluster's declared speeds."""
+    cache_dir: str = "~/.cache/orch"
+    """Where measured cluster speeds are cached (one file per cluster)."""
+    tp: list[int] | None = None
+    """Tensor-parallel degrees to try; null: every divisor of the world size."""
+    pp: list[int] | None = None
+    """Pipeline degrees to try; null: every divisor of the world size."""
+    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    offload: list[str] = field(default_factory=lambda: ["none", "cpu"])
+    """Where optimizer states and (ZeRO-3) parameters may go: none, cpu."""
+    activation_checkpointing: list[bool] = field(default_factory=lambda: [False, True])
+    micro_batch_sizes: list[int] | None = None
+    """Micro-batches to try; null: every power of two dividing the per-replica batch."""
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """The whole declaration of a run: one field per config group, plus the loop."""
 
@@ -70,6 +103,7 @@ class RunConfig:
     optim: OptimSpec = field(default_factory=OptimSpec)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     train: TrainSpec = field(default_factory=TrainSpec)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
 
 def register_configs() -> None:

@@ -1,0 +1,129 @@
+"""Tuner accuracy: an exhaustive measured grid of plans against the tuner's prediction and its pick.
+
+For the small built-in GPT on N CPU workers of this machine: the cluster's speeds are measured
+(calibration), every plan of the grid that fits is ranked by the cost model, then *every* one is
+run as a short real trial and timed. Reported: the Spearman rank correlation of predicted against
+measured step time (target >= 0.7), and the throughput of the plan `orch tune tune.trials=3` picks
+(run separately, as a user would) as a share of the best measured throughput in the grid (target
+>= 90%).
+
+The grid is the tuner's search space restricted to what runs here in reasonable time: tp 1 and
+2, pp 1, ZeRO 0-3, no offload (CPU Adam needs a one-minute JIT build), activation checkpointing
+on and off, micro-batches 2 and 8 at a global batch of 16.
+
+    python bench/tuner_accuracy.py [--workers 2 4] [--markdown bench/results/tuner_accuracy.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hydra import compose, initialize_config_module  # noqa: E402
+
+from launchers.ray_session import ray_session  # noqa: E402
+from orchestrator.config import register_configs, to_typed  # noqa: E402
+from orchestrator.tuning import TuneResult, _calibrate, _run_trial, describe, prepare, tune  # noqa: E402
+from plans.search_space import search  # noqa: E402
+
+GRID = ["train.global_batch_size=16", "tune.tp=[1,2]", "tune.pp=[1]", "tune.zero_stages=[0,1,2,3]",
+        "tune.offload=[none]", "tune.activation_checkpointing=[false,true]", "tune.micro_batch_sizes=[2,8]",
+        "tune.trial_steps=6", "tracking.enabled=false", "model.n_layer=4", "model.d_model=256", "model.n_head=8"]
+
+
+def config(workers: int, *extra: str):
+    register_configs()
+    with initialize_config_module("conf", version_base="1.3"):
+        return to_typed(compose("config", overrides=[*GRID, f"cluster.devices_per_node={workers}",
+                                                     f"tune.out=/tmp/orch-bench-tuned-{workers}.yaml", *extra]))
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def run(workers: int) -> dict:
+    typed, model_cfg, _ = config(workers)
+    cluster = typed.cluster
+    started = time.perf_counter()
+    with ray_session(None, min_cpus=workers, object_store_gib=1.0):
+        space, ctx = prepare(typed, model_cfg, cluster)
+        speeds, note = _calibrate(typed, cluster, space, ctx)
+        ctx = dataclasses.replace(ctx, speeds=speeds)
+        found = search(space, ctx)
+        holder = TuneResult(search=found, speeds=speeds, speeds_note=note, global_batch_size=16)
+        grid = []
+        for index, candidate in enumerate(found.ranked, start=1):
+            trial = _run_trial(typed, model_cfg, candidate, index, ctx, holder, sys.stderr)
+            grid.append(trial)
+    # The tuner as a user runs it: its own process state, calibration from the cache, 3 trials.
+    picked = tune(config(workers, "tune.trials=3")[0], model_cfg)
+    ok = [t for t in grid if t.status == "ok"]
+    best = max(ok, key=lambda t: t.tokens_per_s)
+    pick = picked.winner_trial
+    return {"workers": workers, "grid": grid, "note": note, "best": best, "pick": pick,
+            "spearman": spearman([t.candidate.predicted.total_s for t in ok], [t.step_time_s for t in ok]),
+            "share": (pick.tokens_per_s / best.tokens_per_s) if pick else 0.0,
+            "failed": [t for t in grid if t.status != "ok"], "wall_s": time.perf_counter() - started}
+
+
+def markdown(results: list[dict]) -> str:
+    lines = [f"Tuner accuracy, {datetime.date.today()}, {platform.machine()}, small GPT (4 layers, d_model 256), "
+             f"global batch 16, CPU workers; `python bench/tuner_accuracy.py`", ""]
+    for r in results:
+        verdict = (f"Spearman {r['spearman']:.2f} (target >= 0.7: {'met' if r['spearman'] >= 0.7 else 'NOT met'}); "
+                   f"tune.trials=3 picked {describe(r['pick'].candidate.plan) if r['pick'] else 'nothing'}: "
+                   f"{r['share']:.0%} of the best measured throughput "
+                   f"(target >= 90%: {'met' if r['share'] >= 0.9 else 'NOT met'})")
+        lines += [f"## {r['workers']} workers", "", f"Speeds: {r['note']}.", "", verdict, "",
+                  "| predicted rank | plan | predicted step (s) | measured step (s) | measured tokens/s |",
+                  "|---:|---|---:|---:|---:|"]
+        for t in r["grid"]:
+            measured = (f"{t.step_time_s:.3f} | {t.tokens_per_s:,.0f}" if t.status == "ok"
+                        else f"{t.status} | {t.error}")
+            lines.append(f"| {t.index} | {describe(t.candidate.plan)} | {t.candidate.predicted.total_s:.3f} | "
+                         f"{measured} |")
+        lines += ["", f"Best measured: {describe(r['best'].candidate.plan)}, {r['best'].tokens_per_s:,.0f} tokens/s. "
+                  f"Grid and tuning took {r['wall_s']:.0f}s.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2])
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    results = [run(w) for w in args.workers]
+    text = markdown(results)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

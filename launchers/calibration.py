@@ -1,0 +1,266 @@
+"""Measure a live cluster's speeds for the tuner's cost model: short probes on the Ray workers.
+
+One actor per worker slot, placed like a training run's workers (a placement group, PACK), so
+the probes see what training will: the same devices, the same number of workers sharing a node's
+memory bandwidth, and the same links. Every actor measures at once, because that is how they run:
+
+- dense matmul TFLOP/s in the training precision, at the matmul heights the plans would use
+  (micro-batch x sequence rows, the model's repeated-layer width), since small matmuls run far
+  below peak, on CPUs most of all;
+- memory bandwidth (a large copy), which bounds the optimizer step; on GPUs also host memory and
+  the host link (pinned host-to-device copies);
+- all-reduce latency (a one-element all-reduce) and bus bandwidth (a 16 MB one) inside a node and,
+  with several nodes, across them, through ``deepspeed.comm`` as training uses it.
+
+The result is cached per cluster (the workers' hostnames, shape and the probe's parameters) in a
+JSON file, so a second ``orch tune`` on the same cluster starts at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from launchers.placement import assign_ranks
+from plans.cost_model import Speeds
+from plans.errors import OrchError
+
+_BANDWIDTH_ELEMENTS = 4 * 1024 * 1024  # 16 MB of fp32: large enough that latency is a few percent
+# Part of the cache key: a cache written by older probes is measured again, not misread.
+_PROBES_VERSION = 3
+
+
+class CalibrationWorker:
+    """One worker slot's probes (a Ray actor)."""
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def hostname(self) -> str:
+        return socket.gethostname()
+
+    def address(self) -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def compute(self, rows: list[int], k: int, n: int, precision: str, seconds: float = 0.3) -> dict:
+        """Matmul TFLOP/s per height, and memory GB/s (read + write of a 64 MB copy)."""
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        tflops = []
+        for m in rows:
+            a = torch.randn(m, k, dtype=dtype, device=device)
+            a @ b  # warm-up
+            tflops.append(2 * m * k * n / _best_time(lambda a=a: a @ b, device, seconds) / 1e12)
+        facts = {"tflops": tflops, "device_gb_per_s": _copy_gb_per_s(device, seconds),
+                 "op_overhead_s": _op_overhead_s(device, seconds)}
+        if device.type == "cuda":
+            facts["host_gb_per_s"] = _copy_gb_per_s(torch.device("cpu"), seconds)
+            facts["host_link_gbps"] = _host_link_gbps(device, seconds)
+        return facts
+
+    def communication(self, rank: int, world_size: int, master: tuple[str, int], node_groups: list[list[int]],
+                      env: dict[str, str]) -> dict:
+        """All-reduce latency and bus bandwidth within this node's group and across node leaders."""
+        local_ranks = next(group for group in node_groups if rank in group)
+        leaders = [group[0] for group in node_groups]
+        os.environ.update(env)
+        os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
+                           "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_ranks.index(rank)),
+                           "LOCAL_SIZE": str(len(local_ranks)), "LOCAL_WORLD_SIZE": str(len(local_ranks))})
+        import deepspeed
+        import deepspeed.comm as dist
+
+        from launchers.worker import _unlink_shared_memory_buffers
+
+        backend = "gloo" if env.get("DS_ACCELERATOR") == "cpu" else "nccl"
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        _unlink_shared_memory_buffers(*master)
+        try:
+            # Every rank creates every group (collective), then measures the ones it belongs to.
+            groups = {tuple(members): dist.new_group(members) for members in node_groups if len(members) > 1}
+            leader_group = dist.new_group(leaders) if len(leaders) > 1 else None
+            out = {}
+            if tuple(local_ranks) in groups:
+                out["intra"] = _allreduce_probe(groups[tuple(local_ranks)], len(local_ranks))
+            if leader_group is not None and rank in leaders:
+                out["inter"] = _allreduce_probe(leader_group, len(leaders))
+            dist.barrier()
+            return out
+        finally:
+            dist.destroy_process_group()
+
+
+def _best_time(call, device, seconds: float, windows: int = 3) -> float:
+    """Seconds per call, from the fastest of a few timing windows: on a shared machine the
+    fastest window is the one least disturbed by other work, i.e. what the hardware does."""
+    import torch
+
+    best = float("inf")
+    for _ in range(windows):
+        runs, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds / windows or runs == 0:
+            call()
+            runs += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - started) / runs)
+    return best
+
+
+def _copy_gb_per_s(device, seconds: float) -> float:
+    import torch
+
+    a = torch.empty(16 * 1024 * 1024, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    return 2 * a.numel() * 4 / _best_time(lambda: b.copy_(a), device, seconds) / 1e9
+
+
+def _op_overhead_s(device, seconds: float) -> float:
+    """Seconds per operation of a training step made of tiny ops (so their fixed cost is all
+    there is): forward and backward of a small MLP, ops counted as the cost model counts them."""
+    import torch
+
+    from plans.model_cost import OpCounter
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(4)])
+    model.to(device)
+    x = torch.randn(4, 16, device=device)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    step()
+    with OpCounter() as counter:
+        step()
+    return _best_time(step, device, seconds) / counter.ops
+
+
+def _host_link_gbps(device, seconds: float) -> float:
+    import torch
+
+    host = torch.empty(16 * 1024 * 1024, dtype=torch.float32).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    runs, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        dev.copy_(host, non_blocking=True)
+        runs += 1
+    torch.cuda.synchronize(device)
+    return host.numel() * 4 * runs * 8 / (time.perf_counter() - started) / 1e9
+
+
+def _allreduce_probe(group, n: int) -> dict:
+    import deepspeed.comm as dist
+    import torch
+
+    small = torch.zeros(1)
+    large = torch.zeros(_BANDWIDTH_ELEMENTS)
+    for _ in range(3):  # warm-up: connections, buffers
+        dist.all_reduce(small, group=group)
+    times = []
+    for _ in range(30):
+        started = time.perf_counter()
+        dist.all_reduce(small, group=group)
+        times.append(time.perf_counter() - started)
+    # The fastest of the calls is the least disturbed; a ring all-reduce takes 2(n-1) steps.
+    latency = min(times) / (2 * (n - 1))
+    dist.all_reduce(large, group=group)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        dist.all_reduce(large, group=group)
+        best = min(best, time.perf_counter() - started)
+    bus_bytes = 2 * (n - 1) / n * large.numel() * 4
+    return {"latency_s": latency, "gbps": bus_bytes * 8 / max(best - 2 * (n - 1) * latency, 1e-9) / 1e9}
+
+
+class CalibrationError(OrchError):
+    """The cluster could not be measured."""
+
+
+def _cache_file(cache_dir: str, key: dict) -> Path:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(os.path.expanduser(cache_dir)) / f"calibration-{digest}.json"
+
+
+def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float, gpus_per_worker: float,
+              env: dict[str, str], precision: str, rows: list[int], k: int, n: int, declared: Speeds,
+              cache_dir: str, wait_s: float = 60.0) -> tuple[Speeds, str]:
+    """The cluster's measured :class:`Speeds` (from the cache when this cluster was measured
+    before), and a note saying which. Numbers a probe cannot measure here (inter-node speeds on
+    one node) stay as declared."""
+    bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
+    pg = placement_group([bundle] * world_size, strategy="PACK")
+    actors = []
+    try:
+        if not ray.wait([pg.ready()], timeout=wait_s)[0]:
+            raise CalibrationError(f"no room for {world_size} calibration workers within {wait_s:g}s. Fix: "
+                                   "free the cluster, or set tune.calibrate=false to use the declared speeds")
+        remote = ray.remote(CalibrationWorker)
+        actors = [remote.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, runtime_env={"env_vars": env},
+                                 scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                     placement_group=pg, placement_group_bundle_index=i)).remote()
+                  for i in range(world_size)]
+        slots = assign_ranks(ray.get([a.node_id.remote() for a in actors]))
+        order = sorted(range(world_size), key=lambda i: slots[i].rank)
+        actors = [actors[i] for i in order]
+        slots = [slots[i] for i in order]
+        hosts = ray.get([a.hostname.remote() for a in actors])
+        key = {"probes": _PROBES_VERSION, "hosts": hosts, "per_node": [s.local_world_size for s in slots],
+               "precision": precision, "rows": rows, "k": k, "n": n, "bundle": bundle}
+        path = _cache_file(cache_dir, key)
+        if path.exists():
+            doc = json.loads(path.read_text())
+            doc["matmul_tflops"] = tuple(tuple(point) for point in doc["matmul_tflops"])
+            return Speeds(**doc, source="measured"), f"measured speeds from the cache {path}"
+        compute = ray.get([a.compute.remote(rows, k, n, precision) for a in actors])
+        by_node: dict[str, list[int]] = {}
+        for slot in slots:
+            by_node.setdefault(slot.node_id, []).append(slot.rank)
+        master = ray.get(actors[0].address.remote())
+        comm = ray.get([actor.communication.remote(slot.rank, world_size, master, list(by_node.values()), env)
+                        for actor, slot in zip(actors, slots, strict=True)])
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        remove_placement_group(pg)
+
+    intra = [c["intra"] for c in comm if "intra" in c]
+    inter = [c["inter"] for c in comm if "inter" in c]
+    # The slowest worker paces a synchronous step: take the minimum throughput across workers.
+    tflops = tuple((m, min(c["tflops"][i] for c in compute)) for i, m in enumerate(rows))
+    device_gb = min(c["device_gb_per_s"] for c in compute)
+    gpu = "host_gb_per_s" in compute[0]
+    per_node = max(len(r) for r in by_node.values())
+    speeds = Speeds(
+        matmul_tflops=tflops,
+        intra_node_gbps=min((c["gbps"] for c in intra), default=declared.intra_node_gbps),
+        inter_node_gbps=min((c["gbps"] for c in inter), default=declared.inter_node_gbps),
+        intra_latency_s=max((c["latency_s"] for c in intra), default=declared.intra_latency_s),
+        inter_latency_s=max((c["latency_s"] for c in inter), default=declared.inter_latency_s),
+        # On CPU workers "device" and host memory are the same RAM: a copy is also what the host link costs.
+        host_link_gbps=min(c["host_link_gbps"] for c in compute) if gpu else device_gb * 8,
+        device_memory_gb_per_s=device_gb,
+        host_memory_gb_per_s=(min(c["host_gb_per_s"] for c in compute) if gpu else device_gb) * per_node,
+        # GPUs launch asynchronously: the fixed cost of an op hides behind the kernels before it.
+        op_overhead_s=0.0 if gpu else max(c["op_overhead_s"] for c in compute),
+        source="measured")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = asdict(speeds)
+    doc.pop("source")
+    path.write_text(json.dumps(doc, indent=2))
+    return speeds, f"measured the cluster ({len(by_node)} node(s), {world_size} workers); cached in {path}"

@@ -1,0 +1,270 @@
+"""Predicted time of one optimizer step for a resolved plan: compute, bubble, communication, offload.
+
+Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans. The model:
+
+- **compute**: the model's training FLOPs, *counted* on ``meta`` (:mod:`plans.flops`, recomputation
+  included under activation checkpointing), split evenly over ``tp * pp`` devices, at the device's
+  sustained matmul throughput for the micro-batch's matmul height; plus a fixed cost per
+  operation (counted on ``meta`` too) times the operations of each micro-batch, which is why many
+  small micro-batches are slower than few large ones where ops run synchronously (CPU workers).
+- **pipeline bubble**: 1F1B with ``m = grad_accum_steps`` micro-batches idles a fraction
+  ``(pp - 1) / m`` of the compute time.
+- **tensor parallelism**: one all-reduce of a row-parallel layer's output in forward and one of a
+  column-parallel layer's input gradient in backward (DeepSpeed AutoTP's ``RowParallel`` /
+  ``ColumnParallel``), again in the recomputed forward; sizes read off the model on ``meta``.
+- **data parallelism** by ZeRO stage (DeepSpeed 0.19, ``overlap_comm`` off as the generated config
+  sets it): stages 0-1 reduce the gradients once per step (a ring all-reduce, 2(n-1)/n of the
+  bytes); stage 2 reduce-scatters them every micro-batch and gathers the updated parameters once;
+  stage 3 also gathers every parameter module in forward and in backward of every micro-batch.
+- **pipeline point to point**: each micro-batch sends one boundary activation forward and its
+  gradient back.
+- **offload**: gradients down and parameters up over the host link, and the CPU optimizer bound by
+  the node's memory bandwidth shared by its workers; ZeRO-3 parameter offload fetches every
+  parameter over the host link for each gather. Without offload the optimizer step is bound by the
+  device's memory bandwidth.
+
+Every collective is an alpha-beta cost: a latency per call plus bytes over the bandwidth of the
+link it crosses, intra-node or inter-node, from the rank layout (tp innermost, then pp, then dp:
+:func:`launchers.placement.parallel_coords`). Communication does not overlap compute (tensor
+parallel all-reduces are synchronous, and the generated DeepSpeed config turns ``overlap_comm``
+off), so the parts add up.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+from plans.resolve import ResolvedPlan
+from plans.spec import ClusterSpec, Offload, OptimizerName, OptimSpec, Precision
+
+# A large dense GEMM sustains about 80% of the datasheet peak on A100s (cuBLAS bf16 at
+# 8192^3 reaches 250-270 of 312 TFLOP/s); declared peaks are derated by this, measured ones not.
+DECLARED_MATMUL_EFFICIENCY = 0.8
+# Latency of one collective call when it is not measured: NCCL's small-message all-reduce is
+# ~10 us inside a node and ~20-30 us across InfiniBand nodes.
+DECLARED_LATENCY_S = {"intra": 10e-6, "inter": 25e-6}
+# Fixed cost per operation when not measured: hidden by asynchronous launches on GPUs; on a CPU
+# worker, torch's dispatch plus autograd bookkeeping take tens of microseconds per op.
+DECLARED_OP_OVERHEAD_S = {"gpu": 0.0, "cpu": 20e-6}
+_BYTES = {Precision.fp32: 4, Precision.bf16: 2, Precision.fp16: 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Speeds:
+    """How fast the devices and links of a cluster are: declared, or measured by calibration."""
+
+    matmul_tflops: tuple[tuple[int, float], ...]
+    """Sustained TFLOP/s by matmul height (rows): ((rows, tflops), ...) sorted by rows; between
+    points the nearest lower one applies (a single point: the same for every height)."""
+    intra_node_gbps: float
+    inter_node_gbps: float
+    intra_latency_s: float
+    inter_latency_s: float
+    host_link_gbps: float
+    device_memory_gb_per_s: float
+    host_memory_gb_per_s: float
+    op_overhead_s: float = 0.0
+    """Fixed cost of one operation (kernel launch and dispatch). GPUs launch asynchronously and
+    hide it behind long kernels (declared 0); CPU workers run every op synchronously."""
+    source: str = "declared"
+    """'declared' (from the cluster config) or 'measured' (calibrated on the live cluster)."""
+
+    def tflops_at(self, rows: int) -> float:
+        heights = [r for r, _ in self.matmul_tflops]
+        i = max(bisect.bisect_right(heights, rows) - 1, 0)
+        return self.matmul_tflops[i][1]
+
+    @classmethod
+    def declared(cls, cluster: ClusterSpec) -> Speeds:
+        return cls(matmul_tflops=((1, cluster.device_tflops * DECLARED_MATMUL_EFFICIENCY),),
+                   intra_node_gbps=cluster.intra_node_gbps, inter_node_gbps=cluster.inter_node_gbps,
+                   intra_latency_s=DECLARED_LATENCY_S["intra"], inter_latency_s=DECLARED_LATENCY_S["inter"],
+                   host_link_gbps=cluster.host_link_gbps, device_memory_gb_per_s=cluster.device_memory_gb_per_s,
+                   host_memory_gb_per_s=cluster.host_memory_gb_per_s,
+                   op_overhead_s=DECLARED_OP_OVERHEAD_S[cluster.accelerator.value])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelCost:
+    """What the cost model needs to know about the model, counted on ``meta``
+    (:func:`plans.model_cost.measure_model_cost`)."""
+
+    seq_len: int
+    flops_per_sample: int
+    """Forward + loss + backward FLOPs of one sample."""
+    flops_per_sample_checkpointed: int
+    """The same with activation checkpointing (the recomputed forward included)."""
+    param_count: int
+    tp_param_count: dict[int, int]
+    """Parameters one rank holds at each tensor-parallel degree the search may use."""
+    row_parallel_out_per_sample: int
+    """Elements all-reduced in forward per sample: outputs of the row-parallel layers."""
+    row_parallel_layers: int
+    column_parallel_in_per_sample: int
+    """Elements all-reduced in backward per sample: inputs of the column-parallel layers."""
+    column_parallel_layers: int
+    boundary_per_sample: int
+    """Elements of one layer's output per sample: what crosses a pipeline stage boundary."""
+    n_layers: int
+    """Repeated layers (the items of the model's ModuleLists): at most this many pipeline stages."""
+    param_modules: int
+    """Modules owning parameters directly: ZeRO-3 gathers each once per forward and per backward."""
+    ops_per_micro_batch: int = 0
+    """Operations (kernels) one micro-batch's forward, loss and backward dispatch; their number
+    does not depend on the micro-batch size."""
+    ops_per_micro_batch_checkpointed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, by part, and the rates that follow."""
+
+    compute_s: float
+    bubble_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    pp_comm_s: float
+    offload_s: float
+    optimizer_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+
+    @property
+    def total_s(self) -> float:
+        return (self.compute_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s
+                + self.offload_s + self.optimizer_s)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"step_time_s": self.total_s, "tokens_per_s": self.tokens_per_s,
+                "tflops_per_device": self.tflops_per_device,
+                "parts_s": {"compute": self.compute_s, "bubble": self.bubble_s, "tp": self.tp_comm_s,
+                            "dp": self.dp_comm_s, "pp": self.pp_comm_s, "offload": self.offload_s,
+                            "optimizer": self.optimizer_s}}
+
+
+@dataclass(frozen=True)
+class Links:
+    """Which link each kind of group crosses ('intra' or 'inter'), for the worst group of its kind."""
+
+    tp: str
+    pp: str
+    dp: str
+
+
+def group_links(world_size: int, devices_per_node: int, tp: int, pp: int) -> Links:
+    """Links of the tp, pp and dp groups under the launch layout ``rank = (dp_rank * pp + pp_rank) * tp + tp_rank``.
+
+    Nodes hold consecutive ranks. A group crosses nodes when two of its members are on different
+    nodes; every group of a kind has the same shape, so the first one decides. Closed form (no
+    per-rank loop): a 1024-rank layout is classified in microseconds.
+    """
+    dp = world_size // (tp * pp)
+
+    def crosses(stride: int, size: int) -> str:
+        # members are 0, stride, 2*stride, ... (size of them): same node iff the last is on node 0.
+        return "inter" if size > 1 and (size - 1) * stride >= devices_per_node else "intra"
+
+    return Links(tp=crosses(1, tp), pp=crosses(tp, pp), dp=crosses(tp * pp, dp))
+
+
+def _bytes_per_s(gbps: float) -> float:
+    return gbps * 1e9 / 8
+
+
+def _allreduce_s(nbytes: float, n: int, gbps: float, latency_s: float, calls: int = 1) -> float:
+    """Ring all-reduce of ``nbytes`` in total over ``n`` ranks, in ``calls`` collectives."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / _bytes_per_s(gbps) + calls * 2 * (n - 1) * latency_s
+
+
+def _half_ring_s(nbytes: float, n: int, gbps: float, latency_s: float, calls: int = 1) -> float:
+    """A reduce-scatter or an all-gather: half the traffic and steps of an all-reduce."""
+    return _allreduce_s(nbytes, n, gbps, latency_s, calls) / 2
+
+
+def _optimizer_bytes_per_param(optim: OptimSpec, precision: Precision) -> int:
+    """Bytes the optimizer step reads and writes per parameter (it is bound by memory bandwidth).
+
+    Adam: read and write the fp32 weight, both moments (3 x 8), read the fp32 gradient (4), and in
+    mixed precision write the low-precision copy of the weight. SGD: the weight, the gradient and
+    the momentum buffer if any.
+    """
+    low = _BYTES[precision] if precision != Precision.fp32 else 0
+    if optim.name == OptimizerName.sgd:
+        return 8 + 4 + (8 if optim.momentum else 0) + low
+    return 24 + 4 + low
+
+
+def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devices_per_node: int,
+                 optim: OptimSpec) -> StepTime:
+    """Seconds of one optimizer step of ``plan`` on the slowest device (see the module docstring)."""
+    dp, tp, pp, m, mb = plan.dp, plan.tp, plan.pp, plan.grad_accum_steps, plan.micro_batch_size
+    links = group_links(plan.world_size, devices_per_node, tp, pp)
+    bw = {"intra": speeds.intra_node_gbps, "inter": speeds.inter_node_gbps}
+    lat = {"intra": speeds.intra_latency_s, "inter": speeds.inter_latency_s}
+    act_bytes = _BYTES[plan.precision]
+
+    flops = model.flops_per_sample_checkpointed if plan.activation_checkpointing else model.flops_per_sample
+    ops = model.ops_per_micro_batch_checkpointed if plan.activation_checkpointing else model.ops_per_micro_batch
+    per_micro_s = (flops * mb / (tp * pp) / (speeds.tflops_at(mb * model.seq_len) * 1e12)
+                   + ops / pp * speeds.op_overhead_s)
+    compute_s = m * per_micro_s
+    bubble_s = (pp - 1) * per_micro_s
+
+    tp_comm_s = 0.0
+    if tp > 1:
+        # Per micro-batch, this stage's share of the layers: forward all-reduces (twice with
+        # recomputation) and backward ones.
+        forward_passes = 2 if plan.activation_checkpointing else 1
+        fwd = _allreduce_s(model.row_parallel_out_per_sample * mb * act_bytes / pp, tp, bw[links.tp], lat[links.tp],
+                           calls=math.ceil(model.row_parallel_layers / pp))
+        bwd = _allreduce_s(model.column_parallel_in_per_sample * mb * act_bytes / pp, tp, bw[links.tp],
+                           lat[links.tp], calls=math.ceil(model.column_parallel_layers / pp))
+        tp_comm_s = m * (forward_passes * fwd + bwd)
+
+    # Parameters of this device: its tensor-parallel shard of its stage's layers.
+    params = model.tp_param_count.get(tp, model.param_count / tp) / pp
+    grad_bytes = params * _BYTES[plan.precision]
+    dp_bw, dp_lat = bw[links.dp], lat[links.dp]
+    dp_comm_s = 0.0
+    if dp > 1:
+        if plan.zero_stage <= 1:
+            dp_comm_s = _allreduce_s(grad_bytes, dp, dp_bw, dp_lat)
+        elif plan.zero_stage == 2:
+            dp_comm_s = m * _half_ring_s(grad_bytes, dp, dp_bw, dp_lat) + _half_ring_s(grad_bytes, dp, dp_bw, dp_lat)
+        else:
+            gathers = 3 if plan.activation_checkpointing else 2
+            modules = max(math.ceil(model.param_modules / pp), 1)
+            dp_comm_s = m * (gathers * _half_ring_s(grad_bytes, dp, dp_bw, dp_lat, calls=modules)
+                             + _half_ring_s(grad_bytes, dp, dp_bw, dp_lat))
+
+    pp_comm_s = 0.0
+    if pp > 1:
+        p2p_bytes = model.boundary_per_sample * mb * act_bytes
+        pp_comm_s = m * 2 * (p2p_bytes / _bytes_per_s(bw[links.pp]) + lat[links.pp])
+
+    # The optimizer updates this rank's partition: all of its parameters below ZeRO-1.
+    part = params / dp if plan.zero_stage >= 1 else params
+    opt_bytes = part * _optimizer_bytes_per_param(optim, plan.precision)
+    offload_s = 0.0
+    if plan.offload_optimizer != Offload.none:
+        link = _bytes_per_s(speeds.host_link_gbps)
+        # Gradients down, updated weights up; the node's CPU runs every local rank's optimizer at once.
+        offload_s = 2 * part * _BYTES[plan.precision] / link
+        optimizer_s = opt_bytes / (speeds.host_memory_gb_per_s * 1e9 / devices_per_node)
+    else:
+        optimizer_s = opt_bytes / (speeds.device_memory_gb_per_s * 1e9)
+    if plan.offload_param != Offload.none:
+        gathers = 3 if plan.activation_checkpointing else 2
+        offload_s += m * gathers * (params / dp) * _BYTES[plan.precision] / _bytes_per_s(speeds.host_link_gbps)
+
+    parts = StepTime(compute_s=compute_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s, dp_comm_s=dp_comm_s,
+                     pp_comm_s=pp_comm_s, offload_s=offload_s, optimizer_s=optimizer_s,
+                     tokens_per_s=0.0, tflops_per_device=0.0)
+    total = parts.total_s
+    samples = plan.global_batch_size
+    return StepTime(**{**parts.__dict__, "tokens_per_s": samples * model.seq_len / total,
+                       "tflops_per_device": flops * samples / total / plan.world_size / 1e12})

@@ -1,0 +1,124 @@
+"""What the step-time model needs from a model, counted on ``meta`` in one forward and backward.
+
+One pass under ``torch.utils.flop_counter.FlopCounterMode`` gives the training FLOPs (as
+:func:`plans.flops.training_flops_per_sample` counts them). Forward hooks on the same pass give
+what communication depends on: the outputs of the row-parallel layers and the inputs of the
+column-parallel ones (tensor-parallel all-reduces) and one repeated layer's output (what crosses a
+pipeline stage boundary), and a dispatch mode counts the operations (kernel launches). The FLOPs
+with activation checkpointing are counted in a second pass with checkpointing on: torch's
+non-reentrant checkpoint stops recomputing once the tensors backward needs are back, so the
+recomputation is less than a whole forward, and only counting it gets it right. Nothing is
+allocated; the model built once on meta is copied, not rebuilt.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from plans.cost_model import ModelCost
+from plans.estimate import ModelProbe
+
+
+def _repeated_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The items of the model's ModuleLists: what checkpointing recomputes and pipelines split."""
+    return [layer for m in module.modules() if isinstance(m, torch.nn.ModuleList) for layer in m]
+
+
+def _tp_kinds(module: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
+    """Module name -> 'row' or 'column' for the layers the AutoTP specs shard."""
+    patterns = [(re.compile(p), spec.get("partition_type", "column"))
+                for spec in layer_specs for p in spec.get("patterns", [])]
+    kinds = {}
+    for name, sub in module.named_modules():
+        if isinstance(getattr(sub, "weight", None), torch.nn.Parameter):
+            matched = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
+            if matched and matched[0] in ("row", "column"):
+                kinds[name] = matched[0]
+    return kinds
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations a pass dispatches.
+
+    Each one is a kernel launch with a fixed cost; on CPU workers, where ops run synchronously,
+    that cost adds up to a large share of a small model's step.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _checkpointed_pass(module: torch.nn.Module, seq_len: int) -> tuple[int, int]:
+    """(FLOPs, ops) of forward + loss + backward with activation checkpointing on, as
+    :func:`plans.flops.training_flops_per_sample` counts them."""
+    module.gradient_checkpointing_enable()
+    inputs = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as counter, OpCounter() as ops:
+        logits = module(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), inputs.reshape(-1))
+        loss.backward()
+    return int(counter.get_total_flops()), ops.ops
+
+
+def measure_model_cost(probe: ModelProbe, tp_degrees: list[int]) -> ModelCost:
+    """Count the model's FLOPs and communication sizes for one sample of ``probe.seq_len`` tokens."""
+    module = copy.deepcopy(probe.module)
+    kinds = _tp_kinds(module, probe.tp_layer_specs)
+    sizes = {"row_out": 0, "column_in": 0}
+    layers = _repeated_layers(module)
+    boundary: list[int] = []
+    handles = []
+
+    def on_tp_layer(kind: str):
+        def hook(_mod, args, output):
+            if kind == "row":
+                sizes["row_out"] += output.numel()
+            else:
+                sizes["column_in"] += args[0].numel()
+        return hook
+
+    def leave_layer(_mod, _args, output):
+        if not boundary and isinstance(output, torch.Tensor):
+            boundary.append(output[0].numel())
+
+    for name, sub in module.named_modules():
+        if name in kinds:
+            handles.append(sub.register_forward_hook(on_tp_layer(kinds[name])))
+    for layer in layers:
+        handles.append(layer.register_forward_hook(leave_layer))
+    try:
+        inputs = torch.zeros(1, probe.seq_len, dtype=torch.long, device="meta")
+        with FlopCounterMode(display=False) as counter, OpCounter() as op_counter:
+            logits = module(inputs)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), inputs.reshape(-1))
+            loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    flops = int(counter.get_total_flops())
+    checkpointed, checkpointed_ops = flops, op_counter.ops
+    if callable(getattr(probe.module, "gradient_checkpointing_enable", None)):
+        checkpointed, checkpointed_ops = _checkpointed_pass(copy.deepcopy(probe.module), probe.seq_len)
+    hidden = boundary[0] if boundary else 0
+    return ModelCost(
+        seq_len=probe.seq_len, flops_per_sample=flops, flops_per_sample_checkpointed=checkpointed,
+        param_count=probe.stats.param_count,
+        tp_param_count={tp: probe.stats_for(tp).param_count for tp in tp_degrees},
+        row_parallel_out_per_sample=sizes["row_out"], row_parallel_layers=sum(k == "row" for k in kinds.values()),
+        column_parallel_in_per_sample=sizes["column_in"],
+        column_parallel_layers=sum(k == "column" for k in kinds.values()),
+        boundary_per_sample=hidden, n_layers=len(layers),
+        ops_per_micro_batch=op_counter.ops, ops_per_micro_batch_checkpointed=checkpointed_ops,
+        param_modules=sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False))),
+    )

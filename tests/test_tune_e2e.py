@@ -1,0 +1,85 @@
+"""A real `orch tune tune.trials=2` on 2 Ray workers: one trial fails, tuning goes on, MLflow records it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import compose_config
+from orchestrator.config import to_typed
+from orchestrator.tuning import render, tune
+
+pytestmark = pytest.mark.slow
+
+# Two candidates only: micro-batch 4 (one micro-step, ranked first) and micro-batch 2 (two).
+# OutOfMemoryAboveTwo fails on a real micro-batch of more than 2 samples, so the first trial fails
+# the way an out-of-memory plan does, and the second must still run and win.
+SPACE = ["train.global_batch_size=8", "tune.micro_batch_sizes=[2,4]", "tune.zero_stages=[1]", "tune.offload=[none]",
+         "tune.activation_checkpointing=[false]", "tune.tp=[1]", "tune.pp=[1]", "tune.trials=2",
+         "tune.trial_steps=4", "tune.calibrate=false", "model._target_=faulty_models.OutOfMemoryAboveTwo"]
+
+
+def test_tune_trials_contain_a_failing_plan_and_log_nested_runs(local_ray, sqlite_uri, tmp_path, capsys):
+    out = tmp_path / "winner.yaml"
+    cfg = compose_config(*SPACE, f"tracking.uri={sqlite_uri}", f"tune.out={out}", "tracking.experiment=tune-e2e")
+    typed, model_cfg, _ = to_typed(cfg)
+    result = tune(typed, model_cfg)
+
+    first, second = result.trials
+    assert first.candidate.plan.micro_batch_size == 4 and first.status == "failed"
+    assert "simulated out of memory" in first.error
+    assert second.candidate.plan.micro_batch_size == 2 and second.status == "ok"
+    assert second.tokens_per_s > 0 and second.step_time_s > 0 and second.peak_bytes > 0
+    # The best *measured* plan wins, not the best predicted one (which failed).
+    assert result.winner is second.candidate and result.winner_trial is second
+    assert "micro_batch_size: 2" in out.read_text() and "grad_accum_steps: 2" in out.read_text()
+
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    parent = client.get_run(result.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["orch.command"] == "tune"
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    by_trial = {run.data.tags["orch.tune.trial"]: run for run in children}
+    assert set(by_trial) == {"1", "2"}
+    assert by_trial["1"].info.status == "FAILED" and first.run_id == by_trial["1"].info.run_id
+    assert by_trial["2"].info.status == "FINISHED"
+    assert by_trial["2"].data.params["plan.micro_batch_size"] == "2"
+    assert parent.data.tags["trial.1.status"] == "failed" and "simulated out of memory" in parent.data.tags[
+        "trial.1.error"]
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "tune")}
+    assert {"tune/candidates.json", "tune/ranked.txt", "tune/winner.yaml"} <= artifacts
+    assert [a.path for a in client.list_artifacts(parent.info.run_id, "plots")] == ["plots/tune_candidates.png"]
+    doc = json.loads(open(client.download_artifacts(parent.info.run_id, "tune/candidates.json",
+                                                    str(tmp_path))).read())
+    assert doc["best"]["chosen_by"] == "measured" and doc["best"]["plan"]["micro_batch_size"] == 2
+    assert doc["candidates"][0]["measured"]["status"] == "failed"
+    assert doc["candidates"][1]["measured"]["tokens_per_s"] == pytest.approx(second.tokens_per_s)
+
+    table = render(result, top_k=10)
+    assert "failed: RuntimeError" in table or "failed: WorkerFailedError" in table
+    assert "winner (best measured)" in table
+
+
+def test_calibration_measures_the_workers_and_caches_per_cluster(local_ray, tmp_path):
+    from launchers.calibration import calibrate
+    from plans.cost_model import Speeds
+    from plans.spec import ClusterSpec
+
+    declared = Speeds.declared(ClusterSpec())
+    kwargs = dict(world_size=2, devices_per_node=2, cpus_per_worker=1.0, gpus_per_worker=0.0,
+                  env={"DS_ACCELERATOR": "cpu"}, precision="fp32", rows=[64, 1024], k=128, n=512, declared=declared,
+                  cache_dir=str(tmp_path), wait_s=60)
+    speeds, note = calibrate(**kwargs)
+    assert speeds.source == "measured" and note.startswith("measured the cluster")
+    assert [rows for rows, _ in speeds.matmul_tflops] == [64, 1024]
+    assert all(tflops > 0 for _, tflops in speeds.matmul_tflops)
+    # One node: the all-reduce inside it is measured; across nodes stays declared.
+    assert speeds.intra_node_gbps > 0 and speeds.intra_latency_s > 0
+    assert speeds.intra_node_gbps != declared.intra_node_gbps
+    assert speeds.inter_node_gbps == declared.inter_node_gbps
+    assert speeds.device_memory_gb_per_s > 0 and speeds.host_memory_gb_per_s >= speeds.device_memory_gb_per_s
+    cached, note = calibrate(**kwargs)
+    assert note.startswith("measured speeds from the cache") and cached == speeds
+    assert len(list(tmp_path.glob("calibration-*.json"))) == 1
