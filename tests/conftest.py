@@ -18,6 +18,27 @@ REPO = Path(__file__).resolve().parents[1]
 FAST = ["train.steps=30", "train.log_every=5", "train.eval_batches=2", "plan.micro_batch_size=4"]
 
 
+_REFERENCE: dict = {}
+
+
+def dp_reference():
+    """The data-parallel run other layouts are compared with: dp=2, micro-batch 4, ZeRO-1, ``FAST``.
+
+    Trained once per session (in the Ray of the first test that asks) and shared: tp, pp and
+    universal-checkpoint tests all follow this curve, each to its own justified tolerance.
+    """
+    if "run" not in _REFERENCE:
+        import tempfile
+
+        from orchestrator.config import to_typed
+        from orchestrator.driver import run_training
+
+        store = tempfile.mkdtemp(prefix="orch-dp-reference-")
+        cfg = compose_config(*FAST, f"tracking.uri=sqlite:///{store}/mlflow.db", "plan.dp=2", "plan.zero_stage=1")
+        _REFERENCE["run"] = run_training(*to_typed(cfg))
+    return _REFERENCE["run"]
+
+
 def compose_config(*overrides: str) -> DictConfig:
     register_configs()
     with initialize_config_module("conf", version_base="1.3"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAST, compose_config
+from conftest import FAST, compose_config, dp_reference
 from orchestrator.checking import check_run
 from orchestrator.config import to_typed
 from orchestrator.models import pipeline_layers_factory
@@ -121,7 +121,7 @@ def test_pipelines_follow_the_data_parallel_loss_curve(local_ray, sqlite_uri):
     # stage's gradients would clip differently and leave this tolerance within a few steps.
     # train.eval_batches counts micro-batches per replica: the one pipeline replica evaluates
     # twice as many as each of dp's two, so both runs evaluate the same 16 samples.
-    dp = train(sqlite_uri, "plan.dp=2", "plan.micro_batch_size=4")
+    dp = dp_reference()
     one_replica = ["plan.dp=1", "plan.pp=2", "plan.micro_batch_size=4", "plan.grad_accum_steps=2",
                    "train.eval_batches=4"]
     pp = train(sqlite_uri, *one_replica)

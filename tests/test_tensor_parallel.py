@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAST, compose_config
+from conftest import FAST, compose_config, dp_reference
 from launchers.ds_config import build_ds_config, tensor_parallel_section
 from launchers.placement import ParallelCoords, parallel_coords
 from orchestrator.config import to_typed
@@ -145,7 +145,7 @@ def test_tp2_follows_the_data_parallel_loss_curve(local_ray, sqlite_uri):
     # (one mean over 8 vs the average of two means over 4, the all-reduces), ~1e-7 per step in
     # fp32; 1e-3 leaves room for Adam to amplify that over 30 steps and is still 500 times smaller
     # than the loss falls between two logged steps.
-    dp = train(sqlite_uri, "plan.dp=2", "plan.micro_batch_size=4")
+    dp = dp_reference()  # ZeRO-1: the same Adam steps as ZeRO-0, on a flat fp32 partition
     tp = train(sqlite_uri, "plan.dp=1", "plan.tp=2", "plan.micro_batch_size=8")
     assert dp.plan.global_batch_size == tp.plan.global_batch_size == 8
     assert [r[0]["loss"] for r in tp.reports] == pytest.approx([r[0]["loss"] for r in dp.reports], abs=1e-3)
@@ -158,7 +158,7 @@ def test_dp2_by_tp2_on_four_workers_matches_dp2(local_ray, sqlite_uri):
     # each group reads its dp shard, the same shards the two ranks of a plain dp=2 run read.
     four = ["plan.dp=2", "plan.tp=2", "plan.zero_stage=1", "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5"]
     grid = train(sqlite_uri, *four)
-    dp = train(sqlite_uri, "plan.dp=2", "plan.zero_stage=1")
+    dp = dp_reference()
     assert [(f["dp_rank"], f["tp_rank"]) for f in grid.worker_facts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     digests = [r["first_batch_digest"] for r in grid.reports[0]]
     assert digests[0] == digests[1] != digests[2] == digests[3]

@@ -67,7 +67,7 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
         "plots/loss.png", "plots/throughput.png", "plots/memory.png"}
     assert run.data.metrics["memory/rank1/measured_peak_bytes"] > 0
     assert {a.path for a in client.list_artifacts(result.run_id, "plan")} == {
-        "plan/estimate.json", "plan/placement.json"}
+        "plan/estimate.json", "plan/placement.json", "plan/placement_realized.json"}
     artifacts = {a.path for a in client.list_artifacts(result.run_id, "config")}
     assert artifacts == {"config/resolved.yaml", "config/deepspeed.json"}
     ds = client.download_artifacts(result.run_id, "config/deepspeed.json")

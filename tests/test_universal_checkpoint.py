@@ -3,9 +3,11 @@ writes checkpoints at dp=2 and resumes at dp=1 through DeepSpeed's universal che
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
-from conftest import FAST, compose_config
+from conftest import FAST, compose_config, dp_reference
 from launchers.checkpoint import latest, publish
 from launchers.universal import layout_of, needs_universal, resumed_position
 from orchestrator.config import to_typed
@@ -55,21 +57,24 @@ def test_latest_json_records_the_layout(tmp_path):
 def test_resume_at_another_dp_continues_the_same_curve(local_ray, sqlite_uri, tmp_path):
     from orchestrator.driver import run_training
 
-    def train(*overrides):
-        # Warmup ends at the checkpoint, so the 5-step first run and the 10-step runs share their
-        # learning rates up to it (the schedule's length is read from the resuming run's config).
+    def train(*overrides, stream=None):
         return run_training(*to_typed(compose_config(*FAST, f"tracking.uri={sqlite_uri}", "plan.zero_stage=1",
-                                                     "train.steps=10", "optim.warmup_steps=5", *overrides)))
+                                                     *overrides)), stream=stream)
 
-    checkpoints = ["train.checkpoint_every=5", f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.resume=auto"]
-    whole = train("plan.dp=2", "plan.micro_batch_size=4")
-    first = train(*checkpoints, "plan.dp=2", "plan.micro_batch_size=4", "train.steps=5")
+    whole = dp_reference()  # dp=2, 30 steps, ZeRO-1, uninterrupted
+    checkpoints = ["train.checkpoint_every=10", f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.resume=auto"]
+    # The first 10 steps of the same run: its 10 warmup steps end at the checkpoint, so its
+    # learning rates are the 30-step run's up to there.
+    first = train(*checkpoints, "plan.dp=2", "train.steps=10")
     # The same global batch (4 x 2 accumulation on one worker) and data order: after the
     # conversion the run should take exactly the steps the dp=2 run took, up to summation order.
-    resumed = train(*checkpoints, "plan.dp=1", "cluster.devices_per_node=1", "plan.micro_batch_size=4",
-                    "plan.grad_accum_steps=2")
+    out = io.StringIO()
+    resumed = train(*checkpoints, "plan.dp=1", "cluster.devices_per_node=1", "plan.grad_accum_steps=2", stream=out)
+    assert "written with dp=2; converting it to a universal checkpoint for dp=1" in out.getvalue()
     assert resumed.run_id == first.run_id
-    assert resumed.worker_facts[0]["start_step"] == 5
-    assert (tmp_path / "ckpt" / "step_000000005_universal").is_dir()
-    assert [r[0]["step"] for r in resumed.reports] == [10]
-    assert resumed.reports[-1][0]["loss"] == pytest.approx(whole.reports[-1][0]["loss"], abs=1e-4)
+    assert resumed.worker_facts[0]["start_step"] == 10
+    # Pruning step 10 (keep_checkpoints=2 after steps 20 and 30) removed its conversion too.
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_000000020", "step_000000030"]
+    assert [r[0]["step"] for r in resumed.reports] == [15, 20, 25, 30]
+    assert [r[0]["loss"] for r in resumed.reports] == pytest.approx([r[0]["loss"] for r in whole.reports[2:]],
+                                                                    abs=1e-4)

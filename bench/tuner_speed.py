@@ -1,0 +1,69 @@
+"""Tuner speed: analytic `orch tune` for GPT-3 175B as the declared cluster grows (64 -> 4096 A100s).
+
+The model is probed once on ``meta`` (parameters, FLOPs with and without recomputation, the
+operations and communication sizes of a layer); every cluster size is then searched with the
+same probe, as ``orch tune`` does within one run. The first search also measures activations on
+``meta`` (cached for the later ones), so it is reported apart. Times are absolute seconds on this
+machine and, for growth, relative to the 64-device search in the same process.
+
+    python bench/tuner_speed.py [--markdown bench/results/tuner_speed.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from bench.harness import machine  # noqa: E402
+from conftest import compose_config  # noqa: E402
+from orchestrator.config import to_typed  # noqa: E402
+from orchestrator.tuning import prepare  # noqa: E402
+from plans.search_space import search  # noqa: E402
+
+NODES = [8, 32, 128, 512]  # x 8 devices: 64, 256, 1024, 4096
+OVERRIDES = ["model=gpt3_175b", "cluster=a100_8x", "plan.precision=bf16", "train.global_batch_size=1536"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", type=Path, help="also write the table here")
+    args = parser.parse_args()
+    cfg, model_cfg, _ = to_typed(compose_config(*OVERRIDES, f"cluster.nodes={NODES[0]}"))
+    started = time.perf_counter()
+    space, ctx = prepare(cfg, model_cfg, cfg.cluster)
+    probe_s = time.perf_counter() - started
+    first = search(space, ctx)  # also measures activations on meta, cached for the rest
+    rows = []
+    for nodes in NODES:
+        cluster = dataclasses.replace(cfg.cluster, nodes=nodes)
+        result = search(dataclasses.replace(space, world_size=cluster.world_size),
+                        dataclasses.replace(ctx, cluster=cluster))
+        best = result.best.plan if result.best else None
+        rows.append((cluster.world_size, result.enumerated, len(result.ranked), result.seconds,
+                     f"dp={best.dp} tp={best.tp} pp={best.pp} zero={best.zero_stage}" if best else "none fits"))
+    base = rows[0][3]
+    lines = ["| devices | plans enumerated | fit | search s | vs 64 devices | best predicted |",
+             "|---:|---:|---:|---:|---:|---|"]
+    lines += [f"| {d} | {n} | {fit} | {s:.2f} | {s / base:.2f}x | {best} |" for d, n, fit, s, best in rows]
+    text = (f"# Tuner speed: analytic `orch tune` for GPT-3 175B\n\n- date: "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n- machine: {machine()}\n"
+            f"- reproduce: `python bench/tuner_speed.py --markdown bench/results/tuner_speed.md`\n\n"
+            f"Model probe on meta: {probe_s:.1f} s. First search (64 devices, measuring activations on meta "
+            f"as it goes): {first.seconds:.1f} s. Then, with those measurements cached:\n\n"
+            + "\n".join(lines) + "\n")
+    print(text)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
