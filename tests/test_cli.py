@@ -67,9 +67,13 @@ def test_multirun_sweeps_one_mlflow_run_each(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_marks_the_run_killed(tmp_path):
+    # A shell running this suite in the background (`.ci/run &`) ignores SIGINT, and its children
+    # inherit that: Python would then install no KeyboardInterrupt handler. The child restores
+    # the default, as a terminal's foreground process has it.
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "train.steps=100000",
                              "train.log_every=5"], cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     seen = ""
     while "step 10/" not in seen:  # training is really under way
