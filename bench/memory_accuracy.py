@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from hydra import compose, initialize_config_module  # noqa: E402
 
+from bench.harness import publish  # noqa: E402
 from orchestrator.config import register_configs, to_typed  # noqa: E402
 from orchestrator.driver import run_training  # noqa: E402
 from workloads.corpus import load_bytes  # noqa: E402
@@ -181,10 +182,7 @@ def main() -> None:
             "include the rank's host-side states, which live in the same process on CPU workers.\n\n"
             f"{table(rows)}\n\n"
             f"{hits} of {len(rows)} plans within target (peak ±{PEAK_TARGET:.0%}, held ±{HELD_TARGET:.0%}).\n")
-    print(text)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
+    publish([text.rstrip("\n")], args.markdown)
 
 
 if __name__ == "__main__":

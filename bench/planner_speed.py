@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from hydra import compose, initialize_config_module  # noqa: E402
 
-from bench.harness import machine  # noqa: E402
+from bench.harness import machine, publish  # noqa: E402
 from launchers.ds_config import build_ds_config  # noqa: E402
 from orchestrator.config import register_configs, to_typed  # noqa: E402
 from orchestrator.models import model_factory  # noqa: E402
@@ -128,11 +128,7 @@ def main() -> None:
               for d, t in cli.items()]
     lines += ["", "`orch check model=gpt3_175b cluster=a100_8x cluster.nodes=N plan.precision=bf16 "
                   "plan.micro_batch_size=1 plan.zero_stage=3 plan.activation_checkpointing=true --json`"]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
+    publish(lines, args.markdown)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from bench.harness import machine  # noqa: E402
+from bench.harness import header, publish  # noqa: E402
 from conftest import compose_config  # noqa: E402
 from orchestrator.config import to_typed  # noqa: E402
 from orchestrator.tuning import prepare  # noqa: E402
@@ -53,17 +52,10 @@ def main() -> None:
     lines = ["| devices | plans enumerated | fit | search s | vs 64 devices | best predicted |",
              "|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {d} | {n} | {fit} | {s:.2f} | {s / base:.2f}x | {best} |" for d, n, fit, s, best in rows]
-    text = (f"# Tuner speed: analytic `orch tune` for GPT-3 175B\n\n- date: "
-            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n- machine: {machine()}\n"
-            f"- reproduce: `python bench/tuner_speed.py --markdown bench/results/tuner_speed.md`\n\n"
-            f"Model probe on meta: {probe_s:.1f} s. First search (64 devices, measuring activations on meta "
-            f"as it goes): {first.seconds:.1f} s. Then, with those measurements cached:\n\n"
-            + "\n".join(lines) + "\n")
-    print(text)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
-
+    publish([*header("Tuner speed: analytic `orch tune` for GPT-3 175B", sys.argv),
+             f"Model probe on meta: {probe_s:.1f} s. First search (64 devices, measuring activations on meta "
+             f"as it goes): {first.seconds:.1f} s. Then, with those measurements cached:", "", *lines],
+            args.markdown)
 
 if __name__ == "__main__":
     main()

@@ -56,9 +56,8 @@ def needs_universal(saved: dict[str, int] | None, plan) -> bool:
     if changed:
         for name, stage in (("the checkpoint", saved.get("zero_stage", 0)), ("this plan", plan.zero_stage)):
             if stage < 1:
-                field = "plan.zero_stage"
                 problems.append(Violation(
-                    field, plan.zero_stage,
+                    "plan.zero_stage", plan.zero_stage,
                     f"resuming at dp={plan.dp} from a checkpoint written at dp={saved['dp']} needs a universal "
                     f"checkpoint, which DeepSpeed builds from ZeRO optimizer states: {name} has ZeRO stage {stage}.",
                     f"resume with plan.dp={saved['dp']}, or write checkpoints with plan.zero_stage=1 or more"))
