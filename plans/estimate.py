@@ -169,6 +169,7 @@ class ModelProbe:
         self.pipeline_layers = pipeline_layers
         """The model's pipeline layers factory (None: the model cannot be pipelined)."""
         self._pipeline = functools.lru_cache(maxsize=None)(self._measure_pipeline)
+        self._stages = functools.lru_cache(maxsize=None)(self._split)
         with torch.device("meta"):
             self.module = factory()
         self.stats = model_stats(self.module)
@@ -228,9 +229,15 @@ class ModelProbe:
         return self._pipeline(plan.micro_batch_size, plan.precision)
 
     def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
-        ids = plan.micro_batch_size * self.seq_len * torch.tensor([], dtype=torch.long).element_size()
-        return pipeline_stages(self.pipeline_layer_facts(plan), pp=plan.pp, method=plan.pp_partition,
-                               micro_batches=plan.grad_accum_steps, input_bytes=ids)
+        """The plan's pipeline stages; cached, since `orch check` validates the split and then
+        estimates it, and the fix search estimates many variants of one plan."""
+        return self._stages(plan.micro_batch_size, plan.precision, plan.pp, plan.pp_partition, plan.grad_accum_steps)
+
+    def _split(self, micro_batch_size: int, precision: Precision, pp: int, method: str,
+               micro_batches: int) -> list[PipelineStage]:
+        ids = micro_batch_size * self.seq_len * torch.tensor([], dtype=torch.long).element_size()
+        return pipeline_stages(self._pipeline(micro_batch_size, precision), pp=pp, method=method,
+                               micro_batches=micro_batches, input_bytes=ids)
 
     def persistent_params(self, ds_config: dict) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (under the persistence threshold)."""
