@@ -52,7 +52,7 @@ class TimedRun:
         """Seconds per step after ``warmup`` steps: the least-squares slope of report time on step.
 
         A fit over every reported step, not (last - first) / n: a runner whose reports arrive in
-        batches (``orch`` polls its workers every 0.1 s) is then not penalised or favoured by where
+        batches (``orch`` polls its workers every 0.5 s) is then not penalised or favoured by where
         the window's two ends happen to fall between polls.
         """
         points = sorted((s, t) for s, t in self.step_at.items() if s > warmup)

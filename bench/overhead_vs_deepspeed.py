@@ -131,7 +131,7 @@ def main() -> None:
               "spreads, not only the medians.",
               "- Both sides log every step (a loss all-reduce per step). Wall-clock times are taken when each "
               "step's line appears; the plain loop stamps its lines itself, `orch` prints a line when its driver "
-              "has polled the step from the workers (every 0.1 s), so the slope is fitted over all steady steps.",
+              "has polled the step from the workers (every 0.5 s), so the slope is fitted over all steady steps.",
               "- `orch train` also does, and is charged for: the plan check and memory estimate, the matmul probe "
               "for MFU, the memory probe during step 2, MLflow tracking in sqlite (params, artifacts, per-step "
               "metrics, plots at the end), and starting and stopping its embedded Ray.",

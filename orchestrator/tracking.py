@@ -92,16 +92,22 @@ class MetricBuffer:
     server restarted in the middle of a run would lose metrics. Here a failed batch stays at
     the head of the queue and is retried until the server answers again; the training loop
     only ever appends.
+
+    The thread sends what has piled up every ``interval_s``, not on every step: each batch is one
+    request and, on a SQL store, one commit, and a driver committing 15 steps a second took about
+    a tenth of a core from the workers on a 2-core machine (profiled with py-spy: the run was 6%
+    slower per step). A metric reaches the store at most ``interval_s`` late.
     """
 
-    def __init__(self, send: Callable[[list[Metric]], None], *, retry_s: float = 2.0, max_batch: int = 1000):
+    def __init__(self, send: Callable[[list[Metric]], None], *, retry_s: float = 2.0, interval_s: float = 1.0,
+                 max_batch: int = 1000):
         self._send = send
         self._retry_s = retry_s
+        self._interval_s = interval_s
         self._max_batch = max_batch
         self._queue: list[Metric] = []
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = False
+        self._stopping = threading.Event()
         self.outage_since: float | None = None
         self._thread = threading.Thread(target=self._loop, name="mlflow-metrics", daemon=True)
         self._thread.start()
@@ -109,7 +115,6 @@ class MetricBuffer:
     def put(self, metrics: list[Metric]) -> None:
         with self._lock:
             self._queue.extend(metrics)
-        self._wake.set()
 
     def pending(self) -> int:
         with self._lock:
@@ -137,17 +142,15 @@ class MetricBuffer:
         return True
 
     def _loop(self) -> None:
-        while not self._stop:
-            self._wake.wait(timeout=1.0)
-            self._wake.clear()
-            while self.pending() and not self._stop:
+        _yield_cpu_to_training()
+        while not self._stopping.wait(self._interval_s):
+            while self.pending() and not self._stopping.is_set():
                 if not self._send_head():
-                    time.sleep(self._retry_s)
+                    self._stopping.wait(self._retry_s)
 
     def close(self, timeout_s: float) -> list[Metric]:
         """Stop the thread, send what is left until ``timeout_s``; return what could not be sent."""
-        self._stop = True
-        self._wake.set()
+        self._stopping.set()
         self._thread.join(timeout=timeout_s)
         deadline = time.monotonic() + timeout_s
         while self.pending() and time.monotonic() < deadline:
@@ -156,6 +159,22 @@ class MetricBuffer:
         with self._lock:
             left, self._queue = self._queue, []
         return left
+
+
+def _yield_cpu_to_training() -> None:
+    """Run the calling thread only when a core would otherwise idle (Linux ``SCHED_IDLE``).
+
+    Ray starts its workers at nice 15, so a driver thread at the default priority preempts a
+    training rank the moment it wakes, and in a synchronous step every other rank then waits at
+    the next collective for that one. Serialising and committing metrics can wait for the gaps
+    (ranks waiting on communication); whatever is left is sent by :meth:`MetricBuffer.close`
+    from the driver's own thread. Where the policy does not exist, the thread keeps its priority.
+    """
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread, on Linux
+        except OSError:
+            pass
 
 
 def _warn(message: str) -> None:
