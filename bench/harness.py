@@ -180,12 +180,22 @@ def machine() -> str:
             f"Ray {ray.__version__}")
 
 
+# The machine's load when the benchmark started: with the load at the end, the header says how
+# quiet the machine was while it ran (other jobs on a shared 2-core machine widen every spread).
+_LOAD_AT_START = os.getloadavg()
+
+
+def _load(values: tuple[float, float, float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
+
+
 def header(title: str, argv: list[str]) -> list[str]:
-    """Title, date, machine and the command that reproduces the file."""
+    """Title, date, machine, its load while the benchmark ran and the command that reproduces the file."""
     command = shlex.join(["python", *[os.path.relpath(a, REPO) if a.endswith(".py") else a for a in argv]])
     return [f"# {title}", "",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             f"- machine: {machine()}",
+            f"- load average (1/5/15 min): {_load(_LOAD_AT_START)} before the runs, {_load(os.getloadavg())} after",
             f"- reproduce: `{command}`", ""]
 
 

@@ -16,7 +16,7 @@ Measured from the outside, the same way for both: when each step's line appears 
   step (the slowest rank; `orch`'s ``step_time_s`` metric), which leaves out the logging and
   polling around it.
 
-    python bench/overhead_vs_deepspeed.py [--steps 150] [--repeats 3] [--zero-stage 1]
+    python bench/overhead_vs_deepspeed.py [--steps 300] [--repeats 4] [--zero-stage 1]
                                           [--markdown bench/results/overhead_vs_deepspeed.md]
 """
 
@@ -74,9 +74,9 @@ def orch_in_loop_step_s(run: TimedRun, tracking_uri: str, warmup: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of the steady state")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each side, interleaved")
+    parser.add_argument("--repeats", type=int, default=4, help="runs of each side, interleaved")
     parser.add_argument("--zero-stage", type=int, default=1)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
@@ -127,8 +127,8 @@ def main() -> None:
               f"{median_spread([b / a for a, b in zip(wall_a, wall_b, strict=True)], '{:.2f}')} | |",
               "",
               "Notes:",
-              "- The CPU is shared with other agents running tests, so these numbers are noisy: compare the "
-              "spreads, not only the medians.",
+              "- The machine is a 2-core VM that other jobs can share (the load averages above say how busy "
+              "it was), so compare the spreads, not only the medians.",
               "- Both sides log every step (a loss all-reduce per step). Wall-clock times are taken when each "
               "step's line appears; the plain loop stamps its lines itself, `orch` prints a line when its driver "
               "has polled the step from the workers (every 0.5 s), so the slope is fitted over all steady steps.",

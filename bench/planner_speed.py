@@ -121,8 +121,8 @@ def main() -> None:
     base = statistics.median(cli[SIZES[0]])
     lines += ["", f"The whole `orch check --json` command per cluster size: a fresh process each time (imports, "
                   f"config composition, the model on meta, activations, the check), {args.cli_repeats} runs per "
-                  "size interleaved over the sizes; median (min-max). The CPU is shared with other agents, so "
-                  "these times are noisy.", "",
+                  "size interleaved over the sizes; median (min-max). The machine is a 2-core VM that other jobs "
+                  "can share (see the load averages above).", "",
               "| devices | `orch check` wall time (s) | relative to 64 |", "|---:|---:|---:|"]
     lines += [f"| {d} | {statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f}) | {statistics.median(t) / base:.2f}x |"
               for d, t in cli.items()]

@@ -12,6 +12,8 @@ The grid is the tuner's search space restricted to what runs here in reasonable 
 on and off, micro-batches 2 and 8 at a global batch of 16.
 
     python bench/tuner_accuracy.py [--workers 2 4] [--markdown bench/results/tuner_accuracy.md]
+
+With ``--markdown``, the sections of the worker counts run replace theirs in the file; the others stay.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import os
 import platform
 import sys
 import time
@@ -34,9 +37,13 @@ from orchestrator.config import register_configs, to_typed  # noqa: E402
 from orchestrator.tuning import TuneResult, _calibrate, _run_trial, describe, prepare, tune  # noqa: E402
 from plans.search_space import search  # noqa: E402
 
+# Steps per trial; the first and the memory-probe step are not timed. On 4 workers sharing 2 cores
+# the per-step times scatter by tens of percent, and 6 steps left 4 timed ones to take a median of.
+TRIAL_STEPS = 12
 GRID = ["train.global_batch_size=16", "tune.tp=[1,2]", "tune.pp=[1]", "tune.zero_stages=[0,1,2,3]",
         "tune.offload=[none]", "tune.activation_checkpointing=[false,true]", "tune.micro_batch_sizes=[2,8]",
-        "tune.trial_steps=6", "tracking.enabled=false", "model.n_layer=4", "model.d_model=256", "model.n_head=8"]
+        f"tune.trial_steps={TRIAL_STEPS}", "tracking.enabled=false", "model.n_layer=4", "model.d_model=256",
+        "model.n_head=8"]
 
 
 def config(workers: int, *extra: str):
@@ -92,25 +99,47 @@ def run(workers: int) -> dict:
             "failed": [t for t in grid if t.status != "ok"], "wall_s": time.perf_counter() - started}
 
 
-def markdown(results: list[dict]) -> str:
-    lines = [f"Tuner accuracy, {datetime.date.today()}, {platform.machine()}, small GPT (4 layers, d_model 256), "
-             f"global batch 16, CPU workers; `python bench/tuner_accuracy.py`", ""]
+HEADER = ("Tuner accuracy: small GPT (4 layers, d_model 256), global batch 16, CPU workers of one machine; "
+          "each section says when and how it was measured.")
+
+
+def section(r: dict) -> list[str]:
+    """One worker count's results: the verdicts, then every plan of the grid."""
+    verdict = (f"Spearman {r['spearman']:.2f} (target >= 0.7: {'met' if r['spearman'] >= 0.7 else 'NOT met'}); "
+               f"tune.trials=3 picked {describe(r['pick'].candidate.plan) if r['pick'] else 'nothing'}: "
+               f"{r['share']:.0%} of the best measured throughput "
+               f"(target >= 90%: {'met' if r['share'] >= 0.9 else 'NOT met'})")
+    lines = [f"## {r['workers']} workers", "",
+             f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()}, "
+             f"{os.cpu_count()} cores, {TRIAL_STEPS}-step trials: "
+             f"`python bench/tuner_accuracy.py --workers {r['workers']}`.", "",
+             f"Speeds: {r['note']}.", "", verdict, "",
+             "| predicted rank | plan | predicted step (s) | measured step (s) | measured tokens/s |",
+             "|---:|---|---:|---:|---:|"]
+    for t in r["grid"]:
+        measured = f"{t.step_time_s:.3f} | {t.tokens_per_s:,.0f}" if t.status == "ok" else f"{t.status} | {t.error}"
+        lines.append(f"| {t.index} | {describe(t.candidate.plan)} | {t.candidate.predicted.total_s:.3f} | {measured} |")
+    lines += ["", f"Best measured: {describe(r['best'].candidate.plan)}, {r['best'].tokens_per_s:,.0f} tokens/s. "
+              f"Grid and tuning took {r['wall_s']:.0f}s.", ""]
+    return lines
+
+
+def merged(existing: str, results: list[dict]) -> str:
+    """The results file with the sections of the worker counts just run replaced (or added) and
+    every other section kept, so 2 and 4 workers can be measured in separate sittings."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in existing.splitlines():
+        if line.startswith("## "):
+            current = line
+            sections[current] = []
+        if current:
+            sections[current].append(line)
     for r in results:
-        verdict = (f"Spearman {r['spearman']:.2f} (target >= 0.7: {'met' if r['spearman'] >= 0.7 else 'NOT met'}); "
-                   f"tune.trials=3 picked {describe(r['pick'].candidate.plan) if r['pick'] else 'nothing'}: "
-                   f"{r['share']:.0%} of the best measured throughput "
-                   f"(target >= 90%: {'met' if r['share'] >= 0.9 else 'NOT met'})")
-        lines += [f"## {r['workers']} workers", "", f"Speeds: {r['note']}.", "", verdict, "",
-                  "| predicted rank | plan | predicted step (s) | measured step (s) | measured tokens/s |",
-                  "|---:|---|---:|---:|---:|"]
-        for t in r["grid"]:
-            measured = (f"{t.step_time_s:.3f} | {t.tokens_per_s:,.0f}" if t.status == "ok"
-                        else f"{t.status} | {t.error}")
-            lines.append(f"| {t.index} | {describe(t.candidate.plan)} | {t.candidate.predicted.total_s:.3f} | "
-                         f"{measured} |")
-        lines += ["", f"Best measured: {describe(r['best'].candidate.plan)}, {r['best'].tokens_per_s:,.0f} tokens/s. "
-                  f"Grid and tuning took {r['wall_s']:.0f}s.", ""]
-    return "\n".join(lines)
+        sections[f"## {r['workers']} workers"] = section(r)
+    workers = sorted((k for k in sections if k.endswith(" workers")), key=lambda k: int(k.split()[1]))
+    rest = [k for k in sections if k not in workers]
+    return "\n".join([HEADER, "", *(line for k in [*workers, *rest] for line in sections[k])]) + "\n"
 
 
 def main() -> None:
@@ -119,10 +148,10 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     results = [run(w) for w in args.workers]
-    text = markdown(results)
-    print(text)
+    print("\n".join(line for r in results for line in section(r)))
     if args.markdown:
-        args.markdown.write_text(text)
+        existing = args.markdown.read_text() if args.markdown.exists() else ""
+        args.markdown.write_text(merged(existing, results))
 
 
 if __name__ == "__main__":

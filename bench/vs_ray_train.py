@@ -117,8 +117,8 @@ def main() -> None:
                  f"{median_spread([b for _, b in steady], '{:.4f}')} | "
                  f"{median_spread([b / a for a, b in steady])} | |")
     lines += ["", "Notes:",
-              "- The CPU is shared with other agents running tests, so these numbers are noisy: compare the "
-              "spreads, not only the medians.",
+              "- The machine is a 2-core VM that other jobs can share (the load averages above say how busy "
+              "it was), so compare the spreads, not only the medians.",
               "- Both sides start their own local Ray (2 CPUs, 1 GiB object store, no dashboard) inside the timed "
               "process, and both end with an evaluation pass on the held-out data.",
               "- Ray Train's step times come from the `t=` stamps its rank 0 prints (Ray forwards worker output "

@@ -2,7 +2,8 @@
 
 One actor per worker slot, placed like a training run's workers (a placement group, PACK), so
 the probes see what training will: the same devices, the same number of workers sharing a node's
-memory bandwidth, and the same links. Every actor measures at once, because that is how they run:
+memory bandwidth, and the same links. GPU workers measure at once, because that is how they run;
+on a CPU node one worker measures and the rates are scaled to the node's cores per worker:
 
 - dense matmul TFLOP/s in the training precision, at the matmul heights the plans would use
   (micro-batch x sequence rows, the model's repeated-layer width), since small matmuls run far
@@ -36,7 +37,7 @@ from plans.errors import OrchError
 
 _BANDWIDTH_ELEMENTS = 4 * 1024 * 1024  # 16 MB of fp32: large enough that latency is a few percent
 # Part of the cache key: a cache written by older probes is measured again, not misread.
-_PROBES_VERSION = 3
+_PROBES_VERSION = 4
 
 
 class CalibrationWorker:
@@ -66,7 +67,9 @@ class CalibrationWorker:
             a @ b  # warm-up
             tflops.append(2 * m * k * n / _best_time(lambda a=a: a @ b, device, seconds) / 1e12)
         facts = {"tflops": tflops, "device_gb_per_s": _copy_gb_per_s(device, seconds),
-                 "op_overhead_s": _op_overhead_s(device, seconds)}
+                 "op_overhead_s": _op_overhead_s(device, seconds),
+                 "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                 "threads": torch.get_num_threads()}
         if device.type == "cuda":
             facts["host_gb_per_s"] = _copy_gb_per_s(torch.device("cpu"), seconds)
             facts["host_link_gbps"] = _host_link_gbps(device, seconds)
@@ -188,6 +191,15 @@ def _allreduce_probe(group, n: int) -> dict:
     return {"latency_s": latency, "gbps": bus_bytes * 8 / max(best - 2 * (n - 1) * latency, 1e-9) / 1e9}
 
 
+def _cpu_share(facts: dict, workers_on_node: int) -> dict:
+    """A lone worker's speeds scaled to its share of the node's cores when the node's workers
+    together run more threads than it has cores (e.g. 4 one-thread workers on 2 cores: each
+    gets half a core's time, so every rate halves and every fixed cost doubles)."""
+    share = min(1.0, facts["cores"] / (workers_on_node * facts["threads"]))
+    return {**facts, "share": share, "tflops": [t * share for t in facts["tflops"]],
+            "device_gb_per_s": facts["device_gb_per_s"] * share, "op_overhead_s": facts["op_overhead_s"] / share}
+
+
 class CalibrationError(OrchError):
     """The cluster could not be measured."""
 
@@ -227,10 +239,17 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
             doc = json.loads(path.read_text())
             doc["matmul_tflops"] = tuple(tuple(point) for point in doc["matmul_tflops"])
             return Speeds(**doc, source="measured"), f"measured speeds from the cache {path}"
-        compute = ray.get([a.compute.remote(rows, k, n, precision) for a in actors])
         by_node: dict[str, list[int]] = {}
         for slot in slots:
             by_node.setdefault(slot.node_id, []).append(slot.rank)
+        # GPUs are probed all at once (they share the host's memory bandwidth and links as in
+        # training). CPU workers of one node share its cores: probed together, each would time
+        # an arbitrary mix of contended and free windows, so one worker per node measures a core
+        # on its own and the node's share per worker is applied after (see _cpu_share).
+        probed = actors if gpus_per_worker else [actors[ranks[0]] for ranks in by_node.values()]
+        compute = ray.get([a.compute.remote(rows, k, n, precision) for a in probed])
+        if not gpus_per_worker:
+            compute = [_cpu_share(facts, len(ranks)) for facts, ranks in zip(compute, by_node.values(), strict=True)]
         master = ray.get(actors[0].address.remote())
         comm = ray.get([actor.communication.remote(slot.rank, world_size, master, list(by_node.values()), env)
                         for actor, slot in zip(actors, slots, strict=True)])
