@@ -63,7 +63,8 @@ class TuneConfig:
     """`orch tune`: the search space it may vary, the short trials, and where the winner goes."""
 
     trials: int = 0
-    """Run the this many best predicted plans as short real trials and pick the best measured (0: predict only)."""
+    """Run this many plans as short real trials (the best predicted of each layout first) and pick the best
+    measured (0: predict only)."""
     trial_steps: int = 8
     """Optimizer steps per trial; the first and the memory-probe step are not timed."""
     trial_timeout_s: float = 300.0

@@ -43,6 +43,7 @@ from plans.search_space import (
     plan_error_reason,
     plan_spec,
     search,
+    trial_candidates,
 )
 from plans.spec import Accelerator, Offload, ResumeMode
 from workloads.gpt import TP_LAYER_SPECS
@@ -248,7 +249,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
             result.parent_run_id = tracker.run_id
         status = "FAILED"
         try:
-            for index, candidate in enumerate(result.search.ranked[:cfg.tune.trials], start=1):
+            for index, candidate in enumerate(trial_candidates(result.search.ranked, cfg.tune.trials), start=1):
                 result.trials.append(_run_trial(cfg, model_cfg, candidate, index, ctx, result, err))
             _pick_winner(result)
             result.plan_file = write_plan_file(result.winner.plan, cfg, model_cfg, cluster, result)
@@ -287,7 +288,7 @@ def _run_trial(cfg: RunConfig, model_cfg: dict, candidate: Candidate, index: int
 
     plan = candidate.plan
     trial = Trial(index=index, candidate=candidate)
-    total = len(result.search.ranked[:cfg.tune.trials]) if cfg.tune.trials else len(result.search.ranked)
+    total = min(cfg.tune.trials, len(result.search.ranked)) if cfg.tune.trials else len(result.search.ranked)
     print(f"tune: trial {index}/{total}: {describe(plan)} (predicted {candidate.predicted.total_s:.3g} s/step)",
           file=err, flush=True)
     trial_cfg = _trial_config(cfg, plan, index, cfg.tracking.run_name or "tune")

@@ -310,3 +310,26 @@ def test_cpu_workers_sharing_cores_get_their_share_of_a_lone_workers_speed():
     assert _cpu_share(alone, workers_on_node=2)["tflops"] == alone["tflops"]
     # Two 2-thread workers on 2 cores are oversubscribed too.
     assert _cpu_share({**alone, "threads": 2}, workers_on_node=2)["share"] == 0.5
+
+
+def test_trials_try_each_layout_before_another_zero_stage_of_one():
+    from plans.search_space import trial_candidates
+
+    typed, model_cfg, _ = to_typed(compose_config("train.global_batch_size=16"))
+    space, ctx = prepare(typed, model_cfg, typed.cluster)
+    ranked = search(space, ctx).ranked
+
+    def layout(c):
+        p = c.plan
+        return (p.dp, p.tp, p.pp, p.micro_batch_size, p.grad_accum_steps, p.activation_checkpointing,
+                p.offload_optimizer, p.offload_param)
+
+    layouts = list(dict.fromkeys(layout(c) for c in ranked))
+    picked = trial_candidates(ranked, len(layouts) + 2)
+    # One trial per layout, each its best predicted plan, in predicted order...
+    assert [layout(c) for c in picked[:len(layouts)]] == layouts
+    assert all(c is next(r for r in ranked if layout(r) == layout(c)) for c in picked[:len(layouts)])
+    # ...then the next best predicted of the plans left, and never a plan twice.
+    left = [c for c in ranked if c not in picked[:len(layouts)]]
+    assert picked[len(layouts):] == left[:2]
+    assert trial_candidates(ranked, 3) == picked[:3] and trial_candidates(ranked, 0) == []
