@@ -13,9 +13,13 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
   column-parallel layer's input gradient in backward (DeepSpeed AutoTP's ``RowParallel`` /
   ``ColumnParallel``), again in the recomputed forward; sizes read off the model on ``meta``.
 - **data parallelism** by ZeRO stage (DeepSpeed 0.19, ``overlap_comm`` off as the generated config
-  sets it): stages 0-1 reduce the gradients once per step (a ring all-reduce, 2(n-1)/n of the
-  bytes); stage 2 reduce-scatters them every micro-batch and gathers the updated parameters once;
-  stage 3 also gathers every parameter module in forward and in backward of every micro-batch.
+  sets it): stage 0 all-reduces the gradients once per step (a ring all-reduce, 2(n-1)/n of the
+  bytes). Stages 1 and 2 share one optimizer (``runtime/zero/stage_1_and_2.py``), which also
+  *all-reduces* the gradient buckets (``allreduce_and_scatter`` -> ``allreduce_bucket``) and keeps
+  its partition, then all-gathers the updated parameters after the step (``all_gather_dp_groups``):
+  stage 1 reduces once per step, stage 2 every micro-batch (its backward hooks reduce as gradients
+  arrive). Stage 3 reduce-scatters every micro-batch and gathers every parameter module in forward
+  and in backward of every micro-batch.
 - **pipeline point to point**: each micro-batch sends one boundary activation forward and its
   gradient back.
 - **offload**: gradients down and parameters up over the host link, and the CPU optimizer bound by
@@ -231,10 +235,13 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     dp_bw, dp_lat = bw[links.dp], lat[links.dp]
     dp_comm_s = 0.0
     if dp > 1:
-        if plan.zero_stage <= 1:
+        gather_params = _half_ring_s(grad_bytes, dp, dp_bw, dp_lat)
+        if plan.zero_stage == 0:
             dp_comm_s = _allreduce_s(grad_bytes, dp, dp_bw, dp_lat)
+        elif plan.zero_stage == 1:
+            dp_comm_s = _allreduce_s(grad_bytes, dp, dp_bw, dp_lat) + gather_params
         elif plan.zero_stage == 2:
-            dp_comm_s = m * _half_ring_s(grad_bytes, dp, dp_bw, dp_lat) + _half_ring_s(grad_bytes, dp, dp_bw, dp_lat)
+            dp_comm_s = m * _allreduce_s(grad_bytes, dp, dp_bw, dp_lat) + gather_params
         else:
             gathers = 3 if plan.activation_checkpointing else 2
             modules = max(math.ceil(model.param_modules / pp), 1)
