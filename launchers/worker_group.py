@@ -166,7 +166,7 @@ class WorkerGroup:
             fact["node_id"] = slot.node_id
         return self.facts
 
-    def train(self, *, hang_timeout_s: float = 0.0, poll_interval_s: float = POLL_INTERVAL_S) -> Iterator[list[dict]]:
+    def train(self, *, hang_timeout_s: float = 0.0, poll_interval_s: float | None = None) -> Iterator[list[dict]]:
         """Yield, per logged step, the reports of all ranks (ordered by rank).
 
         Polls every worker; a worker whose training raised fails the run with its traceback,
@@ -196,7 +196,7 @@ class WorkerGroup:
                        if not poll["done"] and hang_timeout_s and poll["since_progress_s"] > hang_timeout_s]
             if stalled:
                 raise self._hang_error(polls, stalled, hang_timeout_s)
-            time.sleep(poll_interval_s)
+            time.sleep(POLL_INTERVAL_S if poll_interval_s is None else poll_interval_s)
 
     def _hang_error(self, polls: list[dict], stalled: list[int], timeout_s: float) -> WorkerHangError:
         """Name the ranks that fell behind (the others wait for them in a collective)."""

@@ -227,8 +227,8 @@ def train_worker_pids(temp_dir: str) -> set[int]:
 
 def test_a_killed_worker_restarts_through_ray_client(two_node_ray, tmp_path):
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "train.steps=40", "train.log_every=5",
-                             "train.eval_batches=1", "train.checkpoint_every=10", f"train.checkpoint_dir={ckpt}",
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "train.steps=60", "train.log_every=5",
+                             "train.eval_batches=1", "train.checkpoint_every=20", f"train.checkpoint_dir={ckpt}",
                              "train.max_failures=1", f"cluster.address={two_node_ray['client']}", "cluster.nodes=2",
                              "cluster.devices_per_node=1"],
                             cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -236,8 +236,10 @@ def test_a_killed_worker_restarts_through_ray_client(two_node_ray, tmp_path):
     try:
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("step 10/") and not killed:
-                # Step 10's checkpoint is published before its report: a real kill -9 of one worker.
+            if line.startswith("step 20/") and not killed:
+                # Step 20's checkpoint is published before its report: a real kill -9 of one worker.
+                # The driver prints a step up to one poll (0.5 s) after it ran; the next
+                # checkpoint is 20 steps later, far more than the workers run in that time.
                 victim = min(train_worker_pids(two_node_ray["temp_dir"]))
                 os.kill(victim, signal.SIGKILL)
                 killed.append(victim)
@@ -247,9 +249,9 @@ def test_a_killed_worker_restarts_through_ray_client(two_node_ray, tmp_path):
             kill_tree({proc.pid})
     output = "".join(lines)
     assert proc.returncode == 0 and killed, output[-3000:]
-    assert "restart 1/1: " in output and "resuming from step 10" in output, output[-3000:]
+    assert "restart 1/1: " in output and "resuming from step 20" in output, output[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
     assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"
-    assert run.data.tags["restart.1.resumed_from_step"] == "10"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(5, 41, 5))
+    assert run.data.tags["restart.1.resumed_from_step"] == "20"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(5, 61, 5))

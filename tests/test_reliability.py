@@ -45,7 +45,13 @@ def test_publish_is_atomic_and_prunes(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_worker_is_restarted_from_the_checkpoint(local_ray, sqlite_uri, tmp_path):
+def test_a_killed_worker_is_restarted_from_the_checkpoint(local_ray, sqlite_uri, tmp_path, monkeypatch):
+    from launchers import worker_group
+
+    # The kill must land between the checkpoints of steps 10 and 20. The driver sees step 15 up
+    # to one poll late, and these steps take a few hundredths of a second: at the default
+    # half-second poll the workers can already be past step 20.
+    monkeypatch.setattr(worker_group, "POLL_INTERVAL_S", 0.05)
     killed = []
 
     def kill_rank1_at_step_15(reports, facts):
