@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MARKED = re.compile(r"(<!-- results: (?P<path>\S+) table (?P<n>\d+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+MARKED = re.compile(r"(?P<open><!-- results: (?P<path>\S+) table (?P<n>\d+) -->\n).*?(?P<close><!-- /results -->)",
+                    re.S)
 DATE = re.compile(r"^- date: (.+)$", re.M)
 LOAD = re.compile(r"^- load average \(1/5/15 min\): (.+)$", re.M)
 
@@ -54,7 +55,7 @@ def block(path: str, n: int) -> str:
 
 
 def render(readme: str) -> str:
-    return MARKED.sub(lambda m: m.group(1) + block(m.group("path"), int(m.group("n"))) + m.group(5), readme)
+    return MARKED.sub(lambda m: m["open"] + block(m["path"], int(m["n"])) + m["close"], readme)
 
 
 def main() -> None:

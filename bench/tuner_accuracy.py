@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -32,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from hydra import compose, initialize_config_module  # noqa: E402
 
+from bench.harness import machine  # noqa: E402
 from launchers.ray_session import ray_session  # noqa: E402
 from orchestrator.config import register_configs, to_typed  # noqa: E402
 from orchestrator.tuning import TuneResult, _calibrate, _run_trial, describe, prepare, tune  # noqa: E402
@@ -116,8 +115,8 @@ def section(r: dict) -> list[str]:
     if r["share_in_grid"] is not None:
         verdict += f"; the same plan's grid trial reached {r['share_in_grid']:.0%}"
     lines = [f"## {r['workers']} workers", "",
-             f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()}, "
-             f"{os.cpu_count()} cores, {TRIAL_STEPS}-step trials: "
+             f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {machine()}; "
+             f"{TRIAL_STEPS}-step trials: "
              f"`python bench/tuner_accuracy.py --workers {r['workers']}`.", "",
              f"Speeds: {r['note']}.", "", verdict, "",
              "| predicted rank | plan | predicted step (s) | measured step (s) | measured tokens/s |",
