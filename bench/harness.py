@@ -185,7 +185,8 @@ def machine() -> str:
 _LOAD_AT_START = os.getloadavg()
 
 
-def _load(values: tuple[float, float, float]) -> str:
+def format_load(values: tuple[float, float, float]) -> str:
+    """A load average as the results files print it, 1/5/15 minutes."""
     return "/".join(f"{v:.2f}" for v in values)
 
 
@@ -195,7 +196,8 @@ def header(title: str, argv: list[str]) -> list[str]:
     return [f"# {title}", "",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             f"- machine: {machine()}",
-            f"- load average (1/5/15 min): {_load(_LOAD_AT_START)} before the runs, {_load(os.getloadavg())} after",
+            f"- load average (1/5/15 min): {format_load(_LOAD_AT_START)} before the runs, "
+            f"{format_load(os.getloadavg())} after",
             f"- reproduce: `{command}`", ""]
 
 

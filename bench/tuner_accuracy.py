@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,10 +31,10 @@ sys.path.insert(0, str(REPO))
 
 from hydra import compose, initialize_config_module  # noqa: E402
 
-from bench.harness import machine  # noqa: E402
+from bench.harness import format_load, machine  # noqa: E402
 from launchers.ray_session import ray_session  # noqa: E402
 from orchestrator.config import register_configs, to_typed  # noqa: E402
-from orchestrator.tuning import TuneResult, _calibrate, _run_trial, describe, prepare, tune  # noqa: E402
+from orchestrator.tuning import TuneResult, describe, measure_speeds, prepare, run_trial, tune  # noqa: E402
 from plans.search_space import search  # noqa: E402
 
 # Steps per trial; the first and the memory-probe step are not timed. On 4 workers sharing 2 cores
@@ -76,16 +77,17 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def run(workers: int) -> dict:
     typed, model_cfg, _ = config(workers)
     cluster = typed.cluster
+    load_before = os.getloadavg()
     started = time.perf_counter()
     with ray_session(None, min_cpus=workers, object_store_gib=1.0):
         space, ctx = prepare(typed, model_cfg, cluster)
-        speeds, note = _calibrate(typed, cluster, space, ctx)
+        speeds, note = measure_speeds(typed, cluster, space, ctx)
         ctx = dataclasses.replace(ctx, speeds=speeds)
         found = search(space, ctx)
         holder = TuneResult(search=found, speeds=speeds, speeds_note=note, global_batch_size=16)
         grid = []
         for index, candidate in enumerate(found.ranked, start=1):
-            trial = _run_trial(typed, model_cfg, candidate, index, ctx, holder, sys.stderr)
+            trial = run_trial(typed, model_cfg, candidate, index, ctx, holder, sys.stderr)
             grid.append(trial)
     # The tuner as a user runs it: its own process state, calibration from the cache, 3 trials.
     picked = tune(config(workers, "tune.trials=3")[0], model_cfg)
@@ -99,7 +101,8 @@ def run(workers: int) -> dict:
             # the drift between the grid and the tuner's own trial minutes later.
             "share_in_grid": next((t.tokens_per_s / best.tokens_per_s for t in ok
                                    if pick and t.candidate.plan == pick.candidate.plan), None),
-            "failed": [t for t in grid if t.status != "ok"], "wall_s": time.perf_counter() - started}
+            "failed": [t for t in grid if t.status != "ok"], "wall_s": time.perf_counter() - started,
+            "load": (load_before, os.getloadavg())}
 
 
 HEADER = ("Tuner accuracy: small GPT (4 layers, d_model 256), global batch 16, CPU workers of one machine; "
@@ -117,7 +120,8 @@ def section(r: dict) -> list[str]:
     lines = [f"## {r['workers']} workers", "",
              f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {machine()}; "
              f"{TRIAL_STEPS}-step trials: "
-             f"`python bench/tuner_accuracy.py --workers {r['workers']}`.", "",
+             f"`python bench/tuner_accuracy.py --workers {r['workers']}`; load average (1/5/15 min) "
+             f"{format_load(r['load'][0])} before, {format_load(r['load'][1])} after.", "",
              f"Speeds: {r['note']}.", "", verdict, "",
              "| predicted rank | plan | predicted step (s) | measured step (s) | measured tokens/s |",
              "|---:|---|---:|---:|---:|"]

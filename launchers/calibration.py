@@ -87,11 +87,11 @@ class CalibrationWorker:
         import deepspeed
         import deepspeed.comm as dist
 
-        from launchers.worker import _unlink_shared_memory_buffers
+        from launchers.worker import unlink_shared_memory_buffers
 
         backend = "gloo" if env.get("DS_ACCELERATOR") == "cpu" else "nccl"
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-        _unlink_shared_memory_buffers(*master)
+        unlink_shared_memory_buffers(*master)
         try:
             # Every rank creates every group (collective), then measures the ones it belongs to.
             groups = {tuple(members): dist.new_group(members) for members in node_groups if len(members) > 1}
@@ -191,7 +191,7 @@ def _allreduce_probe(group, n: int) -> dict:
     return {"latency_s": latency, "gbps": bus_bytes * 8 / max(best - 2 * (n - 1) * latency, 1e-9) / 1e9}
 
 
-def _cpu_share(facts: dict, workers_on_node: int) -> dict:
+def cpu_share(facts: dict, workers_on_node: int) -> dict:
     """A lone worker's speeds scaled to its share of the node's cores when the node's workers
     together run more threads than it has cores (e.g. 4 one-thread workers on 2 cores: each
     gets half a core's time, so every rate halves and every fixed cost doubles)."""
@@ -245,11 +245,11 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         # GPUs are probed all at once (they share the host's memory bandwidth and links as in
         # training). CPU workers of one node share its cores: probed together, each would time
         # an arbitrary mix of contended and free windows, so one worker per node measures a core
-        # on its own and the node's share per worker is applied after (see _cpu_share).
+        # on its own and the node's share per worker is applied after (see cpu_share).
         probed = actors if gpus_per_worker else [actors[ranks[0]] for ranks in by_node.values()]
         compute = ray.get([a.compute.remote(rows, k, n, precision) for a in probed])
         if not gpus_per_worker:
-            compute = [_cpu_share(facts, len(ranks)) for facts, ranks in zip(compute, by_node.values(), strict=True)]
+            compute = [cpu_share(facts, len(ranks)) for facts, ranks in zip(compute, by_node.values(), strict=True)]
         master = ray.get(actors[0].address.remote())
         comm = ray.get([actor.communication.remote(slot.rank, world_size, master, list(by_node.values()), env)
                         for actor, slot in zip(actors, slots, strict=True)])

@@ -51,7 +51,7 @@ def load_weights_only(path: str, map_location=None):
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
-        refused = _refused_globals(path, allowed)
+        refused = refused_globals(path, allowed)
         what = (f"holds pickled objects that could run code when loaded: {', '.join(refused)}" if refused
                 else f"was refused by the weights-only unpickler ({_unpickler_complaint(error)})")
         raise UnsafeCheckpointError(
@@ -61,7 +61,7 @@ def load_weights_only(path: str, map_location=None):
             "launchers.safe_load.deepspeed_checkpoint_globals") from None
 
 
-def _refused_globals(path: str, allowed: list[type]) -> list[str]:
+def refused_globals(path: str, allowed: list[type]) -> list[str]:
     """The globals in the file that are neither torch's safe defaults nor ours (zip format only)."""
     import torch
 

@@ -67,11 +67,11 @@ def needs_universal(saved: dict[str, int] | None, plan) -> bool:
 
 
 def _check_files(folder: Path) -> None:
-    from launchers.safe_load import UnsafeCheckpointError, _refused_globals, deepspeed_checkpoint_globals
+    from launchers.safe_load import UnsafeCheckpointError, deepspeed_checkpoint_globals, refused_globals
 
     allowed = deepspeed_checkpoint_globals()
     for path in sorted(folder.rglob("*.pt")):
-        refused = _refused_globals(str(path), allowed)
+        refused = refused_globals(str(path), allowed)
         if refused:
             raise UnsafeCheckpointError(
                 f"checkpoint file {path} holds pickled objects that could run code when loaded: "

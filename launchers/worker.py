@@ -66,7 +66,7 @@ def _matmul_tflops(precision: str, device, size: int = 1024, seconds: float = 0.
     return 2 * size**3 * runs / (time.perf_counter() - started) / 1e12
 
 
-def _unlink_shared_memory_buffers(master_addr: str, master_port: int) -> None:
+def unlink_shared_memory_buffers(master_addr: str, master_port: int) -> None:
     """Remove this run's names of DeepSpeed's CPU all-reduce buffers from /dev/shm.
 
     DeepSpeed's CPU backend creates a 67 MB shared-memory file per local rank at
@@ -154,7 +154,7 @@ class TrainWorker:
         plan = job.plan
         backend = "gloo" if plan.accelerator.value == "cpu" else "nccl"
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-        _unlink_shared_memory_buffers(master_addr, master_port)
+        unlink_shared_memory_buffers(master_addr, master_port)
         torch.manual_seed(job.train.seed)
 
         coords = parallel_coords(self.rank, world_size, plan.tp, plan.pp)

@@ -20,7 +20,9 @@ from workloads.corpus import BYTE_VOCAB
 from workloads.gpt import TP_LAYER_SPECS
 
 
-def _check_model(facts: ModelFacts, cfg: RunConfig) -> None:
+def check_model(facts: ModelFacts, cfg: RunConfig) -> None:
+    """What the model must offer whatever the layout (vocabulary for the data, checkpointing if asked);
+    `check` and `tune` share it."""
     problems = []
     if facts.output_vocab < BYTE_VOCAB:
         problems.append(Violation("model.vocab_size", facts.output_vocab,
@@ -34,7 +36,7 @@ def _check_model(facts: ModelFacts, cfg: RunConfig) -> None:
         raise PlanError(problems)
 
 
-def _check_pipeline(probe: ModelProbe, plan: ResolvedPlan, model_cfg: dict) -> None:
+def check_pipeline(probe: ModelProbe, plan: ResolvedPlan, model_cfg: dict) -> None:
     """The model can be split into ``plan.pp`` stages that each get layers with parameters."""
     target = model_cfg.get("_target_", "the model")
     if probe.pipeline_layers is None:
@@ -84,12 +86,12 @@ def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = Non
     constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
     factory = model_factory(constructor_cfg)
     facts = inspect_model(factory, cfg.data.seq_len)  # the model's contract, before any arithmetic on it
-    _check_model(facts, cfg)
+    check_model(facts, cfg)
     probe = ModelProbe(factory, cfg.data.seq_len,
                        tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs,
                        pipeline_layers=pipeline_layers_factory(constructor_cfg))
     if plan.pp > 1:
-        _check_pipeline(probe, plan, model_cfg)
+        check_pipeline(probe, plan, model_cfg)
 
     def ds_config(candidate: ResolvedPlan) -> dict:
         return build_ds_config(candidate, cfg.optim, cfg.train.steps, param_count=probe.stats.param_count,

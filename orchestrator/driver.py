@@ -117,7 +117,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
 
     tracker = None
     if cfg.tracking.enabled:
-        cfg = _reachable_tracking(cfg)
+        cfg = reachable_tracking(cfg)
         if published and published.run_id:
             tracker = RunTracker.resume(uri=cfg.tracking.uri, run_id=published.run_id)
         else:
@@ -189,7 +189,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
 _REALIZED_PLACEMENT = ("rank", "node_id", "hostname", "pid", "dp_rank", "pp_rank", "tp_rank")
 
 
-def _reachable_tracking(cfg: RunConfig) -> RunConfig:
+def reachable_tracking(cfg: RunConfig) -> RunConfig:
     """The config with a tracking URI that answers, falling back to a local store if asked to."""
     try:
         check_reachable(cfg.tracking.uri)
@@ -225,7 +225,7 @@ def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: 
     """A new MLflow run with the flattened resolved config as params and the configs as artifacts."""
     params = flatten({"plan": plan.as_dict(), "model": dict(model_cfg),
                       "data": vars(cfg.data), "optim": vars(cfg.optim), "train": vars(cfg.train),
-                      "cluster": {**vars(cfg.cluster), "address": _address_param(cfg.cluster.address)}})
+                      "cluster": {**vars(cfg.cluster), "address": address_param(cfg.cluster.address)}})
     params["model.param_count"] = str(facts.param_count)
     params.update({f"memory.predicted.{k}": str(v) for k, v in estimate.per_device.as_dict().items()})
     tags = {"world_size": str(plan.world_size), "devices": f"{plan.world_size}x{plan.accelerator.value}",
@@ -288,7 +288,8 @@ def _with_suggestions(estimate: PlanEstimate) -> list[Violation]:
             for v in estimate.violations]
 
 
-def _address_param(address: str | None) -> str:
+def address_param(address: str | None) -> str:
+    """The Ray address as an MLflow param: `embedded` for the local Ray, credentials redacted."""
     return "embedded" if address is None else redact_uri(address)
 
 

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 import conf
 from launchers.ds_config import build_ds_config
-from orchestrator.checking import _check_model, _check_pipeline, live_cluster
+from orchestrator.checking import check_model, check_pipeline, live_cluster
 from orchestrator.config import RunConfig
 from orchestrator.models import build_model, model_factory, pipeline_layers_factory, split_model_config
 from plans.cost_model import Speeds
@@ -145,7 +145,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
     constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
     factory = model_factory(constructor_cfg)
     facts = inspect_model(factory, cfg.data.seq_len)
-    _check_model(dataclasses.replace(facts, supports_activation_checkpointing=True), cfg)
+    check_model(dataclasses.replace(facts, supports_activation_checkpointing=True), cfg)
     probe = BatchScaledProbe(factory, cfg.data.seq_len,
                              tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs,
                              pipeline_layers=pipeline_layers_factory(constructor_cfg),
@@ -171,7 +171,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
         if plan.pp <= 1:
             return None
         try:
-            _check_pipeline(probe, plan, model_cfg)
+            check_pipeline(probe, plan, model_cfg)
         except PlanError as error:
             return plan_error_reason(error)
         return None
@@ -199,7 +199,8 @@ def _matmul_shape(probe) -> tuple[int, int]:
     return big.in_features, big.out_features
 
 
-def _calibrate(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchContext) -> tuple[Speeds, str]:
+def measure_speeds(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchContext) -> tuple[Speeds, str]:
+    """The cluster's matmul and all-reduce speeds, probed at the search's matmul shapes (or cached)."""
     from launchers.calibration import calibrate
 
     k, n = _matmul_shape(ctx.probe)
@@ -234,7 +235,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
                                             object_store_gib=cfg.cluster.object_store_memory_gib))
             if cfg.tune.calibrate:
                 print("tune: measuring the cluster's speeds on the Ray workers", file=err, flush=True)
-                speeds, note = _calibrate(cfg, cluster, space, ctx)
+                speeds, note = measure_speeds(cfg, cluster, space, ctx)
                 ctx = dataclasses.replace(ctx, speeds=speeds)
         print(f"tune: speeds {note}", file=err, flush=True)
         result = TuneResult(search=search(space, ctx), speeds=speeds, speeds_note=note,
@@ -250,7 +251,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
         status = "FAILED"
         try:
             for index, candidate in enumerate(trial_candidates(result.search.ranked, cfg.tune.trials), start=1):
-                result.trials.append(_run_trial(cfg, model_cfg, candidate, index, ctx, result, err))
+                result.trials.append(run_trial(cfg, model_cfg, candidate, index, ctx, result, err))
             _pick_winner(result)
             result.plan_file = write_plan_file(result.winner.plan, cfg, model_cfg, cluster, result)
             result.overrides = plan_overrides(result.winner.plan, cfg)
@@ -281,7 +282,7 @@ def _trial_config(cfg: RunConfig, plan: ResolvedPlan, index: int, parent_name: s
     return dataclasses.replace(cfg, plan=plan_spec(plan), train=train, tracking=tracking)
 
 
-def _run_trial(cfg: RunConfig, model_cfg: dict, candidate: Candidate, index: int, ctx: SearchContext,
+def run_trial(cfg: RunConfig, model_cfg: dict, candidate: Candidate, index: int, ctx: SearchContext,
                result: TuneResult, err) -> Trial:
     """One candidate as a short real run; any failure is caught, reported and recorded."""
     from orchestrator.driver import run_training
@@ -439,12 +440,12 @@ def render(result: TuneResult, top_k: int) -> str:
 # --- MLflow ----------------------------------------------------------------------------------------
 
 def _start_parent(cfg: RunConfig, model_cfg: dict, cluster, result: TuneResult):
-    from orchestrator.driver import _address_param, _reachable_tracking
+    from orchestrator.driver import address_param, reachable_tracking
     from orchestrator.tracking import RunTracker, flatten, git_commit
 
-    cfg = _reachable_tracking(cfg)
+    cfg = reachable_tracking(cfg)
     params = flatten({"tune": dataclasses.asdict(cfg.tune), "model": dict(model_cfg),
-                      "cluster": {**dataclasses.asdict(cluster), "address": _address_param(cluster.address)}})
+                      "cluster": {**dataclasses.asdict(cluster), "address": address_param(cluster.address)}})
     params.update({"tune.global_batch_size": str(result.global_batch_size),
                    "tune.enumerated": str(result.search.enumerated), "tune.feasible": str(len(result.search.ranked)),
                    "tune.speeds_source": result.speeds.source})

@@ -211,28 +211,29 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
+def plan_layout(plan: ResolvedPlan) -> tuple:
+    """Everything of a plan but its ZeRO stage: degrees, micro-batch, accumulation, checkpointing
+    and offload. Plans of one layout differ only in how the data-parallel ranks share state."""
+    return (plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.grad_accum_steps, plan.activation_checkpointing,
+            plan.offload_optimizer, plan.offload_param)
+
+
 def trial_candidates(ranked: list[Candidate], n: int) -> list[Candidate]:
     """The ``n`` plans to run as trials: the best predicted of each layout first, in predicted
     order, then the next best predicted.
 
-    A layout is everything but the ZeRO stage (degrees, micro-batch, accumulation,
-    checkpointing, offload). Plans that differ only in ZeRO stage differ by communication the
-    model prices well, and are predicted within a few percent of each other; the model's error
-    between layouts is larger. Measured on 4 CPU workers, the three best predictions were ZeRO
-    0/1/2 of one layout while the fastest plan was another layout, ranked fifth: three trials
-    spent on one layout could not find it.
+    A layout is everything but the ZeRO stage (:func:`plan_layout`). Plans of one layout differ
+    only in data-parallel communication and are predicted close together, while the model's
+    error between layouts is larger. Measured on 4 CPU workers, the three best predictions were
+    ZeRO 0/1/2 of one layout while the fastest plan was another layout, ranked fifth: three
+    trials spent on one layout could not find it.
     """
-
-    def layout(c: Candidate) -> tuple:
-        p = c.plan
-        return (p.dp, p.tp, p.pp, p.micro_batch_size, p.grad_accum_steps, p.activation_checkpointing,
-                p.offload_optimizer, p.offload_param)
-
     seen: set[tuple] = set()
     firsts, rest = [], []
     for candidate in ranked:
-        (rest if layout(candidate) in seen else firsts).append(candidate)
-        seen.add(layout(candidate))
+        layout = plan_layout(candidate.plan)
+        (rest if layout in seen else firsts).append(candidate)
+        seen.add(layout)
     return (firsts + rest)[:n]
 
 

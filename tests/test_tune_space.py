@@ -303,30 +303,28 @@ def test_bad_search_space_is_refused_naming_the_field():
 
 
 def test_cpu_workers_sharing_cores_get_their_share_of_a_lone_workers_speed():
-    from launchers.calibration import _cpu_share
+    from launchers.calibration import cpu_share
 
     alone = {"tflops": [0.02, 0.04], "device_gb_per_s": 10.0, "op_overhead_s": 1e-5, "cores": 2, "threads": 1}
     # 4 one-thread workers on 2 cores: half a core each.
-    shared = _cpu_share(alone, workers_on_node=4)
+    shared = cpu_share(alone, workers_on_node=4)
     assert shared["tflops"] == [0.01, 0.02] and shared["device_gb_per_s"] == 5.0
     assert shared["op_overhead_s"] == 2e-5 and shared["share"] == 0.5
     # As many one-thread workers as cores: each has a core of its own, nothing changes.
-    assert _cpu_share(alone, workers_on_node=2)["tflops"] == alone["tflops"]
+    assert cpu_share(alone, workers_on_node=2)["tflops"] == alone["tflops"]
     # Two 2-thread workers on 2 cores are oversubscribed too.
-    assert _cpu_share({**alone, "threads": 2}, workers_on_node=2)["share"] == 0.5
+    assert cpu_share({**alone, "threads": 2}, workers_on_node=2)["share"] == 0.5
 
 
 def test_trials_try_each_layout_before_another_zero_stage_of_one():
-    from plans.search_space import trial_candidates
+    from plans.search_space import plan_layout, trial_candidates
 
     typed, model_cfg, _ = to_typed(compose_config("train.global_batch_size=16"))
     space, ctx = prepare(typed, model_cfg, typed.cluster)
     ranked = search(space, ctx).ranked
 
     def layout(c):
-        p = c.plan
-        return (p.dp, p.tp, p.pp, p.micro_batch_size, p.grad_accum_steps, p.activation_checkpointing,
-                p.offload_optimizer, p.offload_param)
+        return plan_layout(c.plan)
 
     layouts = list(dict.fromkeys(layout(c) for c in ranked))
     picked = trial_candidates(ranked, len(layouts) + 2)
