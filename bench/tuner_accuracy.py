@@ -5,7 +5,8 @@ For the small built-in GPT on N CPU workers of this machine: the cluster's speed
 run as a short real trial and timed. Reported: the Spearman rank correlation of predicted against
 measured step time (target >= 0.7), and the throughput of the plan `orch tune tune.trials=3` picks
 (run separately, as a user would) as a share of the best measured throughput in the grid (target
->= 90%).
+>= 90%). When the pick is not the grid's fastest plan, the two are re-run against each other,
+alternately, and the share is the ratio of their median throughputs (see :func:`head_to_head`).
 
 The grid is the tuner's search space restricted to what runs here in reasonable time: tp 1 and
 2, pp 1, ZeRO 0-3, no offload (CPU Adam needs a one-minute JIT build), activation checkpointing
@@ -22,6 +23,7 @@ import argparse
 import dataclasses
 import datetime
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,6 +42,8 @@ from plans.search_space import search  # noqa: E402
 # Steps per trial; the first and the memory-probe step are not timed. On 4 workers sharing 2 cores
 # the per-step times scatter by tens of percent, and 6 steps left 4 timed ones to take a median of.
 TRIAL_STEPS = 12
+# Trials of each plan when the pick and the grid's fastest plan are re-run against each other.
+REMATCH_ROUNDS = 3
 GRID = ["train.global_batch_size=16", "tune.tp=[1,2]", "tune.pp=[1]", "tune.zero_stages=[0,1,2,3]",
         "tune.offload=[none]", "tune.activation_checkpointing=[false,true]", "tune.micro_batch_sizes=[2,8]",
         f"tune.trial_steps={TRIAL_STEPS}", "tracking.enabled=false", "model.n_layer=4", "model.d_model=256",
@@ -94,15 +98,40 @@ def run(workers: int) -> dict:
     ok = [t for t in grid if t.status == "ok"]
     best = max(ok, key=lambda t: t.tokens_per_s)
     pick = picked.winner_trial
-    return {"workers": workers, "grid": grid, "note": note, "best": best, "pick": pick,
+    rematch = None
+    if pick and pick.candidate.plan != best.candidate.plan:
+        with ray_session(None, min_cpus=workers, object_store_gib=1.0):
+            rematch = head_to_head(typed, model_cfg, ctx, holder, pick.candidate, best.candidate)
+    return {"workers": workers, "grid": grid, "note": note, "best": best, "pick": pick, "rematch": rematch,
             "spearman": spearman([t.candidate.predicted.total_s for t in ok], [t.step_time_s for t in ok]),
-            "share": (pick.tokens_per_s / best.tokens_per_s) if pick else 0.0,
-            # The same plan as timed in the grid, in the same sitting as the best: the share without
-            # the drift between the grid and the tuner's own trial minutes later.
+            # The verdict: the grid's fastest plan counts as 100%; another plan is judged by the
+            # head-to-head rematch, not by two single trials taken minutes apart.
+            "share": 0.0 if not pick else rematch["share"] if rematch else 1.0,
+            "share_own_trial": (pick.tokens_per_s / best.tokens_per_s) if pick else 0.0,
             "share_in_grid": next((t.tokens_per_s / best.tokens_per_s for t in ok
                                    if pick and t.candidate.plan == pick.candidate.plan), None),
             "failed": [t for t in grid if t.status != "ok"], "wall_s": time.perf_counter() - started,
             "load": (load_before, os.getloadavg())}
+
+
+def head_to_head(cfg, model_cfg: dict, ctx, holder: TuneResult, pick, best) -> dict:
+    """The pick against the grid's fastest plan, alternately, ``REMATCH_ROUNDS`` trials each.
+
+    One short trial of a plan scatters by 10-15% from the next one of the same plan on 4 workers
+    sharing 2 cores, and the grid's fastest is the maximum of noisy trials, favoured by its luck.
+    Re-running both, interleaved, compares them under the same conditions.
+    """
+    speeds: dict[str, list[float]] = {"pick": [], "best": []}
+    for round_ in range(REMATCH_ROUNDS):
+        order = [("pick", pick), ("best", best)] if round_ % 2 == 0 else [("best", best), ("pick", pick)]
+        for name, candidate in order:
+            trial = run_trial(cfg, model_cfg, candidate, round_ + 1, ctx, holder, sys.stderr)
+            if trial.status == "ok":
+                speeds[name].append(trial.tokens_per_s)
+    if not speeds["pick"] or not speeds["best"]:
+        raise RuntimeError(f"the rematch trials failed: {speeds}")
+    pick_s, best_s = statistics.median(speeds["pick"]), statistics.median(speeds["best"])
+    return {"share": pick_s / best_s, "pick_tokens_per_s": pick_s, "best_tokens_per_s": best_s}
 
 
 HEADER = ("Tuner accuracy: small GPT (4 layers, d_model 256), global batch 16, CPU workers of one machine; "
@@ -111,12 +140,21 @@ HEADER = ("Tuner accuracy: small GPT (4 layers, d_model 256), global batch 16, C
 
 def section(r: dict) -> list[str]:
     """One worker count's results: the verdicts, then every plan of the grid."""
+    met = "met" if r["share"] >= 0.9 else "NOT met"
     verdict = (f"Spearman {r['spearman']:.2f} (target >= 0.7: {'met' if r['spearman'] >= 0.7 else 'NOT met'}); "
-               f"tune.trials=3 picked {describe(r['pick'].candidate.plan) if r['pick'] else 'nothing'}: "
-               f"{r['share']:.0%} of the best measured throughput in its own trial "
-               f"(target >= 90%: {'met' if r['share'] >= 0.9 else 'NOT met'})")
-    if r["share_in_grid"] is not None:
-        verdict += f"; the same plan's grid trial reached {r['share_in_grid']:.0%}"
+               f"tune.trials=3 picked {describe(r['pick'].candidate.plan) if r['pick'] else 'nothing'}")
+    if r["rematch"]:
+        m = r["rematch"]
+        verdict += (f": {r['share']:.0%} of the grid's fastest plan's throughput, both re-run {REMATCH_ROUNDS} times "
+                    f"alternately (medians {m['pick_tokens_per_s']:,.0f} and {m['best_tokens_per_s']:,.0f} tokens/s; "
+                    f"target >= 90%: {met})")
+    elif r["pick"]:
+        verdict += f", the grid's fastest plan (target >= 90%: {met})"
+    if r["pick"]:
+        verdict += f". Single trials: the pick's own trial reached {r['share_own_trial']:.0%} of the grid's best"
+        if r["share_in_grid"] is not None:
+            verdict += f", its grid trial {r['share_in_grid']:.0%}"
+    verdict += "."
     lines = [f"## {r['workers']} workers", "",
              f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {machine()}; "
              f"{TRIAL_STEPS}-step trials: "
@@ -129,7 +167,7 @@ def section(r: dict) -> list[str]:
         measured = f"{t.step_time_s:.3f} | {t.tokens_per_s:,.0f}" if t.status == "ok" else f"{t.status} | {t.error}"
         lines.append(f"| {t.index} | {describe(t.candidate.plan)} | {t.candidate.predicted.total_s:.3f} | {measured} |")
     lines += ["", f"Best measured: {describe(r['best'].candidate.plan)}, {r['best'].tokens_per_s:,.0f} tokens/s. "
-              f"Grid and tuning took {r['wall_s']:.0f}s.", ""]
+              f"Grid, tuning and rematch took {r['wall_s']:.0f}s.", ""]
     return lines
 
 
