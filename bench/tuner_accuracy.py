@@ -82,6 +82,7 @@ def run(workers: int) -> dict:
     typed, model_cfg, _ = config(workers)
     cluster = typed.cluster
     load_before = os.getloadavg()
+    started_at = datetime.datetime.now(datetime.UTC)
     started = time.perf_counter()
     with ray_session(None, min_cpus=workers, object_store_gib=1.0):
         space, ctx = prepare(typed, model_cfg, cluster)
@@ -111,7 +112,7 @@ def run(workers: int) -> dict:
             "share_in_grid": next((t.tokens_per_s / best.tokens_per_s for t in ok
                                    if pick and t.candidate.plan == pick.candidate.plan), None),
             "failed": [t for t in grid if t.status != "ok"], "wall_s": time.perf_counter() - started,
-            "load": (load_before, os.getloadavg())}
+            "load": (load_before, os.getloadavg()), "started_at": started_at}
 
 
 def head_to_head(cfg, model_cfg: dict, ctx, holder: TuneResult, pick, best) -> dict:
@@ -156,7 +157,7 @@ def section(r: dict) -> list[str]:
             verdict += f", its grid trial {r['share_in_grid']:.0%}"
     verdict += "."
     lines = [f"## {r['workers']} workers", "",
-             f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {machine()}; "
+             f"Measured from {r['started_at']:%Y-%m-%d %H:%M} UTC on {machine()}; "
              f"{TRIAL_STEPS}-step trials: "
              f"`python bench/tuner_accuracy.py --workers {r['workers']}`; load average (1/5/15 min) "
              f"{format_load(r['load'][0])} before, {format_load(r['load'][1])} after.", "",
