@@ -54,7 +54,8 @@ class PipelineStage:
     receive buffer of a stage after the first (``pipe_recv_buf``, one input) and the
     received-gradient buffer of a stage before the last (``grad_layer``, one output); the first
     stage also keeps its slots of token ids (``pipe_buffers['inputs']``), the last its slots of
-    outputs, the logits (``pipe_buffers['outputs']``)."""
+    outputs, the logits (``pipe_buffers['outputs']``), each with its received input and that
+    input's gradient, which the logits' autograd graph still references."""
     in_flight_bytes: int = 0
     """Inputs and outputs of the micro-batches in flight, held during the step: an output lives
     until its backward, a received input until its gradient is sent back."""
@@ -128,8 +129,16 @@ def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_
         sent = part[-1].output_bytes if part else received
         in_flight = min(pp - index, micro_batches)
         slots = max(2, in_flight)  # TrainSchedule.num_pipe_buffers
-        # The last stage also keeps its outputs (the logits) in every slot until the slot is reused.
-        buffers = (received if index > 0 else slots * received) + (sent if index < pp - 1 else slots * sent)
+        if index == pp - 1 and index > 0:
+            # The last stage keeps every slot's outputs (the logits) until the slot is reused:
+            # its _exec_backward_pass returns before the line that frees them. Their autograd graph
+            # still holds the slot's received input (a leaf, referenced by its AccumulateGrad
+            # node) and so that input's gradient: two boundary activations per slot besides the
+            # receive buffer. Measured on CPU workers with d_model 128 and a 256-way vocabulary,
+            # where the two sizes differ.
+            buffers = received + slots * (sent + 2 * received)
+        else:
+            buffers = (received if index > 0 else slots * received) + (sent if index < pp - 1 else slots * sent)
         stages.append(PipelineStage(
             index=index, start=bounds[index], stop=bounds[index + 1], layers=[layer.name for layer in part],
             params=sum(layer.params for layer in part), trainable=sum(layer.trainable for layer in part),
@@ -141,18 +150,27 @@ def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_
 
 def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved: int) -> ActivationBytes:
     """One stage's activations: the whole model's measurement scaled to the stage's share of the
-    saved bytes, plus the saved tensors, inputs and outputs of the micro-batches it holds in
-    flight meanwhile."""
+    saved bytes (all but the recomputation of one checkpointed layer in backward, which every
+    stage with layers pays whole), plus the saved tensors, inputs and outputs of the micro-batches
+    it holds in flight meanwhile."""
     share = stage.saved_bytes / total_saved if total_saved else 0.0
     waiting = (stage.in_flight - 1) * round(whole.saved * share) + stage.in_flight_bytes
+    recompute = whole.recompute_peak if stage.saved_bytes else 0
 
     def scaled(x: int) -> int:
         return round(x * share)
 
+    def scaled_backward(x: int) -> int:
+        # A stage recomputes one checkpointed layer at a time, as the whole model does: that
+        # transient is not divided among the stages, only the rest of the backward peak is.
+        return scaled(x - whole.recompute_peak) + recompute
+
     return ActivationBytes(
-        saved=scaled(whole.saved) + waiting, recompute_peak=whole.recompute_peak if stage.saved_bytes else 0,
-        forward_peak=scaled(whole.forward_peak) + waiting, backward_peak=scaled(whole.backward_peak) + waiting,
-        backward_peak_with_grads=scaled(whole.backward_peak_with_grads - whole.grads_at_backward_peak) + waiting,
+        saved=scaled(whole.saved) + waiting, recompute_peak=recompute,
+        forward_peak=scaled(whole.forward_peak) + waiting,
+        backward_peak=scaled_backward(whole.backward_peak) + waiting,
+        backward_peak_with_grads=scaled_backward(whole.backward_peak_with_grads - whole.grads_at_backward_peak)
+        + waiting,
         grads_at_backward_peak=0)
 
 
