@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gc
+import sys
 
 import pytest
 import torch
 
-from conftest import FAST, compose_config
+from conftest import FAST, REPO, compose_config
 from launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
+
+sys.path.insert(0, str(REPO))  # bench/ is scripts, not an installed package
 
 FP32 = 4
 
@@ -175,14 +178,11 @@ def test_the_planner_predicts_each_pipeline_stage_within_the_benchmark_targets(l
     targets). Before this was measured, the last stage's held bytes came out 15-23% low (its
     slots keep the logits and, through their graph, the received input and its gradient), and
     with checkpointing each stage's peak 11-19% low (the recomputed layer was shared out)."""
-    from workloads.corpus import load_bytes
+    from bench.memory_accuracy import non_model_bytes
 
     overrides = (*_PIPELINE, f"plan.activation_checkpointing={str(checkpointing).lower()}")
     result = _train_with_probe(sqlite_uri, *overrides)
-    data_path = compose_config(*FAST, *overrides).data.path
-    # What a worker holds besides the model (bench/memory_accuracy.py subtracts the same): the
-    # corpus and the last micro-batch's int64 inputs and targets.
-    non_model = load_bytes(data_path).untyped_storage().nbytes() + 2 * 8 * 128 * 8
+    non_model = non_model_bytes(compose_config(*FAST, *overrides).data.path, micro_batch_size=8, seq_len=128)
     stage_of = {f["rank"]: f["pp_rank"] for f in result.worker_facts}
     (reports,) = result.reports
     assert sorted(stage_of.values()) == [0, 1]
