@@ -35,6 +35,8 @@ from orchestrator.checking import check_run, live_cluster
 from orchestrator.config import RunConfig
 from orchestrator.models import model_factory, pipeline_layers_factory, split_model_config
 from orchestrator.progress import Progress
+from orchestrator.startup import StartupClock
+from orchestrator.startup import describe as describe_startup
 from orchestrator.tracking import RunTracker, TrackingError, check_reachable, flatten, git_commit, redact_uri
 from plans.errors import PlanError, Violation
 from plans.estimate import PlanEstimate
@@ -56,7 +58,9 @@ class TrainResult:
     """Per logged step, the report of every rank."""
     worker_facts: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
-    time_to_first_step_s: float = 0.0
+    time_to_first_report_s: float = 0.0
+    startup: dict[str, float] = field(default_factory=dict)
+    """Seconds of each start-up phase (orchestrator/startup.py), in the order they ran."""
 
     @property
     def final_loss(self) -> float:
@@ -84,7 +88,8 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``).
     """
     out = stream or sys.stdout
-    started = time.perf_counter()
+    clock = StartupClock()
+    started = clock.started
     cluster, notes = live_cluster(cfg)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
@@ -109,6 +114,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
                                  env=job.env, wait_s=cfg.cluster.wait_s, tp=plan.tp,
                                  strategy=placement_strategy(cluster.nodes))
     result = TrainResult(run_id=None, plan=plan, model=facts, estimate=estimate)
+    clock.mark("check")
 
     published = latest(cfg.train.checkpoint_dir) if cfg.train.resume == ResumeMode.auto else None
     if published:
@@ -124,6 +130,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
             tracker = _start_tracking(cfg, model_cfg, plan, facts, estimate, ds_config, config_yaml, tags or {})
         result.run_id = tracker.run_id
         job = dataclasses.replace(job, run_id=tracker.run_id)
+    clock.mark("tracking")
 
     print(f"plan: dp={plan.dp} tp={plan.tp} pp={plan.pp} zero_stage={plan.zero_stage} "
           f"offload_optimizer={plan.offload_optimizer.value} offload_param={plan.offload_param.value} "
@@ -137,11 +144,14 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     try:
         with ray_session(cfg.cluster.address, min_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
                          object_store_gib=cfg.cluster.object_store_memory_gib):
+            clock.mark("ray")
             failures = 0
             while True:
                 group = WorkerGroup.create(group_spec)
+                clock.mark("workers")
                 try:
                     result.worker_facts = group.setup(job)
+                    clock.mark("setup")
                     if tracker:
                         tracker.log_dict({"ranks": [{k: f.get(k) for k in _REALIZED_PLACEMENT}
                                                     for f in result.worker_facts]}, "plan/placement_realized.json")
@@ -149,7 +159,11 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
                                           "peak_tflops_per_device": f"{_mean_peak(result.worker_facts):.4f}"})
                     for reports in group.train(hang_timeout_s=cfg.train.hang_timeout_s):
                         if not result.reports:
-                            result.time_to_first_step_s = time.perf_counter() - started
+                            clock.mark("first_report")
+                            result.time_to_first_report_s = clock.total_s
+                            result.startup = dict(clock.phases)
+                            if tracker:
+                                tracker.log_metrics(clock.metrics(), reports[0]["step"])
                         result.reports.append(reports)
                         if on_report:
                             on_report(reports, result.worker_facts)
@@ -326,7 +340,8 @@ def _report_step(reports: list[dict], plan: ResolvedPlan, progress: Progress, tr
 def _print_summary(result: TrainResult, tracker: RunTracker | None, out) -> None:
     last = result.reports[-1][0] if result.reports else {}
     lines = [f"done: {last.get('step', 0)} steps in {result.wall_s:.1f}s "
-             f"(first step after {result.time_to_first_step_s:.1f}s)"]
+             f"(first report after {result.time_to_first_report_s:.1f}s"
+             + (f": {describe_startup(result.startup)})" if result.startup else ")")]
     if last:
         lines.append(f"final loss {last['loss']:.4f}" + (f", eval loss {last['eval_loss']:.4f}"
                                                           if "eval_loss" in last else ""))

@@ -1,0 +1,54 @@
+"""Where the time before the first training report goes, phase by phase.
+
+A run that takes 20 s to show its first step leaves its user guessing whether the plan check, Ray, the
+worker processes or DeepSpeed's initialization is to blame. The driver marks the end of each phase
+once; `orch train` prints the split beside the time to the first report, and the MLflow run keeps it
+as ``startup/<phase>_s`` metrics, so slow starts can be compared across runs and clusters.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+PHASES = {
+    "check": "plan check: model probe on meta, memory estimate, FLOP count",
+    "tracking": "MLflow run created (or resumed)",
+    "ray": "Ray connected (an embedded Ray started)",
+    "workers": "placement group and one actor process per worker",
+    "setup": "DeepSpeed initialization on every worker: process group, model, engine",
+    "first_report": "the first train.log_every steps, until their report reached the driver",
+}
+"""The phases in the order they run, with what each covers."""
+
+
+@dataclass
+class StartupClock:
+    """Seconds spent in each start-up phase, each one measured from the end of the one before."""
+
+    started: float = field(default_factory=time.perf_counter)
+    phases: dict[str, float] = field(default_factory=dict)
+    _last: float | None = None
+
+    def mark(self, phase: str) -> None:
+        """End ``phase`` now. Only the first time counts: a restart repeats phases, but it is
+        not start-up, and once the first report is marked the clock is done."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown start-up phase {phase!r}; known: {', '.join(PHASES)}")
+        if phase in self.phases or "first_report" in self.phases:
+            return
+        now = time.perf_counter()
+        self.phases[phase] = now - (self.started if self._last is None else self._last)
+        self._last = now
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.phases.values())
+
+    def metrics(self) -> dict[str, float]:
+        return {f"startup/{phase}_s": seconds for phase, seconds in self.phases.items()}
+
+
+def describe(phases: dict[str, float]) -> str:
+    """``check 2.1s, tracking 0.3s, ...`` in the order the phases ran."""
+    return ", ".join(f"{phase.replace('_', ' ')} {seconds:.1f}s" for phase, seconds in phases.items())
