@@ -58,9 +58,13 @@ class TrainResult:
     """Per logged step, the report of every rank."""
     worker_facts: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
-    time_to_first_report_s: float = 0.0
     startup: dict[str, float] = field(default_factory=dict)
     """Seconds of each start-up phase (orchestrator/startup.py), in the order they ran."""
+
+    @property
+    def time_to_first_report_s(self) -> float:
+        """Launch to the first report: the start-up phases add up to it (0 if none arrived)."""
+        return sum(self.startup.values())
 
     @property
     def final_loss(self) -> float:
@@ -160,7 +164,6 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
                     for reports in group.train(hang_timeout_s=cfg.train.hang_timeout_s):
                         if not result.reports:
                             clock.mark("first_report")
-                            result.time_to_first_report_s = clock.total_s
                             result.startup = dict(clock.phases)
                             if tracker:
                                 tracker.log_metrics(clock.metrics(), reports[0]["step"])

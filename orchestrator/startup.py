@@ -41,10 +41,6 @@ class StartupClock:
         self.phases[phase] = now - (self.started if self._last is None else self._last)
         self._last = now
 
-    @property
-    def total_s(self) -> float:
-        return sum(self.phases.values())
-
     def metrics(self) -> dict[str, float]:
         return {f"startup/{phase}_s": seconds for phase, seconds in self.phases.items()}
 

@@ -283,7 +283,7 @@ def _trial_config(cfg: RunConfig, plan: ResolvedPlan, index: int, parent_name: s
 
 
 def run_trial(cfg: RunConfig, model_cfg: dict, candidate: Candidate, index: int, ctx: SearchContext,
-               result: TuneResult, err) -> Trial:
+              result: TuneResult, err) -> Trial:
     """One candidate as a short real run; any failure is caught, reported and recorded."""
     from orchestrator.driver import run_training
 
