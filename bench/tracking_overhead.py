@@ -53,26 +53,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_mlflow_server(root: Path) -> tuple[subprocess.Popen, str]:
-    """``mlflow server`` on loopback with a sqlite backend, in a session of its own; returns it and its URL."""
+def launch_mlflow_server(root: Path, port: int) -> subprocess.Popen:
+    """``mlflow server`` on loopback with a sqlite backend in ``root``, in a session of its own.
+
+    Its job runner is off: nothing here submits server-side jobs, and with it on every server
+    start leaves a directory in /dev/shm that MLflow never removes.
+    """
     mlflow = shutil.which("mlflow", path=os.path.dirname(PYTHON)) or "mlflow"
-    port = _free_port()
-    proc = subprocess.Popen([mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+    return subprocess.Popen([mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
                              "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
                              "--artifacts-destination", str(root / "artifacts")],
+                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    """Return once the server at ``url`` answers /health; raise if it exits or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
-                    return proc, url
+                    return
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                stop(proc)
                 raise RuntimeError(f"mlflow server did not start on {url}") from None
             time.sleep(1)
+
+
+def start_mlflow_server(root: Path) -> tuple[subprocess.Popen, str]:
+    """A healthy ``mlflow server`` on a free loopback port; returns it and its URL."""
+    port = _free_port()
+    proc = launch_mlflow_server(root, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+    except RuntimeError:
+        stop(proc)
+        raise
+    return proc, url
 
 
 def stop(proc: subprocess.Popen) -> None:

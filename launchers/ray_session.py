@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import time
 from collections.abc import Iterator
 
 import ray
@@ -11,6 +13,10 @@ import ray
 from plans.errors import OrchError
 
 GIB = 1024**3
+CLIENT_ATTEMPTS = 3
+"""Ray client sessions tried before giving up on a ``ray://`` address."""
+CLIENT_RETRY_S = 2.0
+"""Pause before the second attempt, doubled before each later one."""
 
 
 class RayConnectError(OrchError):
@@ -33,7 +39,7 @@ def ray_session(address: str | None, *, min_cpus: float = 0, object_store_gib: f
                  object_store_memory=int(object_store_gib * GIB), include_dashboard=False)
     else:
         try:
-            ray.init(address=address)
+            connect(address)
         except (ConnectionError, RuntimeError) as exc:
             raise RayConnectError(
                 f"cluster.address={address}: cannot connect to a Ray cluster there ({exc}). Fix: start the "
@@ -43,3 +49,28 @@ def ray_session(address: str | None, *, min_cpus: float = 0, object_store_gib: f
         yield
     finally:
         ray.shutdown()
+
+
+def connect(address: str) -> None:
+    """``ray.init(address)``, trying a ``ray://`` address up to CLIENT_ATTEMPTS times.
+
+    A Ray client session runs in a server process the head starts for each connection. When that
+    process dies before the client reaches it (seen here when a session server left from an
+    earlier cluster still held the port), Ray reports "Initialization failure from server" and
+    gives up, although the next session, started on the next free port, usually works. Ray's own
+    retries cover only reaching the head's proxy, not this.
+    """
+    attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1
+    pause_s = CLIENT_RETRY_S
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address)
+            return
+        except ConnectionAbortedError as exc:
+            if attempt == attempts:
+                raise
+            cause = str(exc).strip().splitlines()[-1]
+            print(f"warning: {address}: the cluster could not start a client session (attempt {attempt} of "
+                  f"{attempts}: {cause}); retrying in {pause_s:.0f}s", file=sys.stderr, flush=True)
+            time.sleep(pause_s)
+            pause_s *= 2

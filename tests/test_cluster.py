@@ -9,19 +9,20 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import free_port, kill_tree, processes_mentioning, worker_env
+from conftest import REPO, free_port, kill_tree, processes_mentioning, worker_env
+
+sys.path.insert(0, str(REPO))  # bench/ is scripts, not an installed package
+from bench.tracking_overhead import launch_mlflow_server, stop, wait_healthy  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 RAY = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
-MLFLOW = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or "mlflow"
+FAULTS = str(Path(__file__).parent / "faults")
 NODE = ["--num-cpus=1", "--object-store-memory=200000000", "--disable-usage-stats"]
 
 
@@ -40,16 +41,26 @@ def two_node_ray():
     port, client_port = free_port(), free_port()
     env = worker_env()
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length limit
+    fault = os.path.join(temp_dir, "fail-next-client-session")
+    # The head waits 15 s, not 30, for a client session server to answer before giving up on it
+    # (twice, for the data and the log stream): the injected fault costs ~45 s instead of ~75
+    # (the rest is the client's 30 s reconnect grace period, which the head waits out).
+    head_env = {**env, "PYTHONPATH": f"{FAULTS}{os.pathsep}{env['PYTHONPATH']}", "ORCH_FAULT_CLIENT_SERVER": fault,
+                "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "15"}
     try:
         subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
                         "--include-dashboard=false", f"--ray-client-server-port={client_port}",
-                        f"--temp-dir={temp_dir}", *NODE], env=env, check=True, capture_output=True, timeout=120)
+                        f"--temp-dir={temp_dir}", *NODE], env=head_env, check=True, capture_output=True, timeout=120)
         # `ray start --head` turns on token auth; a joining node must send the token it saved.
         subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", *NODE], env={**env, "RAY_AUTH_MODE": "token"},
                        check=True, capture_output=True, timeout=120)
-        yield {"gcs": f"127.0.0.1:{port}", "client": f"ray://127.0.0.1:{client_port}", "temp_dir": temp_dir}
+        yield {"gcs": f"127.0.0.1:{port}", "client": f"ray://127.0.0.1:{client_port}", "temp_dir": temp_dir,
+               "fail_next_client_session": fault}
     finally:
-        kill_tree(processes_mentioning(temp_dir))
+        # The client proxy and its session servers name the GCS port, not the temp dir; left
+        # running, they would hold the session ports (23000 and up) the next cluster's proxy uses.
+        client_servers = processes_mentioning("ray.util.client.server") & processes_mentioning(f":{port}")
+        kill_tree(processes_mentioning(temp_dir) | client_servers)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -96,37 +107,11 @@ def test_a_plan_larger_than_the_cluster_fails_clearly(two_node_ray, tmp_path):
     assert "the plan needs 3 workers with 1 CPU each; the cluster has 2 CPU free" in done.stderr
 
 
-def start_mlflow_server(root, port: int) -> subprocess.Popen:
-    return subprocess.Popen([MLFLOW, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
-                             "--artifacts-destination", str(root / "artifacts")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("mlflow server did not start") from None
-            time.sleep(1)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    proc = start_mlflow_server(root, port)
+    proc = launch_mlflow_server(root, port)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
@@ -151,9 +136,13 @@ def test_a_run_tracked_on_a_real_mlflow_server(mlflow_server, tmp_path):
 
 
 def test_ray_client_address(two_node_ray, tmp_path):
+    # The head's first session server for this client dies as it starts; the driver tries again.
+    Path(two_node_ray["fail_next_client_session"]).touch()
     done = orch_train(f"cluster.address={two_node_ray['client']}", "cluster.nodes=2", "cluster.devices_per_node=1",
                       cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert not Path(two_node_ray["fail_next_client_session"]).exists()
+    assert "could not start a client session (attempt 1 of 3" in done.stderr, done.stderr[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
     assert run.data.tags["nodes_used"] == "2" and run.info.status == "FINISHED"
@@ -186,13 +175,13 @@ def test_metrics_survive_a_tracking_server_restart_mid_run(tmp_path, monkeypatch
     root, port = tmp_path / "server", free_port()
     root.mkdir()
     url = f"http://127.0.0.1:{port}"
-    servers = [start_mlflow_server(root, port)]
+    servers = [launch_mlflow_server(root, port)]
     wait_healthy(url, servers[0])
 
     def restart_server_at_step_10(reports, facts):
         if reports[0]["step"] == 10 and len(servers) == 1:
             stop(servers[0])  # the server goes away mid-run ...
-            servers.append(start_mlflow_server(root, port))  # ... and comes back some seconds later
+            servers.append(launch_mlflow_server(root, port))  # ... and comes back some seconds later
 
     try:
         cfg = compose_config("train.steps=150", "train.log_every=5", "train.eval_batches=1",
