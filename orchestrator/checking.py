@@ -6,6 +6,9 @@ does not fit unless ``plan.force=true``.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from launchers.ds_config import build_ds_config
 from launchers.placement import rank_layout
 from orchestrator.config import RunConfig
@@ -56,23 +59,27 @@ def check_pipeline(probe: ModelProbe, plan: ResolvedPlan, model_cfg: dict) -> No
                                    f"set plan.pp to at most {weighted}, or use more layers (model.n_layer)")])
 
 
-def live_cluster(cfg: RunConfig) -> tuple[ClusterSpec, list[str]]:
+@contextlib.contextmanager
+def live_cluster(cfg: RunConfig) -> Iterator[tuple[ClusterSpec, list[str]]]:
     """The cluster to plan for: read off the live Ray cluster when there is an address.
 
-    Returns the cluster and notes on which declared numbers the live facts replaced; raises
-    PlanError when the live cluster cannot host the declared workers.
+    Yields the cluster and notes on which declared numbers the live facts replaced; raises
+    PlanError when the live cluster cannot host the declared workers. The connection stays open
+    until the block ends, so the command's own ``ray_session`` inside it reuses the connection
+    instead of opening a second one (a ``ray://`` client session takes seconds to start).
     """
     if cfg.cluster.address is None or not cfg.cluster.discover:
-        return cfg.cluster, []
+        yield cfg.cluster, []
+        return
     from launchers.discovery import discover_nodes
     from launchers.ray_session import ray_session
 
     with ray_session(cfg.cluster.address):
         nodes = discover_nodes(timeout_s=cfg.cluster.wait_s)
-    cluster, violations, notes = reconcile(cfg.cluster, nodes)
-    if violations:
-        raise PlanError(violations)
-    return cluster, notes
+        cluster, violations, notes = reconcile(cfg.cluster, nodes)
+        if violations:
+            raise PlanError(violations)
+        yield cluster, notes
 
 
 def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = None

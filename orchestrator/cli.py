@@ -71,8 +71,8 @@ def check_app(cfg: DictConfig) -> None:
 
     try:
         typed, model_cfg, _ = to_typed(cfg)
-        cluster, notes = live_cluster(typed)
-        estimate, _ = check_run(typed, model_cfg, cluster)
+        with live_cluster(typed) as (cluster, notes):
+            estimate, _ = check_run(typed, model_cfg, cluster)
     except OrchError as error:
         _fail(error)
     if _OPTIONS["json"]:

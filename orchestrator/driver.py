@@ -43,7 +43,7 @@ from plans.estimate import PlanEstimate
 from plans.flops import training_flops_per_sample
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
-from plans.spec import Accelerator, ResumeMode
+from plans.spec import Accelerator, ClusterSpec, ResumeMode
 
 
 @dataclass
@@ -91,10 +91,17 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     (tests use it to inject faults at a known step). ``tags`` go onto the new MLflow run
     (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``).
     """
-    out = stream or sys.stdout
     clock = StartupClock()
+    with live_cluster(cfg) as (cluster, notes):
+        return _run_on(cluster, notes, clock, cfg, model_cfg, config_yaml, stream=stream, on_report=on_report,
+                       tags=tags)
+
+
+def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: RunConfig, model_cfg: dict,
+            config_yaml: str, *, stream, on_report, tags) -> TrainResult:
+    """:func:`run_training` on the cluster :func:`live_cluster` found (its connection still open)."""
+    out = stream or sys.stdout
     started = clock.started
-    cluster, notes = live_cluster(cfg)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     estimate, facts = check_run(cfg, model_cfg, cluster)

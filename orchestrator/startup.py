@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass, field
 
 PHASES = {
-    "check": "plan check: model probe on meta, memory estimate, FLOP count",
+    "check": "plan check: the live cluster read off Ray when cluster.address is set (connecting to it), "
+             "model probe on meta, memory estimate, FLOP count",
     "tracking": "MLflow run created (or resumed)",
-    "ray": "Ray connected (an embedded Ray started)",
+    "ray": "Ray connected (an embedded Ray started), unless the check connected already",
     "workers": "placement group and one actor process per worker",
     "setup": "DeepSpeed initialization on every worker: process group, model, engine",
     "first_report": "the first train.log_every steps, until their report reached the driver",

@@ -218,15 +218,15 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
     """Search, optionally calibrate and run trials, and write the winner; see the module docstring."""
     out = out or sys.stdout
     err = err or sys.stderr
-    cluster, notes = live_cluster(cfg)
-    for note in notes:
-        print(f"note: {note}", file=err)
-    started = time.perf_counter()
-    space, ctx = prepare(cfg, model_cfg, cluster)
-    print(f"tune: model probed on meta in {time.perf_counter() - started:.1f}s; searching {cluster.world_size} "
-          f"{cluster.accelerator.value} devices, global batch {space.global_batch_size}", file=err, flush=True)
-    uses_ray = cfg.tune.trials > 0 or cluster.address is not None
     with ExitStack() as stack:
+        cluster, notes = stack.enter_context(live_cluster(cfg))
+        for note in notes:
+            print(f"note: {note}", file=err)
+        started = time.perf_counter()
+        space, ctx = prepare(cfg, model_cfg, cluster)
+        print(f"tune: model probed on meta in {time.perf_counter() - started:.1f}s; searching {cluster.world_size} "
+              f"{cluster.accelerator.value} devices, global batch {space.global_batch_size}", file=err, flush=True)
+        uses_ray = cfg.tune.trials > 0 or cluster.address is not None
         speeds, note = ctx.speeds, "declared in the cluster config (cluster.device_tflops, ...)"
         if uses_ray:
             from launchers.ray_session import ray_session

@@ -135,14 +135,22 @@ def test_a_run_tracked_on_a_real_mlflow_server(mlflow_server, tmp_path):
     assert not (tmp_path / "mlflow.db").exists()
 
 
+def client_session_logs(temp_dir: str) -> set[str]:
+    """The log files of the head's client session servers: one per session, each on its own port."""
+    return {p.name for p in Path(temp_dir, "session_latest", "logs").glob("ray_client_server_*.out")}
+
+
 def test_ray_client_address(two_node_ray, tmp_path):
     # The head's first session server for this client dies as it starts; the driver tries again.
     Path(two_node_ray["fail_next_client_session"]).touch()
+    sessions_before = client_session_logs(two_node_ray["temp_dir"])
     done = orch_train(f"cluster.address={two_node_ray['client']}", "cluster.nodes=2", "cluster.devices_per_node=1",
                       cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not Path(two_node_ray["fail_next_client_session"]).exists()
     assert "could not start a client session (attempt 1 of 3" in done.stderr, done.stderr[-3000:]
+    # The failed session and one more: reading the live cluster and training share a connection.
+    assert len(client_session_logs(two_node_ray["temp_dir"]) - sessions_before) == 2
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
     assert run.data.tags["nodes_used"] == "2" and run.info.status == "FINISHED"
