@@ -10,8 +10,9 @@ on a CPU node one worker measures and the rates are scaled to the node's cores p
   below peak, on CPUs most of all;
 - memory bandwidth (a large copy), which bounds the optimizer step; on GPUs also host memory and
   the host link (pinned host-to-device copies);
-- all-reduce latency (a one-element all-reduce) and bus bandwidth (a 16 MB one) inside a node and,
-  with several nodes, across them, through ``deepspeed.comm`` as training uses it.
+- all-reduce latency (a one-element all-reduce, back to back and between stretches of compute as
+  tensor-parallel layers issue it; the larger counts) and bus bandwidth (a 16 MB one) inside a
+  node and, with several nodes, across them, through ``deepspeed.comm`` as training uses it.
 
 The result is cached per cluster (the workers' hostnames, shape and the probe's parameters) in a
 JSON file, so a second ``orch tune`` on the same cluster starts at once.
@@ -23,6 +24,7 @@ import hashlib
 import json
 import os
 import socket
+import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -37,7 +39,7 @@ from plans.errors import OrchError
 
 _BANDWIDTH_ELEMENTS = 4 * 1024 * 1024  # 16 MB of fp32: large enough that latency is a few percent
 # Part of the cache key: a cache written by older probes is measured again, not misread.
-_PROBES_VERSION = 4
+_PROBES_VERSION = 5
 
 
 class CalibrationWorker:
@@ -188,7 +190,50 @@ def _allreduce_probe(group, n: int) -> dict:
         dist.all_reduce(large, group=group)
         best = min(best, time.perf_counter() - started)
     bus_bytes = 2 * (n - 1) / n * large.numel() * 4
-    return {"latency_s": latency, "gbps": bus_bytes * 8 / max(best - 2 * (n - 1) * latency, 1e-9) / 1e9}
+    return {"latency_s": max(_latency_between_compute(group, n), latency), "back_to_back_latency_s": latency,
+            "gbps": bus_bytes * 8 / max(best - 2 * (n - 1) * latency, 1e-9) / 1e9}
+
+
+def _latency_between_compute(group, n: int, calls: int = 100, windows: int = 3) -> float:
+    """Latency of one ring step of a small all-reduce issued between stretches of compute, as a
+    tensor-parallel layer issues it. Back to back, the ranks arrive together and a call costs the
+    wire alone; after compute each rank waits for the slowest one, whose compute the others'
+    threads, the OS and a shared core delay by a varying amount. That wait is what training pays:
+    the extra time per call of compute followed by an all-reduce over compute alone (the median
+    of a few windows), spread over the 2(n-1) steps the cost model charges a call."""
+    import deepspeed.comm as dist
+    import torch
+
+    a = torch.randn(256, 256)
+    a @ a
+    started = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    per_matmul = (time.perf_counter() - started) / 10
+    # Every rank runs the same compute between calls (~2 ms, as a layer's matmuls on a small model).
+    reps = torch.tensor([max(1, round(2e-3 / per_matmul))])
+    dist.all_reduce(reps, op=dist.ReduceOp.MAX, group=group)
+    reps = int(reps.item())
+    small = torch.zeros(1)
+
+    def compute() -> None:
+        for _ in range(reps):
+            a @ a
+
+    extra = []
+    for _ in range(windows):
+        dist.barrier(group=group)
+        started = time.perf_counter()
+        for _ in range(calls):
+            compute()
+        alone = time.perf_counter() - started
+        dist.barrier(group=group)
+        started = time.perf_counter()
+        for _ in range(calls):
+            compute()
+            dist.all_reduce(small, group=group)
+        extra.append((time.perf_counter() - started - alone) / calls)
+    return max(statistics.median(extra), 0.0) / (2 * (n - 1))
 
 
 def cpu_share(facts: dict, workers_on_node: int) -> dict:
