@@ -83,19 +83,20 @@ class WorkerGroupSpec:
         return bundle
 
 
-def collective_timeout_env(hang_timeout_s: float) -> dict[str, str]:
-    """Worker environment that makes the process group's own timeout outlast the hang detector.
+def collective_timeout_env(hang_timeout_s: float, setup_timeout_s: float = 0.0) -> dict[str, str]:
+    """Worker environment that makes the process group's own timeout outlast the hang detectors.
 
     A collective that never completes also ends in gloo or NCCL, once the process group's
     timeout passes: DeepSpeed's ``DEEPSPEED_TIMEOUT`` minutes, read when it is imported, 10 by
-    default, which is *shorter* than the default ``train.hang_timeout_s`` of 900 s. The rank
-    would then fail with a bare timeout and no stacks. Adding DeepSpeed's own 10 minutes on top
-    of the hang timeout leaves the detector time to collect every rank's stack first. With
-    hang detection off (0) the process group's timeout stays as DeepSpeed sets it: the only guard.
+    default, which is *shorter* than the default ``train.hang_timeout_s`` of 900 s (and
+    ``train.setup_timeout_s``, for a rank left waiting in setup's collectives). The rank would
+    then fail with a bare timeout and no stacks. Adding DeepSpeed's own 10 minutes on top of the
+    longer timeout leaves the detector time to collect every rank's stack first. With hang
+    detection off (0) the process group's timeout stays as DeepSpeed sets it: the only guard.
     """
     if not hang_timeout_s:
         return {}
-    return {"DEEPSPEED_TIMEOUT": str(math.ceil(hang_timeout_s / 60) + 10)}
+    return {"DEEPSPEED_TIMEOUT": str(math.ceil(max(hang_timeout_s, setup_timeout_s) / 60) + 10)}
 
 
 def _resource_shortfall(spec: WorkerGroupSpec) -> str:
@@ -128,6 +129,8 @@ class WorkerGroup:
             for i in range(spec.world_size):
                 actor = remote_cls.options(
                     num_cpus=spec.cpus_per_worker, num_gpus=spec.gpus_per_worker,
+                    # A second call runs while one is stuck: stacks() during a hung setup().
+                    max_concurrency=2,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=i),
                     runtime_env={"env_vars": spec.env},
@@ -149,13 +152,26 @@ class WorkerGroup:
             remove_placement_group(pg)
             raise
 
-    def setup(self, job: TrainJob) -> list[dict]:
-        """Rendezvous on rank 0's node and build the DeepSpeed engine on every rank."""
+    def setup(self, job: TrainJob, *, timeout_s: float = 0.0) -> list[dict]:
+        """Rendezvous on rank 0's node and build the DeepSpeed engine on every rank.
+
+        Ranks still setting up after ``timeout_s`` (0: no limit) raise :class:`WorkerHangError`
+        with every rank's stack: a stuck rendezvous, a JIT build waiting on a stale lock or a
+        model that never finishes building would otherwise hold the run (or a tuning trial)
+        forever. (A rank that raises fails the setup at once: ``ray.get`` of all the calls
+        raises the first error without waiting for the peers, which wait for that rank.)
+        """
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         world_size = len(self.actors)
+        calls = [actor.setup.remote(job, slot, world_size, master_addr, master_port)
+                 for actor, slot in zip(self.actors, self.slots, strict=True)]
         try:
-            self.facts = ray.get([actor.setup.remote(job, slot, world_size, master_addr, master_port)
-                                  for actor, slot in zip(self.actors, self.slots, strict=True)])
+            self.facts = ray.get(calls, timeout=timeout_s or None)
+        except ray.exceptions.GetTimeoutError:
+            _, pending = ray.wait(calls, num_returns=len(calls), timeout=0)
+            raise WorkerHangError([calls.index(call) for call in pending],
+                                  f"setup (process group, model, DeepSpeed engine) unfinished after {timeout_s:g}s; "
+                                  "train.setup_timeout_s sets the limit", self._stacks()) from None
         except ray.exceptions.RayTaskError as error:
             # An error a worker raises on purpose (a checkpoint the safe loader refused) is a
             # message for the user, which Ray's wrapper would bury under a remote traceback.
@@ -202,14 +218,18 @@ class WorkerGroup:
         """Name the ranks that fell behind (the others wait for them in a collective)."""
         behind = min(polls[r]["milestones"] for r in stalled)
         culprits = [r for r in stalled if polls[r]["milestones"] == behind]
+        steps = ", ".join(f"rank {r}: step {p['step']}" for r, p in enumerate(polls))
+        return WorkerHangError(culprits, f"no optimizer step for {timeout_s:g}s ({steps})", self._stacks())
+
+    def _stacks(self) -> dict[int, str]:
+        """Every rank's Python stacks, asked while the rank is stuck (the actors take a second call)."""
         stacks = {}
         for rank, actor in enumerate(self.actors):
             try:
                 stacks[rank] = ray.get(actor.stacks.remote(), timeout=10)
             except Exception as exc:  # a rank too broken to answer is itself worth reporting
                 stacks[rank] = f"<no stack: {type(exc).__name__}: {exc}>"
-        steps = ", ".join(f"rank {r}: step {p['step']}" for r, p in enumerate(polls))
-        return WorkerHangError(culprits, f"no optimizer step for {timeout_s:g}s ({steps})", stacks)
+        return stacks
 
     def shutdown(self) -> None:
         """Stop every actor and release the placement group; safe to call twice."""

@@ -118,7 +118,8 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
     ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=facts.param_count,
                                 tp_layer_specs=tp_layer_specs)
     job = TrainJob(plan=plan, ds_config=ds_config, model_factory=factory, data=cfg.data, train=cfg.train,
-                   env={**worker_env(plan), **collective_timeout_env(cfg.train.hang_timeout_s)},
+                   env={**worker_env(plan),
+                        **collective_timeout_env(cfg.train.hang_timeout_s, cfg.train.setup_timeout_s)},
                    pipeline_layers=pipeline_layers_factory(constructor_cfg) if plan.pp > 1 else None)
     group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
                                  gpus_per_worker=1.0 if plan.accelerator == Accelerator.gpu else 0.0,
@@ -161,7 +162,7 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
                 group = WorkerGroup.create(group_spec)
                 clock.mark("workers")
                 try:
-                    result.worker_facts = group.setup(job)
+                    result.worker_facts = group.setup(job, timeout_s=cfg.train.setup_timeout_s)
                     clock.mark("setup")
                     if tracker:
                         tracker.log_dict({"ranks": [{k: f.get(k) for k in _REALIZED_PLACEMENT}

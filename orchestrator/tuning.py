@@ -277,7 +277,9 @@ def _trial_config(cfg: RunConfig, plan: ResolvedPlan, index: int, parent_name: s
                                 memory_probe_step=2, checkpoint_every=0, resume=ResumeMode.never, max_failures=0,
                                 global_batch_size=plan.global_batch_size,
                                 hang_timeout_s=min(cfg.train.hang_timeout_s or cfg.tune.trial_timeout_s,
-                                                   cfg.tune.trial_timeout_s))
+                                                   cfg.tune.trial_timeout_s),
+                                setup_timeout_s=min(cfg.train.setup_timeout_s or cfg.tune.trial_timeout_s,
+                                                    cfg.tune.trial_timeout_s))
     tracking = dataclasses.replace(cfg.tracking, run_name=f"{parent_name}-trial{index}")
     return dataclasses.replace(cfg, plan=plan_spec(plan), train=train, tracking=tracking)
 

@@ -174,6 +174,9 @@ class TrainSpec:
     hang_timeout_s: float = 900.0
     """A rank that finishes no optimizer step for this long is declared hung: every rank's
     stack is saved to the MLflow run, then the group restarts or fails (0 disables)."""
+    setup_timeout_s: float = 1800.0
+    """The same for the workers' setup before the first step: rendezvous, DeepSpeed's JIT op
+    builds (minutes on a fresh machine), model construction and checkpoint loading (0 disables)."""
 
 
 @dataclass(kw_only=True)

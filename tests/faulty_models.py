@@ -32,6 +32,24 @@ class HangingGPT(GPT):
         return super().forward(input_ids)
 
 
+class SetupHangingGPT(GPT):
+    """Rank 1 never finishes building the model (a stuck download, a lock never released)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if os.environ.get("RANK") == "1":
+            time.sleep(3600)
+
+
+class SetupFailingGPT(GPT):
+    """Rank 1 fails to build the model; rank 0 would wait for it in DeepSpeed's first collective."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if os.environ.get("RANK") == "1":
+            raise ValueError("rank 1 cannot build the model")
+
+
 class CollectiveStallGPT(GPT):
     """Rank 1 enters, in its fourth real forward pass, an all-reduce that rank 0 never joins.
 

@@ -28,6 +28,8 @@ def test_the_process_group_outlasts_the_hang_detector():
     assert collective_timeout_env(900) == {"DEEPSPEED_TIMEOUT": "25"}
     assert int(collective_timeout_env(3601)["DEEPSPEED_TIMEOUT"]) * 60 > 3601
     assert collective_timeout_env(0) == {}  # detection off: the process group's timeout is the guard
+    # A rank waiting in setup's collectives for a stuck peer outlasts train.setup_timeout_s too.
+    assert collective_timeout_env(900, 1800) == {"DEEPSPEED_TIMEOUT": "40"}
 
 
 def test_publish_is_atomic_and_prunes(tmp_path):
@@ -113,6 +115,37 @@ def test_a_hung_worker_is_detected_named_and_its_stacks_saved(local_ray, sqlite_
     assert run.info.status == "FAILED" and run.data.tags["hang.1.ranks"] == "1"
     saved = {a.path for a in client.list_artifacts(run.info.run_id, "hangs/attempt1")}
     assert saved == {"hangs/attempt1/rank0.txt", "hangs/attempt1/rank1.txt"}
+
+
+@pytest.mark.slow
+def test_a_worker_stuck_in_setup_is_stopped_and_its_stacks_saved(local_ray, sqlite_uri):
+    from launchers.worker_group import WorkerHangError
+
+    # Rank 1 never finishes building its model; rank 0 waits for it in DeepSpeed's first collective.
+    cfg = compose_config(*RUN, "train.checkpoint_every=0", "model._target_=faulty_models.SetupHangingGPT",
+                         "train.setup_timeout_s=30", f"tracking.uri={sqlite_uri}", "tracking.run_name=stuck")
+    with pytest.raises(WorkerHangError) as info:
+        run_training(*to_typed(cfg))
+    assert 1 in info.value.ranks
+    assert "setup (process group, model, DeepSpeed engine) unfinished after 30s" in str(info.value)
+    assert "time.sleep(3600)" in info.value.stacks[1]
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    run = client.search_runs([client.get_experiment_by_name("orch").experiment_id],
+                             filter_string="attributes.run_name = 'stuck'")[0]
+    assert run.info.status == "FAILED" and "1" in run.data.tags["hang.1.ranks"].split(",")
+    saved = {a.path for a in client.list_artifacts(run.info.run_id, "hangs/attempt1")}
+    assert saved == {"hangs/attempt1/rank0.txt", "hangs/attempt1/rank1.txt"}
+
+
+@pytest.mark.slow
+def test_a_rank_failing_in_setup_fails_the_run_without_waiting_for_its_peers(local_ray, sqlite_uri):
+    import ray
+
+    # No setup limit: only the failing rank's own error can end the wait, not a timeout.
+    cfg = compose_config(*RUN, "train.checkpoint_every=0", "model._target_=faulty_models.SetupFailingGPT",
+                         "train.setup_timeout_s=0", f"tracking.uri={sqlite_uri}")
+    with pytest.raises(ray.exceptions.RayTaskError, match="rank 1 cannot build the model"):
+        run_training(*to_typed(cfg))
 
 
 @pytest.mark.slow

@@ -335,3 +335,17 @@ def test_trials_try_each_layout_before_another_zero_stage_of_one():
     left = [c for c in ranked if c not in picked[:len(layouts)]]
     assert picked[len(layouts):] == left[:2]
     assert trial_candidates(ranked, 3) == picked[:3] and trial_candidates(ranked, 0) == []
+
+
+def test_a_trial_is_bounded_by_the_trial_timeout_in_setup_and_in_training():
+    from orchestrator.tuning import _trial_config
+
+    typed, _, _ = to_typed(compose_config("tune.trial_timeout_s=120"))
+    plan = resolve_plan(typed.plan, typed.cluster, typed.train)
+    trial = _trial_config(typed, plan, 1, "tune")
+    # A trial stuck before its first step (setup) or between steps is stopped, and tuning goes on.
+    assert (trial.train.setup_timeout_s, trial.train.hang_timeout_s) == (120, 120)
+    unlimited, _, _ = to_typed(compose_config("tune.trial_timeout_s=120", "train.setup_timeout_s=0",
+                                              "train.hang_timeout_s=0"))
+    trial = _trial_config(unlimited, plan, 1, "tune")
+    assert (trial.train.setup_timeout_s, trial.train.hang_timeout_s) == (120, 120)
