@@ -2,8 +2,10 @@
 
 While the file named by ORCH_FAULT_CLIENT_SERVER exists, the next Ray client session server
 (``python -m ray.util.client.server --mode=specific-server``) removes it and exits as it starts,
-the way one does whose port is taken: the head then answers the client with "Starting Ray client
-server failed". Every other process, and every process once the file is gone, is untouched.
+the way one does whose port is taken: the head then answers the client with an initialization
+failure ("Starting Ray client server failed" or, when the process was seen running before it
+exited, "Proxy failed to Connect to backend"). Every other process, and every process once the
+file is gone, is untouched.
 """
 
 import os
