@@ -190,7 +190,7 @@ def _allreduce_probe(group, n: int) -> dict:
         dist.all_reduce(large, group=group)
         best = min(best, time.perf_counter() - started)
     bus_bytes = 2 * (n - 1) / n * large.numel() * 4
-    return {"latency_s": max(_latency_between_compute(group, n), latency), "back_to_back_latency_s": latency,
+    return {"latency_s": max(_latency_between_compute(group, n), latency),
             "gbps": bus_bytes * 8 / max(best - 2 * (n - 1) * latency, 1e-9) / 1e9}
 
 

@@ -273,13 +273,16 @@ def _pick_winner(result: TuneResult) -> None:
 
 def _trial_config(cfg: RunConfig, plan: ResolvedPlan, index: int, parent_name: str) -> RunConfig:
     steps = max(cfg.tune.trial_steps, 3)
+
+    def within_trial(limit_s: float) -> float:
+        """A train limit capped at the trial's (0, no limit, becomes the trial's)."""
+        return min(limit_s or cfg.tune.trial_timeout_s, cfg.tune.trial_timeout_s)
+
     train = dataclasses.replace(cfg.train, steps=steps, log_every=1, eval_every=0, eval_batches=1,
                                 memory_probe_step=2, checkpoint_every=0, resume=ResumeMode.never, max_failures=0,
                                 global_batch_size=plan.global_batch_size,
-                                hang_timeout_s=min(cfg.train.hang_timeout_s or cfg.tune.trial_timeout_s,
-                                                   cfg.tune.trial_timeout_s),
-                                setup_timeout_s=min(cfg.train.setup_timeout_s or cfg.tune.trial_timeout_s,
-                                                    cfg.tune.trial_timeout_s))
+                                hang_timeout_s=within_trial(cfg.train.hang_timeout_s),
+                                setup_timeout_s=within_trial(cfg.train.setup_timeout_s))
     tracking = dataclasses.replace(cfg.tracking, run_name=f"{parent_name}-trial{index}")
     return dataclasses.replace(cfg, plan=plan_spec(plan), train=train, tracking=tracking)
 
