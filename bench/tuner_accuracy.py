@@ -8,13 +8,19 @@ measured step time (target >= 0.7), and the throughput of the plan `orch tune tu
 >= 90%). When the pick is not the grid's fastest plan, the two are re-run against each other,
 alternately, and the share is the ratio of their median throughputs (see :func:`head_to_head`).
 
-The grid is the tuner's search space restricted to what runs here in reasonable time: tp 1 and
-2, pp 1, ZeRO 0-3, no offload (CPU Adam needs a one-minute JIT build), activation checkpointing
-on and off, micro-batches 2 and 8 at a global batch of 16.
+The grid is the tuner's whole search space but for the micro-batch sizes: every dp x tp x pp
+layout the model and the workers allow, ZeRO 0-3 where the engines take them, optimizer and
+parameter offload to the CPU, activation checkpointing on and off; micro-batches 2 and 8 only, at
+a global batch of 16 (each size adds a full copy of the grid, and these two span the range).
 
-    python bench/tuner_accuracy.py [--workers 2 4] [--markdown bench/results/tuner_accuracy.md]
+    python bench/tuner_accuracy.py [--workers 2 4] [--markdown bench/results/tuner_accuracy.md] [overrides]
 
-With ``--markdown``, the sections of the worker counts run replace theirs in the file; the others stay.
+Config overrides after the options narrow the grid where a whole one would take too long (each
+section records the command that made it).
+
+With ``--markdown``, the sections of the worker counts run replace theirs in the file; the others
+stay. Every measured trial is also kept beside it as JSON (plan, predicted parts, measured step
+time), so a change to the cost model can be re-ranked against measurements without re-running.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -44,8 +52,9 @@ from plans.search_space import search  # noqa: E402
 TRIAL_STEPS = 12
 # Trials of each plan when the pick and the grid's fastest plan are re-run against each other.
 REMATCH_ROUNDS = 3
-GRID = ["train.global_batch_size=16", "tune.tp=[1,2]", "tune.pp=[1]", "tune.zero_stages=[0,1,2,3]",
-        "tune.offload=[none]", "tune.activation_checkpointing=[false,true]", "tune.micro_batch_sizes=[2,8]",
+SHUFFLE_SEED = 0
+GRID = ["train.global_batch_size=16", "tune.tp=null", "tune.pp=null", "tune.zero_stages=[0,1,2,3]",
+        "tune.offload=[none,cpu]", "tune.activation_checkpointing=[false,true]", "tune.micro_batch_sizes=[2,8]",
         f"tune.trial_steps={TRIAL_STEPS}", "tracking.enabled=false", "model.n_layer=4", "model.d_model=256",
         "model.n_head=8"]
 
@@ -78,8 +87,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def run(workers: int) -> dict:
-    typed, model_cfg, _ = config(workers)
+def run(workers: int, overrides: list[str]) -> dict:
+    typed, model_cfg, _ = config(workers, *overrides)
     cluster = typed.cluster
     load_before = os.getloadavg()
     started_at = datetime.datetime.now(datetime.UTC)
@@ -90,12 +99,20 @@ def run(workers: int) -> dict:
         ctx = dataclasses.replace(ctx, speeds=speeds)
         found = search(space, ctx)
         holder = TuneResult(search=found, speeds=speeds, speeds_note=note, global_batch_size=16)
-        grid = []
-        for index, candidate in enumerate(found.ranked, start=1):
-            trial = run_trial(typed, model_cfg, candidate, index, ctx, holder, sys.stderr)
-            grid.append(trial)
+        # The grid runs in a shuffled order, with the predicted-fastest plan once before and once
+        # after it. In predicted order, a machine that slows down during the run (seen here: the
+        # same plan 60% slower after 40 minutes of trials) would pass for a correct ranking.
+        order = random.Random(SHUFFLE_SEED).sample(range(len(found.ranked)), len(found.ranked))
+        reference = found.ranked[0]
+        drift = [run_trial(typed, model_cfg, reference, 1, ctx, holder, sys.stderr)]
+        by_rank = {}
+        for position in order:
+            by_rank[position] = run_trial(typed, model_cfg, found.ranked[position], position + 1, ctx, holder,
+                                          sys.stderr)
+        drift.append(run_trial(typed, model_cfg, reference, 1, ctx, holder, sys.stderr))
+        grid = [by_rank[position] for position in range(len(found.ranked))]
     # The tuner as a user runs it: its own process state, calibration from the cache, 3 trials.
-    picked = tune(config(workers, "tune.trials=3")[0], model_cfg)
+    picked = tune(config(workers, *overrides, "tune.trials=3")[0], model_cfg)
     ok = [t for t in grid if t.status == "ok"]
     best = max(ok, key=lambda t: t.tokens_per_s)
     pick = picked.winner_trial
@@ -103,7 +120,8 @@ def run(workers: int) -> dict:
     if pick and pick.candidate.plan != best.candidate.plan:
         with ray_session(None, min_cpus=workers, object_store_gib=1.0):
             rematch = head_to_head(typed, model_cfg, ctx, holder, pick.candidate, best.candidate)
-    return {"workers": workers, "grid": grid, "note": note, "best": best, "pick": pick, "rematch": rematch,
+    return {"workers": workers, "overrides": overrides, "grid": grid, "note": note, "speeds": speeds, "best": best,
+            "pick": pick, "rematch": rematch,
             "spearman": spearman([t.candidate.predicted.total_s for t in ok], [t.step_time_s for t in ok]),
             # The verdict: the grid's fastest plan counts as 100%; another plan is judged by the
             # head-to-head rematch, not by two single trials taken minutes apart.
@@ -112,6 +130,7 @@ def run(workers: int) -> dict:
             "share_in_grid": next((t.tokens_per_s / best.tokens_per_s for t in ok
                                    if pick and t.candidate.plan == pick.candidate.plan), None),
             "failed": [t for t in grid if t.status != "ok"], "wall_s": time.perf_counter() - started,
+            "drift": [t.step_time_s for t in drift], "order": order,
             "load": (load_before, os.getloadavg()), "started_at": started_at}
 
 
@@ -159,17 +178,28 @@ def section(r: dict) -> list[str]:
     lines = [f"## {r['workers']} workers", "",
              f"Measured from {r['started_at']:%Y-%m-%d %H:%M} UTC on {machine()}; "
              f"{TRIAL_STEPS}-step trials: "
-             f"`python bench/tuner_accuracy.py --workers {r['workers']}`; load average (1/5/15 min) "
+             f"`python bench/tuner_accuracy.py --workers {r['workers']}{''.join(' ' + o for o in r['overrides'])}`; "
+             "load average (1/5/15 min) "
              f"{format_load(r['load'][0])} before, {format_load(r['load'][1])} after.", "",
-             f"Speeds: {r['note']}.", "", verdict, "",
-             "| predicted rank | plan | predicted step (s) | measured step (s) | measured tokens/s |",
-             "|---:|---|---:|---:|---:|"]
+             f"Speeds: {r['note']}.", "", verdict, "", drift_line(r), "",
+             "| predicted rank | run order | plan | predicted step (s) | measured step (s) | measured tokens/s |",
+             "|---:|---:|---|---:|---:|---:|"]
     for t in r["grid"]:
         measured = f"{t.step_time_s:.3f} | {t.tokens_per_s:,.0f}" if t.status == "ok" else f"{t.status} | {t.error}"
-        lines.append(f"| {t.index} | {describe(t.candidate.plan)} | {t.candidate.predicted.total_s:.3f} | {measured} |")
+        lines.append(f"| {t.index} | {r['order'].index(t.index - 1) + 1} | {describe(t.candidate.plan)} | "
+                     f"{t.candidate.predicted.total_s:.3f} | {measured} |")
     lines += ["", f"Best measured: {describe(r['best'].candidate.plan)}, {r['best'].tokens_per_s:,.0f} tokens/s. "
               f"Grid, tuning and rematch took {r['wall_s']:.0f}s.", ""]
     return lines
+
+
+def drift_line(r: dict) -> str:
+    before, after = r["drift"]
+    if before is None or after is None:
+        return f"Drift: a reference trial failed ({before}, {after})."
+    return (f"Drift: the predicted-fastest plan took {before:.3f} s/step before the grid and {after:.3f} after it "
+            f"({after / before:.2f}x); the grid ran in a shuffled order (seed {SHUFFLE_SEED}), so a drift adds "
+            "noise instead of passing for a correct ranking.")
 
 
 def merged(existing: str, results: list[dict]) -> str:
@@ -190,16 +220,30 @@ def merged(existing: str, results: list[dict]) -> str:
     return "\n".join([HEADER, "", *(line for k in [*workers, *rest] for line in sections[k])]) + "\n"
 
 
+def measurements(r: dict) -> dict:
+    """One worker count's grid as data: each plan, its predicted parts and its measured step time."""
+    return {"started_at": f"{r['started_at']:%Y-%m-%d %H:%M} UTC", "speeds_note": r["note"],
+            "speeds": dataclasses.asdict(r["speeds"]), "drift_step_time_s": r["drift"], "run_order": r["order"],
+            "trials": [{"plan": t.candidate.plan.as_dict(), "predicted": t.candidate.predicted.as_dict(),
+                        "status": t.status, "error": t.error, "step_time_s": t.step_time_s,
+                        "tokens_per_s": t.tokens_per_s} for t in r["grid"]]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2])
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("overrides", nargs="*", help="config overrides narrowing the grid, e.g. tune.offload=[none]")
     args = parser.parse_args()
-    results = [run(w) for w in args.workers]
+    results = [run(w, args.overrides) for w in args.workers]
     print("\n".join(line for r in results for line in section(r)))
     if args.markdown:
         existing = args.markdown.read_text() if args.markdown.exists() else ""
         args.markdown.write_text(merged(existing, results))
+        raw_path = args.markdown.with_suffix(".json")
+        raw = json.loads(raw_path.read_text()) if raw_path.exists() else {}
+        raw.update({f"{r['workers']} workers": measurements(r) for r in results})
+        raw_path.write_text(json.dumps(raw, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":
