@@ -39,7 +39,7 @@ from plans.errors import OrchError
 
 _BANDWIDTH_ELEMENTS = 4 * 1024 * 1024  # 16 MB of fp32: large enough that latency is a few percent
 # Part of the cache key: a cache written by older probes is measured again, not misread.
-_PROBES_VERSION = 5
+_PROBES_VERSION = 6
 
 
 class CalibrationWorker:
@@ -322,6 +322,7 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         host_memory_gb_per_s=(min(c["host_gb_per_s"] for c in compute) if gpu else device_gb) * per_node,
         # GPUs launch asynchronously: the fixed cost of an op hides behind the kernels before it.
         op_overhead_s=0.0 if gpu else max(c["op_overhead_s"] for c in compute),
+        core_share=1.0 if gpu else min(c["share"] for c in compute),
         source="measured")
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = asdict(speeds)

@@ -8,7 +8,10 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
   operation (counted on ``meta`` too) times the operations of each micro-batch, which is why many
   small micro-batches are slower than few large ones where ops run synchronously (CPU workers).
 - **pipeline bubble**: 1F1B with ``m = grad_accum_steps`` micro-batches idles a fraction
-  ``(pp - 1) / m`` of the compute time.
+  ``(pp - 1) / m`` of the compute time, on devices of their own. Workers that time-share a CPU
+  node's cores (``Speeds.core_share`` < 1) lose less: a stage idle in the fill or drain gives its
+  cores to the busy ones, and cores sit idle only while fewer stages are busy than the cores can
+  serve (:func:`bubble_micro_batches`).
 - **tensor parallelism**: one all-reduce of a row-parallel layer's output in forward and one of a
   column-parallel layer's input gradient in backward (DeepSpeed AutoTP's ``RowParallel`` /
   ``ColumnParallel``), again in the recomputed forward; sizes read off the model on ``meta``.
@@ -72,6 +75,9 @@ class Speeds:
     op_overhead_s: float = 0.0
     """Fixed cost of one operation (kernel launch and dispatch). GPUs launch asynchronously and
     hide it behind long kernels (declared 0); CPU workers run every op synchronously."""
+    core_share: float = 1.0
+    """The share of a core each worker gets while all of its node's workers compute: 1 for GPUs and
+    for CPU nodes with a core per worker thread, 0.5 for 4 one-thread workers on 2 cores."""
     source: str = "declared"
     """'declared' (from the cluster config) or 'measured' (calibrated on the live cluster)."""
 
@@ -202,6 +208,20 @@ def _optimizer_bytes_per_param(optim: OptimSpec, precision: Precision) -> int:
     return 24 + 4 + low
 
 
+def bubble_micro_batches(pp: int, core_share: float) -> float:
+    """Micro-batch times a step loses to the pipeline's fill and drain.
+
+    In the fill, ``k`` of ``pp`` stages compute while the others wait (k = 1 .. pp-1), and the
+    drain mirrors it. On devices of their own each waiting stage idles its device, which adds up
+    to ``pp - 1`` micro-batch times. Workers sharing a node's cores (each gets ``core_share`` of a
+    core when all compute) are work-conserving instead: the waiting stages' cores go to the busy
+    ones, and only cores beyond the busy stages' workers idle, a fraction ``core_share - k / pp``
+    of the node's cores (none when it is below 0), for one micro-batch time at full speed
+    (``core_share`` of one at the shared rate). With ``core_share`` 1 this is ``pp - 1``.
+    """
+    return 2 * sum(max(0.0, core_share - k / pp) for k in range(1, pp))
+
+
 def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devices_per_node: int,
                  optim: OptimSpec) -> StepTime:
     """Seconds of one optimizer step of ``plan`` on the slowest device (see the module docstring)."""
@@ -216,7 +236,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     per_micro_s = (flops * mb / (tp * pp) / (speeds.tflops_at(mb * model.seq_len) * 1e12)
                    + ops / pp * speeds.op_overhead_s)
     compute_s = m * per_micro_s
-    bubble_s = (pp - 1) * per_micro_s
+    bubble_s = bubble_micro_batches(pp, speeds.core_share) * per_micro_s
 
     tp_comm_s = 0.0
     if tp > 1:

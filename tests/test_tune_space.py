@@ -161,6 +161,21 @@ def test_bubble_is_pp_minus_one_over_micro_batches():
     assert _step(_plan()).bubble_s == 0
 
 
+def test_workers_sharing_cores_lose_less_to_the_bubble():
+    from plans.cost_model import bubble_micro_batches
+
+    # Devices of their own: pp - 1 micro-batch times, whatever the layout.
+    assert [bubble_micro_batches(pp, 1.0) for pp in (1, 2, 4, 8)] == [0, 1, 3, 7]
+    # 4 workers on 2 cores, pp=2: the waiting stage's core goes to the busy one, nothing idles.
+    assert bubble_micro_batches(2, 0.5) == 0
+    # pp=4 on half a core each: a core idles only while one stage of four computes (k=1), in the
+    # fill and the drain, a quarter of the cores for half a micro-batch time each.
+    assert bubble_micro_batches(4, 0.5) == pytest.approx(0.5)
+    plan = _plan(dp=1, pp=4, grad_accum_steps=8)
+    shared = _step(plan, speeds=dataclasses.replace(SPEEDS, core_share=0.5))
+    assert shared.bubble_s / shared.compute_s == pytest.approx(0.5 / 8)
+
+
 def test_cost_model_monotonicity():
     base = _step(_plan())
     # Recomputation costs compute.
