@@ -4,7 +4,10 @@ The model is probed once on ``meta`` (parameters, FLOPs with and without recompu
 operations and communication sizes of a layer); every cluster size is then searched with the
 same probe, as ``orch tune`` does within one run. The first search also measures activations on
 ``meta`` (cached for the later ones), so it is reported apart. Times are absolute seconds on this
-machine and, for growth, relative to the 64-device search in the same process.
+machine and, for growth, relative to the 64-device search in the same process. The model's
+FLOPs are counted at two shallow depths and extrapolated (plans/depth_scaling.py); the
+benchmark also counts all 96 layers, as before that, and reports the ratio and whether the two
+counts agree.
 
     python bench/tuner_speed.py [--markdown bench/results/tuner_speed.md]
 """
@@ -25,6 +28,7 @@ from bench.harness import header, publish  # noqa: E402
 from conftest import compose_config  # noqa: E402
 from orchestrator.config import to_typed  # noqa: E402
 from orchestrator.tuning import prepare  # noqa: E402
+from plans.model_cost import measure_model_cost  # noqa: E402
 from plans.search_space import search  # noqa: E402
 
 NODES = [8, 32, 128, 512]  # x 8 devices: 64, 256, 1024, 4096
@@ -40,6 +44,13 @@ def main() -> None:
     space, ctx = prepare(cfg, model_cfg, cfg.cluster)
     probe_s = time.perf_counter() - started
     first = search(space, ctx)  # also measures activations on meta, cached for the rest
+    tp_degrees = sorted(ctx.model_cost.tp_param_count)
+    started = time.perf_counter()
+    scaled = measure_model_cost(ctx.probe, tp_degrees, depth_scaled=True)
+    scaled_s = time.perf_counter() - started
+    started = time.perf_counter()
+    full = measure_model_cost(ctx.probe, tp_degrees)
+    full_s = time.perf_counter() - started
     rows = []
     for nodes in NODES:
         cluster = dataclasses.replace(cfg.cluster, nodes=nodes)
@@ -54,7 +65,10 @@ def main() -> None:
     lines += [f"| {d} | {n} | {fit} | {s:.2f} | {s / base:.2f}x | {best} |" for d, n, fit, s, best in rows]
     publish([*header("Tuner speed: analytic `orch tune` for GPT-3 175B", sys.argv),
              f"Model probe on meta: {probe_s:.1f} s. First search (64 devices, measuring activations on meta "
-             f"as it goes): {first.seconds:.1f} s. Then, with those measurements cached:", "", *lines],
+             f"as it goes): {first.seconds:.1f} s. Of the probe, counting FLOPs at depths 2 and 4: "
+             f"{scaled_s:.1f} s, against {full_s:.1f} s counting all {full.n_layers} layers "
+             f"({scaled_s / full_s:.2f}x; the counts {'agree' if scaled == full else 'DIFFER'}).",
+             "", "Then, with those measurements cached:", "", *lines],
             args.markdown)
 
 if __name__ == "__main__":

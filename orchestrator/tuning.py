@@ -49,7 +49,8 @@ from plans.spec import Accelerator, Offload, ResumeMode
 from workloads.gpt import TP_LAYER_SPECS
 
 # Models above this many parameters get their activations measured at one micro-batch size and
-# scaled (plans.search_space.BatchScaledProbe); smaller ones are measured at every size, in ms.
+# scaled (plans.search_space.BatchScaledProbe), and their FLOPs counted at two shallow depths and
+# extrapolated (plans.depth_scaling); smaller ones are measured in full, in ms.
 _EXACT_PARAMS_LIMIT = 1_000_000_000
 
 
@@ -146,10 +147,11 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
     factory = model_factory(constructor_cfg)
     facts = inspect_model(factory, cfg.data.seq_len)
     check_model(dataclasses.replace(facts, supports_activation_checkpointing=True), cfg)
+    large = facts.param_count >= _EXACT_PARAMS_LIMIT
     probe = BatchScaledProbe(factory, cfg.data.seq_len,
                              tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs,
                              pipeline_layers=pipeline_layers_factory(constructor_cfg),
-                             exact_up_to=64 if facts.param_count < _EXACT_PARAMS_LIMIT else 1)
+                             exact_up_to=1 if large else 64)
     tp_degrees = [d for d in range(1, cluster.devices_per_node + 1) if cluster.devices_per_node % d == 0]
 
     @functools.cache
@@ -181,7 +183,8 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
                                tp_layer_specs=tp_layer_specs)
 
     ctx = SearchContext(cluster=cluster, train=cfg.train, optim=cfg.optim, probe=probe,
-                        model_cost=measure_model_cost(probe, tp_degrees), speeds=Speeds.declared(cluster),
+                        model_cost=measure_model_cost(probe, tp_degrees, depth_scaled=large),
+                        speeds=Speeds.declared(cluster),
                         build_config=ds_config, tp_problem=tp_problem, plan_problem=plan_problem)
     return _space(cfg, cluster.world_size, facts.supports_activation_checkpointing), ctx
 

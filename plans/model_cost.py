@@ -14,6 +14,7 @@ allocated; the model built once on meta is copied, not rebuilt.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import torch
@@ -22,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from plans.cost_model import ModelCost
+from plans.depth_scaling import SHALLOW_DEPTHS, extrapolate, repeated_stack, shallow_copy
 from plans.estimate import ModelProbe
 
 
@@ -71,9 +73,23 @@ def _checkpointed_pass(module: torch.nn.Module, seq_len: int) -> tuple[int, int]
     return int(counter.get_total_flops()), ops.ops
 
 
-def measure_model_cost(probe: ModelProbe, tp_degrees: list[int]) -> ModelCost:
-    """Count the model's FLOPs and communication sizes for one sample of ``probe.seq_len`` tokens."""
-    module = copy.deepcopy(probe.module)
+def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled: bool = False) -> ModelCost:
+    """Count the model's FLOPs and communication sizes for one sample of ``probe.seq_len`` tokens.
+
+    ``depth_scaled``: count copies of the model cut to two shallow depths and extrapolate to its
+    depth (:mod:`plans.depth_scaling`), when its repeated layers are identical.
+    """
+    stack = repeated_stack(probe.module) if depth_scaled else None
+    if stack is None:
+        return _count(probe, copy.deepcopy(probe.module), tp_degrees)
+    shallow, deeper = (_count(probe, shallow_copy(probe.module, d), tp_degrees) for d in SHALLOW_DEPTHS)
+    whole = extrapolate(shallow, deeper, len(stack), keep=("seq_len", "param_count", "boundary_per_sample"))
+    return dataclasses.replace(whole, n_layers=len(_repeated_layers(probe.module)))
+
+
+def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) -> ModelCost:
+    """:func:`measure_model_cost` of ``module``, a private copy of the probe's model (maybe cut short)."""
+    fresh = copy.deepcopy(module) if callable(getattr(module, "gradient_checkpointing_enable", None)) else None
     kinds = _tp_kinds(module, probe.tp_layer_specs)
     sizes = {"row_out": 0, "column_in": 0}
     layers = _repeated_layers(module)
@@ -108,8 +124,8 @@ def measure_model_cost(probe: ModelProbe, tp_degrees: list[int]) -> ModelCost:
             handle.remove()
     flops = int(counter.get_total_flops())
     checkpointed, checkpointed_ops = flops, op_counter.ops
-    if callable(getattr(probe.module, "gradient_checkpointing_enable", None)):
-        checkpointed, checkpointed_ops = _checkpointed_pass(copy.deepcopy(probe.module), probe.seq_len)
+    if fresh is not None:
+        checkpointed, checkpointed_ops = _checkpointed_pass(fresh, probe.seq_len)
     hidden = boundary[0] if boundary else 0
     return ModelCost(
         seq_len=probe.seq_len, flops_per_sample=flops, flops_per_sample_checkpointed=checkpointed,

@@ -242,6 +242,30 @@ def test_batch_scaled_probe_errs_towards_not_fitting():
                 assert 1.0 <= ratio < 1.25, (ckpt, micro, name, ratio)
 
 
+DEEP = {**SMALL, "n_layer": 12, "d_model": 64, "vocab_size": 512}
+
+
+def test_depth_scaled_counts_match_full_counts_of_a_deep_gpt():
+    """Counted at depths 2 and 4 and extrapolated to 12: the same FLOPs, kernel launches and
+    all-reduce sizes as counting all 12 layers."""
+    from plans.estimate import ModelProbe
+
+    probe = ModelProbe(model_factory(DEEP), 128, tp_layer_specs=TP_LAYER_SPECS)
+    assert measure_model_cost(probe, [1, 2], depth_scaled=True) == measure_model_cost(probe, [1, 2])
+
+
+def test_depth_scaling_counts_in_full_unless_the_layers_are_identical():
+    from plans.depth_scaling import repeated_stack, shallow_copy
+
+    with torch.device("meta"):
+        deep = model_factory(DEEP)()
+        shallow = model_factory(SMALL)()  # 2 layers: nothing to gain
+    assert repeated_stack(deep) is deep.blocks and repeated_stack(shallow) is None
+    assert len(shallow_copy(deep, 2).blocks) == 2 and len(deep.blocks) == 12  # the original is untouched
+    deep.blocks[5].mlp.fc = torch.nn.Linear(64, 128, device="meta")  # one layer differs
+    assert repeated_stack(deep) is None
+
+
 # --- the 175B search -----------------------------------------------------------------------------
 
 @pytest.mark.slow
