@@ -5,9 +5,9 @@ operations and communication sizes of a layer); every cluster size is then searc
 same probe, as ``orch tune`` does within one run. The first search also measures activations on
 ``meta`` (cached for the later ones), so it is reported apart. Times are absolute seconds on this
 machine and, for growth, relative to the 64-device search in the same process. The model's
-FLOPs are counted at two shallow depths and extrapolated (plans/depth_scaling.py); the
-benchmark also counts all 96 layers, as before that, and reports the ratio and whether the two
-counts agree.
+FLOPs and activations are counted at two shallow depths and extrapolated (plans/depth_scaling.py);
+the benchmark also counts all 96 layers, as before that, and reports the ratios and whether the
+two counts agree.
 
     python bench/tuner_speed.py [--markdown bench/results/tuner_speed.md]
 """
@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
@@ -28,6 +30,7 @@ from bench.harness import header, publish  # noqa: E402
 from conftest import compose_config  # noqa: E402
 from orchestrator.config import to_typed  # noqa: E402
 from orchestrator.tuning import prepare  # noqa: E402
+from plans.activations import measure_activations, measure_activations_depth_scaled  # noqa: E402
 from plans.model_cost import measure_model_cost  # noqa: E402
 from plans.search_space import search  # noqa: E402
 
@@ -51,6 +54,14 @@ def main() -> None:
     started = time.perf_counter()
     full = measure_model_cost(ctx.probe, tp_degrees)
     full_s = time.perf_counter() - started
+    activation_args = dict(micro_batch_size=1, seq_len=ctx.model_cost.seq_len, dtype=torch.bfloat16,
+                           checkpointing=True)
+    started = time.perf_counter()
+    scaled_act = measure_activations_depth_scaled(ctx.probe.module, **activation_args)
+    scaled_act_s = time.perf_counter() - started
+    started = time.perf_counter()
+    full_act = measure_activations(ctx.probe.module, **activation_args)
+    full_act_s = time.perf_counter() - started
     rows = []
     for nodes in NODES:
         cluster = dataclasses.replace(cfg.cluster, nodes=nodes)
@@ -67,7 +78,10 @@ def main() -> None:
              f"Model probe on meta: {probe_s:.1f} s. First search (64 devices, measuring activations on meta "
              f"as it goes): {first.seconds:.1f} s. Of the probe, counting FLOPs at depths 2 and 4: "
              f"{scaled_s:.1f} s, against {full_s:.1f} s counting all {full.n_layers} layers "
-             f"({scaled_s / full_s:.2f}x; the counts {'agree' if scaled == full else 'DIFFER'}).",
+             f"({scaled_s / full_s:.2f}x; the counts {'agree' if scaled == full else 'DIFFER'}). "
+             f"Of the first search, measuring the activations and peaks of one checkpointed bf16 sample the "
+             f"same way: {scaled_act_s:.1f} s, against {full_act_s:.1f} s at full depth "
+             f"({scaled_act_s / full_act_s:.2f}x; the measurements {'agree' if scaled_act == full_act else 'DIFFER'}).",
              "", "Then, with those measurements cached:", "", *lines],
             args.markdown)
 

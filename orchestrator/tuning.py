@@ -49,8 +49,8 @@ from plans.spec import Accelerator, Offload, ResumeMode
 from workloads.gpt import TP_LAYER_SPECS
 
 # Models above this many parameters get their activations measured at one micro-batch size and
-# scaled (plans.search_space.BatchScaledProbe), and their FLOPs counted at two shallow depths and
-# extrapolated (plans.depth_scaling); smaller ones are measured in full, in ms.
+# scaled (plans.search_space.BatchScaledProbe), and their FLOPs and activations counted at two
+# shallow depths and extrapolated (plans.depth_scaling); smaller ones are measured in full, in ms.
 _EXACT_PARAMS_LIMIT = 1_000_000_000
 
 
@@ -151,7 +151,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
     probe = BatchScaledProbe(factory, cfg.data.seq_len,
                              tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs,
                              pipeline_layers=pipeline_layers_factory(constructor_cfg),
-                             exact_up_to=1 if large else 64)
+                             exact_up_to=1 if large else 64, depth_scaled=large)
     tp_degrees = [d for d in range(1, cluster.devices_per_node + 1) if cluster.devices_per_node % d == 0]
 
     @functools.cache

@@ -11,6 +11,7 @@ kept as a cross-check of the measurement.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from plans.depth_scaling import SHALLOW_DEPTHS, PassTrace, extrapolate, peaks_at_depth, repeated_stack, shallow_copy
 
 ModelOrFactory = torch.nn.Module | Callable[[], torch.nn.Module]
 
@@ -183,6 +186,8 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.peak_with_grads = 0
         self.grads_at_peak = 0
+        self.trace: list[tuple[int, int]] | None = None
+        """(current, grads) after every allocation, when a caller asks for them."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -202,6 +207,8 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.current)
         if self.current + self.grads > self.peak_with_grads:
             self.peak_with_grads, self.grads_at_peak = self.current + self.grads, self.grads
+        if self.trace is not None:
+            self.trace.append((self.current, self.grads))
 
     def _freed(self, key: int) -> None:
         self.current -= self._sizes.pop(key, 0)
@@ -211,11 +218,40 @@ class _LiveBytes(TorchDispatchMode):
         param.grad = None
 
 
-def _live_peaks(module: torch.nn.Module, micro_batch_size: int, seq_len: int) -> tuple[int, _LiveBytes]:
-    """Run forward, loss and backward on meta; the forward's peak and the tracker after backward."""
+def _live_peaks(module: torch.nn.Module, micro_batch_size: int, seq_len: int,
+                trace: bool = False) -> tuple[int, _LiveBytes, PassTrace | None]:
+    """Run forward, loss and backward on meta; the forward's peak, the tracker after backward and,
+    with ``trace``, the live bytes after every allocation with each repeated layer's part."""
     parameters = [p for p in module.parameters() if p.requires_grad]
     live = _LiveBytes(list(module.parameters()))
     handles = [p.register_post_accumulate_grad_hook(live.grad_ready) for p in parameters]
+    layers = _checkpoint_units(module)
+    forward_marks = [[0, 0] for _ in layers]
+    backward_marks = [[0, 0] for _ in layers]
+    forward_done = False
+    if trace:
+        live.trace = []
+
+        def mark(marks: list[int], at: int):
+            def hook(_grad):
+                marks[at] = len(live.trace)
+            return hook
+
+        for k, layer in enumerate(layers):
+            def enter(_mod, args, k=k):
+                # Also called when a checkpointed layer is recomputed in backward: marked once.
+                if not forward_done:
+                    forward_marks[k][0] = len(live.trace)
+                    if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                        args[0].register_hook(mark(backward_marks[k], 1))
+
+            def leave(_mod, _args, output, k=k):
+                if not forward_done:
+                    forward_marks[k][1] = len(live.trace)
+                    if isinstance(output, torch.Tensor) and output.requires_grad:
+                        output.register_hook(mark(backward_marks[k], 0))
+
+            handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
     input_ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
     targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
     try:
@@ -224,6 +260,8 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, seq_len: int) ->
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
             del logits
             forward_peak = live.peak
+            forward_done = True
+            forward_end = len(live.trace) if trace else 0
             # The engine is called directly: ``loss.backward()`` and ``torch.autograd.backward`` are
             # themselves torch functions, so the flash-attention mode would be popped for their
             # whole duration and a checkpointed layer would be recomputed on the math path.
@@ -232,7 +270,11 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, seq_len: int) ->
     finally:
         for handle in handles:
             handle.remove()
-    return forward_peak, live
+    if not trace:
+        return forward_peak, live, None
+    return forward_peak, live, PassTrace(values=live.trace, forward_end=forward_end,
+                                         forward=[tuple(m) for m in forward_marks],
+                                         backward=[tuple(m) for m in backward_marks])
 
 
 def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: int, seq_len: int,
@@ -248,20 +290,45 @@ def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: 
     during backward. A checkpointing model without ModuleLists is charged its whole difference
     as recompute, which is an upper bound.
     """
+    return _measure_pass(factory_or_module, micro_batch_size, seq_len, dtype, checkpointing)[0]
+
+
+def measure_activations_depth_scaled(module: torch.nn.Module, *, micro_batch_size: int, seq_len: int,
+                                     dtype: torch.dtype, checkpointing: bool) -> ActivationBytes:
+    """:func:`measure_activations` of a deep model from copies cut to two shallow depths.
+
+    The saved bytes are sums over the layers and extrapolate along a line; the peaks come from
+    the two passes' traces (:func:`plans.depth_scaling.peaks_at_depth`). Counts the full depth
+    when the model has no single stack of identical layers or a trace breaks the pattern.
+    """
+    stack = repeated_stack(module)
+    if stack is not None:
+        (shallow, shallow_trace), (deeper, deeper_trace) = (
+            _measure_pass(shallow_copy(module, d), micro_batch_size, seq_len, dtype, checkpointing, trace=True)
+            for d in SHALLOW_DEPTHS)
+        peaks = peaks_at_depth(shallow_trace, deeper_trace, len(stack))
+        if peaks is not None:
+            return dataclasses.replace(extrapolate(shallow, deeper, len(stack)), **dataclasses.asdict(peaks))
+    return measure_activations(module, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
+                               checkpointing=checkpointing)
+
+
+def _measure_pass(factory_or_module: ModelOrFactory, micro_batch_size: int, seq_len: int, dtype: torch.dtype,
+                  checkpointing: bool, trace: bool = False) -> tuple[ActivationBytes, PassTrace | None]:
     plain = _measure(_build_on_meta(factory_or_module, dtype), micro_batch_size, seq_len)
     module = _build_on_meta(factory_or_module, dtype)
     if checkpointing:
         _enable_checkpointing(module)
-    forward_peak, live = _live_peaks(module, micro_batch_size, seq_len)
+    forward_peak, live, pass_trace = _live_peaks(module, micro_batch_size, seq_len, trace=trace)
     peaks = dict(forward_peak=forward_peak, backward_peak=live.peak, backward_peak_with_grads=live.peak_with_grads,
                  grads_at_backward_peak=live.grads_at_peak)
     if not checkpointing:
-        return ActivationBytes(saved=plain.total, recompute_peak=0, **peaks)
+        return ActivationBytes(saved=plain.total, recompute_peak=0, **peaks), pass_trace
     checkpointed_module = _build_on_meta(factory_or_module, dtype)
     _enable_checkpointing(checkpointed_module)
     checkpointed = _measure(checkpointed_module, micro_batch_size, seq_len)
     recompute = max(plain.by_layer.values(), default=plain.total - checkpointed.total)
-    return ActivationBytes(saved=checkpointed.total, recompute_peak=recompute, **peaks)
+    return ActivationBytes(saved=checkpointed.total, recompute_peak=recompute, **peaks), pass_trace
 
 
 def _enable_checkpointing(module: torch.nn.Module) -> None:

@@ -2,20 +2,21 @@
 
 A transformer is an embedding, N identical blocks and a head. What the cost model counts on
 ``meta`` (FLOPs, kernel launches, the tensor-parallel all-reduce sizes, modules with parameters)
-is a sum over the blocks, so it is affine in N:
+and the bytes autograd saves are sums over the blocks, so they are affine in N:
 ``v(N) = v(d2) + (v(d2) - v(d1)) * (N - d2) / (d2 - d1)``, exact when the blocks are identical
-(:func:`repeated_stack` checks). Counting GPT-3 175B's 96 blocks on ``meta`` takes seconds per
-pass; at depths 2 and 4 a fraction of one. The tuner does this for models above a billion
-parameters. Activation peaks are not extrapolated: a peak is a maximum over a pass, and the event
-that holds it moves as the model deepens (measured: a 175B GPT's checkpointed backward peak
-extrapolated from depths 2 and 4 came out at half its full count), so a straight line through two
-shallow peaks can fall below the real one.
+(:func:`repeated_stack` checks). A memory peak is a maximum, not a sum, and the event that holds
+it moves as the model deepens (GPT-3 175B's checkpointed backward peak, extrapolated as a line,
+came out at half its full count): :func:`peaks_at_depth` extrapolates every event of the two
+shallow passes instead and takes the maximum at the real depth. Counting 175B's 96 blocks on
+``meta`` takes seconds per pass, at depths 2 and 4 a fraction of one; the tuner does this for
+models above a billion parameters, and ``tests/test_tune_space.py`` checks it against full counts.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections import OrderedDict
 from typing import TypeVar
 
@@ -79,3 +80,87 @@ def extrapolate(shallow: T, deeper: T, depth: int, *, keep: tuple[str, ...] = ()
             continue
         values[field.name] = b - (-(b - a) * (depth - d2) // (d2 - d1))
     return dataclasses.replace(deeper, **values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PassTrace:
+    """Live bytes through one forward and backward on ``meta``, and where each layer's part is.
+
+    ``values`` holds (activation bytes, parameter-gradient bytes held) after every allocation,
+    the only moments a peak can be reached. ``forward[k]`` and ``backward[k]`` are the
+    [start, stop) of the repeated layer k's forward and backward in ``values``; ``forward_end``
+    is where the loss has been computed.
+    """
+
+    values: list[tuple[int, int]]
+    forward_end: int
+    forward: list[tuple[int, int]]
+    backward: list[tuple[int, int]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Peaks:
+    forward_peak: int
+    backward_peak: int
+    backward_peak_with_grads: int
+    grads_at_backward_peak: int
+
+
+def _segments(trace: PassTrace) -> dict[str, list[tuple[int, int]]] | None:
+    """The trace cut into the parts around the layers, or None when the layers' parts are not
+    contiguous and of one length each (then the layers do not run the same operations)."""
+    fwd, bwd, n = trace.forward, trace.backward, len(trace.values)
+    lengths = {stop - start for start, stop in fwd}, {stop - start for start, stop in bwd}
+    contiguous = all(fwd[k][1] == fwd[k + 1][0] for k in range(len(fwd) - 1)) and \
+        all(bwd[k + 1][1] == bwd[k][0] for k in range(len(bwd) - 1))
+    ordered = 0 <= fwd[0][0] and fwd[-1][1] <= trace.forward_end <= bwd[-1][0] and bwd[0][1] <= n
+    if len(lengths[0]) != 1 or len(lengths[1]) != 1 or not contiguous or not ordered:
+        return None
+    v = trace.values
+    return {"before": v[:fwd[0][0]], "head forward": v[fwd[-1][1]:trace.forward_end],
+            "head backward": v[trace.forward_end:bwd[-1][0]], "after": v[bwd[0][1]:],
+            **{f"forward {k}": v[a:b] for k, (a, b) in enumerate(fwd)},
+            **{f"backward {k}": v[a:b] for k, (a, b) in enumerate(bwd)}}
+
+
+def _line(a: list[tuple[int, int]], b: list[tuple[int, int]], steps: float) -> list[tuple[int, int]]:
+    """Each event of ``b`` moved ``steps`` times its difference from ``a``'s, rounded up."""
+    return [(cb + math.ceil((cb - ca) * steps), gb + math.ceil((gb - ga) * steps))
+            for (ca, ga), (cb, gb) in zip(a, b, strict=True)]
+
+
+def _follows_line(parts: list[list[tuple[int, int]]]) -> bool:
+    """Whether the layers' parts differ event by event by the same amount from one to the next."""
+    return all(_line(parts[0], parts[1], k - 1) == parts[k] for k in range(2, len(parts)))
+
+
+def peaks_at_depth(shallow: PassTrace, deeper: PassTrace, depth: int) -> Peaks | None:
+    """The peaks of a pass through ``depth`` layers, from passes through :data:`SHALLOW_DEPTHS`.
+
+    Every event's bytes are affine in its layer's index and in the depth: a forward event of
+    layer k holds what the k layers before it saved; a backward event of layer k holds what the
+    layers below it saved and the gradients of those above it. Over the layers the maximum is
+    then at the first or the last one; those, like the parts before and after the layers, move
+    along a line as the model deepens. None when a trace breaks that pattern (then the caller
+    counts the full depth).
+    """
+    d1, d2 = SHALLOW_DEPTHS
+    a, b = _segments(shallow), _segments(deeper)
+    if a is None or b is None or any(len(a[p]) != len(b[p]) for p in
+                                     ("before", "head forward", "head backward", "after", "forward 0", "backward 0")):
+        return None
+    forward_layers = [b[f"forward {k}"] for k in range(d2)]
+    backward_layers = [b[f"backward {k}"] for k in range(d2)]
+    if not (_follows_line(forward_layers) and _follows_line(backward_layers)):
+        return None
+    deepen = (depth - d2) / (d2 - d1)
+    forward = [*b["before"], *forward_layers[0], *_line(forward_layers[0], forward_layers[1], depth - 2),
+               *_line(a["head forward"], b["head forward"], deepen)]
+    backward = [*_line(a["head backward"], b["head backward"], deepen),
+                *_line(a[f"backward {d1 - 1}"], b[f"backward {d2 - 1}"], deepen),
+                *_line(a["backward 0"], b["backward 0"], deepen),
+                *_line(a["after"], b["after"], deepen)]
+    events = forward + backward
+    with_grads = max(events, key=lambda e: e[0] + e[1])
+    return Peaks(forward_peak=max(c for c, _ in forward), backward_peak=max(c for c, _ in events),
+                 backward_peak_with_grads=with_grads[0] + with_grads[1], grads_at_backward_peak=with_grads[1])

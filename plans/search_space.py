@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from plans.activations import ActivationBytes, measure_activations
+from plans.activations import ActivationBytes, measure_activations, measure_activations_depth_scaled
 from plans.cost_model import ModelCost, Speeds, StepTime, predict_step
 from plans.errors import PlanError
 from plans.estimate import _DTYPE, ModelProbe, PlanEstimate, estimate_plan
@@ -127,9 +127,11 @@ class BatchScaledProbe(ModelProbe):
     (tests/test_tune_space.py measures how far).
     """
 
-    def __init__(self, *args, exact_up_to: int = 2, **kwargs):
+    def __init__(self, *args, exact_up_to: int = 2, depth_scaled: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.exact_up_to = max(exact_up_to, 1)
+        self.depth_scaled = depth_scaled
+        """Measure on copies cut to two shallow depths and extrapolate (plans.depth_scaling)."""
 
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
                  tp: int = 1) -> ActivationBytes:
@@ -140,8 +142,9 @@ class BatchScaledProbe(ModelProbe):
         if micro_batch_size <= self.exact_up_to:
             if tp > 1:
                 return super()._measure(micro_batch_size, precision, checkpointing, tp)
-            return measure_activations(self.module, micro_batch_size=micro_batch_size, seq_len=self.seq_len,
-                                       dtype=_DTYPE[precision], checkpointing=checkpointing)
+            measure = measure_activations_depth_scaled if self.depth_scaled else measure_activations
+            return measure(self.module, micro_batch_size=micro_batch_size, seq_len=self.seq_len,
+                           dtype=_DTYPE[precision], checkpointing=checkpointing)
         m2 = 1 << (self.exact_up_to.bit_length() - 1)  # the largest power of two measured exactly
         high = self._activations(m2, precision, checkpointing, tp)
         low = self._activations(m2 // 2, precision, checkpointing, tp) if m2 > 1 else None

@@ -254,6 +254,28 @@ def test_depth_scaled_counts_match_full_counts_of_a_deep_gpt():
     assert measure_model_cost(probe, [1, 2], depth_scaled=True) == measure_model_cost(probe, [1, 2])
 
 
+@pytest.mark.parametrize("shape", [{}, {"d_model": 256, "seq_len": 16}, {"n_layer": 9, "tie_embeddings": False}],
+                         ids=["activations dominate", "gradients dominate", "untied head"])
+def test_depth_scaled_activations_match_a_full_measurement(shape, monkeypatch):
+    """Peaks included: with gradients larger than a layer's activations the peak with gradients
+    held moves from the start of backward to its end as the model deepens, and must still match."""
+    from plans import activations
+
+    cfg = {**DEEP, **shape}
+    with torch.device("meta"):
+        module = model_factory(cfg)()
+    cases = [dict(micro_batch_size=micro, seq_len=cfg["seq_len"], dtype=dtype, checkpointing=ckpt)
+             for ckpt in (False, True) for dtype in (torch.float32, torch.bfloat16) for micro in (1, 2)]
+    full = [measure_activations(module, **kwargs) for kwargs in cases]
+
+    def no_full_count(*_args, **_kwargs):
+        raise AssertionError("fell back to counting the full depth")
+
+    monkeypatch.setattr(activations, "measure_activations", no_full_count)
+    for kwargs, expected in zip(cases, full, strict=True):
+        assert activations.measure_activations_depth_scaled(module, **kwargs) == expected, kwargs
+
+
 def test_depth_scaling_counts_in_full_unless_the_layers_are_identical():
     from plans.depth_scaling import repeated_stack, shallow_copy
 
