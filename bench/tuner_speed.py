@@ -38,6 +38,13 @@ NODES = [8, 32, 128, 512]  # x 8 devices: 64, 256, 1024, 4096
 OVERRIDES = ["model=gpt3_175b", "cluster=a100_8x", "plan.precision=bf16", "train.global_batch_size=1536"]
 
 
+def _timed(fn, *args, **kwargs):
+    """``fn``'s result and the seconds it took."""
+    started = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", type=Path, help="also write the table here")
@@ -48,20 +55,12 @@ def main() -> None:
     probe_s = time.perf_counter() - started
     first = search(space, ctx)  # also measures activations on meta, cached for the rest
     tp_degrees = sorted(ctx.model_cost.tp_param_count)
-    started = time.perf_counter()
-    scaled = measure_model_cost(ctx.probe, tp_degrees, depth_scaled=True)
-    scaled_s = time.perf_counter() - started
-    started = time.perf_counter()
-    full = measure_model_cost(ctx.probe, tp_degrees)
-    full_s = time.perf_counter() - started
+    scaled, scaled_s = _timed(measure_model_cost, ctx.probe, tp_degrees, depth_scaled=True)
+    full, full_s = _timed(measure_model_cost, ctx.probe, tp_degrees)
     activation_args = dict(micro_batch_size=1, seq_len=ctx.model_cost.seq_len, dtype=torch.bfloat16,
                            checkpointing=True)
-    started = time.perf_counter()
-    scaled_act = measure_activations_depth_scaled(ctx.probe.module, **activation_args)
-    scaled_act_s = time.perf_counter() - started
-    started = time.perf_counter()
-    full_act = measure_activations(ctx.probe.module, **activation_args)
-    full_act_s = time.perf_counter() - started
+    scaled_act, scaled_act_s = _timed(measure_activations_depth_scaled, ctx.probe.module, **activation_args)
+    full_act, full_act_s = _timed(measure_activations, ctx.probe.module, **activation_args)
     rows = []
     for nodes in NODES:
         cluster = dataclasses.replace(cfg.cluster, nodes=nodes)

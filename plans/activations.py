@@ -304,7 +304,7 @@ def measure_activations_depth_scaled(module: torch.nn.Module, *, micro_batch_siz
     stack = repeated_stack(module)
     if stack is not None:
         (shallow, shallow_trace), (deeper, deeper_trace) = (
-            _measure_pass(shallow_copy(module, d), micro_batch_size, seq_len, dtype, checkpointing, trace=True)
+            _measure_pass(shallow_copy(module, stack, d), micro_batch_size, seq_len, dtype, checkpointing, trace=True)
             for d in SHALLOW_DEPTHS)
         peaks = peaks_at_depth(shallow_trace, deeper_trace, len(stack))
         if peaks is not None:

@@ -50,14 +50,12 @@ def repeated_stack(module: torch.nn.Module) -> torch.nn.ModuleList | None:
     return stacks[0]
 
 
-def shallow_copy(module: torch.nn.Module, depth: int) -> torch.nn.Module:
-    """A deep copy of ``module`` whose repeated stack holds only its first ``depth`` layers.
+def shallow_copy(module: torch.nn.Module, stack: torch.nn.ModuleList, depth: int) -> torch.nn.Module:
+    """A deep copy of ``module`` whose ``stack`` (its :func:`repeated_stack`) holds only its first
+    ``depth`` layers.
 
     The other layers are left out before copying, so a 96-layer model copies two or four.
     """
-    stack = repeated_stack(module)
-    if stack is None:
-        raise ValueError(f"{type(module).__name__} has no single stack of identical layers to cut")
     layers = stack._modules
     stack._modules = OrderedDict(list(layers.items())[:depth])
     try:

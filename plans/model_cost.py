@@ -14,7 +14,6 @@ allocated; the model built once on meta is copied, not rebuilt.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import re
 
 import torch
@@ -82,9 +81,8 @@ def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled
     stack = repeated_stack(probe.module) if depth_scaled else None
     if stack is None:
         return _count(probe, copy.deepcopy(probe.module), tp_degrees)
-    shallow, deeper = (_count(probe, shallow_copy(probe.module, d), tp_degrees) for d in SHALLOW_DEPTHS)
-    whole = extrapolate(shallow, deeper, len(stack), keep=("seq_len", "param_count", "boundary_per_sample"))
-    return dataclasses.replace(whole, n_layers=len(_repeated_layers(probe.module)))
+    shallow, deeper = (_count(probe, shallow_copy(probe.module, stack, d), tp_degrees) for d in SHALLOW_DEPTHS)
+    return extrapolate(shallow, deeper, len(stack), keep=("seq_len", "param_count", "boundary_per_sample"))
 
 
 def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) -> ModelCost:

@@ -283,7 +283,7 @@ def test_depth_scaling_counts_in_full_unless_the_layers_are_identical():
         deep = model_factory(DEEP)()
         shallow = model_factory(SMALL)()  # 2 layers: nothing to gain
     assert repeated_stack(deep) is deep.blocks and repeated_stack(shallow) is None
-    assert len(shallow_copy(deep, 2).blocks) == 2 and len(deep.blocks) == 12  # the original is untouched
+    assert len(shallow_copy(deep, deep.blocks, 2).blocks) == 2 and len(deep.blocks) == 12  # the original is untouched
     deep.blocks[5].mlp.fc = torch.nn.Linear(64, 128, device="meta")  # one layer differs
     assert repeated_stack(deep) is None
 
