@@ -107,6 +107,27 @@ def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = Non
     return check_plan(plan, cluster, cfg.optim, probe, ds_config), facts
 
 
+# The top-level keys of `orch check --json`; tools read these names, so they only ever grow.
+# ``per_device`` and every entry of ``stages`` hold plans.estimate.DEVICE_JSON_KEYS.
+CHECK_JSON_KEYS = ("feasible", "world_size", "plan", "model", "per_device", "per_node_host", "stages",
+                   "pipeline", "phases", "violations", "suggestions", "cluster", "placement")
+CLUSTER_JSON_KEYS = ("source", "notes", "nodes", "devices_per_node", "device_memory_gib", "host_memory_gib")
+
+
+def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) -> dict:
+    """The `orch check --json` document: the estimate (:meth:`PlanEstimate.as_json`), the cluster
+    it was planned for (``source``: live or declared) and the rank placement.
+
+    Every value is a plain JSON type (``json.dumps`` needs no ``default=``)."""
+    doc = estimate.as_json()
+    doc["cluster"] = {"source": "live" if cluster.address and cluster.discover else "declared",
+                      "notes": list(notes), "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
+                      "device_memory_gib": cluster.device_memory_gib, "host_memory_gib": cluster.host_memory_gib}
+    plan = estimate.plan
+    doc["placement"] = rank_layout(plan.world_size, cluster.devices_per_node, plan.tp, plan.pp)
+    return doc
+
+
 def _fmt(n: int) -> str:
     if n >= GIB:
         return f"{n / GIB:10.2f} GiB"

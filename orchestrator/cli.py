@@ -6,6 +6,7 @@ and ``--help`` all behave as in any Hydra app.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -62,27 +63,27 @@ def train_app(cfg: DictConfig) -> None:
 _OPTIONS: dict = {"json": False, "run_id": None, "out": None}
 
 
+def _stdout_for_json_only() -> contextlib.AbstractContextManager:
+    """With --json, stdout carries the JSON document only: whatever the libraries print meanwhile
+    (DeepSpeed's logger writes to stdout when the pipeline partitioner imports it) and the tuning
+    trials' progress go to stderr."""
+    return contextlib.redirect_stdout(sys.stderr) if _OPTIONS["json"] else contextlib.nullcontext()
+
+
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def check_app(cfg: DictConfig) -> None:
     import json
 
-    from launchers.placement import rank_layout
-    from orchestrator.checking import check_run, live_cluster, render
+    from orchestrator.checking import check_document, check_run, live_cluster, render
 
     try:
         typed, model_cfg, _ = to_typed(cfg)
-        with live_cluster(typed) as (cluster, notes):
+        with _stdout_for_json_only(), live_cluster(typed) as (cluster, notes):
             estimate, _ = check_run(typed, model_cfg, cluster)
     except OrchError as error:
         _fail(error)
     if _OPTIONS["json"]:
-        doc = estimate.as_json()
-        doc["cluster"] = {"source": "live" if cluster.address and cluster.discover else "declared",
-                          "notes": notes, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
-                          "device_memory_gib": cluster.device_memory_gib, "host_memory_gib": cluster.host_memory_gib}
-        plan = estimate.plan
-        doc["placement"] = rank_layout(plan.world_size, cluster.devices_per_node, plan.tp, plan.pp)
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(check_document(estimate, cluster, notes), indent=2))
     else:
         print(render(estimate, cluster, notes))
     if not estimate.feasible:
@@ -91,17 +92,12 @@ def check_app(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def tune_app(cfg: DictConfig) -> None:
-    import contextlib
-
     from orchestrator.tuning import render, to_json_text, tune
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    # With --json, stdout carries the JSON document only: whatever the libraries print while
-    # tuning (DeepSpeed's logger writes to stdout) and the trials' progress go to stderr.
-    quiet = contextlib.redirect_stdout(sys.stderr) if _OPTIONS["json"] else contextlib.nullcontext()
     try:
         typed, model_cfg, _ = to_typed(cfg)
-        with quiet:
+        with _stdout_for_json_only():
             result = tune(typed, model_cfg)
     except OrchError as error:
         _fail(error)

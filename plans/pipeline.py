@@ -101,7 +101,14 @@ def measure_pipeline_layers(specs: list, *, micro_batch_size: int, seq_len: int,
 
 
 def partition(layers: list[PipelineLayer], pp: int, method: str) -> list[int]:
-    """Stage boundaries (``pp + 1`` layer indices), as DeepSpeed's ``PipelineModule._partition_layers``."""
+    """Stage boundaries (``pp + 1`` layer indices), as DeepSpeed's ``PipelineModule._partition_layers``.
+
+    Plain ints: DeepSpeed's ``partition_balanced`` returns numpy integers, which would reach the
+    stages' ``start``/``stop`` and from there every JSON document (`orch check --json`, MLflow)."""
+    return [int(bound) for bound in _deepspeed_partition(layers, pp, method)]
+
+
+def _deepspeed_partition(layers: list[PipelineLayer], pp: int, method: str) -> list:
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
     if method == "uniform":
