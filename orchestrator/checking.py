@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from launchers.ds_config import build_ds_config
 from launchers.placement import rank_layout
 from orchestrator.config import RunConfig
+from orchestrator.inputs import check_inputs, validated_plan
 from orchestrator.models import PIPELINE_LAYERS_METHOD, model_factory, pipeline_layers_factory, split_model_config
 from plans.cluster_facts import reconcile
 from plans.errors import PlanError, Violation
 from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
 from plans.model_facts import ModelFacts, inspect_model
-from plans.resolve import ResolvedPlan, resolve_plan
+from plans.resolve import ResolvedPlan
 from plans.spec import ClusterSpec
 from workloads.corpus import BYTE_VOCAB
 from workloads.gpt import TP_LAYER_SPECS
@@ -74,6 +75,7 @@ def live_cluster(cfg: RunConfig) -> Iterator[tuple[ClusterSpec, list[str]]]:
     from launchers.discovery import discover_nodes
     from launchers.ray_session import ray_session
 
+    check_inputs(cfg)  # before connecting: the connection itself uses cluster.* values
     with ray_session(cfg.cluster.address):
         nodes = discover_nodes(timeout_s=cfg.cluster.wait_s)
         cluster, violations, notes = reconcile(cfg.cluster, nodes)
@@ -89,10 +91,11 @@ def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = Non
     ``cluster`` is what :func:`live_cluster` found; the declared ``cfg.cluster`` by default.
     """
     cluster = cluster or cfg.cluster
-    plan = resolve_plan(cfg.plan, cluster, cfg.train)
+    plan = validated_plan(cfg, cluster)
     constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
     factory = model_factory(constructor_cfg)
-    facts = inspect_model(factory, cfg.data.seq_len)  # the model's contract, before any arithmetic on it
+    # The model's contract, before any arithmetic on it.
+    facts = inspect_model(factory, cfg.data.seq_len, arguments=constructor_cfg)
     check_model(facts, cfg)
     probe = ModelProbe(factory, cfg.data.seq_len,
                        tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs,

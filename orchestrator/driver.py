@@ -33,6 +33,7 @@ from launchers.worker_group import (
 )
 from orchestrator.checking import check_run, live_cluster
 from orchestrator.config import RunConfig
+from orchestrator.inputs import corpus_fits_plan
 from orchestrator.models import model_factory, pipeline_layers_factory, split_model_config
 from orchestrator.progress import Progress
 from orchestrator.startup import StartupClock
@@ -106,6 +107,7 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
         print(f"note: {note}", file=sys.stderr)
     estimate, facts = check_run(cfg, model_cfg, cluster)
     plan = estimate.plan
+    corpus_fits_plan(cfg.data, plan)
     if not estimate.feasible:
         if not cfg.plan.force:
             raise PlanError(_with_suggestions(estimate))

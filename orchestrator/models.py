@@ -6,12 +6,23 @@ import functools
 from collections.abc import Callable
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 
 
 def build_model(model_cfg: dict) -> torch.nn.Module:
-    """Instantiate the model config's ``_target_`` (on meta in the driver, for real in workers)."""
-    return instantiate(model_cfg, _convert_="all")
+    """Instantiate the model config's ``_target_`` (on meta in the driver, for real in workers).
+
+    The model's own exception is raised as it is, not inside Hydra's InstantiationException,
+    whose message repeats the target around it: the planner reports the model's message as the
+    reason a config is refused.
+    """
+    try:
+        return instantiate(model_cfg, _convert_="all")
+    except InstantiationException as error:
+        if isinstance(error.__cause__, Exception):
+            raise error.__cause__ from None
+        raise
 
 
 def model_factory(model_cfg: dict) -> Callable[[], torch.nn.Module]:

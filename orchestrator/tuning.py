@@ -27,6 +27,7 @@ import conf
 from launchers.ds_config import build_ds_config
 from orchestrator.checking import check_model, check_pipeline, live_cluster
 from orchestrator.config import RunConfig
+from orchestrator.inputs import check_inputs
 from orchestrator.models import build_model, model_factory, pipeline_layers_factory, split_model_config
 from plans.cost_model import Speeds
 from plans.errors import OrchError, PlanError, Violation
@@ -145,7 +146,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
     """The search space and everything fixed during the search (the model probed once)."""
     constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
     factory = model_factory(constructor_cfg)
-    facts = inspect_model(factory, cfg.data.seq_len)
+    facts = inspect_model(factory, cfg.data.seq_len, arguments=constructor_cfg)
     check_model(dataclasses.replace(facts, supports_activation_checkpointing=True), cfg)
     large = facts.param_count >= _EXACT_PARAMS_LIMIT
     probe = BatchScaledProbe(factory, cfg.data.seq_len,
@@ -221,6 +222,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
     """Search, optionally calibrate and run trials, and write the winner; see the module docstring."""
     out = out or sys.stdout
     err = err or sys.stderr
+    check_inputs(cfg)
     with ExitStack() as stack:
         cluster, notes = stack.enter_context(live_cluster(cfg))
         for note in notes:
