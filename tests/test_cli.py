@@ -27,6 +27,21 @@ def test_bad_plan_is_refused_before_anything_starts(tmp_path):
     assert not (tmp_path / "mlflow.db").exists(), "no run may be tracked for a refused plan"
 
 
+def test_bad_values_and_paths_are_refused_together_before_ray_or_mlflow(tmp_path):
+    (tmp_path / "ckpt").write_text("a file where the checkpoints would go")
+    done = orch("train", "data.path=missing.txt", "train.hang_timeout_s=-1", "train.checkpoint_dir=ckpt",
+                "train.checkpoint_every=5", "model.n_layer=0", "plan.dp=3", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    for named in ("data.path='missing.txt'", "train.hang_timeout_s=-1.0", "train.checkpoint_dir='ckpt'", "plan.dp=3"):
+        assert named in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "Started a local Ray instance" not in done.stderr + done.stdout and not (tmp_path / "mlflow.db").exists()
+    # The model is probed once the declared values are valid: its own refusal exits 2 as well.
+    done = orch("train", "model.n_layer=0", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and "model.n_layer=0: workloads.gpt.GPT refused its arguments" in done.stderr
+    assert not (tmp_path / "mlflow.db").exists()
+
+
 def test_unknown_command_and_help(tmp_path):
     assert orch("--help", cwd=tmp_path).stdout.startswith("usage: orch <command>")
     done = orch("trian", cwd=tmp_path)
