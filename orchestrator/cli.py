@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launchers.ray_auth import use_token_auth_if_available
 from orchestrator.config import register_configs, to_typed
+from orchestrator.exits import EXIT_USAGE, exit_code, run_command
 from plans.errors import OrchError
 
 register_configs()
@@ -30,21 +31,16 @@ commands:
   runs     list recent runs of tracking.experiment
   report   RUN_ID [--out DIR]: summary of a run and its plots (loss, throughput, memory)
 
-`check` exits 0 when the plan fits, 1 when it does not, 2 on invalid input.
+exit codes: 0 success; 1 the plan does not fit (check), training failed, or an internal error
+(its traceback goes to a log file whose path is printed); 2 invalid input (config, plan, paths).
+--verbose prints tracebacks (as HYDRA_FULL_ERROR=1 does).
 Overrides are Hydra's: key=value, group=option, --multirun a=1,2. See README.md.
 """
 
-# Exit code for a run refused because of the user's input (plan, config).
-EXIT_USAGE = 2
-
 
 def _fail(error: OrchError) -> None:
-    from launchers.worker_group import WorkerDiedError, WorkerFailedError, WorkerHangError
-
     print(f"error: {error}", file=sys.stderr)
-    # A failure inside training is not the user's input: exit 1, as a crashed script would.
-    runtime = (WorkerFailedError, WorkerHangError, WorkerDiedError)
-    sys.exit(1 if isinstance(error, runtime) else EXIT_USAGE)
+    sys.exit(exit_code(error))
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
@@ -153,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     _OPTIONS["json"] = "--json" in rest
-    rest = [a for a in rest if a != "--json"]
+    verbose = "--verbose" in rest
+    rest = [a for a in rest if a not in ("--json", "--verbose")]
     if "--out" in rest:  # orch report RUN_ID --out DIR
         i = rest.index("--out")
         _OPTIONS["out"] = rest[i + 1] if i + 1 < len(rest) else None
@@ -167,5 +164,4 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     use_token_auth_if_available()
     sys.argv = [f"orch-{command}", *rest]
-    COMMANDS[command]()
-    return 0
+    return run_command(COMMANDS[command], command, verbose=verbose)
