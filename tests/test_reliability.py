@@ -176,14 +176,20 @@ class _PlantedPickle:
 
 
 def _plant(checkpoint: Path, marker: Path) -> list[Path]:
-    """Add a code-running object to every model-states file of ``checkpoint`` (where client state lives)."""
+    """Add a code-running object to every model-states file of ``checkpoint`` (where client state lives),
+    and rewrite its manifest to match, as whoever can write the directory can: the weights-only
+    loader must stop the pickle on its own."""
     import torch
+
+    from launchers.manifest import read_manifest, write_manifest
 
     planted = sorted(checkpoint.glob("*model_states.pt"))
     for path in planted:
         state = torch.load(path, weights_only=False)  # our own file, written a moment ago
         state["planted"] = _PlantedPickle(marker)
         torch.save(state, path)
+    recorded = read_manifest(checkpoint)
+    write_manifest(checkpoint, layout=recorded.layout, model=recorded.model)
     assert not marker.exists()
     return planted
 
