@@ -250,3 +250,29 @@ def test_published_checkpoints_carry_their_manifest(tmp_path):
     assert latest(tmp_path).tag == folder.name
     with pytest.raises(CheckpointIntegrityError, match="does not exist"):
         publish(tmp_path, 8, "run1", keep=2)  # nothing written for step 8
+
+
+def test_orch_train_refuses_a_held_directory_and_a_malformed_record(tmp_path):
+    """The real command: both refusals exit 2 with one line naming the fix, before Ray starts."""
+    import subprocess
+    import sys
+
+    from conftest import worker_env
+
+    ckpt = tmp_path / "ckpt"
+
+    def orch_train(*overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator", "train", "train.steps=2",
+                               "train.checkpoint_every=2", f"train.checkpoint_dir={ckpt}", "tracking.enabled=false",
+                               *overrides],
+                              cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
+
+    with directory_lock(ckpt):  # as a run started a moment earlier holds it
+        held = orch_train()
+    (ckpt / LATEST).write_text('{"tag": "step_000000002"')
+    malformed = orch_train("train.resume=auto")
+    for done, expected in [(held, f"error: train.checkpoint_dir={ckpt} is in use by another orch run"),
+                           (malformed, f"error: {ckpt / LATEST} is malformed (JSONDecodeError")]:
+        assert done.returncode == 2, done.stderr
+        assert expected in done.stderr and "Traceback" not in done.stderr
+        assert "Started a local Ray instance" not in done.stderr + done.stdout
