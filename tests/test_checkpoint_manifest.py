@@ -271,8 +271,11 @@ def test_orch_train_refuses_a_held_directory_and_a_malformed_record(tmp_path):
         held = orch_train()
     (ckpt / LATEST).write_text('{"tag": "step_000000002"')
     malformed = orch_train("train.resume=auto")
+    # Without a resume too: every save reads the record to prune old checkpoints.
+    malformed_fresh = orch_train("train.resume=never")
     for done, expected in [(held, f"error: train.checkpoint_dir={ckpt} is in use by another orch run"),
-                           (malformed, f"error: {ckpt / LATEST} is malformed (JSONDecodeError")]:
+                           (malformed, f"error: {ckpt / LATEST} is malformed (JSONDecodeError"),
+                           (malformed_fresh, f"error: {ckpt / LATEST} is malformed (JSONDecodeError")]:
         assert done.returncode == 2, done.stderr
         assert expected in done.stderr and "Traceback" not in done.stderr
         assert "Started a local Ray instance" not in done.stderr + done.stdout
