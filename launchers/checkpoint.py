@@ -46,7 +46,11 @@ class CheckpointRecordError(OrchError):
     outside its directory)."""
 
 
-class CheckpointDirBusyError(OrchError):
+class CheckpointDirError(OrchError):
+    """``train.checkpoint_dir`` cannot be created or written."""
+
+
+class CheckpointDirBusyError(CheckpointDirError):
     """Another run holds the checkpoint directory."""
 
 
@@ -226,9 +230,14 @@ def directory_lock(checkpoint_dir: str | os.PathLike) -> Iterator[None]:
     locks by Linux clients, which the server enforces across nodes.)
     """
     root = Path(checkpoint_dir)
-    root.mkdir(parents=True, exist_ok=True)
     path = root / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise CheckpointDirError(
+            f"train.checkpoint_dir={checkpoint_dir} cannot be used: {error.strerror} ({error.filename}). Fix: point "
+            "train.checkpoint_dir at a directory this user can create and write") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -19,6 +19,7 @@ import torch
 from launchers.checkpoint import (
     LATEST,
     CheckpointDirBusyError,
+    CheckpointDirError,
     CheckpointRecordError,
     NoIntactCheckpointError,
     directory_lock,
@@ -214,6 +215,11 @@ def test_one_run_at_a_time_holds_a_checkpoint_dir(tmp_path):
         assert "Fix: give this run another train.checkpoint_dir, or wait" in str(info.value)
     with directory_lock(root):  # released when the holder ends
         pass
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CheckpointDirError, match=re.escape(f"train.checkpoint_dir={tmp_path / 'a-file'} cannot be "
+                                                           "used: File exists")):
+        with directory_lock(tmp_path / "a-file"):
+            pass
 
 
 def test_resuming_a_finished_run_never_changes_its_status(tmp_path):
