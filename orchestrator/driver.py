@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ray.exceptions import RayActorError
 
-from launchers.checkpoint import Published, latest
+from launchers.checkpoint import Published, resumable
 from launchers.ds_config import build_ds_config
 from launchers.job import TrainJob
 from launchers.placement import placement_strategy, rank_layout
@@ -35,6 +35,7 @@ from orchestrator.checking import check_run, live_cluster
 from orchestrator.config import RunConfig
 from orchestrator.models import model_factory, pipeline_layers_factory, split_model_config
 from orchestrator.progress import Progress
+from orchestrator.resume import checkpoint_dir_lock, signature_of
 from orchestrator.startup import StartupClock
 from orchestrator.startup import describe as describe_startup
 from orchestrator.tracking import RunTracker, TrackingError, check_reachable, flatten, git_commit, redact_uri
@@ -92,7 +93,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``).
     """
     clock = StartupClock()
-    with live_cluster(cfg) as (cluster, notes):
+    with checkpoint_dir_lock(cfg.train), live_cluster(cfg) as (cluster, notes):
         return _run_on(cluster, notes, clock, cfg, model_cfg, config_yaml, stream=stream, on_report=on_report,
                        tags=tags)
 
@@ -120,7 +121,8 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
     job = TrainJob(plan=plan, ds_config=ds_config, model_factory=factory, data=cfg.data, train=cfg.train,
                    env={**worker_env(plan),
                         **collective_timeout_env(cfg.train.hang_timeout_s, cfg.train.setup_timeout_s)},
-                   pipeline_layers=pipeline_layers_factory(constructor_cfg) if plan.pp > 1 else None)
+                   pipeline_layers=pipeline_layers_factory(constructor_cfg) if plan.pp > 1 else None,
+                   model_signature=signature_of(factory, constructor_cfg, cfg.train))
     group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
                                  gpus_per_worker=1.0 if plan.accelerator == Accelerator.gpu else 0.0,
                                  env=job.env, wait_s=cfg.cluster.wait_s, tp=plan.tp,
@@ -128,7 +130,8 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
     result = TrainResult(run_id=None, plan=plan, model=facts, estimate=estimate)
     clock.mark("check")
 
-    published = latest(cfg.train.checkpoint_dir) if cfg.train.resume == ResumeMode.auto else None
+    published = (resumable(cfg.train.checkpoint_dir, job.model_signature)
+                 if cfg.train.resume == ResumeMode.auto else None)
     if published:
         job = _resume_from(job, cfg, published, out)
         print(f"resuming from {cfg.train.checkpoint_dir}/{job.resume_tag} (step {published.step})", file=out)
@@ -281,7 +284,7 @@ def _prepare_restart(job: TrainJob, cfg: RunConfig, error: Exception, failures: 
                      tracker: RunTracker | None, out) -> TrainJob:
     """Record why the group failed and point the next attempt at the latest published checkpoint."""
     cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
-    published = latest(cfg.train.checkpoint_dir) if cfg.train.checkpoint_every else None
+    published = resumable(cfg.train.checkpoint_dir, job.model_signature) if cfg.train.checkpoint_every else None
     start = f"step {published.step}" if published else "the beginning (no checkpoint yet)"
     print(f"restart {failures}/{cfg.train.max_failures}: {type(error).__name__}: {cause}; resuming from {start}",
           file=out, flush=True)

@@ -202,6 +202,8 @@ class RunTracker:
         self.experiment_id = experiment_id
         self.uri = uri
         self._metrics = MetricBuffer(lambda batch: client.log_batch(run_id, metrics=batch))
+        self._kept_status: str | None = None
+        """The status a resumed run keeps whatever the resume does (FINISHED), or None."""
 
     @classmethod
     def start(cls, *, uri: str, experiment: str, run_name: str | None, params: Mapping[str, str],
@@ -218,11 +220,21 @@ class RunTracker:
 
     @classmethod
     def resume(cls, *, uri: str, run_id: str) -> RunTracker:
-        """Continue an existing run (a resumed training): same id, marked RUNNING again."""
+        """Continue an existing run (a resumed training): same id, metrics at their steps.
+
+        A FAILED or KILLED run is marked RUNNING again and ends with this attempt's status. A
+        FINISHED run keeps its status whatever this attempt does: its metrics continue in it,
+        and a resume that fails is recorded in its ``orch.resume.status`` tag instead, so a
+        finished training is never rewritten as failed.
+        """
         client = MlflowClient(tracking_uri=uri)
         run = client.get_run(run_id)
-        client.update_run(run_id, status="RUNNING")
-        return cls(client, run_id, run.info.experiment_id, uri)
+        tracker = cls(client, run_id, run.info.experiment_id, uri)
+        if run.info.status == "FINISHED":
+            tracker._kept_status = "FINISHED"
+        else:
+            client.update_run(run_id, status="RUNNING")
+        return tracker
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Queue metrics for one step; returns at once, whatever the server's state."""
@@ -256,6 +268,12 @@ class RunTracker:
             path.write_text(json.dumps([{"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}
                                         for m in unsent]))
             _warn(f"{len(unsent)} metrics could not reach the tracking server; saved to {path.resolve()}")
+        if self._kept_status:
+            self.set_tags({"orch.resume.status": status})
+        if self._kept_status and status != self._kept_status:
+            _warn(f"this resume ended {status}; MLflow run {self.run_id} stays {self._kept_status}, as it was "
+                  "before the resume (tag orch.resume.status records the resume's outcome)")
+            return
         self._best_effort(f"the run status {status}",
                           lambda: self.client.set_terminated(self.run_id, status=status))
 
