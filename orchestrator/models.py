@@ -8,6 +8,10 @@ from collections.abc import Callable
 import torch
 from hydra.utils import get_class, instantiate
 
+from plans.depth_scaling import DEPTH_SCALED_FROM, ShallowModels
+from plans.model_facts import ModelFacts, inspect_model, inspect_shallow, refuse_unbuildable
+from plans.spec import ClusterSpec, Offload, Precision
+
 
 def build_model(model_cfg: dict) -> torch.nn.Module:
     """Instantiate the model config's ``_target_`` (on meta in the driver, for real in workers)."""
@@ -47,3 +51,38 @@ def pipeline_layers_factory(model_cfg: dict) -> Callable[[], list] | None:
         return None
     method = f"{model_cfg['_target_']}.{PIPELINE_LAYERS_METHOD}"
     return functools.partial(build_model, {**model_cfg, "_target_": method})
+
+
+# The constructor argument that sets a model's depth (the built-in GPT's, and Hugging Face GPT-2's).
+DEPTH_KEY = "n_layer"
+
+
+def declared_depth(model_cfg: dict) -> int | None:
+    """``model.n_layer`` when the model is deep enough to be inspected from shallow copies."""
+    depth = model_cfg.get(DEPTH_KEY)
+    if isinstance(depth, int) and not isinstance(depth, bool) and depth >= DEPTH_SCALED_FROM:
+        return depth
+    return None
+
+
+def build_at_depth(model_cfg: dict, depth: int) -> torch.nn.Module:
+    return build_model({**model_cfg, DEPTH_KEY: depth})
+
+
+def inspect_declared_model(model_cfg: dict, seq_len: int, cluster: ClusterSpec, precision: Precision,
+                           offload_param: Offload) -> tuple[ModelFacts, ShallowModels | None]:
+    """The model's facts, and its shallow copies when the planner can count from them.
+
+    A deep model (:func:`declared_depth`) is built at two shallow depths only: a model no plan
+    could hold on ``cluster`` is refused from their arithmetic before anything of its full
+    depth exists (:func:`plans.model_facts.refuse_unbuildable`). If its layers turn out not to
+    be one stack of identical blocks, the counts would not be exact: it is then inspected in
+    full, as a shallow model always is.
+    """
+    depth = declared_depth(model_cfg)
+    if depth is not None:
+        facts, shallow = inspect_shallow(functools.partial(build_at_depth, model_cfg), depth, seq_len)
+        refuse_unbuildable(facts, shallow, f"model.{DEPTH_KEY}", cluster, precision, offload_param)
+        if shallow.exact:
+            return facts, shallow
+    return inspect_model(model_factory(model_cfg), seq_len), None

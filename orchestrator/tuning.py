@@ -27,12 +27,19 @@ import conf
 from launchers.ds_config import build_ds_config
 from orchestrator.checking import check_model, check_pipeline, live_cluster
 from orchestrator.config import RunConfig
-from orchestrator.models import build_model, model_factory, pipeline_layers_factory, split_model_config
+from orchestrator.models import (
+    DEPTH_KEY,
+    build_model,
+    inspect_declared_model,
+    model_factory,
+    pipeline_layers_factory,
+    split_model_config,
+)
 from plans.cost_model import Speeds
+from plans.depth_scaling import SHALLOW_DEPTHS
 from plans.errors import OrchError, PlanError, Violation
 from plans.estimate import GIB
 from plans.model_cost import measure_model_cost
-from plans.model_facts import inspect_model
 from plans.resolve import ResolvedPlan
 from plans.search_space import (
     BatchScaledProbe,
@@ -50,7 +57,8 @@ from workloads.gpt import TP_LAYER_SPECS
 
 # Models above this many parameters get their activations measured at one micro-batch size and
 # scaled (plans.search_space.BatchScaledProbe), and their FLOPs and activations counted at two
-# shallow depths and extrapolated (plans.depth_scaling); smaller ones are measured in full, in ms.
+# shallow depths and extrapolated (plans.depth_scaling), as deep models (plans.depth_scaling.
+# DEPTH_SCALED_FROM layers or more) always are; smaller ones are measured in full, in ms.
 _EXACT_PARAMS_LIMIT = 1_000_000_000
 
 
@@ -145,13 +153,14 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
     """The search space and everything fixed during the search (the model probed once)."""
     constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
     factory = model_factory(constructor_cfg)
-    facts = inspect_model(factory, cfg.data.seq_len)
+    facts, shallow = inspect_declared_model(constructor_cfg, cfg.data.seq_len, cluster, cfg.plan.precision,
+                                            Offload.none)  # the tuner offloads to the CPU at most
     check_model(dataclasses.replace(facts, supports_activation_checkpointing=True), cfg)
     large = facts.param_count >= _EXACT_PARAMS_LIMIT
     probe = BatchScaledProbe(factory, cfg.data.seq_len,
                              tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs,
                              pipeline_layers=pipeline_layers_factory(constructor_cfg),
-                             exact_up_to=1 if large else 64, depth_scaled=large)
+                             exact_up_to=1 if large else 64, depth_scaled=large, shallow=shallow)
     tp_degrees = [d for d in range(1, cluster.devices_per_node + 1) if cluster.devices_per_node % d == 0]
 
     @functools.cache
@@ -163,8 +172,9 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
         try:
             import torch
 
+            shallow_depth = {DEPTH_KEY: SHALLOW_DEPTHS[0]} if shallow is not None else {}
             with torch.device("meta"):
-                build_model({**constructor_cfg, "tp": tp})
+                build_model({**constructor_cfg, "tp": tp, **shallow_depth})
         except Exception as exc:  # the model's own refusal, e.g. heads that do not split
             return f"the model refuses tp: {type(exc).__name__}"
         return None
@@ -183,7 +193,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
                                tp_layer_specs=tp_layer_specs)
 
     ctx = SearchContext(cluster=cluster, train=cfg.train, optim=cfg.optim, probe=probe,
-                        model_cost=measure_model_cost(probe, tp_degrees, depth_scaled=large),
+                        model_cost=measure_model_cost(probe, tp_degrees, depth_scaled=large or shallow is not None),
                         speeds=Speeds.declared(cluster),
                         build_config=ds_config, tp_problem=tp_problem, plan_problem=plan_problem)
     return _space(cfg, cluster.world_size, facts.supports_activation_checkpointing), ctx
@@ -193,9 +203,9 @@ def _matmul_shape(probe) -> tuple[int, int]:
     """(in, out) features of the largest linear layer inside the model's repeated layers."""
     import torch
 
-    linears = [m for layer in probe.module.modules() if isinstance(layer, torch.nn.ModuleList)
+    linears = [m for layer in probe.sample.modules() if isinstance(layer, torch.nn.ModuleList)
                for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-    linears = linears or [m for m in probe.module.modules() if isinstance(m, torch.nn.Linear)]
+    linears = linears or [m for m in probe.sample.modules() if isinstance(m, torch.nn.Linear)]
     if not linears:
         return 1024, 1024
     big = max(linears, key=lambda m: m.weight.numel())
