@@ -13,6 +13,7 @@ import datetime
 import functools
 import io
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -111,7 +112,8 @@ class TuneResult:
         if self.winner:
             best = {**_candidate_json(self.winner, self.winner_trial),
                     "chosen_by": "measured" if self.winner_trial else "predicted",
-                    "plan_file": str(self.plan_file) if self.plan_file else None, "overrides": self.overrides}
+                    "plan_file": str(self.plan_file) if self.plan_file else None, "overrides": self.overrides,
+                    "train_command": train_command(self)}
         return {"global_batch_size": self.global_batch_size, "enumerated": self.search.enumerated,
                 "feasible": len(self.search.ranked), "search_s": self.search.seconds,
                 "rejected": dict(self.search.rejected.most_common()),
@@ -235,6 +237,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
         cluster, notes = stack.enter_context(live_cluster(cfg))
         for note in notes:
             print(f"note: {note}", file=err)
+        check_plan_file(cfg)
         started = time.perf_counter()
         space, ctx = prepare(cfg, model_cfg, cluster)
         print(f"tune: model probed on meta in {time.perf_counter() - started:.1f}s; searching {cluster.world_size} "
@@ -388,10 +391,45 @@ def plan_overrides(plan: ResolvedPlan, cfg: RunConfig) -> list[str]:
     return out
 
 
+TUNED_PLANS_DIR = Path("tuned_plans")
+"""Where tuned plans go by default, under the current directory: ``tuned_plans/plan/<tune.name>.yaml``,
+a config directory Hydra adds to its search path with ``--config-dir tuned_plans``. Never inside the
+installed package (site-packages, or the checkout of an editable install)."""
+
+
 def plan_file_path(cfg: RunConfig) -> Path:
     if cfg.tune.out:
         return Path(cfg.tune.out).expanduser()
-    return Path(conf.__file__).resolve().parent / "plan" / f"{cfg.tune.name}.yaml"
+    return TUNED_PLANS_DIR / "plan" / f"{cfg.tune.name}.yaml"
+
+
+def _config_dir(plan_file: Path) -> Path | None:
+    """The config directory that makes ``plan_file`` the option ``plan=<its stem>`` (its parent's
+    parent, when its parent is named ``plan``), else None."""
+    return plan_file.parent.parent if plan_file.parent.name == "plan" else None
+
+
+def check_plan_file(cfg: RunConfig) -> None:
+    """Refuse a plan file name that a shipped plan would shadow: Hydra looks in the package's
+    conf/ before a ``--config-dir``, so ``plan=<name>`` would compose the shipped plan instead."""
+    path = plan_file_path(cfg)
+    shipped = Path(conf.__file__).resolve().parent / "plan" / path.name
+    if _config_dir(path) is not None and shipped.exists():
+        field_name, value = ("tune.out", cfg.tune.out) if cfg.tune.out else ("tune.name", cfg.tune.name)
+        raise PlanError([Violation(field_name, value, f"plan={path.stem} names a plan shipped with orch ({shipped}); "
+                                   "the tuned plan could not be selected by that name.",
+                                   "choose another name (tune.name=...)")])
+
+
+def train_command(result: TuneResult) -> str | None:
+    """The `orch train` command line that trains the winner from its plan file, if it is usable as
+    ``plan=<name>``; relative paths stay relative, as the user gave them (or as the default is)."""
+    root = _config_dir(result.plan_file) if result.plan_file else None
+    if root is None:
+        return None
+    batch = [o for o in result.overrides if o.startswith("train.global_batch_size=")]
+    return " ".join(["orch train", "--config-dir", shlex.quote(str(root)),
+                     f"plan={shlex.quote(result.plan_file.stem)}", *batch])
 
 
 def write_plan_file(plan: ResolvedPlan, cfg: RunConfig, model_cfg: dict, cluster, result: TuneResult) -> Path:
@@ -444,11 +482,9 @@ def render(result: TuneResult, top_k: int) -> str:
         lines += ["", f"winner ({chosen}): {describe(result.winner.plan)}"]
         if result.plan_file:
             lines.append(f"  written to {result.plan_file}")
-            in_conf = result.plan_file.parent == Path(conf.__file__).resolve().parent / "plan"
-            if in_conf:
-                lines.append(f"  train it: orch train plan={result.plan_file.stem}"
-                             + (f" train.global_batch_size={result.global_batch_size}" if any(
-                                 o.startswith("train.global_batch_size") for o in result.overrides) else ""))
+            command = train_command(result)
+            if command:
+                lines.append(f"  train it: {command}")
         lines.append(f"  or: orch train {' '.join(result.overrides)}")
     if result.parent_run_id:
         lines.append(f"MLflow: tuning run {result.parent_run_id} with {len(result.trials)} nested trial run(s)")
