@@ -39,7 +39,7 @@ def split_model_config(model_cfg: dict) -> tuple[dict, list[dict] | None]:
 PIPELINE_LAYERS_METHOD = "pipeline_layers"
 
 
-def pipeline_layers_factory(model_cfg: dict) -> Callable[[], list] | None:
+def pipeline_layers_factory(model_cfg: dict) -> Callable[..., list] | None:
     """A picklable factory of the model's pipeline layers, or None if the model cannot be pipelined.
 
     The model's ``_target_`` class declares them with a ``pipeline_layers(**same arguments)``
@@ -49,8 +49,14 @@ def pipeline_layers_factory(model_cfg: dict) -> Callable[[], list] | None:
     target = get_class(model_cfg["_target_"]) if "_target_" in model_cfg else None
     if target is None or not callable(getattr(target, PIPELINE_LAYERS_METHOD, None)):
         return None
+    return functools.partial(build_pipeline_layers, model_cfg)
+
+
+def build_pipeline_layers(model_cfg: dict, depth: int | None = None) -> list:
+    """The model's pipeline layers; with ``depth``, of the model with that many layers instead
+    (what the planner measures a deep model's layers from, see :func:`declared_depth`)."""
     method = f"{model_cfg['_target_']}.{PIPELINE_LAYERS_METHOD}"
-    return functools.partial(build_model, {**model_cfg, "_target_": method})
+    return build_model({**model_cfg, "_target_": method, **({} if depth is None else {DEPTH_KEY: depth})})
 
 
 # The constructor argument that sets a model's depth (the built-in GPT's, and Hugging Face GPT-2's).

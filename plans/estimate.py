@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plans.activations import ActivationBytes, activations_from_shallow, measure_activations
-from plans.depth_scaling import ShallowModels
+from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.errors import Violation
 from plans.memory import (
     DevicePhases,
@@ -37,6 +37,7 @@ from plans.pipeline import (
     PipelineLayer,
     PipelineStage,
     bubble_fraction,
+    carry_layers,
     measure_pipeline_layers,
     pipeline_stages,
     stage_activations,
@@ -174,7 +175,8 @@ class ModelProbe:
         self.seq_len = seq_len
         self.tp_layer_specs = tp_layer_specs or []
         self.pipeline_layers = pipeline_layers
-        """The model's pipeline layers factory (None: the model cannot be pipelined)."""
+        """The model's pipeline layers factory (None: the model cannot be pipelined); with ``shallow``,
+        it also takes a depth (``pipeline_layers(2)``: the layers of the model with 2 blocks)."""
         self.shallow = shallow
         """The model built at two shallow depths, when it is deep (:func:`plans.model_facts.inspect_shallow`):
         then every count is carried from them to its depth, and the full-depth model is built
@@ -235,8 +237,15 @@ class ModelProbe:
     def _measure_pipeline(self, micro_batch_size: int, precision: Precision) -> list[PipelineLayer]:
         if self.pipeline_layers is None:
             raise ValueError("the model declares no pipeline layers")
-        return measure_pipeline_layers(self.pipeline_layers(), micro_batch_size=micro_batch_size,
-                                       seq_len=self.seq_len, dtype=_DTYPE[precision])
+        def measure(layers: list) -> list[PipelineLayer]:
+            return measure_pipeline_layers(layers, micro_batch_size=micro_batch_size, seq_len=self.seq_len,
+                                           dtype=_DTYPE[precision])
+
+        if self.shallow is not None:  # building every layer of a deep model costs what building it does
+            carried = carry_layers(*(measure(self.pipeline_layers(d)) for d in SHALLOW_DEPTHS), self.shallow.depth)
+            if carried is not None:
+                return carried
+        return measure(self.pipeline_layers())
 
     def pipeline_layer_facts(self, plan: ResolvedPlan) -> list[PipelineLayer]:
         """Every pipeline layer of the model, measured for the plan's micro-batch and precision."""

@@ -23,15 +23,20 @@ from workloads.gpt import GPT
 
 @pytest.fixture
 def depths_built(monkeypatch) -> list[int]:
-    """The n_layer of every GPT constructed while the test runs."""
+    """The n_layer of every GPT, and of every run of its pipeline layers, built while the test runs."""
     built: list[int] = []
-    init = GPT.__init__
+    init, layers = GPT.__init__, GPT.pipeline_layers.__func__
 
     def counting_init(self, *args, **kwargs):
         built.append(kwargs.get("n_layer", 2))
         init(self, *args, **kwargs)
 
+    def counting_layers(cls, **kwargs):
+        built.append(kwargs.get("n_layer", 2))
+        return layers(cls, **kwargs)
+
     monkeypatch.setattr(GPT, "__init__", counting_init)
+    monkeypatch.setattr(GPT, "pipeline_layers", classmethod(counting_layers))
     return built
 
 
@@ -65,6 +70,16 @@ def test_counts_carried_from_shallow_copies_equal_full_counts(plan, depths_built
     assert max(depths_built) <= SHALLOW_DEPTHS[-1]
     monkeypatch.setattr(models, "declared_depth", lambda _cfg: None)
     assert carried == check("model.n_layer=21", *plan).as_json()
+
+
+def test_a_deep_pipeline_is_split_from_shallow_layers(depths_built):
+    estimate = check("model.n_layer=2000", "plan.pp=2", "plan.dp=1", "plan.grad_accum_steps=4")
+    assert max(depths_built) <= SHALLOW_DEPTHS[-1]
+    first, second = estimate.pipeline
+    # Embedding, 2000 blocks, the final norm and the tied head, split by parameters as DeepSpeed does.
+    assert (first.start, second.stop) == (0, 2003) and first.stop == second.start
+    # The tied head is a second copy of the embedding (tokens and positions) on the last stage.
+    assert first.params + second.params == gpt_params(2000) + 256 * 128 + 128 * 128
 
 
 def test_an_absurdly_deep_model_is_refused_before_it_is_built(depths_built):
