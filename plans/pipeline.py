@@ -121,7 +121,9 @@ def carry_layers(shallow: list[PipelineLayer], deeper: list[PipelineLayer], dept
 
 def partition(layers: list[PipelineLayer], pp: int, method: str) -> list[int]:
     """Stage boundaries (``pp + 1`` layer indices), as DeepSpeed's ``PipelineModule._partition_layers``."""
-    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+    from deepspeed.runtime.utils import partition_uniform
+
+    from plans.partition import partition_balanced
 
     if method == "uniform":
         return partition_uniform(num_items=len(layers), num_parts=pp)

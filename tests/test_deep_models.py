@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import compose_config, worker_env
 from orchestrator import models
@@ -18,6 +20,7 @@ from orchestrator.config import to_typed
 from orchestrator.tuning import prepare
 from plans.depth_scaling import SHALLOW_DEPTHS
 from plans.errors import PlanError
+from plans.partition import partition_balanced
 from workloads.gpt import GPT
 
 
@@ -114,3 +117,14 @@ def test_orch_check_refuses_an_absurd_depth_with_exit_code_2(tmp_path):
                           env=worker_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "model.n_layer=10000000" in done.stderr and "Traceback" not in done.stderr
+
+
+@settings(max_examples=300, deadline=None)
+@given(weights=st.lists(st.one_of(st.integers(0, 1), st.sampled_from([0, 5, 100]), st.integers(0, 10**9)),
+                        max_size=40),
+       parts=st.integers(1, 8))
+def test_the_vectorized_balanced_partition_is_deepspeeds(weights, parts):
+    """Ties included (layers of equal weight, zero weights of a type: partition): the same parts."""
+    from deepspeed.runtime.utils import partition_balanced as deepspeeds
+
+    assert partition_balanced(weights, parts) == [int(p) for p in deepspeeds(weights, parts)]
