@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -110,6 +111,24 @@ def test_the_tuner_probes_a_deep_model_from_shallow_copies(depths_built):
     _, ctx = prepare(typed, model_cfg, typed.cluster)
     assert max(depths_built) <= SHALLOW_DEPTHS[-1]
     assert ctx.model_cost.n_layers == 2000 and ctx.probe.stats.param_count == gpt_params(2000)
+
+
+class FirstBlockDiffers(GPT):
+    """A GPT whose first block has no first LayerNorm: its blocks are not all alike."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks[0].ln_1 = torch.nn.Identity()
+
+
+def test_a_model_of_unlike_layers_is_counted_in_full_but_still_refused_from_shallow_copies(depths_built):
+    unlike = "model._target_=test_deep_models.FirstBlockDiffers"
+    assert check(unlike, "model.n_layer=20").model.param_count == gpt_params(20) - 2 * 128
+    assert max(depths_built) == 20  # carried counts would not be exact: the model was built in full
+    depths_built.clear()
+    with pytest.raises(PlanError, match="model.n_layer=10000000: 10,000,000 layers of 198,272 parameters"):
+        check(unlike, "model.n_layer=10000000")
+    assert max(depths_built) <= SHALLOW_DEPTHS[-1]
 
 
 def test_orch_check_refuses_an_absurd_depth_with_exit_code_2(tmp_path):
