@@ -165,7 +165,8 @@ class ModelProbe:
     """A model built once on ``meta``, with its activation measurements cached.
 
     The tuner and the fix search estimate many plans of one model; parameter counts never
-    change and activations only depend on (micro-batch, precision, checkpointing).
+    change and activations only depend on (micro-batch, precision, checkpointing). A deep model
+    is built at two shallow depths instead (``shallow``) and every count carried to its depth.
     """
 
     def __init__(self, factory: Callable[[], torch.nn.Module], seq_len: int,
