@@ -131,11 +131,13 @@ def test_a_model_of_unlike_layers_is_counted_in_full_but_still_refused_from_shal
     assert max(depths_built) <= SHALLOW_DEPTHS[-1]
 
 
-def test_orch_check_refuses_an_absurd_depth_with_exit_code_2(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "check", "model.n_layer=10000000"], cwd=tmp_path,
-                          env=worker_env(), capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_an_absurd_depth_is_refused_with_exit_code_2_before_ray_starts(command, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "orchestrator", command, "model.n_layer=10000000", "plan.force=true"],
+                          cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "model.n_layer=10000000" in done.stderr and "Traceback" not in done.stderr
+    assert "Started a local Ray instance" not in done.stderr
 
 
 @settings(max_examples=300, deadline=None)
