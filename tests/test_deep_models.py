@@ -86,6 +86,23 @@ def test_a_deep_pipeline_is_split_from_shallow_layers(depths_built):
     assert first.params + second.params == gpt_params(2000) + 256 * 128 + 128 * 128
 
 
+def test_a_probe_of_shallow_copies_counts_the_costs_of_the_full_model():
+    """FLOPs, kernel launches, all-reduce sizes (what the tuner's cost model reads) at 21 layers."""
+    import functools
+
+    from plans.estimate import ModelProbe
+    from plans.model_cost import measure_model_cost
+    from plans.model_facts import inspect_shallow
+    from workloads.gpt import TP_LAYER_SPECS
+
+    cfg = {"_target_": "workloads.gpt.GPT", "n_layer": 21, "d_model": 64, "n_head": 4, "seq_len": 64}
+    _, shallow = inspect_shallow(functools.partial(models.build_at_depth, cfg), 21, 64)
+    carried = ModelProbe(models.model_factory(cfg), 64, tp_layer_specs=TP_LAYER_SPECS, shallow=shallow)
+    full = ModelProbe(models.model_factory(cfg), 64, tp_layer_specs=TP_LAYER_SPECS)
+    assert measure_model_cost(carried, [1, 2], depth_scaled=True) == measure_model_cost(full, [1, 2])
+    assert "module" not in vars(carried)  # the full-depth model was never built
+
+
 def test_an_absurdly_deep_model_is_refused_before_it_is_built(depths_built):
     with pytest.raises(PlanError) as refused:
         check("model.n_layer=10000000")
