@@ -233,11 +233,11 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
     """Search, optionally calibrate and run trials, and write the winner; see the module docstring."""
     out = out or sys.stdout
     err = err or sys.stderr
+    check_plan_file(cfg)
     with ExitStack() as stack:
         cluster, notes = stack.enter_context(live_cluster(cfg))
         for note in notes:
             print(f"note: {note}", file=err)
-        check_plan_file(cfg)
         started = time.perf_counter()
         space, ctx = prepare(cfg, model_cfg, cluster)
         print(f"tune: model probed on meta in {time.perf_counter() - started:.1f}s; searching {cluster.world_size} "
@@ -411,14 +411,21 @@ def _config_dir(plan_file: Path) -> Path | None:
 
 def check_plan_file(cfg: RunConfig) -> None:
     """Refuse a plan file name that a shipped plan would shadow: Hydra looks in the package's
-    conf/ before a ``--config-dir``, so ``plan=<name>`` would compose the shipped plan instead."""
+    conf/ before a ``--config-dir``, so ``plan=<name>`` would compose the shipped plan instead
+    (and the plan schema, which every plan file extends, would extend itself)."""
+    from hydra.core.config_store import ConfigStore
+
     path = plan_file_path(cfg)
     shipped = Path(conf.__file__).resolve().parent / "plan" / path.name
-    if _config_dir(path) is not None and shipped.exists():
-        field_name, value = ("tune.out", cfg.tune.out) if cfg.tune.out else ("tune.name", cfg.tune.name)
-        raise PlanError([Violation(field_name, value, f"plan={path.stem} names a plan shipped with orch ({shipped}); "
-                                   "the tuned plan could not be selected by that name.",
-                                   "choose another name (tune.name=...)")])
+    registered = path.name in ConfigStore.instance().repo.get("plan", {})
+    if _config_dir(path) is None or not (shipped.exists() or registered):
+        return
+    if cfg.tune.out:
+        field_name, value, fix = "tune.out", cfg.tune.out, "give the file another name"
+    else:
+        field_name, value, fix = "tune.name", cfg.tune.name, "choose another name (tune.name=...)"
+    raise PlanError([Violation(field_name, value, f"plan={path.stem} names a plan shipped with orch; the tuned "
+                               "plan could not be selected by that name.", fix)])
 
 
 def train_command(result: TuneResult) -> str | None:

@@ -399,10 +399,14 @@ def test_a_tuned_plan_may_not_take_the_name_of_a_shipped_plan(tmp_path, monkeypa
     from plans.errors import PlanError
 
     monkeypatch.chdir(tmp_path)
-    typed, model_cfg, _ = to_typed(compose_config("tune.name=ddp"))
-    with pytest.raises(PlanError, match=r"tune.name='ddp': plan=ddp names a plan shipped with orch"):
+    for name in ("ddp", "plan_schema"):
+        typed, model_cfg, _ = to_typed(compose_config(f"tune.name={name}"))
+        with pytest.raises(PlanError, match=rf"tune.name='{name}': plan={name} names a plan shipped with orch"):
+            tune(typed, model_cfg)
+    typed, model_cfg, _ = to_typed(compose_config("tune.out=mine/plan/pipeline.yaml"))
+    with pytest.raises(PlanError, match=r"tune.out='mine/plan/pipeline.yaml': .* Fix: give the file another name"):
         tune(typed, model_cfg)
-    assert not (tmp_path / "tuned_plans").exists()
+    assert not (tmp_path / "tuned_plans").exists() and not (tmp_path / "mine").exists()
 
 
 def test_bad_search_space_is_refused_naming_the_field():
