@@ -9,6 +9,7 @@ import torch
 from hydra.utils import get_class, instantiate
 
 from plans.depth_scaling import DEPTH_SCALED_FROM, ShallowModels
+from plans.errors import PlanError
 from plans.model_facts import ModelFacts, inspect_model, inspect_shallow, refuse_unbuildable
 from plans.spec import ClusterSpec, Offload, Precision
 
@@ -82,12 +83,18 @@ def inspect_declared_model(model_cfg: dict, seq_len: int, cluster: ClusterSpec, 
     A deep model (:func:`declared_depth`) is built at two shallow depths only: a model no plan
     could hold on ``cluster`` is refused from their arithmetic before anything of its full
     depth exists (:func:`plans.model_facts.refuse_unbuildable`). If its layers turn out not to
-    be one stack of identical blocks, the counts would not be exact: it is then inspected in
-    full, as a shallow model always is.
+    be one stack of identical blocks, the counts would not be exact, and a model that cannot be
+    built that shallow has its own minimum depth: either is then inspected in full, as a shallow
+    model always is.
     """
     depth = declared_depth(model_cfg)
+    shallow = None
     if depth is not None:
-        facts, shallow = inspect_shallow(functools.partial(build_at_depth, model_cfg), depth, seq_len)
+        try:
+            facts, shallow = inspect_shallow(functools.partial(build_at_depth, model_cfg), depth, seq_len)
+        except PlanError:  # a model with its own minimum depth: inspected at the declared one, as a small model is
+            shallow = None
+    if shallow is not None:
         refuse_unbuildable(facts, shallow, f"model.{DEPTH_KEY}", cluster, precision, offload_param)
         if shallow.exact:
             return facts, shallow

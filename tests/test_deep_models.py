@@ -148,6 +148,18 @@ def test_a_model_of_unlike_layers_is_counted_in_full_but_still_refused_from_shal
     assert max(depths_built) <= SHALLOW_DEPTHS[-1]
 
 
+class AtLeastEightLayers(GPT):
+    def __init__(self, *, n_layer: int, **kwargs):
+        if n_layer < 8:
+            raise ValueError(f"this model needs 8 layers or more, not {n_layer}")
+        super().__init__(n_layer=n_layer, **kwargs)
+
+
+def test_a_model_that_cannot_be_built_shallow_is_inspected_at_its_depth(depths_built):
+    estimate = check("model._target_=test_deep_models.AtLeastEightLayers", "model.n_layer=16")
+    assert estimate.model.param_count == gpt_params(16) and 16 in depths_built
+
+
 @pytest.mark.parametrize("command", ["check", "train"])
 def test_an_absurd_depth_is_refused_with_exit_code_2_before_ray_starts(command, tmp_path):
     done = subprocess.run([sys.executable, "-m", "orchestrator", command, "model.n_layer=10000000", "plan.force=true"],
