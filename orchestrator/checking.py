@@ -12,11 +12,17 @@ from collections.abc import Iterator
 from launchers.ds_config import build_ds_config
 from launchers.placement import rank_layout
 from orchestrator.config import RunConfig
-from orchestrator.models import PIPELINE_LAYERS_METHOD, model_factory, pipeline_layers_factory, split_model_config
+from orchestrator.models import (
+    PIPELINE_LAYERS_METHOD,
+    inspect_declared_model,
+    model_factory,
+    pipeline_layers_factory,
+    split_model_config,
+)
 from plans.cluster_facts import reconcile
 from plans.errors import PlanError, Violation
 from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
-from plans.model_facts import ModelFacts, inspect_model
+from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan, resolve_plan
 from plans.spec import ClusterSpec
 from workloads.corpus import BYTE_VOCAB
@@ -92,11 +98,13 @@ def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = Non
     plan = resolve_plan(cfg.plan, cluster, cfg.train)
     constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
     factory = model_factory(constructor_cfg)
-    facts = inspect_model(factory, cfg.data.seq_len)  # the model's contract, before any arithmetic on it
+    # The model's contract, before any arithmetic on it; a deep one is built at shallow depths only.
+    facts, shallow = inspect_declared_model(constructor_cfg, cfg.data.seq_len, cluster, plan.precision,
+                                            plan.offload_param)
     check_model(facts, cfg)
     probe = ModelProbe(factory, cfg.data.seq_len,
                        tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs,
-                       pipeline_layers=pipeline_layers_factory(constructor_cfg))
+                       pipeline_layers=pipeline_layers_factory(constructor_cfg), shallow=shallow)
     if plan.pp > 1:
         check_pipeline(probe, plan, model_cfg)
 

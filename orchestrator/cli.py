@@ -24,7 +24,7 @@ commands:
   train    train the declared run on Ray with DeepSpeed, tracked in MLflow
   check    predict per-device memory of the plan and say whether it fits [--json]
   tune     rank the plans that fit by predicted step time (tune.trials=N: confirm the N best
-           with short real runs) and write the winner to conf/plan/ [--json]
+           with short real runs) and write the winner to ./tuned_plans/plan/ [--json]
   config   print the composed config (same overrides as train)
   runs     list recent runs of tracking.experiment
   report   RUN_ID [--out DIR]: summary of a run and its plots (loss, throughput, memory)
