@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
 
+from conftest import worker_env
 from orchestrator.credentials import (
     PASSWORD_ENV,
     USERNAME_ENV,
@@ -92,3 +95,19 @@ def test_runs_started_at_once_on_a_fresh_sqlite_store_all_succeed(tmp_path):
     experiment = client.get_experiment_by_name("orch")
     assert len(client.search_runs([experiment.experiment_id])) == starts
     assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["mlflow.db"]  # no lock file left behind
+
+
+def test_no_written_or_printed_copy_of_the_config_holds_a_password(tmp_path):
+    # Hydra writes the overrides and the composed config to outputs/*/.hydra/ before any of
+    # orch's code runs; a Ray address with userinfo stays usable in memory but is scrubbed there.
+    secret = "Pw-5e2b1c"
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "config", f"tracking.uri=http://u:{secret}@h:5000",
+                           f"cluster.address=ray://u:{secret}@head:10001", "hydra.run.dir=out"],
+                          cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "uri: http://h:5000\n" in done.stdout and "address: ray://head:10001\n" in done.stdout
+    assert secret not in done.stdout + done.stderr
+    written = {p.name: p.read_text() for p in (tmp_path / "out" / ".hydra").iterdir()}
+    assert sorted(written) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    assert all(secret not in text for text in written.values()), written
+    assert "ray://head:10001" in written["overrides.yaml"]
