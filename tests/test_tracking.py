@@ -19,7 +19,7 @@ from orchestrator.credentials import (
     redact_text,
     split_credentials,
 )
-from orchestrator.tracking import RunTracker, TrackingError, open_client
+from orchestrator.tracking import RunTracker, TrackingError, experiment_id_for, open_client
 
 
 @pytest.fixture
@@ -111,3 +111,20 @@ def test_no_written_or_printed_copy_of_the_config_holds_a_password(tmp_path):
     assert sorted(written) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
     assert all(secret not in text for text in written.values()), written
     assert "ray://head:10001" in written["overrides.yaml"]
+
+
+class _RacedClient(MlflowClient):
+    """A client that looks for the experiment just before another run creates it."""
+
+    def get_experiment_by_name(self, name):
+        found = super().get_experiment_by_name(name)
+        if not getattr(self, "raced", False):
+            self.raced = True
+            MlflowClient(tracking_uri=self.tracking_uri).create_experiment(name)
+        return found
+
+
+def test_an_experiment_created_meanwhile_by_another_run_is_used(tmp_path):
+    client = _RacedClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment_id = experiment_id_for(client, "orch")
+    assert experiment_id == client.get_experiment_by_name("orch").experiment_id
