@@ -370,8 +370,14 @@ class RunTracker:
               tags: Mapping[str, str]) -> RunTracker:
         uri = without_credentials(uri)
         client = open_client(uri)
-        experiment_id = experiment_id_for(client, experiment)
-        run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags))
+        try:
+            experiment_id = experiment_id_for(client, experiment)
+            run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags))
+        except MlflowException as exc:  # e.g. a server user that may read the experiment but not write it
+            reason = "permission denied" if exc.error_code == "PERMISSION_DENIED" else _first_sentence(exc.message)
+            raise TrackingError(f"tracking.uri={uri}: MLflow refused a new run in experiment {experiment!r} "
+                                f"({reason}). Fix: set tracking.experiment to one your user "
+                                "may write to, or ask the server's admin for EDIT permission on it") from exc
         tracker = cls(client, run.info.run_id, experiment_id, uri)
         items = [Param(k, v[:6000]) for k, v in params.items()]
         for i in range(0, len(items), _PARAMS_PER_BATCH):

@@ -258,6 +258,20 @@ def test_refused_credentials_are_a_clear_error(mlflow_auth_server, tmp_path, mon
     typed, _, _ = to_typed(compose_config(f"tracking.uri={url}", "tracking.fallback=local"))
     with pytest.raises(TrackingError, match="HTTP 401"):
         reachable_tracking(typed)
+    # A user the server lets read but not write an experiment: refused when the run starts, not later.
+    from mlflow.server.auth.client import AuthServiceClient
+
+    from orchestrator.tracking import RunTracker
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", mlflow_auth_server["password"])
+    AuthServiceClient(url).create_user("reader", "Reader-pw-12345")
+    MlflowClient(tracking_uri=url).create_experiment("admins-only")
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "reader")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "Reader-pw-12345")
+    check_reachable(url)  # reading is allowed
+    with pytest.raises(TrackingError, match=r"refused a new run in experiment 'admins-only' \(permission denied\)"):
+        RunTracker.start(uri=url, experiment="admins-only", run_name=None, params={}, tags={})
 
 def client_session_logs(temp_dir: str) -> set[str]:
     """The log files of the head's client session servers: one per session, each on its own port."""
