@@ -15,6 +15,8 @@ matplotlib.use("Agg")  # files only: no display on training nodes or CI
 import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+from orchestrator.tracking import open_existing, reading  # noqa: E402
+
 MIB = 1024**2
 _COMPONENTS = ("params", "grads", "optimizer_states", "activations", "buffers", "reserve")
 
@@ -117,16 +119,12 @@ def runs_table(client: MlflowClient, experiment: str, limit: int = 20) -> str:
 
 def runs_command(uri: str, experiment: str) -> str:
     """`orch runs`: the table of recent runs; a TrackingError (exit 2) when the store cannot be read."""
-    from orchestrator.tracking import open_existing, reading
-
     client = open_existing(uri)
     return reading(uri, f"the runs of experiment {experiment!r}", lambda: runs_table(client, experiment))
 
 
 def report_command(uri: str, run_id: str, out_dir: Path) -> tuple[str, list[Path]]:
     """`orch report RUN_ID`: the run's summary and the plots written to ``out_dir``."""
-    from orchestrator.tracking import open_existing, reading
-
     client = open_existing(uri)
     text = reading(uri, f"run {run_id}", lambda: summary(client, run_id))
     return text, reading(uri, f"the metrics of run {run_id}", lambda: write_plots(client, run_id, out_dir))

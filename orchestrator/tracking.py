@@ -1,4 +1,6 @@
-"""MLflow tracking of a run: params, metrics, artifacts and tags.
+"""MLflow tracking of a run: params, metrics, artifacts and tags, and the checks that the store
+can be used at all (a server that answers MLflow's API and accepts the user, a sqlite store that
+several runs may create at once), each failing as a user error naming tracking.uri.
 
 Metrics go to a :class:`MetricBuffer` that a background thread sends in batches, so a slow
 tracking server (~0.1 s per call here) never stalls the training loop, and a server that goes
@@ -246,6 +248,7 @@ def experiment_id_for(client: MlflowClient, name: str) -> str:
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
         return client.get_experiment_by_name(name).experiment_id
+
 
 class MetricBuffer:
     """Metrics queued in memory and sent by a background thread, surviving server outages.
