@@ -27,6 +27,10 @@ PASSWORD_ENV = "MLFLOW_TRACKING_PASSWORD"
 
 # scheme://userinfo@ ; greedy up to the last "@" before the path, as urlsplit reads a netloc.
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s'\"]*)@")
+# Only MLflow's REST client (a tracking server) reads the environment variables. A database store
+# (postgresql://user:pw@host/db) takes its password from the URI alone: it stays in memory, and
+# the copies written to disk are scrubbed (protect_config) or redacted (redact_text).
+_SERVER_USERINFO = re.compile(r"(?P<scheme>https?://)(?P<userinfo>[^/?#\s'\"]*)@", re.IGNORECASE)
 
 # Overrides that set the tracking URI: `tracking.uri=`, `+tracking.uri=`, `++tracking.uri=`.
 _TRACKING_URI_KEY = re.compile(r"^\+{0,2}tracking\.uri=")
@@ -71,6 +75,14 @@ def split_credentials(uri: str) -> tuple[str, Credentials | None]:
     return clean, Credentials(unquote(parts.username or ""), unquote(parts.password or ""))
 
 
+def server_credentials(uri: str) -> tuple[str, Credentials | None]:
+    """Like :func:`split_credentials`, for the URIs of a tracking server only (http, https);
+    any other URI is returned as it is, with None."""
+    if not _SERVER_USERINFO.match(uri):
+        return uri, None
+    return split_credentials(uri)
+
+
 def use_credentials(credentials: Credentials, origin: str) -> None:
     """Hand ``credentials`` to MLflow's client (this process and those it starts), saying so once.
 
@@ -95,9 +107,9 @@ def move_argv_credentials(argv: list[str]) -> list[str]:
     cleaned = []
     for arg in argv:
         if _TRACKING_URI_KEY.match(arg):
-            for match in _USERINFO.finditer(arg):
+            for match in _SERVER_USERINFO.finditer(arg):
                 found.add(split_credentials(f"{match.group('scheme')}{match.group('userinfo')}@h")[1])
-            arg = redact_text(arg)
+            arg = _SERVER_USERINFO.sub(lambda m: m.group("scheme"), arg)
         cleaned.append(arg)
     if len(found) > 1:
         raise CredentialsError(
@@ -113,13 +125,14 @@ def protect_config(cfg: DictConfig) -> None:
     """Move credentials out of the composed ``cfg`` (a URI from a YAML file) and out of the copies
     of the config Hydra wrote before the command started.
 
-    Call it first in every command. ``cluster.address`` keeps its value (Ray takes no
-    credentials from the environment); only the copies written to disk lose its userinfo.
+    Call it first in every command. ``cluster.address`` and a database tracking URI keep their
+    values (Ray and SQLAlchemy take no credentials from these variables); only the copies written
+    to disk lose their userinfo.
     """
     tracking = cfg.get("tracking")
     uri = tracking.get("uri") if tracking is not None else None
     if isinstance(uri, str):
-        clean, credentials = split_credentials(uri)
+        clean, credentials = server_credentials(uri)
         if credentials is not None:
             with open_dict(cfg):
                 cfg.tracking.uri = clean

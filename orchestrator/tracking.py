@@ -32,7 +32,7 @@ from orchestrator.credentials import (
     USERNAME_ENV,
     redact_text,
     redact_uri,
-    split_credentials,
+    server_credentials,
     use_credentials,
 )
 from plans.errors import OrchError
@@ -99,7 +99,7 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
                                 max_retries=0, timeout=timeout_s, raise_on_status=False)
     except MlflowException as exc:
         raise TrackingUnreachable(
-            f"tracking.uri={uri}: no MLflow server answers there ({_network_cause(exc.message)}). Fix: start the "
+            f"{_named(uri)}: no MLflow server answers there ({_network_cause(exc.message)}). Fix: start the "
             "server, correct tracking.uri, or set tracking.fallback=local to track in ./mlflow.db") from exc
     _check_probe_status(uri, response.status_code)
 
@@ -111,20 +111,25 @@ def _check_probe_status(uri: str, status: int) -> None:
         return
     if status == 401:
         given = f"refused the credentials of user {user!r}" if user else "needs credentials and none were given"
-        raise TrackingError(f"tracking.uri={uri}: the MLflow server {given} (HTTP 401). Fix: {_CREDENTIALS_FIX}, "
+        raise TrackingError(f"{_named(uri)}: the MLflow server {given} (HTTP 401). Fix: {_CREDENTIALS_FIX}, "
                             "or write them into the URI as http://user:password@host:port")
     if status == 403:
-        raise TrackingError(f"tracking.uri={uri}: the MLflow server accepted user {user!r} but lets it read no "
+        raise TrackingError(f"{_named(uri)}: the MLflow server accepted user {user!r} but lets it read no "
                             f"experiments (HTTP 403). Fix: ask its admin for permission, or {_CREDENTIALS_FIX}")
     if status == 404:
-        raise TrackingError(f"tracking.uri={uri}: the server there has no MLflow tracking API (HTTP 404 for "
+        raise TrackingError(f"{_named(uri)}: the server there has no MLflow tracking API (HTTP 404 for "
                             f"{_PROBE_ENDPOINT}). Fix: point tracking.uri at the root of an MLflow server, "
                             "e.g. http://host:5000 (check the host, port and path)")
     if status >= 500:
-        raise TrackingUnreachable(f"tracking.uri={uri}: the MLflow server fails (HTTP {status}). Fix: check the "
+        raise TrackingUnreachable(f"{_named(uri)}: the MLflow server fails (HTTP {status}). Fix: check the "
                                   "server's log, or set tracking.fallback=local to track in ./mlflow.db")
-    raise TrackingError(f"tracking.uri={uri}: the server answers HTTP {status} to MLflow's API. Fix: point "
+    raise TrackingError(f"{_named(uri)}: the server answers HTTP {status} to MLflow's API. Fix: point "
                         "tracking.uri at an MLflow server")
+
+
+def _named(uri: str) -> str:
+    """How an error names the URI: a database URI keeps its password in memory, never in a message."""
+    return f"tracking.uri={redact_uri(uri)}"
 
 
 def _network_cause(message: str) -> str:
@@ -138,12 +143,13 @@ def _network_cause(message: str) -> str:
 
 
 def without_credentials(uri: str) -> str:
-    """``uri`` without user:password, which go to MLflow's environment variables instead.
+    """A server's ``uri`` without user:password, which go to MLflow's environment variables instead
+    (other URIs unchanged).
 
     `orch` moves them before the config is composed (orchestrator/credentials.py); this catches
     a URI given by other means (the Python API, a test), so no client ever holds one.
     """
-    clean, credentials = split_credentials(uri)
+    clean, credentials = server_credentials(uri)
     if credentials is not None:
         use_credentials(credentials, "tracking.uri")
     return clean
@@ -162,7 +168,7 @@ def open_client(uri: str) -> MlflowClient:
         try:
             return MlflowClient(tracking_uri=uri)
         except MlflowException as exc:
-            raise TrackingError(f"tracking.uri={uri}: MLflow cannot track there ({_store_refusal(uri, exc)}). "
+            raise TrackingError(f"{_named(uri)}: MLflow cannot track there ({_store_refusal(uri, exc)}). "
                                 "Fix: use sqlite:///mlflow.db, a local directory, or http://host:port of an "
                                 "MLflow server") from exc
 
@@ -174,7 +180,7 @@ def open_existing(uri: str) -> MlflowClient:
     check_reachable(uri)
     database = _sqlite_path(uri)
     if database is not None and not database.exists():
-        raise TrackingError(f"tracking.uri={uri}: there is no MLflow store at {database}. Fix: run the command "
+        raise TrackingError(f"{_named(uri)}: there is no MLflow store at {database}. Fix: run the command "
                             "where the runs were tracked, or set tracking.uri to their store")
     return open_client(uri)
 
@@ -184,7 +190,7 @@ def reading(uri: str, what: str, read: Callable[[], T]) -> T:
     try:
         return read()
     except MlflowException as exc:
-        raise TrackingError(f"tracking.uri={redact_uri(uri)}: cannot read {what} ({_first_sentence(exc.message)})"
+        raise TrackingError(f"{_named(uri)}: cannot read {what} ({_first_sentence(exc.message)})"
                             ". Fix: check tracking.uri and the name or id given") from exc
 
 
@@ -228,7 +234,7 @@ def _store_creation_lock(uri: str) -> Iterator[None]:
         directory.mkdir(parents=True, exist_ok=True)  # as MLflow would; the lock needs it first
         descriptor = os.open(directory, os.O_RDONLY)
     except OSError as exc:
-        raise TrackingError(f"tracking.uri={uri}: cannot create the sqlite store's directory {directory} "
+        raise TrackingError(f"{_named(uri)}: cannot create the sqlite store's directory {directory} "
                             f"({exc.strerror}). Fix: choose a writable path") from exc
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
@@ -378,7 +384,7 @@ class RunTracker:
             run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags))
         except MlflowException as exc:  # e.g. a server user that may read the experiment but not write it
             reason = "permission denied" if exc.error_code == "PERMISSION_DENIED" else _first_sentence(exc.message)
-            raise TrackingError(f"tracking.uri={uri}: MLflow refused a new run in experiment {experiment!r} "
+            raise TrackingError(f"{_named(uri)}: MLflow refused a new run in experiment {experiment!r} "
                                 f"({reason}). Fix: set tracking.experiment to one your user "
                                 "may write to, or ask the server's admin for EDIT permission on it") from exc
         tracker = cls(client, run.info.run_id, experiment_id, uri)
@@ -435,5 +441,5 @@ class RunTracker:
         """How a user opens this run."""
         if self.uri.startswith(("http://", "https://")):
             return f"{redact_uri(self.uri).rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        return (f"mlflow ui --backend-store-uri {self.uri}  then open "
+        return (f"mlflow ui --backend-store-uri {redact_uri(self.uri)}  then open "
                 f"http://127.0.0.1:5000/#/experiments/{self.experiment_id}/runs/{self.run_id}")

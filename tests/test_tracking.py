@@ -54,6 +54,15 @@ def test_command_line_credentials_move_to_mlflows_environment_variables(clean_en
     assert move_argv_credentials(["tracking.experiment=a:b@c"]) == ["tracking.experiment=a:b@c"]
 
 
+def test_a_database_store_keeps_its_password_in_the_uri(clean_env):
+    # SQLAlchemy reads no MLFLOW_TRACKING_* variable: moved there, the password would be lost.
+    # The written copies are scrubbed instead (test_no_written_or_printed_copy_of_the_config...).
+    argv = ["tracking.uri=postgresql://bob:Secret-1@db:5432/mlflow"]
+    assert move_argv_credentials(argv) == argv
+    assert USERNAME_ENV not in os.environ
+    assert redact_text(argv[0]) == "tracking.uri=postgresql://db:5432/mlflow"
+
+
 def test_a_sweep_over_different_credentials_is_refused(clean_env):
     with pytest.raises(CredentialsError, match="different credentials"):
         move_argv_credentials(["tracking.uri=http://a:1@h1:5000,http://b:2@h2:5000"])
