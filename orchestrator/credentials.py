@@ -26,7 +26,8 @@ USERNAME_ENV = "MLFLOW_TRACKING_USERNAME"
 PASSWORD_ENV = "MLFLOW_TRACKING_PASSWORD"
 
 # scheme://userinfo@ ; greedy up to the last "@" before the path, as urlsplit reads a netloc.
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s'\"]*)@")
+# Hydra escapes ":" as "\:" in the overrides it records for a sweep job (ray\://u\:pw@h).
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*\\?://)(?P<userinfo>[^/?#\s'\"]*)@")
 # Only MLflow's REST client (a tracking server) reads the environment variables. A database store
 # (postgresql://user:pw@host/db) takes its password from the URI alone: it stays in memory, and
 # the copies written to disk are scrubbed (protect_config) or redacted (redact_text).

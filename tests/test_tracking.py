@@ -42,6 +42,8 @@ def test_redacting_text_removes_every_userinfo_and_nothing_else():
             "note: mail me at x@y, see https://example.org/a@b\n")
     assert redact_text(text) == ("tracking:\n  uri: 'http://host:5000/x'\ncluster:\n  address: ray://head:10001\n"
                                  "note: mail me at x@y, see https://example.org/a@b\n")
+    # Hydra escapes ":" in the overrides a sweep job records.
+    assert redact_text("- cluster.address=ray\\://u\\:pw@h\\:1") == "- cluster.address=ray\\://h\\:1"
 
 
 def test_command_line_credentials_move_to_mlflows_environment_variables(clean_env, capsys):
