@@ -16,7 +16,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote
 
 from omegaconf import DictConfig, open_dict
 
@@ -64,16 +64,11 @@ def redact_text(text: str) -> str:
 
 def split_credentials(uri: str) -> tuple[str, Credentials | None]:
     """``http://u:p@host:5000/x`` → ``("http://host:5000/x", Credentials("u", "p"))``."""
-    parts = urlsplit(uri)
-    if parts.username is None and parts.password is None:
+    match = _USERINFO.match(uri)  # not urlsplit: it raises on a malformed host, which is MLflow's to report
+    if not match:
         return uri, None
-    host = parts.hostname or ""
-    if ":" in host:  # an IPv6 literal keeps its brackets
-        host = f"[{host}]"
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    clean = urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
-    return clean, Credentials(unquote(parts.username or ""), unquote(parts.password or ""))
+    username, _, password = match.group("userinfo").partition(":")
+    return match.group("scheme") + uri[match.end():], Credentials(unquote(username), unquote(password))
 
 
 def server_credentials(uri: str) -> tuple[str, Credentials | None]:

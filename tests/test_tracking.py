@@ -35,6 +35,8 @@ def test_credentials_leave_the_uri_decoded_and_the_rest_intact():
     assert (creds.username, creds.password) == ("alice", "p@ss:w")
     assert "p@ss" not in repr(creds)
     assert split_credentials("sqlite:///mlflow.db") == ("sqlite:///mlflow.db", None)
+    assert split_credentials("http://u:p@h:port")[0] == "http://h:port"  # a bad host is MLflow's to report
+    assert split_credentials("https://u:p@[::1")[0] == "https://[::1"
 
 
 def test_redacting_text_removes_every_userinfo_and_nothing_else():
