@@ -412,7 +412,7 @@ class RunTracker:
         try:
             call()
         except Exception as exc:  # the run goes on; the user is told what was not recorded
-            _warn(f"could not record {what} in MLflow ({type(exc).__name__}: {exc})")
+            _warn(redact_text(f"could not record {what} in MLflow ({type(exc).__name__}: {exc})"))
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         batch = [RunTag(k, str(v)) for k, v in tags.items()]
