@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launchers.ray_auth import use_token_auth_if_available
 from orchestrator.config import register_configs, to_typed
+from orchestrator.credentials import move_argv_credentials, protect_config, redact_text
 from plans.errors import OrchError
 
 register_configs()
@@ -48,6 +49,7 @@ def _fail(error: OrchError) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def train_app(cfg: DictConfig) -> None:
+    protect_config(cfg)
     from orchestrator.driver import run_training
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -64,6 +66,7 @@ _OPTIONS: dict = {"json": False, "run_id": None, "out": None}
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def check_app(cfg: DictConfig) -> None:
+    protect_config(cfg)
     import json
 
     from launchers.placement import rank_layout
@@ -91,6 +94,7 @@ def check_app(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def tune_app(cfg: DictConfig) -> None:
+    protect_config(cfg)
     import contextlib
 
     from orchestrator.tuning import render, to_json_text, tune
@@ -110,39 +114,38 @@ def tune_app(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def config_app(cfg: DictConfig) -> None:
-    print(OmegaConf.to_yaml(cfg, resolve=True))
+    protect_config(cfg)
+    print(redact_text(OmegaConf.to_yaml(cfg, resolve=True)))  # cluster.address may hold a password
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def runs_app(cfg: DictConfig) -> None:
-    from mlflow.tracking import MlflowClient
+    from orchestrator.report import runs_command
 
-    from orchestrator.report import runs_table
-
-    print(runs_table(MlflowClient(tracking_uri=cfg.tracking.uri), cfg.tracking.experiment))
+    protect_config(cfg)
+    try:
+        print(runs_command(cfg.tracking.uri, cfg.tracking.experiment))
+    except OrchError as error:
+        _fail(error)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def report_app(cfg: DictConfig) -> None:
     from pathlib import Path
 
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    from orchestrator.report import report_command
 
-    from orchestrator.report import summary, write_plots
-
+    protect_config(cfg)
     run_id = _OPTIONS["run_id"]
     if not run_id:
         print("error: orch report needs a run id: orch report RUN_ID [tracking.uri=...]", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    client = MlflowClient(tracking_uri=cfg.tracking.uri)
     try:
-        print(summary(client, run_id))
-    except MlflowException as error:
-        print(f"error: run {run_id} not found in {cfg.tracking.uri}: {error.message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-    out = Path(_OPTIONS["out"] or f"reports/{run_id}")
-    for path in write_plots(client, run_id, out):
+        text, plots = report_command(cfg.tracking.uri, run_id, Path(_OPTIONS["out"] or f"reports/{run_id}"))
+    except OrchError as error:
+        _fail(error)
+    print(text)
+    for path in plots:
         print(f"wrote {path}")
 
 
@@ -170,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return EXIT_USAGE
     use_token_auth_if_available()
+    try:
+        rest = move_argv_credentials(rest)
+    except OrchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
     sys.argv = [f"orch-{command}", *rest]
     COMMANDS[command]()
     return 0

@@ -46,7 +46,9 @@ class TrackingConfig:
     """Where the run is recorded."""
 
     uri: str = "sqlite:///mlflow.db"
-    """MLflow tracking URI: a local sqlite file by default, or http://host:5000 for a server."""
+    """MLflow tracking URI: a local sqlite file by default, or http://host:5000 for a server. A server's
+    credentials go in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD; a user:password@ written here
+    is moved there before anything is recorded."""
     experiment: str = "orch"
     """MLflow experiment name."""
     run_name: str | None = None

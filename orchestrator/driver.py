@@ -33,12 +33,13 @@ from launchers.worker_group import (
 )
 from orchestrator.checking import check_run, live_cluster
 from orchestrator.config import RunConfig
+from orchestrator.credentials import redact_text
 from orchestrator.models import model_factory, pipeline_layers_factory, split_model_config
 from orchestrator.progress import Progress
 from orchestrator.resume import checkpoint_dir_lock, signature_of
 from orchestrator.startup import StartupClock
 from orchestrator.startup import describe as describe_startup
-from orchestrator.tracking import RunTracker, TrackingError, check_reachable, flatten, git_commit, redact_uri
+from orchestrator.tracking import RunTracker, TrackingUnreachable, check_reachable, flatten, git_commit, redact_uri
 from plans.errors import PlanError, Violation
 from plans.estimate import PlanEstimate
 from plans.flops import training_flops_per_sample
@@ -218,11 +219,12 @@ _REALIZED_PLACEMENT = ("rank", "node_id", "hostname", "pid", "dp_rank", "pp_rank
 
 
 def reachable_tracking(cfg: RunConfig) -> RunConfig:
-    """The config with a tracking URI that answers, falling back to a local store if asked to."""
+    """The config with a tracking URI that answers, falling back to a local store if asked to
+    (only when no server answers: refused credentials or a wrong path are errors to fix)."""
     try:
         check_reachable(cfg.tracking.uri)
         return cfg
-    except TrackingError as error:
+    except TrackingUnreachable as error:
         if cfg.tracking.fallback != "local":
             raise
         print(f"warning: {str(error).split(' Fix:')[0]}; tracking in sqlite:///mlflow.db instead "
@@ -262,7 +264,7 @@ def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: 
         tags["git_commit"] = commit
     tracker = RunTracker.start(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,
                                run_name=cfg.tracking.run_name, params=params, tags=tags)
-    tracker.log_text(config_yaml, "config/resolved.yaml")
+    tracker.log_text(redact_text(config_yaml), "config/resolved.yaml")  # cluster.address may hold a password
     tracker.log_dict(ds_config, "config/deepspeed.json")
     tracker.log_dict(estimate.as_json(), "plan/estimate.json")
     tracker.log_dict({"placement": rank_layout(plan.world_size, cfg.cluster.devices_per_node, plan.tp, plan.pp)},

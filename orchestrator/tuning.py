@@ -357,9 +357,9 @@ def _trial_run_id(cfg: RunConfig, parent_id: str | None, index: int) -> str | No
     """The MLflow run a failed trial left behind (run_training raised before returning it)."""
     if not parent_id:
         return None
-    from mlflow.tracking import MlflowClient
+    from orchestrator.tracking import open_client
 
-    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    client = open_client(cfg.tracking.uri)
     parent = client.get_run(parent_id)
     runs = client.search_runs([parent.info.experiment_id],
                               filter_string=f"tags.mlflow.parentRunId = '{parent_id}' and "

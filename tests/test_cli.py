@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -104,3 +106,43 @@ def test_an_unreachable_tracking_server_is_a_clear_error_before_anything_starts(
     assert f"tracking.uri={uri}: no MLflow server answers there" in done.stderr
     assert "tracking.fallback=local" in done.stderr
     assert "Started a local Ray instance" not in done.stderr
+
+
+class _NotFound(http.server.BaseHTTPRequestHandler):
+    """A web server that is not MLflow: every path is 404."""
+
+    def do_GET(self):  # noqa: N802 (the name http.server calls)
+        self.send_error(404)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def not_mlflow():
+    """The URL of an HTTP server on loopback that answers 404 to everything."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/mlflow"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("command, uri, message", [
+    ("train", "ftp://x", "tracking.uri=ftp://x: MLflow cannot track there (no MLflow store for the scheme 'ftp')"),
+    ("runs", "ftp://x", "tracking.uri=ftp://x: MLflow cannot track there"),
+    ("train", "NOT_MLFLOW", "has no MLflow tracking API (HTTP 404 for /api/2.0/mlflow/experiments/search)"),
+    ("runs", "NOT_MLFLOW", "has no MLflow tracking API (HTTP 404"),
+    ("report", "UNREACHABLE", "no MLflow server answers there (Connection refused)"),
+    ("runs", "sqlite:///mlflow.db", "there is no MLflow store at"),
+])
+def test_a_tracking_uri_mlflow_cannot_use_is_a_short_error(command, uri, message, not_mlflow, tmp_path):
+    from conftest import free_port
+
+    uri = {"NOT_MLFLOW": not_mlflow, "UNREACHABLE": f"http://127.0.0.1:{free_port()}"}.get(uri, uri)
+    args = {"train": ["train", "train.steps=1"], "runs": ["runs"], "report": ["report", "0123abcd"]}[command]
+    done = orch(*args, f"tracking.uri={uri}", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert message in done.stderr and "Fix:" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) <= 2, done.stderr
+    assert not (tmp_path / "mlflow.db").exists()
