@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launchers.ray_auth import use_token_auth_if_available
 from orchestrator.config import register_configs, to_typed
+from orchestrator.signals import stopped_by_signals
 from plans.errors import OrchError
 
 register_configs()
@@ -171,5 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     use_token_auth_if_available()
     sys.argv = [f"orch-{command}", *rest]
-    COMMANDS[command]()
+    with stopped_by_signals():
+        COMMANDS[command]()
     return 0

@@ -53,9 +53,12 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One embedded Ray for a test module (starting Ray costs ~4 s); 2 CPUs like this machine."""
-    ray.init(num_cpus=2, object_store_memory=300 * 1024**2, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}})
+    """One embedded Ray for a test module (starting Ray costs ~4 s); 2 CPUs like this machine, on
+    loopback as `orch` starts it."""
+    from launchers.ray_session import start_local_ray
+
+    start_local_ray(num_cpus=2, object_store_memory=300 * 1024**2,
+                    runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}})
     yield
     ray.shutdown()
 
