@@ -121,6 +121,30 @@ def processes_mentioning(text: str) -> set[int]:
     return found
 
 
+def listening_sockets(pids: set[int]) -> list[tuple[int, str, str, int]]:
+    """(pid, process name, address, port) of every listening TCP socket of these processes."""
+    import psutil
+
+    found = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            found += [(pid, process.name(), c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def is_loopback(ip: str) -> bool:
+    """127.0.0.0/8 or ::1, also as an IPv4-mapped IPv6 address (a dual-stack socket on 127.0.0.1)."""
+    import ipaddress
+
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
 def kill_tree(pids: set[int], grace_s: float = 10.0) -> None:
     """SIGTERM these processes and all below them, then SIGKILL what is left after ``grace_s``."""
     import signal
