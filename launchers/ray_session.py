@@ -205,7 +205,7 @@ def _init_client(address: str) -> None:
     pause_s = CLIENT_RETRY_S
     for attempt in range(1, CLIENT_ATTEMPTS + 1):
         try:
-            ray.init(address=address)
+            _init_keeping_sigterm(address=address)
             return
         except ConnectionAbortedError as exc:
             if attempt == CLIENT_ATTEMPTS:

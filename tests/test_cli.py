@@ -159,3 +159,25 @@ def test_an_unreachable_tracking_server_is_a_clear_error_before_anything_starts(
     assert f"tracking.uri={uri}: no MLflow server answers there" in done.stderr
     assert "tracking.fallback=local" in done.stderr
     assert "Started a local Ray instance" not in done.stderr
+
+
+def test_sigterm_inside_the_block_runs_cleanup_and_exits_143(capsys):
+    """Pure: the handler raises where the main thread is, ``finally`` cleanup runs, a second
+    signal during cleanup does not abort it, and the previous handlers come back."""
+    import os
+
+    from orchestrator.signals import stopped_by_signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    cleaned = []
+    with pytest.raises(SystemExit) as ended, stopped_by_signals():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the signal interrupts this
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's second SIGTERM while cleaning up
+            cleaned.append(True)
+    assert ended.value.code == 143 and cleaned == [True]
+    assert signal.getsignal(signal.SIGTERM) is before
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "stopped by SIGTERM" and "already stopping" in err
