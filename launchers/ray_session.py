@@ -40,18 +40,18 @@ def ray_session(address: str | None, *, min_cpus: float = 0, object_store_gib: f
     if ray.is_initialized():
         yield
         return
-    if address is None:
-        start_local_ray(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)),
-                        object_store_memory=int(object_store_gib * GIB))
-    else:
-        try:
-            connect(address, connect_timeout_s)
-        except (ConnectionError, RuntimeError) as exc:
-            raise RayConnectError(
-                f"cluster.address={address}: cannot connect to a Ray cluster there ({exc}). Fix: start the "
-                "cluster (`ray start --head`), correct cluster.address, or set cluster.address=null for an "
-                "embedded local Ray") from exc
-    try:
+    try:  # a start interrupted half-way (Ctrl-C, SIGTERM) is shut down too
+        if address is None:
+            start_local_ray(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)),
+                            object_store_memory=int(object_store_gib * GIB))
+        else:
+            try:
+                connect(address, connect_timeout_s)
+            except (ConnectionError, RuntimeError) as exc:
+                raise RayConnectError(
+                    f"cluster.address={address}: cannot connect to a Ray cluster there ({exc}). Fix: start the "
+                    "cluster (`ray start --head`), correct cluster.address, or set cluster.address=null for an "
+                    "embedded local Ray") from exc
         yield
     finally:
         ray.shutdown()
