@@ -22,12 +22,7 @@ from collections.abc import Iterator
 
 from launchers.job import TrainJob
 from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 
 
 def next_token_loss(logits, targets):
@@ -119,10 +114,11 @@ class TrainWorker:
         the fewest are where the others wait for them."""
 
     def address(self) -> tuple[str, int]:
-        """This node's IP and a free port, for rank 0 to host the rendezvous."""
+        """Where this actor, as rank 0, hosts the rendezvous: its node's IP and a port bound there."""
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        self.rendezvous = RendezvousHost(ray.util.get_node_ip_address())
+        return self.rendezvous.address
 
     def node_id(self) -> str:
         import ray
@@ -137,6 +133,7 @@ class TrainWorker:
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(slot.rank),
             "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(slot.local_rank),
             "LOCAL_SIZE": str(slot.local_world_size), "LOCAL_WORLD_SIZE": str(slot.local_world_size),
+            **AGENT_STORE_ENV,
         })
         import deepspeed
         import torch

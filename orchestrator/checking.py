@@ -66,21 +66,26 @@ def check_pipeline(probe: ModelProbe, plan: ResolvedPlan, model_cfg: dict) -> No
 
 
 @contextlib.contextmanager
-def live_cluster(cfg: RunConfig) -> Iterator[tuple[ClusterSpec, list[str]]]:
+def live_cluster(cfg: RunConfig, *, connect: bool = False) -> Iterator[tuple[ClusterSpec, list[str]]]:
     """The cluster to plan for: read off the live Ray cluster when there is an address.
 
     Yields the cluster and notes on which declared numbers the live facts replaced; raises
     PlanError when the live cluster cannot host the declared workers. The connection stays open
     until the block ends, so the command's own ``ray_session`` inside it reuses the connection
     instead of opening a second one (a ``ray://`` client session takes seconds to start).
+    ``connect`` joins the cluster even with discover off: a command that will use it learns
+    that it is unreachable before it tracks anything.
     """
-    if cfg.cluster.address is None or not cfg.cluster.discover:
+    if cfg.cluster.address is None or not (cfg.cluster.discover or connect):
         yield cfg.cluster, []
         return
     from launchers.discovery import discover_nodes
     from launchers.ray_session import ray_session
 
-    with ray_session(cfg.cluster.address):
+    with ray_session(cfg.cluster.address, connect_timeout_s=cfg.cluster.connect_timeout_s):
+        if not cfg.cluster.discover:
+            yield cfg.cluster, []
+            return
         nodes = discover_nodes(timeout_s=cfg.cluster.wait_s)
         cluster, violations, notes = reconcile(cfg.cluster, nodes)
         if violations:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from launchers.ray_auth import use_token_auth_if_available
 from orchestrator.config import register_configs, to_typed
 from orchestrator.credentials import move_argv_credentials, protect_config, redact_text
+from orchestrator.signals import stopped_by_signals
 from plans.errors import OrchError
 
 register_configs()
@@ -179,5 +180,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     sys.argv = [f"orch-{command}", *rest]
-    COMMANDS[command]()
+    with stopped_by_signals():
+        COMMANDS[command]()
     return 0

@@ -94,7 +94,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``).
     """
     clock = StartupClock()
-    with checkpoint_dir_lock(cfg.train), live_cluster(cfg) as (cluster, notes):
+    with checkpoint_dir_lock(cfg.train), live_cluster(cfg, connect=True) as (cluster, notes):
         return _run_on(cluster, notes, clock, cfg, model_cfg, config_yaml, stream=stream, on_report=on_report,
                        tags=tags)
 
@@ -159,7 +159,8 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
     logged_step = published.step if published else 0
     try:
         with ray_session(cfg.cluster.address, min_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
-                         object_store_gib=cfg.cluster.object_store_memory_gib):
+                         object_store_gib=cfg.cluster.object_store_memory_gib,
+                         connect_timeout_s=cfg.cluster.connect_timeout_s):
             clock.mark("ray")
             failures = 0
             while True:

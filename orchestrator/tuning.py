@@ -248,7 +248,8 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
             from launchers.ray_session import ray_session
 
             stack.enter_context(ray_session(cfg.cluster.address, min_cpus=cluster.world_size * cluster.cpus_per_worker,
-                                            object_store_gib=cfg.cluster.object_store_memory_gib))
+                                            object_store_gib=cfg.cluster.object_store_memory_gib,
+                                            connect_timeout_s=cfg.cluster.connect_timeout_s))
             if cfg.tune.calibrate:
                 print("tune: measuring the cluster's speeds on the Ray workers", file=err, flush=True)
                 speeds, note = measure_speeds(cfg, cluster, space, ctx)
