@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO))
 from hydra import compose, initialize_config_module  # noqa: E402
 
 from bench.harness import publish  # noqa: E402
+from launchers.ray_session import start_local_ray  # noqa: E402
 from orchestrator.config import register_configs, to_typed  # noqa: E402
 from orchestrator.driver import run_training  # noqa: E402
 from workloads.corpus import load_bytes  # noqa: E402
@@ -166,9 +167,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every plan")
     args = parser.parse_args()
     store = tempfile.mkdtemp(prefix="orch-bench-")
-    # address="local": a Ray of its own even when another cluster runs on this machine.
-    ray.init(address="local", num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    # A Ray of its own (even when another cluster runs on this machine), on loopback as `orch` starts it.
+    start_local_ray(num_cpus=2, object_store_memory=300 * 2**20, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:
         rows = [row for p in plans(args.plans)
                 for row in measure_with_retry([*p, *args.overrides], f"sqlite:///{store}/mlflow.db")]

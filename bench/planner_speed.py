@@ -8,6 +8,7 @@ the 64-device check in the same process (machines here are noisy).
 Then the whole `orch check` command, as a user runs it, is timed at each cluster size: a fresh
 process that composes the config, builds the model on ``meta``, measures its activations and
 checks the plan (``--cli-repeats`` runs per size, interleaved over the sizes; the median is shown).
+Last, the same command for the built-in GPT at depths from 2 to 10 million layers.
 
     python bench/planner_speed.py [--cli-repeats 3] [--markdown bench/results/planner_speed.md]
 """
@@ -66,6 +67,27 @@ def cli_check_times(repeats: int) -> dict[int, list[float]]:
                 raise RuntimeError(f"orch check failed at {devices} devices: {done.stderr[-2000:]}")
             if json.loads(done.stdout)["world_size"] != devices:
                 raise RuntimeError(f"orch check planned for the wrong cluster size at {devices} devices")
+    return times
+
+
+DEPTHS = (2, 200, 2000, 20000, 10_000_000)
+"""Layers of the built-in GPT (d_model 128) checked on the default 2-worker CPU cluster: a deep model
+is built at 2 and 4 layers only, and 10 million layers are refused (exit 2) from that arithmetic."""
+
+
+def deep_check_times(repeats: int) -> dict[int, tuple[list[float], int]]:
+    """Wall time and exit code of a fresh `orch check --json model.n_layer=N` process per depth."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    times: dict[int, tuple[list[float], int]] = {depth: ([], 0) for depth in DEPTHS}
+    for _ in range(repeats):
+        for depth in DEPTHS:
+            started = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "orchestrator", "check", "--json", f"model.n_layer={depth}"],
+                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+            times[depth][0].append(time.perf_counter() - started)
+            times[depth] = (times[depth][0], done.returncode)
+            if done.returncode not in (0, 1, 2):
+                raise RuntimeError(f"orch check failed at {depth} layers: {done.stderr[-2000:]}")
     return times
 
 
@@ -128,6 +150,13 @@ def main() -> None:
               for d, t in cli.items()]
     lines += ["", "`orch check model=gpt3_175b cluster=a100_8x cluster.nodes=N plan.precision=bf16 "
                   "plan.micro_batch_size=1 plan.zero_stage=3 plan.activation_checkpointing=true --json`"]
+    deep = deep_check_times(args.cli_repeats)
+    lines += ["", "`orch check --json model.n_layer=N` on the default cluster (2 CPU workers of 8 GiB), a fresh "
+                  f"process each time, {args.cli_repeats} runs per depth; median (min-max). Exit 1: does not fit; "
+                  "exit 2: refused before anything of its depth is built.", "",
+              "| layers | `orch check` wall time (s) | exit code |", "|---:|---:|---:|"]
+    lines += [f"| {d:,} | {statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f}) | {code} |"
+              for d, (t, code) in deep.items()]
     publish(lines, args.markdown)
 
 

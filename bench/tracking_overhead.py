@@ -53,17 +53,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_mlflow_server(root: Path, port: int) -> subprocess.Popen:
+def launch_mlflow_server(root: Path, port: int, *, app_name: str | None = None,
+                         env: dict[str, str] | None = None) -> subprocess.Popen:
     """``mlflow server`` on loopback with a sqlite backend in ``root``, in a session of its own.
 
     Its job runner is off: nothing here submits server-side jobs, and with it on every server
-    start leaves a directory in /dev/shm that MLflow never removes.
+    start leaves a directory in /dev/shm that MLflow never removes. ``app_name="basic-auth"``
+    serves it behind MLflow's HTTP basic authentication (configured through ``env``).
     """
     mlflow = shutil.which("mlflow", path=os.path.dirname(PYTHON)) or "mlflow"
-    return subprocess.Popen([mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+    app = ["--app-name", app_name] if app_name else []
+    return subprocess.Popen([mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1", *app,
                              "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
                              "--artifacts-destination", str(root / "artifacts")],
-                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 

@@ -55,12 +55,15 @@ def main() -> None:
     probe_s = time.perf_counter() - started
     first = search(space, ctx)  # also measures activations on meta, cached for the rest
     tp_degrees = sorted(ctx.model_cost.tp_param_count)
+    # The full-depth model on meta, built for the comparisons only (the tuner probes it from shallow
+    # copies) and before the timings, which count the passes and not the building.
+    full_model = ctx.probe.module
     scaled, scaled_s = _timed(measure_model_cost, ctx.probe, tp_degrees, depth_scaled=True)
     full, full_s = _timed(measure_model_cost, ctx.probe, tp_degrees)
     activation_args = dict(micro_batch_size=1, seq_len=ctx.model_cost.seq_len, dtype=torch.bfloat16,
                            checkpointing=True)
-    scaled_act, scaled_act_s = _timed(measure_activations_depth_scaled, ctx.probe.module, **activation_args)
-    full_act, full_act_s = _timed(measure_activations, ctx.probe.module, **activation_args)
+    scaled_act, scaled_act_s = _timed(measure_activations_depth_scaled, full_model, **activation_args)
+    full_act, full_act_s = _timed(measure_activations, full_model, **activation_args)
     rows = []
     for nodes in NODES:
         cluster = dataclasses.replace(cfg.cluster, nodes=nodes)

@@ -48,10 +48,11 @@ def run_ray_train(job_path: Path, storage: Path) -> None:
     from ray.train.torch import TorchTrainer
 
     from bench.plain_deepspeed import train_loop_per_worker
+    from launchers.ray_session import start_local_ray
 
     job = json.loads(job_path.read_text())
-    # The same embedded Ray `orch` starts: 2 logical CPUs, a 1 GiB object store, no dashboard.
-    ray.init(address="local", num_cpus=2, object_store_memory=GIB, include_dashboard=False)
+    # The same embedded Ray `orch` starts: 2 logical CPUs, a 1 GiB object store, no dashboard, on loopback.
+    start_local_ray(num_cpus=2, object_store_memory=GIB)
     try:
         trainer = TorchTrainer(train_loop_per_worker, train_loop_config=job,
                                scaling_config=ScalingConfig(num_workers=job["world_size"], use_gpu=False,

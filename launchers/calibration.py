@@ -34,6 +34,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launchers.placement import assign_ranks
+from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from plans.cost_model import Speeds
 from plans.errors import OrchError
 
@@ -52,9 +53,9 @@ class CalibrationWorker:
         return socket.gethostname()
 
     def address(self) -> tuple[str, int]:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        """Where this actor, as rank 0, hosts the rendezvous: its node's IP and a port bound there."""
+        self.rendezvous = RendezvousHost(ray.util.get_node_ip_address())
+        return self.rendezvous.address
 
     def compute(self, rows: list[int], k: int, n: int, precision: str, seconds: float = 0.3) -> dict:
         """Matmul TFLOP/s per height, and memory GB/s (read + write of a 64 MB copy)."""
@@ -85,7 +86,8 @@ class CalibrationWorker:
         os.environ.update(env)
         os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
                            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_ranks.index(rank)),
-                           "LOCAL_SIZE": str(len(local_ranks)), "LOCAL_WORLD_SIZE": str(len(local_ranks))})
+                           "LOCAL_SIZE": str(len(local_ranks)), "LOCAL_WORLD_SIZE": str(len(local_ranks)),
+                           **AGENT_STORE_ENV})
         import deepspeed
         import deepspeed.comm as dist
 

@@ -3,23 +3,37 @@
 DeepSpeed writes each checkpoint into its own tag directory. Only after all ranks have
 finished (a barrier) does rank 0 record the tag in ``latest.json``, written to a temporary
 file and renamed over the old one, which is atomic on POSIX. A crash in the middle of a save
-leaves the previous ``latest.json`` pointing at the previous, complete checkpoint.
+leaves the previous ``latest.json`` pointing at the previous, complete checkpoint. Before
+``latest.json``, rank 0 writes the tag's manifest (:mod:`launchers.manifest`): the digests of its
+files and what it was written for, which a resume checks before anything is loaded
+(:func:`resumable`), falling back to the newest intact kept tag.
+
+One run at a time writes a checkpoint directory: :func:`directory_lock`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TextIO
 
-from plans.errors import OrchError
+from launchers.manifest import CheckpointIntegrityError, write_manifest
+from launchers.manifest import verify as verify_manifest
+from plans.errors import OrchError, PlanError, Violation
 
 LATEST = "latest.json"
+LOCK = ".orch.lock"
 UNIVERSAL_SUFFIX = "_universal"
 """A published tag's universal conversion lives next to it, as ``<tag>_universal``."""
 _TAG = re.compile(r"step_[0-9]{9}")
@@ -28,7 +42,20 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][\w\-]{0,255}")
 
 
 class CheckpointRecordError(OrchError):
-    """``latest.json`` names something this orchestrator never writes (e.g. a path outside its directory)."""
+    """``latest.json`` is malformed or names something this orchestrator never writes (e.g. a path
+    outside its directory)."""
+
+
+class CheckpointDirError(OrchError):
+    """``train.checkpoint_dir`` cannot be created or written."""
+
+
+class CheckpointDirBusyError(CheckpointDirError):
+    """Another run holds the checkpoint directory."""
+
+
+class NoIntactCheckpointError(OrchError):
+    """``train.resume=auto`` found published checkpoints, none of which verifies."""
 
 
 @dataclass(frozen=True)
@@ -51,15 +78,33 @@ def tag_for(step: int) -> str:
 
 
 def latest(checkpoint_dir: str | os.PathLike) -> Published | None:
+    """The record ``latest.json`` holds, or None without one; :class:`CheckpointRecordError` if malformed."""
     path = Path(checkpoint_dir) / LATEST
     if not path.exists():
         return None
-    data = json.loads(path.read_text())
-    layout = data.get("layout")
-    record = Published(tag=data["tag"], step=int(data["step"]), run_id=data.get("run_id"), tags=list(data["tags"]),
-                       layout={k: int(v) for k, v in layout.items()} if isinstance(layout, dict) else None)
+    record = _parse_record(path)
     _check_record(record, path)
     return record
+
+
+def _parse_record(path: Path) -> Published:
+    """``latest.json`` read into a :class:`Published`, every field's type checked."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON object was expected, not {type(data).__name__}")
+        layout = data.get("layout")
+        if not (isinstance(data["step"], int) and isinstance(data["tags"], list)
+                and (layout is None or isinstance(layout, dict))):
+            raise TypeError("step must be an integer, tags a list, layout an object")
+        return Published(tag=data["tag"], step=data["step"], run_id=data.get("run_id"), tags=list(data["tags"]),
+                         layout={k: int(v) for k, v in layout.items()} if layout else None)
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
+        what = f"missing key {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
+        raise CheckpointRecordError(
+            f"{path} is malformed ({what}); it is the record of the latest checkpoint and this orchestrator writes it "
+            "whole. Fix: delete it to start fresh (or set train.resume=never), or point train.checkpoint_dir at a "
+            "directory this orchestrator wrote") from None
 
 
 def _check_record(record: Published, path: Path) -> None:
@@ -82,12 +127,18 @@ def _check_record(record: Published, path: Path) -> None:
 
 
 def publish(checkpoint_dir: str | os.PathLike, step: int, run_id: str | None, keep: int,
-            layout: dict[str, int] | None = None) -> Published:
-    """Record ``step``'s checkpoint as the latest and delete the ones beyond ``keep`` (and any
-    universal conversion made from them)."""
+            layout: dict[str, int] | None = None, model: dict | None = None) -> Published:
+    """Write ``step``'s manifest (every rank has finished writing), record it as the latest and
+    delete the ones beyond ``keep`` (and any universal conversion made from them).
+
+    ``model`` is the :func:`model_signature` of the model that wrote it."""
     root = Path(checkpoint_dir)
     previous = latest(root)
     tag = tag_for(step)
+    write_manifest(root / tag, layout=layout, model=model)
+    # A conversion of an earlier checkpoint under this tag (a run resumed from an older one
+    # writes the same steps again) would otherwise be taken for this one's.
+    shutil.rmtree(root / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
     tags = [t for t in (previous.tags if previous else []) if t != tag] + [tag]
     kept, dropped = tags[-max(keep, 1):], tags[:-max(keep, 1)]
     record = Published(tag=tag, step=step, run_id=run_id, tags=kept, layout=layout)
@@ -101,3 +152,102 @@ def publish(checkpoint_dir: str | os.PathLike, step: int, run_id: str | None, ke
         shutil.rmtree(root / old, ignore_errors=True)
         shutil.rmtree(root / f"{old}{UNIVERSAL_SUFFIX}", ignore_errors=True)
     return record
+
+
+def model_signature(module, config: dict) -> dict:
+    """What a checkpoint records of its model: every parameter's name and shape, and the config
+    the model was built from (to name the field whose change makes a checkpoint incompatible)."""
+    params = {name: list(p.shape) for name, p in module.named_parameters()}
+    return {"config": json.loads(json.dumps(dict(config), default=str)), "params": params}
+
+
+def resumable(checkpoint_dir: str | os.PathLike, model: dict | None,
+              warn: TextIO | None = None) -> Published | None:
+    """The newest kept checkpoint that verifies against its manifest, checked against ``model``.
+
+    A tag that fails verification (cut short, altered, missing its manifest) is skipped, saying
+    so on ``warn``, for the next older one. The first intact one must fit ``model`` (its
+    :func:`model_signature`): a PlanError names the changed ``model.*`` field otherwise, since
+    every older tag of the directory would have been written by the same model. None when
+    nothing was published; :class:`NoIntactCheckpointError` when nothing verifies.
+    """
+    record = latest(checkpoint_dir)
+    if record is None:
+        return None
+    warn = warn or sys.stderr
+    root = Path(checkpoint_dir)
+    refused = []
+    for tag in reversed(record.tags or [record.tag]):
+        try:
+            manifest = verify_manifest(root / tag)
+        except CheckpointIntegrityError as error:
+            refused.append(str(error).split(" Fix:")[0])
+            print(f"warning: not resuming from {root / tag}: {refused[-1]}", file=warn, flush=True)
+            continue
+        _check_model(root / tag, manifest.model, model)
+        if refused:
+            print(f"warning: resuming from the newest intact checkpoint, {root / tag}", file=warn, flush=True)
+        return dataclasses.replace(record, tag=tag, step=int(tag.removeprefix("step_")),
+                                   layout={k: int(v) for k, v in manifest.layout.items()} if manifest.layout else None)
+    raise NoIntactCheckpointError(
+        f"train.resume=auto: no checkpoint kept in train.checkpoint_dir={root} verifies ({'; '.join(refused)}). "
+        "Fix: set train.resume=never to start fresh, or point train.checkpoint_dir at intact checkpoints")
+
+
+def _check_model(folder: Path, saved: dict | None, now: dict | None) -> None:
+    """Refuse a checkpoint whose parameters' names or shapes differ from the model's."""
+    if not saved or not now or saved.get("params") == now.get("params"):
+        return
+    old_cfg, new_cfg = saved.get("config") or {}, now.get("config") or {}
+    changed = sorted(k for k in set(old_cfg) | set(new_cfg) if old_cfg.get(k) != new_cfg.get(k))
+    difference = _first_param_difference(saved.get("params") or {}, now.get("params") or {})
+    why = (f"the checkpoint {folder} was written by a model whose parameters differ from this one's "
+           f"({difference}): it cannot be loaded into it.")
+    if not changed:
+        raise PlanError([Violation("model", new_cfg.get("_target_"), why,
+                                   "resume with the model that wrote it, or set train.resume=never (or another "
+                                   "train.checkpoint_dir) to start fresh")])
+    raise PlanError([Violation(f"model.{key}", new_cfg.get(key), f"{why} It was written with model.{key}="
+                               f"{old_cfg.get(key)!r}.", f"set model.{key}={old_cfg.get(key)!r}, or "
+                               "train.resume=never (or another train.checkpoint_dir) to start fresh")
+                     for key in changed])
+
+
+def _first_param_difference(saved: dict, now: dict) -> str:
+    for name in sorted(set(saved) | set(now)):
+        if saved.get(name) != now.get(name):
+            return f"{name}: checkpoint {saved.get(name)}, model {now.get(name)}"
+    return "none"
+
+
+@contextlib.contextmanager
+def directory_lock(checkpoint_dir: str | os.PathLike) -> Iterator[None]:
+    """Hold ``checkpoint_dir`` for one run: an exclusive ``flock`` on a file inside it.
+
+    Two runs writing one directory would interleave their tags and each overwrite the other's
+    ``latest.json``. The kernel releases the lock when the process ends, however it ends, so a
+    crashed run never leaves the directory locked. (``flock`` on NFS is emulated with POSIX
+    locks by Linux clients, which the server enforces across nodes.)
+    """
+    root = Path(checkpoint_dir)
+    path = root / LOCK
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise CheckpointDirError(
+            f"train.checkpoint_dir={checkpoint_dir} cannot be used: {error.strerror} ({error.filename}). Fix: point "
+            "train.checkpoint_dir at a directory this user can create and write") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise CheckpointDirBusyError(
+                f"train.checkpoint_dir={checkpoint_dir} is in use by another orch run (pid {holder}, holding {path}). "
+                "Fix: give this run another train.checkpoint_dir, or wait for the other run to end") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)

@@ -27,3 +27,6 @@ class TrainJob:
     """MLflow run id, recorded with each published checkpoint so a resume continues that run."""
     resume_tag: str | None = None
     """Checkpoint tag (in train.checkpoint_dir) to load before training; None starts fresh."""
+    model_signature: dict | None = None
+    """Parameter names and shapes and the model's config, recorded in each checkpoint's manifest
+    (:func:`launchers.checkpoint.model_signature`) so a resume can check it fits before launching."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,6 +19,8 @@ CLIENT_ATTEMPTS = 3
 """Ray client sessions tried before giving up on a ``ray://`` address."""
 CLIENT_RETRY_S = 2.0
 """Pause before the second attempt, doubled before each later one."""
+LOOPBACK = "127.0.0.1"
+"""Where every server of the embedded Ray listens: nothing of it is reachable from the network."""
 
 
 class RayConnectError(OrchError):
@@ -24,35 +28,173 @@ class RayConnectError(OrchError):
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, *, min_cpus: float = 0, object_store_gib: float = 1.0) -> Iterator[None]:
+def ray_session(address: str | None, *, min_cpus: float = 0, object_store_gib: float = 1.0,
+                connect_timeout_s: float = 30.0) -> Iterator[None]:
     """Yield with Ray connected; shut down only what this call started.
 
     An already-initialized Ray (a test fixture, a notebook) is used as it is. With no address an
-    embedded Ray starts with at least ``min_cpus`` logical CPUs, so a plan may run more workers
-    than cores, and a capped object store (Ray would otherwise reserve ~30% of host memory).
+    embedded Ray starts on loopback with at least ``min_cpus`` logical CPUs, so a plan may run
+    more workers than cores, and a capped object store (Ray would otherwise reserve ~30% of host
+    memory). An address must answer within ``connect_timeout_s`` (cluster.connect_timeout_s).
     """
     if ray.is_initialized():
         yield
         return
-    if address is None:
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)),
-                 object_store_memory=int(object_store_gib * GIB), include_dashboard=False)
-    else:
-        try:
-            connect(address)
-        except (ConnectionError, RuntimeError) as exc:
-            raise RayConnectError(
-                f"cluster.address={address}: cannot connect to a Ray cluster there ({exc}). Fix: start the "
-                "cluster (`ray start --head`), correct cluster.address, or set cluster.address=null for an "
-                "embedded local Ray") from exc
-    try:
+    try:  # a start interrupted half-way (Ctrl-C, SIGTERM) is shut down too
+        if address is None:
+            start_local_ray(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)),
+                            object_store_memory=int(object_store_gib * GIB))
+        else:
+            try:
+                connect(address, connect_timeout_s)
+            except (ConnectionError, RuntimeError) as exc:
+                raise RayConnectError(
+                    f"cluster.address={address}: cannot connect to a Ray cluster there ({exc}). Fix: start the "
+                    "cluster (`ray start --head`), correct cluster.address, or set cluster.address=null for an "
+                    "embedded local Ray") from exc
         yield
     finally:
         ray.shutdown()
 
 
-def connect(address: str) -> None:
-    """``ray.init(address)``, trying a ``ray://`` address up to CLIENT_ATTEMPTS times.
+def start_local_ray(**init_kwargs) -> None:
+    """``ray.init`` of an embedded Ray whose GCS, raylet, agents and workers all listen on loopback.
+
+    Token authentication stays as Ray sets it for a new local cluster (on, unless the user set
+    ``RAY_AUTH_MODE``); the dashboard, which would serve HTTP, is not started.
+    """
+    with _loopback_node_address():
+        _init_keeping_sigterm(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)
+
+
+@contextlib.contextmanager
+def _loopback_node_address() -> Iterator[None]:
+    """Let ``ray.init(_node_ip_address="127.0.0.1")`` keep that address.
+
+    Ray's servers listen on loopback only when the node's address is loopback, and otherwise
+    on all interfaces. On Linux, Ray replaces a loopback node address with the machine's routable
+    one (``services.resolve_ip_for_localhost``), so that other nodes could join; it keeps
+    loopback where it does not support clusters (macOS, Windows), a switch it reads once at
+    import (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``). A local run never takes other nodes, so the
+    switch is off while the node starts; the processes it starts get the address explicitly.
+    """
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _init_keeping_sigterm(**init_kwargs) -> None:
+    """``ray.init``, leaving a SIGTERM handler the program installed in place.
+
+    ``ray.init`` installs its own handler (``sys.exit`` from wherever the main thread is), which
+    would skip the command's cleanup; a program that installed a Python handler keeps it. With
+    no such handler (a library use), Ray's stays.
+    """
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if in_main_thread else None
+    try:
+        ray.init(**init_kwargs)
+    finally:
+        if callable(previous):
+            signal.signal(signal.SIGTERM, previous)
+
+
+def connect(address: str, timeout_s: float) -> None:
+    """Join the cluster at ``address`` ('auto', 'host:port' or 'ray://host:port') within ``timeout_s``.
+
+    Ray's own connection retries add up to about 14 minutes for a GCS address that does not
+    answer, and print a warning every few seconds. The address is first probed with one gRPC
+    call bounded by ``timeout_s`` (silent, and nothing to clean up when it is abandoned); Ray
+    connects only to a server that answered.
+    """
+    if not timeout_s > 0:
+        raise RayConnectError(f"cluster.connect_timeout_s={timeout_s}: must be more than 0 seconds. Fix: set "
+                              "cluster.connect_timeout_s=30 (the default), or more for a slow network")
+    if address.startswith("ray://"):
+        _probe_client_server(address, timeout_s)
+        _init_client(address)
+        return
+    gcs = _gcs_address(address)
+    _probe_gcs(address, gcs, timeout_s)
+    _init_keeping_sigterm(address=gcs)
+
+
+def _gcs_address(address: str) -> str:
+    """``host:port`` of the cluster's GCS, as Ray would find it ('auto': the last `ray start` here)."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        return canonicalize_bootstrap_address(address)
+    except ConnectionError as exc:  # 'auto' and no cluster started on this machine
+        raise RayConnectError(
+            f"cluster.address={address}: no running Ray cluster found on this machine ({exc}). Fix: start one "
+            "(`ray start --head`), give its address as cluster.address=HOST:PORT, or set "
+            "cluster.address=null for an embedded local Ray") from None
+    except ValueError as exc:
+        raise RayConnectError(
+            f"cluster.address={address}: not a Ray address ({exc}). Fix: use HOST:PORT of the head's GCS "
+            "(6379 unless `ray start --port` chose another), ray://HOST:10001 for the Ray client server, "
+            "'auto', or null for an embedded local Ray") from None
+
+
+def _probe_gcs(address: str, gcs: str, timeout_s: float) -> None:
+    """One call to the GCS at ``gcs``, waiting up to ``timeout_s`` for it to answer.
+
+    The channel is Ray's own (its TLS settings and auth token), so a refused token is told
+    apart from a server that is not there.
+    """
+    import grpc
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    channel = init_grpc_channel(gcs)
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, wait_for_ready=True)
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise RayConnectError(_token_refused(address, gcs, error.details())) from None
+        raise RayConnectError(_unreachable(address, gcs, timeout_s, error.code().name)) from None
+    finally:
+        channel.close()
+
+
+def _probe_client_server(address: str, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for the Ray client server at ``ray://host:port`` to accept a channel."""
+    import grpc
+    from ray._private.grpc_utils import init_grpc_channel
+
+    target = address.removeprefix("ray://")
+    channel = init_grpc_channel(target)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        raise RayConnectError(_unreachable(address, target, timeout_s, "no gRPC server accepted a channel")) from None
+    finally:
+        channel.close()
+
+
+def _unreachable(address: str, target: str, timeout_s: float, detail: str) -> str:
+    return (f"cluster.address={address}: no Ray cluster answered at {target} within "
+            f"cluster.connect_timeout_s={timeout_s:g}s ({detail}). Check that the cluster is running (`ray status` "
+            "on its head node), that host and port are right (HOST:PORT of the head's GCS, 6379 unless "
+            "`ray start --port` chose another, or ray://HOST:10001 for the Ray client server) and that no "
+            "firewall blocks the port; raise cluster.connect_timeout_s on a slow network, or set "
+            "cluster.address=null for an embedded local Ray")
+
+
+def _token_refused(address: str, gcs: str, detail: str) -> str:
+    return (f"cluster.address={address}: the Ray cluster at {gcs} refused this machine's auth token ({detail}). "
+            "Fix: copy the head node's ~/.ray/auth_token here, or point RAY_AUTH_TOKEN_PATH at it")
+
+
+def _init_client(address: str) -> None:
+    """``ray.init(address)`` for a ``ray://`` address, tried up to CLIENT_ATTEMPTS times.
 
     A Ray client session runs in a server process the head starts for each connection. When that
     process dies before the client reaches it (seen here when a session server left from an
@@ -60,17 +202,16 @@ def connect(address: str) -> None:
     gives up, although the next session, started on the next free port, usually works. Ray's own
     retries cover only reaching the head's proxy, not this.
     """
-    attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1
     pause_s = CLIENT_RETRY_S
-    for attempt in range(1, attempts + 1):
+    for attempt in range(1, CLIENT_ATTEMPTS + 1):
         try:
-            ray.init(address=address)
+            _init_keeping_sigterm(address=address)
             return
         except ConnectionAbortedError as exc:
-            if attempt == attempts:
+            if attempt == CLIENT_ATTEMPTS:
                 raise
             cause = str(exc).strip().splitlines()[-1]
             print(f"warning: {address}: the cluster could not start a client session (attempt {attempt} of "
-                  f"{attempts}: {cause}); retrying in {pause_s:.0f}s", file=sys.stderr, flush=True)
+                  f"{CLIENT_ATTEMPTS}: {cause}); retrying in {pause_s:.0f}s", file=sys.stderr, flush=True)
             time.sleep(pause_s)
             pause_s *= 2

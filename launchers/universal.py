@@ -8,25 +8,28 @@ checkpoints come from the ZeRO optimizers, so both the run that wrote the checkp
 that resumes need ZeRO stage 1 or more, and tp and pp must stay what they were (the converter
 merges tensor-parallel slices, but pipeline layer files are loaded per stage).
 
-The converter and the universal loader unpickle without ``weights_only``, so every file is first
-checked against the same allow-list as a regular resume (:mod:`launchers.safe_load`): the input
-before conversion, the output before any worker loads it.
+The converter and the universal loader unpickle without ``weights_only``. So the input is first
+checked against its manifest and read whole by the weights-only unpickler (a file that cannot be
+read that way is refused); the converter runs with ``torch.load`` made weights-only
+(:mod:`launchers.safe_convert`); and its output is read the same way, then given a manifest of
+its own, which the workers check before they load it (:mod:`launchers.safe_load`).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from launchers.checkpoint import UNIVERSAL_SUFFIX
+from launchers.manifest import CheckpointIntegrityError, verify, write_manifest
 from plans.errors import OrchError, PlanError, Violation
 
 # The layout keys whose change needs a universal checkpoint, and those that may not change at all.
 ELASTIC = ("dp",)
 FIXED = ("tp", "pp")
-_DONE = ".converted"
 
 
 class UniversalCheckpointError(OrchError):
@@ -67,32 +70,41 @@ def needs_universal(saved: dict[str, int] | None, plan) -> bool:
 
 
 def _check_files(folder: Path) -> None:
-    from launchers.safe_load import UnsafeCheckpointError, deepspeed_checkpoint_globals, refused_globals
+    """Read every ``.pt`` file of ``folder`` with the weights-only unpickler; refuse any it cannot read."""
+    from launchers.safe_load import check_data_only
 
-    allowed = deepspeed_checkpoint_globals()
     for path in sorted(folder.rglob("*.pt")):
-        refused = refused_globals(str(path), allowed)
-        if refused:
-            raise UnsafeCheckpointError(
-                f"checkpoint file {path} holds pickled objects that could run code when loaded: "
-                f"{', '.join(refused)}. It was not converted or loaded. Fix: resume only from checkpoints this "
-                "orchestrator wrote, or train.resume=never to start fresh")
+        check_data_only(path)
+
+
+def _converted(target: Path) -> bool:
+    """Whether ``target`` holds a finished conversion: its manifest (written last) verifies."""
+    if not target.exists():
+        return False
+    try:
+        verify(target)
+        return True
+    except CheckpointIntegrityError:
+        return False
 
 
 def convert(checkpoint_dir: str | os.PathLike, tag: str, env: dict[str, str] | None = None) -> str:
     """Convert the published ``tag`` into ``<tag>_universal`` (once) and return the new tag.
 
-    Runs DeepSpeed's own converter, ``python -m deepspeed.checkpoint.ds_to_universal``, in a
-    child process: it forks worker pools and prints progress, neither of which belongs in the
-    driver.
+    Runs DeepSpeed's own converter (through :mod:`launchers.safe_convert`) in a child process:
+    it forks worker pools and prints progress, neither of which belongs in the driver. Raises
+    :class:`CheckpointIntegrityError` or ``UnsafeCheckpointError`` naming a file that fails the
+    checks, before anything of it is unpickled without ``weights_only``.
     """
     root = Path(checkpoint_dir)
     source, target = root / tag, root / f"{tag}{UNIVERSAL_SUFFIX}"
-    if (target / _DONE).exists():
+    if _converted(target):
         return target.name
+    shutil.rmtree(target, ignore_errors=True)  # an interrupted or altered conversion is redone
+    verify(source)
     _check_files(source)
     done = subprocess.run(
-        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
+        [sys.executable, "-m", "launchers.safe_convert", "--input_folder", str(source),
          "--output_folder", str(target), "--num_extract_workers", "1", "--num_merge_workers", "1",
          # Without AutoTP nothing needs merging, and the model records no universal-checkpoint
          # info; the converter then adds the minimal one (its version) itself.
@@ -102,7 +114,7 @@ def convert(checkpoint_dir: str | os.PathLike, tag: str, env: dict[str, str] | N
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
         raise UniversalCheckpointError(f"DeepSpeed could not convert {source} into a universal checkpoint:\n{tail}")
     _check_files(target)
-    (target / _DONE).write_text(tag)
+    write_manifest(target)
     return target.name
 
 

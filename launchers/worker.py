@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -21,12 +22,7 @@ from collections.abc import Iterator
 
 from launchers.job import TrainJob
 from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 
 
 def next_token_loss(logits, targets):
@@ -118,10 +114,11 @@ class TrainWorker:
         the fewest are where the others wait for them."""
 
     def address(self) -> tuple[str, int]:
-        """This node's IP and a free port, for rank 0 to host the rendezvous."""
+        """Where this actor, as rank 0, hosts the rendezvous: its node's IP and a port bound there."""
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        self.rendezvous = RendezvousHost(ray.util.get_node_ip_address())
+        return self.rendezvous.address
 
     def node_id(self) -> str:
         import ray
@@ -136,6 +133,7 @@ class TrainWorker:
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(slot.rank),
             "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(slot.local_rank),
             "LOCAL_SIZE": str(slot.local_world_size), "LOCAL_WORLD_SIZE": str(slot.local_world_size),
+            **AGENT_STORE_ENV,
         })
         import deepspeed
         import torch
@@ -278,14 +276,16 @@ class TrainWorker:
         """Load model, optimizer and scheduler (DeepSpeed), then data position and RNG; return the step."""
         import torch
 
-        from launchers.safe_load import weights_only_loading
+        from launchers.safe_load import verified_loading, weights_only_loading
 
+        # A checkpoint file must not be able to run code, and must be the one its manifest lists.
+        folder = os.path.join(job.train.checkpoint_dir, job.resume_tag)
         if self.engine.load_universal_checkpoint():
-            # DeepSpeed reads universal checkpoints past the checkpoint engine; the driver checked
-            # every file against the same allow-list before and after converting (launchers.universal).
-            _, client_state = self.engine.load_checkpoint(job.train.checkpoint_dir, tag=job.resume_tag)
+            # DeepSpeed reads universal checkpoints past the checkpoint engine, with torch.load itself.
+            with verified_loading(folder):
+                _, client_state = self.engine.load_checkpoint(job.train.checkpoint_dir, tag=job.resume_tag)
         else:
-            with weights_only_loading(self.engine):  # a checkpoint file must not be able to run code
+            with weights_only_loading(self.engine, folder):
                 _, client_state = self.engine.load_checkpoint(job.train.checkpoint_dir, tag=job.resume_tag)
         if client_state is None:
             raise RuntimeError(f"checkpoint {job.resume_tag} in {job.train.checkpoint_dir} could not be loaded")
@@ -315,11 +315,17 @@ class TrainWorker:
         layout = layout_of(self.job.plan)
         client_state = {"step": step, "data": self.batches.state_dict(), "val_data": self.val_batches.state_dict(),
                         "rng": torch.get_rng_state(), "layout": layout}
+        if self.rank == 0:
+            # What an earlier attempt left under this tag (a run resumed from an older checkpoint
+            # writes the same steps again) must not end up in this checkpoint's manifest.
+            shutil.rmtree(os.path.join(spec.checkpoint_dir, tag_for(step)), ignore_errors=True)
+        dist.barrier()
         self.engine.save_checkpoint(spec.checkpoint_dir, tag=tag_for(step), client_state=client_state,
                                     save_latest=False)
         dist.barrier()
         if self.rank == 0:
-            publish(spec.checkpoint_dir, step, self.job.run_id, spec.keep_checkpoints, layout=layout)
+            publish(spec.checkpoint_dir, step, self.job.run_id, spec.keep_checkpoints, layout=layout,
+                    model=self.job.model_signature)
         dist.barrier()
 
     def _tensor_parallel_groups(self, coords: ParallelCoords):

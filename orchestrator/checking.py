@@ -13,11 +13,17 @@ from launchers.ds_config import build_ds_config
 from launchers.placement import rank_layout
 from orchestrator.config import RunConfig
 from orchestrator.inputs import check_inputs, validated_plan
-from orchestrator.models import PIPELINE_LAYERS_METHOD, model_factory, pipeline_layers_factory, split_model_config
+from orchestrator.models import (
+    PIPELINE_LAYERS_METHOD,
+    inspect_declared_model,
+    model_factory,
+    pipeline_layers_factory,
+    split_model_config,
+)
 from plans.cluster_facts import reconcile
 from plans.errors import PlanError, Violation
 from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
-from plans.model_facts import ModelFacts, inspect_model
+from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
 from plans.spec import ClusterSpec
 from workloads.corpus import BYTE_VOCAB
@@ -61,22 +67,27 @@ def check_pipeline(probe: ModelProbe, plan: ResolvedPlan, model_cfg: dict) -> No
 
 
 @contextlib.contextmanager
-def live_cluster(cfg: RunConfig) -> Iterator[tuple[ClusterSpec, list[str]]]:
+def live_cluster(cfg: RunConfig, *, connect: bool = False) -> Iterator[tuple[ClusterSpec, list[str]]]:
     """The cluster to plan for: read off the live Ray cluster when there is an address.
 
     Yields the cluster and notes on which declared numbers the live facts replaced; raises
     PlanError when the live cluster cannot host the declared workers. The connection stays open
     until the block ends, so the command's own ``ray_session`` inside it reuses the connection
     instead of opening a second one (a ``ray://`` client session takes seconds to start).
+    ``connect`` joins the cluster even with discover off: a command that will use it learns
+    that it is unreachable before it tracks anything.
     """
-    if cfg.cluster.address is None or not cfg.cluster.discover:
+    if cfg.cluster.address is None or not (cfg.cluster.discover or connect):
         yield cfg.cluster, []
         return
     from launchers.discovery import discover_nodes
     from launchers.ray_session import ray_session
 
     check_inputs(cfg)  # before connecting: the connection itself uses cluster.* values
-    with ray_session(cfg.cluster.address):
+    with ray_session(cfg.cluster.address, connect_timeout_s=cfg.cluster.connect_timeout_s):
+        if not cfg.cluster.discover:
+            yield cfg.cluster, []
+            return
         nodes = discover_nodes(timeout_s=cfg.cluster.wait_s)
         cluster, violations, notes = reconcile(cfg.cluster, nodes)
         if violations:
@@ -94,12 +105,13 @@ def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = Non
     plan = validated_plan(cfg, cluster)
     constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
     factory = model_factory(constructor_cfg)
-    # The model's contract, before any arithmetic on it.
-    facts = inspect_model(factory, cfg.data.seq_len, arguments=constructor_cfg)
+    # The model's contract, before any arithmetic on it; a deep one is built at shallow depths only.
+    facts, shallow = inspect_declared_model(constructor_cfg, cfg.data.seq_len, cluster, plan.precision,
+                                            plan.offload_param)
     check_model(facts, cfg)
     probe = ModelProbe(factory, cfg.data.seq_len,
                        tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs,
-                       pipeline_layers=pipeline_layers_factory(constructor_cfg))
+                       pipeline_layers=pipeline_layers_factory(constructor_cfg), shallow=shallow)
     if plan.pp > 1:
         check_pipeline(probe, plan, model_cfg)
 

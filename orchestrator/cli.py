@@ -15,7 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from launchers.ray_auth import use_token_auth_if_available
 from orchestrator.config import register_configs, to_typed
+from orchestrator.credentials import move_argv_credentials, protect_config, redact_text
 from orchestrator.exits import EXIT_USAGE, exit_code, run_command
+from orchestrator.signals import stopped_by_signals
 from plans.errors import OrchError
 
 register_configs()
@@ -26,7 +28,7 @@ commands:
   train    train the declared run on Ray with DeepSpeed, tracked in MLflow
   check    predict per-device memory of the plan and say whether it fits [--json]
   tune     rank the plans that fit by predicted step time (tune.trials=N: confirm the N best
-           with short real runs) and write the winner to conf/plan/ [--json]
+           with short real runs) and write the winner to ./tuned_plans/plan/ [--json]
   config   print the composed config (same overrides as train)
   runs     list recent runs of tracking.experiment
   report   RUN_ID [--out DIR]: summary of a run and its plots (loss, throughput, memory)
@@ -39,12 +41,13 @@ Overrides are Hydra's: key=value, group=option, --multirun a=1,2. See README.md.
 
 
 def _fail(error: OrchError) -> None:
-    print(f"error: {error}", file=sys.stderr)
+    print(redact_text(f"error: {error}"), file=sys.stderr)
     sys.exit(exit_code(error))
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def train_app(cfg: DictConfig) -> None:
+    protect_config(cfg)
     from orchestrator.driver import run_training
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -68,6 +71,7 @@ def _stdout_for_json_only() -> contextlib.AbstractContextManager:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def check_app(cfg: DictConfig) -> None:
+    protect_config(cfg)
     import json
 
     from orchestrator.checking import check_document, check_run, live_cluster, render
@@ -88,6 +92,8 @@ def check_app(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def tune_app(cfg: DictConfig) -> None:
+    protect_config(cfg)
+
     from orchestrator.tuning import render, to_json_text, tune
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -102,39 +108,38 @@ def tune_app(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def config_app(cfg: DictConfig) -> None:
-    print(OmegaConf.to_yaml(cfg, resolve=True))
+    protect_config(cfg)
+    print(redact_text(OmegaConf.to_yaml(cfg, resolve=True)))  # cluster.address may hold a password
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def runs_app(cfg: DictConfig) -> None:
-    from mlflow.tracking import MlflowClient
+    from orchestrator.report import runs_command
 
-    from orchestrator.report import runs_table
-
-    print(runs_table(MlflowClient(tracking_uri=cfg.tracking.uri), cfg.tracking.experiment))
+    protect_config(cfg)
+    try:
+        print(runs_command(cfg.tracking.uri, cfg.tracking.experiment))
+    except OrchError as error:
+        _fail(error)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def report_app(cfg: DictConfig) -> None:
     from pathlib import Path
 
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    from orchestrator.report import report_command
 
-    from orchestrator.report import summary, write_plots
-
+    protect_config(cfg)
     run_id = _OPTIONS["run_id"]
     if not run_id:
         print("error: orch report needs a run id: orch report RUN_ID [tracking.uri=...]", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    client = MlflowClient(tracking_uri=cfg.tracking.uri)
     try:
-        print(summary(client, run_id))
-    except MlflowException as error:
-        print(f"error: run {run_id} not found in {cfg.tracking.uri}: {error.message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-    out = Path(_OPTIONS["out"] or f"reports/{run_id}")
-    for path in write_plots(client, run_id, out):
+        text, plots = report_command(cfg.tracking.uri, run_id, Path(_OPTIONS["out"] or f"reports/{run_id}"))
+    except OrchError as error:
+        _fail(error)
+    print(text)
+    for path in plots:
         print(f"wrote {path}")
 
 
@@ -163,5 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return EXIT_USAGE
     use_token_auth_if_available()
+    try:
+        rest = move_argv_credentials(rest)
+    except OrchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
     sys.argv = [f"orch-{command}", *rest]
-    return run_command(COMMANDS[command], command, verbose=verbose)
+    with stopped_by_signals():
+        return run_command(COMMANDS[command], command, verbose=verbose)

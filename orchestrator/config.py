@@ -46,7 +46,9 @@ class TrackingConfig:
     """Where the run is recorded."""
 
     uri: str = "sqlite:///mlflow.db"
-    """MLflow tracking URI: a local sqlite file by default, or http://host:5000 for a server."""
+    """MLflow tracking URI: a local sqlite file by default, or http://host:5000 for a server. A server's
+    credentials go in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD; a user:password@ written here
+    is moved there before anything is recorded."""
     experiment: str = "orch"
     """MLflow experiment name."""
     run_name: str | None = None
@@ -72,9 +74,11 @@ class TuneConfig:
     top_k: int = 10
     """Candidates shown in the table (and in --json); all are ranked."""
     out: str | None = None
-    """Where the winning plan file goes; null: conf/plan/<name>.yaml, usable as plan=<name>."""
+    """The winning plan file; null: ./tuned_plans/plan/<name>.yaml in the current directory. A file in a
+    directory named plan/ is usable as plan=<its name> (`orch train --config-dir <that directory's parent>
+    plan=<name>`, the command `orch tune` prints); the installed package is never written to."""
     name: str = "tuned"
-    """Name of the winning plan file in conf/plan/ when tune.out is null."""
+    """Name of the winning plan file (and of the plan=<name> option) when tune.out is null."""
     calibrate: bool = True
     """Measure matmul, memory and all-reduce speeds on the Ray workers when Ray is used (an address,
     or trials); false, or without Ray: the cluster's declared speeds."""

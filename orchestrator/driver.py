@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ray.exceptions import RayActorError
 
-from launchers.checkpoint import Published, latest
+from launchers.checkpoint import Published, resumable
 from launchers.ds_config import build_ds_config
 from launchers.job import TrainJob
 from launchers.placement import placement_strategy, rank_layout
@@ -33,12 +33,14 @@ from launchers.worker_group import (
 )
 from orchestrator.checking import check_run, live_cluster
 from orchestrator.config import RunConfig
+from orchestrator.credentials import redact_text
 from orchestrator.inputs import corpus_fits_plan
 from orchestrator.models import model_factory, pipeline_layers_factory, split_model_config
 from orchestrator.progress import Progress
+from orchestrator.resume import checkpoint_dir_lock, signature_of
 from orchestrator.startup import StartupClock
 from orchestrator.startup import describe as describe_startup
-from orchestrator.tracking import RunTracker, TrackingError, check_reachable, flatten, git_commit, redact_uri
+from orchestrator.tracking import RunTracker, TrackingUnreachable, check_reachable, flatten, git_commit, redact_uri
 from plans.errors import PlanError, Violation
 from plans.estimate import PlanEstimate
 from plans.flops import training_flops_per_sample
@@ -93,7 +95,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``).
     """
     clock = StartupClock()
-    with live_cluster(cfg) as (cluster, notes):
+    with checkpoint_dir_lock(cfg.train), live_cluster(cfg, connect=True) as (cluster, notes):
         return _run_on(cluster, notes, clock, cfg, model_cfg, config_yaml, stream=stream, on_report=on_report,
                        tags=tags)
 
@@ -122,7 +124,8 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
     job = TrainJob(plan=plan, ds_config=ds_config, model_factory=factory, data=cfg.data, train=cfg.train,
                    env={**worker_env(plan),
                         **collective_timeout_env(cfg.train.hang_timeout_s, cfg.train.setup_timeout_s)},
-                   pipeline_layers=pipeline_layers_factory(constructor_cfg) if plan.pp > 1 else None)
+                   pipeline_layers=pipeline_layers_factory(constructor_cfg) if plan.pp > 1 else None,
+                   model_signature=signature_of(factory, constructor_cfg, cfg.train))
     group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
                                  gpus_per_worker=1.0 if plan.accelerator == Accelerator.gpu else 0.0,
                                  env=job.env, wait_s=cfg.cluster.wait_s, tp=plan.tp,
@@ -130,7 +133,8 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
     result = TrainResult(run_id=None, plan=plan, model=facts, estimate=estimate)
     clock.mark("check")
 
-    published = latest(cfg.train.checkpoint_dir) if cfg.train.resume == ResumeMode.auto else None
+    published = (resumable(cfg.train.checkpoint_dir, job.model_signature)
+                 if cfg.train.resume == ResumeMode.auto else None)
     if published:
         job = _resume_from(job, cfg, published, out)
         print(f"resuming from {cfg.train.checkpoint_dir}/{job.resume_tag} (step {published.step})", file=out)
@@ -157,7 +161,8 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
     logged_step = published.step if published else 0
     try:
         with ray_session(cfg.cluster.address, min_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
-                         object_store_gib=cfg.cluster.object_store_memory_gib):
+                         object_store_gib=cfg.cluster.object_store_memory_gib,
+                         connect_timeout_s=cfg.cluster.connect_timeout_s):
             clock.mark("ray")
             failures = 0
             while True:
@@ -217,11 +222,12 @@ _REALIZED_PLACEMENT = ("rank", "node_id", "hostname", "pid", "dp_rank", "pp_rank
 
 
 def reachable_tracking(cfg: RunConfig) -> RunConfig:
-    """The config with a tracking URI that answers, falling back to a local store if asked to."""
+    """The config with a tracking URI that answers, falling back to a local store if asked to
+    (only when no server answers: refused credentials or a wrong path are errors to fix)."""
     try:
         check_reachable(cfg.tracking.uri)
         return cfg
-    except TrackingError as error:
+    except TrackingUnreachable as error:
         if cfg.tracking.fallback != "local":
             raise
         print(f"warning: {str(error).split(' Fix:')[0]}; tracking in sqlite:///mlflow.db instead "
@@ -261,7 +267,7 @@ def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: 
         tags["git_commit"] = commit
     tracker = RunTracker.start(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,
                                run_name=cfg.tracking.run_name, params=params, tags=tags)
-    tracker.log_text(config_yaml, "config/resolved.yaml")
+    tracker.log_text(redact_text(config_yaml), "config/resolved.yaml")  # cluster.address may hold a password
     tracker.log_dict(ds_config, "config/deepspeed.json")
     tracker.log_dict(estimate.as_json(), "plan/estimate.json")
     tracker.log_dict({"placement": rank_layout(plan.world_size, cfg.cluster.devices_per_node, plan.tp, plan.pp)},
@@ -283,7 +289,7 @@ def _prepare_restart(job: TrainJob, cfg: RunConfig, error: Exception, failures: 
                      tracker: RunTracker | None, out) -> TrainJob:
     """Record why the group failed and point the next attempt at the latest published checkpoint."""
     cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
-    published = latest(cfg.train.checkpoint_dir) if cfg.train.checkpoint_every else None
+    published = resumable(cfg.train.checkpoint_dir, job.model_signature) if cfg.train.checkpoint_every else None
     start = f"step {published.step}" if published else "the beginning (no checkpoint yet)"
     print(f"restart {failures}/{cfg.train.max_failures}: {type(error).__name__}: {cause}; resuming from {start}",
           file=out, flush=True)

@@ -14,7 +14,6 @@ it re-raises instead, which is how :func:`run_command` gets the exception to cla
 from __future__ import annotations
 
 import os
-import re
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
+from orchestrator.credentials import redact_text
 from plans.errors import OrchError
 
 EXIT_FAILED = 1
@@ -37,7 +37,6 @@ CONFIG_ERRORS = (HydraException, OmegaConfBaseException, YAMLError)
 MAX_MESSAGE_LINES = 4
 # Where tracebacks of unexpected errors are written.
 LOG_DIR = Path(tempfile.gettempdir()) / "orch-errors"
-_CREDENTIALS = re.compile(r"(\w[\w+.-]*://[^/\s:@]+):[^/\s@]+@")
 
 
 def exit_code(error: OrchError) -> int:
@@ -63,7 +62,7 @@ def run_command(app: Callable[[], None], command: str, *, verbose: bool) -> int:
         if verbose:
             return _report(error, f"error: {type(error).__name__}: {_first_line(error)}", EXIT_FAILED, verbose)
         log = write_traceback(error, command)
-        print(redact(f"error: orch {command} failed: {type(error).__name__}: {_first_line(error)}\n"
+        print(redact_text(f"error: orch {command} failed: {type(error).__name__}: {_first_line(error)}\n"
                      f"  traceback in {log} (or run with --verbose)"), file=sys.stderr)
         return EXIT_FAILED
     finally:
@@ -75,8 +74,8 @@ def run_command(app: Callable[[], None], command: str, *, verbose: bool) -> int:
 
 def _report(error: BaseException, message: str, code: int, verbose: bool) -> int:
     if verbose:
-        print(redact("".join(traceback.format_exception(error))), file=sys.stderr)
-    print(redact(message), file=sys.stderr)
+        print(redact_text("".join(traceback.format_exception(error))), file=sys.stderr)
+    print(redact_text(message), file=sys.stderr)
     return code
 
 
@@ -110,14 +109,9 @@ def write_traceback(error: BaseException, command: str) -> Path:
     path = LOG_DIR / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as log:
-        log.write(f"orch {redact(' '.join(sys.argv[1:]))}\n\n")
-        log.write(redact("".join(traceback.format_exception(error))))
+        log.write(f"orch {redact_text(' '.join(sys.argv[1:]))}\n\n")
+        log.write(redact_text("".join(traceback.format_exception(error))))
     return path
-
-
-def redact(text: str) -> str:
-    """``scheme://user:password@host`` with the password replaced (URIs in messages and tracebacks)."""
-    return _CREDENTIALS.sub(r"\1:***@", text)
 
 
 def _first_line(error: BaseException) -> str:

@@ -9,6 +9,11 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 
+from plans.depth_scaling import DEPTH_SCALED_FROM, ShallowModels
+from plans.errors import PlanError
+from plans.model_facts import ModelFacts, inspect_model, inspect_shallow, refuse_unbuildable
+from plans.spec import ClusterSpec, Offload, Precision
+
 
 def build_model(model_cfg: dict) -> torch.nn.Module:
     """Instantiate the model config's ``_target_`` (on meta in the driver, for real in workers).
@@ -46,7 +51,7 @@ def split_model_config(model_cfg: dict) -> tuple[dict, list[dict] | None]:
 PIPELINE_LAYERS_METHOD = "pipeline_layers"
 
 
-def pipeline_layers_factory(model_cfg: dict) -> Callable[[], list] | None:
+def pipeline_layers_factory(model_cfg: dict) -> Callable[..., list] | None:
     """A picklable factory of the model's pipeline layers, or None if the model cannot be pipelined.
 
     The model's ``_target_`` class declares them with a ``pipeline_layers(**same arguments)``
@@ -56,5 +61,53 @@ def pipeline_layers_factory(model_cfg: dict) -> Callable[[], list] | None:
     target = get_class(model_cfg["_target_"]) if "_target_" in model_cfg else None
     if target is None or not callable(getattr(target, PIPELINE_LAYERS_METHOD, None)):
         return None
+    return functools.partial(build_pipeline_layers, model_cfg)
+
+
+def build_pipeline_layers(model_cfg: dict, depth: int | None = None) -> list:
+    """The model's pipeline layers; with ``depth``, of the model with that many layers instead
+    (what the planner measures a deep model's layers from, see :func:`declared_depth`)."""
     method = f"{model_cfg['_target_']}.{PIPELINE_LAYERS_METHOD}"
-    return functools.partial(build_model, {**model_cfg, "_target_": method})
+    return build_model({**model_cfg, "_target_": method, **({} if depth is None else {DEPTH_KEY: depth})})
+
+
+# The constructor argument that sets a model's depth (the built-in GPT's, and Hugging Face GPT-2's).
+DEPTH_KEY = "n_layer"
+
+
+def declared_depth(model_cfg: dict) -> int | None:
+    """``model.n_layer`` when the model is deep enough to be inspected from shallow copies."""
+    depth = model_cfg.get(DEPTH_KEY)
+    if isinstance(depth, int) and not isinstance(depth, bool) and depth >= DEPTH_SCALED_FROM:
+        return depth
+    return None
+
+
+def build_at_depth(model_cfg: dict, depth: int) -> torch.nn.Module:
+    return build_model({**model_cfg, DEPTH_KEY: depth})
+
+
+def inspect_declared_model(model_cfg: dict, seq_len: int, cluster: ClusterSpec, precision: Precision,
+                           offload_param: Offload) -> tuple[ModelFacts, ShallowModels | None]:
+    """The model's facts, and its shallow copies when the planner can count from them.
+
+    A deep model (:func:`declared_depth`) is built at two shallow depths only: a model no plan
+    could hold on ``cluster`` is refused from their arithmetic before anything of its full
+    depth exists (:func:`plans.model_facts.refuse_unbuildable`). If its layers turn out not to
+    be one stack of identical blocks, the counts would not be exact, and a model that cannot be
+    built that shallow has its own minimum depth: either is then inspected in full, as a shallow
+    model always is.
+    """
+    depth = declared_depth(model_cfg)
+    shallow = None
+    if depth is not None:
+        try:
+            facts, shallow = inspect_shallow(functools.partial(build_at_depth, model_cfg), depth, seq_len,
+                                             arguments=model_cfg)
+        except PlanError:  # a model with its own minimum depth: inspected at the declared one, as a small model is
+            shallow = None
+    if shallow is not None:
+        refuse_unbuildable(facts, shallow, f"model.{DEPTH_KEY}", cluster, precision, offload_param)
+        if shallow.exact:
+            return facts, shallow
+    return inspect_model(model_factory(model_cfg), seq_len, arguments=model_cfg), None

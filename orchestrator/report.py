@@ -15,6 +15,8 @@ matplotlib.use("Agg")  # files only: no display on training nodes or CI
 import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+from orchestrator.tracking import open_existing, reading  # noqa: E402
+
 MIB = 1024**2
 _COMPONENTS = ("params", "grads", "optimizer_states", "activations", "buffers", "reserve")
 
@@ -113,3 +115,16 @@ def runs_table(client: MlflowClient, experiment: str, limit: int = 20) -> str:
                      f"{m['tokens_per_s']:,.0f}" if "tokens_per_s" in m else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def runs_command(uri: str, experiment: str) -> str:
+    """`orch runs`: the table of recent runs; a TrackingError (exit 2) when the store cannot be read."""
+    client = open_existing(uri)
+    return reading(uri, f"the runs of experiment {experiment!r}", lambda: runs_table(client, experiment))
+
+
+def report_command(uri: str, run_id: str, out_dir: Path) -> tuple[str, list[Path]]:
+    """`orch report RUN_ID`: the run's summary and the plots written to ``out_dir``."""
+    client = open_existing(uri)
+    text = reading(uri, f"run {run_id}", lambda: summary(client, run_id))
+    return text, reading(uri, f"the metrics of run {run_id}", lambda: write_plots(client, run_id, out_dir))

@@ -1,4 +1,6 @@
-"""MLflow tracking of a run: params, metrics, artifacts and tags.
+"""MLflow tracking of a run: params, metrics, artifacts and tags, and the checks that the store
+can be used at all (a server that answers MLflow's API and accepts the user, a sqlite store that
+several runs may create at once), each failing as a user error naming tracking.uri.
 
 Metrics go to a :class:`MetricBuffer` that a background thread sends in batches, so a slow
 tracking server (~0.1 s per call here) never stalls the training loop, and a server that goes
@@ -8,36 +10,37 @@ away in the middle of a run only delays them: they are sent once it is back, and
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from typing import TypeVar
 
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from orchestrator.credentials import (
+    PASSWORD_ENV,
+    USERNAME_ENV,
+    redact_text,
+    redact_uri,
+    server_credentials,
+    use_credentials,
+)
 from plans.errors import OrchError
+
+T = TypeVar("T")
 
 # MLflow accepts at most this many params in one log_batch call.
 _PARAMS_PER_BATCH = 100
-
-
-def redact_uri(uri: str) -> str:
-    """Drop any user:password from a URI before it is printed or recorded."""
-    parts = urlsplit(uri)
-    if parts.password is None and parts.username is None:
-        return uri
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
 
 def flatten(tree: Mapping, prefix: str = "") -> dict[str, str]:
@@ -66,23 +69,191 @@ class TrackingError(OrchError):
     """The tracking backend cannot be used."""
 
 
+class TrackingUnreachable(TrackingError):
+    """No tracking server answers at the URI: the one case tracking.fallback=local replaces it."""
+
+
+# A read every MLflow server (2.0 and later) serves under its authentication: unlike /health, its
+# answer proves that the URI points at MLflow's API and that the credentials are accepted.
+_PROBE_ENDPOINT = "/api/2.0/mlflow/experiments/search"
+_CREDENTIALS_FIX = f"set {USERNAME_ENV} and {PASSWORD_ENV} to a user of that server"
+
+
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
-    """Fail fast, with a fix, when a tracking server does not answer.
+    """Fail fast, with a fix, when a tracking server does not answer, is not MLflow, or refuses us.
 
     MLflow's own client retries an unreachable server with backoff for minutes before it
-    gives up; a user who mistyped tracking.uri should know at once, before any worker starts.
+    gives up, and reports a refused login or a wrong path as a traceback deep in the run's
+    start; a user who mistyped tracking.uri should know at once, before any worker starts.
+    The request goes through MLflow's own HTTP layer, so it authenticates exactly as MLflow
+    will (basic auth from the environment, tokens, TLS settings).
     """
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    uri = without_credentials(uri)
     if not uri.startswith(("http://", "https://")):
         return
     try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s):
-            return
-    except urllib.error.HTTPError:
-        return  # the server answered (a proxy in front may not route /health): reachable
-    except OSError as exc:
-        raise TrackingError(
-            f"tracking.uri={redact_uri(uri)}: no MLflow server answers there ({exc}). Fix: start the "
+        response = http_request(get_default_host_creds(uri), _PROBE_ENDPOINT, "GET", params={"max_results": 1},
+                                max_retries=0, timeout=timeout_s, raise_on_status=False)
+    except MlflowException as exc:
+        raise TrackingUnreachable(
+            f"{_named(uri)}: no MLflow server answers there ({_network_cause(exc.message)}). Fix: start the "
             "server, correct tracking.uri, or set tracking.fallback=local to track in ./mlflow.db") from exc
+    _check_probe_status(uri, response.status_code)
+
+
+def _check_probe_status(uri: str, status: int) -> None:
+    """Turn the probe's HTTP status into the user's fix (200: nothing to fix)."""
+    user = os.environ.get(USERNAME_ENV)
+    if status == 200:
+        return
+    if status == 401:
+        given = f"refused the credentials of user {user!r}" if user else "needs credentials and none were given"
+        raise TrackingError(f"{_named(uri)}: the MLflow server {given} (HTTP 401). Fix: {_CREDENTIALS_FIX}, "
+                            "or write them into the URI as http://user:password@host:port")
+    if status == 403:
+        raise TrackingError(f"{_named(uri)}: the MLflow server accepted user {user!r} but lets it read no "
+                            f"experiments (HTTP 403). Fix: ask its admin for permission, or {_CREDENTIALS_FIX}")
+    if status == 404:
+        raise TrackingError(f"{_named(uri)}: the server there has no MLflow tracking API (HTTP 404 for "
+                            f"{_PROBE_ENDPOINT}). Fix: point tracking.uri at the root of an MLflow server, "
+                            "e.g. http://host:5000 (check the host, port and path)")
+    if status >= 500:
+        raise TrackingUnreachable(f"{_named(uri)}: the MLflow server fails (HTTP {status}). Fix: check the "
+                                  "server's log, or set tracking.fallback=local to track in ./mlflow.db")
+    raise TrackingError(f"{_named(uri)}: the server answers HTTP {status} to MLflow's API. Fix: point "
+                        "tracking.uri at an MLflow server")
+
+
+def _named(uri: str) -> str:
+    """How an error names the URI: a database URI keeps its password in memory, never in a message."""
+    return f"tracking.uri={redact_uri(uri)}"
+
+
+def _network_cause(message: str) -> str:
+    """The reason at the bottom of a requests/urllib3 error chain: `Connection refused`, not 300 chars."""
+    reasons = re.findall(r"\[Errno -?\d+\] ([^'\"()]+)", message)
+    if reasons:
+        return reasons[-1].strip()
+    if "timed out" in message.lower():
+        return "timed out"
+    return redact_text(message.splitlines()[0])[:200]
+
+
+def without_credentials(uri: str) -> str:
+    """A server's ``uri`` without user:password, which go to MLflow's environment variables instead
+    (other URIs unchanged).
+
+    `orch` moves them before the config is composed (orchestrator/credentials.py); this catches
+    a URI given by other means (the Python API, a test), so no client ever holds one.
+    """
+    clean, credentials = server_credentials(uri)
+    if credentials is not None:
+        use_credentials(credentials, "tracking.uri")
+    return clean
+
+
+def open_client(uri: str) -> MlflowClient:
+    """An MLflow client for ``uri``; a refused URI (unknown scheme, unusable path) is a TrackingError.
+
+    A new sqlite store is created (its schema migrated) by the first client that opens it, and
+    two processes doing that at once break the migration; the creation is serialized by a lock
+    on the store's directory (see :func:`_store_creation_lock`).
+    """
+    uri = without_credentials(uri)
+    _bound_http_retries()
+    with _store_creation_lock(uri):
+        try:
+            return MlflowClient(tracking_uri=uri)
+        except MlflowException as exc:
+            raise TrackingError(f"{_named(uri)}: MLflow cannot track there ({_store_refusal(uri, exc)}). "
+                                "Fix: use sqlite:///mlflow.db, a local directory, or http://host:port of an "
+                                "MLflow server") from exc
+
+
+def open_existing(uri: str) -> MlflowClient:
+    """A client for commands that only read runs (`orch runs`, `orch report`): the server must
+    answer, and a sqlite store must already exist (opening a missing one would create it empty)."""
+    uri = without_credentials(uri)
+    check_reachable(uri)
+    database = _sqlite_path(uri)
+    if database is not None and not database.exists():
+        raise TrackingError(f"{_named(uri)}: there is no MLflow store at {database}. Fix: run the command "
+                            "where the runs were tracked, or set tracking.uri to their store")
+    return open_client(uri)
+
+
+def reading(uri: str, what: str, read: Callable[[], T]) -> T:
+    """``read()``, with MLflow's failure turned into a TrackingError naming ``what`` was read."""
+    try:
+        return read()
+    except MlflowException as exc:
+        raise TrackingError(f"{_named(uri)}: cannot read {what} ({_first_sentence(exc.message)})"
+                            ". Fix: check tracking.uri and the name or id given") from exc
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:`` URI (None for other stores and in-memory sqlite)."""
+    if not uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(uri).database
+    if not database or database == ":memory:":
+        return None
+    return Path(database).absolute()
+
+
+def _store_refusal(uri: str, exc: MlflowException) -> str:
+    """Why MLflow refused a store URI, in a few words (its own message lists every registry)."""
+    if "unsupported URI" in exc.message:
+        return f"no MLflow store for the scheme {uri.split(':', 1)[0]!r}"
+    return _first_sentence(exc.message)
+
+
+def _first_sentence(message: str) -> str:
+    return redact_text(message.strip().split(". ")[0].splitlines()[0])[:300]
+
+
+@contextlib.contextmanager
+def _store_creation_lock(uri: str) -> Iterator[None]:
+    """Hold an exclusive lock on the directory of a sqlite store while a client opens it.
+
+    The lock is the directory itself (``flock`` on its descriptor), so nothing is left next to
+    the database; it is released when the descriptor closes, even if the process dies. Other
+    stores (a server, a directory) need no lock: their creation is not a schema migration.
+    """
+    database = _sqlite_path(uri)
+    if database is None:
+        yield
+        return
+    directory = database.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)  # as MLflow would; the lock needs it first
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError as exc:
+        raise TrackingError(f"{_named(uri)}: cannot create the sqlite store's directory {directory} "
+                            f"({exc.strerror}). Fix: choose a writable path") from exc
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
+
+
+def experiment_id_for(client: MlflowClient, name: str) -> str:
+    """The id of experiment ``name``, created if missing, also when another run creates it at once."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(name).experiment_id
 
 
 class MetricBuffer:
@@ -202,14 +373,22 @@ class RunTracker:
         self.experiment_id = experiment_id
         self.uri = uri
         self._metrics = MetricBuffer(lambda batch: client.log_batch(run_id, metrics=batch))
+        self._kept_status: str | None = None
+        """The status a resumed run keeps whatever the resume does (FINISHED), or None."""
 
     @classmethod
     def start(cls, *, uri: str, experiment: str, run_name: str | None, params: Mapping[str, str],
               tags: Mapping[str, str]) -> RunTracker:
-        client = MlflowClient(tracking_uri=uri)
-        found = client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-        run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags))
+        uri = without_credentials(uri)
+        client = open_client(uri)
+        try:
+            experiment_id = experiment_id_for(client, experiment)
+            run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags))
+        except MlflowException as exc:  # e.g. a server user that may read the experiment but not write it
+            reason = "permission denied" if exc.error_code == "PERMISSION_DENIED" else _first_sentence(exc.message)
+            raise TrackingError(f"{_named(uri)}: MLflow refused a new run in experiment {experiment!r} "
+                                f"({reason}). Fix: set tracking.experiment to one your user "
+                                "may write to, or ask the server's admin for EDIT permission on it") from exc
         tracker = cls(client, run.info.run_id, experiment_id, uri)
         items = [Param(k, v[:6000]) for k, v in params.items()]
         for i in range(0, len(items), _PARAMS_PER_BATCH):
@@ -218,11 +397,28 @@ class RunTracker:
 
     @classmethod
     def resume(cls, *, uri: str, run_id: str) -> RunTracker:
-        """Continue an existing run (a resumed training): same id, marked RUNNING again."""
-        client = MlflowClient(tracking_uri=uri)
-        run = client.get_run(run_id)
-        client.update_run(run_id, status="RUNNING")
-        return cls(client, run_id, run.info.experiment_id, uri)
+        """Continue an existing run (a resumed training): same id, metrics at their steps.
+
+        A FAILED or KILLED run is marked RUNNING again and ends with this attempt's status. A
+        FINISHED run keeps its status whatever this attempt does: its metrics continue in it,
+        and a resume that fails is recorded in its ``orch.resume.status`` tag instead, so a
+        finished training is never rewritten as failed.
+        """
+        uri = without_credentials(uri)
+        client = open_client(uri)
+        try:
+            run = client.get_run(run_id)
+        except MlflowException as exc:
+            raise TrackingError(
+                f"{_named(uri)}: the checkpoint to resume belongs to MLflow run {run_id}, which this store does "
+                f"not have ({_first_sentence(exc.message)}). Fix: set tracking.uri to the store that run was "
+                "tracked in, or train.resume=never to start a fresh run") from exc
+        tracker = cls(client, run_id, run.info.experiment_id, uri)
+        if run.info.status == "FINISHED":
+            tracker._kept_status = "FINISHED"
+        else:
+            client.update_run(run_id, status="RUNNING")
+        return tracker
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Queue metrics for one step; returns at once, whatever the server's state."""
@@ -234,7 +430,7 @@ class RunTracker:
         try:
             call()
         except Exception as exc:  # the run goes on; the user is told what was not recorded
-            _warn(f"could not record {what} in MLflow ({type(exc).__name__}: {exc})")
+            _warn(redact_text(f"could not record {what} in MLflow ({type(exc).__name__}: {exc})"))
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         batch = [RunTag(k, str(v)) for k, v in tags.items()]
@@ -256,6 +452,12 @@ class RunTracker:
             path.write_text(json.dumps([{"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}
                                         for m in unsent]))
             _warn(f"{len(unsent)} metrics could not reach the tracking server; saved to {path.resolve()}")
+        if self._kept_status:
+            self.set_tags({"orch.resume.status": status})
+        if self._kept_status and status != self._kept_status:
+            _warn(f"this resume ended {status}; MLflow run {self.run_id} stays {self._kept_status}, as it was "
+                  "before the resume (tag orch.resume.status records the resume's outcome)")
+            return
         self._best_effort(f"the run status {status}",
                           lambda: self.client.set_terminated(self.run_id, status=status))
 
@@ -263,5 +465,5 @@ class RunTracker:
         """How a user opens this run."""
         if self.uri.startswith(("http://", "https://")):
             return f"{redact_uri(self.uri).rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        return (f"mlflow ui --backend-store-uri {self.uri}  then open "
+        return (f"mlflow ui --backend-store-uri {redact_uri(self.uri)}  then open "
                 f"http://127.0.0.1:5000/#/experiments/{self.experiment_id}/runs/{self.run_id}")

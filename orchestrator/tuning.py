@@ -13,6 +13,7 @@ import datetime
 import functools
 import io
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -28,12 +29,19 @@ from launchers.ds_config import build_ds_config
 from orchestrator.checking import check_model, check_pipeline, live_cluster
 from orchestrator.config import RunConfig
 from orchestrator.inputs import check_inputs
-from orchestrator.models import build_model, model_factory, pipeline_layers_factory, split_model_config
+from orchestrator.models import (
+    DEPTH_KEY,
+    build_model,
+    inspect_declared_model,
+    model_factory,
+    pipeline_layers_factory,
+    split_model_config,
+)
 from plans.cost_model import Speeds
+from plans.depth_scaling import SHALLOW_DEPTHS
 from plans.errors import OrchError, PlanError, Violation
 from plans.estimate import GIB
 from plans.model_cost import measure_model_cost
-from plans.model_facts import inspect_model
 from plans.resolve import ResolvedPlan
 from plans.search_space import (
     BatchScaledProbe,
@@ -51,7 +59,8 @@ from workloads.gpt import TP_LAYER_SPECS
 
 # Models above this many parameters get their activations measured at one micro-batch size and
 # scaled (plans.search_space.BatchScaledProbe), and their FLOPs and activations counted at two
-# shallow depths and extrapolated (plans.depth_scaling); smaller ones are measured in full, in ms.
+# shallow depths and extrapolated (plans.depth_scaling), as deep models (plans.depth_scaling.
+# DEPTH_SCALED_FROM layers or more) always are; smaller ones are measured in full, in ms.
 _EXACT_PARAMS_LIMIT = 1_000_000_000
 
 
@@ -104,7 +113,8 @@ class TuneResult:
         if self.winner:
             best = {**_candidate_json(self.winner, self.winner_trial),
                     "chosen_by": "measured" if self.winner_trial else "predicted",
-                    "plan_file": str(self.plan_file) if self.plan_file else None, "overrides": self.overrides}
+                    "plan_file": str(self.plan_file) if self.plan_file else None, "overrides": self.overrides,
+                    "train_command": train_command(self)}
         return {"global_batch_size": self.global_batch_size, "enumerated": self.search.enumerated,
                 "feasible": len(self.search.ranked), "search_s": self.search.seconds,
                 "rejected": dict(self.search.rejected.most_common()),
@@ -146,13 +156,14 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
     """The search space and everything fixed during the search (the model probed once)."""
     constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
     factory = model_factory(constructor_cfg)
-    facts = inspect_model(factory, cfg.data.seq_len, arguments=constructor_cfg)
+    facts, shallow = inspect_declared_model(constructor_cfg, cfg.data.seq_len, cluster, cfg.plan.precision,
+                                            Offload.none)  # the tuner offloads to the CPU at most
     check_model(dataclasses.replace(facts, supports_activation_checkpointing=True), cfg)
     large = facts.param_count >= _EXACT_PARAMS_LIMIT
     probe = BatchScaledProbe(factory, cfg.data.seq_len,
                              tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs,
                              pipeline_layers=pipeline_layers_factory(constructor_cfg),
-                             exact_up_to=1 if large else 64, depth_scaled=large)
+                             exact_up_to=1 if large else 64, depth_scaled=large, shallow=shallow)
     tp_degrees = [d for d in range(1, cluster.devices_per_node + 1) if cluster.devices_per_node % d == 0]
 
     @functools.cache
@@ -164,8 +175,9 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
         try:
             import torch
 
+            shallow_depth = {DEPTH_KEY: SHALLOW_DEPTHS[0]} if shallow is not None else {}
             with torch.device("meta"):
-                build_model({**constructor_cfg, "tp": tp})
+                build_model({**constructor_cfg, "tp": tp, **shallow_depth})
         except Exception as exc:  # the model's own refusal, e.g. heads that do not split
             return f"the model refuses tp: {type(exc).__name__}"
         return None
@@ -184,7 +196,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
                                tp_layer_specs=tp_layer_specs)
 
     ctx = SearchContext(cluster=cluster, train=cfg.train, optim=cfg.optim, probe=probe,
-                        model_cost=measure_model_cost(probe, tp_degrees, depth_scaled=large),
+                        model_cost=measure_model_cost(probe, tp_degrees, depth_scaled=large or shallow is not None),
                         speeds=Speeds.declared(cluster),
                         build_config=ds_config, tp_problem=tp_problem, plan_problem=plan_problem)
     return _space(cfg, cluster.world_size, facts.supports_activation_checkpointing), ctx
@@ -194,9 +206,9 @@ def _matmul_shape(probe) -> tuple[int, int]:
     """(in, out) features of the largest linear layer inside the model's repeated layers."""
     import torch
 
-    linears = [m for layer in probe.module.modules() if isinstance(layer, torch.nn.ModuleList)
+    linears = [m for layer in probe.sample.modules() if isinstance(layer, torch.nn.ModuleList)
                for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-    linears = linears or [m for m in probe.module.modules() if isinstance(m, torch.nn.Linear)]
+    linears = linears or [m for m in probe.sample.modules() if isinstance(m, torch.nn.Linear)]
     if not linears:
         return 1024, 1024
     big = max(linears, key=lambda m: m.weight.numel())
@@ -223,6 +235,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
     out = out or sys.stdout
     err = err or sys.stderr
     check_inputs(cfg)
+    check_plan_file(cfg)
     with ExitStack() as stack:
         cluster, notes = stack.enter_context(live_cluster(cfg))
         for note in notes:
@@ -237,7 +250,8 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
             from launchers.ray_session import ray_session
 
             stack.enter_context(ray_session(cfg.cluster.address, min_cpus=cluster.world_size * cluster.cpus_per_worker,
-                                            object_store_gib=cfg.cluster.object_store_memory_gib))
+                                            object_store_gib=cfg.cluster.object_store_memory_gib,
+                                            connect_timeout_s=cfg.cluster.connect_timeout_s))
             if cfg.tune.calibrate:
                 print("tune: measuring the cluster's speeds on the Ray workers", file=err, flush=True)
                 speeds, note = measure_speeds(cfg, cluster, space, ctx)
@@ -346,9 +360,9 @@ def _trial_run_id(cfg: RunConfig, parent_id: str | None, index: int) -> str | No
     """The MLflow run a failed trial left behind (run_training raised before returning it)."""
     if not parent_id:
         return None
-    from mlflow.tracking import MlflowClient
+    from orchestrator.tracking import open_client
 
-    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    client = open_client(cfg.tracking.uri)
     parent = client.get_run(parent_id)
     runs = client.search_runs([parent.info.experiment_id],
                               filter_string=f"tags.mlflow.parentRunId = '{parent_id}' and "
@@ -380,10 +394,52 @@ def plan_overrides(plan: ResolvedPlan, cfg: RunConfig) -> list[str]:
     return out
 
 
+TUNED_PLANS_DIR = Path("tuned_plans")
+"""Where tuned plans go by default, under the current directory: ``tuned_plans/plan/<tune.name>.yaml``,
+a config directory Hydra adds to its search path with ``--config-dir tuned_plans``. Never inside the
+installed package (site-packages, or the checkout of an editable install)."""
+
+
 def plan_file_path(cfg: RunConfig) -> Path:
     if cfg.tune.out:
         return Path(cfg.tune.out).expanduser()
-    return Path(conf.__file__).resolve().parent / "plan" / f"{cfg.tune.name}.yaml"
+    return TUNED_PLANS_DIR / "plan" / f"{cfg.tune.name}.yaml"
+
+
+def _config_dir(plan_file: Path) -> Path | None:
+    """The config directory that makes ``plan_file`` the option ``plan=<its stem>`` (its parent's
+    parent, when its parent is named ``plan``), else None."""
+    return plan_file.parent.parent if plan_file.parent.name == "plan" else None
+
+
+def check_plan_file(cfg: RunConfig) -> None:
+    """Refuse a plan file name that a shipped plan would shadow: Hydra looks in the package's
+    conf/ before a ``--config-dir``, so ``plan=<name>`` would compose the shipped plan instead
+    (and the plan schema, which every plan file extends, would extend itself)."""
+    from hydra.core.config_store import ConfigStore
+
+    path = plan_file_path(cfg)
+    shipped = Path(conf.__file__).resolve().parent / "plan" / path.name
+    registered = path.name in ConfigStore.instance().repo.get("plan", {})
+    if _config_dir(path) is None or not (shipped.exists() or registered):
+        return
+    if cfg.tune.out:
+        field_name, value, fix = "tune.out", cfg.tune.out, "give the file another name"
+    else:
+        field_name, value, fix = "tune.name", cfg.tune.name, "choose another name (tune.name=...)"
+    raise PlanError([Violation(field_name, value, f"plan={path.stem} names a plan shipped with orch; the tuned "
+                               "plan could not be selected by that name.", fix)])
+
+
+def train_command(result: TuneResult) -> str | None:
+    """The `orch train` command line that trains the winner from its plan file, if it is usable as
+    ``plan=<name>``; relative paths stay relative, as the user gave them (or as the default is)."""
+    root = _config_dir(result.plan_file) if result.plan_file else None
+    if root is None:
+        return None
+    batch = [o for o in result.overrides if o.startswith("train.global_batch_size=")]
+    return " ".join(["orch train", "--config-dir", shlex.quote(str(root)),
+                     f"plan={shlex.quote(result.plan_file.stem)}", *batch])
 
 
 def write_plan_file(plan: ResolvedPlan, cfg: RunConfig, model_cfg: dict, cluster, result: TuneResult) -> Path:
@@ -436,11 +492,9 @@ def render(result: TuneResult, top_k: int) -> str:
         lines += ["", f"winner ({chosen}): {describe(result.winner.plan)}"]
         if result.plan_file:
             lines.append(f"  written to {result.plan_file}")
-            in_conf = result.plan_file.parent == Path(conf.__file__).resolve().parent / "plan"
-            if in_conf:
-                lines.append(f"  train it: orch train plan={result.plan_file.stem}"
-                             + (f" train.global_batch_size={result.global_batch_size}" if any(
-                                 o.startswith("train.global_batch_size") for o in result.overrides) else ""))
+            command = train_command(result)
+            if command:
+                lines.append(f"  train it: {command}")
         lines.append(f"  or: orch train {' '.join(result.overrides)}")
     if result.parent_run_id:
         lines.append(f"MLflow: tuning run {result.parent_run_id} with {len(result.trials)} nested trial run(s)")

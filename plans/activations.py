@@ -23,7 +23,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from plans.depth_scaling import SHALLOW_DEPTHS, PassTrace, extrapolate, peaks_at_depth, repeated_stack, shallow_copy
+from plans.depth_scaling import (
+    SHALLOW_DEPTHS,
+    PassTrace,
+    ShallowModels,
+    extrapolate,
+    peaks_at_depth,
+    repeated_stack,
+    shallow_copy,
+)
 
 ModelOrFactory = torch.nn.Module | Callable[[], torch.nn.Module]
 
@@ -303,14 +311,26 @@ def measure_activations_depth_scaled(module: torch.nn.Module, *, micro_batch_siz
     """
     stack = repeated_stack(module)
     if stack is not None:
-        (shallow, shallow_trace), (deeper, deeper_trace) = (
-            _measure_pass(shallow_copy(module, stack, d), micro_batch_size, seq_len, dtype, checkpointing, trace=True)
-            for d in SHALLOW_DEPTHS)
-        peaks = peaks_at_depth(shallow_trace, deeper_trace, len(stack))
-        if peaks is not None:
-            return dataclasses.replace(extrapolate(shallow, deeper, len(stack)), **dataclasses.asdict(peaks))
+        shallow = ShallowModels(depth=len(stack), shallow=shallow_copy(module, stack, SHALLOW_DEPTHS[0]),
+                                deeper=shallow_copy(module, stack, SHALLOW_DEPTHS[1]))
+        carried = activations_from_shallow(shallow, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                           dtype=dtype, checkpointing=checkpointing)
+        if carried is not None:
+            return carried
     return measure_activations(module, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
                                checkpointing=checkpointing)
+
+
+def activations_from_shallow(shallow: ShallowModels, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype,
+                             checkpointing: bool) -> ActivationBytes | None:
+    """:func:`measure_activations` at ``shallow.depth`` from the two shallow models' passes; None
+    when a trace breaks the pattern :func:`plans.depth_scaling.peaks_at_depth` needs."""
+    (a, a_trace), (b, b_trace) = (_measure_pass(m, micro_batch_size, seq_len, dtype, checkpointing, trace=True)
+                                  for m in (shallow.shallow, shallow.deeper))
+    peaks = peaks_at_depth(a_trace, b_trace, shallow.depth)
+    if peaks is None:
+        return None
+    return dataclasses.replace(extrapolate(a, b, shallow.depth), **dataclasses.asdict(peaks))
 
 
 def _measure_pass(factory_or_module: ModelOrFactory, micro_batch_size: int, seq_len: int, dtype: torch.dtype,

@@ -10,14 +10,22 @@ came out at half its full count): :func:`peaks_at_depth` extrapolates every even
 shallow passes instead and takes the maximum at the real depth. Counting 175B's 96 blocks on
 ``meta`` takes seconds per pass, at depths 2 and 4 a fraction of one; the tuner does this for
 models above a billion parameters, and ``tests/test_tune_space.py`` checks it against full counts.
+
+A model whose constructor takes its depth (the built-in GPT's ``n_layer``) need not be built at
+its real depth at all: :class:`ShallowModels` builds it at the two shallow depths only, and every
+count the planner needs is carried from there. `orch check` does so for models of
+:data:`DEPTH_SCALED_FROM` layers or more, so a 2000-layer model is checked as fast as a 4-layer
+one, and a model too large to build is refused from its shallow copies' arithmetic.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -25,6 +33,10 @@ import torch
 SHALLOW_DEPTHS = (2, 4)
 """The two depths measured. Not 1: with one block, a peak can sit at a different event (the
 head's backward) than it does in a deep model."""
+
+DEPTH_SCALED_FROM = 16
+"""Models of this many layers or more are built at :data:`SHALLOW_DEPTHS` only (when their depth
+is a constructor argument); shallower ones are counted in full, which costs well under a second."""
 
 T = TypeVar("T")
 
@@ -50,6 +62,69 @@ def repeated_stack(module: torch.nn.Module) -> torch.nn.ModuleList | None:
     return stacks[0]
 
 
+def _stack_of_depth(module: torch.nn.Module, depth: int) -> torch.nn.ModuleList | None:
+    """The model's one ModuleList, when it holds exactly ``depth`` identical layers; else None."""
+    stacks = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]
+    if len(stacks) != 1 or len(stacks[0]) != depth:
+        return None
+    first = _signature(stacks[0][0])
+    if any(_signature(layer) != first for layer in list(stacks[0])[1:]):
+        return None
+    return stacks[0]
+
+
+def _outside_signature(module: torch.nn.Module, stack: torch.nn.ModuleList) -> tuple:
+    """:func:`_signature` of the model with its stack emptied: what surrounds the layers."""
+    layers = stack._modules
+    stack._modules = OrderedDict()
+    try:
+        return _signature(module)
+    finally:
+        stack._modules = layers
+
+
+@dataclasses.dataclass(frozen=True)
+class ShallowModels:
+    """A model built on ``meta`` at :data:`SHALLOW_DEPTHS` in place of its real ``depth``.
+
+    Building a model of N layers on meta costs N times one layer's Python objects and
+    initialisation: about a minute for 2000 small layers, and memory without bound for absurd
+    depths. Whatever is a sum over the layers is carried to ``depth`` from the two shallow
+    models instead (:meth:`at_depth`).
+    """
+
+    depth: int
+    shallow: torch.nn.Module
+    deeper: torch.nn.Module
+
+    @classmethod
+    def build(cls, factory_at_depth: Callable[[int], torch.nn.Module], depth: int) -> ShallowModels:
+        with torch.device("meta"):
+            shallow, deeper = (factory_at_depth(d) for d in SHALLOW_DEPTHS)
+        return cls(depth=depth, shallow=shallow, deeper=deeper)
+
+    @functools.cached_property
+    def exact(self) -> bool:
+        """Whether counts carried to ``depth`` are exact: each model holds one ModuleList of
+        exactly its depth of identical layers, the same layers at both depths, and the same
+        modules around them. Otherwise only estimates of the size (:meth:`at_depth`) hold."""
+        a, b = (_stack_of_depth(m, d) for m, d in zip((self.shallow, self.deeper), SHALLOW_DEPTHS, strict=True))
+        return (a is not None and b is not None and _signature(a[0]) == _signature(b[0])
+                and _outside_signature(self.shallow, a) == _outside_signature(self.deeper, b))
+
+    def map(self, change: Callable[[torch.nn.Module], torch.nn.Module]) -> ShallowModels:
+        """The same depths with ``change`` applied to both models (e.g. their tensor-parallel shard)."""
+        return ShallowModels(depth=self.depth, shallow=change(self.shallow), deeper=change(self.deeper))
+
+    def at_depth(self, count: Callable[[torch.nn.Module], T], *, keep: tuple[str, ...] = ()) -> T:
+        """``count`` (an int, or a dataclass of them) of the model at ``depth``, from the two
+        shallow models: see :func:`extrapolate`."""
+        a, b = count(self.shallow), count(self.deeper)
+        if isinstance(a, int):
+            return affine(a, b, self.depth)
+        return extrapolate(a, b, self.depth, keep=keep)
+
+
 def shallow_copy(module: torch.nn.Module, stack: torch.nn.ModuleList, depth: int) -> torch.nn.Module:
     """A deep copy of ``module`` whose ``stack`` (its :func:`repeated_stack`) holds only its first
     ``depth`` layers.
@@ -70,14 +145,19 @@ def extrapolate(shallow: T, deeper: T, depth: int, *, keep: tuple[str, ...] = ()
     Rounded up, so byte counts err towards not fitting. Fields in ``keep`` and non-integers are
     taken from the deeper measurement.
     """
-    d1, d2 = SHALLOW_DEPTHS
     values = {}
     for field in dataclasses.fields(shallow):
         a, b = getattr(shallow, field.name), getattr(deeper, field.name)
         if field.name in keep or not isinstance(a, int) or isinstance(a, bool):
             continue
-        values[field.name] = b - (-(b - a) * (depth - d2) // (d2 - d1))
+        values[field.name] = affine(a, b, depth)
     return dataclasses.replace(deeper, **values)
+
+
+def affine(shallow: int, deeper: int, depth: int) -> int:
+    """A count measured at :data:`SHALLOW_DEPTHS` carried along its line to ``depth``, rounded up."""
+    d1, d2 = SHALLOW_DEPTHS
+    return deeper - (-(deeper - shallow) * (depth - d2) // (d2 - d1))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ in seconds.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import re
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plans.activations import ActivationBytes, measure_activations
+from plans.activations import ActivationBytes, activations_from_shallow, measure_activations
+from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.errors import Violation
 from plans.memory import (
     DevicePhases,
@@ -35,6 +37,7 @@ from plans.pipeline import (
     PipelineLayer,
     PipelineStage,
     bubble_fraction,
+    carry_layers,
     measure_pipeline_layers,
     pipeline_stages,
     stage_activations,
@@ -138,10 +141,14 @@ def shard_on_meta(factory: Callable[[], torch.nn.Module], layer_specs: list[dict
     keep them. Running the model's own forward on it gives the activations of one rank: the
     sharded layers' outputs and inputs shrink by tp, the rest stay whole (the row-parallel
     all-reduce changes values, not shapes, so it is not needed on meta)."""
+    with torch.device("meta"):
+        return shard_module(factory(), layer_specs, tp)
+
+
+def shard_module(module: torch.nn.Module, layer_specs: list[dict], tp: int) -> torch.nn.Module:
+    """:func:`shard_on_meta` of a meta module (changed in place, and returned)."""
     patterns = [(re.compile(p), spec.get("partition_type", "column"))
                 for spec in layer_specs for p in spec.get("patterns", [])]
-    with torch.device("meta"):
-        module = factory()
     for name, layer in module.named_modules():
         weight = getattr(layer, "weight", None)
         kinds = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
@@ -161,47 +168,50 @@ class ModelProbe:
     """A model built once on ``meta``, with its activation measurements cached.
 
     The tuner and the fix search estimate many plans of one model; parameter counts never
-    change and activations only depend on (micro-batch, precision, checkpointing).
+    change and activations only depend on (micro-batch, precision, checkpointing). A deep model
+    is built at two shallow depths instead (``shallow``) and every count carried to its depth.
     """
 
     def __init__(self, factory: Callable[[], torch.nn.Module], seq_len: int,
-                 tp_layer_specs: list[dict] | None = None, pipeline_layers: Callable[[], list] | None = None):
+                 tp_layer_specs: list[dict] | None = None, pipeline_layers: Callable[[], list] | None = None,
+                 shallow: ShallowModels | None = None):
         self.factory = factory
         self.seq_len = seq_len
         self.tp_layer_specs = tp_layer_specs or []
         self.pipeline_layers = pipeline_layers
-        """The model's pipeline layers factory (None: the model cannot be pipelined)."""
+        """The model's pipeline layers factory (None: the model cannot be pipelined); with ``shallow``,
+        it also takes a depth (``pipeline_layers(2)``: the layers of the model with 2 blocks)."""
+        self.shallow = shallow
+        """The model built at two shallow depths, when it is deep (:func:`plans.model_facts.inspect_shallow`):
+        then every count is carried from them to its depth, and the full-depth model is built
+        only if a measurement cannot be carried (see :meth:`_measure`)."""
         self._pipeline = functools.lru_cache(maxsize=None)(self._measure_pipeline)
         self._stages = functools.lru_cache(maxsize=None)(self._split)
-        with torch.device("meta"):
-            self.module = factory()
-        self.stats = model_stats(self.module)
+        self.stats = (model_stats(self.module) if shallow is None else
+                      shallow.at_depth(model_stats, keep=("largest_layer_params", "largest_param")))
         self._activations = functools.lru_cache(maxsize=None)(self._measure)
 
     @functools.cached_property
-    def tensor_parallel_params(self) -> tuple[int, int]:
-        """(all, trainable) parameters that tensor parallelism shards, per the AutoTP layer specs.
+    def module(self) -> torch.nn.Module:
+        """The model at its full depth on ``meta``, built on first use."""
+        with torch.device("meta"):
+            return self.factory()
 
-        A spec names a layer's weight; a column-parallel layer's bias is split with it, a
-        row-parallel layer's bias stays whole (DeepSpeed's LinearLayer / LinearAllreduce).
-        """
-        patterns = [(re.compile(p), spec.get("partition_type", "column"))
-                    for spec in self.tp_layer_specs for p in spec.get("patterns", [])]
-        sharded, trainable = 0, 0
-        for name, module in self.module.named_modules():
-            weight = getattr(module, "weight", None)
-            if not isinstance(weight, torch.nn.Parameter):
-                continue
-            kinds = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
-            if not kinds:
-                continue
-            params = [weight]
-            bias = getattr(module, "bias", None)
-            if kinds[0] == "column" and isinstance(bias, torch.nn.Parameter):
-                params.append(bias)
-            sharded += sum(p.numel() for p in params)
-            trainable += sum(p.numel() for p in params if p.requires_grad)
-        return sharded, trainable
+    @property
+    def sample(self) -> torch.nn.Module:
+        """A module with the model's layers, cheapest to inspect: a shallow copy when there is one."""
+        return self.shallow.deeper if self.shallow is not None else self.module
+
+    def _count(self, count: Callable[[torch.nn.Module], int]) -> int:
+        """``count`` of the full-depth model, carried from the shallow copies when there are some."""
+        return count(self.module) if self.shallow is None else self.shallow.at_depth(count)
+
+    @functools.cached_property
+    def tensor_parallel_params(self) -> tuple[int, int]:
+        """(all, trainable) parameters that tensor parallelism shards, per the AutoTP layer specs."""
+        specs = self.tp_layer_specs
+        return (self._count(lambda m: _tensor_parallel_params(m, specs)[0]),
+                self._count(lambda m: _tensor_parallel_params(m, specs)[1]))
 
     def stats_for(self, tp: int) -> ModelStats:
         """Parameter counts one rank holds when the model is split ``tp`` ways."""
@@ -214,9 +224,16 @@ class ModelProbe:
 
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
                  tp: int = 1) -> ActivationBytes:
+        args = dict(micro_batch_size=micro_batch_size, seq_len=self.seq_len, dtype=_DTYPE[precision],
+                    checkpointing=checkpointing)
+        if self.shallow is not None:
+            shallow = self.shallow if tp <= 1 else self.shallow.map(
+                lambda m: shard_module(copy.deepcopy(m), self.tp_layer_specs, tp))
+            carried = activations_from_shallow(shallow, **args)
+            if carried is not None:
+                return carried
         factory = self.factory if tp <= 1 else functools.partial(shard_on_meta, self.factory, self.tp_layer_specs, tp)
-        return measure_activations(factory, micro_batch_size=micro_batch_size, seq_len=self.seq_len,
-                                   dtype=_DTYPE[precision], checkpointing=checkpointing)
+        return measure_activations(factory, **args)
 
     def activations(self, plan: ResolvedPlan) -> ActivationBytes:
         return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing, plan.tp)
@@ -224,8 +241,15 @@ class ModelProbe:
     def _measure_pipeline(self, micro_batch_size: int, precision: Precision) -> list[PipelineLayer]:
         if self.pipeline_layers is None:
             raise ValueError("the model declares no pipeline layers")
-        return measure_pipeline_layers(self.pipeline_layers(), micro_batch_size=micro_batch_size,
-                                       seq_len=self.seq_len, dtype=_DTYPE[precision])
+        def measure(layers: list) -> list[PipelineLayer]:
+            return measure_pipeline_layers(layers, micro_batch_size=micro_batch_size, seq_len=self.seq_len,
+                                           dtype=_DTYPE[precision])
+
+        if self.shallow is not None:  # building every layer of a deep model costs what building it does
+            carried = carry_layers(*(measure(self.pipeline_layers(d)) for d in SHALLOW_DEPTHS), self.shallow.depth)
+            if carried is not None:
+                return carried
+        return measure(self.pipeline_layers())
 
     def pipeline_layer_facts(self, plan: ResolvedPlan) -> list[PipelineLayer]:
         """Every pipeline layer of the model, measured for the plan's micro-batch and precision."""
@@ -247,7 +271,33 @@ class ModelProbe:
         zero = ds_config.get("zero_optimization", {})
         if int(zero.get("stage", 0)) != 3:
             return 0
-        return stage3_persistent_params(self.module, int(zero.get("stage3_param_persistence_threshold", 100_000)))
+        threshold = int(zero.get("stage3_param_persistence_threshold", 100_000))
+        return self._count(lambda m: stage3_persistent_params(m, threshold))
+
+
+def _tensor_parallel_params(module: torch.nn.Module, layer_specs: list[dict]) -> tuple[int, int]:
+    """(all, trainable) parameters of ``module`` the AutoTP layer specs shard.
+
+    A spec names a layer's weight; a column-parallel layer's bias is split with it, a
+    row-parallel layer's bias stays whole (DeepSpeed's LinearLayer / LinearAllreduce).
+    """
+    patterns = [(re.compile(p), spec.get("partition_type", "column"))
+                for spec in layer_specs for p in spec.get("patterns", [])]
+    sharded, trainable = 0, 0
+    for name, layer in module.named_modules():
+        weight = getattr(layer, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter):
+            continue
+        kinds = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
+        if not kinds:
+            continue
+        params = [weight]
+        bias = getattr(layer, "bias", None)
+        if kinds[0] == "column" and isinstance(bias, torch.nn.Parameter):
+            params.append(bias)
+        sharded += sum(p.numel() for p in params)
+        trainable += sum(p.numel() for p in params if p.requires_grad)
+    return sharded, trainable
 
 
 def _device_phases(plan: ResolvedPlan, optim: OptimSpec, ds_config: dict, probe: ModelProbe, stats: ModelStats,

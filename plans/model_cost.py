@@ -76,13 +76,18 @@ def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled
     """Count the model's FLOPs and communication sizes for one sample of ``probe.seq_len`` tokens.
 
     ``depth_scaled``: count copies of the model cut to two shallow depths and extrapolate to its
-    depth (:mod:`plans.depth_scaling`), when its repeated layers are identical.
+    depth (:mod:`plans.depth_scaling`), when its repeated layers are identical: the probe's own
+    shallow copies when it has some (``probe.shallow``). Without ``depth_scaled`` the model is
+    counted at its full depth (built for that if the probe has not built it).
     """
+    keep = ("seq_len", "param_count", "boundary_per_sample")
+    if depth_scaled and probe.shallow is not None:  # the model was never built at its full depth
+        return probe.shallow.at_depth(lambda module: _count(probe, copy.deepcopy(module), tp_degrees), keep=keep)
     stack = repeated_stack(probe.module) if depth_scaled else None
     if stack is None:
         return _count(probe, copy.deepcopy(probe.module), tp_degrees)
     shallow, deeper = (_count(probe, shallow_copy(probe.module, stack, d), tp_degrees) for d in SHALLOW_DEPTHS)
-    return extrapolate(shallow, deeper, len(stack), keep=("seq_len", "param_count", "boundary_per_sample"))
+    return extrapolate(shallow, deeper, len(stack), keep=keep)
 
 
 def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) -> ModelCost:

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.errors import PlanError, Violation
+from plans.memory import bytes_per_element
+from plans.spec import ClusterSpec, Offload, Precision
+
+GIB = 1024**3
+
+MAX_MODULES = 1_000_000
+"""More ``torch.nn.Module`` objects than any model built for training has (GPT-3 175B has about a
+thousand); each costs kilobytes of Python objects on any device, ``meta`` included, so a model of
+millions of layers exhausts a host's memory before a parameter is counted."""
 
 
 @dataclass(frozen=True)
@@ -19,6 +30,9 @@ class ModelFacts:
     output_vocab: int
     """Size of the last dimension of the logits."""
     supports_activation_checkpointing: bool
+    modules: int = 0
+    """``torch.nn.Module`` objects in the model: each costs a Python object and its dicts, on any
+    device, when the model is built."""
 
 
 def inspect_model(factory: Callable[[], torch.nn.Module], seq_len: int,
@@ -31,17 +45,40 @@ def inspect_model(factory: Callable[[], torch.nn.Module], seq_len: int,
     message names (``arguments`` is the model's config: ``_target_`` and constructor arguments).
     """
     arguments = arguments or {}
-    # Any failure of user code is reported as a config problem, before anything starts.
-    with torch.device("meta"):
-        try:
-            module = factory()
-        except Exception as exc:
-            raise PlanError([model_refusal(exc, arguments, "refused its arguments")]) from exc
-        try:
-            logits = module(torch.zeros(1, seq_len, dtype=torch.long))
-        except Exception as exc:
-            raise PlanError([model_refusal(exc, arguments, f"failed in forward(input_ids[1, {seq_len}]) "
-                                           f"(data.seq_len={seq_len})")]) from exc
+    with _model_code_errors(arguments, "refused its arguments"), torch.device("meta"):
+        module = factory()
+    return _facts(module, seq_len, arguments)
+
+
+def inspect_shallow(factory_at_depth: Callable[[int], torch.nn.Module], depth: int, seq_len: int,
+                    arguments: Mapping[str, object] | None = None) -> tuple[ModelFacts, ShallowModels]:
+    """:func:`inspect_model` of a model of ``depth`` layers, from copies built at two shallow
+    depths (:class:`plans.depth_scaling.ShallowModels`): the full-depth model is never built.
+
+    ``factory_at_depth(d)`` builds the model with ``d`` layers. The parameter counts are carried
+    to ``depth`` along their line, exact when the layers are identical.
+    """
+    arguments = arguments or {}
+    with _model_code_errors(arguments, "refused its arguments"):
+        shallow = ShallowModels.build(factory_at_depth, depth)
+    return shallow.at_depth(lambda module: _facts(module, seq_len, arguments), keep=("output_vocab",)), shallow
+
+
+@contextlib.contextmanager
+def _model_code_errors(arguments: Mapping[str, object], what: str) -> Iterator[None]:
+    """Any failure of the model's code is reported as a config problem, before anything starts."""
+    try:
+        yield
+    except PlanError:
+        raise
+    except Exception as exc:
+        raise PlanError([model_refusal(exc, arguments, what)]) from exc
+
+
+def _facts(module: torch.nn.Module, seq_len: int, arguments: Mapping[str, object]) -> ModelFacts:
+    what = f"failed in forward(input_ids[1, {seq_len}]) (data.seq_len={seq_len})"
+    with _model_code_errors(arguments, what), torch.device("meta"):
+        logits = module(torch.zeros(1, seq_len, dtype=torch.long))
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != (1, seq_len):
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise PlanError([Violation("model", shape,
@@ -53,6 +90,7 @@ def inspect_model(factory: Callable[[], torch.nn.Module], seq_len: int,
         trainable_count=sum(p.numel() for p in params if p.requires_grad),
         output_vocab=int(logits.shape[-1]),
         supports_activation_checkpointing=callable(getattr(module, "gradient_checkpointing_enable", None)),
+        modules=_module_count(module),
     )
 
 
@@ -83,3 +121,51 @@ def _named_argument(text: str, arguments: Mapping[str, object]) -> str | None:
         if match:
             found.append((match.start(), name))
     return min(found)[1] if found else None
+
+
+def refuse_unbuildable(facts: ModelFacts, shallow: ShallowModels, depth_field: str, cluster: ClusterSpec,
+                       precision: Precision, offload_param: Offload) -> None:
+    """Refuse a model no plan could build on ``cluster``, from the arithmetic of its shallow copies.
+
+    Two bounds, both independent of the plan's layout: the module objects any rank must create
+    (:data:`MAX_MODULES`), and the parameters alone in the training precision against the memory
+    of every device and host of the cluster together, what ZeRO-3 with parameter offload would
+    spread them over (parameters offloaded to NVMe are on a disk the cluster does not declare, so
+    that bound is skipped for them). ``facts`` are the shallow copies' counts carried to
+    ``shallow.depth`` (:func:`inspect_shallow`); ``depth_field`` is the config field setting it.
+    """
+    depth, step = shallow.depth, SHALLOW_DEPTHS[1] - SHALLOW_DEPTHS[0]
+    problems = []
+    if facts.modules > MAX_MODULES:
+        per_layer = (_module_count(shallow.deeper) - _module_count(shallow.shallow)) // step
+        problems.append(Violation(
+            depth_field, depth,
+            f"{depth:,} layers of {per_layer:,} modules each make {facts.modules:,} torch modules, more than "
+            f"{MAX_MODULES:,}: building them (even on the meta device) would exhaust a host's memory.",
+            f"use fewer layers ({depth_field})"))
+    param_bytes = facts.param_count * bytes_per_element(precision)
+    per_device = cluster.devices_per_node * cluster.device_memory_gib
+    capacity = int(cluster.nodes * (per_device + cluster.host_memory_gib) * GIB)
+    if offload_param != Offload.nvme and param_bytes > capacity:
+        per_layer = (_param_count(shallow.deeper) - _param_count(shallow.shallow)) // step
+        outside = facts.param_count - depth * per_layer
+        fitting = max((capacity // bytes_per_element(precision) - outside) // max(per_layer, 1), 0)
+        problems.append(Violation(
+            depth_field, depth,
+            f"{depth:,} layers of {per_layer:,} parameters each make {facts.param_count:,} parameters: "
+            f"{param_bytes / GIB:,.1f} GiB in {precision.value} for the parameters alone, more than the "
+            f"{capacity / GIB:,.1f} GiB of the whole cluster ({cluster.nodes} node(s) x ({cluster.devices_per_node} "
+            f"x {cluster.device_memory_gib:g} GiB devices + {cluster.host_memory_gib:g} GiB host memory)), "
+            "even with every state sharded and offloaded.",
+            f"use at most {fitting:,} layers ({depth_field}={fitting}), or more or larger nodes (cluster.nodes, "
+            "cluster.device_memory_gib, cluster.host_memory_gib)"))
+    if problems:
+        raise PlanError(problems)
+
+
+def _module_count(module: torch.nn.Module) -> int:
+    return sum(1 for _ in module.modules())
+
+
+def _param_count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from plans.activations import ActivationBytes, _CpuFlashAttentionOnMeta, _SavedTensors
+from plans.depth_scaling import SHALLOW_DEPTHS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,16 +101,36 @@ def measure_pipeline_layers(specs: list, *, micro_batch_size: int, seq_len: int,
     return layers
 
 
+def carry_layers(shallow: list[PipelineLayer], deeper: list[PipelineLayer], depth: int) -> list[PipelineLayer] | None:
+    """The pipeline layers of the model at ``depth``, from its layers measured at the two
+    :data:`plans.depth_scaling.SHALLOW_DEPTHS`: the same layers before and after a run of one
+    repeated unit (a block, or the few layers making one), with the unit repeated ``depth``
+    times. None when the two lists do not have that shape (then the caller measures in full).
+    """
+    d1, d2 = SHALLOW_DEPTHS
+    unit, extra = divmod(len(deeper) - len(shallow), d2 - d1)
+    if unit < 1 or extra:
+        return None
+    for start in range(len(shallow) - unit * d1 + 1):
+        before, repeated = shallow[:start], shallow[start:start + unit]
+        after = shallow[start + unit * d1:]
+        if shallow == before + repeated * d1 + after and deeper == before + repeated * d2 + after:
+            return before + repeated * depth + after
+    return None
+
+
 def partition(layers: list[PipelineLayer], pp: int, method: str) -> list[int]:
     """Stage boundaries (``pp + 1`` layer indices), as DeepSpeed's ``PipelineModule._partition_layers``.
 
-    Plain ints: DeepSpeed's ``partition_balanced`` returns numpy integers, which would reach the
-    stages' ``start``/``stop`` and from there every JSON document (`orch check --json`, MLflow)."""
-    return [int(bound) for bound in _deepspeed_partition(layers, pp, method)]
+    Plain ints: numpy integers would reach the stages' ``start``/``stop`` and from there every JSON
+    document (`orch check --json`, MLflow)."""
+    return [int(bound) for bound in _partition(layers, pp, method)]
 
 
-def _deepspeed_partition(layers: list[PipelineLayer], pp: int, method: str) -> list:
-    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+def _partition(layers: list[PipelineLayer], pp: int, method: str) -> list:
+    from deepspeed.runtime.utils import partition_uniform
+
+    from plans.partition import partition_balanced
 
     if method == "uniform":
         return partition_uniform(num_items=len(layers), num_parts=pp)

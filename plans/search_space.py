@@ -140,7 +140,7 @@ class BatchScaledProbe(ModelProbe):
             # each; the unsharded activations are an upper bound (tp only divides them).
             return self._activations(micro_batch_size, precision, checkpointing, 1)
         if micro_batch_size <= self.exact_up_to:
-            if tp > 1:
+            if tp > 1 or self.shallow is not None:  # a shallow probe carries its counts in any case
                 return super()._measure(micro_batch_size, precision, checkpointing, tp)
             measure = measure_activations_depth_scaled if self.depth_scaled else measure_activations
             return measure(self.module, micro_batch_size=micro_batch_size, seq_len=self.seq_len,

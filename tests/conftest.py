@@ -53,9 +53,12 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One embedded Ray for a test module (starting Ray costs ~4 s); 2 CPUs like this machine."""
-    ray.init(num_cpus=2, object_store_memory=300 * 1024**2, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}})
+    """One embedded Ray for a test module (starting Ray costs ~4 s); 2 CPUs like this machine, on
+    loopback as `orch` starts it."""
+    from launchers.ray_session import start_local_ray
+
+    start_local_ray(num_cpus=2, object_store_memory=300 * 1024**2,
+                    runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}})
     yield
     ray.shutdown()
 
@@ -116,6 +119,30 @@ def processes_mentioning(text: str) -> set[int]:
             except OSError:
                 continue
     return found
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[int, str, str, int]]:
+    """(pid, process name, address, port) of every listening TCP socket of these processes."""
+    import psutil
+
+    found = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            found += [(pid, process.name(), c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def is_loopback(ip: str) -> bool:
+    """127.0.0.0/8 or ::1, also as an IPv4-mapped IPv6 address (a dual-stack socket on 127.0.0.1)."""
+    import ipaddress
+
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def kill_tree(pids: set[int], grace_s: float = 10.0) -> None:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import http.server
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import alive, descendants, worker_env
+from conftest import alive, descendants, is_loopback, listening_sockets, worker_env
 
 
 def orch(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -124,7 +126,11 @@ def test_multirun_sweeps_one_mlflow_run_each(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_cleanly_and_marks_the_run_killed(tmp_path):
+@pytest.mark.parametrize("stop, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_training_cleanly_on_a_loopback_only_ray(tmp_path, stop, exit_code):
+    """Ctrl-C and a scheduler's SIGTERM end the same way: workers and Ray stopped, the run KILLED,
+    one line, exit 128+signal. While it trains, every server of the embedded Ray and of the
+    workers listens on loopback only, and Ray's token authentication is on."""
     # A shell running this suite in the background (`.ci/run &`) ignores SIGINT, and its children
     # inherit that: Python would then install no KeyboardInterrupt handler. The child restores
     # the default, as a terminal's foreground process has it.
@@ -139,11 +145,18 @@ def test_ctrl_c_stops_cleanly_and_marks_the_run_killed(tmp_path):
         seen += proc.stderr.readline()
     spawned = descendants(proc.pid)  # the embedded Ray's daemons and the worker processes
     assert len(spawned) >= 3, spawned
-    proc.send_signal(signal.SIGINT)
+    listening = listening_sockets({proc.pid, *spawned})
+    gcs_ports = [port for _, name, _, port in listening if name == "gcs_server"]
+    assert gcs_ports and any("TrainWorker" in name for _, name, _, _ in listening), listening
+    assert [s for s in listening if not is_loopback(s[2])] == [], "listening beyond loopback"
+    assert _gcs_answers_without_a_token(gcs_ports[0]) == "UNAUTHENTICATED"
+    proc.send_signal(stop)
     interrupted = time.monotonic()
     _, rest = proc.communicate(timeout=300)
-    print(f"exited {time.monotonic() - interrupted:.1f}s after SIGINT")
-    assert proc.returncode != 0
+    print(f"exited {time.monotonic() - interrupted:.1f}s after {stop.name}")
+    assert proc.returncode == exit_code, rest[-3000:]
+    assert rest.strip().splitlines()[-1] == f"stopped by {stop.name}"
+    assert "Traceback" not in rest and "SIGTERM received" not in rest, rest[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
     assert run.info.status == "KILLED"
@@ -151,6 +164,50 @@ def test_ctrl_c_stops_cleanly_and_marks_the_run_killed(tmp_path):
     while alive(spawned):
         assert time.monotonic() < deadline, f"left behind: {alive(spawned)}"
         time.sleep(1)
+
+
+def _gcs_answers_without_a_token(port: int) -> str:
+    """The status of a GCS call that carries no auth token (OK would mean anyone may call it)."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=30)
+        except grpc.RpcError as error:
+            return error.code().name
+        return "OK"
+
+
+@pytest.mark.parametrize("command, address, extra", [
+    ("check", "127.0.0.1:{port}", []),
+    ("check", "ray://127.0.0.1:{port}", []),
+    ("check", "auto", []),  # a stale record of the last `ray start` names a cluster that is gone
+    ("train", "127.0.0.1:{port}", ["cluster.discover=false"]),
+])
+def test_an_unreachable_cluster_fails_within_connect_timeout(tmp_path, command, address, extra):
+    """Ray's own retries would wait ~14 minutes, printing a warning every 5 s."""
+    from conftest import free_port, processes_mentioning
+
+    address = address.format(port=free_port())
+    ray_tmp = tmp_path / "raytmp"
+    (ray_tmp / "ray").mkdir(parents=True)
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "orchestrator", command, f"cluster.address={address}",
+                           "cluster.connect_timeout_s=5", *extra], cwd=tmp_path,
+                          env={**worker_env(), "RAY_TMPDIR": str(ray_tmp)}, capture_output=True, text=True,
+                          timeout=300)
+    took_s = time.monotonic() - started
+    print(f"{command} {address}: exit {done.returncode} after {took_s:.1f}s")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert took_s < 60
+    assert f"error: cluster.address={address}: no Ray cluster answered" in done.stderr
+    assert "cluster.connect_timeout_s=5s" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # no Ray warnings
+    assert not (tmp_path / "mlflow.db").exists(), "nothing is tracked for a cluster that is not there"
+    assert processes_mentioning(str(tmp_path)) == set()
 
 
 def test_an_unreachable_tracking_server_is_a_clear_error_before_anything_starts(tmp_path):
@@ -162,3 +219,65 @@ def test_an_unreachable_tracking_server_is_a_clear_error_before_anything_starts(
     assert f"tracking.uri={uri}: no MLflow server answers there" in done.stderr
     assert "tracking.fallback=local" in done.stderr
     assert "Started a local Ray instance" not in done.stderr
+
+
+class _NotFound(http.server.BaseHTTPRequestHandler):
+    """A web server that is not MLflow: every path is 404."""
+
+    def do_GET(self):  # noqa: N802 (the name http.server calls)
+        self.send_error(404)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def not_mlflow():
+    """The URL of an HTTP server on loopback that answers 404 to everything."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/mlflow"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("command, uri, message", [
+    ("train", "ftp://x", "tracking.uri=ftp://x: MLflow cannot track there (no MLflow store for the scheme 'ftp')"),
+    ("runs", "ftp://x", "tracking.uri=ftp://x: MLflow cannot track there"),
+    ("train", "NOT_MLFLOW", "has no MLflow tracking API (HTTP 404 for /api/2.0/mlflow/experiments/search)"),
+    ("runs", "NOT_MLFLOW", "has no MLflow tracking API (HTTP 404"),
+    ("report", "UNREACHABLE", "no MLflow server answers there (Connection refused)"),
+    ("runs", "sqlite:///mlflow.db", "there is no MLflow store at"),
+])
+def test_a_tracking_uri_mlflow_cannot_use_is_a_short_error(command, uri, message, not_mlflow, tmp_path):
+    from conftest import free_port
+
+    uri = {"NOT_MLFLOW": not_mlflow, "UNREACHABLE": f"http://127.0.0.1:{free_port()}"}.get(uri, uri)
+    args = {"train": ["train", "train.steps=1"], "runs": ["runs"], "report": ["report", "0123abcd"]}[command]
+    done = orch(*args, f"tracking.uri={uri}", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert message in done.stderr and "Fix:" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) <= 2, done.stderr
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_sigterm_inside_the_block_runs_cleanup_and_exits_143(capsys):
+    """Pure: the handler raises where the main thread is, ``finally`` cleanup runs, a second
+    signal during cleanup does not abort it, and the previous handlers come back."""
+    import os
+
+    from orchestrator.signals import stopped_by_signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    cleaned = []
+    with pytest.raises(SystemExit) as ended, stopped_by_signals():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the signal interrupts this
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's second SIGTERM while cleaning up
+            cleaned.append(True)
+    assert ended.value.code == 143 and cleaned == [True]
+    assert signal.getsignal(signal.SIGTERM) is before
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "stopped by SIGTERM" and "already stopping" in err

@@ -143,6 +143,136 @@ def test_a_run_tracked_on_a_real_mlflow_server(mlflow_server, tmp_path):
     assert not (tmp_path / "mlflow.db").exists()
 
 
+ADMIN = "admin"
+
+
+@pytest.fixture(scope="module")
+def mlflow_auth_server(tmp_path_factory):
+    """An `mlflow server` behind MLflow's basic authentication, with one admin user.
+
+    The admin password is bootstrapped from the auth app's ini file, which sits apart from the
+    server's store so that the store can be searched for the password a run must not leak.
+    """
+    root = tmp_path_factory.mktemp("mlflow-auth-server")
+    config = tmp_path_factory.mktemp("mlflow-auth-config")
+    password = f"Pw-{secrets.token_hex(8)}"
+    (config / "auth.ini").write_text(
+        "[mlflow]\ndefault_permission = READ\n"
+        f"database_uri = sqlite:///{config / 'users.db'}\n"
+        f"admin_username = {ADMIN}\nadmin_password = {password}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    port = free_port()
+    proc = launch_mlflow_server(root, port, app_name="basic-auth",
+                                env={"MLFLOW_AUTH_CONFIG_PATH": str(config / "auth.ini"),
+                                     "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield {"url": url, "password": password, "store": root,
+               "with_password": f"http://{ADMIN}:{password}@127.0.0.1:{port}"}
+    finally:
+        stop(proc)
+
+
+def env_without_mlflow_credentials() -> dict[str, str]:
+    env = worker_env()
+    env.pop("MLFLOW_TRACKING_USERNAME", None)
+    env.pop("MLFLOW_TRACKING_PASSWORD", None)
+    return env
+
+
+def files_holding(secret: str, *roots: Path) -> list[str]:
+    """Every file under ``roots`` whose bytes contain ``secret``."""
+    needle = secret.encode()
+    return [str(path) for root in roots for path in Path(root).rglob("*")
+            if path.is_file() and needle in path.read_bytes()]
+
+
+def test_credentials_in_the_uri_reach_an_auth_server_and_are_written_nowhere(mlflow_auth_server, tmp_path):
+    server, password = mlflow_auth_server, mlflow_auth_server["password"]
+    work = tmp_path / "work"  # the commands' working directory: everything they write lands here ...
+    work.mkdir()
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # ... or in the embedded Ray's files, or the server's store
+    env = {**env_without_mlflow_credentials(), "RAY_TMPDIR": ray_tmp}
+    # The same URI from a user's YAML file, for the commands that only read.
+    user_conf = tmp_path / "user_conf"
+    (user_conf / "tracking").mkdir(parents=True)
+    (user_conf / "tracking" / "team.yaml").write_text(
+        f"defaults:\n  - tracking_schema\n  - _self_\n\nuri: {server['with_password']}\nexperiment: auth\n")
+    try:
+        train = orch_train(f"tracking.uri={server['with_password']}", "tracking.experiment=auth", cwd=work, env=env)
+        assert train.returncode == 0, train.stderr[-3000:]
+        run_id = train.stdout.split("MLflow run ")[1].split()[0]
+        commands = [train]
+        for args in (["runs", f"tracking.uri={server['with_password']}", "tracking.experiment=auth"],
+                     ["report", run_id, "--out", "rep", f"tracking.uri={server['with_password']}"],
+                     ["runs", "--config-dir", str(user_conf), "tracking=team", "hydra.run.dir=outputs/team-runs"],
+                     ["config", "--config-dir", str(user_conf), "tracking=team", "hydra.run.dir=outputs/team-config"]):
+            done = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=work, env=env,
+                                  capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, (args, done.stderr[-3000:])
+            commands.append(done)
+        assert run_id[:12] in commands[1].stdout and run_id[:12] in commands[3].stdout  # both credentials worked
+        assert (work / "rep" / "loss.png").exists()
+        printed = "".join(c.stdout + c.stderr for c in commands)
+        assert password not in printed
+        assert "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD" in train.stderr
+        for command in ("team-runs", "team-config"):  # Hydra wrote the YAML file's URI before the command ran
+            assert f"uri: {server['url']}\n" in (work / "outputs" / command / ".hydra" / "config.yaml").read_text()
+        leaked = files_holding(password, work, ray_tmp, server["store"])
+        assert not leaked, leaked
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
+        patch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+        run = MlflowClient(tracking_uri=server["url"]).get_run(run_id)
+    assert run.info.status == "FINISHED"
+
+
+def test_refused_credentials_are_a_clear_error(mlflow_auth_server, tmp_path, monkeypatch):
+    from orchestrator.tracking import TrackingError, check_reachable
+
+    url = mlflow_auth_server["url"]
+    wrong = f"http://{ADMIN}:Wrong-pw@{url.removeprefix('http://')}"
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "runs", f"tracking.uri={wrong}"], cwd=tmp_path,
+                          env=env_without_mlflow_credentials(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert (f"error: tracking.uri={url}: the MLflow server refused the credentials of user 'admin' (HTTP 401). "
+            "Fix: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD") in done.stderr
+    assert "Traceback" not in done.stderr and "Wrong-pw" not in done.stderr + done.stdout
+    # The same through the environment, and with no credentials at all.
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "Wrong-pw")
+    with pytest.raises(TrackingError, match="refused the credentials of user 'admin'"):
+        check_reachable(url)
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME")
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
+    with pytest.raises(TrackingError, match=r"needs credentials and none were given \(HTTP 401\)"):
+        check_reachable(url)
+    # tracking.fallback=local is for a server that is down, not one that refuses the user.
+    from conftest import compose_config
+    from orchestrator.config import to_typed
+    from orchestrator.driver import reachable_tracking
+
+    typed, _, _ = to_typed(compose_config(f"tracking.uri={url}", "tracking.fallback=local"))
+    with pytest.raises(TrackingError, match="HTTP 401"):
+        reachable_tracking(typed)
+    # A user the server lets read but not write an experiment: refused when the run starts, not later.
+    from mlflow.server.auth.client import AuthServiceClient
+
+    from orchestrator.tracking import RunTracker
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", mlflow_auth_server["password"])
+    AuthServiceClient(url).create_user("reader", "Reader-pw-12345")
+    MlflowClient(tracking_uri=url).create_experiment("admins-only")
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "reader")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "Reader-pw-12345")
+    check_reachable(url)  # reading is allowed
+    with pytest.raises(TrackingError, match=r"refused a new run in experiment 'admins-only' \(permission denied\)"):
+        RunTracker.start(uri=url, experiment="admins-only", run_name=None, params={}, tags={})
+
 def client_session_logs(temp_dir: str) -> set[str]:
     """The log files of the head's client session servers: one per session, each on its own port."""
     return {p.name for p in Path(temp_dir, "session_latest", "logs").glob("ray_client_server_*.out")}

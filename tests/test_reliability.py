@@ -176,14 +176,20 @@ class _PlantedPickle:
 
 
 def _plant(checkpoint: Path, marker: Path) -> list[Path]:
-    """Add a code-running object to every model-states file of ``checkpoint`` (where client state lives)."""
+    """Add a code-running object to every model-states file of ``checkpoint`` (where client state lives),
+    and rewrite its manifest to match, as whoever can write the directory can: the weights-only
+    loader must stop the pickle on its own."""
     import torch
+
+    from launchers.manifest import read_manifest, write_manifest
 
     planted = sorted(checkpoint.glob("*model_states.pt"))
     for path in planted:
         state = torch.load(path, weights_only=False)  # our own file, written a moment ago
         state["planted"] = _PlantedPickle(marker)
         torch.save(state, path)
+    recorded = read_manifest(checkpoint)
+    write_manifest(checkpoint, layout=recorded.layout, model=recorded.model)
     assert not marker.exists()
     return planted
 
@@ -319,3 +325,83 @@ def test_a_hang_inside_a_collective_is_detected_and_nothing_is_left(local_ray, s
         assert time.monotonic() < deadline, f"left behind: processes {alive(seen['pids'])}"
         time.sleep(0.5)
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+@pytest.mark.slow
+def test_a_resume_verifies_its_checkpoint_and_falls_back(local_ray, sqlite_uri, tmp_path, capsys):
+    """A dp=2 ZeRO-1 run writes steps 2 and 4; a legacy pickle then replaces an optimizer shard of
+    step 4. The attacks are checked on these real files first, without Ray; then a resume at dp=1
+    (which would go through DeepSpeed's converter) skips step 4 before anything is unpickled,
+    falls back to step 2 and finishes, leaving the first MLflow run FINISHED. A model change, a
+    directory held by another run and a directory with no intact checkpoint are refused before
+    any worker starts."""
+    import shutil
+
+    import torch
+
+    from launchers.checkpoint import CheckpointDirBusyError, NoIntactCheckpointError, directory_lock
+    from launchers.manifest import CheckpointIntegrityError, read_manifest, verify, write_manifest
+    from launchers.safe_load import UnsafeCheckpointError
+    from launchers.universal import convert
+    from plans.errors import PlanError
+
+    ckpt = tmp_path / "ckpt"
+    run = [*RUN, "train.steps=4", "train.log_every=2", "train.checkpoint_every=2", f"train.checkpoint_dir={ckpt}",
+           f"tracking.uri={sqlite_uri}", "train.resume=auto"]
+    at_dp1 = ["plan.dp=1", "cluster.devices_per_node=1", "plan.grad_accum_steps=2"]
+
+    def train(*overrides, stream=None):
+        return run_training(*to_typed(compose_config(*run, *overrides)), stream=stream)
+
+    first = train("plan.dp=2")
+    older, newest = ckpt / tag_for(2), ckpt / tag_for(4)
+    shard = newest / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    marker = tmp_path / "code-ran"
+    torch.save({"planted": _PlantedPickle(marker)}, shard, _use_new_zipfile_serialization=False)
+
+    # The attacks on the real files, no Ray needed: each is refused naming the file.
+    with pytest.raises(CheckpointIntegrityError, match=re.escape(f"checkpoint file {shard} does not match")):
+        verify(newest)
+    forged = tmp_path / "forged"
+    shutil.copytree(ckpt, forged)
+    recorded = read_manifest(newest)
+    write_manifest(forged / newest.name, layout=recorded.layout, model=recorded.model)  # a rewritten manifest
+    with pytest.raises(UnsafeCheckpointError, match=re.escape(f"checkpoint file {forged / newest.name / shard.name}")):
+        convert(forged, newest.name)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        shutil.copy(older / name, forged / newest.name / name)  # swapped in from the other checkpoint
+        with pytest.raises(CheckpointIntegrityError, match=re.escape(f"{forged / newest.name / name} does not match")):
+            verify(forged / newest.name)
+        shutil.copy(newest / name, forged / newest.name / name)
+    truncated = forged / older.name / "mp_rank_00_model_states.pt"
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    with pytest.raises(CheckpointIntegrityError, match=re.escape(f"{truncated} does not match")):
+        verify(forged / older.name)
+
+    # Refused before any worker starts: a model the checkpoint does not fit, a directory in use.
+    with pytest.raises(PlanError) as info:
+        train(*at_dp1, "model.d_model=64")
+    assert [(v.field, v.value) for v in info.value.violations] == [("model.d_model", 64)]
+    with directory_lock(ckpt), pytest.raises(CheckpointDirBusyError, match="is in use by another orch run"):
+        train(*at_dp1)
+    capsys.readouterr()
+
+    out = io.StringIO()
+    resumed = train(*at_dp1, stream=out)
+    err = capsys.readouterr().err
+    assert f"not resuming from {newest}: checkpoint file {shard} does not match its digest" in err
+    assert f"resuming from the newest intact checkpoint, {older}" in err
+    assert "written with dp=2; converting it to a universal checkpoint for dp=1" in out.getvalue()
+    assert resumed.worker_facts[0]["start_step"] == 2 and [r[0]["step"] for r in resumed.reports] == [4]
+    assert resumed.run_id == first.run_id and not marker.exists()
+    verify(newest)  # written again by the resumed run, manifest and all
+    verify(ckpt / f"{older.name}_universal")
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    assert client.get_run(first.run_id).info.status == "FINISHED"
+
+    # Nothing intact left: refused with the fix, the run's status untouched.
+    for tag in (older, newest):
+        (tag / "mp_rank_00_model_states.pt").write_bytes(b"cut short")
+    with pytest.raises(NoIntactCheckpointError, match="Fix: set train.resume=never"):
+        train(*at_dp1)
+    assert client.get_run(first.run_id).info.status == "FINISHED" and not marker.exists()

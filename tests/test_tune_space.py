@@ -355,6 +355,60 @@ def test_table_names_rejections_and_the_winner(tmp_path):
     assert "winner (best predicted)" in table and out.exists()
 
 
+def _files(root) -> dict:
+    return {path: path.stat().st_mtime_ns for path in root.rglob("*")}
+
+
+def test_tune_writes_the_winner_outside_the_package_and_prints_a_command_that_selects_it(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """The default plan file goes under the current directory; the printed `orch train` arguments,
+    given to `orch config` (same Hydra app, composes without training), select it as plan=<name>."""
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    import conf
+    from orchestrator import cli
+    from orchestrator.tuning import render, tune
+
+    monkeypatch.chdir(tmp_path)
+    package_conf = Path(conf.__file__).resolve().parent
+    before = _files(package_conf)
+    typed, model_cfg, _ = to_typed(compose_config("train.global_batch_size=16", "tune.pp=[1]", "tune.name=mine"))
+    result = tune(typed, model_cfg)
+    assert _files(package_conf) == before
+    assert result.plan_file == Path("tuned_plans/plan/mine.yaml") and (tmp_path / result.plan_file).is_file()
+    command = [line.split("train it: ", 1)[1] for line in render(result, top_k=3).splitlines() if "train it: " in line]
+    assert command == ["orch train --config-dir tuned_plans plan=mine train.global_batch_size=16"]
+    assert result.as_json(3)["best"]["train_command"] == command[0]
+
+    # What `orch config ARGS` runs once it has chosen the Hydra app (main() itself must run before
+    # Ray is imported, which this test process has done): Hydra parses ARGS from sys.argv.
+    monkeypatch.setattr(sys, "argv", ["orch-config", *shlex.split(command[0])[2:]])
+    capsys.readouterr()
+    cli.config_app()
+    composed = OmegaConf.create(capsys.readouterr().out)
+    plan = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PlanSpec), composed.plan))
+    assert plan == plan_spec(result.winner.plan) and composed.train.global_batch_size == 16
+
+
+def test_a_tuned_plan_may_not_take_the_name_of_a_shipped_plan(tmp_path, monkeypatch):
+    from orchestrator.tuning import tune
+    from plans.errors import PlanError
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("ddp", "plan_schema"):
+        typed, model_cfg, _ = to_typed(compose_config(f"tune.name={name}"))
+        with pytest.raises(PlanError, match=rf"tune.name='{name}': plan={name} names a plan shipped with orch"):
+            tune(typed, model_cfg)
+    typed, model_cfg, _ = to_typed(compose_config("tune.out=mine/plan/pipeline.yaml"))
+    with pytest.raises(PlanError, match=r"tune.out='mine/plan/pipeline.yaml': .* Fix: give the file another name"):
+        tune(typed, model_cfg)
+    assert not (tmp_path / "tuned_plans").exists() and not (tmp_path / "mine").exists()
+
+
 def test_bad_search_space_is_refused_naming_the_field():
     from plans.errors import PlanError
 

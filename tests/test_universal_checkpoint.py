@@ -8,7 +8,7 @@ import io
 import pytest
 
 from conftest import FAST, compose_config, dp_reference
-from launchers.checkpoint import latest, publish
+from launchers.checkpoint import latest, publish, tag_for
 from launchers.universal import layout_of, needs_universal, resumed_position
 from orchestrator.config import to_typed
 from plans.errors import PlanError
@@ -49,6 +49,7 @@ def test_the_data_position_follows_the_samples_consumed():
 
 def test_latest_json_records_the_layout(tmp_path):
     layout = layout_of(plan(dp=2, zero_stage=1))
+    (tmp_path / tag_for(5)).mkdir()
     publish(tmp_path, 5, None, keep=2, layout=layout)
     assert latest(tmp_path).layout == layout
 

@@ -1,0 +1,143 @@
+"""The tracking edge: credentials kept out of the config, and a local store several runs open at once."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import worker_env
+from orchestrator.credentials import (
+    PASSWORD_ENV,
+    USERNAME_ENV,
+    CredentialsError,
+    move_argv_credentials,
+    redact_text,
+    split_credentials,
+)
+from orchestrator.tracking import RunTracker, TrackingError, experiment_id_for, open_client
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """MLflow's credential variables unset, and restored after the test."""
+    monkeypatch.delenv(USERNAME_ENV, raising=False)
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+
+
+def test_credentials_leave_the_uri_decoded_and_the_rest_intact():
+    clean, creds = split_credentials("http://alice:p%40ss%3Aw@[::1]:5000/mlflow?x=1")
+    assert clean == "http://[::1]:5000/mlflow?x=1"
+    assert (creds.username, creds.password) == ("alice", "p@ss:w")
+    assert "p@ss" not in repr(creds)
+    assert split_credentials("sqlite:///mlflow.db") == ("sqlite:///mlflow.db", None)
+    assert split_credentials("http://u:p@h:port")[0] == "http://h:port"  # a bad host is MLflow's to report
+    assert split_credentials("https://u:p@[::1")[0] == "https://[::1"
+
+
+def test_redacting_text_removes_every_userinfo_and_nothing_else():
+    text = ("tracking:\n  uri: 'http://u:se@cret@host:5000/x'\ncluster:\n  address: ray://a:b@head:10001\n"
+            "note: mail me at x@y, see https://example.org/a@b\n")
+    assert redact_text(text) == ("tracking:\n  uri: 'http://host:5000/x'\ncluster:\n  address: ray://head:10001\n"
+                                 "note: mail me at x@y, see https://example.org/a@b\n")
+    # Hydra escapes ":" in the overrides a sweep job records.
+    assert redact_text("- cluster.address=ray\\://u\\:pw@h\\:1") == "- cluster.address=ray\\://h\\:1"
+
+
+def test_command_line_credentials_move_to_mlflows_environment_variables(clean_env, capsys):
+    argv = ["plan.dp=2", "tracking.uri=http://bob:Secret-1@127.0.0.1:5000", "++tracking.uri=https://bob:Secret-1@h/"]
+    assert move_argv_credentials(argv) == ["plan.dp=2", "tracking.uri=http://127.0.0.1:5000",
+                                           "++tracking.uri=https://h/"]
+    assert (os.environ[USERNAME_ENV], os.environ[PASSWORD_ENV]) == ("bob", "Secret-1")
+    assert "Secret-1" not in capsys.readouterr().err
+    # Only tracking.uri is rewritten: another key's value is the user's business.
+    assert move_argv_credentials(["tracking.experiment=a:b@c"]) == ["tracking.experiment=a:b@c"]
+
+
+def test_a_database_store_keeps_its_password_in_the_uri(clean_env):
+    # SQLAlchemy reads no MLFLOW_TRACKING_* variable: moved there, the password would be lost.
+    # The written copies are scrubbed instead (test_no_written_or_printed_copy_of_the_config...).
+    argv = ["tracking.uri=postgresql://bob:Secret-1@db:5432/mlflow"]
+    assert move_argv_credentials(argv) == argv
+    assert USERNAME_ENV not in os.environ
+    assert redact_text(argv[0]) == "tracking.uri=postgresql://db:5432/mlflow"
+
+
+def test_a_sweep_over_different_credentials_is_refused(clean_env):
+    with pytest.raises(CredentialsError, match="different credentials"):
+        move_argv_credentials(["tracking.uri=http://a:1@h1:5000,http://b:2@h2:5000"])
+    assert USERNAME_ENV not in os.environ
+
+
+def test_an_unknown_tracking_scheme_is_a_user_error():
+    with pytest.raises(TrackingError, match=r"tracking.uri=ftp://x: MLflow cannot track there \(no MLflow store "
+                                            r"for the scheme 'ftp'\)\. Fix: use sqlite:///mlflow.db"):
+        open_client("ftp://x")
+
+
+def _start_run(uri: str, barrier, results) -> None:
+    """One `orch train`'s first contact with the store, as RunTracker.start makes it."""
+    barrier.wait()
+    try:
+        tracker = RunTracker.start(uri=uri, experiment="orch", run_name=None, params={"a": "1"}, tags={})
+        tracker.finish()
+        results.put("ok")
+    except BaseException as exc:  # reported to the test, which shows what went wrong
+        results.put(f"{type(exc).__name__}: {exc}"[:2000])
+
+
+def test_runs_started_at_once_on_a_fresh_sqlite_store_all_succeed(tmp_path):
+    # Without the lock, MLflow's schema migration of a new sqlite file fails in the processes
+    # that race the first one (duplicate column, or alembic finding no version row).
+    uri = f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}"
+    starts = 4
+    context = multiprocessing.get_context("spawn")  # each its own interpreter, like separate commands
+    barrier, results = context.Barrier(starts), context.Queue()
+    procs = [context.Process(target=_start_run, args=(uri, barrier, results)) for _ in range(starts)]
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=300) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    assert outcomes == ["ok"] * starts, outcomes
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("orch")
+    assert len(client.search_runs([experiment.experiment_id])) == starts
+    assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["mlflow.db"]  # no lock file left behind
+
+
+def test_no_written_or_printed_copy_of_the_config_holds_a_password(tmp_path):
+    # Hydra writes the overrides and the composed config to outputs/*/.hydra/ before any of
+    # orch's code runs; a Ray address with userinfo stays usable in memory but is scrubbed there.
+    secret = "Pw-5e2b1c"
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "config", f"tracking.uri=http://u:{secret}@h:5000",
+                           f"cluster.address=ray://u:{secret}@head:10001", "hydra.run.dir=out"],
+                          cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "uri: http://h:5000\n" in done.stdout and "address: ray://head:10001\n" in done.stdout
+    assert secret not in done.stdout + done.stderr
+    written = {p.name: p.read_text() for p in (tmp_path / "out" / ".hydra").iterdir()}
+    assert sorted(written) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    assert all(secret not in text for text in written.values()), written
+    assert "ray://head:10001" in written["overrides.yaml"]
+
+
+class _RacedClient(MlflowClient):
+    """A client that looks for the experiment just before another run creates it."""
+
+    def get_experiment_by_name(self, name):
+        found = super().get_experiment_by_name(name)
+        if not getattr(self, "raced", False):
+            self.raced = True
+            MlflowClient(tracking_uri=self.tracking_uri).create_experiment(name)
+        return found
+
+
+def test_an_experiment_created_meanwhile_by_another_run_is_used(tmp_path):
+    client = _RacedClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment_id = experiment_id_for(client, "orch")
+    assert experiment_id == client.get_experiment_by_name("orch").experiment_id
