@@ -71,6 +71,7 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("cluster.cpus_per_worker", 0, low_open=True, meaning="Ray CPUs each worker reserves"),
     Bound("cluster.object_store_memory_gib", RAY_MIN_OBJECT_STORE_GIB, meaning="Ray's minimum is 75 MiB"),
     Bound("cluster.wait_s", 0, MAX_TIMEOUT_S, low_open=True),
+    Bound("cluster.connect_timeout_s", 0, MAX_TIMEOUT_S, low_open=True),
     Bound("cluster.device_tflops", 0, low_open=True),
     Bound("cluster.intra_node_gbps", 0, low_open=True),
     Bound("cluster.inter_node_gbps", 0, low_open=True),
