@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from launchers.ds_config import build_ds_config
 from launchers.placement import rank_layout
 from orchestrator.config import RunConfig
+from orchestrator.inputs import check_inputs, validated_plan
 from orchestrator.models import (
     PIPELINE_LAYERS_METHOD,
     inspect_declared_model,
@@ -23,7 +24,7 @@ from plans.cluster_facts import reconcile
 from plans.errors import PlanError, Violation
 from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
 from plans.model_facts import ModelFacts
-from plans.resolve import ResolvedPlan, resolve_plan
+from plans.resolve import ResolvedPlan
 from plans.spec import ClusterSpec
 from workloads.corpus import BYTE_VOCAB
 from workloads.gpt import TP_LAYER_SPECS
@@ -82,6 +83,7 @@ def live_cluster(cfg: RunConfig, *, connect: bool = False) -> Iterator[tuple[Clu
     from launchers.discovery import discover_nodes
     from launchers.ray_session import ray_session
 
+    check_inputs(cfg)  # before connecting: the connection itself uses cluster.* values
     with ray_session(cfg.cluster.address, connect_timeout_s=cfg.cluster.connect_timeout_s):
         if not cfg.cluster.discover:
             yield cfg.cluster, []
@@ -100,7 +102,7 @@ def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = Non
     ``cluster`` is what :func:`live_cluster` found; the declared ``cfg.cluster`` by default.
     """
     cluster = cluster or cfg.cluster
-    plan = resolve_plan(cfg.plan, cluster, cfg.train)
+    plan = validated_plan(cfg, cluster)
     constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
     factory = model_factory(constructor_cfg)
     # The model's contract, before any arithmetic on it; a deep one is built at shallow depths only.
@@ -118,6 +120,27 @@ def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = Non
                                tp_layer_specs=tp_layer_specs)
 
     return check_plan(plan, cluster, cfg.optim, probe, ds_config), facts
+
+
+# The top-level keys of `orch check --json`; tools read these names, so they only ever grow.
+# ``per_device`` and every entry of ``stages`` hold plans.estimate.DEVICE_JSON_KEYS.
+CHECK_JSON_KEYS = ("feasible", "world_size", "plan", "model", "per_device", "per_node_host", "stages",
+                   "pipeline", "phases", "violations", "suggestions", "cluster", "placement")
+CLUSTER_JSON_KEYS = ("source", "notes", "nodes", "devices_per_node", "device_memory_gib", "host_memory_gib")
+
+
+def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) -> dict:
+    """The `orch check --json` document: the estimate (:meth:`PlanEstimate.as_json`), the cluster
+    it was planned for (``source``: live or declared) and the rank placement.
+
+    Every value is a plain JSON type (``json.dumps`` needs no ``default=``)."""
+    doc = estimate.as_json()
+    doc["cluster"] = {"source": "live" if cluster.address and cluster.discover else "declared",
+                      "notes": list(notes), "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
+                      "device_memory_gib": cluster.device_memory_gib, "host_memory_gib": cluster.host_memory_gib}
+    plan = estimate.plan
+    doc["placement"] = rank_layout(plan.world_size, cluster.devices_per_node, plan.tp, plan.pp)
+    return doc
 
 
 def _fmt(n: int) -> str:

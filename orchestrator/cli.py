@@ -6,6 +6,7 @@ and ``--help`` all behave as in any Hydra app.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -15,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from launchers.ray_auth import use_token_auth_if_available
 from orchestrator.config import register_configs, to_typed
 from orchestrator.credentials import move_argv_credentials, protect_config, redact_text
+from orchestrator.exits import EXIT_USAGE, exit_code, run_command
 from orchestrator.signals import stopped_by_signals
 from plans.errors import OrchError
 
@@ -31,21 +33,16 @@ commands:
   runs     list recent runs of tracking.experiment
   report   RUN_ID [--out DIR]: summary of a run and its plots (loss, throughput, memory)
 
-`check` exits 0 when the plan fits, 1 when it does not, 2 on invalid input.
+exit codes: 0 success; 1 the plan does not fit (check), training failed, or an internal error
+(its traceback goes to a log file whose path is printed); 2 invalid input (config, plan, paths).
+--verbose prints tracebacks (as HYDRA_FULL_ERROR=1 does).
 Overrides are Hydra's: key=value, group=option, --multirun a=1,2. See README.md.
 """
 
-# Exit code for a run refused because of the user's input (plan, config).
-EXIT_USAGE = 2
-
 
 def _fail(error: OrchError) -> None:
-    from launchers.worker_group import WorkerDiedError, WorkerFailedError, WorkerHangError
-
-    print(f"error: {error}", file=sys.stderr)
-    # A failure inside training is not the user's input: exit 1, as a crashed script would.
-    runtime = (WorkerFailedError, WorkerHangError, WorkerDiedError)
-    sys.exit(1 if isinstance(error, runtime) else EXIT_USAGE)
+    print(redact_text(f"error: {error}"), file=sys.stderr)
+    sys.exit(exit_code(error))
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
@@ -65,28 +62,28 @@ def train_app(cfg: DictConfig) -> None:
 _OPTIONS: dict = {"json": False, "run_id": None, "out": None}
 
 
+def _stdout_for_json_only() -> contextlib.AbstractContextManager:
+    """With --json, stdout carries the JSON document only: whatever the libraries print meanwhile
+    (DeepSpeed's logger writes to stdout when the pipeline partitioner imports it) and the tuning
+    trials' progress go to stderr."""
+    return contextlib.redirect_stdout(sys.stderr) if _OPTIONS["json"] else contextlib.nullcontext()
+
+
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def check_app(cfg: DictConfig) -> None:
     protect_config(cfg)
     import json
 
-    from launchers.placement import rank_layout
-    from orchestrator.checking import check_run, live_cluster, render
+    from orchestrator.checking import check_document, check_run, live_cluster, render
 
     try:
         typed, model_cfg, _ = to_typed(cfg)
-        with live_cluster(typed) as (cluster, notes):
+        with _stdout_for_json_only(), live_cluster(typed) as (cluster, notes):
             estimate, _ = check_run(typed, model_cfg, cluster)
     except OrchError as error:
         _fail(error)
     if _OPTIONS["json"]:
-        doc = estimate.as_json()
-        doc["cluster"] = {"source": "live" if cluster.address and cluster.discover else "declared",
-                          "notes": notes, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
-                          "device_memory_gib": cluster.device_memory_gib, "host_memory_gib": cluster.host_memory_gib}
-        plan = estimate.plan
-        doc["placement"] = rank_layout(plan.world_size, cluster.devices_per_node, plan.tp, plan.pp)
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(check_document(estimate, cluster, notes), indent=2))
     else:
         print(render(estimate, cluster, notes))
     if not estimate.feasible:
@@ -96,17 +93,13 @@ def check_app(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def tune_app(cfg: DictConfig) -> None:
     protect_config(cfg)
-    import contextlib
 
     from orchestrator.tuning import render, to_json_text, tune
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    # With --json, stdout carries the JSON document only: whatever the libraries print while
-    # tuning (DeepSpeed's logger writes to stdout) and the trials' progress go to stderr.
-    quiet = contextlib.redirect_stdout(sys.stderr) if _OPTIONS["json"] else contextlib.nullcontext()
     try:
         typed, model_cfg, _ = to_typed(cfg)
-        with quiet:
+        with _stdout_for_json_only():
             result = tune(typed, model_cfg)
     except OrchError as error:
         _fail(error)
@@ -161,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     _OPTIONS["json"] = "--json" in rest
-    rest = [a for a in rest if a != "--json"]
+    verbose = "--verbose" in rest
+    rest = [a for a in rest if a not in ("--json", "--verbose")]
     if "--out" in rest:  # orch report RUN_ID --out DIR
         i = rest.index("--out")
         _OPTIONS["out"] = rest[i + 1] if i + 1 < len(rest) else None
@@ -181,5 +175,4 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     sys.argv = [f"orch-{command}", *rest]
     with stopped_by_signals():
-        COMMANDS[command]()
-    return 0
+        return run_command(COMMANDS[command], command, verbose=verbose)

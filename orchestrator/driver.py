@@ -6,6 +6,7 @@ and the MLflow run is ended (FINISHED, FAILED or KILLED) whatever happens after 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import tempfile
@@ -34,6 +35,7 @@ from launchers.worker_group import (
 from orchestrator.checking import check_run, live_cluster
 from orchestrator.config import RunConfig
 from orchestrator.credentials import redact_text
+from orchestrator.inputs import corpus_fits_plan
 from orchestrator.models import model_factory, pipeline_layers_factory, split_model_config
 from orchestrator.progress import Progress
 from orchestrator.resume import checkpoint_dir_lock, signature_of
@@ -94,25 +96,31 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``).
     """
     clock = StartupClock()
-    with checkpoint_dir_lock(cfg.train), live_cluster(cfg, connect=True) as (cluster, notes):
+    with contextlib.ExitStack() as held, live_cluster(cfg, connect=True) as (cluster, notes):
         return _run_on(cluster, notes, clock, cfg, model_cfg, config_yaml, stream=stream, on_report=on_report,
-                       tags=tags)
+                       tags=tags, held=held)
 
 
 def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: RunConfig, model_cfg: dict,
-            config_yaml: str, *, stream, on_report, tags) -> TrainResult:
-    """:func:`run_training` on the cluster :func:`live_cluster` found (its connection still open)."""
+            config_yaml: str, *, stream, on_report, tags, held: contextlib.ExitStack) -> TrainResult:
+    """:func:`run_training` on the cluster :func:`live_cluster` found (its connection still open).
+
+    ``held`` keeps what the run holds until it ends: the checkpoint directory's lock, taken once
+    the plan and inputs are known to be valid, so every problem with them is reported together.
+    """
     out = stream or sys.stdout
     started = clock.started
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     estimate, facts = check_run(cfg, model_cfg, cluster)
     plan = estimate.plan
+    corpus_fits_plan(cfg.data, plan)
     if not estimate.feasible:
         if not cfg.plan.force:
             raise PlanError(_with_suggestions(estimate))
         print("warning: the planner predicts this plan does not fit; launching anyway because plan.force=true",
               file=sys.stderr)
+    held.enter_context(checkpoint_dir_lock(cfg.train))
     constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
     factory = model_factory(constructor_cfg)
     flops_per_sample = training_flops_per_sample(factory, cfg.data.seq_len,

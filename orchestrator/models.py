@@ -6,6 +6,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 
 from plans.depth_scaling import DEPTH_SCALED_FROM, ShallowModels
@@ -15,8 +16,18 @@ from plans.spec import ClusterSpec, Offload, Precision
 
 
 def build_model(model_cfg: dict) -> torch.nn.Module:
-    """Instantiate the model config's ``_target_`` (on meta in the driver, for real in workers)."""
-    return instantiate(model_cfg, _convert_="all")
+    """Instantiate the model config's ``_target_`` (on meta in the driver, for real in workers).
+
+    The model's own exception is raised as it is, not inside Hydra's InstantiationException,
+    whose message repeats the target around it: the planner reports the model's message as the
+    reason a config is refused.
+    """
+    try:
+        return instantiate(model_cfg, _convert_="all")
+    except InstantiationException as error:
+        if isinstance(error.__cause__, Exception):
+            raise error.__cause__ from None
+        raise
 
 
 def model_factory(model_cfg: dict) -> Callable[[], torch.nn.Module]:
@@ -91,11 +102,12 @@ def inspect_declared_model(model_cfg: dict, seq_len: int, cluster: ClusterSpec, 
     shallow = None
     if depth is not None:
         try:
-            facts, shallow = inspect_shallow(functools.partial(build_at_depth, model_cfg), depth, seq_len)
+            facts, shallow = inspect_shallow(functools.partial(build_at_depth, model_cfg), depth, seq_len,
+                                             arguments=model_cfg)
         except PlanError:  # a model with its own minimum depth: inspected at the declared one, as a small model is
             shallow = None
     if shallow is not None:
         refuse_unbuildable(facts, shallow, f"model.{DEPTH_KEY}", cluster, precision, offload_param)
         if shallow.exact:
             return facts, shallow
-    return inspect_model(model_factory(model_cfg), seq_len), None
+    return inspect_model(model_factory(model_cfg), seq_len, arguments=model_cfg), None

@@ -28,6 +28,7 @@ import conf
 from launchers.ds_config import build_ds_config
 from orchestrator.checking import check_model, check_pipeline, live_cluster
 from orchestrator.config import RunConfig
+from orchestrator.inputs import check_inputs
 from orchestrator.models import (
     DEPTH_KEY,
     build_model,
@@ -233,6 +234,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
     """Search, optionally calibrate and run trials, and write the winner; see the module docstring."""
     out = out or sys.stdout
     err = err or sys.stderr
+    check_inputs(cfg)
     check_plan_file(cfg)
     with ExitStack() as stack:
         cluster, notes = stack.enter_context(live_cluster(cfg))

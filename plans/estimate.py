@@ -46,6 +46,10 @@ from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision
 
 GIB = 1024**3
+# The keys of one device in `orch check --json` (``per_device`` and each of ``stages``), in bytes
+# but for ``phase``, the step phase the peak falls in.
+DEVICE_JSON_KEYS = ("params", "grads", "optimizer_states", "activations", "buffers", "reserve", "total",
+                    "capacity", "held", "phase")
 _DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 
 
@@ -105,8 +109,7 @@ class PlanEstimate:
 
         def device(b: MemoryBreakdown) -> dict:
             # The components are the bytes alive at the peak, in ``phase``; they add up to total.
-            return {k: getattr(b, k) for k in ("params", "grads", "optimizer_states", "activations", "buffers",
-                                               "reserve", "total", "capacity", "held", "phase")}
+            return {k: getattr(b, k) for k in DEVICE_JSON_KEYS}
 
         phases = {}
         if self.phases is not None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -34,45 +35,49 @@ class ModelFacts:
     device, when the model is built."""
 
 
-def inspect_model(factory: Callable[[], torch.nn.Module], seq_len: int) -> ModelFacts:
+def inspect_model(factory: Callable[[], torch.nn.Module], seq_len: int,
+                  arguments: Mapping[str, object] | None = None) -> ModelFacts:
     """Build the model on ``meta`` and run one forward pass to check its contract.
 
     The contract: ``forward(input_ids[B, T]) -> logits[B, T, V]``. Nothing is allocated, so a
-    model far larger than this machine is inspected in milliseconds.
+    model far larger than this machine is inspected in milliseconds. The model is user code: an
+    exception of its constructor or forward becomes a :class:`PlanError` naming the argument its
+    message names (``arguments`` is the model's config: ``_target_`` and constructor arguments).
     """
-    with _model_code_errors():
-        with torch.device("meta"):
-            module = factory()
-    return _facts(module, seq_len)
+    arguments = arguments or {}
+    with _model_code_errors(arguments, "refused its arguments"), torch.device("meta"):
+        module = factory()
+    return _facts(module, seq_len, arguments)
 
 
-def inspect_shallow(factory_at_depth: Callable[[int], torch.nn.Module], depth: int,
-                    seq_len: int) -> tuple[ModelFacts, ShallowModels]:
+def inspect_shallow(factory_at_depth: Callable[[int], torch.nn.Module], depth: int, seq_len: int,
+                    arguments: Mapping[str, object] | None = None) -> tuple[ModelFacts, ShallowModels]:
     """:func:`inspect_model` of a model of ``depth`` layers, from copies built at two shallow
     depths (:class:`plans.depth_scaling.ShallowModels`): the full-depth model is never built.
 
     ``factory_at_depth(d)`` builds the model with ``d`` layers. The parameter counts are carried
     to ``depth`` along their line, exact when the layers are identical.
     """
-    with _model_code_errors():
+    arguments = arguments or {}
+    with _model_code_errors(arguments, "refused its arguments"):
         shallow = ShallowModels.build(factory_at_depth, depth)
-    return shallow.at_depth(lambda module: _facts(module, seq_len), keep=("output_vocab",)), shallow
+    return shallow.at_depth(lambda module: _facts(module, seq_len, arguments), keep=("output_vocab",)), shallow
 
 
 @contextlib.contextmanager
-def _model_code_errors() -> Iterator[None]:
-    """Any failure of the model's code is reported as a config problem."""
+def _model_code_errors(arguments: Mapping[str, object], what: str) -> Iterator[None]:
+    """Any failure of the model's code is reported as a config problem, before anything starts."""
     try:
         yield
     except PlanError:
         raise
     except Exception as exc:
-        raise PlanError([Violation("model", type(exc).__name__, f"building or running the model failed: {exc}",
-                                   "fix the model's arguments, or its forward(input_ids) -> logits")]) from exc
+        raise PlanError([model_refusal(exc, arguments, what)]) from exc
 
 
-def _facts(module: torch.nn.Module, seq_len: int) -> ModelFacts:
-    with _model_code_errors(), torch.device("meta"):
+def _facts(module: torch.nn.Module, seq_len: int, arguments: Mapping[str, object]) -> ModelFacts:
+    what = f"failed in forward(input_ids[1, {seq_len}]) (data.seq_len={seq_len})"
+    with _model_code_errors(arguments, what), torch.device("meta"):
         logits = module(torch.zeros(1, seq_len, dtype=torch.long))
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != (1, seq_len):
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -87,6 +92,35 @@ def _facts(module: torch.nn.Module, seq_len: int) -> ModelFacts:
         supports_activation_checkpointing=callable(getattr(module, "gradient_checkpointing_enable", None)),
         modules=_module_count(module),
     )
+
+
+# How much of a model's exception message a violation quotes.
+_QUOTED_CHARS = 400
+
+
+def model_refusal(error: Exception, arguments: Mapping[str, object], what: str) -> Violation:
+    """A model's exception as a violation of the argument it names (``model.n_head`` or ``'n_head'``
+    in its message), else of the model's ``_target_``."""
+    target = str(arguments.get("_target_", "the model"))
+    text = " ".join(str(error).split())[:_QUOTED_CHARS] or "(no message)"
+    named = _named_argument(text, arguments)
+    message = f"{target} {what}: {type(error).__name__}: {text}"
+    if named is None:
+        return Violation("model._target_", target, message,
+                         "fix the model's arguments (model.<name>=...) or the model's code")
+    return Violation(f"model.{named}", arguments[named], message, f"change model.{named}")
+
+
+def _named_argument(text: str, arguments: Mapping[str, object]) -> str | None:
+    """The constructor argument ``text`` mentions first, as ``model.<name>`` or ``'<name>'``."""
+    found = []
+    for name in arguments:
+        if name == "_target_":
+            continue
+        match = re.search(rf"model\.{re.escape(name)}\b|'{re.escape(name)}'", text)
+        if match:
+            found.append((match.start(), name))
+    return min(found)[1] if found else None
 
 
 def refuse_unbuildable(facts: ModelFacts, shallow: ShallowModels, depth_field: str, cluster: ClusterSpec,

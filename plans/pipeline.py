@@ -120,7 +120,14 @@ def carry_layers(shallow: list[PipelineLayer], deeper: list[PipelineLayer], dept
 
 
 def partition(layers: list[PipelineLayer], pp: int, method: str) -> list[int]:
-    """Stage boundaries (``pp + 1`` layer indices), as DeepSpeed's ``PipelineModule._partition_layers``."""
+    """Stage boundaries (``pp + 1`` layer indices), as DeepSpeed's ``PipelineModule._partition_layers``.
+
+    Plain ints: numpy integers would reach the stages' ``start``/``stop`` and from there every JSON
+    document (`orch check --json`, MLflow)."""
+    return [int(bound) for bound in _partition(layers, pp, method)]
+
+
+def _partition(layers: list[PipelineLayer], pp: int, method: str) -> list:
     from deepspeed.runtime.utils import partition_uniform
 
     from plans.partition import partition_balanced

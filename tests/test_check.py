@@ -6,10 +6,14 @@ import json
 import subprocess
 import sys
 
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
 from conftest import compose_config, worker_env
-from orchestrator.checking import check_run
+from orchestrator.checking import CHECK_JSON_KEYS, CLUSTER_JSON_KEYS, check_document, check_run
 from orchestrator.config import to_typed
-from plans.estimate import GIB
+from plans.errors import OrchError
+from plans.estimate import DEVICE_JSON_KEYS, GIB
 
 BIG = ["model=gpt3_175b", "cluster=a100_8x", "cluster.nodes=128", "plan.precision=bf16", "plan.micro_batch_size=1"]
 
@@ -176,3 +180,44 @@ def test_placement_strategy_and_straddling_tensor_parallel_groups():
     assert straddling_groups(uneven, tp=2) == [[2, 3]]
     assert straddling_groups(uneven, tp=1) == []
     assert straddling_groups([RankSlot(0, "a", 0, 1)], tp=1) == []
+
+
+_DEGREES = st.sampled_from([1, 2, 4])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(devices=_DEGREES, dp=st.none() | _DEGREES, tp=_DEGREES, pp=_DEGREES, zero=st.integers(0, 3),
+       offload=st.sampled_from(["none", "cpu"]), micro=st.sampled_from([1, 2, 8]), accum=st.sampled_from([1, 4]),
+       precision=st.sampled_from(["fp32", "bf16"]), checkpointing=st.booleans(),
+       memory=st.sampled_from([0.01, 8.0]))
+# The README's pipeline plan, fitting and not: the examples run first, whatever hypothesis draws.
+@example(devices=2, dp=None, tp=1, pp=2, zero=1, offload="none", micro=2, accum=4, precision="fp32",
+         checkpointing=False, memory=8.0)
+@example(devices=4, dp=None, tp=2, pp=2, zero=0, offload="none", micro=1, accum=1, precision="bf16",
+         checkpointing=True, memory=0.01)
+def test_check_json_document_serializes_with_the_documented_keys(devices, dp, tp, pp, zero, offload, micro, accum,
+                                                                   precision, checkpointing, memory):
+    overrides = [f"cluster.devices_per_node={devices}", f"plan.dp={'null' if dp is None else dp}", f"plan.tp={tp}",
+                 f"plan.pp={pp}", f"plan.zero_stage={zero}", f"plan.offload_optimizer={offload}",
+                 f"plan.micro_batch_size={micro}", f"plan.grad_accum_steps={accum}", f"plan.precision={precision}",
+                 f"plan.activation_checkpointing={str(checkpointing).lower()}", f"cluster.device_memory_gib={memory}"]
+    typed, model_cfg, _ = to_typed(compose_config(*overrides))
+    try:
+        estimate, _ = check_run(typed, model_cfg)
+    except OrchError:
+        return  # refused as invalid input: `orch check` prints the problems and exits 2, no document
+    doc = json.loads(json.dumps(check_document(estimate, typed.cluster)))  # strict: no default=
+    assert tuple(doc) == CHECK_JSON_KEYS
+    assert tuple(doc["cluster"]) == CLUSTER_JSON_KEYS
+    assert doc["feasible"] is estimate.feasible and doc["feasible"] == (doc["violations"] == [])
+    for device in [doc["per_device"], *doc["stages"]]:
+        assert tuple(device) == DEVICE_JSON_KEYS
+    assert len(doc["stages"]) == pp and len(doc["placement"]) == doc["world_size"]
+    assert len(doc["pipeline"]["stages"]) == (pp if pp > 1 else 0)
+
+
+def test_check_json_of_the_pipeline_plan_through_the_command_line(tmp_path):
+    done = orch("check", "--json", "plan=pipeline", cwd=tmp_path)
+    assert done.returncode in (0, 1), done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["plan"]["pp"] > 1 and [type(s["start"]) for s in doc["pipeline"]["stages"]] == [int] * doc["plan"]["pp"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import os
 import signal
 import subprocess
 import sys
@@ -27,6 +28,63 @@ def test_bad_plan_is_refused_before_anything_starts(tmp_path):
     assert "plan.zero_stage=5" in done.stderr and "plan.dp=3" in done.stderr and "plan.tp=3" in done.stderr
     assert "Started a local Ray instance" not in done.stderr + done.stdout
     assert not (tmp_path / "mlflow.db").exists(), "no run may be tracked for a refused plan"
+
+
+def test_bad_values_and_paths_are_refused_together_before_ray_or_mlflow(tmp_path):
+    (tmp_path / "ckpt").write_text("a file where the checkpoints would go")
+    done = orch("train", "data.path=missing.txt", "train.hang_timeout_s=-1", "train.checkpoint_dir=ckpt",
+                "train.checkpoint_every=5", "model.n_layer=0", "plan.dp=3", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    for named in ("data.path='missing.txt'", "train.hang_timeout_s=-1.0", "train.checkpoint_dir='ckpt'", "plan.dp=3"):
+        assert named in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "Started a local Ray instance" not in done.stderr + done.stdout and not (tmp_path / "mlflow.db").exists()
+    # The model is probed once the declared values are valid: its own refusal exits 2 as well.
+    done = orch("train", "model.n_layer=0", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and "model.n_layer=0: workloads.gpt.GPT refused its arguments" in done.stderr
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def _malformed_config_dir(root) -> str:
+    (root / "conf" / "plan").mkdir(parents=True)
+    (root / "conf" / "plan" / "broken.yaml").write_text("defaults:\n  - plan_schema\ndp: [1\ntp: 1\n")
+    return str(root / "conf")
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["plan.dp=abc"], "full_key: plan.dp"),
+    (["no_such_key=1"], "Key 'no_such_key' not in 'RunConfig'"),
+    (["plan=no_such_plan"], "Available options in 'plan': ddp, pipeline"),
+    (["--config-dir", "{conf}", "plan=broken"], "malformed YAML"),
+    (["--config-dir", "/no/such/dir"], "'/no/such/dir' not found"),
+])
+def test_config_errors_exit_2_with_a_short_message_and_verbose_shows_the_traceback(tmp_path, args, named):
+    args = [a.format(conf=_malformed_config_dir(tmp_path)) if "{conf}" in a else a for a in args]
+    done = orch("check", *args, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert named in done.stderr and done.stderr.startswith("error: ")
+    assert len(done.stderr.strip().splitlines()) < 5 and "Traceback" not in done.stderr, done.stderr
+    verbose = orch("check", "--verbose", *args, cwd=tmp_path, timeout=120)
+    assert verbose.returncode == 2 and "Traceback (most recent call last)" in verbose.stderr and named in verbose.stderr
+
+
+def test_an_internal_error_prints_one_line_and_logs_its_traceback_without_credentials(capsys, monkeypatch):
+    from orchestrator import exits
+
+    def crash() -> None:
+        raise RuntimeError("could not reach http://alice:s3cret@127.0.0.1:1 in time")
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
+    assert exits.run_command(crash, "train", verbose=False) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: orch train failed: RuntimeError: could not reach") and len(err.splitlines()) == 2
+    log = err.split("traceback in ")[1].split(" (or run")[0]
+    text = open(log).read()
+    assert "Traceback (most recent call last)" in text and "in crash" in text and "s3cret" not in text
+    assert "s3cret" not in err and oct(os.stat(log).st_mode & 0o777) == "0o600"
+    assert os.environ["HYDRA_FULL_ERROR"] == "0"  # the user's setting is restored
+    assert exits.run_command(crash, "train", verbose=True) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
 
 
 def test_unknown_command_and_help(tmp_path):

@@ -87,7 +87,7 @@ def test_the_planner_names_model_and_tp_when_heads_do_not_split():
     with pytest.raises(PlanError) as info:
         check_run(typed, model_cfg)
     violation = info.value.violations[0]
-    assert violation.field == "model"
+    assert violation.field == "model.n_head" and violation.value == 1
     assert "model.n_head(1) must be divisible by plan.tp(2)" in violation.message
 
 

@@ -24,6 +24,36 @@ def load_bytes(path: str | None = None) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
+def byte_count(path: str | None, limit: int) -> int:
+    """Bytes of the corpus at ``path`` (the shipped one for None), counted up to ``limit``.
+
+    A plain file's size is read off the file system; a ``.gz`` file is decompressed only as far
+    as ``limit``. Raises OSError (gzip.BadGzipFile, EOFError for a truncated archive) as reading it would."""
+    source = Path(path) if path else SHIPPED_CORPUS
+    if source.suffix != ".gz":
+        return min(source.stat().st_size, limit)
+    counted = 0
+    with gzip.open(source, "rb") as stream:
+        while counted < limit:
+            chunk = stream.read(min(1 << 20, limit - counted))
+            if not chunk:
+                break
+            counted += len(chunk)
+    return counted
+
+
+def window_count(n_bytes: int, seq_len: int) -> int:
+    """Samples of :class:`ByteWindows` over ``n_bytes``: windows of ``seq_len + 1`` bytes, each
+    starting where the previous one's inputs end (the last byte is the next window's first input)."""
+    return max((n_bytes - 1) // seq_len, 0)
+
+
+def split_sizes(n_bytes: int, val_fraction: float) -> tuple[int, int]:
+    """Bytes of the training and evaluation parts of :func:`split`."""
+    n_val = int(n_bytes * val_fraction)
+    return n_bytes - n_val, n_val
+
+
 class ByteWindows(torch.utils.data.Dataset):
     """Non-overlapping windows of ``seq_len + 1`` bytes: inputs and next-byte targets."""
 
@@ -32,7 +62,7 @@ class ByteWindows(torch.utils.data.Dataset):
         self.seq_len = seq_len
 
     def __len__(self) -> int:
-        return (len(self.data) - 1) // self.seq_len
+        return window_count(len(self.data), self.seq_len)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.data[i * self.seq_len: (i + 1) * self.seq_len + 1].long()
@@ -41,8 +71,8 @@ class ByteWindows(torch.utils.data.Dataset):
 
 def split(data: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Hold out the tail of the corpus for evaluation."""
-    n_val = int(len(data) * val_fraction)
-    return data[: len(data) - n_val], data[len(data) - n_val:]
+    n_train, _ = split_sizes(len(data), val_fraction)
+    return data[:n_train], data[n_train:]
 
 
 class ShardedBatches:

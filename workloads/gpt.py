@@ -152,7 +152,8 @@ class GPT(nn.Module):
         """``tp`` is the tensor-parallel degree the model will be sharded over (the config ties it
         to ``plan.tp``); the model only checks that its heads split evenly, AutoTP does the rest."""
         super().__init__()
-        _check_shape(d_model=d_model, n_head=n_head, tp=tp)
+        _check_arguments(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
+                         tp=tp)
         base = torch.initial_seed()
         self.seq_len = seq_len
         self.vocab_size = vocab_size
@@ -173,7 +174,8 @@ class GPT(nn.Module):
         """
         from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-        _check_shape(d_model=d_model, n_head=n_head, tp=tp)
+        _check_arguments(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
+                         tp=tp)
         base = torch.initial_seed()
         embed = ("embed", Embedding, vocab_size, seq_len, d_model)
         layers: list = [TiedLayerSpec(*embed, init_seed=layer_seed(base, 0), tied_weight_attr="wte.weight")]
@@ -191,6 +193,11 @@ class GPT(nn.Module):
         self.activation_checkpointing = True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.seq_len:
+            # Positions past the learned table would index out of range (silently so on meta).
+            raise ValueError(f"input of {input_ids.shape[1]} tokens is longer than model.seq_len({self.seq_len}): "
+                             "the model learns one position embedding per token; set data.seq_len to at most "
+                             "model.seq_len")
         x = self.embed(input_ids)
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -201,7 +208,14 @@ class GPT(nn.Module):
         return tied_logits(self.embed, x) if self.lm_head is None else self.lm_head(x)
 
 
-def _check_shape(*, d_model: int, n_head: int, tp: int) -> None:
+def _check_arguments(*, n_layer: int, d_model: int, n_head: int, seq_len: int, vocab_size: int, tp: int) -> None:
+    """Refuse arguments no GPT can be built from, naming the config key (the planner builds the
+    model on meta before anything starts and reports this message as the config's problem)."""
+    sizes = {"model.n_layer": n_layer, "model.d_model": d_model, "model.n_head": n_head, "model.seq_len": seq_len,
+             "model.vocab_size": vocab_size, "plan.tp": tp}
+    for key, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{key}({value}) must be at least 1")
     if d_model % n_head:
         raise ValueError(f"model.d_model({d_model}) must be divisible by model.n_head({n_head})")
     if tp >= 1 and n_head % tp:

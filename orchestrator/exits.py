@@ -1,0 +1,119 @@
+"""How an `orch` command ends: exit codes, short messages, and where tracebacks go.
+
+Exit codes: 0 success; 1 the plan does not fit (`orch check`), training failed, or an internal
+error; 2 invalid input (a config Hydra cannot compose, malformed YAML, a value or plan the
+orchestrator refuses). A user error prints a few lines naming the key; an unexpected exception
+prints one line and the path of a log file holding its traceback. ``--verbose`` (or Hydra's own
+``HYDRA_FULL_ERROR=1``) prints the traceback instead.
+
+Hydra's ``hydra.main`` catches every exception of composition and of the task itself
+(``hydra._internal.utils.run_and_report``), prints it and exits 1. With ``HYDRA_FULL_ERROR`` set
+it re-raises instead, which is how :func:`run_command` gets the exception to classify.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+from yaml import YAMLError
+
+from orchestrator.credentials import redact_text
+from plans.errors import OrchError
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+# What Hydra and OmegaConf raise for a config the user wrote: unknown keys or options, values of
+# the wrong type, malformed YAML in a --config-dir.
+CONFIG_ERRORS = (HydraException, OmegaConfBaseException, YAMLError)
+# Lines of a short error message at most (the rest is in the traceback).
+MAX_MESSAGE_LINES = 4
+# Where tracebacks of unexpected errors are written.
+LOG_DIR = Path(tempfile.gettempdir()) / "orch-errors"
+
+
+def exit_code(error: OrchError) -> int:
+    """1 for a failure inside training (not the user's input, as a crashed script), 2 for the rest."""
+    from launchers.worker_group import WorkerDiedError, WorkerFailedError, WorkerHangError
+
+    return EXIT_FAILED if isinstance(error, (WorkerFailedError, WorkerHangError, WorkerDiedError)) else EXIT_USAGE
+
+
+def run_command(app: Callable[[], None], command: str, *, verbose: bool) -> int:
+    """Run a Hydra app and turn whatever it raises into a message and an exit code."""
+    verbose = verbose or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        app()
+        return 0
+    except OrchError as error:
+        return _report(error, f"error: {error}", exit_code(error), verbose)
+    except CONFIG_ERRORS as error:
+        return _report(error, f"error: {config_message(error)}", EXIT_USAGE, verbose)
+    except Exception as error:  # an internal failure: one line here, the traceback in a file
+        if verbose:
+            return _report(error, f"error: {type(error).__name__}: {_first_line(error)}", EXIT_FAILED, verbose)
+        log = write_traceback(error, command)
+        print(redact_text(f"error: orch {command} failed: {type(error).__name__}: {_first_line(error)}\n"
+                     f"  traceback in {log} (or run with --verbose)"), file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+
+
+def _report(error: BaseException, message: str, code: int, verbose: bool) -> int:
+    if verbose:
+        print(redact_text("".join(traceback.format_exception(error))), file=sys.stderr)
+    print(redact_text(message), file=sys.stderr)
+    return code
+
+
+def config_message(error: BaseException) -> str:
+    """Hydra's or YAML's message in a few lines: the key and what is wrong, without the search
+    path, the schema's internal type names or option lists spread over lines."""
+    text = str(error)
+    if isinstance(error.__cause__, OmegaConfBaseException) and str(error.__cause__) not in text:
+        text += "\n" + str(error.__cause__)
+    if isinstance(error, YAMLError):
+        return "malformed YAML: " + "; ".join(line.strip() for line in text.splitlines() if line.strip())
+    lines: list[str] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("Config search path"):
+            break
+        if not line or line.startswith(("reference_type=", "object_type=")) or "HYDRA_FULL_ERROR" in line:
+            continue
+        if raw.startswith("\t") and lines and lines[-1].startswith("Available options"):
+            if not line.endswith("_schema"):  # the structured schemas behind the YAML files
+                lines[-1] += f" {line},"
+            continue
+        lines.append(line)
+    lines = [line.rstrip(",") for line in lines]
+    return "\n  ".join(lines[:MAX_MESSAGE_LINES])
+
+
+def write_traceback(error: BaseException, command: str) -> Path:
+    """The error's traceback in a new file only this user can read, credentials redacted."""
+    LOG_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = LOG_DIR / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as log:
+        log.write(f"orch {redact_text(' '.join(sys.argv[1:]))}\n\n")
+        log.write(redact_text("".join(traceback.format_exception(error))))
+    return path
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
