@@ -1,14 +1,14 @@
-"""Copy the benchmark tables from ``bench/results/*.md`` into the README, so none is typed by hand.
+"""Copy the benchmark tables from ``bench/results/*.md`` into ``bench/README.md``, so none is typed by hand.
 
-The README marks each copied table::
+``bench/README.md`` marks each copied table::
 
     <!-- results: bench/results/overhead_vs_deepspeed.md table 1 -->
     ...replaced by this script...
     <!-- /results -->
 
 and this script replaces what is between the markers with when the results file was measured and
-its N-th table. Run it after a benchmark wrote its file; ``--check`` exits non-zero when the README
-is out of date (the tests run it).
+its N-th table. Run it after a benchmark wrote its file; ``--check`` exits non-zero when
+``bench/README.md`` is out of date (the tests run it).
 
     python bench/readme_tables.py [--check]
 """
@@ -60,14 +60,14 @@ def render(readme: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if the README's tables differ from the results")
+    parser.add_argument("--check", action="store_true", help="fail if bench/README.md's tables differ from the results")
     args = parser.parse_args()
-    readme = REPO / "README.md"
+    readme = REPO / "bench" / "README.md"
     current = readme.read_text()
     updated = render(current)
     if args.check:
         if updated != current:
-            sys.exit("README.md's benchmark tables differ from bench/results: run python bench/readme_tables.py")
+            sys.exit("bench/README.md's benchmark tables differ from bench/results: run python bench/readme_tables.py")
         return
     readme.write_text(updated)
 

@@ -59,9 +59,9 @@ def test_plain_deepspeed_baseline_trains_under_torchrun(tmp_path):
     assert any("threads per rank: 1" in line for line in run.output)  # torchrun's OMP_NUM_THREADS=1
 
 
-def test_the_readmes_benchmark_tables_are_the_results_files():
+def test_the_benchmark_readmes_tables_are_the_results_files():
     from bench.readme_tables import MARKED, render
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "bench" / "README.md").read_text()
     assert len(MARKED.findall(readme)) >= 4
     assert render(readme) == readme, "run python bench/readme_tables.py after a benchmark wrote its results"
