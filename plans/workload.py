@@ -1,0 +1,162 @@
+"""The user's workload as the planner, the tuner and the workers all take it.
+
+A workload is resolved once from the config (``orchestrator/workload.py``) into a
+:class:`Workload`: the model factory, the objective, the data source, the tensor-parallel layer
+specs and the pipeline layers. Nothing here knows what kind of model it is: a batch is whatever
+the data source yields, and the objective turns ``(outputs, batch)`` into a loss.
+
+The calling convention is Hugging Face's: a dict batch is passed as keyword arguments
+(``model(**batch)``), an ``(inputs, targets, ...)`` sequence as ``model(inputs)``, and a lone
+tensor as ``model(tensor)``. Whatever the model returns is accepted: a tensor, a tuple (its
+first item is the output) or a ``ModelOutput`` (``.logits``, or ``.loss`` when the model
+computed it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from plans.errors import Violation
+
+Batch = Any
+"""A micro-batch as the data source yields it: a tensor, a sequence ``(inputs, targets, ...)``
+or a mapping of named tensors."""
+
+
+def call_model(module: torch.nn.Module, batch: Batch) -> Any:
+    """Run ``module`` on ``batch`` the way Hugging Face code expects."""
+    if isinstance(batch, Mapping):
+        return module(**batch)
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        return module(batch[0])
+    return module(batch)
+
+
+def output_tensor(outputs: Any) -> torch.Tensor:
+    """The prediction a model returned: the tensor itself, ``.logits`` of a ``ModelOutput``, or
+    the first item of a tuple."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(outputs, Mapping) and isinstance(outputs.get("logits"), torch.Tensor):
+        return outputs["logits"]
+    if isinstance(outputs, Sequence) and outputs and isinstance(outputs[0], torch.Tensor):
+        return outputs[0]
+    raise TypeError(f"the model returned {type(outputs).__name__}; return a tensor, a tuple whose first item is "
+                    "the output, or a ModelOutput with .logits")
+
+
+def model_loss(outputs: Any) -> torch.Tensor | None:
+    """The loss the model computed itself (a ``ModelOutput``'s ``.loss``), if any."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def batch_targets(batch: Batch) -> torch.Tensor | None:
+    """The targets a batch carries: ``batch["labels"]`` of a dict, the second item of a sequence."""
+    if isinstance(batch, Mapping):
+        return batch.get("labels")
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and len(batch) > 1:
+        return batch[1]
+    return None
+
+
+def move_batch(batch: Batch, device: torch.device | str) -> Batch:
+    """``batch`` with every tensor in it on ``device`` (structure kept)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: move_batch(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_batch(v, device) for v in batch)
+    return batch
+
+
+@runtime_checkable
+class Objective(Protocol):
+    """``(outputs, batch) -> scalar loss``; the same callable in training, the pipeline's
+    ``loss_fn``, eval, and the planner's measurements on ``meta``.
+
+    An objective may also offer ``metrics(outputs, batch) -> dict[str, torch.Tensor]`` (scalar
+    tensors averaged over eval batches and ranks, e.g. accuracy) and ``name`` (a short label).
+    """
+
+    def __call__(self, outputs: Any, batch: Batch) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class DataSource(Protocol):
+    """Where the batches come from. Instances are light (paths and settings): built in the
+    driver, checked there, and pickled to the workers, which open the data themselves.
+
+    Every source yields map-style ``torch.utils.data.Dataset`` objects; the workers shard them
+    over data-parallel replicas (the ranks of one tensor-parallel group read the same batch) and
+    save their position in checkpoints.
+    """
+
+    tokens_per_sample: int | None
+    """Tokens in one sample, for throughput in tokens/s (None: samples/s only)."""
+    required_outputs: int | None
+    """The smallest last output dimension a model must have for this data (vocabulary for token
+    ids, class count for labels); None: no such requirement."""
+
+    def violations(self) -> list[Violation]:
+        """Everything wrong with the declared data, found without opening more than needed;
+        checked before any worker starts. Field names are given as ``data.<field>``."""
+        ...
+
+    def sizes(self) -> tuple[int, int]:
+        """Samples in the training and the evaluation split (cheap where possible)."""
+        ...
+
+    def example_batch(self, batch_size: int) -> Batch:
+        """A micro-batch of ``batch_size`` samples on the ``meta`` device: the shapes and dtypes
+        the planner measures the model with; nothing is read."""
+        ...
+
+    def prepare(self) -> None:
+        """Build any on-disk cache (e.g. tokenization) once; safe to call from every rank at once."""
+        ...
+
+    def datasets(self) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
+        """The training and the evaluation split, opened in the worker."""
+        ...
+
+    def collate(self) -> Callable[[list], Batch] | None:
+        """How samples become a batch; None: torch's default collation."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Source (paths or URIs), size and a content digest, for tracking."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """The user's workload, resolved once; picklable, so the workers get the same object."""
+
+    model_factory: Callable[[], torch.nn.Module]
+    """Builds the model (on ``meta`` in the planner, for real in the workers)."""
+    objective: Objective
+    data: DataSource
+    model_config: dict = field(default_factory=dict)
+    """The model's declared config (``_target_`` and arguments): errors name its keys."""
+    tp_layer_specs: list[dict] | None = None
+    """DeepSpeed AutoTP layer specs (``{patterns, partition_type, ...}``) that shard this model;
+    None: it cannot be tensor-parallel."""
+    tp_specs_source: str | None = None
+    """Where the specs came from (model.tp_layer_specs, the model's own tp plan, a DeepSpeed preset)."""
+    pipeline_layers: Callable[..., list] | None = None
+    """DeepSpeed ``LayerSpec`` objects of the model in forward order; None: it cannot be pipelined."""
+    pipeline_refusal: str | None = None
+    """Why the model cannot be pipelined, when it cannot."""
+
+    def loss(self, module: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """The training loss of ``module`` on ``batch``."""
+        return self.objective(call_model(module, batch), batch)
