@@ -7,6 +7,8 @@ of training or weeks later from another machine.
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -55,24 +57,60 @@ def write_plots(client: MlflowClient, run_id: str, out_dir: Path) -> list[Path]:
 
     params = run.data.params
     predicted = {c: int(params.get(f"memory.predicted.{c}", 0)) / MIB for c in _COMPONENTS}
-    measured = {key.split("/")[1]: value / MIB for key, value in run.data.metrics.items()
+    measured = {int(key.split("/")[1].removeprefix("rank")): value / MIB for key, value in run.data.metrics.items()
                 if key.startswith("memory/rank") and key.endswith("/measured_peak_bytes")}
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bottom = 0.0
-    for component, mib in predicted.items():
-        ax.bar("predicted", mib, bottom=bottom, label=component)
-        bottom += mib
-    for rank, mib in sorted(measured.items()):
-        ax.bar(f"measured {rank}", mib, color="tab:gray")
-    ax.set(ylabel="MiB per device", title="memory: predicted components vs measured peak")
-    ax.legend(fontsize="small")
+    stages = measured_by_stage(measured, tp=int(params.get("plan.tp", 1)), pp=int(params.get("plan.pp", 1)))
+    fig = memory_figure(predicted, stages)
     written.append(_save(fig, out_dir / "memory.png"))
     return written
 
 
+@dataclass(frozen=True)
+class StagePeaks:
+    """The measured peaks of one pipeline stage's ranks, summarized: one bar whatever the rank count."""
+
+    stage: int
+    ranks: int
+    low: float
+    median: float
+    high: float
+
+
+def measured_by_stage(peaks_by_rank: dict[int, float], *, tp: int, pp: int) -> list[StagePeaks]:
+    """Min, median and max of the ranks' measured peaks per pipeline stage.
+
+    A rank's stage follows from the placement (launchers/placement.py):
+    ``rank = (dp_rank * pp + pp_rank) * tp + tp_rank``, so ``pp_rank = (rank // tp) % pp``.
+    """
+    grouped: dict[int, list[float]] = {}
+    for rank, peak in peaks_by_rank.items():
+        grouped.setdefault((rank // max(tp, 1)) % max(pp, 1), []).append(peak)
+    return [StagePeaks(stage, len(values), min(values), statistics.median(values), max(values))
+            for stage, values in sorted(grouped.items())]
+
+
+def memory_figure(predicted_mib: dict[str, float], stages: list[StagePeaks]):
+    """Predicted components stacked in one bar, then one bar per pipeline stage at the median
+    measured peak with a whisker from the lowest to the highest rank; the legend sits outside."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bottom = 0.0
+    for component, mib in predicted_mib.items():
+        ax.bar("predicted", mib, bottom=bottom, label=component)
+        bottom += mib
+    for s in stages:
+        label = f"stage {s.stage}" if len(stages) > 1 else "measured"
+        ax.bar(f"{label}\n({s.ranks} rank{'s' if s.ranks > 1 else ''})", s.median, color="tab:gray",
+               yerr=[[s.median - s.low], [s.high - s.median]], capsize=4,
+               label="measured peak (median; whisker: min-max over ranks)" if s is stages[0] else None)
+    ax.set(ylabel="MiB per device", title="memory: predicted components vs measured peak")
+    ax.tick_params(axis="x", labelsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    return fig
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # keeps a legend placed outside the axes
     plt.close(fig)
     return path
 
