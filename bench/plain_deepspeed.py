@@ -40,7 +40,8 @@ def train(job: dict) -> None:
     import torch
     import torch.nn.functional as F
 
-    from workloads.corpus import ByteWindows, ShardedBatches, load_bytes, split
+    from launchers.batches import ShardedBatches
+    from workloads.corpus import ByteWindows, load_bytes, split
     from workloads.gpt import GPT
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, Offload, OptimizerName, OptimSpec, Precision
-from workloads.gpt import TP_LAYER_SPECS
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py), in elements.
 REDUCE_BUCKET_SIZE = 500_000_000
@@ -71,8 +70,8 @@ def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int, *,
     which a small model never fills.
 
     With ``plan.tp > 1`` the config gains a ``tensor_parallel`` section (see
-    :func:`tensor_parallel_section`) sharding the layers ``tp_layer_specs`` names; without them,
-    the built-in GPT's (:data:`workloads.gpt.TP_LAYER_SPECS`). ``train_batch_size`` stays
+    :func:`tensor_parallel_section`) sharding the layers ``tp_layer_specs`` names (the workload's:
+    there is no default, a model's specs fit that model only). ``train_batch_size`` stays
     micro × accumulation × dp: the ranks of one tensor-parallel group share their batch.
     """
     cap = param_count if param_count else REDUCE_BUCKET_SIZE
@@ -118,8 +117,9 @@ def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int, *,
         },
     }
     if plan.tp > 1:
-        specs = TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs
-        config["tensor_parallel"] = tensor_parallel_section(plan.tp, specs)
+        if not tp_layer_specs:
+            raise ValueError(f"plan.tp={plan.tp} needs the model's tensor-parallel layer specs")
+        config["tensor_parallel"] = tensor_parallel_section(plan.tp, tp_layer_specs)
     if optim.name == OptimizerName.sgd and plan.zero_stage > 0:
         # DeepSpeed only whitelists Adam-family optimizers under ZeRO; torch's SGD partitions fine.
         config["zero_allow_untested_optimizer"] = True

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from plans.resolve import ResolvedPlan
-from plans.spec import DataSpec, TrainSpec
+from plans.spec import TrainSpec
+from plans.workload import Workload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,11 +15,9 @@ class TrainJob:
 
     plan: ResolvedPlan
     ds_config: dict
-    model_factory: Callable
-    """Returns a fresh ``torch.nn.Module`` (called inside the worker)."""
-    pipeline_layers: Callable | None = None
-    """With plan.pp > 1: returns the model as DeepSpeed ``LayerSpec`` objects, in order."""
-    data: DataSpec
+    workload: Workload
+    """The model factory (called inside the worker), objective, data source, tensor-parallel specs
+    and pipeline layers (used with plan.pp > 1)."""
     train: TrainSpec
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the worker processes."""

@@ -25,11 +25,29 @@ from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_co
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 
 
-def next_token_loss(logits, targets):
-    """The training objective: next-byte cross-entropy, computed in fp32 whatever the precision."""
-    import torch.nn.functional as F
+def _digest(batch) -> str:
+    """A fingerprint of a batch of any structure (tests compare the batches ranks read)."""
+    import torch
+    from torch.utils._pytree import tree_flatten
 
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    digest = hashlib.sha1()
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor):
+            digest.update(leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(leaf).encode())
+    return digest.hexdigest()
+
+
+def _build_model(job: TrainJob):
+    """The model, built the way the plan needs: under ZeRO-3's ``zero.Init`` each rank allocates
+    only its partition of every parameter as it is created, so no rank ever holds the whole model."""
+    if job.plan.zero_stage == 3 and job.plan.pp == 1 and job.plan.tp == 1:
+        import deepspeed
+
+        with deepspeed.zero.Init(config_dict_or_path=job.ds_config):
+            return job.workload.model_factory()
+    return job.workload.model_factory()
 
 
 def enable_activation_checkpointing(module) -> None:
@@ -146,7 +164,7 @@ class TrainWorker:
         # parallelism exactly), so torch's per-step warning about them says nothing to the user.
         warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
 
-        from workloads.corpus import ByteWindows, ShardedBatches, load_bytes, split
+        from launchers.batches import ShardedBatches
 
         self.job = job
         plan = job.plan
@@ -162,11 +180,14 @@ class TrainWorker:
             if plan.tp > 1:
                 self._share_pipeline_groups_with_autotp(module)
         else:
-            module = job.model_factory()
+            module = _build_model(job)
             if plan.activation_checkpointing:
                 enable_activation_checkpointing(module)
             mpu = self._tensor_parallel_groups(coords)
         full_numel = sum(p.numel() for p in module.parameters())
+        # What this rank holds right after construction (ZeRO-3 partitions: only its share).
+        held_at_build = sum(p.numel() for p in module.parameters()) if plan.zero_stage != 3 else sum(
+            p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in module.parameters())
         # With plan.tp > 1 the config's tensor_parallel section makes initialize() shard the model
         # (AutoTP) before ZeRO wraps it; the parameter generator is read after that, so the
         # optimizer gets the shards.
@@ -186,19 +207,23 @@ class TrainWorker:
         if plan.tp > 1 and sum(p.numel() for p in module.parameters()) == full_numel:
             raise RuntimeError(f"plan.tp={plan.tp}, but no layer of {type(module).__name__} matched the "
                                "tensor-parallel layer specs: every rank would hold and compute the whole model")
-        train_bytes, val_bytes = split(load_bytes(job.data.path), job.data.val_fraction)
+        data = job.workload.data
+        data.prepare()
+        train_set, val_set = data.datasets()
         # The ranks of one tensor-parallel group hold shards of one replica: they read the same batch.
         dp_rank = coords.dp_rank
-        self.batches = ShardedBatches(ByteWindows(train_bytes, job.data.seq_len), batch_size=plan.micro_batch_size,
-                                      dp_rank=dp_rank, dp_size=plan.dp, seed=job.train.seed)
-        self.val_batches = ShardedBatches(ByteWindows(val_bytes, job.data.seq_len), batch_size=plan.micro_batch_size,
-                                          dp_rank=dp_rank, dp_size=plan.dp, seed=job.train.seed, shuffle=False)
+        self.batches = ShardedBatches(train_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank, dp_size=plan.dp,
+                                      seed=job.train.seed, collate=data.collate())
+        self.val_batches = ShardedBatches(val_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank,
+                                          dp_size=plan.dp, seed=job.train.seed, shuffle=False, collate=data.collate())
+        self._dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision.value)
         self.start_step = self._resume(job) if job.resume_tag else 0
         self.first_batch_digest: str | None = None
         self.train_batches = self._recorded(self.batches)
         return {"rank": self.rank, "pid": os.getpid(), "hostname": socket.gethostname(), "dp_rank": dp_rank,
                 "tp_rank": coords.tp_rank, "pp_rank": coords.pp_rank, "start_step": self.start_step,
-                "params_on_rank": sum(p.numel() for p in module.parameters()),
+                "params_on_rank": sum(p.numel() for p in module.parameters()), "params_at_build": held_at_build,
+                "full_params": full_numel if plan.zero_stage != 3 else None,
                 "peak_tflops": _matmul_tflops(plan.precision.value, self.engine.device)}
 
     def _pipeline_module(self, job: TrainJob):
@@ -217,7 +242,7 @@ class TrainWorker:
         from deepspeed.runtime.pipe.topology import ProcessTopology
 
         plan = job.plan
-        if job.pipeline_layers is None:
+        if job.workload.pipeline_layers is None:
             raise RuntimeError(f"plan.pp={plan.pp} but the job carries no pipeline layers for the model")
         recompute = {}
         if plan.activation_checkpointing:
@@ -225,7 +250,13 @@ class TrainWorker:
                          "activation_checkpoint_func": functools.partial(torch.utils.checkpoint.checkpoint,
                                                                          use_reentrant=False)}
         topology = ProcessTopology(axes=list(GRID_AXES), dims=[plan.dp, plan.pp, plan.tp])
-        module = PipelineModule(layers=job.pipeline_layers(), topology=topology, loss_fn=next_token_loss,
+        objective = job.workload.objective
+
+        def loss_fn(outputs, targets):
+            # DeepSpeed's pipeline hands the last stage the batch's targets alone.
+            return objective(outputs, (None, targets))
+
+        module = PipelineModule(layers=job.workload.pipeline_layers(), topology=topology, loss_fn=loss_fn,
                                 partition_method=plan.pp_partition, **recompute)
         return module
 
@@ -269,7 +300,7 @@ class TrainWorker:
         """The training batches, fingerprinting the first this rank reads (tests compare them)."""
         for batch in batches:
             if self.first_batch_digest is None:
-                self.first_batch_digest = hashlib.sha1(batch[0].numpy().tobytes()).hexdigest()
+                self.first_batch_digest = _digest(batch)
             yield batch
 
     def _resume(self, job: TrainJob) -> int:
@@ -348,9 +379,13 @@ class TrainWorker:
                                f"the orchestrator at {(coords.dp_rank, coords.tp_rank)}")
         return groups
 
+    def _batch(self, batch):
+        from plans.workload import move_batch
+
+        return move_batch(batch, self.engine.device, self._dtype)
+
     def _loss(self, batch):
-        inputs, targets = (t.to(self.engine.device) for t in batch)
-        return next_token_loss(self.engine(inputs), targets)
+        return self.job.workload.loss(self.engine, self._batch(batch))
 
     def _mean_over_ranks(self, values: list[float]) -> list[float]:
         import deepspeed.comm as dist
@@ -360,8 +395,12 @@ class TrainWorker:
         dist.all_reduce(t)
         return (t / self.world_size).tolist()
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> dict[str, float]:
+        """The held-out loss, and the objective's own metrics (``eval_<name>``), averaged over
+        ``train.eval_batches`` batches and the ranks."""
         import torch
+
+        from plans.workload import call_model
 
         batches = self.job.train.eval_batches
         if self.job.plan.pp > 1:
@@ -369,14 +408,22 @@ class TrainWorker:
             # the data-parallel replicas and broadcasts it to every stage.
             loss = self.engine.eval_batch(self.val_batches, num_micro_batches=batches)
             self.engine.train()
-            return self._mean_over_ranks([loss.item()])[0]
+            return {"eval_loss": self._mean_over_ranks([loss.item()])[0]}
+        objective = self.job.workload.objective
+        metrics = getattr(objective, "metrics", None)
         self.engine.eval()
-        total = 0.0
+        totals: dict[str, float] = {}
         with torch.no_grad():
             for _ in range(batches):
-                total += self._loss(next(self.val_batches)).item()
+                batch = self._batch(next(self.val_batches))
+                outputs = call_model(self.engine, batch)
+                found = {"loss": objective(outputs, batch), **(metrics(outputs, batch) if metrics else {})}
+                for name, value in found.items():
+                    totals[name] = totals.get(name, 0.0) + float(value)
         self.engine.train()
-        return self._mean_over_ranks([total / batches])[0]
+        names = sorted(totals)
+        means = self._mean_over_ranks([totals[name] / batches for name in names])
+        return {f"eval_{name}": mean for name, mean in zip(names, means, strict=True)}
 
     def train(self) -> Iterator[dict]:
         """Run ``train.steps`` optimizer steps; yield a report every ``train.log_every`` steps.
@@ -389,7 +436,8 @@ class TrainWorker:
         from launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
 
         job, plan, spec = self.job, self.job.plan, self.job.train
-        tokens_per_step = plan.micro_batch_size * plan.grad_accum_steps * job.data.seq_len
+        samples_per_step = plan.micro_batch_size * plan.grad_accum_steps
+        tokens_per_sample = job.workload.data.tokens_per_sample
         interval_loss, interval_time, interval_steps = 0.0, 0.0, 0
         measured: dict[str, int] = {}
         self.engine.train()
@@ -429,11 +477,13 @@ class TrainWorker:
             report = {
                 "rank": self.rank, "step": step, "loss": global_loss, "local_loss": local_loss,
                 "lr": self.engine.get_lr()[0], "step_time_s": interval_time / interval_steps,
-                "tokens_per_s": tokens_per_step * interval_steps / interval_time,
+                "samples_per_s": samples_per_step * interval_steps / interval_time,
+                **({"tokens_per_s": samples_per_step * tokens_per_sample * interval_steps / interval_time}
+                   if tokens_per_sample else {}),
                 "first_batch_digest": self.first_batch_digest, **measured,
             }
             if (spec.eval_every and step % spec.eval_every == 0) or last:
-                report["eval_loss"] = self.evaluate()
+                report.update(self.evaluate())
             yield report
             interval_loss, interval_time, interval_steps = 0.0, 0.0, 0
 

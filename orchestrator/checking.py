@@ -13,31 +13,27 @@ from launchers.ds_config import build_ds_config
 from launchers.placement import rank_layout
 from orchestrator.config import RunConfig
 from orchestrator.inputs import check_inputs, validated_plan
-from orchestrator.models import (
-    PIPELINE_LAYERS_METHOD,
-    inspect_declared_model,
-    model_factory,
-    pipeline_layers_factory,
-    split_model_config,
-)
+from orchestrator.models import inspect_declared_model
+from orchestrator.workload import resolve_workload
 from plans.cluster_facts import reconcile
 from plans.errors import PlanError, Violation
 from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
 from plans.spec import ClusterSpec
-from workloads.corpus import BYTE_VOCAB
-from workloads.gpt import TP_LAYER_SPECS
+from plans.workload import Workload
 
 
-def check_model(facts: ModelFacts, cfg: RunConfig) -> None:
-    """What the model must offer whatever the layout (vocabulary for the data, checkpointing if asked);
+def check_model(facts: ModelFacts, cfg: RunConfig, workload: Workload) -> None:
+    """What the model must offer whatever the layout (outputs for the data, checkpointing if asked);
     `check` and `tune` share it."""
     problems = []
-    if facts.output_vocab < BYTE_VOCAB:
-        problems.append(Violation("model.vocab_size", facts.output_vocab,
-                                  f"the byte-level corpus needs {BYTE_VOCAB} output classes.",
-                                  f"set model.vocab_size={BYTE_VOCAB} or more"))
+    needed = workload.data.required_outputs
+    if needed is not None and facts.output_size < needed:
+        problems.append(Violation(_output_size_field(workload.model_config), facts.output_size,
+                                  f"the data needs {needed} outputs per position (its vocabulary or classes: "
+                                  f"token ids or labels up to {needed - 1}), the model has {facts.output_size}.",
+                                  f"make the model's output size {needed} or more"))
     if cfg.plan.activation_checkpointing and not facts.supports_activation_checkpointing:
         problems.append(Violation("plan.activation_checkpointing", True,
                                   "the model has no gradient_checkpointing_enable() method.",
@@ -46,14 +42,43 @@ def check_model(facts: ModelFacts, cfg: RunConfig) -> None:
         raise PlanError(problems)
 
 
-def check_pipeline(probe: ModelProbe, plan: ResolvedPlan, model_cfg: dict) -> None:
+# Where a model's output size is set, by the names the shipped models use.
+_OUTPUT_SIZE_KEYS = ("vocab_size", "num_classes", "num_labels")
+
+
+def _output_size_field(model_cfg: dict) -> str:
+    for key in _OUTPUT_SIZE_KEYS:
+        if key in model_cfg:
+            return f"model.{key}"
+    config = model_cfg.get("config")
+    if isinstance(config, dict) and "vocab_size" in config:
+        return "model.config.vocab_size"
+    return "model"
+
+
+def check_tensor_parallel(probe: ModelProbe, plan: ResolvedPlan, workload: Workload) -> None:
+    """``plan.tp > 1`` needs layer specs for this model, and specs that shard some of its layers."""
+    target = workload.model_config.get("_target_", "the model")
+    if workload.tp_layer_specs is None:
+        raise PlanError([Violation("plan.tp", plan.tp,
+                                   f"{target} declares no tensor-parallel plan: no model.tp_layer_specs, no "
+                                   "tp_layer_specs on its class and no tensor-parallel plan of its own.",
+                                   "set plan.tp=1, or declare model.tp_layer_specs (DeepSpeed AutoTP layer specs)")])
+    if probe.tensor_parallel_params[0] == 0:
+        raise PlanError([Violation("plan.tp", plan.tp,
+                                   f"the tensor-parallel layer specs ({workload.tp_specs_source}) match no layer of "
+                                   f"{target}: every rank would hold and compute the whole model.",
+                                   "set plan.tp=1, or fix the specs' patterns (regexes of parameter names)")])
+
+
+def check_pipeline(probe: ModelProbe, plan: ResolvedPlan, model_cfg: dict,
+                   refusal: str | None = None) -> None:
     """The model can be split into ``plan.pp`` stages that each get layers with parameters."""
     target = model_cfg.get("_target_", "the model")
     if probe.pipeline_layers is None:
-        raise PlanError([Violation("plan.pp", plan.pp,
-                                   f"{target} cannot be split into pipeline stages: it has no "
-                                   f"{PIPELINE_LAYERS_METHOD}() classmethod returning its layers as DeepSpeed "
-                                   "LayerSpecs.", "set plan.pp=1, or give the model pipeline_layers() "
+        reason = refusal or f"{target} cannot be split into pipeline stages"
+        raise PlanError([Violation("plan.pp", plan.pp, f"{reason}.",
+                                   "set plan.pp=1, or give the model a pipeline_layers() classmethod "
                                    "(see workloads/gpt.py)")])
     layers = probe.pipeline_layer_facts(plan)
     empty = [stage.index for stage in probe.stages(plan) if stage.trainable == 0]
@@ -95,31 +120,49 @@ def live_cluster(cfg: RunConfig, *, connect: bool = False) -> Iterator[tuple[Clu
         yield cluster, notes
 
 
-def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = None
-              ) -> tuple[PlanEstimate, ModelFacts]:
-    """Resolve the plan and check the model (raising PlanError on bad input), then estimate memory.
+def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = None) -> tuple[PlanEstimate, ModelFacts]:
+    """:func:`checked_run`'s estimate and model facts."""
+    return checked_run(cfg, model_cfg, cluster)[:2]
 
-    ``cluster`` is what :func:`live_cluster` found; the declared ``cfg.cluster`` by default.
+
+def checked_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = None,
+                workload: Workload | None = None) -> tuple[PlanEstimate, ModelFacts, ModelProbe, Workload]:
+    """Resolve the plan and the workload and check the model (raising PlanError on bad input), then
+    estimate memory.
+
+    ``cluster`` is what :func:`live_cluster` found; the declared ``cfg.cluster`` by default. The
+    workload and the model probe are returned for the caller to reuse: the model is built on
+    ``meta`` once per command.
     """
     cluster = cluster or cfg.cluster
-    plan = validated_plan(cfg, cluster)
-    constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
-    factory = model_factory(constructor_cfg)
+    problems: list[Violation] = []
+    if workload is None:
+        try:
+            workload = resolve_workload(model_cfg, cfg.objective, cfg.data)
+        except PlanError as error:
+            problems += error.violations
+    try:
+        plan = validated_plan(cfg, cluster, workload.data if workload else None)
+    except PlanError as error:
+        problems += error.violations
+    if problems:
+        raise PlanError(problems)
+    constructor_cfg = workload.model_config
     # The model's contract, before any arithmetic on it; a deep one is built at shallow depths only.
-    facts, shallow = inspect_declared_model(constructor_cfg, cfg.data.seq_len, cluster, plan.precision,
-                                            plan.offload_param)
-    check_model(facts, cfg)
-    probe = ModelProbe(factory, cfg.data.seq_len,
-                       tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs,
-                       pipeline_layers=pipeline_layers_factory(constructor_cfg), shallow=shallow)
+    facts, shallow = inspect_declared_model(constructor_cfg, workload, cluster, plan.precision, plan.offload_param)
+    check_model(facts, cfg, workload)
+    probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs,
+                       pipeline_layers=workload.pipeline_layers, shallow=shallow)
+    if plan.tp > 1:
+        check_tensor_parallel(probe, plan, workload)
     if plan.pp > 1:
-        check_pipeline(probe, plan, model_cfg)
+        check_pipeline(probe, plan, constructor_cfg, workload.pipeline_refusal)
 
     def ds_config(candidate: ResolvedPlan) -> dict:
         return build_ds_config(candidate, cfg.optim, cfg.train.steps, param_count=probe.stats.param_count,
-                               tp_layer_specs=tp_layer_specs)
+                               tp_layer_specs=workload.tp_layer_specs)
 
-    return check_plan(plan, cluster, cfg.optim, probe, ds_config), facts
+    return check_plan(plan, cluster, cfg.optim, probe, ds_config), facts, probe, workload
 
 
 # The top-level keys of `orch check --json`; tools read these names, so they only ever grow.

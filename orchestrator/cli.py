@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 
 import hydra
@@ -153,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = args[0], args[1:]
+    # As `python -m` does: a model, objective or data class in the working directory is importable
+    # by its dotted path (local Ray workers inherit the driver's sys.path).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     _OPTIONS["json"] = "--json" in rest
     verbose = "--verbose" in rest
     rest = [a for a in rest if a not in ("--json", "--verbose")]

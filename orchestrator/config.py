@@ -16,7 +16,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from plans.errors import OrchError
-from plans.spec import ClusterSpec, DataSpec, OptimSpec, PlanSpec, TrainSpec
+from plans.spec import ClusterSpec, OptimSpec, PlanSpec, TrainSpec
+from workloads.corpus import CorpusDataConfig
+from workloads.images import ImagesDataConfig
+from workloads.vision import TorchvisionModelConfig
 
 
 @dataclass(kw_only=True)
@@ -39,6 +42,13 @@ class GPTModelConfig:
     tp: int = II("plan.tp")
     """Tensor-parallel degree the model is sharded over; follows plan.tp (the model checks that
     model.n_head divides by it, so a bad plan.tp fails in the planner, naming both)."""
+
+
+@dataclass(kw_only=True)
+class ObjectiveConfig:
+    """A shipped objective: no arguments besides its class."""
+
+    _target_: str
 
 
 @dataclass(kw_only=True)
@@ -102,7 +112,11 @@ class RunConfig:
 
     model: Any = MISSING
     """The model: ``_target_`` (a torch.nn.Module class or factory) and its arguments."""
-    data: DataSpec = field(default_factory=lambda: DataSpec(seq_len=II("model.seq_len")))
+    data: Any = MISSING
+    """The data source: ``_target_`` (a plans.workload.DataSource class) and its arguments."""
+    objective: Any = MISSING
+    """The loss: ``_target_`` of a class (instantiated with its arguments) or of a function, called
+    as ``(outputs, batch) -> loss``."""
     plan: PlanSpec = field(default_factory=PlanSpec)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     optim: OptimSpec = field(default_factory=OptimSpec)
@@ -119,7 +133,12 @@ def register_configs() -> None:
     cs.store(group="plan", name="plan_schema", node=PlanSpec)
     cs.store(group="cluster", name="cluster_schema", node=ClusterSpec)
     cs.store(group="optim", name="optim_schema", node=OptimSpec)
-    cs.store(group="data", name="data_schema", node=DataSpec)
+    cs.store(group="data", name="corpus_schema", node=CorpusDataConfig)
+    cs.store(group="data", name="images_schema", node=ImagesDataConfig)
+    cs.store(group="model", name="torchvision_schema", node=TorchvisionModelConfig)
+    cs.store(group="objective", name="causal_lm_schema", node=ObjectiveConfig(_target_="workloads.objectives.CausalLM"))
+    cs.store(group="objective", name="classification_schema",
+             node=ObjectiveConfig(_target_="workloads.objectives.Classification"))
     cs.store(group="tracking", name="tracking_schema", node=TrackingConfig)
 
 
@@ -149,8 +168,9 @@ def _unknown_keys(node: DictConfig, prefix: str) -> Iterator[str]:
 def to_typed(cfg: DictConfig) -> tuple[RunConfig, dict, str]:
     """The composed config as typed dataclasses, the model config as a plain dict, and its YAML.
 
-    The model stays a plain dict because it is instantiated through its ``_target_`` inside
-    the workers, which must not depend on Hydra's config objects.
+    The model, data and objective stay plain dicts (``typed.data``, ``typed.objective``) because
+    they are instantiated through their ``_target_``, and the workers must not depend on Hydra's
+    config objects.
     """
     unknown = list(_unknown_keys(cfg, ""))
     if unknown:
@@ -158,4 +178,6 @@ def to_typed(cfg: DictConfig) -> tuple[RunConfig, dict, str]:
     yaml = OmegaConf.to_yaml(cfg, resolve=True)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     typed = OmegaConf.to_object(cfg)
+    typed.data = OmegaConf.to_container(cfg.data, resolve=True)
+    typed.objective = OmegaConf.to_container(cfg.objective, resolve=True)
     return typed, model_cfg, yaml

@@ -32,11 +32,10 @@ from launchers.worker_group import (
     WorkerHangError,
     collective_timeout_env,
 )
-from orchestrator.checking import check_run, live_cluster
+from orchestrator.checking import checked_run, live_cluster
 from orchestrator.config import RunConfig
 from orchestrator.credentials import redact_text
-from orchestrator.inputs import corpus_fits_plan
-from orchestrator.models import model_factory, pipeline_layers_factory, split_model_config
+from orchestrator.inputs import data_fits_plan
 from orchestrator.progress import Progress
 from orchestrator.resume import checkpoint_dir_lock, signature_of
 from orchestrator.startup import StartupClock
@@ -112,26 +111,23 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
     started = clock.started
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    estimate, facts = check_run(cfg, model_cfg, cluster)
+    estimate, facts, _, workload = checked_run(cfg, model_cfg, cluster)
     plan = estimate.plan
-    corpus_fits_plan(cfg.data, plan)
+    data_fits_plan(workload.data, plan)
     if not estimate.feasible:
         if not cfg.plan.force:
             raise PlanError(_with_suggestions(estimate))
         print("warning: the planner predicts this plan does not fit; launching anyway because plan.force=true",
               file=sys.stderr)
     held.enter_context(checkpoint_dir_lock(cfg.train))
-    constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
-    factory = model_factory(constructor_cfg)
-    flops_per_sample = training_flops_per_sample(factory, cfg.data.seq_len,
+    flops_per_sample = training_flops_per_sample(workload.model_factory, workload,
                                                  checkpointing=plan.activation_checkpointing)
     ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=facts.param_count,
-                                tp_layer_specs=tp_layer_specs)
-    job = TrainJob(plan=plan, ds_config=ds_config, model_factory=factory, data=cfg.data, train=cfg.train,
+                                tp_layer_specs=workload.tp_layer_specs)
+    job = TrainJob(plan=plan, ds_config=ds_config, workload=workload, train=cfg.train,
                    env={**worker_env(plan),
                         **collective_timeout_env(cfg.train.hang_timeout_s, cfg.train.setup_timeout_s)},
-                   pipeline_layers=pipeline_layers_factory(constructor_cfg) if plan.pp > 1 else None,
-                   model_signature=signature_of(factory, constructor_cfg, cfg.train))
+                   model_signature=signature_of(workload.model_factory, workload.model_config, cfg.train))
     group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
                                  gpus_per_worker=1.0 if plan.accelerator == Accelerator.gpu else 0.0,
                                  env=job.env, wait_s=cfg.cluster.wait_s, tp=plan.tp,
@@ -263,7 +259,8 @@ def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: 
                     extra_tags: dict[str, str]) -> RunTracker:
     """A new MLflow run with the flattened resolved config as params and the configs as artifacts."""
     params = flatten({"plan": plan.as_dict(), "model": dict(model_cfg),
-                      "data": vars(cfg.data), "optim": vars(cfg.optim), "train": vars(cfg.train),
+                      "data": dict(cfg.data), "objective": dict(cfg.objective), "optim": vars(cfg.optim),
+                      "train": vars(cfg.train),
                       "cluster": {**vars(cfg.cluster), "address": address_param(cfg.cluster.address)}})
     params["model.param_count"] = str(facts.param_count)
     params.update({f"memory.predicted.{k}": str(v) for k, v in estimate.per_device.as_dict().items()})
@@ -337,20 +334,22 @@ def _report_step(reports: list[dict], plan: ResolvedPlan, progress: Progress, tr
     lead = reports[0]
     step_times = [r["step_time_s"] for r in reports]
     slowest = max(step_times)
-    tokens_per_s = sum(r["tokens_per_s"] for r in reports) / plan.tp / plan.pp
+    samples_per_s = plan.global_batch_size / slowest
     metrics = {
         "loss": lead["loss"], "lr": lead["lr"], "step_time_s": slowest,
-        "tokens_per_s": tokens_per_s,
-        "samples_per_s": plan.global_batch_size / slowest,
+        "samples_per_s": samples_per_s,
         "step_time_spread_s": slowest - min(step_times),
     }
+    tokens_per_s = None
+    if "tokens_per_s" in lead:  # data with tokens: every rank of one replica reports its replica's tokens
+        tokens_per_s = sum(r["tokens_per_s"] for r in reports) / plan.tp / plan.pp
+        metrics["tokens_per_s"] = tokens_per_s
     # Every device does an equal share of the step's FLOPs (dp splits the batch, tp the layers).
     tflops = flops_per_sample * plan.global_batch_size / slowest / plan.world_size / 1e12
     metrics["tflops_per_device"] = tflops
     if peak_tflops > 0:
         metrics["mfu"] = tflops / peak_tflops
-    if "eval_loss" in lead:
-        metrics["eval_loss"] = lead["eval_loss"]
+    metrics.update({key: value for key, value in lead.items() if key.startswith("eval_")})
     if "measured_peak_bytes" in lead:
         # The most loaded rank is what has to fit; the planner predicts that rank.
         metrics["memory/measured_peak_bytes"] = max(r["measured_peak_bytes"] for r in reports)
@@ -359,7 +358,8 @@ def _report_step(reports: list[dict], plan: ResolvedPlan, progress: Progress, tr
             metrics[f"memory/rank{r['rank']}/measured_peak_bytes"] = r["measured_peak_bytes"]
     if tracker:
         tracker.log_metrics(metrics, lead["step"])
-    progress.update(lead["step"], lead["loss"], tokens_per_s, lead.get("eval_loss"))
+    progress.update(lead["step"], lead["loss"], tokens_per_s if tokens_per_s is not None else samples_per_s,
+                    lead.get("eval_loss"), unit="tok/s" if tokens_per_s is not None else "samples/s")
 
 
 def _print_summary(result: TrainResult, tracker: RunTracker | None, out) -> None:

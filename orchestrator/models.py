@@ -13,6 +13,7 @@ from plans.depth_scaling import DEPTH_SCALED_FROM, ShallowModels
 from plans.errors import PlanError
 from plans.model_facts import ModelFacts, inspect_model, inspect_shallow, refuse_unbuildable
 from plans.spec import ClusterSpec, Offload, Precision
+from plans.workload import ModelInputs
 
 
 def build_model(model_cfg: dict) -> torch.nn.Module:
@@ -87,7 +88,7 @@ def build_at_depth(model_cfg: dict, depth: int) -> torch.nn.Module:
     return build_model({**model_cfg, DEPTH_KEY: depth})
 
 
-def inspect_declared_model(model_cfg: dict, seq_len: int, cluster: ClusterSpec, precision: Precision,
+def inspect_declared_model(model_cfg: dict, inputs: ModelInputs, cluster: ClusterSpec, precision: Precision,
                            offload_param: Offload) -> tuple[ModelFacts, ShallowModels | None]:
     """The model's facts, and its shallow copies when the planner can count from them.
 
@@ -102,7 +103,7 @@ def inspect_declared_model(model_cfg: dict, seq_len: int, cluster: ClusterSpec, 
     shallow = None
     if depth is not None:
         try:
-            facts, shallow = inspect_shallow(functools.partial(build_at_depth, model_cfg), depth, seq_len,
+            facts, shallow = inspect_shallow(functools.partial(build_at_depth, model_cfg), depth, inputs,
                                              arguments=model_cfg)
         except PlanError:  # a model with its own minimum depth: inspected at the declared one, as a small model is
             shallow = None
@@ -110,4 +111,4 @@ def inspect_declared_model(model_cfg: dict, seq_len: int, cluster: ClusterSpec, 
         refuse_unbuildable(facts, shallow, f"model.{DEPTH_KEY}", cluster, precision, offload_param)
         if shallow.exact:
             return facts, shallow
-    return inspect_model(model_factory(model_cfg), seq_len, arguments=model_cfg), None
+    return inspect_model(model_factory(model_cfg), inputs, arguments=model_cfg), None

@@ -33,10 +33,8 @@ from orchestrator.models import (
     DEPTH_KEY,
     build_model,
     inspect_declared_model,
-    model_factory,
-    pipeline_layers_factory,
-    split_model_config,
 )
+from orchestrator.workload import resolve_workload
 from plans.cost_model import Speeds
 from plans.depth_scaling import SHALLOW_DEPTHS
 from plans.errors import OrchError, PlanError, Violation
@@ -55,7 +53,6 @@ from plans.search_space import (
     trial_candidates,
 )
 from plans.spec import Accelerator, Offload, ResumeMode
-from workloads.gpt import TP_LAYER_SPECS
 
 # Models above this many parameters get their activations measured at one micro-batch size and
 # scaled (plans.search_space.BatchScaledProbe), and their FLOPs and activations counted at two
@@ -154,20 +151,21 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool) -> Sea
 
 def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, SearchContext]:
     """The search space and everything fixed during the search (the model probed once)."""
-    constructor_cfg, tp_layer_specs = split_model_config(model_cfg)
-    factory = model_factory(constructor_cfg)
-    facts, shallow = inspect_declared_model(constructor_cfg, cfg.data.seq_len, cluster, cfg.plan.precision,
+    workload = resolve_workload(model_cfg, cfg.objective, cfg.data)
+    constructor_cfg, tp_layer_specs = workload.model_config, workload.tp_layer_specs
+    facts, shallow = inspect_declared_model(constructor_cfg, workload, cluster, cfg.plan.precision,
                                             Offload.none)  # the tuner offloads to the CPU at most
-    check_model(dataclasses.replace(facts, supports_activation_checkpointing=True), cfg)
+    check_model(dataclasses.replace(facts, supports_activation_checkpointing=True), cfg, workload)
     large = facts.param_count >= _EXACT_PARAMS_LIMIT
-    probe = BatchScaledProbe(factory, cfg.data.seq_len,
-                             tp_layer_specs=TP_LAYER_SPECS if tp_layer_specs is None else tp_layer_specs,
-                             pipeline_layers=pipeline_layers_factory(constructor_cfg),
+    probe = BatchScaledProbe(workload.model_factory, workload, tp_layer_specs=tp_layer_specs,
+                             pipeline_layers=workload.pipeline_layers,
                              exact_up_to=1 if large else 64, depth_scaled=large, shallow=shallow)
     tp_degrees = [d for d in range(1, cluster.devices_per_node + 1) if cluster.devices_per_node % d == 0]
 
     @functools.cache
     def tp_problem(tp: int) -> str | None:
+        if tp > 1 and not tp_layer_specs:
+            return "the model has no tensor-parallel layer specs"
         if "n_head" in constructor_cfg:  # the built-in GPT's rule, without building the model
             return None if constructor_cfg["n_head"] % tp == 0 else "tp does not divide model.n_head"
         if "tp" not in constructor_cfg:
@@ -186,7 +184,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
         if plan.pp <= 1:
             return None
         try:
-            check_pipeline(probe, plan, model_cfg)
+            check_pipeline(probe, plan, constructor_cfg, workload.pipeline_refusal)
         except PlanError as error:
             return plan_error_reason(error)
         return None
@@ -199,7 +197,13 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, Sear
                         model_cost=measure_model_cost(probe, tp_degrees, depth_scaled=large or shallow is not None),
                         speeds=Speeds.declared(cluster),
                         build_config=ds_config, tp_problem=tp_problem, plan_problem=plan_problem)
-    return _space(cfg, cluster.world_size, facts.supports_activation_checkpointing), ctx
+    space = _space(cfg, cluster.world_size, facts.supports_activation_checkpointing)
+    # Degrees the model cannot use are left out of the search rather than ranked as failures.
+    if workload.pipeline_layers is None:
+        space = dataclasses.replace(space, pp=(1,))
+    if not tp_layer_specs:
+        space = dataclasses.replace(space, tp=(1,))
+    return space, ctx
 
 
 def _matmul_shape(probe) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from plans.depth_scaling import (
     repeated_stack,
     shallow_copy,
 )
+from plans.workload import Batch, ModelInputs, call_model, move_batch, output_tensor
 
 ModelOrFactory = torch.nn.Module | Callable[[], torch.nn.Module]
 
@@ -148,7 +149,13 @@ def _checkpoint_units(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer for m in module.modules() if isinstance(m, torch.nn.ModuleList) for layer in m]
 
 
-def _measure(module: torch.nn.Module, micro_batch_size: int, seq_len: int) -> _SavedTensors:
+def _example(inputs: ModelInputs, micro_batch_size: int, module: torch.nn.Module) -> Batch:
+    """The data source's micro-batch on meta, its floating-point tensors in the model's dtype."""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    return move_batch(inputs.example_batch(micro_batch_size), "meta", dtype)
+
+
+def _measure(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInputs) -> _SavedTensors:
     saved = _SavedTensors(list(module.parameters()))
     handles = []
     for index, layer in enumerate(_checkpoint_units(module)):
@@ -159,15 +166,14 @@ def _measure(module: torch.nn.Module, micro_batch_size: int, seq_len: int) -> _S
             saved.current_layer = None
 
         handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
-    input_ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
-    targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    batch = _example(inputs, micro_batch_size, module)
     try:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _CpuFlashAttentionOnMeta():
-            logits = module(input_ids)
-            # The loss as the trainer computes it (launchers/worker.py): cross-entropy in fp32.
-            F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        # The logits are alive while the loss is computed even when no node saved them.
-        saved.add(logits)
+            outputs = call_model(module, batch)
+            # The loss as the trainer computes it: the declared objective.
+            inputs.objective(outputs, batch)
+        # The output is alive while the loss is computed even when no node saved it.
+        saved.add(output_tensor(outputs))
     finally:
         for handle in handles:
             handle.remove()
@@ -226,7 +232,7 @@ class _LiveBytes(TorchDispatchMode):
         param.grad = None
 
 
-def _live_peaks(module: torch.nn.Module, micro_batch_size: int, seq_len: int,
+def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInputs,
                 trace: bool = False) -> tuple[int, _LiveBytes, PassTrace | None]:
     """Run forward, loss and backward on meta; the forward's peak, the tracker after backward and,
     with ``trace``, the live bytes after every allocation with each repeated layer's part."""
@@ -260,13 +266,12 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, seq_len: int,
                         output.register_hook(mark(backward_marks[k], 0))
 
             handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
-    input_ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
-    targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    batch = _example(inputs, micro_batch_size, module)
     try:
         with live, _CpuFlashAttentionOnMeta():
-            logits = module(input_ids)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            del logits
+            outputs = call_model(module, batch)
+            loss = inputs.objective(outputs, batch)
+            del outputs
             forward_peak = live.peak
             forward_done = True
             forward_end = len(live.trace) if trace else 0
@@ -285,7 +290,7 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, seq_len: int,
                                          backward=[tuple(m) for m in backward_marks])
 
 
-def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: int, seq_len: int,
+def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: int, inputs: ModelInputs,
                         dtype: torch.dtype, checkpointing: bool) -> ActivationBytes:
     """Bytes autograd saves for one micro-batch of the model's own code, measured on ``meta``.
 
@@ -298,10 +303,10 @@ def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: 
     during backward. A checkpointing model without ModuleLists is charged its whole difference
     as recompute, which is an upper bound.
     """
-    return _measure_pass(factory_or_module, micro_batch_size, seq_len, dtype, checkpointing)[0]
+    return _measure_pass(factory_or_module, micro_batch_size, inputs, dtype, checkpointing)[0]
 
 
-def measure_activations_depth_scaled(module: torch.nn.Module, *, micro_batch_size: int, seq_len: int,
+def measure_activations_depth_scaled(module: torch.nn.Module, *, micro_batch_size: int, inputs: ModelInputs,
                                      dtype: torch.dtype, checkpointing: bool) -> ActivationBytes:
     """:func:`measure_activations` of a deep model from copies cut to two shallow depths.
 
@@ -313,19 +318,19 @@ def measure_activations_depth_scaled(module: torch.nn.Module, *, micro_batch_siz
     if stack is not None:
         shallow = ShallowModels(depth=len(stack), shallow=shallow_copy(module, stack, SHALLOW_DEPTHS[0]),
                                 deeper=shallow_copy(module, stack, SHALLOW_DEPTHS[1]))
-        carried = activations_from_shallow(shallow, micro_batch_size=micro_batch_size, seq_len=seq_len,
+        carried = activations_from_shallow(shallow, micro_batch_size=micro_batch_size, inputs=inputs,
                                            dtype=dtype, checkpointing=checkpointing)
         if carried is not None:
             return carried
-    return measure_activations(module, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
+    return measure_activations(module, micro_batch_size=micro_batch_size, inputs=inputs, dtype=dtype,
                                checkpointing=checkpointing)
 
 
-def activations_from_shallow(shallow: ShallowModels, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype,
+def activations_from_shallow(shallow: ShallowModels, *, micro_batch_size: int, inputs: ModelInputs, dtype: torch.dtype,
                              checkpointing: bool) -> ActivationBytes | None:
     """:func:`measure_activations` at ``shallow.depth`` from the two shallow models' passes; None
     when a trace breaks the pattern :func:`plans.depth_scaling.peaks_at_depth` needs."""
-    (a, a_trace), (b, b_trace) = (_measure_pass(m, micro_batch_size, seq_len, dtype, checkpointing, trace=True)
+    (a, a_trace), (b, b_trace) = (_measure_pass(m, micro_batch_size, inputs, dtype, checkpointing, trace=True)
                                   for m in (shallow.shallow, shallow.deeper))
     peaks = peaks_at_depth(a_trace, b_trace, shallow.depth)
     if peaks is None:
@@ -333,20 +338,20 @@ def activations_from_shallow(shallow: ShallowModels, *, micro_batch_size: int, s
     return dataclasses.replace(extrapolate(a, b, shallow.depth), **dataclasses.asdict(peaks))
 
 
-def _measure_pass(factory_or_module: ModelOrFactory, micro_batch_size: int, seq_len: int, dtype: torch.dtype,
+def _measure_pass(factory_or_module: ModelOrFactory, micro_batch_size: int, inputs: ModelInputs, dtype: torch.dtype,
                   checkpointing: bool, trace: bool = False) -> tuple[ActivationBytes, PassTrace | None]:
-    plain = _measure(_build_on_meta(factory_or_module, dtype), micro_batch_size, seq_len)
+    plain = _measure(_build_on_meta(factory_or_module, dtype), micro_batch_size, inputs)
     module = _build_on_meta(factory_or_module, dtype)
     if checkpointing:
         _enable_checkpointing(module)
-    forward_peak, live, pass_trace = _live_peaks(module, micro_batch_size, seq_len, trace=trace)
+    forward_peak, live, pass_trace = _live_peaks(module, micro_batch_size, inputs, trace=trace)
     peaks = dict(forward_peak=forward_peak, backward_peak=live.peak, backward_peak_with_grads=live.peak_with_grads,
                  grads_at_backward_peak=live.grads_at_peak)
     if not checkpointing:
         return ActivationBytes(saved=plain.total, recompute_peak=0, **peaks), pass_trace
     checkpointed_module = _build_on_meta(factory_or_module, dtype)
     _enable_checkpointing(checkpointed_module)
-    checkpointed = _measure(checkpointed_module, micro_batch_size, seq_len)
+    checkpointed = _measure(checkpointed_module, micro_batch_size, inputs)
     recompute = max(plain.by_layer.values(), default=plain.total - checkpointed.total)
     return ActivationBytes(saved=checkpointed.total, recompute_peak=recompute, **peaks), pass_trace
 
@@ -359,13 +364,13 @@ def _enable_checkpointing(module: torch.nn.Module) -> None:
     enable()
 
 
-def saved_activation_bytes(factory_or_module: ModelOrFactory, *, micro_batch_size: int, seq_len: int,
+def saved_activation_bytes(factory_or_module: ModelOrFactory, *, micro_batch_size: int, inputs: ModelInputs,
                            dtype: torch.dtype, checkpointing: bool) -> int:
     """Peak activation bytes of one micro-batch: :attr:`ActivationBytes.peak` of the measurement.
 
     Gradients of activations in backward are transient (one layer's worth) and not included.
     """
-    return measure_activations(factory_or_module, micro_batch_size=micro_batch_size, seq_len=seq_len,
+    return measure_activations(factory_or_module, micro_batch_size=micro_batch_size, inputs=inputs,
                                dtype=dtype, checkpointing=checkpointing).peak
 
 

@@ -102,6 +102,7 @@ class ModelCost:
     (:func:`plans.model_cost.measure_model_cost`)."""
 
     seq_len: int
+    """Tokens per sample (1 for data without tokens): the rows one sample adds to the matmuls."""
     flops_per_sample: int
     """Forward + loss + backward FLOPs of one sample."""
     flops_per_sample_checkpointed: int

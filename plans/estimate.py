@@ -44,6 +44,7 @@ from plans.pipeline import (
 )
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision
+from plans.workload import ModelInputs, batch_bytes
 
 GIB = 1024**3
 # The keys of one device in `orch check --json` (``per_device`` and each of ``stages``), in bytes
@@ -172,11 +173,12 @@ class ModelProbe:
     is built at two shallow depths instead (``shallow``) and every count carried to its depth.
     """
 
-    def __init__(self, factory: Callable[[], torch.nn.Module], seq_len: int,
+    def __init__(self, factory: Callable[[], torch.nn.Module], inputs: ModelInputs,
                  tp_layer_specs: list[dict] | None = None, pipeline_layers: Callable[[], list] | None = None,
                  shallow: ShallowModels | None = None):
         self.factory = factory
-        self.seq_len = seq_len
+        self.inputs = inputs
+        """The data source's example batch and the objective the model is measured through."""
         self.tp_layer_specs = tp_layer_specs or []
         self.pipeline_layers = pipeline_layers
         """The model's pipeline layers factory (None: the model cannot be pipelined); with ``shallow``,
@@ -224,7 +226,7 @@ class ModelProbe:
 
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
                  tp: int = 1) -> ActivationBytes:
-        args = dict(micro_batch_size=micro_batch_size, seq_len=self.seq_len, dtype=_DTYPE[precision],
+        args = dict(micro_batch_size=micro_batch_size, inputs=self.inputs, dtype=_DTYPE[precision],
                     checkpointing=checkpointing)
         if self.shallow is not None:
             shallow = self.shallow if tp <= 1 else self.shallow.map(
@@ -242,7 +244,7 @@ class ModelProbe:
         if self.pipeline_layers is None:
             raise ValueError("the model declares no pipeline layers")
         def measure(layers: list) -> list[PipelineLayer]:
-            return measure_pipeline_layers(layers, micro_batch_size=micro_batch_size, seq_len=self.seq_len,
+            return measure_pipeline_layers(layers, micro_batch_size=micro_batch_size, inputs=self.inputs,
                                            dtype=_DTYPE[precision])
 
         if self.shallow is not None:  # building every layer of a deep model costs what building it does
@@ -262,9 +264,9 @@ class ModelProbe:
 
     def _split(self, micro_batch_size: int, precision: Precision, pp: int, method: str,
                micro_batches: int) -> list[PipelineStage]:
-        ids = micro_batch_size * self.seq_len * torch.tensor([], dtype=torch.long).element_size()
+        batch = batch_bytes(self.inputs.example_batch(micro_batch_size))
         return pipeline_stages(self._pipeline(micro_batch_size, precision), pp=pp, method=method,
-                               micro_batches=micro_batches, input_bytes=ids)
+                               micro_batches=micro_batches, input_bytes=batch)
 
     def persistent_params(self, ds_config: dict) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (under the persistence threshold)."""

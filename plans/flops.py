@@ -11,20 +11,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from plans.workload import ModelInputs, call_model, move_batch
 
-def training_flops_per_sample(factory: Callable[[], torch.nn.Module], seq_len: int, *,
+
+def training_flops_per_sample(factory: Callable[[], torch.nn.Module], inputs: ModelInputs, *,
                               checkpointing: bool = False) -> int:
-    """FLOPs of forward + loss + backward for one sample of ``seq_len`` tokens (linear in the batch)."""
+    """FLOPs of forward + objective + backward for one sample of the data source (linear in the batch)."""
     with torch.device("meta"):
         module = factory()
         if checkpointing:
             module.gradient_checkpointing_enable()
-        inputs = torch.zeros(1, seq_len, dtype=torch.long)
+        batch = move_batch(inputs.example_batch(1), "meta")
         with FlopCounterMode(display=False) as counter:
-            logits = module(inputs)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), inputs.reshape(-1))
+            loss = inputs.objective(call_model(module, batch), batch)
             loss.backward()
     return int(counter.get_total_flops())

@@ -17,13 +17,13 @@ import copy
 import re
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from plans.cost_model import ModelCost
 from plans.depth_scaling import SHALLOW_DEPTHS, extrapolate, repeated_stack, shallow_copy
 from plans.estimate import ModelProbe
+from plans.workload import ModelInputs, call_model, move_batch
 
 
 def _repeated_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -60,20 +60,19 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _checkpointed_pass(module: torch.nn.Module, seq_len: int) -> tuple[int, int]:
+def _checkpointed_pass(module: torch.nn.Module, inputs: ModelInputs) -> tuple[int, int]:
     """(FLOPs, ops) of forward + loss + backward with activation checkpointing on, as
     :func:`plans.flops.training_flops_per_sample` counts them."""
     module.gradient_checkpointing_enable()
-    inputs = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    batch = move_batch(inputs.example_batch(1), "meta")
     with FlopCounterMode(display=False) as counter, OpCounter() as ops:
-        logits = module(inputs)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), inputs.reshape(-1))
+        loss = inputs.objective(call_model(module, batch), batch)
         loss.backward()
     return int(counter.get_total_flops()), ops.ops
 
 
 def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled: bool = False) -> ModelCost:
-    """Count the model's FLOPs and communication sizes for one sample of ``probe.seq_len`` tokens.
+    """Count the model's FLOPs and communication sizes for one sample of the probe's data source.
 
     ``depth_scaled``: count copies of the model cut to two shallow depths and extrapolate to its
     depth (:mod:`plans.depth_scaling`), when its repeated layers are identical: the probe's own
@@ -117,10 +116,9 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
     for layer in layers:
         handles.append(layer.register_forward_hook(leave_layer))
     try:
-        inputs = torch.zeros(1, probe.seq_len, dtype=torch.long, device="meta")
+        batch = move_batch(probe.inputs.example_batch(1), "meta")
         with FlopCounterMode(display=False) as counter, OpCounter() as op_counter:
-            logits = module(inputs)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), inputs.reshape(-1))
+            loss = probe.inputs.objective(call_model(module, batch), batch)
             loss.backward()
     finally:
         for handle in handles:
@@ -128,10 +126,11 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
     flops = int(counter.get_total_flops())
     checkpointed, checkpointed_ops = flops, op_counter.ops
     if fresh is not None:
-        checkpointed, checkpointed_ops = _checkpointed_pass(fresh, probe.seq_len)
+        checkpointed, checkpointed_ops = _checkpointed_pass(fresh, probe.inputs)
     hidden = boundary[0] if boundary else 0
     return ModelCost(
-        seq_len=probe.seq_len, flops_per_sample=flops, flops_per_sample_checkpointed=checkpointed,
+        seq_len=probe.inputs.tokens_per_sample or 1, flops_per_sample=flops,
+        flops_per_sample_checkpointed=checkpointed,
         param_count=probe.stats.param_count,
         tp_param_count={tp: probe.stats_for(tp).param_count for tp in tp_degrees},
         row_parallel_out_per_sample=sizes["row_out"], row_parallel_layers=sum(k == "row" for k in kinds.values()),

@@ -13,6 +13,7 @@ from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.errors import PlanError, Violation
 from plans.memory import bytes_per_element
 from plans.spec import ClusterSpec, Offload, Precision
+from plans.workload import ModelInputs, call_model, output_tensor
 
 GIB = 1024**3
 
@@ -27,19 +28,20 @@ class ModelFacts:
     param_count: int
     """Distinct parameters (tied ones counted once)."""
     trainable_count: int
-    output_vocab: int
-    """Size of the last dimension of the logits."""
+    output_size: int
+    """Size of the last dimension of the model's output (vocabulary, classes, ...)."""
     supports_activation_checkpointing: bool
     modules: int = 0
     """``torch.nn.Module`` objects in the model: each costs a Python object and its dicts, on any
     device, when the model is built."""
 
 
-def inspect_model(factory: Callable[[], torch.nn.Module], seq_len: int,
+def inspect_model(factory: Callable[[], torch.nn.Module], inputs: ModelInputs,
                   arguments: Mapping[str, object] | None = None) -> ModelFacts:
     """Build the model on ``meta`` and run one forward pass to check its contract.
 
-    The contract: ``forward(input_ids[B, T]) -> logits[B, T, V]``. Nothing is allocated, so a
+    The contract: run on one sample of the data source (:func:`plans.workload.call_model`), its
+    output goes through the objective to a scalar loss. Nothing is allocated, so a
     model far larger than this machine is inspected in milliseconds. The model is user code: an
     exception of its constructor or forward becomes a :class:`PlanError` naming the argument its
     message names (``arguments`` is the model's config: ``_target_`` and constructor arguments).
@@ -47,10 +49,10 @@ def inspect_model(factory: Callable[[], torch.nn.Module], seq_len: int,
     arguments = arguments or {}
     with _model_code_errors(arguments, "refused its arguments"), torch.device("meta"):
         module = factory()
-    return _facts(module, seq_len, arguments)
+    return _facts(module, inputs, arguments)
 
 
-def inspect_shallow(factory_at_depth: Callable[[int], torch.nn.Module], depth: int, seq_len: int,
+def inspect_shallow(factory_at_depth: Callable[[int], torch.nn.Module], depth: int, inputs: ModelInputs,
                     arguments: Mapping[str, object] | None = None) -> tuple[ModelFacts, ShallowModels]:
     """:func:`inspect_model` of a model of ``depth`` layers, from copies built at two shallow
     depths (:class:`plans.depth_scaling.ShallowModels`): the full-depth model is never built.
@@ -61,7 +63,7 @@ def inspect_shallow(factory_at_depth: Callable[[int], torch.nn.Module], depth: i
     arguments = arguments or {}
     with _model_code_errors(arguments, "refused its arguments"):
         shallow = ShallowModels.build(factory_at_depth, depth)
-    return shallow.at_depth(lambda module: _facts(module, seq_len, arguments), keep=("output_vocab",)), shallow
+    return shallow.at_depth(lambda module: _facts(module, inputs, arguments), keep=("output_size",)), shallow
 
 
 @contextlib.contextmanager
@@ -75,23 +77,37 @@ def _model_code_errors(arguments: Mapping[str, object], what: str) -> Iterator[N
         raise PlanError([model_refusal(exc, arguments, what)]) from exc
 
 
-def _facts(module: torch.nn.Module, seq_len: int, arguments: Mapping[str, object]) -> ModelFacts:
-    what = f"failed in forward(input_ids[1, {seq_len}]) (data.seq_len={seq_len})"
+def _facts(module: torch.nn.Module, inputs: ModelInputs, arguments: Mapping[str, object]) -> ModelFacts:
+    batch = inputs.example_batch(1)
+    what = f"failed in forward({_shapes(batch)}) or its objective"
     with _model_code_errors(arguments, what), torch.device("meta"):
-        logits = module(torch.zeros(1, seq_len, dtype=torch.long))
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != (1, seq_len):
-        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise PlanError([Violation("model", shape,
-                                   f"forward(input_ids[1, {seq_len}]) must return logits [1, {seq_len}, vocab].",
-                                   "return the logits tensor from forward()")])
+        outputs = call_model(module, batch)
+        output = output_tensor(outputs)
+        loss = inputs.objective(outputs, batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise PlanError([Violation("objective", shape,
+                                   f"the objective must return a scalar loss for forward({_shapes(batch)}).",
+                                   "return one loss value (e.g. a mean over the batch) from the objective")])
     params = {id(p): p for p in module.parameters()}.values()
     return ModelFacts(
         param_count=sum(p.numel() for p in params),
         trainable_count=sum(p.numel() for p in params if p.requires_grad),
-        output_vocab=int(logits.shape[-1]),
+        output_size=int(output.shape[-1]) if output.dim() else 1,
         supports_activation_checkpointing=callable(getattr(module, "gradient_checkpointing_enable", None)),
         modules=_module_count(module),
     )
+
+
+def _shapes(batch: object) -> str:
+    """A batch's structure with its tensors' shapes: ``[1, 128]``, ``(x[1, 3, 32, 32], y[1])``."""
+    if isinstance(batch, torch.Tensor):
+        return f"[{', '.join(map(str, batch.shape))}]"
+    if isinstance(batch, Mapping):
+        return ", ".join(f"{k}={_shapes(v)}" for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        return _shapes(batch[0]) if batch else "()"
+    return type(batch).__name__
 
 
 # How much of a model's exception message a violation quotes.

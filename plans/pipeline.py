@@ -16,6 +16,7 @@ import torch
 
 from plans.activations import ActivationBytes, _CpuFlashAttentionOnMeta, _SavedTensors
 from plans.depth_scaling import SHALLOW_DEPTHS
+from plans.workload import ModelInputs, move_batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,23 +73,26 @@ def _run(spec, module: torch.nn.Module, x):
     return forward_fn(module, x) if forward_fn is not None else module(x)
 
 
-def measure_pipeline_layers(specs: list, *, micro_batch_size: int, seq_len: int,
+def measure_pipeline_layers(specs: list, *, micro_batch_size: int, inputs: ModelInputs,
                             dtype: torch.dtype) -> list[PipelineLayer]:
-    """Parameters and saved activations of every pipeline layer, on ``meta``, in order."""
-    import torch.nn.functional as F
+    """Parameters and saved activations of every pipeline layer, on ``meta``, in order.
 
+    The first layer takes the batch's inputs and the last layer's output goes through the
+    objective with the batch's targets, as DeepSpeed's pipeline engine feeds an ``(inputs,
+    targets)`` batch through the stages and its ``loss_fn``.
+    """
     modules = [_build(spec).to(dtype=dtype) for spec in specs]
     saved = _SavedTensors([p for m in modules for p in m.parameters()])
-    x = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
-    targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    batch = move_batch(inputs.example_batch(micro_batch_size), "meta", dtype)
+    x, targets = batch[0], batch[1]
     outputs = []
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _CpuFlashAttentionOnMeta():
         for index, (spec, module) in enumerate(zip(specs, modules, strict=True)):
             saved.current_layer = index
             x = _run(spec, module, x)
             outputs.append(x.numel() * x.element_size())
-        # The last stage computes the loss as the trainer does; its logits are alive meanwhile.
-        F.cross_entropy(x.float().reshape(-1, x.shape[-1]), targets.reshape(-1))
+        # The last stage computes the loss as the trainer does; its output is alive meanwhile.
+        inputs.objective(x, (None, targets))
         saved.add(x)
     layers = []
     for index, module in enumerate(modules):

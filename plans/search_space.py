@@ -143,7 +143,7 @@ class BatchScaledProbe(ModelProbe):
             if tp > 1 or self.shallow is not None:  # a shallow probe carries its counts in any case
                 return super()._measure(micro_batch_size, precision, checkpointing, tp)
             measure = measure_activations_depth_scaled if self.depth_scaled else measure_activations
-            return measure(self.module, micro_batch_size=micro_batch_size, seq_len=self.seq_len,
+            return measure(self.module, micro_batch_size=micro_batch_size, inputs=self.inputs,
                            dtype=_DTYPE[precision], checkpointing=checkpointing)
         m2 = 1 << (self.exact_up_to.bit_length() - 1)  # the largest power of two measured exactly
         high = self._activations(m2, precision, checkpointing, tp)

@@ -124,7 +124,7 @@ def field_violations(sections: Mapping[str, object], bounds: tuple[Bound, ...] =
         if section not in sections:
             continue
         spec = sections[section]
-        value = getattr(spec, name)
+        value = getattr(spec, name, None)  # a data source without this field has nothing to check
         if value is None:
             continue
         values = list(value) if isinstance(value, (list, tuple)) else [value]

@@ -67,14 +67,17 @@ def batch_targets(batch: Batch) -> torch.Tensor | None:
     return None
 
 
-def move_batch(batch: Batch, device: torch.device | str) -> Batch:
-    """``batch`` with every tensor in it on ``device`` (structure kept)."""
+def move_batch(batch: Batch, device: torch.device | str, dtype: torch.dtype | None = None) -> Batch:
+    """``batch`` with every tensor in it on ``device`` (structure kept), and its floating-point
+    tensors in ``dtype`` when given: a model trained in bf16 takes bf16 images, while token ids and
+    labels stay integers."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device)
+        cast = dtype if dtype is not None and batch.is_floating_point() else None
+        return batch.to(device=device, dtype=cast)
     if isinstance(batch, Mapping):
-        return {k: move_batch(v, device) for k, v in batch.items()}
+        return {k: move_batch(v, device, dtype) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(move_batch(v, device) for v in batch)
+        return type(batch)(move_batch(v, device, dtype) for v in batch)
     return batch
 
 
@@ -106,9 +109,10 @@ class DataSource(Protocol):
     """The smallest last output dimension a model must have for this data (vocabulary for token
     ids, class count for labels); None: no such requirement."""
 
-    def violations(self) -> list[Violation]:
+    def violations(self, samples_per_step: int = 1) -> list[Violation]:
         """Everything wrong with the declared data, found without opening more than needed;
-        checked before any worker starts. Field names are given as ``data.<field>``."""
+        checked before any worker starts. Both splits must hold ``samples_per_step`` samples (a
+        plan's step draws ``dp * micro_batch_size``). Field names are given as ``data.<field>``."""
         ...
 
     def sizes(self) -> tuple[int, int]:
@@ -160,3 +164,31 @@ class Workload:
     def loss(self, module: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """The training loss of ``module`` on ``batch``."""
         return self.objective(call_model(module, batch), batch)
+
+    def example_batch(self, batch_size: int) -> Batch:
+        """A micro-batch on ``meta``, as the data source shapes it."""
+        return self.data.example_batch(batch_size)
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        return self.data.tokens_per_sample
+
+
+class ModelInputs(Protocol):
+    """What the planner runs a model on: a :class:`Workload`, or anything with these three."""
+
+    tokens_per_sample: int | None
+    objective: Objective
+
+    def example_batch(self, batch_size: int) -> Batch: ...
+
+
+def batch_bytes(batch: Batch) -> int:
+    """Bytes of every tensor in a batch (meta tensors included: their sizes are known)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    if isinstance(batch, Mapping):
+        return sum(batch_bytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_bytes(v) for v in batch)
+    return 0

@@ -39,6 +39,16 @@ def dp_reference():
     return _REFERENCE["run"]
 
 
+def lm_inputs(seq_len: int):
+    """What the planner measures a language model with: windows of ``seq_len`` byte tokens and
+    next-token cross-entropy (the default data source and objective)."""
+    from plans.workload import Workload
+    from workloads.corpus import CorpusSource
+    from workloads.objectives import CausalLM
+
+    return Workload(model_factory=lambda: None, objective=CausalLM(), data=CorpusSource(seq_len=seq_len))
+
+
 def compose_config(*overrides: str) -> DictConfig:
     register_configs()
     with initialize_config_module("conf", version_base="1.3"):

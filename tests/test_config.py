@@ -14,6 +14,7 @@ from conftest import REPO, compose_config
 from launchers.ds_config import build_ds_config
 from orchestrator.config import ConfigError, RunConfig, to_typed
 from orchestrator.models import build_model
+from orchestrator.workload import resolve_workload
 from plans.resolve import resolve_plan
 from plans.spec import PlanSpec
 
@@ -25,28 +26,40 @@ def test_every_group_has_options():
     assert set(GROUPS) >= {"model", "data", "plan", "cluster", "optim", "tracking"}
 
 
+# Options that only make sense with others: composed together with them.
+COMPANIONS = {
+    "objective=classification": ("model=vit", "data=images"),
+    "data=images": ("model=vit", "objective=classification"),
+    "model=vit": ("data=images", "objective=classification"),
+    "model=torchvision": ("data=images", "objective=classification"),
+}
+
+
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_config_composes_and_instantiates(group, option):
-    cfg = compose_config(f"{group}={option}")
+    cfg = compose_config(f"{group}={option}", *COMPANIONS.get(f"{group}={option}", ()))
     typed, model_cfg, yaml = to_typed(cfg)
     assert isinstance(typed, RunConfig) and isinstance(typed.plan, PlanSpec)
     assert f"{group}:" in yaml
-    # On the meta device: model=gpt3_175b would need 700 GB for real.
+    # The model, objective and data source all instantiate, and the model's output on the data
+    # source's batch goes through the objective to one loss, on the meta device (model=gpt3_175b
+    # would need 700 GB for real).
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
     with torch.device("meta"):
         model = build_model(model_cfg)
-        logits = model(torch.zeros(1, typed.data.seq_len, dtype=torch.long))
+        loss = workload.loss(model, workload.example_batch(2))
     assert isinstance(model, torch.nn.Module)
-    assert logits.shape == (1, typed.data.seq_len, model_cfg["vocab_size"])
+    assert loss.shape == ()
     if group == "plan":
         # Plans that fit this machine's default cluster also generate a DeepSpeed config.
         resolved = resolve_plan(typed.plan, typed.cluster, typed.train)
-        assert build_ds_config(resolved, typed.optim, typed.train.steps)["zero_optimization"]["stage"] == \
-            typed.plan.zero_stage
+        ds_config = build_ds_config(resolved, typed.optim, typed.train.steps, tp_layer_specs=workload.tp_layer_specs)
+        assert ds_config["zero_optimization"]["stage"] == typed.plan.zero_stage
 
 
 def test_data_seq_len_follows_the_model():
     typed, _, _ = to_typed(compose_config("model.seq_len=64"))
-    assert typed.data.seq_len == 64
+    assert typed.data["seq_len"] == 64
 
 
 @pytest.mark.parametrize("override,key,schema", [

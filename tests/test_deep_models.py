@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import compose_config, worker_env
+from conftest import compose_config, lm_inputs, worker_env
 from orchestrator import models
 from orchestrator.checking import check_run
 from orchestrator.config import to_typed
@@ -96,9 +96,9 @@ def test_a_probe_of_shallow_copies_counts_the_costs_of_the_full_model():
     from workloads.gpt import TP_LAYER_SPECS
 
     cfg = {"_target_": "workloads.gpt.GPT", "n_layer": 21, "d_model": 64, "n_head": 4, "seq_len": 64}
-    _, shallow = inspect_shallow(functools.partial(models.build_at_depth, cfg), 21, 64)
-    carried = ModelProbe(models.model_factory(cfg), 64, tp_layer_specs=TP_LAYER_SPECS, shallow=shallow)
-    full = ModelProbe(models.model_factory(cfg), 64, tp_layer_specs=TP_LAYER_SPECS)
+    _, shallow = inspect_shallow(functools.partial(models.build_at_depth, cfg), 21, lm_inputs(64))
+    carried = ModelProbe(models.model_factory(cfg), lm_inputs(64), tp_layer_specs=TP_LAYER_SPECS, shallow=shallow)
+    full = ModelProbe(models.model_factory(cfg), lm_inputs(64), tp_layer_specs=TP_LAYER_SPECS)
     assert measure_model_cost(carried, [1, 2], depth_scaled=True) == measure_model_cost(full, [1, 2])
     assert "module" not in vars(carried)  # the full-depth model was never built
 

@@ -14,6 +14,7 @@ import torch  # noqa: E402
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs  # noqa: E402
 
+from conftest import lm_inputs  # noqa: E402
 from plans.activations import (  # noqa: E402
     ActivationBytes,
     gpt_activation_bytes,
@@ -356,8 +357,8 @@ def _closed_form(*, micro_batch_size: int, dtype: torch.dtype, checkpointing: bo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_measured_activations_match_closed_form(dtype, checkpointing):
-    measured = saved_activation_bytes(partial(GPT, **GPT_SHAPE), micro_batch_size=2, seq_len=GPT_SHAPE["seq_len"],
-                                      dtype=dtype, checkpointing=checkpointing)
+    measured = saved_activation_bytes(partial(GPT, **GPT_SHAPE), micro_batch_size=2,
+                                      inputs=lm_inputs(GPT_SHAPE["seq_len"]), dtype=dtype, checkpointing=checkpointing)
     expected = _closed_form(micro_batch_size=2, dtype=dtype, checkpointing=checkpointing)
     # 1%: the closed form lists every saved tensor, small fp32 statistics included, and today the
     # two agree to the byte. The slack is for a torch release that changes how an op saves a
@@ -367,7 +368,7 @@ def test_measured_activations_match_closed_form(dtype, checkpointing):
 
 
 def test_checkpointing_reduces_activations():
-    kwargs = dict(micro_batch_size=4, seq_len=GPT_SHAPE["seq_len"], dtype=torch.bfloat16)
+    kwargs = dict(micro_batch_size=4, inputs=lm_inputs(GPT_SHAPE["seq_len"]), dtype=torch.bfloat16)
     full = measure_activations(partial(GPT, **GPT_SHAPE), checkpointing=False, **kwargs)
     ckpt = measure_activations(partial(GPT, **GPT_SHAPE), checkpointing=True, **kwargs)
     assert full.recompute_peak == 0
@@ -379,8 +380,9 @@ def test_checkpointing_reduces_activations():
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_activations_scale_linearly_with_micro_batch(checkpointing):
     def measure(mbs: int) -> int:
-        return saved_activation_bytes(partial(GPT, **GPT_SHAPE), micro_batch_size=mbs, seq_len=GPT_SHAPE["seq_len"],
-                                      dtype=torch.float32, checkpointing=checkpointing)
+        return saved_activation_bytes(partial(GPT, **GPT_SHAPE), micro_batch_size=mbs,
+                                      inputs=lm_inputs(GPT_SHAPE["seq_len"]), dtype=torch.float32,
+                                      checkpointing=checkpointing)
 
     one, two, four = measure(1), measure(2), measure(4)
     # Linear up to a constant: the position indices (arange of seq_len) do not grow with the batch.
@@ -393,15 +395,15 @@ def test_attention_is_measured_as_the_cpu_flash_kernel_not_the_math_path():
     # the bytes. With flash attention activations stay linear in seq_len (up to the seq-len-sized
     # position embedding table, which is a parameter and excluded).
     def measure(t: int) -> int:
-        return saved_activation_bytes(partial(GPT, **{**GPT_SHAPE, "seq_len": t}), micro_batch_size=1, seq_len=t,
-                                      dtype=torch.float32, checkpointing=False)
+        return saved_activation_bytes(partial(GPT, **{**GPT_SHAPE, "seq_len": t}), micro_batch_size=1,
+                                      inputs=lm_inputs(t), dtype=torch.float32, checkpointing=False)
 
     assert measure(256) == pytest.approx(2 * measure(128), rel=0.01)
 
 
 def test_a_module_argument_is_left_unchanged():
     gpt = _gpt_on_meta(**GPT_SHAPE)
-    saved_activation_bytes(gpt, micro_batch_size=1, seq_len=GPT_SHAPE["seq_len"], dtype=torch.bfloat16,
+    saved_activation_bytes(gpt, micro_batch_size=1, inputs=lm_inputs(GPT_SHAPE["seq_len"]), dtype=torch.bfloat16,
                            checkpointing=True)
     assert gpt.activation_checkpointing is False
     assert gpt.embed.wte.weight.dtype == torch.float32
@@ -409,7 +411,7 @@ def test_a_module_argument_is_left_unchanged():
 
 def test_a_module_with_real_weights_is_refused():
     with pytest.raises(ValueError, match="meta device"):
-        saved_activation_bytes(torch.nn.Linear(2, 2), micro_batch_size=1, seq_len=4, dtype=torch.float32,
+        saved_activation_bytes(torch.nn.Linear(2, 2), micro_batch_size=1, inputs=lm_inputs(4), dtype=torch.float32,
                                checkpointing=False)
 
 
@@ -419,7 +421,7 @@ def test_backward_peaks_match_a_real_worker():
     # peak with gradients leaving for the bucket (ZeRO-2: 70.44 MiB, checkpointed 25.30 MiB) and
     # with gradients kept in .grad (ZeRO-1, checkpointed: 31.34 MiB).
     shape = dict(n_layer=4, d_model=256, n_head=8, seq_len=128, vocab_size=256)
-    kwargs = dict(micro_batch_size=8, seq_len=128, dtype=torch.float32)
+    kwargs = dict(micro_batch_size=8, inputs=lm_inputs(128), dtype=torch.float32)
     plain = measure_activations(partial(GPT, **shape), checkpointing=False, **kwargs)
     ckpt = measure_activations(partial(GPT, **shape), checkpointing=True, **kwargs)
     mib = 2**20

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAST, compose_config, dp_reference
+from conftest import FAST, compose_config, dp_reference, lm_inputs
 from orchestrator.checking import check_run
 from orchestrator.config import to_typed
 from orchestrator.models import pipeline_layers_factory
@@ -54,7 +54,7 @@ def test_gpt_built_whole_and_as_pipeline_layers_starts_from_the_same_weights():
 
 def test_stages_split_the_layers_as_deepspeed_does():
     specs = GPT.pipeline_layers(n_layer=4, d_model=64, n_head=2, seq_len=16)
-    layers = measure_pipeline_layers(specs, micro_batch_size=2, seq_len=16, dtype=torch.float32)
+    layers = measure_pipeline_layers(specs, micro_batch_size=2, inputs=lm_inputs(16), dtype=torch.float32)
     assert [layer.name for layer in layers] == ["Embedding", "Block", "Block", "Block", "Block", "LayerNorm",
                                                 "Embedding"]
     stages = pipeline_stages(layers, pp=2, method="type:Block", micro_batches=4)

@@ -35,7 +35,9 @@ def test_parallel_coords_refuses_impossible_layouts(rank, world, tp):
 
 def test_ds_config_shards_the_gpt_only_with_tp():
     plan = resolve_plan(PlanSpec(tp=2, dp=1, micro_batch_size=8), ClusterSpec(), TrainSpec())
-    config = build_ds_config(plan, OptimSpec(), 10)
+    with pytest.raises(ValueError, match="plan.tp=2 needs the model's tensor-parallel layer specs"):
+        build_ds_config(plan, OptimSpec(), 10)  # no default: one model's specs never shard another
+    config = build_ds_config(plan, OptimSpec(), 10, tp_layer_specs=TP_LAYER_SPECS)
     assert config["tensor_parallel"] == {
         "autotp_size": 2,
         "partition_config": {"use_default_specs": False, "layer_specs": TP_LAYER_SPECS},

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import compose_config
+from conftest import compose_config, lm_inputs
 from launchers.placement import rank_layout
 from orchestrator.config import to_typed
 from orchestrator.models import model_factory
@@ -215,10 +215,10 @@ def test_measured_model_cost_matches_counted_flops_and_the_gpt_shapes():
     from plans.estimate import ModelProbe
 
     factory = model_factory(SMALL)
-    probe = ModelProbe(factory, 128, tp_layer_specs=TP_LAYER_SPECS)
+    probe = ModelProbe(factory, lm_inputs(128), tp_layer_specs=TP_LAYER_SPECS)
     cost = measure_model_cost(probe, [1, 2, 4])
-    assert cost.flops_per_sample == training_flops_per_sample(factory, 128)
-    assert cost.flops_per_sample_checkpointed == training_flops_per_sample(factory, 128, checkpointing=True)
+    assert cost.flops_per_sample == training_flops_per_sample(factory, lm_inputs(128))
+    assert cost.flops_per_sample_checkpointed == training_flops_per_sample(factory, lm_inputs(128), checkpointing=True)
     # 2 layers: proj and mlp.proj are row-parallel (output d_model), qkv and fc column (input d_model).
     assert (cost.row_parallel_layers, cost.column_parallel_layers, cost.n_layers) == (4, 4, 2)
     assert cost.row_parallel_out_per_sample == cost.column_parallel_in_per_sample == 4 * 128 * 128
@@ -230,12 +230,12 @@ def test_batch_scaled_probe_errs_towards_not_fitting():
     """Measured at micro-batches 1 and 2, extrapolated to 8 and 16: never below the measurement, and
     within 25% of it (the proportional bound is loose for checkpointed backward peaks)."""
     factory = model_factory(SMALL)
-    probe = BatchScaledProbe(factory, 128, exact_up_to=2)
+    probe = BatchScaledProbe(factory, lm_inputs(128), exact_up_to=2)
     for ckpt in (False, True):
         for micro in (8, 16):
             plan = _plan(micro_batch_size=micro, activation_checkpointing=ckpt, precision=Precision.fp32)
             scaled = probe.activations(plan)
-            exact = measure_activations(factory, micro_batch_size=micro, seq_len=128, dtype=torch.float32,
+            exact = measure_activations(factory, micro_batch_size=micro, inputs=lm_inputs(128), dtype=torch.float32,
                                         checkpointing=ckpt)
             for name in ("saved", "forward_peak", "backward_peak", "backward_peak_with_grads"):
                 ratio = getattr(scaled, name) / getattr(exact, name)
@@ -250,7 +250,7 @@ def test_depth_scaled_counts_match_full_counts_of_a_deep_gpt():
     all-reduce sizes as counting all 12 layers."""
     from plans.estimate import ModelProbe
 
-    probe = ModelProbe(model_factory(DEEP), 128, tp_layer_specs=TP_LAYER_SPECS)
+    probe = ModelProbe(model_factory(DEEP), lm_inputs(128), tp_layer_specs=TP_LAYER_SPECS)
     assert measure_model_cost(probe, [1, 2], depth_scaled=True) == measure_model_cost(probe, [1, 2])
 
 
@@ -264,7 +264,7 @@ def test_depth_scaled_activations_match_a_full_measurement(shape, monkeypatch):
     cfg = {**DEEP, **shape}
     with torch.device("meta"):
         module = model_factory(cfg)()
-    cases = [dict(micro_batch_size=micro, seq_len=cfg["seq_len"], dtype=dtype, checkpointing=ckpt)
+    cases = [dict(micro_batch_size=micro, inputs=lm_inputs(cfg["seq_len"]), dtype=dtype, checkpointing=ckpt)
              for ckpt in (False, True) for dtype in (torch.float32, torch.bfloat16) for micro in (1, 2)]
     full = [measure_activations(module, **kwargs) for kwargs in cases]
 

@@ -100,13 +100,13 @@ def prelaunch(*overrides: str) -> None:
     """What `orch train` runs before Ray starts, in process: `orch check` runs all but the last
     line, `orch tune` starts with check_run's first part (orchestrator.inputs.check_inputs)."""
     from conftest import compose_config
-    from orchestrator.checking import check_run
+    from orchestrator.checking import checked_run
     from orchestrator.config import to_typed
-    from orchestrator.inputs import corpus_fits_plan
+    from orchestrator.inputs import data_fits_plan
 
     typed, model_cfg, _ = to_typed(compose_config(*overrides))
-    estimate, _ = check_run(typed, model_cfg)
-    corpus_fits_plan(typed.data, estimate.plan)
+    estimate, _, _, workload = checked_run(typed, model_cfg)
+    data_fits_plan(workload.data, estimate.plan)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""A byte-level text corpus and a data-parallel sharded loader over it.
+"""A byte-level text corpus: ``data=corpus``, the default data source.
 
 The shipped corpus (``corpus.txt.gz``, ~500 KB of English prose: the docstrings of the Python
 standard library, rebuilt by ``workloads/make_corpus.py``) is small enough to ship and real
@@ -9,9 +9,16 @@ it through ``data.path``.
 from __future__ import annotations
 
 import gzip
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from plans.errors import Violation
 
 SHIPPED_CORPUS = Path(__file__).with_name("corpus.txt.gz")
 BYTE_VOCAB = 256
@@ -75,52 +82,95 @@ def split(data: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.
     return data[:n_train], data[n_train:]
 
 
-class ShardedBatches:
-    """Endless micro-batches for one data-parallel rank.
+_CORPUS_FIX = "point data.path at a text file (optionally .gz), or set data.path=null for the shipped corpus"
 
-    Uses :class:`torch.utils.data.DistributedSampler`, so each dp rank reads a disjoint
-    shard; every pass over the data reshuffles with the epoch as seed, identically on all
-    ranks. :meth:`state_dict` (epoch and batches drawn in it) is what a checkpoint saves, so a
-    resumed run reads exactly the batches the interrupted one would have read next.
-    """
 
-    def __init__(self, dataset: ByteWindows, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                 shuffle: bool = True):
-        if len(dataset) < dp_size * batch_size:
-            raise ValueError(f"corpus too small: {len(dataset)} windows for dp({dp_size}) * "
-                             f"micro_batch_size({batch_size})")
-        self.sampler = torch.utils.data.DistributedSampler(
-            dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=True)
-        self.loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
-                                                  drop_last=True)
-        self.epoch = 0
-        self.position = 0
-        """Batches drawn in the current epoch."""
-        self._it = None
+@dataclass(kw_only=True)
+class CorpusDataConfig:
+    """``data=corpus``: a text file read as bytes (a vocabulary of 256)."""
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+    _target_: str = "workloads.corpus.CorpusSource"
+    path: str | None = None
+    """A text file (optionally .gz); null uses the corpus shipped with the project."""
+    seq_len: int = 128
+    """Tokens (bytes) per sample; the shipped configs tie it to model.seq_len."""
+    val_fraction: float = 0.05
+    """Tail of the corpus held out for evaluation."""
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue after ``state``: the same epoch's order, skipping the batches already drawn."""
-        self.epoch, self.position = int(state["epoch"]), 0
-        self._it = None
-        for _ in range(int(state["position"])):
-            next(self)
 
-    def __iter__(self):
-        return self
+@dataclass(frozen=True, kw_only=True)
+class CorpusSource:
+    """The corpus as a :class:`plans.workload.DataSource`: windows of ``seq_len + 1`` bytes as
+    ``(inputs, next-byte targets)`` pairs; the tail ``val_fraction`` is held out."""
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        while True:
-            if self._it is None:
-                self.sampler.set_epoch(self.epoch)
-                self._it = iter(self.loader)
-            try:
-                batch = next(self._it)
-                self.position += 1
-                return batch
-            except StopIteration:
-                self.epoch += 1
-                self.position = 0
-                self._it = None
+    path: str | None = None
+    seq_len: int = 128
+    val_fraction: float = 0.05
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.seq_len
+
+    @property
+    def required_outputs(self) -> int:
+        return BYTE_VOCAB
+
+    def violations(self, samples_per_step: int = 1) -> list[Violation]:
+        """The corpus must exist, be readable and give ``samples_per_step`` windows to both training
+        and evaluation (one step of a plan needs ``dp * micro_batch_size``)."""
+        windows = samples_per_step
+        shown = self.path if self.path else "the shipped corpus"
+        if self.path:
+            path = Path(self.path)
+            if not path.exists():
+                return [Violation("data.path", self.path, "no such file.", _CORPUS_FIX)]
+            if not path.is_file():
+                return [Violation("data.path", self.path, "is not a regular file (a directory?).", _CORPUS_FIX)]
+        if windows < 1 or self.seq_len < 1 or not 0 < self.val_fraction < 1:
+            return []  # sizes out of range are reported by the range checks; nothing to count against
+        window_bytes = windows * self.seq_len + 1
+        # Both parts of the split need window_bytes; reading more than this proves nothing more.
+        enough = math.ceil(window_bytes / min(self.val_fraction, 1 - self.val_fraction)) + 2
+        try:
+            n_bytes = byte_count(self.path, enough)
+        # Unreadable, not gzip at all (gzip.BadGzipFile is an OSError), truncated (EOFError) or corrupt (zlib.error).
+        except (OSError, EOFError, zlib.error) as error:
+            reason = (error.strerror if isinstance(error, OSError) and error.strerror
+                      else str(error) or type(error).__name__)
+            return [Violation("data.path", shown, f"cannot be read: {reason}.", _CORPUS_FIX)]
+        n_train, n_val = split_sizes(n_bytes, self.val_fraction)
+        train_windows, val_windows = window_count(n_train, self.seq_len), window_count(n_val, self.seq_len)
+        if train_windows >= windows and val_windows >= windows:
+            return []
+        arithmetic = (f"its {n_bytes:,} bytes split by data.val_fraction={self.val_fraction:g} into {n_train:,} "
+                      f"training and {n_val:,} evaluation bytes give {train_windows} and {val_windows} windows of "
+                      f"data.seq_len + 1 = {self.seq_len + 1} bytes; each part needs {windows}")
+        if train_windows >= windows:
+            return [Violation("data.val_fraction", self.val_fraction,
+                              f"the evaluation part of {shown} is too small: {arithmetic}.",
+                              "raise data.val_fraction, use a larger corpus or a smaller data.seq_len")]
+        return [Violation("data.path", shown, f"the corpus is too small: {arithmetic}.",
+                          f"use a larger corpus, or a smaller data.seq_len; {_CORPUS_FIX}")]
+
+    def sizes(self) -> tuple[int, int]:
+        n_train, n_val = split_sizes(byte_count(self.path, 1 << 62), self.val_fraction)
+        return window_count(n_train, self.seq_len), window_count(n_val, self.seq_len)
+
+    def example_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (batch_size, self.seq_len)
+        return (torch.zeros(shape, dtype=torch.long, device="meta"),
+                torch.zeros(shape, dtype=torch.long, device="meta"))
+
+    def prepare(self) -> None:
+        """Nothing to build: the corpus is read as it is."""
+
+    def datasets(self) -> tuple[ByteWindows, ByteWindows]:
+        train, val = split(load_bytes(self.path), self.val_fraction)
+        return ByteWindows(train, self.seq_len), ByteWindows(val, self.seq_len)
+
+    def collate(self) -> Callable[[list], Any] | None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        source = Path(self.path) if self.path else SHIPPED_CORPUS
+        return {"source": str(source.resolve()), "bytes": source.stat().st_size, "seq_len": self.seq_len}

@@ -147,6 +147,9 @@ class GPT(nn.Module):
     head is last) is initialized from ``layer_seed(torch.initial_seed(), i)``.
     """
 
+    tp_layer_specs = TP_LAYER_SPECS
+    """How AutoTP shards this model (read by the orchestrator; never applied to another model)."""
+
     def __init__(self, *, n_layer: int = 2, d_model: int = 128, n_head: int = 4, seq_len: int = 128,
                  vocab_size: int = 256, tie_embeddings: bool = True, tp: int = 1):
         """``tp`` is the tensor-parallel degree the model will be sharded over (the config ties it

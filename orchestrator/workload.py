@@ -1,0 +1,111 @@
+"""The user's workload, resolved once per command from the config into a :class:`plans.workload.Workload`.
+
+Every part is declared through Hydra's ``_target_``: the model (any ``torch.nn.Module`` class or
+factory), the objective (a class instantiated with its arguments, or a plain function) and the
+data source. Errors name the config key (``model.*``, ``objective.*``, ``data.*``) and are
+raised before any worker starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import get_class, get_object, instantiate
+
+from orchestrator.models import PIPELINE_LAYERS_METHOD, model_factory, pipeline_layers_factory, split_model_config
+from plans.errors import PlanError, Violation
+from plans.workload import DataSource, Objective, Workload
+
+TP_SPECS_ATTRIBUTE = "tp_layer_specs"
+"""A model class may declare how DeepSpeed's AutoTP shards it (``workloads.gpt.GPT`` does)."""
+
+
+def _target(cfg: dict, section: str) -> Any:
+    target = cfg.get("_target_") if isinstance(cfg, dict) else None
+    if not target:
+        raise PlanError([Violation(f"{section}._target_", None, f"{section} names no _target_.",
+                                   f"select a {section} option ({section}=...) or set {section}._target_")])
+    try:
+        return get_object(target)
+    except Exception as error:  # noqa: BLE001 - Hydra wraps import errors of user code in several types
+        raise PlanError([Violation(f"{section}._target_", target, f"cannot be imported: {_cause(error)}.",
+                                   "check the dotted path, and that its module is importable from the "
+                                   "working directory or an installed package")]) from None
+
+
+def _cause(error: BaseException) -> str:
+    while isinstance(error, InstantiationException) and isinstance(error.__cause__, BaseException):
+        error = error.__cause__
+    return f"{type(error).__name__}: {error}"
+
+
+def build_objective(cfg: dict) -> Objective:
+    """A class target is instantiated with the config's arguments; a function is used as it is
+    (with those arguments bound, if any)."""
+    target = _target(cfg, "objective")
+    arguments = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    if not inspect.isclass(target):
+        if not callable(target):
+            raise PlanError([Violation("objective._target_", cfg["_target_"], "is not callable.",
+                                       "name a function (outputs, batch) -> loss, or a class whose instances are")])
+        return functools.partial(target, **arguments) if arguments else target
+    try:
+        return instantiate(cfg, _convert_="all")
+    except Exception as error:  # noqa: BLE001 - the user's constructor may raise anything
+        raise PlanError([Violation("objective", cfg["_target_"], f"could not be built: {_cause(error)}.",
+                                   "fix the objective's arguments")]) from None
+
+
+def build_data_source(cfg: dict) -> DataSource:
+    """The data source the config declares (light: paths and settings; workers open the data)."""
+    _target(cfg, "data")
+    try:
+        return instantiate(cfg, _convert_="all", _recursive_=False)
+    except Exception as error:  # noqa: BLE001 - the user's constructor may raise anything
+        raise PlanError([Violation("data", cfg["_target_"], f"could not be built: {_cause(error)}.",
+                                   "fix the data source's arguments")]) from None
+
+
+def declared_tp_specs(model_cfg: dict, constructor_cfg: dict) -> tuple[list[dict] | None, str | None]:
+    """The model's AutoTP layer specs and where they come from: ``model.tp_layer_specs`` in the
+    config, else the model class's own :data:`TP_SPECS_ATTRIBUTE`; None when it has neither."""
+    _, declared = split_model_config(model_cfg)
+    if declared is not None:
+        return declared, "model.tp_layer_specs"
+    try:
+        target = get_class(constructor_cfg["_target_"])
+    except Exception:  # noqa: BLE001 - a factory function, or a target the model check reports
+        return None, None
+    specs = getattr(target, TP_SPECS_ATTRIBUTE, None)
+    if isinstance(specs, list) and specs:
+        return specs, f"{target.__name__}.{TP_SPECS_ATTRIBUTE}"
+    return None, None
+
+
+def resolve_workload(model_cfg: dict, objective_cfg: dict, data_cfg: dict) -> Workload:
+    """Model factory, objective, data source, tensor-parallel specs and pipeline layers, resolved once."""
+    constructor_cfg, _ = split_model_config(model_cfg)
+    problems: list[Violation] = []
+    built: dict[str, Any] = {}
+    for name, build, cfg in (("objective", build_objective, objective_cfg), ("data", build_data_source, data_cfg)):
+        try:
+            built[name] = build(cfg)
+        except PlanError as error:
+            problems += error.violations
+    if problems:
+        raise PlanError(problems)
+    specs, source = declared_tp_specs(model_cfg, constructor_cfg)
+    try:
+        pipeline = pipeline_layers_factory(constructor_cfg)
+    except Exception:  # noqa: BLE001 - a factory function or an unimportable target: the model check reports it
+        pipeline = None
+    refusal = None if pipeline else (
+        f"{constructor_cfg.get('_target_', 'the model')} cannot be split into pipeline stages: it has no "
+        f"{PIPELINE_LAYERS_METHOD}() classmethod returning its layers as DeepSpeed LayerSpecs")
+    return Workload(model_factory=model_factory(constructor_cfg), objective=built["objective"], data=built["data"],
+                    model_config=constructor_cfg, tp_layer_specs=specs, tp_specs_source=source,
+                    pipeline_layers=pipeline, pipeline_refusal=refusal)
+
