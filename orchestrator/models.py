@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_object, instantiate
 
 from plans.depth_scaling import DEPTH_SCALED_FROM, ShallowModels
 from plans.errors import PlanError
@@ -59,7 +59,7 @@ def pipeline_layers_factory(model_cfg: dict) -> Callable[..., list] | None:
     classmethod returning DeepSpeed ``LayerSpec`` / ``TiedLayerSpec`` objects in forward order
     (see workloads/gpt.py): each stage then builds only its own layers.
     """
-    target = get_class(model_cfg["_target_"]) if "_target_" in model_cfg else None
+    target = get_object(model_cfg["_target_"]) if "_target_" in model_cfg else None
     if target is None or not callable(getattr(target, PIPELINE_LAYERS_METHOD, None)):
         return None
     return functools.partial(build_pipeline_layers, model_cfg)

@@ -12,11 +12,19 @@ import functools
 import inspect
 from typing import Any
 
+import torch
 from hydra.errors import InstantiationException
-from hydra.utils import get_class, get_object, instantiate
+from hydra.utils import get_object, instantiate
 
-from orchestrator.models import PIPELINE_LAYERS_METHOD, model_factory, pipeline_layers_factory, split_model_config
+from orchestrator.models import (
+    PIPELINE_LAYERS_METHOD,
+    build_model,
+    model_factory,
+    pipeline_layers_factory,
+    split_model_config,
+)
 from plans.errors import PlanError, Violation
+from plans.tp_plan import specs_from_tp_plan
 from plans.workload import DataSource, Objective, Workload
 
 TP_SPECS_ATTRIBUTE = "tp_layer_specs"
@@ -71,18 +79,26 @@ def build_data_source(cfg: dict) -> DataSource:
 
 def declared_tp_specs(model_cfg: dict, constructor_cfg: dict) -> tuple[list[dict] | None, str | None]:
     """The model's AutoTP layer specs and where they come from: ``model.tp_layer_specs`` in the
-    config, else the model class's own :data:`TP_SPECS_ATTRIBUTE`; None when it has neither."""
+    config, else the model class's own :data:`TP_SPECS_ATTRIBUTE`, else the model's own
+    tensor-parallel plan (a Hugging Face model's, read off the model built on ``meta``); None
+    when it has none of them."""
     _, declared = split_model_config(model_cfg)
     if declared is not None:
         return declared, "model.tp_layer_specs"
     try:
-        target = get_class(constructor_cfg["_target_"])
+        target = get_object(constructor_cfg["_target_"])
     except Exception:  # noqa: BLE001 - a factory function, or a target the model check reports
         return None, None
     specs = getattr(target, TP_SPECS_ATTRIBUTE, None)
     if isinstance(specs, list) and specs:
         return specs, f"{target.__name__}.{TP_SPECS_ATTRIBUTE}"
-    return None, None
+    try:
+        with torch.device("meta"):
+            module = build_model(constructor_cfg)
+    except Exception:  # noqa: BLE001 - the model check reports a model that cannot be built
+        return None, None
+    specs = specs_from_tp_plan(module)
+    return (specs, f"{type(module).__name__}'s own tensor-parallel plan") if specs else (None, None)
 
 
 def resolve_workload(model_cfg: dict, objective_cfg: dict, data_cfg: dict) -> Workload:

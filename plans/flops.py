@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from plans.workload import ModelInputs, call_model, move_batch
+from plans.workload import PROBE_SAMPLES, ModelInputs, call_model, move_batch
 
 
 def training_flops_per_sample(factory: Callable[[], torch.nn.Module], inputs: ModelInputs, *,
@@ -23,8 +23,8 @@ def training_flops_per_sample(factory: Callable[[], torch.nn.Module], inputs: Mo
         module = factory()
         if checkpointing:
             module.gradient_checkpointing_enable()
-        batch = move_batch(inputs.example_batch(1), "meta")
+        batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta")
         with FlopCounterMode(display=False) as counter:
             loss = inputs.objective(call_model(module, batch), batch)
             loss.backward()
-    return int(counter.get_total_flops())
+    return int(counter.get_total_flops()) // PROBE_SAMPLES

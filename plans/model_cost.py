@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from plans.cost_model import ModelCost
 from plans.depth_scaling import SHALLOW_DEPTHS, extrapolate, repeated_stack, shallow_copy
 from plans.estimate import ModelProbe
-from plans.workload import ModelInputs, call_model, move_batch
+from plans.workload import PROBE_SAMPLES, ModelInputs, call_model, move_batch
 
 
 def _repeated_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -64,11 +64,11 @@ def _checkpointed_pass(module: torch.nn.Module, inputs: ModelInputs) -> tuple[in
     """(FLOPs, ops) of forward + loss + backward with activation checkpointing on, as
     :func:`plans.flops.training_flops_per_sample` counts them."""
     module.gradient_checkpointing_enable()
-    batch = move_batch(inputs.example_batch(1), "meta")
+    batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta")
     with FlopCounterMode(display=False) as counter, OpCounter() as ops:
         loss = inputs.objective(call_model(module, batch), batch)
         loss.backward()
-    return int(counter.get_total_flops()), ops.ops
+    return int(counter.get_total_flops()) // PROBE_SAMPLES, ops.ops
 
 
 def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled: bool = False) -> ModelCost:
@@ -116,14 +116,14 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
     for layer in layers:
         handles.append(layer.register_forward_hook(leave_layer))
     try:
-        batch = move_batch(probe.inputs.example_batch(1), "meta")
+        batch = move_batch(probe.inputs.example_batch(PROBE_SAMPLES), "meta")
         with FlopCounterMode(display=False) as counter, OpCounter() as op_counter:
             loss = probe.inputs.objective(call_model(module, batch), batch)
             loss.backward()
     finally:
         for handle in handles:
             handle.remove()
-    flops = int(counter.get_total_flops())
+    flops = int(counter.get_total_flops()) // PROBE_SAMPLES
     checkpointed, checkpointed_ops = flops, op_counter.ops
     if fresh is not None:
         checkpointed, checkpointed_ops = _checkpointed_pass(fresh, probe.inputs)
@@ -133,8 +133,9 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
         flops_per_sample_checkpointed=checkpointed,
         param_count=probe.stats.param_count,
         tp_param_count={tp: probe.stats_for(tp).param_count for tp in tp_degrees},
-        row_parallel_out_per_sample=sizes["row_out"], row_parallel_layers=sum(k == "row" for k in kinds.values()),
-        column_parallel_in_per_sample=sizes["column_in"],
+        row_parallel_out_per_sample=sizes["row_out"] // PROBE_SAMPLES,
+        row_parallel_layers=sum(k == "row" for k in kinds.values()),
+        column_parallel_in_per_sample=sizes["column_in"] // PROBE_SAMPLES,
         column_parallel_layers=sum(k == "column" for k in kinds.values()),
         boundary_per_sample=hidden, n_layers=len(layers),
         ops_per_micro_batch=op_counter.ops, ops_per_micro_batch_checkpointed=checkpointed_ops,

@@ -13,7 +13,7 @@ from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.errors import PlanError, Violation
 from plans.memory import bytes_per_element
 from plans.spec import ClusterSpec, Offload, Precision
-from plans.workload import ModelInputs, call_model, output_tensor
+from plans.workload import PROBE_SAMPLES, ModelInputs, call_model, output_tensor
 
 GIB = 1024**3
 
@@ -78,7 +78,7 @@ def _model_code_errors(arguments: Mapping[str, object], what: str) -> Iterator[N
 
 
 def _facts(module: torch.nn.Module, inputs: ModelInputs, arguments: Mapping[str, object]) -> ModelFacts:
-    batch = inputs.example_batch(1)
+    batch = inputs.example_batch(PROBE_SAMPLES)
     what = f"failed in forward({_shapes(batch)}) or its objective"
     with _model_code_errors(arguments, what), torch.device("meta"):
         outputs = call_model(module, batch)

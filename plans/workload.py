@@ -26,6 +26,10 @@ Batch = Any
 """A micro-batch as the data source yields it: a tensor, a sequence ``(inputs, targets, ...)``
 or a mapping of named tensors."""
 
+PROBE_SAMPLES = 2
+"""Samples in the batch the planner counts per-sample costs from: one sample would make a
+BatchNorm in training mode refuse the batch (it needs two values per channel)."""
+
 
 def call_model(module: torch.nn.Module, batch: Batch) -> Any:
     """Run ``module`` on ``batch`` the way Hugging Face code expects."""

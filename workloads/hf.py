@@ -1,0 +1,43 @@
+"""Hugging Face causal language models: ``model=hf_causal_lm``.
+
+Built from a config given as a dict (its ``model_type`` and sizes) or from a local directory
+written by ``save_pretrained``; never downloaded at run time. The model declares its own
+tensor-parallel plan (see :mod:`plans.tp_plan`) and supports ``gradient_checkpointing_enable()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(kw_only=True)
+class HFCausalLMConfig:
+    """``model=hf_causal_lm``: a transformers causal LM from a config or a local directory."""
+
+    _target_: str = "workloads.hf.hf_causal_lm"
+    config: dict[str, Any] | None = field(default_factory=dict)
+    """A transformers config as a dict: its model_type (llama, gpt2, mistral, ...) and its sizes."""
+    pretrained_path: str | None = None
+    """A local directory written by save_pretrained (weights and config); replaces model.config."""
+
+
+def hf_causal_lm(config: dict[str, Any] | None = None, pretrained_path: str | None = None) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if pretrained_path:
+        if config:
+            raise ValueError("model.config and model.pretrained_path are both set; set model.config={} to load "
+                             f"{pretrained_path}, or model.pretrained_path=null to build from the config")
+        return AutoModelForCausalLM.from_pretrained(pretrained_path, local_files_only=True)
+    if not config or "model_type" not in config:
+        raise ValueError("model.config needs a model_type (e.g. llama, gpt2) and the model's sizes, or set "
+                         "model.pretrained_path to a local save_pretrained directory")
+    arguments = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        hf_config = AutoConfig.for_model(config["model_type"], **arguments)
+    except ValueError as error:
+        raise ValueError(f"model.config.model_type={config['model_type']!r}: {error}") from None
+    return AutoModelForCausalLM.from_config(hf_config)
