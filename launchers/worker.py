@@ -39,15 +39,40 @@ def _digest(batch) -> str:
     return digest.hexdigest()
 
 
+def _import_module_of(dotted: str) -> None:
+    """Import the longest importable module prefix of a dotted ``_target_`` path."""
+    import importlib
+
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            importlib.import_module(".".join(parts[:end]))
+            return
+        except ImportError:
+            continue
+
+
 def _build_model(job: TrainJob):
-    """The model, built the way the plan needs: under ZeRO-3's ``zero.Init`` each rank allocates
-    only its partition of every parameter as it is created, so no rank ever holds the whole model."""
+    """The model, and how it was built.
+
+    Under ZeRO-3 it is built inside ``deepspeed.zero.Init``: each rank allocates only its
+    partition of every parameter as it is created, so no rank ever holds the whole model. That
+    needs a model that initializes each parameter inside the module that owns it (Hugging Face
+    models and the built-in GPT do); one that initializes a submodule's weights from its parent
+    after the submodule is built (torchvision's ViT does) fails there, and is built whole instead.
+    """
     if job.plan.zero_stage == 3 and job.plan.pp == 1 and job.plan.tp == 1:
         import deepspeed
 
-        with deepspeed.zero.Init(config_dict_or_path=job.ds_config):
-            return job.workload.model_factory()
-    return job.workload.model_factory()
+        # zero.Init patches tensor construction; a library imported for the first time inside it
+        # (torchvision registers tensor subclasses at import) fails, so the model's module comes first.
+        _import_module_of(job.workload.model_config.get("_target_", ""))
+        try:
+            with deepspeed.zero.Init(config_dict_or_path=job.ds_config):
+                return job.workload.model_factory(), "zero.Init"
+        except Exception as error:  # noqa: BLE001 - the model's own code, run under zero.Init
+            return job.workload.model_factory(), f"whole (zero.Init failed: {type(error).__name__}: {error})"
+    return job.workload.model_factory(), "whole"
 
 
 def enable_activation_checkpointing(module) -> None:
@@ -174,13 +199,14 @@ class TrainWorker:
         torch.manual_seed(job.train.seed)
 
         coords = parallel_coords(self.rank, world_size, plan.tp, plan.pp)
+        built = "stages"
         if plan.pp > 1:
             module = self._pipeline_module(job)
             mpu = None  # the PipelineModule's own grid is the engine's mpu
             if plan.tp > 1:
                 self._share_pipeline_groups_with_autotp(module)
         else:
-            module = _build_model(job)
+            module, built = _build_model(job)
             if plan.activation_checkpointing:
                 enable_activation_checkpointing(module)
             mpu = self._tensor_parallel_groups(coords)
@@ -193,6 +219,13 @@ class TrainWorker:
         # optimizer gets the shards.
         self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                                     config=job.ds_config, mpu=mpu)
+        self._dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision.value)
+        if self._dtype is not None:
+            # DeepSpeed casts the parameters to the training precision but leaves floating-point
+            # buffers (BatchNorm's running statistics) in fp32, which the layers then refuse.
+            for buffer in module.buffers():
+                if buffer.is_floating_point():
+                    buffer.data = buffer.data.to(self._dtype)
         if plan.pp > 1:
             self._mark_stage_parameters(module, coords)
         if plan.pp > 1 and plan.tp > 1:
@@ -216,13 +249,13 @@ class TrainWorker:
                                       seed=job.train.seed, collate=data.collate())
         self.val_batches = ShardedBatches(val_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank,
                                           dp_size=plan.dp, seed=job.train.seed, shuffle=False, collate=data.collate())
-        self._dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision.value)
         self.start_step = self._resume(job) if job.resume_tag else 0
         self.first_batch_digest: str | None = None
         self.train_batches = self._recorded(self.batches)
         return {"rank": self.rank, "pid": os.getpid(), "hostname": socket.gethostname(), "dp_rank": dp_rank,
                 "tp_rank": coords.tp_rank, "pp_rank": coords.pp_rank, "start_step": self.start_step,
                 "params_on_rank": sum(p.numel() for p in module.parameters()), "params_at_build": held_at_build,
+                "built": built,
                 "full_params": full_numel if plan.zero_stage != 3 else None,
                 "peak_tflops": _matmul_tflops(plan.precision.value, self.engine.device)}
 

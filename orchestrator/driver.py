@@ -173,6 +173,10 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
                 try:
                     result.worker_facts = group.setup(job, timeout_s=cfg.train.setup_timeout_s)
                     clock.mark("setup")
+                    built = result.worker_facts[0].get("built", "")
+                    if built.startswith("whole (zero.Init failed"):
+                        print(f"note: ZeRO-3 built the model {built}; every rank held the whole model "
+                              "while building it", file=sys.stderr)
                     if tracker:
                         tracker.log_dict({"ranks": [{k: f.get(k) for k in _REALIZED_PLACEMENT}
                                                     for f in result.worker_facts]}, "plan/placement_realized.json")
