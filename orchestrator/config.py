@@ -20,6 +20,7 @@ from plans.spec import ClusterSpec, OptimSpec, PlanSpec, TrainSpec
 from workloads.corpus import CorpusDataConfig
 from workloads.hf import HFCausalLMConfig
 from workloads.images import ImagesDataConfig
+from workloads.text import TextDataConfig
 from workloads.vision import TorchvisionModelConfig
 
 
@@ -136,6 +137,7 @@ def register_configs() -> None:
     cs.store(group="optim", name="optim_schema", node=OptimSpec)
     cs.store(group="data", name="corpus_schema", node=CorpusDataConfig)
     cs.store(group="data", name="images_schema", node=ImagesDataConfig)
+    cs.store(group="data", name="text_schema", node=TextDataConfig)
     cs.store(group="model", name="torchvision_schema", node=TorchvisionModelConfig)
     cs.store(group="model", name="hf_causal_lm_schema", node=HFCausalLMConfig)
     cs.store(group="objective", name="causal_lm_schema", node=ObjectiveConfig(_target_="workloads.objectives.CausalLM"))
