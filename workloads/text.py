@@ -122,11 +122,14 @@ class TextSource:
                 return [missing]
         if self.tokenizer is not None:
             try:
-                self._tokenizer
+                vocabulary = len(self._tokenizer)
             except Exception as error:  # noqa: BLE001 - transformers raises several types for a bad directory
                 return [Violation("data.tokenizer", self.tokenizer, f"cannot be loaded: {type(error).__name__}: "
                                   f"{str(error)[:300]}.", "point data.tokenizer at a local save_pretrained "
                                   "directory, or set data.tokenizer=null for byte tokens")]
+            if vocabulary < 1:
+                return [Violation("data.tokenizer", self.tokenizer, "has an empty vocabulary.",
+                                  "point data.tokenizer at a trained tokenizer")]
         if self.seq_len < 1 or not 0 < self.val_fraction < 1:
             return []  # reported by the range checks
         train, val = self._estimated_sizes()
