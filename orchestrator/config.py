@@ -18,6 +18,7 @@ from omegaconf import II, MISSING, DictConfig, OmegaConf
 from plans.errors import OrchError
 from plans.spec import ClusterSpec, OptimSpec, PlanSpec, TrainSpec
 from workloads.corpus import CorpusDataConfig
+from workloads.dataset import DatasetDataConfig
 from workloads.hf import HFCausalLMConfig
 from workloads.images import ImagesDataConfig
 from workloads.text import TextDataConfig
@@ -138,6 +139,7 @@ def register_configs() -> None:
     cs.store(group="data", name="corpus_schema", node=CorpusDataConfig)
     cs.store(group="data", name="images_schema", node=ImagesDataConfig)
     cs.store(group="data", name="text_schema", node=TextDataConfig)
+    cs.store(group="data", name="dataset_schema", node=DatasetDataConfig)
     cs.store(group="model", name="torchvision_schema", node=TorchvisionModelConfig)
     cs.store(group="model", name="hf_causal_lm_schema", node=HFCausalLMConfig)
     cs.store(group="objective", name="causal_lm_schema", node=ObjectiveConfig(_target_="workloads.objectives.CausalLM"))
