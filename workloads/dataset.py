@@ -114,7 +114,8 @@ class DatasetSource:
         except Exception as error:  # noqa: BLE001 - the user's samples or collate function
             return [Violation("data.collate" if self.collate_config else "data.dataset",
                               self.collate_config or self.dataset["_target_"],
-                              f"its samples cannot be batched: {type(error).__name__}: {str(error)[:300]}.", "return tensors of one shape per field, or give data.collate")]
+                              f"its samples cannot be batched: {type(error).__name__}: {str(error)[:300]}.",
+                              "return tensors of one shape per field, or give data.collate")]
         return []
 
     def sizes(self) -> tuple[int, int]:
