@@ -61,20 +61,26 @@ def tensor_parallel_section(tp: int, layer_specs: list[dict]) -> dict:
     }
 
 
+BUCKET_ALIGNMENT = 1024
+"""Bucket sizes are multiples of this many elements (a multiple of every alignment DeepSpeed asks)."""
+
+
 def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int, *,
                     param_count: int | None = None, tp_layer_specs: list[dict] | None = None) -> dict:
     """The DeepSpeed config dict for ``deepspeed.initialize(config=...)``.
 
     With ``param_count`` the communication buckets are capped at the model's size: DeepSpeed
     allocates its reduce bucket at full size (500M elements = 2 GB in fp32) whatever the model,
-    which a small model never fills.
+    which a small model never fills. The cap is rounded up to a multiple of
+    :data:`BUCKET_ALIGNMENT`: ZeRO-2 refuses a bucket that is not a multiple of its
+    alignment factor (2 to 8 elements, by dtype and world size).
 
     With ``plan.tp > 1`` the config gains a ``tensor_parallel`` section (see
     :func:`tensor_parallel_section`) sharding the layers ``tp_layer_specs`` names (the workload's:
     there is no default, a model's specs fit that model only). ``train_batch_size`` stays
     micro × accumulation × dp: the ranks of one tensor-parallel group share their batch.
     """
-    cap = param_count if param_count else REDUCE_BUCKET_SIZE
+    cap = -(-param_count // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT if param_count else REDUCE_BUCKET_SIZE
     zero: dict = {
         "stage": plan.zero_stage,
         "reduce_bucket_size": min(REDUCE_BUCKET_SIZE, cap),

@@ -1,0 +1,91 @@
+"""A user's own model, objective and Dataset, written in a directory outside this package and
+declared in their own config directory, trained through the real `orch` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import worker_env
+
+pytestmark = pytest.mark.slow
+
+USER_CODE = '''
+import torch
+import torch.nn.functional as F
+
+
+class Net(torch.nn.Module):
+    """A regression model of the user's, returning a dict as some libraries do. A dict batch is
+    passed as keyword arguments, targets included, as Hugging Face models take their labels."""
+
+    def __init__(self, features: int, hidden: int):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(),
+                                        torch.nn.Linear(hidden, 1))
+
+    def forward(self, x, y=None):
+        return {"logits": self.body(x).squeeze(-1)}
+
+
+def mse(outputs, batch):
+    return F.mse_loss(outputs["logits"], batch["y"])
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, samples: int, features: int):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(samples, features, generator=g)
+        self.y = self.x.sum(-1) / features ** 0.5
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def collate(samples):
+    return {"x": torch.stack([s["x"] for s in samples]), "y": torch.stack([s["y"] for s in samples])}
+'''
+
+
+def test_a_users_own_model_objective_and_dataset_train_from_their_config_dir(tmp_path):
+    """A dict batch reaches the model as keyword arguments (``model(**batch)``), the loss is the
+    user's function, and nothing is installed: the modules are found in the working directory."""
+    work = tmp_path / "project"
+    (work / "conf" / "model").mkdir(parents=True)
+    (work / "conf" / "objective").mkdir()
+    (work / "conf" / "data").mkdir()
+    (work / "mine.py").write_text(USER_CODE)
+    (work / "conf" / "model" / "mine.yaml").write_text("_target_: mine.Net\nfeatures: 8\nhidden: 32\n")
+    (work / "conf" / "objective" / "mine.yaml").write_text("_target_: mine.mse\n")
+    (work / "conf" / "data" / "mine.yaml").write_text(textwrap.dedent("""\
+        defaults:
+          - dataset_schema
+          - _self_
+        dataset:
+          _target_: mine.Pairs
+          samples: 512
+          features: 8
+        collate:
+          _target_: mine.collate
+        """))
+    # The installed `orch` script, run where the user's code is: nothing of theirs is installed.
+    command = [str(Path(sys.executable).with_name("orch")), "train", "--config-dir", "conf", "model=mine",
+               "objective=mine", "data=mine", "plan.zero_stage=2", "train.steps=30", "train.log_every=10",
+               "cluster.object_store_memory_gib=0.3", f"tracking.uri=sqlite:///{work / 'mlflow.db'}"]
+    done = subprocess.run(command, cwd=work, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    losses = [float(line.split("loss ")[1].split()[0]) for line in done.stderr.splitlines() + done.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < 0.85 * losses[0], losses
+    client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["plan.zero_stage"] == "2" and run.data.params["objective._target_"] == "mine.mse"
