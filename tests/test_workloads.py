@@ -1,0 +1,202 @@
+"""Workloads without training: the batch convention, the objectives, the data sources' checks
+(every bad-data case is refused before any worker starts, naming the field), tensor-parallel
+specs from a model's own plan, and what `orch check` refuses for models that cannot pipeline."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from conftest import compose_config
+from orchestrator.checking import check_run
+from orchestrator.config import to_typed
+from plans.errors import PlanError
+from plans.tp_plan import specs_from_tp_plan
+from plans.workload import batch_targets, call_model, move_batch, output_tensor
+from workloads.dataset import DatasetSource
+from workloads.images import ImageSource
+from workloads.objectives import CausalLM, Classification
+from workloads.text import TextSource
+
+
+def check(*overrides: str):
+    typed, model_cfg, _ = to_typed(compose_config(*overrides))
+    return check_run(typed, model_cfg)
+
+
+def refusal(*overrides: str) -> str:
+    with pytest.raises(PlanError) as info:
+        check(*overrides)
+    return str(info.value)
+
+
+# The batch convention and the objectives.
+
+class _Keywords(torch.nn.Module):
+    def forward(self, x, labels=None):
+        return (x * 2, "extra")
+
+
+def test_a_dict_batch_is_passed_as_keywords_and_a_pair_as_its_inputs():
+    model = _Keywords()
+    assert torch.equal(output_tensor(call_model(model, {"x": torch.ones(2), "labels": torch.zeros(2)})),
+                       torch.full((2,), 2.0))
+    assert torch.equal(output_tensor(call_model(model, (torch.ones(2), torch.zeros(2)))), torch.full((2,), 2.0))
+    assert torch.equal(batch_targets({"x": 1, "labels": torch.ones(1)}), torch.ones(1))
+    assert torch.equal(batch_targets((torch.zeros(1), torch.ones(1))), torch.ones(1))
+    moved = move_batch({"x": torch.ones(2), "ids": torch.ones(2, dtype=torch.long)}, "meta", torch.bfloat16)
+    assert moved["x"].dtype == torch.bfloat16 and moved["ids"].dtype == torch.long and moved["x"].is_meta
+
+
+def test_objectives_take_any_output_shape_and_trust_a_models_own_loss():
+    logits, labels = torch.tensor([[4.0, 0.0], [0.0, 4.0], [4.0, 0.0]]), torch.tensor([0, 1, 1])
+    loss = Classification()(logits, (None, labels))
+    assert loss.item() == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item())
+    assert Classification().metrics((logits,), (None, labels))["accuracy"].item() == pytest.approx(2 / 3)
+
+    config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(64, (2, 8))
+    with_labels = model(input_ids=ids, labels=ids)  # a ModelOutput with .loss
+    assert CausalLM()(with_labels, {"input_ids": ids, "labels": ids}) is with_labels.loss
+    plain = CausalLM()(model(ids[:, :-1]), (ids[:, :-1], ids[:, 1:]))  # .logits against shifted targets
+    assert plain.shape == () and plain.item() > 0
+
+
+# Tensor parallelism from the model's own plan, and refusals in `orch check`.
+
+def test_a_llama_models_own_plan_becomes_autotp_specs_for_every_projection():
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=4, vocab_size=256)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    specs = specs_from_tp_plan(model)
+    kinds = {}
+    for name, _ in model.named_parameters():
+        matched = [s["partition_type"] for s in specs if any(re.match(p, name) for p in s["patterns"])]
+        kinds[name] = matched[0] if matched else None
+    for proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        assert kinds[f"model.layers.1.{'self_attn' if proj[0] in 'qkv' else 'mlp'}.{proj}.weight"] == "column"
+    assert kinds["model.layers.0.self_attn.o_proj.weight"] == "row"
+    assert kinds["model.layers.0.mlp.down_proj.weight"] == "row"
+    assert kinds["model.embed_tokens.weight"] is None and kinds["model.norm.weight"] is None
+
+
+def test_pipeline_stages_are_refused_for_a_model_without_pipeline_layers():
+    message = refusal("model=hf_causal_lm", "plan.pp=2")
+    assert "plan.pp=2" in message and "pipeline_layers()" in message and "set plan.pp=1" in message
+
+
+def test_tensor_parallelism_is_refused_for_a_model_without_a_plan():
+    message = refusal("model=mlp", "data=dataset", "objective=classification", "plan.tp=2")
+    assert "plan.tp=2" in message and "declares no tensor-parallel plan" in message
+
+
+def test_a_model_with_too_few_outputs_for_the_data_is_refused():
+    message = refusal("model=vit", "data=images", "objective=classification", "model.num_classes=5")
+    assert "model.num_classes=5" in message and "needs 10 outputs" in message
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
+    tokenizer_dir = _tokenizer(tmp_path, vocabulary=300)
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("some words and more words\n" * 2000)
+    message = refusal("model=hf_causal_lm", "data=text", f"data.files=[{corpus}]", f"data.tokenizer={tokenizer_dir}",
+                      "data.seq_len=32")
+    assert "model.config.vocab_size=256" in message and "needs 300 outputs" in message
+
+
+def _tokenizer(tmp_path, vocabulary: int) -> str:
+    """A real Hugging Face tokenizer saved locally: a word-level vocabulary of the given size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, vocabulary - 3)}, "some": vocabulary - 3,
+             "words": vocabulary - 2, "and": vocabulary - 1}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory = tmp_path / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]").save_pretrained(directory)
+    return str(directory)
+
+
+# Bad data, refused before any worker starts.
+
+def test_text_files_that_cannot_work_are_refused_naming_the_field(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"body": "hello"}) + "\n")
+    assert TextSource(files=[str(tmp_path / "none.txt")]).violations()[0].field == "data.files"
+    assert "matches no file" in TextSource(files=[str(tmp_path / "*.parquet")]).violations()[0].message
+    assert "is empty" in TextSource(files=[str(empty)]).violations()[0].message
+    missing_field = TextSource(files=[str(rows)], text_field="text").violations()[0]
+    assert missing_field.field == "data.text_field" and "body" in missing_field.message
+    bad_tokenizer = TextSource(tokenizer=str(tmp_path / "no-tokenizer")).violations()[0]
+    assert bad_tokenizer.field == "data.tokenizer" and "cannot be loaded" in bad_tokenizer.message
+    assert "too little text" in TextSource(files=[str(rows)], text_field="body", seq_len=64).violations()[0].message
+
+
+def test_text_is_tokenized_once_into_a_shared_cache_and_windows_cover_it(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"line {i} of some text"}) + "\n" for i in range(400)))
+    source = TextSource(files=[str(rows)], seq_len=16, cache_dir=str(tmp_path / "cache"),
+                        tokenizer=_tokenizer(tmp_path, vocabulary=50))
+    source.prepare()
+    stamp = next((tmp_path / "cache").glob("*/done")).stat().st_mtime_ns
+    again = TextSource(files=[str(rows)], seq_len=16, cache_dir=str(tmp_path / "cache"),
+                       tokenizer=source.tokenizer)
+    again.prepare()
+    assert next((tmp_path / "cache").glob("*/done")).stat().st_mtime_ns == stamp  # reused, not rebuilt
+    train, val = again.datasets()
+    inputs, targets = train[0]
+    assert inputs.shape == targets.shape == (16,) and torch.equal(inputs[1:], targets[:-1])
+    assert len(train) > len(val) > 0
+    assert again.describe()["digest"] == source.describe()["digest"]
+    # Two data-parallel replicas read disjoint shards that cover the training windows.
+    seen = [set(torch.utils.data.DistributedSampler(train, num_replicas=2, rank=r, shuffle=True, seed=1,
+                                                    drop_last=True)) for r in (0, 1)]
+    assert not seen[0] & seen[1] and len(seen[0] | seen[1]) >= len(train) - 1
+
+
+def test_image_folders_that_cannot_work_are_refused(tmp_path):
+    from PIL import Image
+
+    assert ImageSource(path=str(tmp_path / "none")).violations()[0].field == "data.path"
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "dog").mkdir()
+    for i in range(3):
+        Image.new("RGB", (8, 8), (i, 0, 0)).save(tmp_path / "cat" / f"{i}.png")
+    assert "hold no images" in ImageSource(path=str(tmp_path)).violations()[0].message
+    (tmp_path / "dog" / "bad.png").write_bytes(b"not an image at all")
+    unreadable = ImageSource(path=str(tmp_path)).violations()
+    assert unreadable[0].value.endswith("bad.png") and "not a readable image" in unreadable[0].message
+    (tmp_path / "dog" / "bad.png").unlink()
+    Image.new("RGB", (8, 8)).save(tmp_path / "dog" / "0.png")
+    classes = ImageSource(path=str(tmp_path), num_classes=1, val_fraction=0.25).violations()
+    assert classes[0].field == "data.num_classes" and "labels would reach 1" in classes[0].message
+    good = ImageSource(path=str(tmp_path), image_size=16, val_fraction=0.25)
+    assert good.violations() == [] and good.required_outputs == 2
+    image, label = good.datasets()[0][0]
+    assert image.shape == (3, 16, 16) and label.item() in (0, 1)
+
+
+def test_the_bundled_digits_need_no_download():
+    train, val = ImageSource(image_size=32, channels=3).datasets()
+    image, label = train[0]
+    assert image.shape == (3, 32, 32) and 0 <= label.item() < 10
+    assert len(train) + len(val) == 1797 and len(val) == 179
+
+
+def test_a_users_dataset_that_cannot_work_is_refused(tmp_path):
+    broken = DatasetSource(dataset={"_target_": "workloads.dataset.GaussianBlobs", "samples": -3})
+    assert broken.violations()[0].field == "data.dataset" and "could not be built" in broken.violations()[0].message
+    missing = DatasetSource(dataset={"_target_": "no_such_module.Data"})
+    assert missing.violations()[0].field == "data.dataset"
+    tiny = DatasetSource(dataset={"_target_": "workloads.dataset.GaussianBlobs", "samples": 4})
+    assert "each part needs 8" in tiny.violations(8)[0].message
+    ok = DatasetSource(dataset={"_target_": "workloads.dataset.GaussianBlobs", "samples": 100})
+    assert ok.violations() == [] and ok.example_batch(3)[0].shape == (3, 16)
