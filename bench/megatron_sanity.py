@@ -34,7 +34,10 @@ from plans.estimate import ModelProbe  # noqa: E402
 from plans.model_cost import measure_model_cost  # noqa: E402
 from plans.resolve import resolve_plan  # noqa: E402
 from plans.spec import PlanSpec, Precision, TrainSpec  # noqa: E402
+from plans.workload import Workload  # noqa: E402
+from workloads.corpus import CorpusSource  # noqa: E402
 from workloads.gpt import TP_LAYER_SPECS  # noqa: E402
+from workloads.objectives import CausalLM  # noqa: E402
 
 # (name, heads, hidden, layers, tp, pp, GPUs, global batch, published TFLOP/s per GPU)
 CONFIGS = [
@@ -45,6 +48,11 @@ CONFIGS = [
     ("GPT-3 175B (sec. 5.1)", 96, 12288, 96, 8, 16, 1024, 1536, 140),
 ]
 SEQ, VOCAB = 2048, 51200
+
+
+def lm_inputs(seq_len: int) -> Workload:
+    """Windows of ``seq_len`` tokens and next-token cross-entropy: what the GPT is counted on."""
+    return Workload(model_factory=lambda: None, objective=CausalLM(), data=CorpusSource(seq_len=seq_len))
 
 
 def megatron_flops(batch: int, layers: int, hidden: int) -> float:
@@ -66,7 +74,7 @@ def main() -> None:
         cluster = type(typed.cluster)(**{**typed.cluster.__dict__, "nodes": gpus // 8})
         model_cfg = {"_target_": "workloads.gpt.GPT", "n_layer": layers, "d_model": hidden, "n_head": heads,
                      "seq_len": SEQ, "vocab_size": VOCAB, "tp": 1}
-        probe = ModelProbe(model_factory(model_cfg), SEQ, tp_layer_specs=TP_LAYER_SPECS)
+        probe = ModelProbe(model_factory(model_cfg), lm_inputs(SEQ), tp_layer_specs=TP_LAYER_SPECS)
         cost = measure_model_cost(probe, [tp])
         dp = gpus // (tp * pp)
         plan = resolve_plan(PlanSpec(dp=dp, tp=tp, pp=pp, zero_stage=0, activation_checkpointing=True,

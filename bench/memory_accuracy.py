@@ -113,7 +113,7 @@ def measure(overrides: list[str], tracking_uri: str) -> list[dict]:
             "measured_peak": max(r["measured_peak_bytes"] for r in ranks),
             "predicted_held": device.held + estimate.host_per_device,
             "measured_held": max(r["measured_state_bytes"] for r in ranks),
-            "non_model": non_model_bytes(run_cfg.data.path, estimate.plan.micro_batch_size, run_cfg.data.seq_len),
+            "non_model": non_model_bytes(run_cfg.data["path"], estimate.plan.micro_batch_size, run_cfg.data["seq_len"]),
             "run_id": result.run_id,
         })
     return rows

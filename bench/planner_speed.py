@@ -36,6 +36,7 @@ from bench.harness import machine, publish  # noqa: E402
 from launchers.ds_config import build_ds_config  # noqa: E402
 from orchestrator.config import register_configs, to_typed  # noqa: E402
 from orchestrator.models import model_factory  # noqa: E402
+from orchestrator.workload import resolve_workload  # noqa: E402
 from plans.estimate import ModelProbe, check_plan, estimate_plan  # noqa: E402
 from plans.resolve import resolve_plan  # noqa: E402
 from plans.spec import Offload  # noqa: E402
@@ -99,7 +100,8 @@ def main() -> None:
 
     typed, model_cfg, _ = config(8)
     started = time.perf_counter()
-    probe = ModelProbe(model_factory(model_cfg), typed.data.seq_len, tp_layer_specs=TP_LAYER_SPECS)
+    probe = ModelProbe(model_factory(model_cfg), resolve_workload(model_cfg, typed.objective, typed.data),
+                       tp_layer_specs=TP_LAYER_SPECS)
     probe.activations(resolve_plan(typed.plan, typed.cluster, typed.train))  # measured once per model
     build_s = time.perf_counter() - started
 

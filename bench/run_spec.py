@@ -34,7 +34,7 @@ def plain_job(overrides: list[str]) -> dict:
         "ds_config": build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=facts.param_count,
                                      tp_layer_specs=tp_layer_specs),
         "model": {k: v for k, v in constructor.items() if k != "_target_"},
-        "seq_len": cfg.data.seq_len, "data_path": cfg.data.path, "val_fraction": cfg.data.val_fraction,
+        "seq_len": cfg.data["seq_len"], "data_path": cfg.data["path"], "val_fraction": cfg.data["val_fraction"],
         "dp": plan.dp, "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps,
         "steps": cfg.train.steps, "log_every": cfg.train.log_every, "seed": cfg.train.seed,
         "eval_batches": cfg.train.eval_batches, "world_size": plan.world_size,

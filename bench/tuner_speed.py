@@ -60,7 +60,7 @@ def main() -> None:
     full_model = ctx.probe.module
     scaled, scaled_s = _timed(measure_model_cost, ctx.probe, tp_degrees, depth_scaled=True)
     full, full_s = _timed(measure_model_cost, ctx.probe, tp_degrees)
-    activation_args = dict(micro_batch_size=1, seq_len=ctx.model_cost.seq_len, dtype=torch.bfloat16,
+    activation_args = dict(micro_batch_size=1, inputs=ctx.probe.inputs, dtype=torch.bfloat16,
                            checkpointing=True)
     scaled_act, scaled_act_s = _timed(measure_activations_depth_scaled, full_model, **activation_args)
     full_act, full_act_s = _timed(measure_activations, full_model, **activation_args)

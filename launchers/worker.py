@@ -565,6 +565,36 @@ class TrainWorker:
             parts.append(f"--- thread {names.get(ident, ident)} ---\n" + "".join(traceback.format_stack(frame)))
         return "\n".join(parts)
 
+    def consolidated_state(self) -> dict | None:
+        """The whole model's weights on rank 0 (on CPU), None elsewhere.
+
+        ZeRO-3 gathers every partition (all ranks call this); the other stages hold the whole
+        model on every rank already. Tensor- and pipeline-parallel plans are not consolidated here.
+        """
+        import torch
+
+        from plans.workload import call_model, output_tensor
+
+        plan = self.job.plan
+        if plan.tp > 1 or plan.pp > 1:
+            return None
+        # The engine's output on one held-out batch, for checking the exported model against it.
+        batch = self._batch(next(iter(self.val_batches.loader)))
+        self.engine.eval()
+        with torch.no_grad():
+            output = output_tensor(call_model(self.engine, batch))
+        self.engine.train()
+        if plan.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state = self.engine.module.state_dict()
+        if self.rank != 0:
+            return None
+        from plans.workload import move_batch
+
+        return {"state": {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()},
+                "batch": move_batch(batch, "cpu"), "output": output.detach().float().cpu()}
+
     def shutdown(self) -> None:
         import deepspeed.comm as dist
 

@@ -231,6 +231,11 @@ class WorkerGroup:
                 stacks[rank] = f"<no stack: {type(exc).__name__}: {exc}>"
         return stacks
 
+    def consolidated_state(self, timeout_s: float = 600.0) -> dict | None:
+        """The trained weights gathered whole on rank 0 (every rank takes part in ZeRO-3's gather)."""
+        states = ray.get([actor.consolidated_state.remote() for actor in self.actors], timeout=timeout_s)
+        return states[0]
+
     def shutdown(self) -> None:
         """Stop every actor and release the placement group; safe to call twice."""
         if self._pg is None:

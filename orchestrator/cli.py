@@ -33,6 +33,7 @@ commands:
   config   print the composed config (same overrides as train)
   runs     list recent runs of tracking.experiment
   report   RUN_ID [--out DIR]: summary of a run and its plots (loss, throughput, memory)
+  export   RUN_ID [--out DIR]: the run's newest checkpoint as the model's own weights and an MLflow model
 
 exit codes: 0 success; 1 the plan does not fit (check), training failed, or an internal error
 (its traceback goes to a log file whose path is printed); 2 invalid input (config, plan, paths).
@@ -144,8 +145,27 @@ def report_app(cfg: DictConfig) -> None:
         print(f"wrote {path}")
 
 
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def export_app(cfg: DictConfig) -> None:
+    from pathlib import Path
+
+    from orchestrator.export import export_run
+
+    protect_config(cfg)
+    run_id = _OPTIONS["run_id"]
+    if not run_id:
+        print("error: orch export needs a run id: orch export RUN_ID [--out DIR] [tracking.uri=...]", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    try:
+        tag = export_run(cfg.tracking.uri, run_id, Path(_OPTIONS["out"]) if _OPTIONS["out"] else None)
+    except OrchError as error:
+        _fail(error)
+    print(f"exported {tag} of run {run_id}: runs:/{run_id}/model/mlflow_model"
+          + (f", weights in {_OPTIONS['out']}" if _OPTIONS["out"] else ""))
+
+
 COMMANDS = {"train": train_app, "check": check_app, "tune": tune_app, "config": config_app, "runs": runs_app,
-            "report": report_app}
+            "report": report_app, "export": export_app}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         i = rest.index("--out")
         _OPTIONS["out"] = rest[i + 1] if i + 1 < len(rest) else None
         rest = rest[:i] + rest[i + 2:]
-    if command == "report":
+    if command in ("report", "export"):
         plain = [a for a in rest if "=" not in a and not a.startswith("-")]
         _OPTIONS["run_id"] = plain[0] if plain else None
         rest = [a for a in rest if a not in plain[:1]]

@@ -196,6 +196,8 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
                         logged_step = reports[0]["step"]
                         _report_step(reports, plan, progress, tracker, flops_per_sample,
                                      _mean_peak(result.worker_facts))
+                    if tracker and cfg.train.export:
+                        _export(group, workload, tracker, out)
                     break
                 except (WorkerFailedError, WorkerHangError, RayActorError) as error:
                     if isinstance(error, WorkerHangError):
@@ -281,6 +283,19 @@ def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: 
                      "plan/placement.json")
     tracker.log_metrics({"memory/predicted_peak_bytes": estimate.per_device.total}, step=0)
     return tracker
+
+
+def _export(group: WorkerGroup, workload, tracker: RunTracker, out) -> None:
+    """Log the trained model to the run (data-parallel plans: see orchestrator/export.py)."""
+    from orchestrator.export import log_trained_model
+
+    exported = group.consolidated_state()
+    if exported is None:
+        print("note: the model is not exported from tensor- or pipeline-parallel plans; its checkpoints "
+              "hold the weights", file=out)
+        return
+    log_trained_model(tracker, workload, exported)
+    print(f"model logged to the run: runs:/{tracker.run_id}/model/mlflow_model", file=out)
 
 
 def _save_stacks(error: WorkerHangError, tracker: RunTracker | None, attempt: int, out) -> None:

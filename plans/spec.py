@@ -168,6 +168,9 @@ class TrainSpec:
     """Write a DeepSpeed checkpoint every this many steps, and at the last step (0: never)."""
     checkpoint_dir: str = "checkpoints"
     """Where checkpoints go (a shared path on multi-node clusters)."""
+    export: bool = True
+    """At the end of a run, log the trained model to it: consolidated weights in the model's own format
+    and an MLflow model (data-parallel plans; see `orch export` for a checkpoint)."""
     keep_checkpoints: int = 2
     """Published checkpoints kept; older ones are deleted."""
     resume: ResumeMode = ResumeMode.never

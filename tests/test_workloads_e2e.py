@@ -5,11 +5,13 @@ and a Hugging Face model sharded through its own tensor-parallel plan."""
 from __future__ import annotations
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import compose_config
 from orchestrator.config import to_typed
 from orchestrator.driver import run_training
+from plans.workload import output_tensor
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +35,29 @@ def test_each_shipped_experiment_trains_and_logs_predicted_and_measured_memory(l
     else:  # classification: no tokens, an accuracy
         assert "tokens_per_s" not in metrics and 0 <= metrics["eval_accuracy"] <= 1
         assert metrics["samples_per_s"] > 0
+    # The trained model comes out: reloaded by MLflow's own loader, it gives the engine's outputs.
+    model, check = exported_model(sqlite_uri, result.run_id)
+    weights = {a.path for a in MlflowClient(tracking_uri=sqlite_uri).list_artifacts(result.run_id, "model/weights")}
+    if experiment == "llama_text":
+        assert {"model/weights/config.json", "model/weights/model.safetensors"} <= weights  # save_pretrained
+    else:
+        assert weights == {"model/weights/model.safetensors"}
+    with torch.no_grad():
+        output = output_tensor(model(check["batch.0"]))
+    # bf16 training: the engine computed in bf16, the exported model in fp32.
+    tolerance = 1e-4 if experiment == "llama_text" else 0.1
+    torch.testing.assert_close(output, check["output"], atol=tolerance, rtol=tolerance)
+
+
+def exported_model(uri: str, run_id: str):
+    import mlflow
+    import mlflow.pytorch
+    from safetensors.torch import load_file
+
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pytorch.load_model(f"runs:/{run_id}/model/mlflow_model").eval()
+    check = load_file(MlflowClient(tracking_uri=uri).download_artifacts(run_id, "model/check.safetensors"))
+    return model, check
 
 
 def test_a_hugging_face_model_is_sharded_by_its_own_tensor_parallel_plan(local_ray, sqlite_uri):
@@ -42,3 +67,22 @@ def test_a_hugging_face_model_is_sharded_by_its_own_tensor_parallel_plan(local_r
     # Each rank holds the replicated embeddings and norms and half of every projection.
     assert all(f["params_on_rank"] < result.model.param_count for f in result.worker_facts)
     assert [f["tp_rank"] for f in result.worker_facts] == [0, 1]
+
+
+def test_orch_export_consolidates_a_sharded_checkpoint_into_the_trained_model(local_ray, sqlite_uri, tmp_path):
+    from safetensors.torch import load_model
+
+    from orchestrator.export import export_run
+    from workloads.gpt import GPT
+
+    result = train(sqlite_uri, "plan.zero_stage=2", "train.steps=10", "train.log_every=5",
+                   "train.checkpoint_every=10", f"train.checkpoint_dir={tmp_path / 'ckpt'}")
+    _, check = exported_model(sqlite_uri, result.run_id)  # the engine's output at the end of the run
+    assert export_run(sqlite_uri, result.run_id, tmp_path / "out") == "step_000000010"
+    model = GPT()
+    load_model(model, str(tmp_path / "out" / "model.safetensors"))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(check["batch.0"]), check["output"], atol=1e-5, rtol=1e-5)
+    reloaded, _ = exported_model(sqlite_uri, result.run_id)  # the export replaced the logged model
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(check["batch.0"]), check["output"], atol=1e-5, rtol=1e-5)
