@@ -200,3 +200,23 @@ def test_a_users_dataset_that_cannot_work_is_refused(tmp_path):
     assert "each part needs 8" in tiny.violations(8)[0].message
     ok = DatasetSource(dataset={"_target_": "workloads.dataset.GaussianBlobs", "samples": 100})
     assert ok.violations() == [] and ok.example_batch(3)[0].shape == (3, 16)
+
+
+FULL_SIZE = {
+    "vit_b_16": ["experiment=vit_zero3_bf16", "model.patch_size=16", "model.num_layers=12", "model.num_heads=12",
+                 "model.hidden_dim=768", "model.mlp_dim=3072", "model.num_classes=1000", "data.image_size=224"],
+    "resnet50": ["experiment=resnet50_bf16", "model.num_classes=1000", "data.image_size=224"],
+    "llama_7b": ["experiment=llama_text", "model.config.hidden_size=4096", "model.config.intermediate_size=11008",
+                 "model.config.num_hidden_layers=32", "model.config.num_attention_heads=32",
+                 "model.config.num_key_value_heads=32", "model.config.vocab_size=32000",
+                 "model.config.tie_word_embeddings=false"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FULL_SIZE))
+def test_the_experiments_full_size_counterparts_are_planned_for_a_gpu_cluster(name):
+    """The `orch check` commands the experiment files document, at the models' published sizes
+    (torchvision's model cards for ViT-B/16 and ResNet-50, Llama 2 7B's parameter count)."""
+    estimate, facts = check(*FULL_SIZE[name], "cluster=a100_8x")
+    expected = {"vit_b_16": 86_567_656, "resnet50": 25_557_032, "llama_7b": 6_738_415_616}[name]
+    assert facts.param_count == expected and estimate.feasible
