@@ -123,5 +123,7 @@ def _log_model(tracker, model: torch.nn.Module) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         weights = save_weights(model, Path(tmp) / "weights")
         tracker.client.log_artifacts(tracker.run_id, str(weights), "model/weights")
-        mlflow.pytorch.save_model(model, str(Path(tmp) / "mlflow_model"))
+        # MLflow's pickle format: it loads for any model and batch shape (the "pt2" format needs an
+        # example input and fixes its shapes). Loading it unpickles; model/weights is the safe copy.
+        mlflow.pytorch.save_model(model, str(Path(tmp) / "mlflow_model"), serialization_format="pickle")
         tracker.client.log_artifacts(tracker.run_id, str(Path(tmp) / "mlflow_model"), "model/mlflow_model")
