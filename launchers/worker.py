@@ -20,6 +20,8 @@ import traceback
 import warnings
 from collections.abc import Iterator
 
+from launchers.devices import DeviceMapping
+from launchers.gpu_worker import accelerator_ids, use_device
 from launchers.job import TrainJob
 from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
@@ -149,6 +151,7 @@ class TrainWorker:
 
     def __init__(self):
         self.engine = None
+        self.device_mapping: DeviceMapping | None = None
         self.start_step = 0
         self.progress_step = 0
         """The last optimizer step this rank finished (read by the driver's hang detection)."""
@@ -167,6 +170,14 @@ class TrainWorker:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+    def accelerator_ids(self) -> tuple[str, list[str]]:
+        """This actor's node and the GPU ids Ray gave it (:func:`launchers.gpu_worker.accelerator_ids`)."""
+        return accelerator_ids()
+
+    def use_devices(self, mapping: DeviceMapping) -> None:
+        """Remember this rank's GPU mapping; :meth:`setup` applies it before the process group starts."""
+        self.device_mapping = mapping
 
     def setup(self, job: TrainJob, slot: RankSlot, world_size: int, master_addr: str, master_port: int) -> dict:
         """Join the process group and build the DeepSpeed engine; returns facts for the driver."""
@@ -194,6 +205,8 @@ class TrainWorker:
         self.job = job
         plan = job.plan
         backend = "gloo" if plan.accelerator.value == "cpu" else "nccl"
+        if self.device_mapping is not None:
+            use_device(self.device_mapping)
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         unlink_shared_memory_buffers(master_addr, master_port)
         torch.manual_seed(job.train.seed)

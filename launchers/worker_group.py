@@ -15,6 +15,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from launchers.gpu_sharing import share_gpus
 from launchers.job import TrainJob
 from launchers.placement import RankSlot, assign_ranks, straddling_groups
 from launchers.worker import TrainWorker
@@ -145,7 +146,10 @@ class WorkerGroup:
                     "cluster's free devices are spread unevenly over its nodes. Fix: free whole nodes, "
                     "or set plan.tp to a divisor of the free devices of every node")
             order = sorted(range(len(actors)), key=lambda i: slots[i].rank)
-            return cls(spec, pg, [actors[i] for i in order], [slots[i] for i in order])
+            actors, slots = [actors[i] for i in order], [slots[i] for i in order]
+            if spec.gpus_per_worker:
+                slots = share_gpus(actors, slots)
+            return cls(spec, pg, actors, slots)
         except BaseException:
             for actor in actors:
                 ray.kill(actor)

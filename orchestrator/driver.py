@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import tempfile
 import time
@@ -20,6 +21,7 @@ from ray.exceptions import RayActorError
 from launchers.checkpoint import Published, resumable
 from launchers.ds_config import build_ds_config
 from launchers.job import TrainJob
+from launchers.passthrough import passthrough_env
 from launchers.placement import placement_strategy, rank_layout
 from launchers.ray_session import ray_session
 from launchers.universal import convert as convert_to_universal
@@ -79,7 +81,7 @@ class TrainResult:
 
 
 def worker_env(plan: ResolvedPlan) -> dict[str, str]:
-    env = {"PYTHONUNBUFFERED": "1"}
+    env = {"PYTHONUNBUFFERED": "1", **passthrough_env(os.environ)}
     if plan.accelerator == Accelerator.cpu:
         env["DS_ACCELERATOR"] = "cpu"
     return env

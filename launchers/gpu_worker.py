@@ -1,0 +1,32 @@
+"""The worker's side of the GPU mapping: report what Ray assigned, then use the mapped device.
+
+Apart from :mod:`launchers.devices` because these touch the process (Ray's runtime context,
+``os.environ``, CUDA); the decisions stay pure there.
+"""
+
+from __future__ import annotations
+
+import os
+
+from launchers.devices import DeviceMapping
+
+
+def accelerator_ids() -> tuple[str, list[str]]:
+    """This actor's node id and the GPU ids Ray assigned to it (empty on a CPU actor)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return context.get_node_id(), list(context.get_accelerator_ids().get("GPU", []))
+
+
+def use_device(mapping: DeviceMapping) -> None:
+    """Make the node's shared GPUs visible and select this rank's own one.
+
+    Must run before anything initialises CUDA in the process (CUDA reads
+    ``CUDA_VISIBLE_DEVICES`` once) and before ``deepspeed.init_distributed``, whose NCCL
+    communicator binds to the current device.
+    """
+    os.environ.update(mapping.env())
+    import torch
+
+    torch.cuda.set_device(mapping.device_index)

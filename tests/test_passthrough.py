@@ -1,0 +1,25 @@
+"""The driver's NCCL/CUDA/transport variables reach the workers; credentials and the device list do not."""
+
+from conftest import compose_config
+from launchers.passthrough import passthrough_env
+from orchestrator.config import to_typed
+from orchestrator.driver import worker_env
+from plans.resolve import resolve_plan
+
+
+def test_communication_variables_pass_and_others_do_not():
+    environ = {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+               "CUDA_DEVICE_MAX_CONNECTIONS": "1", "UCX_TLS": "rc", "FI_PROVIDER": "efa",
+               "CUDA_VISIBLE_DEVICES": "0,1", "HOME": "/root", "PATH": "/bin",
+               "NCCL_IB_TOKEN": "t", "UCX_SECRET": "s", "FI_PASSWORD": "p", "CUDA_API_KEY": "k"}
+    assert passthrough_env(environ) == {
+        "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1", "UCX_TLS": "rc", "FI_PROVIDER": "efa"}
+
+
+def test_the_driver_s_worker_env_includes_them(monkeypatch):
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    monkeypatch.setenv("NCCL_AUTH_TOKEN", "never")
+    cfg, _, _ = to_typed(compose_config())
+    env = worker_env(resolve_plan(cfg.plan, cfg.cluster, cfg.train))
+    assert env["NCCL_DEBUG"] == "WARN" and "NCCL_AUTH_TOKEN" not in env
