@@ -18,6 +18,8 @@ index), so the model built whole and the model built stage by stage start from t
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,14 +53,30 @@ def _init_weights(module: nn.Module) -> None:
 
 
 def _initialize(module: nn.Module, seed: int | None) -> nn.Module:
-    """Initialize ``module``'s weights from ``seed`` without disturbing the global RNG."""
-    if seed is None:
-        module.apply(_init_weights)
-        return module
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        module.apply(_init_weights)
+    """Initialize ``module``'s weights from ``seed`` without disturbing the global RNG.
+
+    Built under ``deepspeed.zero.Init`` (ZeRO-3), the children's parameters are already
+    partitioned here: they are gathered for the initialization (DeepSpeed's documented way to
+    modify partitioned parameters), so every rank's shard is cut from the same seeded values.
+    """
+    with _gathered(module):
+        if seed is None:
+            module.apply(_init_weights)
+            return module
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module.apply(_init_weights)
     return module
+
+
+def _gathered(module: nn.Module):
+    """A context in which ZeRO-3 partitioned parameters of ``module`` are whole and writable."""
+    partitioned = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
 
 
 class CausalSelfAttention(nn.Module):
