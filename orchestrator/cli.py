@@ -125,6 +125,16 @@ def runs_app(cfg: DictConfig) -> None:
         _fail(error)
 
 
+def _required_run_id(command: str) -> str:
+    """The RUN_ID argument of `orch report` / `orch export`; exit 2 naming the usage without one."""
+    run_id = _OPTIONS["run_id"]
+    if not run_id:
+        print(f"error: orch {command} needs a run id: orch {command} RUN_ID [--out DIR] [tracking.uri=...]",
+              file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    return run_id
+
+
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def report_app(cfg: DictConfig) -> None:
     from pathlib import Path
@@ -132,10 +142,7 @@ def report_app(cfg: DictConfig) -> None:
     from orchestrator.report import report_command
 
     protect_config(cfg)
-    run_id = _OPTIONS["run_id"]
-    if not run_id:
-        print("error: orch report needs a run id: orch report RUN_ID [tracking.uri=...]", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+    run_id = _required_run_id("report")
     try:
         text, plots = report_command(cfg.tracking.uri, run_id, Path(_OPTIONS["out"] or f"reports/{run_id}"))
     except OrchError as error:
@@ -152,10 +159,7 @@ def export_app(cfg: DictConfig) -> None:
     from orchestrator.export import export_run
 
     protect_config(cfg)
-    run_id = _OPTIONS["run_id"]
-    if not run_id:
-        print("error: orch export needs a run id: orch export RUN_ID [--out DIR] [tracking.uri=...]", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+    run_id = _required_run_id("export")
     try:
         tag = export_run(cfg.tracking.uri, run_id, Path(_OPTIONS["out"]) if _OPTIONS["out"] else None)
     except OrchError as error:

@@ -220,3 +220,19 @@ def test_the_experiments_full_size_counterparts_are_planned_for_a_gpu_cluster(na
     estimate, facts = check(*FULL_SIZE[name], "cluster=a100_8x")
     expected = {"vit_b_16": 86_567_656, "resnet50": 25_557_032, "llama_7b": 6_738_415_616}[name]
     assert facts.param_count == expected and estimate.feasible
+
+
+def test_orch_export_needs_a_run_and_refuses_an_unknown_one(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import worker_env
+
+    def orch(*args):
+        return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=worker_env(),
+                              capture_output=True, text=True, timeout=120)
+
+    missing = orch("export")
+    assert missing.returncode == 2 and "orch export needs a run id" in missing.stderr
+    unknown = orch("export", "0123456789abcdef", f"tracking.uri=sqlite:///{tmp_path / 'none.db'}")
+    assert unknown.returncode == 2 and "Traceback" not in unknown.stderr, unknown.stderr
