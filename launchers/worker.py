@@ -606,7 +606,7 @@ class TrainWorker:
         from plans.workload import move_batch
 
         return {"state": {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()},
-                "batch": move_batch(batch, "cpu"), "output": output.detach().float().cpu()}
+                "batch": move_batch(batch, "cpu", torch.float32), "output": output.detach().float().cpu()}
 
     def shutdown(self) -> None:
         import deepspeed.comm as dist
