@@ -183,15 +183,3 @@ class TrainSpec:
     setup_timeout_s: float = 1800.0
     """The same for the workers' setup before the first step: rendezvous, DeepSpeed's JIT op
     builds (minutes on a fresh machine), model construction and checkpoint loading (0 disables)."""
-
-
-@dataclass(kw_only=True)
-class DataSpec:
-    """The training corpus, read as bytes (vocabulary of 256)."""
-
-    path: str | None = None
-    """A text file (optionally .gz); null uses the corpus shipped with the project."""
-    seq_len: int = 128
-    """Tokens per sample; the built-in configs tie it to model.seq_len."""
-    val_fraction: float = 0.05
-    """Tail of the corpus held out for evaluation."""
