@@ -225,7 +225,7 @@ class TrainWorker:
             mpu = self._tensor_parallel_groups(coords)
         full_numel = sum(p.numel() for p in module.parameters())
         # What this rank holds right after construction (ZeRO-3 partitions: only its share).
-        held_at_build = sum(p.numel() for p in module.parameters()) if plan.zero_stage != 3 else sum(
+        held_at_build = full_numel if plan.zero_stage != 3 else sum(
             p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in module.parameters())
         # With plan.tp > 1 the config's tensor_parallel section makes initialize() shard the model
         # (AutoTP) before ZeRO wraps it; the parameter generator is read after that, so the
@@ -256,12 +256,13 @@ class TrainWorker:
         data = job.workload.data
         data.prepare()
         train_set, val_set = data.datasets()
+        collate = data.collate()
         # The ranks of one tensor-parallel group hold shards of one replica: they read the same batch.
         dp_rank = coords.dp_rank
         self.batches = ShardedBatches(train_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank, dp_size=plan.dp,
-                                      seed=job.train.seed, collate=data.collate())
+                                      seed=job.train.seed, collate=collate)
         self.val_batches = ShardedBatches(val_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank,
-                                          dp_size=plan.dp, seed=job.train.seed, shuffle=False, collate=data.collate())
+                                          dp_size=plan.dp, seed=job.train.seed, shuffle=False, collate=collate)
         self.start_step = self._resume(job) if job.resume_tag else 0
         self.first_batch_digest: str | None = None
         self.train_batches = self._recorded(self.batches)
@@ -269,7 +270,6 @@ class TrainWorker:
                 "tp_rank": coords.tp_rank, "pp_rank": coords.pp_rank, "start_step": self.start_step,
                 "params_on_rank": sum(p.numel() for p in module.parameters()), "params_at_build": held_at_build,
                 "built": built,
-                "full_params": full_numel if plan.zero_stage != 3 else None,
                 "peak_tflops": _matmul_tflops(plan.precision.value, self.engine.device)}
 
     def _pipeline_module(self, job: TrainJob):
@@ -586,7 +586,7 @@ class TrainWorker:
         """
         import torch
 
-        from plans.workload import call_model, output_tensor
+        from plans.workload import call_model, move_batch, output_tensor
 
         plan = self.job.plan
         if plan.tp > 1 or plan.pp > 1:
@@ -603,8 +603,6 @@ class TrainWorker:
             state = self.engine.module.state_dict()
         if self.rank != 0:
             return None
-        from plans.workload import move_batch
-
         return {"state": {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()},
                 "batch": move_batch(batch, "cpu", torch.float32), "output": output.detach().float().cpu()}
 

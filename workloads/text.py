@@ -163,9 +163,7 @@ class TextSource:
 
     def _estimated_sizes(self) -> tuple[int, int]:
         total = sum(p.stat().st_size for p in self.paths)
-        windows = max((total - 1) // self.seq_len, 0)
-        n_val = int(windows * self.val_fraction)
-        return windows - n_val, n_val
+        return self._split(max((total - 1) // self.seq_len, 0))
 
     def sizes(self) -> tuple[int, int]:
         return self._split(len(self._table()))
