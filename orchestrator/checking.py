@@ -152,7 +152,8 @@ def checked_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = N
     facts, shallow = inspect_declared_model(constructor_cfg, workload, cluster, plan.precision, plan.offload_param)
     check_model(facts, cfg, workload)
     probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs,
-                       pipeline_layers=workload.pipeline_layers, shallow=shallow)
+                       pipeline_layers=workload.pipeline_layers, shallow=shallow,
+                       weight_file_bytes=workload.weight_file_bytes)
     if plan.tp > 1:
         check_tensor_parallel(probe, plan, workload)
     if plan.pp > 1:
@@ -258,6 +259,9 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
     lines += [f"  {'total':<20}{_fmt(h.total)}", f"  {'capacity':<20}{_fmt(h.capacity)}"]
     if h.nvme:
         lines.append(f"  {'on NVMe':<20}{_fmt(h.nvme)}  (plan.nvme_path={p.nvme_path})")
+    if (b := estimate.build) is not None:
+        lines.append(f"  {'building the model':<20}{_fmt(b.total)}  ({b.workers} worker(s) x {b.how}"
+                     + (f" + {_fmt(b.weights).strip()} of weight files" if b.weights else "") + ")")
     lines.append("")
     lines += _placement_lines(rank_layout(p.world_size, cluster.devices_per_node, p.tp, p.pp)) + [""]
     if estimate.feasible:

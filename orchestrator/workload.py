@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,8 +25,11 @@ from orchestrator.models import (
     split_model_config,
 )
 from plans.errors import PlanError, Violation
-from plans.tp_plan import specs_from_tp_plan
+from plans.tp_plan import specs_from_deepspeed_preset, specs_from_tp_plan
 from plans.workload import DataSource, Objective, Workload
+
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+"""Files a model's constructor may load weights from (torch and safetensors checkpoints)."""
 
 TP_SPECS_ATTRIBUTE = "tp_layer_specs"
 """A model class may declare how DeepSpeed's AutoTP shards it (``workloads.gpt.GPT`` does)."""
@@ -80,8 +84,8 @@ def build_data_source(cfg: dict) -> DataSource:
 def declared_tp_specs(model_cfg: dict, constructor_cfg: dict) -> tuple[list[dict] | None, str | None]:
     """The model's AutoTP layer specs and where they come from: ``model.tp_layer_specs`` in the
     config, else the model class's own :data:`TP_SPECS_ATTRIBUTE`, else the model's own
-    tensor-parallel plan (a Hugging Face model's, read off the model built on ``meta``); None
-    when it has none of them."""
+    tensor-parallel plan (a Hugging Face model's, read off the model built on ``meta``), else
+    DeepSpeed's AutoTP preset for its architecture; None when it has none of them."""
     _, declared = split_model_config(model_cfg)
     if declared is not None:
         return declared, "model.tp_layer_specs"
@@ -98,7 +102,25 @@ def declared_tp_specs(model_cfg: dict, constructor_cfg: dict) -> tuple[list[dict
     except Exception:  # noqa: BLE001 - the model check reports a model that cannot be built
         return None, None
     specs = specs_from_tp_plan(module)
-    return (specs, f"{type(module).__name__}'s own tensor-parallel plan") if specs else (None, None)
+    if specs:
+        return specs, f"{type(module).__name__}'s own tensor-parallel plan"
+    preset = specs_from_deepspeed_preset(module)
+    if preset is not None:
+        return preset[0], f"DeepSpeed's AutoTP preset '{preset[1]}'"
+    return None, None
+
+
+def weight_file_bytes(constructor_cfg: dict) -> int:
+    """Bytes of the weight files named by the model's arguments: a local file, or the weight files
+    of a local directory (a ``save_pretrained`` directory holds its shards at the top level)."""
+    total = 0
+    for value in constructor_cfg.values():
+        if not isinstance(value, str) or not value:
+            continue
+        path = Path(value).expanduser()
+        files = sorted(path.iterdir()) if path.is_dir() else [path] if path.is_file() else []
+        total += sum(f.stat().st_size for f in files if f.is_file() and f.name.endswith(WEIGHT_FILE_SUFFIXES))
+    return total
 
 
 def resolve_workload(model_cfg: dict, objective_cfg: dict, data_cfg: dict) -> Workload:
@@ -123,5 +145,6 @@ def resolve_workload(model_cfg: dict, objective_cfg: dict, data_cfg: dict) -> Wo
         f"{PIPELINE_LAYERS_METHOD}() classmethod returning its layers as DeepSpeed LayerSpecs")
     return Workload(model_factory=model_factory(constructor_cfg), objective=built["objective"], data=built["data"],
                     model_config=constructor_cfg, tp_layer_specs=specs, tp_specs_source=source,
-                    pipeline_layers=pipeline, pipeline_refusal=refusal)
+                    pipeline_layers=pipeline, pipeline_refusal=refusal,
+                    weight_file_bytes=weight_file_bytes(constructor_cfg))
 

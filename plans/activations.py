@@ -63,20 +63,29 @@ class ActivationBytes:
         return self.saved + self.recompute_peak
 
 
-class _CpuFlashAttentionOnMeta(TorchFunctionMode):
-    """Route ``scaled_dot_product_attention`` on meta tensors to the CPU flash-attention kernel.
+class _MetaRunsAsOnCpu(TorchFunctionMode):
+    """Run a model on meta tensors through the code paths it takes on real ones.
 
-    With no real device to choose a backend for, SDPA on meta falls back to the math path, which
-    saves the T x T attention matrix. The CPU workers run ``_scaled_dot_product_flash_attention_
-    for_cpu`` instead, which saves only q, k, v, the output and a logsumexp (GPU flash and
+    Two things differ on meta. A branch on a tensor's value (``if (mask == 0).all():``) has no
+    value to read: it is taken as true, the outcome of the checks models make on ordinary data
+    (Hugging Face's causal LMs ask whether the positions hold packed sequences, and they do not
+    in a plain batch), instead of failing the whole measurement.
+
+    And ``scaled_dot_product_attention`` is routed to the CPU flash-attention kernel. With no real
+    device to choose a backend for, SDPA on meta falls back to the math path, which saves the
+    T x T attention matrix. The CPU workers run ``_scaled_dot_product_flash_attention_for_cpu``
+    instead, which saves only q, k, v, the output and a logsumexp (GPU flash and
     memory-efficient kernels save the same), so measuring the math path would overstate attention
     memory by a factor that grows with the sequence length.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
+        on_meta = bool(args) and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta"
+        if on_meta and func is F.scaled_dot_product_attention:
             return _flash_for_cpu(*args, **kwargs)
+        if on_meta and func is torch.Tensor.__bool__:
+            return True
         return func(*args, **kwargs)
 
 
@@ -168,7 +177,7 @@ def _measure(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInputs
         handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
     batch = _example(inputs, micro_batch_size, module)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _CpuFlashAttentionOnMeta():
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _MetaRunsAsOnCpu():
             outputs = call_model(module, batch)
             # The loss as the trainer computes it: the declared objective.
             inputs.objective(outputs, batch)
@@ -268,7 +277,7 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInp
             handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
     batch = _example(inputs, micro_batch_size, module)
     try:
-        with live, _CpuFlashAttentionOnMeta():
+        with live, _MetaRunsAsOnCpu():
             outputs = call_model(module, batch)
             loss = inputs.objective(outputs, batch)
             del outputs

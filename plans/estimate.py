@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plans.activations import ActivationBytes, activations_from_shallow, measure_activations
+from plans.build_memory import BuildMemory, build_memory, build_violation
 from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.errors import Violation
 from plans.memory import (
@@ -85,6 +86,8 @@ class PlanEstimate:
     pipeline: list[PipelineStage] = field(default_factory=list)
     """With plan.pp > 1: each stage's layers and parameters, in the order of ``stages``."""
     per_node_host: HostMemory
+    build: BuildMemory | None = None
+    """One node's host memory while its workers build the model, before training."""
     states: ModelStateBytes | None = None
     """The ZeRO paper's model states of the most loaded rank (gradients included, as in its Table 1)."""
     host_per_device: int = 0
@@ -126,7 +129,8 @@ class PlanEstimate:
             "per_node_host": {"total": self.per_node_host.total, "capacity": self.per_node_host.capacity,
                               "offloaded": self.per_node_host.offloaded,
                               "device_share": self.per_node_host.device_share,
-                              "nvme": self.per_node_host.nvme},
+                              "nvme": self.per_node_host.nvme,
+                              "build": self.build.total if self.build else 0},
             "stages": [device(s) for s in self.stages],
             "pipeline": {"bubble_fraction": self.bubble, "stages": [dataclasses.asdict(s) for s in self.pipeline]},
             "phases": phases,
@@ -146,10 +150,18 @@ def shard_on_meta(factory: Callable[[], torch.nn.Module], layer_specs: list[dict
         return shard_module(factory(), layer_specs, tp)
 
 
+# The size attributes DeepSpeed's AutoTP divides by tp on every module above a sharded layer
+# (``AutoTP.update_mp_params``), so code that reshapes by its head count sees its own share.
+_TP_SIZE_ATTRIBUTES = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_attention_heads", "num_attn_heads",
+                       "all_head_size", "embed_dim", "hidden_size", "num_key_value_heads", "num_kv_heads",
+                       "kv_n_heads", "d_model")
+
+
 def shard_module(module: torch.nn.Module, layer_specs: list[dict], tp: int) -> torch.nn.Module:
     """:func:`shard_on_meta` of a meta module (changed in place, and returned)."""
     patterns = [(re.compile(p), spec.get("partition_type", "column"))
                 for spec in layer_specs for p in spec.get("patterns", [])]
+    sharded: list[str] = []
     for name, layer in module.named_modules():
         weight = getattr(layer, "weight", None)
         kinds = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
@@ -162,6 +174,13 @@ def shard_module(module: torch.nn.Module, layer_specs: list[dict], tp: int) -> t
                 layer.bias = torch.nn.Parameter(torch.empty(rows // tp, device="meta", dtype=weight.dtype))
         else:
             layer.weight = torch.nn.Parameter(torch.empty(rows, cols // tp, device="meta", dtype=weight.dtype))
+        sharded.append(name)
+    for name, owner in module.named_modules():
+        if name and any(layer.startswith(f"{name}.") for layer in sharded):
+            for attribute in _TP_SIZE_ATTRIBUTES:
+                value = getattr(owner, attribute, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value % tp == 0:
+                    setattr(owner, attribute, value // tp)
     return module
 
 
@@ -175,8 +194,10 @@ class ModelProbe:
 
     def __init__(self, factory: Callable[[], torch.nn.Module], inputs: ModelInputs,
                  tp_layer_specs: list[dict] | None = None, pipeline_layers: Callable[[], list] | None = None,
-                 shallow: ShallowModels | None = None):
+                 shallow: ShallowModels | None = None, weight_file_bytes: int = 0):
         self.factory = factory
+        self.weight_file_bytes = weight_file_bytes
+        """Bytes of the weight files the model's constructor reads (a pretrained checkpoint)."""
         self.inputs = inputs
         """The data source's example batch and the objective the model is measured through."""
         self.tp_layer_specs = tp_layer_specs or []
@@ -378,8 +399,12 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds
             f"({_gib(offloaded)} offloaded states of {local} workers"
             + (f" + {_gib(device_share)} of the CPU workers' own memory" if device_share else "") + ").",
             "offload less (plan.offload_optimizer / plan.offload_param), or use fewer workers per node"))
+    build = build_memory(plan, cluster, built_bytes=probe.stats.built_bytes, param_count=probe.stats.param_count,
+                         stages=pipeline, weight_file_bytes=probe.weight_file_bytes)
+    if (refusal := build_violation(build)) is not None:
+        violations.append(refusal)
     return PlanEstimate(plan=plan, model=probe.stats, per_device=device, stages=stages, pipeline=pipeline,
-                        per_node_host=host, states=states, host_per_device=host_per_device, phases=phases,
+                        per_node_host=host, build=build, states=states, host_per_device=host_per_device, phases=phases,
                         violations=violations)
 
 

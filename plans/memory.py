@@ -60,6 +60,9 @@ class ModelStats:
     largest_param: int = 0
     """Elements of the largest parameter tensor: DeepSpeed's offload staging buffers and torch
     Adam's per-tensor temporaries are this size."""
+    built_bytes: int = 0
+    """Bytes of the parameters and buffers in the dtypes the model's constructor creates them in:
+    what building the model whole takes in host memory (:mod:`plans.build_memory`)."""
 
 
 def model_stats(module: torch.nn.Module) -> ModelStats:
@@ -78,6 +81,8 @@ def model_stats(module: torch.nn.Module) -> ModelStats:
         trainable_count=sum(p.numel() for p in distinct if p.requires_grad),
         largest_layer_params=largest,
         largest_param=max((p.numel() for p in distinct), default=0),
+        built_bytes=sum(p.numel() * p.element_size() for p in distinct)
+        + sum(b.numel() * b.element_size() for b in module.buffers()),
     )
 
 

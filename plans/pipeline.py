@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plans.activations import ActivationBytes, _CpuFlashAttentionOnMeta, _SavedTensors
+from plans.activations import ActivationBytes, _MetaRunsAsOnCpu, _SavedTensors
 from plans.depth_scaling import SHALLOW_DEPTHS
 from plans.workload import ModelInputs, move_batch
 
@@ -86,7 +86,7 @@ def measure_pipeline_layers(specs: list, *, micro_batch_size: int, inputs: Model
     batch = move_batch(inputs.example_batch(micro_batch_size), "meta", dtype)
     x, targets = batch[0], batch[1]
     outputs = []
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _CpuFlashAttentionOnMeta():
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _MetaRunsAsOnCpu():
         for index, (spec, module) in enumerate(zip(specs, modules, strict=True)):
             saved.current_layer = index
             x = _run(spec, module, x)

@@ -164,6 +164,9 @@ class Workload:
     """DeepSpeed ``LayerSpec`` objects of the model in forward order; None: it cannot be pipelined."""
     pipeline_refusal: str | None = None
     """Why the model cannot be pipelined, when it cannot."""
+    weight_file_bytes: int = 0
+    """Bytes of the weight files the model's constructor reads from local paths in its arguments
+    (a ``save_pretrained`` directory, a state dict): held beside the built model while it loads."""
 
     def loss(self, module: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """The training loss of ``module`` on ``batch``."""

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 from conftest import compose_config
 from orchestrator.checking import check_run
 from orchestrator.config import to_typed
+from orchestrator.workload import resolve_workload
 from plans.errors import PlanError
 from plans.tp_plan import specs_from_tp_plan
 from plans.workload import batch_targets, call_model, move_batch, output_tensor
@@ -236,3 +237,54 @@ def test_orch_export_needs_a_run_and_refuses_an_unknown_one(tmp_path):
     assert missing.returncode == 2 and "orch export needs a run id" in missing.stderr
     unknown = orch("export", "0123456789abcdef", f"tracking.uri=sqlite:///{tmp_path / 'none.db'}")
     assert unknown.returncode == 2 and "Traceback" not in unknown.stderr, unknown.stderr
+
+
+# Building the model: host memory before the first step.
+
+def test_building_llama_7b_whole_on_every_worker_is_refused_on_small_hosts_and_zero3_fixes_it():
+    """8 workers each building Llama 2 7B whole in fp32 need 8 x 25.1 GiB of host memory at once;
+    under ZeRO-3 each builds its eighth inside deepspeed.zero.Init."""
+    small_hosts = [*FULL_SIZE["llama_7b"], "cluster=a100_8x", "cluster.host_memory_gib=128"]
+    estimate, facts = check(*small_hosts)
+    fp32 = facts.param_count * 4
+    assert estimate.build.how == "whole" and 0 <= estimate.build.model - fp32 < 2**20, "fp32 parameters and buffers"
+    assert estimate.build.total == 8 * estimate.build.model
+    [violation] = [v for v in estimate.violations if v.field == "cluster.host_memory_gib"]
+    assert "8 worker(s) each hold the model as built (whole: 25.10 GiB)" in violation.message
+    assert "plan.zero_stage=3" in violation.fix
+    sharded, _ = check(*small_hosts, "plan.zero_stage=3")
+    assert sharded.build.how == "zero.Init share"
+    assert sharded.build.model == -(-estimate.build.model // sharded.plan.dp)
+    assert not [v for v in sharded.violations if v.field == "cluster.host_memory_gib"]
+
+
+def test_each_pipeline_stage_builds_only_its_own_layers():
+    estimate, _ = check("model.n_layer=4", "plan.dp=1", "plan.pp=2", "plan.grad_accum_steps=2")
+    per_param = estimate.model.built_bytes / estimate.model.param_count
+    assert estimate.build.how == "pipeline stage"
+    assert estimate.build.model == round(max(s.params for s in estimate.pipeline) * per_param)
+    assert estimate.build.model < estimate.model.built_bytes
+
+
+def test_weight_files_a_model_loads_count_towards_building_it(tmp_path):
+    """A save_pretrained directory's weights are held beside the model while they load."""
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=4, vocab_size=256)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    weights = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    estimate, _ = check("experiment=llama_text", "model.config=null", f"model.pretrained_path={tmp_path}")
+    assert weights > 0 and estimate.build.weights == weights
+    assert estimate.build.per_worker == estimate.model.built_bytes + weights
+
+
+def test_a_model_without_its_own_plan_gets_deepspeeds_autotp_preset():
+    """BLOOM declares no tensor-parallel plan in transformers; DeepSpeed ships a preset for it."""
+    # Bloom's config maps the Llama experiment's size names (num_hidden_layers, ...) onto its own.
+    bloom = ["experiment=llama_text", "model.config.model_type=bloom", "plan.dp=1", "cluster.devices_per_node=1"]
+    typed, model_cfg, _ = to_typed(compose_config(*bloom))
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
+    assert workload.tp_specs_source == "DeepSpeed's AutoTP preset 'bloom'"
+    assert {spec["partition_type"] for spec in workload.tp_layer_specs} == {"row", "column"}
+    whole, _ = check(*bloom)
+    split, _ = check(*bloom, "plan.tp=2", "cluster.devices_per_node=2")
+    assert split.feasible and split.per_device.params < whole.per_device.params

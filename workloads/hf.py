@@ -29,8 +29,13 @@ def hf_causal_lm(config: dict[str, Any] | None = None, pretrained_path: str | No
 
     if pretrained_path:
         if config:
-            raise ValueError("model.config and model.pretrained_path are both set; set model.config={} to load "
+            raise ValueError("model.config and model.pretrained_path are both set; set model.config=null to load "
                              f"{pretrained_path}, or model.pretrained_path=null to build from the config")
+        if torch.get_default_device().type == "meta":
+            # The planner builds on meta, where there are no weights to load (transformers refuses
+            # from_pretrained there): the saved config gives the same architecture.
+            saved = AutoConfig.from_pretrained(pretrained_path, local_files_only=True)
+            return AutoModelForCausalLM.from_config(saved)
         return AutoModelForCausalLM.from_pretrained(pretrained_path, local_files_only=True)
     if not config or "model_type" not in config:
         raise ValueError("model.config needs a model_type (e.g. llama, gpt2) and the model's sizes, or set "
