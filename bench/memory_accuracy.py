@@ -4,7 +4,9 @@ Every plan of ZeRO 0-3 x optimizer offload on/off x activation checkpointing on/
 DeepSpeed accepts (offload needs ZeRO >= 1: 14 plans) trains for a few steps with 2 workers
 in Ray actors, in fp32; a few bf16 plans follow, then tensor- and pipeline-parallel plans
 (tp=2, pp=2, and tp=2 x pp=2 on 4 workers), compared rank by rank: every pipeline stage
-against the planner's row for that stage. Each worker measures its real peak tensor bytes
+against the planner's row for that stage. Last, the shipped experiments' workloads other than the
+built-in GPT: a Llama-shaped Hugging Face causal LM on tokenized text, a torchvision ViT under
+ZeRO-3 and ResNet-50, in bf16, each also with activation checkpointing. Each worker measures its real peak tensor bytes
 during ``train.memory_probe_step`` and the tensor bytes it holds after that step
 (launchers/memory_probe.py). The MLflow run of each plan holds both next to the prediction. The
 table compares the most loaded rank against the planner's prediction for it.
@@ -14,10 +16,11 @@ What is compared, and why:
 * On CPU workers the "device" and the host are the same RAM of one process, so the worker's
   tensor bytes include the states the plan offloads to the host. The prediction compared is
   therefore the device figure plus the rank's host bytes (``PlanEstimate.host_per_device``).
-* The worker also holds tensors that are not the model's: the corpus (one uint8 tensor, the
-  train and validation splits are views of it) and the last micro-batch. The planner does not
-  predict them; they are computed here from the same loader and shown in their own column, and
-  both measured figures have them subtracted before the error is taken.
+* The worker also holds tensors that are not the model's: the data source's own (the corpus as
+  one uint8 tensor, decoded images) and the last micro-batch. The planner does not predict them;
+  each worker measures the tensor bytes opening its data source added (``data_tensor_bytes``),
+  the micro-batch's bytes come from the data source's example batch, and both are shown in their
+  own column and subtracted from both measured figures before the error is taken.
 
 Targets: every plan's peak within ±10%, held model states within ±3%.
 
@@ -35,6 +38,7 @@ import tempfile
 from pathlib import Path
 
 import ray
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -45,7 +49,8 @@ from bench.harness import publish  # noqa: E402
 from launchers.ray_session import start_local_ray  # noqa: E402
 from orchestrator.config import register_configs, to_typed  # noqa: E402
 from orchestrator.driver import run_training  # noqa: E402
-from workloads.corpus import load_bytes  # noqa: E402
+from orchestrator.workload import resolve_workload  # noqa: E402
+from plans.workload import batch_bytes, move_batch  # noqa: E402
 
 # Big enough that model states dominate the process's incidental tensors (the corpus, RNG state).
 MODEL = ["model.n_layer=4", "model.d_model=256", "model.n_head=8", "model.seq_len=128"]
@@ -73,21 +78,33 @@ PARALLEL_PLANS = [
 ]
 
 
+# The experiments' models and data, as they ship (experiment files only hold overrides).
+WORKLOAD_PLANS = [
+    [f"experiment={name}", *extra]
+    for name in ("llama_text", "vit_zero3_bf16", "resnet50_bf16")
+    for extra in ([], ["plan.activation_checkpointing=true"])
+]
+
+
 def plans(which: str = "all") -> list[list[str]]:
     if which == "parallel":
         return PARALLEL_PLANS
+    if which == "workloads":
+        return WORKLOAD_PLANS
     matrix = []
     for stage, offload, ckpt in itertools.product(range(4), ("none", "cpu"), (False, True)):
         if stage == 0 and offload != "none":
             continue
         matrix.append([f"plan.zero_stage={stage}", f"plan.offload_optimizer={offload}",
                        f"plan.activation_checkpointing={str(ckpt).lower()}"])
-    return matrix + BF16_PLANS + PARALLEL_PLANS
+    return matrix + BF16_PLANS + PARALLEL_PLANS + WORKLOAD_PLANS
 
 
-def non_model_bytes(data_path: str | None, micro_batch_size: int, seq_len: int) -> int:
-    """Tensors a worker holds besides the model's: the corpus and one micro-batch (int64 inputs, targets)."""
-    return load_bytes(data_path).untyped_storage().nbytes() + 2 * micro_batch_size * seq_len * 8
+def micro_batch_bytes(workload, micro_batch_size: int, precision: str) -> int:
+    """One micro-batch as the worker holds it: the data source's batch, floating-point tensors
+    in the training precision (the worker casts them)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return batch_bytes(move_batch(workload.example_batch(micro_batch_size), "meta", dtype))
 
 
 def measure(overrides: list[str], tracking_uri: str) -> list[dict]:
@@ -95,25 +112,35 @@ def measure(overrides: list[str], tracking_uri: str) -> list[dict]:
     the planner's prediction for it."""
     register_configs()
     with initialize_config_module("conf", version_base="1.3"):
-        cfg = compose("config", overrides=[*MODEL, *RUN, f"tracking.uri={tracking_uri}",
+        # The built-in GPT's sizes, unless the plan is an experiment with a model of its own.
+        model = [] if any(o.startswith("experiment=") for o in overrides) else MODEL
+        cfg = compose("config", overrides=[*model, *RUN, f"tracking.uri={tracking_uri}",
                                            "tracking.experiment=memory-accuracy", *overrides])
     run_cfg, model_cfg, config_yaml = to_typed(cfg)
     result = run_training(run_cfg, model_cfg, config_yaml)
+    workload = resolve_workload(model_cfg, run_cfg.objective, run_cfg.data)
     last = result.reports[-1]
     estimate = result.estimate
     stage_of = {f["rank"]: f.get("pp_rank", 0) for f in result.worker_facts}
-    name = " ".join(o.split(".", 1)[1] for o in overrides if not o.startswith("cluster."))
+    data_bytes = {f["rank"]: f["data_tensor_bytes"] for f in result.worker_facts}
+    batch = micro_batch_bytes(workload, estimate.plan.micro_batch_size, estimate.plan.precision.value)
+    name = " ".join(o.split(".", 1)[1] if o.startswith("plan.") else o
+                    for o in overrides if not o.startswith("cluster."))
     rows = []
     for stage, device in enumerate(estimate.stages):
         ranks = [r for r in last if stage_of[r["rank"]] == stage]
+        # The most loaded rank by what is compared: measured minus the rank's own non-model bytes.
+        peak_rank = max(ranks, key=lambda r: r["measured_peak_bytes"] - data_bytes[r["rank"]])
+        held_rank = max(ranks, key=lambda r: r["measured_state_bytes"] - data_bytes[r["rank"]])
         rows.append({
             "plan": name + (f" (stage {stage})" if len(estimate.stages) > 1 else ""),
             "phase": device.phase,
             "predicted_peak": device.total + estimate.host_per_device,
-            "measured_peak": max(r["measured_peak_bytes"] for r in ranks),
+            "measured_peak": peak_rank["measured_peak_bytes"] - data_bytes[peak_rank["rank"]],
             "predicted_held": device.held + estimate.host_per_device,
-            "measured_held": max(r["measured_state_bytes"] for r in ranks),
-            "non_model": non_model_bytes(run_cfg.data["path"], estimate.plan.micro_batch_size, run_cfg.data["seq_len"]),
+            "measured_held": held_rank["measured_state_bytes"] - data_bytes[held_rank["rank"]],
+            "non_model": batch,
+            "data": max(data_bytes[r["rank"]] for r in ranks),
             "run_id": result.run_id,
         })
     return rows
@@ -154,7 +181,7 @@ def table(rows: list[dict]) -> str:
         held = r["measured_held"] - r["non_model"]
         lines.append(f"| {r['plan']} | {r['phase']} | {mib(r['predicted_peak'])} | {mib(peak)} | "
                      f"{100 * error(r['predicted_peak'], peak):+.1f}% | {mib(r['predicted_held'])} | {mib(held)} | "
-                     f"{100 * error(r['predicted_held'], held):+.1f}% | {mib(r['non_model'])} | "
+                     f"{100 * error(r['predicted_held'], held):+.1f}% | {mib(r['non_model'] + r['data'])} | "
                      f"{'yes' if within_target(r) else 'NO'} |")
     return "\n".join(lines)
 
@@ -162,8 +189,8 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", type=Path, help="also write the table here")
-    parser.add_argument("--plans", choices=("all", "parallel"), default="all",
-                        help="all plans, or only the tensor- and pipeline-parallel ones")
+    parser.add_argument("--plans", choices=("all", "parallel", "workloads"), default="all",
+                        help="all plans, only the tensor- and pipeline-parallel ones, or only the experiments'")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every plan")
     args = parser.parse_args()
     store = tempfile.mkdtemp(prefix="orch-bench-")
@@ -175,10 +202,13 @@ def main() -> None:
     finally:
         ray.shutdown()
     hits = sum(within_target(r) for r in rows)
+    models = ("the shipped experiments' models and data" if args.plans == "workloads"
+              else f"model {' '.join(MODEL)}")
+    command = " ".join(["python bench/memory_accuracy.py", *(["--plans", args.plans] if args.plans != "all" else [])])
     text = (f"Planner accuracy, {datetime.date.today()}, {platform.machine()} {platform.processor() or ''}"
-            f" 2 CPU workers, model {' '.join(MODEL)}, {' '.join(RUN[-1:])}; "
-            f"`python bench/memory_accuracy.py`\n\n"
-            "Measured figures have the non-model tensors (corpus and one micro-batch) subtracted; predictions "
+            f" 2 CPU workers, {models}, {' '.join(RUN[-1:])}; `{command}`\n\n"
+            "Measured figures have the non-model tensors (the data source's and one micro-batch) subtracted; "
+            "predictions "
             "include the rank's host-side states, which live in the same process on CPU workers.\n\n"
             f"{table(rows)}\n\n"
             f"{hits} of {len(rows)} plans within target (peak ±{PEAK_TARGET:.0%}, held ±{HELD_TARGET:.0%}).\n")

@@ -73,17 +73,34 @@ def _build_model(job: TrainJob):
             with deepspeed.zero.Init(config_dict_or_path=job.ds_config):
                 return job.workload.model_factory(), "zero.Init"
         except Exception as error:  # noqa: BLE001 - the model's own code, run under zero.Init
-            return job.workload.model_factory(), f"whole (zero.Init failed: {type(error).__name__}: {error})"
+            reason = f"zero.Init failed: {type(error).__name__}: {error}"
+            _refuse_whole_build_beyond_memory(job, reason)
+            return job.workload.model_factory(), f"whole ({reason})"
     return job.workload.model_factory(), "whole"
 
 
-def enable_activation_checkpointing(module) -> None:
-    """Turn on recomputation through the model's own switch (Hugging Face's name)."""
-    switch = getattr(module, "gradient_checkpointing_enable", None)
-    if switch is None:
-        raise TypeError(f"{type(module).__name__} has no gradient_checkpointing_enable(); "
-                        "it cannot run with plan.activation_checkpointing=true")
-    switch()
+def _refuse_whole_build_beyond_memory(job: TrainJob, reason: str) -> None:
+    """Stop, with the reason, before building whole a model that the node's free memory cannot hold.
+
+    The planner counted this rank's zero.Init share; a model whose code cannot run under
+    zero.Init is built whole instead, by every local worker at once. Its size comes from a build
+    on ``meta`` (no memory); the free memory is divided among the node's workers.
+    """
+    import psutil
+    import torch
+
+    from plans.memory import model_stats
+
+    with torch.device("meta"):
+        whole = model_stats(job.workload.model_factory()).built_bytes
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    share = psutil.virtual_memory().available // local
+    if whole > share:
+        raise RuntimeError(
+            f"{job.workload.model_config.get('_target_', 'the model')} cannot be built under deepspeed.zero.Init "
+            f"({reason}), and building it whole takes {whole / 2**30:.2f} GiB, more than this worker's "
+            f"{share / 2**30:.2f} GiB share of the node's free memory. Initialize each parameter in the module "
+            "that owns it (what zero.Init needs), or use fewer workers per node.")
 
 
 def _matmul_tflops(precision: str, device, size: int = 1024, seconds: float = 0.3) -> float:
@@ -221,6 +238,8 @@ class TrainWorker:
         else:
             module, built = _build_model(job)
             if plan.activation_checkpointing:
+                from plans.workload import enable_activation_checkpointing
+
                 enable_activation_checkpointing(module)
             mpu = self._tensor_parallel_groups(coords)
         full_numel = sum(p.numel() for p in module.parameters())
@@ -253,6 +272,11 @@ class TrainWorker:
         if plan.tp > 1 and sum(p.numel() for p in module.parameters()) == full_numel:
             raise RuntimeError(f"plan.tp={plan.tp}, but no layer of {type(module).__name__} matched the "
                                "tensor-parallel layer specs: every rank would hold and compute the whole model")
+        from launchers.memory_probe import live_tensor_bytes
+
+        # The data's own tensors (an in-memory corpus, decoded images) are not the model's: the
+        # measured memory is compared with the planner's prediction without them.
+        before_data = live_tensor_bytes() if job.train.memory_probe_step else 0
         data = job.workload.data
         data.prepare()
         train_set, val_set = data.datasets()
@@ -266,10 +290,11 @@ class TrainWorker:
         self.start_step = self._resume(job) if job.resume_tag else 0
         self.first_batch_digest: str | None = None
         self.train_batches = self._recorded(self.batches)
+        data_tensor_bytes = live_tensor_bytes() - before_data if job.train.memory_probe_step else 0
         return {"rank": self.rank, "pid": os.getpid(), "hostname": socket.gethostname(), "dp_rank": dp_rank,
                 "tp_rank": coords.tp_rank, "pp_rank": coords.pp_rank, "start_step": self.start_step,
                 "params_on_rank": sum(p.numel() for p in module.parameters()), "params_at_build": held_at_build,
-                "built": built,
+                "built": built, "data_tensor_bytes": data_tensor_bytes,
                 "peak_tflops": _matmul_tflops(plan.precision.value, self.engine.device)}
 
     def _pipeline_module(self, job: TrainJob):

@@ -36,8 +36,10 @@ def check_model(facts: ModelFacts, cfg: RunConfig, workload: Workload) -> None:
                                   f"make the model's output size {needed} or more"))
     if cfg.plan.activation_checkpointing and not facts.supports_activation_checkpointing:
         problems.append(Violation("plan.activation_checkpointing", True,
-                                  "the model has no gradient_checkpointing_enable() method.",
-                                  "implement it on the model, or set plan.activation_checkpointing=false"))
+                                  "the model has no gradient_checkpointing_enable() method and no repeated blocks "
+                                  "to checkpoint (ModuleList items, or a Sequential of blocks of one class).",
+                                  "implement gradient_checkpointing_enable() on the model, or set "
+                                  "plan.activation_checkpointing=false"))
     if problems:
         raise PlanError(problems)
 

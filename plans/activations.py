@@ -32,7 +32,15 @@ from plans.depth_scaling import (
     repeated_stack,
     shallow_copy,
 )
-from plans.workload import Batch, ModelInputs, call_model, move_batch, output_tensor
+from plans.workload import (
+    Batch,
+    ModelInputs,
+    call_model,
+    checkpoint_units,
+    enable_activation_checkpointing,
+    move_batch,
+    output_tensor,
+)
 
 ModelOrFactory = torch.nn.Module | Callable[[], torch.nn.Module]
 
@@ -149,15 +157,6 @@ def _build_on_meta(factory_or_module: ModelOrFactory, dtype: torch.dtype) -> tor
     return module.to(dtype=dtype)
 
 
-def _checkpoint_units(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated layers a model checkpoints one at a time: the items of its ModuleLists.
-
-    That is how ``gradient_checkpointing_enable()`` works in workloads/gpt.py and in Hugging Face
-    models (one ``checkpoint`` call per transformer block).
-    """
-    return [layer for m in module.modules() if isinstance(m, torch.nn.ModuleList) for layer in m]
-
-
 def _example(inputs: ModelInputs, micro_batch_size: int, module: torch.nn.Module) -> Batch:
     """The data source's micro-batch on meta, its floating-point tensors in the model's dtype."""
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
@@ -167,7 +166,7 @@ def _example(inputs: ModelInputs, micro_batch_size: int, module: torch.nn.Module
 def _measure(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInputs) -> _SavedTensors:
     saved = _SavedTensors(list(module.parameters()))
     handles = []
-    for index, layer in enumerate(_checkpoint_units(module)):
+    for index, layer in enumerate(checkpoint_units(module)):
         def enter(_mod, _args, index=index):
             saved.current_layer = index
 
@@ -248,7 +247,7 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInp
     parameters = [p for p in module.parameters() if p.requires_grad]
     live = _LiveBytes(list(module.parameters()))
     handles = [p.register_post_accumulate_grad_hook(live.grad_ready) for p in parameters]
-    layers = _checkpoint_units(module)
+    layers = checkpoint_units(module)
     forward_marks = [[0, 0] for _ in layers]
     backward_marks = [[0, 0] for _ in layers]
     forward_done = False
@@ -352,25 +351,17 @@ def _measure_pass(factory_or_module: ModelOrFactory, micro_batch_size: int, inpu
     plain = _measure(_build_on_meta(factory_or_module, dtype), micro_batch_size, inputs)
     module = _build_on_meta(factory_or_module, dtype)
     if checkpointing:
-        _enable_checkpointing(module)
+        enable_activation_checkpointing(module)
     forward_peak, live, pass_trace = _live_peaks(module, micro_batch_size, inputs, trace=trace)
     peaks = dict(forward_peak=forward_peak, backward_peak=live.peak, backward_peak_with_grads=live.peak_with_grads,
                  grads_at_backward_peak=live.grads_at_peak)
     if not checkpointing:
         return ActivationBytes(saved=plain.total, recompute_peak=0, **peaks), pass_trace
     checkpointed_module = _build_on_meta(factory_or_module, dtype)
-    _enable_checkpointing(checkpointed_module)
+    enable_activation_checkpointing(checkpointed_module)
     checkpointed = _measure(checkpointed_module, micro_batch_size, inputs)
     recompute = max(plain.by_layer.values(), default=plain.total - checkpointed.total)
     return ActivationBytes(saved=checkpointed.total, recompute_peak=recompute, **peaks), pass_trace
-
-
-def _enable_checkpointing(module: torch.nn.Module) -> None:
-    enable = getattr(module, "gradient_checkpointing_enable", None)
-    if not callable(enable):
-        raise ValueError(f"{type(module).__name__} has no gradient_checkpointing_enable(); "
-                         "activation checkpointing cannot be measured for it")
-    enable()
 
 
 def saved_activation_bytes(factory_or_module: ModelOrFactory, *, micro_batch_size: int, inputs: ModelInputs,

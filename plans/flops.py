@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from plans.workload import PROBE_SAMPLES, ModelInputs, call_model, move_batch
+from plans.workload import PROBE_SAMPLES, ModelInputs, call_model, enable_activation_checkpointing, move_batch
 
 
 def training_flops_per_sample(factory: Callable[[], torch.nn.Module], inputs: ModelInputs, *,
@@ -22,7 +22,7 @@ def training_flops_per_sample(factory: Callable[[], torch.nn.Module], inputs: Mo
     with torch.device("meta"):
         module = factory()
         if checkpointing:
-            module.gradient_checkpointing_enable()
+            enable_activation_checkpointing(module)
         batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta")
         with FlopCounterMode(display=False) as counter:
             loss = inputs.objective(call_model(module, batch), batch)

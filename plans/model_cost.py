@@ -23,12 +23,15 @@ from torch.utils.flop_counter import FlopCounterMode
 from plans.cost_model import ModelCost
 from plans.depth_scaling import SHALLOW_DEPTHS, extrapolate, repeated_stack, shallow_copy
 from plans.estimate import ModelProbe
-from plans.workload import PROBE_SAMPLES, ModelInputs, call_model, move_batch
-
-
-def _repeated_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The items of the model's ModuleLists: what checkpointing recomputes and pipelines split."""
-    return [layer for m in module.modules() if isinstance(m, torch.nn.ModuleList) for layer in m]
+from plans.workload import (
+    PROBE_SAMPLES,
+    ModelInputs,
+    call_model,
+    checkpoint_units,
+    enable_activation_checkpointing,
+    move_batch,
+    supports_activation_checkpointing,
+)
 
 
 def _tp_kinds(module: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
@@ -63,7 +66,7 @@ class OpCounter(TorchDispatchMode):
 def _checkpointed_pass(module: torch.nn.Module, inputs: ModelInputs) -> tuple[int, int]:
     """(FLOPs, ops) of forward + loss + backward with activation checkpointing on, as
     :func:`plans.flops.training_flops_per_sample` counts them."""
-    module.gradient_checkpointing_enable()
+    enable_activation_checkpointing(module)
     batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta")
     with FlopCounterMode(display=False) as counter, OpCounter() as ops:
         loss = inputs.objective(call_model(module, batch), batch)
@@ -91,10 +94,10 @@ def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled
 
 def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) -> ModelCost:
     """:func:`measure_model_cost` of ``module``, a private copy of the probe's model (maybe cut short)."""
-    fresh = copy.deepcopy(module) if callable(getattr(module, "gradient_checkpointing_enable", None)) else None
+    fresh = copy.deepcopy(module) if supports_activation_checkpointing(module) else None
     kinds = _tp_kinds(module, probe.tp_layer_specs)
     sizes = {"row_out": 0, "column_in": 0}
-    layers = _repeated_layers(module)
+    layers = checkpoint_units(module)
     boundary: list[int] = []
     handles = []
 

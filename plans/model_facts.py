@@ -13,7 +13,7 @@ from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.errors import PlanError, Violation
 from plans.memory import bytes_per_element
 from plans.spec import ClusterSpec, Offload, Precision
-from plans.workload import PROBE_SAMPLES, ModelInputs, call_model, output_tensor
+from plans.workload import PROBE_SAMPLES, ModelInputs, call_model, output_tensor, supports_activation_checkpointing
 
 GIB = 1024**3
 
@@ -94,7 +94,7 @@ def _facts(module: torch.nn.Module, inputs: ModelInputs, arguments: Mapping[str,
         param_count=sum(p.numel() for p in params),
         trainable_count=sum(p.numel() for p in params if p.requires_grad),
         output_size=int(output.shape[-1]) if output.dim() else 1,
-        supports_activation_checkpointing=callable(getattr(module, "gradient_checkpointing_enable", None)),
+        supports_activation_checkpointing=supports_activation_checkpointing(module),
         modules=_module_count(module),
     )
 

@@ -199,3 +199,65 @@ def batch_bytes(batch: Batch) -> int:
     if isinstance(batch, (list, tuple)):
         return sum(batch_bytes(v) for v in batch)
     return 0
+
+
+def checkpoint_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks a model recomputes one at a time under activation checkpointing.
+
+    The items of its ``ModuleList``s: the transformer blocks that the built-in GPT's and Hugging
+    Face's own ``gradient_checkpointing_enable()`` checkpoint one ``checkpoint`` call each. A model
+    without them (torchvision's ResNets and ViT) keeps its blocks in ``Sequential``s of one block
+    class: the outermost such ``Sequential`` of at least two non-leaf blocks gives its items
+    (a ResNet stage's bottlenecks, a ViT encoder's layers).
+    """
+    listed = [layer for m in module.modules() if isinstance(m, torch.nn.ModuleList) for layer in m]
+    if listed:
+        return listed
+    units: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for m in module.modules():
+        if id(m) in inside or not isinstance(m, torch.nn.Sequential) or len(m) < 2:
+            continue
+        if len({type(block) for block in m}) == 1 and all(next(block.children(), None) is not None for block in m):
+            units += list(m)
+            inside.update(id(sub) for block in m for sub in block.modules())
+    return units
+
+
+def supports_activation_checkpointing(module: torch.nn.Module) -> bool:
+    """The model has its own switch, or blocks :func:`enable_activation_checkpointing` can wrap."""
+    return callable(getattr(module, "gradient_checkpointing_enable", None)) or bool(checkpoint_units(module))
+
+
+def enable_activation_checkpointing(module: torch.nn.Module) -> None:
+    """Recompute activations in backward instead of saving them.
+
+    Through the model's own switch (Hugging Face's name, which the built-in GPT shares) when it
+    has one; otherwise each of its :func:`checkpoint_units` runs under ``torch.utils.checkpoint``
+    (non-reentrant), the way torchtitan and FSDP's ``checkpoint_wrapper`` wrap blocks, but without
+    a wrapper module, so parameter names (and checkpoints, tensor-parallel patterns) are unchanged.
+    """
+    switch = getattr(module, "gradient_checkpointing_enable", None)
+    if callable(switch):
+        switch()
+        return
+    units = checkpoint_units(module)
+    if not units:
+        raise ValueError(f"{type(module).__name__} has no gradient_checkpointing_enable() and no repeated blocks "
+                         "(ModuleList items, or a Sequential of blocks of one class) to checkpoint")
+    for unit in units:
+        unit.forward = _Checkpointed(unit.forward)
+
+
+class _Checkpointed:
+    """A block's forward run under ``torch.utils.checkpoint`` while gradients are recorded."""
+
+    def __init__(self, forward: Callable[..., Any]):
+        self.forward = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)

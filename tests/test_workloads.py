@@ -17,7 +17,14 @@ from orchestrator.config import to_typed
 from orchestrator.workload import resolve_workload
 from plans.errors import PlanError
 from plans.tp_plan import specs_from_tp_plan
-from plans.workload import batch_targets, call_model, move_batch, output_tensor
+from plans.workload import (
+    batch_targets,
+    call_model,
+    checkpoint_units,
+    enable_activation_checkpointing,
+    move_batch,
+    output_tensor,
+)
 from workloads.dataset import DatasetSource
 from workloads.images import ImageSource
 from workloads.objectives import CausalLM, Classification
@@ -288,3 +295,37 @@ def test_a_model_without_its_own_plan_gets_deepspeeds_autotp_preset():
     whole, _ = check(*bloom)
     split, _ = check(*bloom, "plan.tp=2", "cluster.devices_per_node=2")
     assert split.feasible and split.per_device.params < whole.per_device.params
+
+
+def test_torchvision_blocks_are_checkpointed_with_the_same_gradients():
+    """torchvision models have no checkpointing switch: their repeated blocks are wrapped, names unchanged."""
+    import torchvision
+
+    assert {type(u).__name__ for u in checkpoint_units(torchvision.models.vit_b_16())} == {"EncoderBlock"}
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18(num_classes=10)
+    recomputed = torchvision.models.resnet18(num_classes=10)
+    recomputed.load_state_dict(plain.state_dict())
+    enable_activation_checkpointing(recomputed)
+    assert len(checkpoint_units(recomputed)) == 8  # 4 stages x 2 basic blocks
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in recomputed.named_parameters()]
+    images = torch.randn(2, 3, 32, 32)
+    for model in (plain, recomputed):
+        model.eval()  # batch norm's running statistics would see the recomputed forward twice
+        model(images).square().sum().backward()
+    torch.testing.assert_close(recomputed.conv1.weight.grad, plain.conv1.weight.grad)
+
+
+def test_a_worker_refuses_to_build_whole_what_zero_init_could_not_build_when_memory_is_short(monkeypatch):
+    """The planner counted a zero.Init share; the whole model must fit the worker's share of free memory."""
+    from types import SimpleNamespace
+
+    from launchers.worker import _refuse_whole_build_beyond_memory
+
+    job = SimpleNamespace(workload=SimpleNamespace(
+        model_factory=lambda: torch.nn.Linear(4096, 4096), model_config={"_target_": "torch.nn.Linear"}))
+    _refuse_whole_build_beyond_memory(job, "zero.Init failed: TypeError")  # 64 MiB: fits
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2**40))  # a share of a few bytes
+    with pytest.raises(RuntimeError, match=r"torch.nn.Linear cannot be built under deepspeed.zero.Init "
+                                           r"\(zero.Init failed: TypeError\), and building it whole takes 0.06 GiB"):
+        _refuse_whole_build_beyond_memory(job, "zero.Init failed: TypeError")
