@@ -606,15 +606,17 @@ class TrainWorker:
     def consolidated_state(self) -> dict | None:
         """The whole model's weights on rank 0 (on CPU), None elsewhere.
 
-        ZeRO-3 gathers every partition (all ranks call this); the other stages hold the whole
-        model on every rank already. Tensor- and pipeline-parallel plans are not consolidated here.
+        ZeRO-3 gathers every partition and tensor parallelism every AutoTP shard (all ranks call
+        this, through DeepSpeed's consolidation for either); the other plans hold the whole model
+        on every rank already. Pipeline-parallel plans are not consolidated here: each stage holds
+        different layers under the pipeline's own names.
         """
         import torch
 
         from plans.workload import call_model, move_batch, output_tensor
 
         plan = self.job.plan
-        if plan.tp > 1 or plan.pp > 1:
+        if plan.pp > 1:
             return None
         # The engine's output on one held-out batch, for checking the exported model against it.
         batch = self._batch(next(iter(self.val_batches.loader)))
@@ -622,8 +624,8 @@ class TrainWorker:
         with torch.no_grad():
             output = output_tensor(call_model(self.engine, batch))
         self.engine.train()
-        if plan.zero_stage == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()
+        if plan.zero_stage == 3 or plan.tp > 1:
+            state = self.engine._consolidated_16bit_state_dict()
         else:
             state = self.engine.module.state_dict()
         if self.rank != 0:

@@ -288,13 +288,13 @@ def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: 
 
 
 def _export(group: WorkerGroup, workload, tracker: RunTracker, out) -> None:
-    """Log the trained model to the run (data-parallel plans: see orchestrator/export.py)."""
+    """Log the trained model to the run (plans without pipeline stages: see orchestrator/export.py)."""
     from orchestrator.export import log_trained_model
 
     exported = group.consolidated_state()
     if exported is None:
-        print("note: the model is not exported from tensor- or pipeline-parallel plans; its checkpoints "
-              "hold the weights", file=out)
+        print("note: the model is not exported from pipeline-parallel plans; its checkpoints hold the weights",
+              file=out)
         return
     log_trained_model(tracker, workload, exported)
     print(f"model logged to the run: runs:/{tracker.run_id}/model/mlflow_model", file=out)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.autograd.graph import _engine_run_backward
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -34,6 +33,7 @@ from plans.depth_scaling import (
 )
 from plans.workload import (
     Batch,
+    MetaBranches,
     ModelInputs,
     call_model,
     checkpoint_units,
@@ -71,15 +71,11 @@ class ActivationBytes:
         return self.saved + self.recompute_peak
 
 
-class _MetaRunsAsOnCpu(TorchFunctionMode):
+class _MetaRunsAsOnCpu(MetaBranches):
     """Run a model on meta tensors through the code paths it takes on real ones.
 
-    Two things differ on meta. A branch on a tensor's value (``if (mask == 0).all():``) has no
-    value to read: it is taken as true, the outcome of the checks models make on ordinary data
-    (Hugging Face's causal LMs ask whether the positions hold packed sequences, and they do not
-    in a plain batch), instead of failing the whole measurement.
-
-    And ``scaled_dot_product_attention`` is routed to the CPU flash-attention kernel. With no real
+    Value branches are taken as :class:`plans.workload.MetaBranches` takes them. And
+    ``scaled_dot_product_attention`` is routed to the CPU flash-attention kernel. With no real
     device to choose a backend for, SDPA on meta falls back to the math path, which saves the
     T x T attention matrix. The CPU workers run ``_scaled_dot_product_flash_attention_for_cpu``
     instead, which saves only q, k, v, the output and a logsumexp (GPU flash and
@@ -89,12 +85,9 @@ class _MetaRunsAsOnCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        on_meta = bool(args) and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta"
-        if on_meta and func is F.scaled_dot_product_attention:
+        if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
             return _flash_for_cpu(*args, **kwargs)
-        if on_meta and func is torch.Tensor.__bool__:
-            return True
-        return func(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def _flash_for_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -13,7 +13,14 @@ from collections.abc import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from plans.workload import PROBE_SAMPLES, ModelInputs, call_model, enable_activation_checkpointing, move_batch
+from plans.workload import (
+    PROBE_SAMPLES,
+    MetaBranches,
+    ModelInputs,
+    call_model,
+    enable_activation_checkpointing,
+    move_batch,
+)
 
 
 def training_flops_per_sample(factory: Callable[[], torch.nn.Module], inputs: ModelInputs, *,
@@ -24,7 +31,7 @@ def training_flops_per_sample(factory: Callable[[], torch.nn.Module], inputs: Mo
         if checkpointing:
             enable_activation_checkpointing(module)
         batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta")
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False) as counter, MetaBranches():
             loss = inputs.objective(call_model(module, batch), batch)
             loss.backward()
     return int(counter.get_total_flops()) // PROBE_SAMPLES

@@ -25,6 +25,7 @@ from plans.depth_scaling import SHALLOW_DEPTHS, extrapolate, repeated_stack, sha
 from plans.estimate import ModelProbe
 from plans.workload import (
     PROBE_SAMPLES,
+    MetaBranches,
     ModelInputs,
     call_model,
     checkpoint_units,
@@ -68,7 +69,7 @@ def _checkpointed_pass(module: torch.nn.Module, inputs: ModelInputs) -> tuple[in
     :func:`plans.flops.training_flops_per_sample` counts them."""
     enable_activation_checkpointing(module)
     batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta")
-    with FlopCounterMode(display=False) as counter, OpCounter() as ops:
+    with FlopCounterMode(display=False) as counter, OpCounter() as ops, MetaBranches():
         loss = inputs.objective(call_model(module, batch), batch)
         loss.backward()
     return int(counter.get_total_flops()) // PROBE_SAMPLES, ops.ops
@@ -120,7 +121,7 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
         handles.append(layer.register_forward_hook(leave_layer))
     try:
         batch = move_batch(probe.inputs.example_batch(PROBE_SAMPLES), "meta")
-        with FlopCounterMode(display=False) as counter, OpCounter() as op_counter:
+        with FlopCounterMode(display=False) as counter, OpCounter() as op_counter, MetaBranches():
             loss = probe.inputs.objective(call_model(module, batch), batch)
             loss.backward()
     finally:

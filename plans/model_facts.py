@@ -13,7 +13,14 @@ from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.errors import PlanError, Violation
 from plans.memory import bytes_per_element
 from plans.spec import ClusterSpec, Offload, Precision
-from plans.workload import PROBE_SAMPLES, ModelInputs, call_model, output_tensor, supports_activation_checkpointing
+from plans.workload import (
+    PROBE_SAMPLES,
+    MetaBranches,
+    ModelInputs,
+    call_model,
+    output_tensor,
+    supports_activation_checkpointing,
+)
 
 GIB = 1024**3
 
@@ -80,7 +87,7 @@ def _model_code_errors(arguments: Mapping[str, object], what: str) -> Iterator[N
 def _facts(module: torch.nn.Module, inputs: ModelInputs, arguments: Mapping[str, object]) -> ModelFacts:
     batch = inputs.example_batch(PROBE_SAMPLES)
     what = f"failed in forward({_shapes(batch)}) or its objective"
-    with _model_code_errors(arguments, what), torch.device("meta"):
+    with _model_code_errors(arguments, what), torch.device("meta"), MetaBranches():
         outputs = call_model(module, batch)
         output = output_tensor(outputs)
         loss = inputs.objective(outputs, batch)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from plans.errors import Violation
 
@@ -261,3 +262,17 @@ class _Checkpointed:
         from torch.utils.checkpoint import checkpoint
 
         return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+class MetaBranches(TorchFunctionMode):
+    """Take a branch on a meta tensor's value as true, instead of failing.
+
+    A meta tensor has no value, so ``if (mask == 0).all():`` cannot be decided on it. The planner
+    takes the true branch, the outcome of the checks models make on ordinary data: Hugging Face's
+    causal LMs ask whether the positions hold packed sequences, and a plain batch does not.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__bool__ and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return True
+        return func(*args, **(kwargs or {}))

@@ -74,6 +74,11 @@ def test_a_hugging_face_model_is_sharded_by_its_own_tensor_parallel_plan(local_r
     # Each rank holds the replicated embeddings and norms and half of every projection.
     assert all(f["params_on_rank"] < result.model.param_count for f in result.worker_facts)
     assert [f["tp_rank"] for f in result.worker_facts] == [0, 1]
+    # The shards are gathered into the whole model, which gives the sharded engine's outputs.
+    model, check = exported_model(sqlite_uri, result.run_id)
+    with torch.no_grad():
+        output = output_tensor(model(check["batch.0"]))
+    torch.testing.assert_close(output, check["output"], atol=1e-4, rtol=1e-4)
 
 
 def test_orch_export_consolidates_a_sharded_checkpoint_into_the_trained_model(local_ray, sqlite_uri, tmp_path):
