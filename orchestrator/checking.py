@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from launchers.ds_config import build_ds_config
 from launchers.placement import rank_layout
 from orchestrator.config import RunConfig
-from orchestrator.inputs import check_inputs, validated_plan
+from orchestrator.inputs import declared_violations, validated_plan
 from orchestrator.models import inspect_declared_model
 from orchestrator.workload import resolve_workload
 from plans.cluster_facts import reconcile
@@ -110,7 +110,10 @@ def live_cluster(cfg: RunConfig, *, connect: bool = False) -> Iterator[tuple[Clu
     from launchers.discovery import discover_nodes
     from launchers.ray_session import ray_session
 
-    check_inputs(cfg)  # before connecting: the connection itself uses cluster.* values
+    # Before connecting, the values the connection itself uses; the data is opened once, later,
+    # with the workload (a user's Dataset may be costly to open).
+    if declared := declared_violations(cfg):
+        raise PlanError(declared)
     with ray_session(cfg.cluster.address, connect_timeout_s=cfg.cluster.connect_timeout_s):
         if not cfg.cluster.discover:
             yield cfg.cluster, []

@@ -22,16 +22,21 @@ from plans.validate import field_violations
 from plans.workload import DataSource
 
 
+def declared_violations(cfg: RunConfig) -> list[Violation]:
+    """The declared values outside their ranges (:mod:`plans.validate`); nothing is opened."""
+    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                if f.name not in ("model", "data", "objective")}
+    if isinstance(cfg.data, dict):
+        sections["data"] = types.SimpleNamespace(**{k: v for k, v in cfg.data.items() if not k.startswith("_")})
+    return field_violations(sections)
+
+
 def input_violations(cfg: RunConfig, data: DataSource | None = None) -> list[Violation]:
     """Every declared value that cannot work, whatever the plan: ranges, data, checkpoint directory.
 
     ``data`` is the run's data source when it is already built (see :mod:`orchestrator.workload`).
     """
-    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                if f.name not in ("model", "data", "objective")}
-    if isinstance(cfg.data, dict):
-        sections["data"] = types.SimpleNamespace(**{k: v for k, v in cfg.data.items() if not k.startswith("_")})
-    found = field_violations(sections)
+    found = declared_violations(cfg)
     if data is None:
         try:
             data = build_data_source(cfg.data)
@@ -49,9 +54,9 @@ def data_violations(data: DataSource, samples_per_step: int) -> list[Violation]:
                           f"{error}.", "fix the data source's settings")]
 
 
-def check_inputs(cfg: RunConfig) -> None:
+def check_inputs(cfg: RunConfig, data: DataSource | None = None) -> None:
     """Raise :class:`PlanError` with :func:`input_violations`, if there are any."""
-    found = input_violations(cfg)
+    found = input_violations(cfg, data)
     if found:
         raise PlanError(found)
 

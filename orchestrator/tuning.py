@@ -28,7 +28,7 @@ import conf
 from launchers.ds_config import build_ds_config
 from orchestrator.checking import check_model, check_pipeline, live_cluster
 from orchestrator.config import RunConfig
-from orchestrator.inputs import check_inputs
+from orchestrator.inputs import check_inputs, declared_violations
 from orchestrator.models import (
     DEPTH_KEY,
     build_model,
@@ -53,6 +53,7 @@ from plans.search_space import (
     trial_candidates,
 )
 from plans.spec import Accelerator, Offload, ResumeMode
+from plans.workload import Workload
 
 # Models above this many parameters get their activations measured at one micro-batch size and
 # scaled (plans.search_space.BatchScaledProbe), and their FLOPs and activations counted at two
@@ -149,9 +150,10 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool) -> Sea
                        micro_batch_sizes=tuple(t.micro_batch_sizes) if t.micro_batch_sizes else None)
 
 
-def prepare(cfg: RunConfig, model_cfg: dict, cluster) -> tuple[SearchSpace, SearchContext]:
+def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None = None,
+            ) -> tuple[SearchSpace, SearchContext]:
     """The search space and everything fixed during the search (the model probed once)."""
-    workload = resolve_workload(model_cfg, cfg.objective, cfg.data)
+    workload = workload or resolve_workload(model_cfg, cfg.objective, cfg.data)
     constructor_cfg, tp_layer_specs = workload.model_config, workload.tp_layer_specs
     facts, shallow = inspect_declared_model(constructor_cfg, workload, cluster, cfg.plan.precision,
                                             Offload.none)  # the tuner offloads to the CPU at most
@@ -238,14 +240,18 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
     """Search, optionally calibrate and run trials, and write the winner; see the module docstring."""
     out = out or sys.stdout
     err = err or sys.stderr
-    check_inputs(cfg)
+    try:
+        workload = resolve_workload(model_cfg, cfg.objective, cfg.data)
+    except PlanError as error:
+        raise PlanError(declared_violations(cfg) + error.violations) from None
+    check_inputs(cfg, workload.data)
     check_plan_file(cfg)
     with ExitStack() as stack:
         cluster, notes = stack.enter_context(live_cluster(cfg))
         for note in notes:
             print(f"note: {note}", file=err)
         started = time.perf_counter()
-        space, ctx = prepare(cfg, model_cfg, cluster)
+        space, ctx = prepare(cfg, model_cfg, cluster, workload)
         print(f"tune: model probed on meta in {time.perf_counter() - started:.1f}s; searching {cluster.world_size} "
               f"{cluster.accelerator.value} devices, global batch {space.global_batch_size}", file=err, flush=True)
         uses_ray = cfg.tune.trials > 0 or cluster.address is not None
