@@ -150,6 +150,11 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
             tracker = RunTracker.resume(uri=cfg.tracking.uri, run_id=published.run_id)
         else:
             tracker = _start_tracking(cfg, model_cfg, plan, facts, estimate, ds_config, config_yaml, tags or {})
+            try:
+                tracker.log_dataset(workload.data.describe())
+            except Exception as error:  # noqa: BLE001 - a user's data source may raise anything
+                print(f"note: the data was not logged as a dataset input ({type(error).__name__}: {error})",
+                      file=sys.stderr)
         result.run_id = tracker.run_id
         job = dataclasses.replace(job, run_id=tracker.run_id)
     clock.mark("tracking")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -363,6 +363,26 @@ def _bound_http_retries() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
 
 
+DIGEST_CHARS = 16
+"""Hex characters of a data digest kept in MLflow (its dataset digest column holds at most 36)."""
+
+
+def dataset_entity(description: Mapping[str, object]) -> Dataset:
+    """An MLflow dataset from a data source's ``describe()``: a local path or list of paths is a
+    ``local`` source (as MLflow's own ``LocalArtifactDatasetSource`` writes it), a Python target a
+    ``code`` source."""
+    source = description["source"]
+    paths = source if isinstance(source, list) else [source]
+    is_path = all(isinstance(p, str) and (p.startswith("/") or "://" in p) for p in paths)
+    if is_path:
+        source_type, source_json = "local", json.dumps({"uri": paths[0]} if len(paths) == 1 else {"uris": paths})
+    else:
+        source_type, source_json = "code", json.dumps({"tags": {"target": str(source)}})
+    profile = {k: v for k, v in description.items() if k not in ("name", "source", "digest")}
+    return Dataset(name=str(description.get("name") or "data"), digest=str(description["digest"])[:DIGEST_CHARS],
+                   source_type=source_type, source=source_json, profile=json.dumps(profile, default=str))
+
+
 class RunTracker:
     """One MLflow run. Create with :meth:`start` or :meth:`resume`; always :meth:`finish` it."""
 
@@ -441,6 +461,13 @@ class RunTracker:
 
     def log_dict(self, obj: dict, artifact_file: str) -> None:
         self._best_effort(artifact_file, lambda: self.client.log_dict(self.run_id, obj, artifact_file))
+
+    def log_dataset(self, description: Mapping[str, object], context: str = "train") -> None:
+        """The run's data as an MLflow dataset input (what ``mlflow.log_input`` records), from a data
+        source's ``describe()``: its name, source, digest, and size and settings as its profile."""
+        entity = dataset_entity(description)
+        inputs = [DatasetInput(entity, tags=[InputTag("mlflow.data.context", context)])]
+        self._best_effort("dataset input", lambda: self.client.log_inputs(self.run_id, datasets=inputs))
 
     def finish(self, status: str = "FINISHED", timeout_s: float = 120.0) -> None:
         """Send buffered metrics (waiting up to ``timeout_s`` for the server), then end the run

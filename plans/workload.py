@@ -142,7 +142,9 @@ class DataSource(Protocol):
         ...
 
     def describe(self) -> dict[str, Any]:
-        """Source (paths or URIs), size and a content digest, for tracking."""
+        """What the run's MLflow dataset input records: ``name``, ``source`` (a path, a list of
+        paths, or a Python target), ``size`` in ``unit`` (bytes, images, samples) and ``digest``
+        (hex; the same data gives the same digest), plus any settings worth showing."""
         ...
 
 

@@ -329,3 +329,41 @@ def test_a_worker_refuses_to_build_whole_what_zero_init_could_not_build_when_mem
     with pytest.raises(RuntimeError, match=r"torch.nn.Linear cannot be built under deepspeed.zero.Init "
                                            r"\(zero.Init failed: TypeError\), and building it whole takes 0.06 GiB"):
         _refuse_whole_build_beyond_memory(job, "zero.Init failed: TypeError")
+
+
+# Lineage: what a run records of its data.
+
+def test_the_same_data_gives_the_same_digest_wherever_it_lies(tmp_path, monkeypatch):
+    from workloads import lineage
+    from workloads.corpus import CorpusSource
+
+    text = b"some training text\n" * 5000
+    (tmp_path / "a.txt").write_bytes(text)
+    (tmp_path / "b.txt").write_bytes(text)
+    (tmp_path / "c.txt").write_bytes(text.replace(b"some", b"more"))
+    a, b, c = (CorpusSource(path=str(tmp_path / f"{n}.txt")).describe() for n in "abc")
+    assert a["digest"] == b["digest"] != c["digest"] and a["size"] == len(text) and a["unit"] == "bytes"
+    assert a["source"] == str(tmp_path / "a.txt")
+    # Large files are named by their size and evenly spaced chunks, still from their content.
+    monkeypatch.setattr(lineage, "WHOLE_FILE_LIMIT", 1024)
+    monkeypatch.setattr(lineage, "CHUNK", 512)
+    assert lineage.files_digest([tmp_path / "a.txt"]) == lineage.files_digest([tmp_path / "b.txt"])
+    assert lineage.files_digest([tmp_path / "a.txt"])[0] != lineage.files_digest([tmp_path / "c.txt"])[0]
+    # Python datasets by their arguments, length and sampled items; the bundled digits by their arrays.
+    blobs = [DatasetSource(dataset={"_target_": "workloads.dataset.GaussianBlobs", "seed": s}).describe()
+             for s in (0, 0, 1)]
+    assert blobs[0]["digest"] == blobs[1]["digest"] != blobs[2]["digest"] and blobs[0]["unit"] == "samples"
+    digits = ImageSource(path=None).describe()
+    assert digits["size"] == 1797 and digits["digest"] == ImageSource(path=None).describe()["digest"]
+
+
+def test_a_description_becomes_an_mlflow_dataset_with_its_source_kind():
+    from orchestrator.tracking import dataset_entity
+
+    local = dataset_entity({"name": "corpus", "source": "/data/corpus.txt", "size": 10, "unit": "bytes",
+                            "digest": "ab" * 32})
+    assert (local.source_type, json.loads(local.source), local.digest) == ("local", {"uri": "/data/corpus.txt"},
+                                                                           "ab" * 8)
+    assert json.loads(local.profile) == {"size": 10, "unit": "bytes"}
+    code = dataset_entity({"source": "mypkg.MyDataset", "size": 3, "digest": "cd" * 32})
+    assert code.source_type == "code" and code.name == "data"

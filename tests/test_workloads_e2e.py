@@ -4,6 +4,8 @@ and a Hugging Face model sharded through its own tensor-parallel plan."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -11,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from conftest import compose_config
 from orchestrator.config import to_typed
 from orchestrator.driver import run_training
+from orchestrator.workload import build_data_source as resolve_data
 from plans.workload import output_tensor
 
 pytestmark = pytest.mark.slow
@@ -32,7 +35,15 @@ def test_each_shipped_experiment_trains_and_logs_predicted_and_measured_memory(l
                    *extra)
     losses = [reports[0]["loss"] for reports in result.reports]
     assert losses[-1] < losses[0], losses
-    metrics = MlflowClient(tracking_uri=sqlite_uri).get_run(result.run_id).data.metrics
+    run = MlflowClient(tracking_uri=sqlite_uri).get_run(result.run_id)
+    metrics = run.data.metrics
+    # Lineage: the data is the run's dataset input, named by the digest of its content.
+    [data_input] = run.inputs.dataset_inputs
+    assert data_input.tags[0].value == "train" and len(data_input.dataset.digest) == 16
+    typed, _, _ = to_typed(compose_config(f"experiment={experiment}"))
+    described = resolve_data(typed.data).describe()
+    assert data_input.dataset.digest == described["digest"][:16]
+    assert json.loads(data_input.dataset.profile)["size"] == described["size"] > 0
     assert metrics["memory/predicted_peak_bytes"] > 0 and metrics["memory/measured_peak_bytes"] > 0
     assert "eval_loss" in metrics
     if experiment == "llama_text":

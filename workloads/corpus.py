@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from plans.errors import Violation
+from workloads.lineage import files_digest
 
 SHIPPED_CORPUS = Path(__file__).with_name("corpus.txt.gz")
 BYTE_VOCAB = 256
@@ -173,4 +174,6 @@ class CorpusSource:
 
     def describe(self) -> dict[str, Any]:
         source = Path(self.path) if self.path else SHIPPED_CORPUS
-        return {"source": str(source.resolve()), "bytes": source.stat().st_size, "seq_len": self.seq_len}
+        digest, size = files_digest([source])
+        return {"name": source.name, "source": str(source.resolve()), "size": size, "unit": "bytes",
+                "digest": digest, "seq_len": self.seq_len}

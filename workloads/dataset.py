@@ -8,6 +8,7 @@ read. The driver builds it once only to check it and to take the planner's examp
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -18,6 +19,7 @@ from hydra.utils import get_object, instantiate
 
 from plans.errors import Violation
 from plans.workload import move_batch
+from workloads.lineage import samples_digest
 
 
 @dataclass(kw_only=True)
@@ -138,8 +140,25 @@ class DatasetSource:
         return self._collate_fn()
 
     def describe(self) -> dict[str, Any]:
-        train, val = self.sizes()
-        return {"source": self.dataset.get("_target_"), "train_samples": train, "val_samples": val}
+        train, val = self._checked[0] or self._open()
+        arguments = json.dumps(self.dataset, sort_keys=True, default=str)
+        return {"name": str(self.dataset.get("_target_")).rsplit(".", 1)[-1], "source": self.dataset.get("_target_"),
+                "size": len(train) + len(val), "unit": "samples",
+                "digest": samples_digest(_Joined(train, val), salt=arguments),
+                "train_samples": len(train), "val_samples": len(val)}
+
+
+class _Joined:
+    """The train then the eval split, indexed as one sequence (for the digest)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.second)
+
+    def __getitem__(self, i: int):
+        return self.first[i] if i < len(self.first) else self.second[i - len(self.first)]
 
 
 class GaussianBlobs(torch.utils.data.Dataset):

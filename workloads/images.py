@@ -199,7 +199,12 @@ class ImageSource:
 
     def describe(self) -> dict[str, Any]:
         if self.path is None:
-            return {"source": "sklearn.datasets.load_digits", "images": 1797, "classes": DIGITS_CLASSES}
+            from sklearn.datasets import load_digits
+
+            digits = load_digits()
+            digest = hashlib.sha256(digits.images.tobytes() + digits.target.tobytes()).hexdigest()
+            return {"name": "digits", "source": "sklearn.datasets.load_digits", "size": len(digits.target),
+                    "unit": "images", "digest": digest, "classes": DIGITS_CLASSES, "image_size": self.image_size}
         digest = hashlib.sha256()
         count = 0
         for label, paths in self._files().items():
@@ -207,5 +212,6 @@ class ImageSource:
                 digest.update(f"{label}/{path.name}".encode())
                 digest.update(path.read_bytes())
                 count += 1
-        return {"source": str(Path(self.path).resolve()), "images": count, "classes": len(self._classes),
-                "digest": digest.hexdigest()}
+        return {"name": Path(self.path).name, "source": str(Path(self.path).resolve()), "size": count,
+                "unit": "images", "digest": digest.hexdigest(), "classes": len(self._classes),
+                "image_size": self.image_size}

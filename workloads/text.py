@@ -23,6 +23,7 @@ import torch
 
 from plans.errors import Violation
 from workloads.corpus import BYTE_VOCAB, SHIPPED_CORPUS
+from workloads.lineage import files_digest
 
 _FORMATS = {".txt": "text", ".gz": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _FIX = "point data.files at local .txt, .jsonl or .parquet files (globs allowed)"
@@ -251,12 +252,7 @@ class TextSource:
         return None
 
     def describe(self) -> dict[str, Any]:
-        digest = hashlib.sha256()
-        total = 0
-        for path in self.paths:
-            with open(path, "rb") as handle:
-                for chunk in iter(lambda: handle.read(1 << 20), b""):
-                    digest.update(chunk)
-                    total += len(chunk)
-        return {"source": [str(p.resolve()) for p in self.paths], "bytes": total, "digest": digest.hexdigest(),
+        digest, size = files_digest(self.paths)
+        return {"name": self.paths[0].name if len(self.paths) == 1 else f"{len(self.paths)} files",
+                "source": [str(p.resolve()) for p in self.paths], "size": size, "unit": "bytes", "digest": digest,
                 "tokenizer": self.tokenizer or "bytes", "seq_len": self.seq_len}
