@@ -48,16 +48,39 @@ def _fail(error: OrchError) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
-def train_app(cfg: DictConfig) -> None:
+def train_app(cfg: DictConfig) -> float:
+    """Train; return ``train.sweep_metric`` to Hydra (what an optimizing sweeper minimizes)."""
     protect_config(cfg)
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     from orchestrator.driver import run_training
+    from orchestrator.sweeps import child_tags, record_job_run
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         typed, model_cfg, yaml = to_typed(cfg)
-        run_training(typed, model_cfg, yaml)
+        result = run_training(typed, model_cfg, yaml, tags=child_tags())
+        record_job_run(cfg, result.run_id)
+        return sweep_value(result, typed.train.sweep_metric)
     except OrchError as error:
+        if sweeping:  # the sweeper records a failed job and goes on (Optuna: a failed trial)
+            print(redact_text(f"error: job {HydraConfig.get().job.num} failed: {error}"), file=sys.stderr)
+            raise
         _fail(error)
+
+
+def sweep_value(result, metric: str) -> float:
+    """The run's final ``metric``: its last logged value."""
+    last = result.reports[-1][0] if result.reports else {}
+    if metric not in last:
+        from plans.errors import PlanError, Violation
+
+        raise PlanError([Violation("train.sweep_metric", metric, "the run logged no such metric at its end "
+                                   f"(it logged: {', '.join(sorted(k for k in last if k != 'step'))}).",
+                                   "name one of those, or set train.eval_batches > 0 for eval_loss")])
+    return float(last[metric])
 
 
 # Set by main() from `--json`, which Hydra itself would reject.
@@ -203,5 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     sys.argv = [f"orch-{command}", *rest]
+    from orchestrator import sweeps
+
+    sweeps.command = command
     with stopped_by_signals():
         return run_command(COMMANDS[command], command, verbose=verbose)

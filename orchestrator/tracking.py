@@ -459,6 +459,9 @@ class RunTracker:
     def log_text(self, text: str, artifact_file: str) -> None:
         self._best_effort(artifact_file, lambda: self.client.log_text(self.run_id, text, artifact_file))
 
+    def log_figure(self, figure, artifact_file: str) -> None:
+        self._best_effort(artifact_file, lambda: self.client.log_figure(self.run_id, figure, artifact_file))
+
     def log_dict(self, obj: dict, artifact_file: str) -> None:
         self._best_effort(artifact_file, lambda: self.client.log_dict(self.run_id, obj, artifact_file))
 

@@ -81,19 +81,41 @@ class _MetaRunsAsOnCpu(MetaBranches):
     instead, which saves only q, k, v, the output and a logsumexp (GPU flash and
     memory-efficient kernels save the same), so measuring the math path would overstate attention
     memory by a factor that grows with the sequence length.
+
+    A mode is switched off while its handler runs, so SDPA called from inside a Python function
+    torch hands the mode whole (``F.multi_head_attention_forward``: torchvision's ViT and every
+    ``nn.MultiheadAttention``) would not reach it; while the mode is on, ``torch.nn.functional``'s
+    own name for SDPA routes meta tensors to the same kernel.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
+        if func is _SDPA and args and args[0].device.type == "meta":
             return _flash_for_cpu(*args, **kwargs)
         return super().__torch_function__(func, types, args, kwargs)
+
+    def __enter__(self):
+        F.scaled_dot_product_attention = _sdpa_routing_meta
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = _SDPA
+        return super().__exit__(*exc)
+
+
+_SDPA = F.scaled_dot_product_attention
+
+
+def _sdpa_routing_meta(query, *args, **kwargs):
+    if query.device.type == "meta":
+        return _flash_for_cpu(query, *args, **kwargs)
+    return _SDPA(query, *args, **kwargs)
 
 
 def _flash_for_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
     if enable_gqa:  # the CPU flash kernel has no grouped-query path; SDPA would not use it either
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=True)
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)

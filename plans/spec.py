@@ -183,3 +183,5 @@ class TrainSpec:
     setup_timeout_s: float = 1800.0
     """The same for the workers' setup before the first step: rendezvous, DeepSpeed's JIT op
     builds (minutes on a fresh machine), model construction and checkpoint loading (0 disables)."""
+    sweep_metric: str = "eval_loss"
+    """The final metric `orch train` returns to Hydra, which optimizing sweepers (Optuna) minimize."""

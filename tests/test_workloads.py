@@ -367,3 +367,24 @@ def test_a_description_becomes_an_mlflow_dataset_with_its_source_kind():
     assert json.loads(local.profile) == {"size": 10, "unit": "bytes"}
     code = dataset_entity({"source": "mypkg.MyDataset", "size": 3, "digest": "cd" * 32})
     assert code.source_type == "code" and code.name == "data"
+
+
+def test_multihead_attention_is_measured_on_meta_as_it_runs_on_cpu():
+    """nn.MultiheadAttention calls SDPA from inside torch's own Python: on meta it must take the
+    CPU flash kernel too, not the math path that saves every attention matrix."""
+    from launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
+    from plans.activations import measure_activations
+
+    typed, model_cfg, _ = to_typed(compose_config("experiment=vit_zero3_bf16"))
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
+    predicted = measure_activations(workload.model_factory, micro_batch_size=8, inputs=workload,
+                                    dtype=torch.bfloat16, checkpointing=False)
+    torch.manual_seed(0)
+    model = workload.model_factory().to(torch.bfloat16).train()
+    train, _ = workload.data.datasets()
+    batch = move_batch(torch.utils.data.default_collate([train[i] for i in range(8)]), "cpu", torch.bfloat16)
+    baseline = live_tensor_bytes()
+    with PeakMemoryTracker() as tracker:
+        workload.loss(model, batch).backward()
+    measured = tracker.peak - baseline
+    assert abs(predicted.backward_peak_with_grads - measured) / measured < 0.05
