@@ -62,7 +62,8 @@ def train_app(cfg: DictConfig) -> float:
     try:
         typed, model_cfg, yaml = to_typed(cfg)
         result = run_training(typed, model_cfg, yaml, tags=child_tags())
-        record_job_run(cfg, result.run_id)
+        if sweeping:
+            record_job_run(int(HydraConfig.get().job.num), result.run_id)
         return sweep_value(result, typed.train.sweep_metric)
     except OrchError as error:
         if sweeping:  # the sweeper records a failed job and goes on (Optuna: a failed trial)

@@ -115,6 +115,28 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def sweep_report(client: MlflowClient, run, out_dir: Path) -> tuple[str, list[Path]]:
+    """A sweep's parent run: its jobs' table and their loss curves, as logged when the sweep ended."""
+    run_id, tags = run.info.run_id, run.data.tags
+    lines = [f"sweep      {run_id} ({run.info.run_name}), {run.info.status}",
+             f"jobs       {tags.get('sweep.jobs', '?')}, {tags.get('sweep.failed', '0')} failed; "
+             f"metric {run.data.params.get('sweep.metric', '?')}"]
+    if "sweep.best_run_id" in tags:
+        lines.append(f"best       job {tags['sweep.best_job']} ({tags['sweep.best_overrides']}), "
+                     f"run {tags['sweep.best_run_id']}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for artifact in ("sweep/jobs.md", "sweep/loss_curves.png"):
+        try:
+            local = Path(client.download_artifacts(run_id, artifact, str(out_dir)))
+        except Exception:  # noqa: BLE001 - a sweep that ended before its comparison was logged
+            continue
+        if artifact.endswith(".md"):
+            lines += ["", local.read_text()]
+        written.append(local)
+    return "\n".join(lines), written
+
+
 def summary(client: MlflowClient, run_id: str) -> str:
     """Plan, outcome, throughput, memory and restarts of one run, as text."""
     run = client.get_run(run_id)
@@ -138,21 +160,38 @@ def summary(client: MlflowClient, run_id: str) -> str:
 
 
 def runs_table(client: MlflowClient, experiment: str, limit: int = 20) -> str:
-    """The most recent runs of an experiment, one line each."""
+    """The most recent runs of an experiment, one line each; a sweep's jobs and a tune's trials
+    are listed under their parent run, indented."""
     found = client.get_experiment_by_name(experiment)
     if found is None:
         return f"no experiment named {experiment!r}"
-    runs = client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit)
-    rows = [("run id", "name", "status", "plan", "loss", "tokens/s")]
+    runs = client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"],
+                              max_results=limit * 10)
+    children: dict[str, list] = {}
     for run in runs:
-        p, m = run.data.params, run.data.metrics
-        plan = f"dp{p.get('plan.dp', '?')} tp{p.get('plan.tp', '?')} pp{p.get('plan.pp', '?')} " \
-               f"z{p.get('plan.zero_stage', '?')}"
-        rows.append((run.info.run_id[:12], run.info.run_name or "", run.info.status, plan,
-                     f"{m['loss']:.4f}" if "loss" in m else "-",
-                     f"{m['tokens_per_s']:,.0f}" if "tokens_per_s" in m else "-"))
+        if parent := run.data.tags.get("mlflow.parentRunId"):
+            children.setdefault(parent, []).append(run)
+    known = {run.info.run_id for run in runs}
+    top = [r for r in runs if r.data.tags.get("mlflow.parentRunId") not in known][:limit]
+    rows = [("run id", "name", "status", "plan", "loss", "tokens/s")]
+    for run in top:
+        rows.append(_run_row(run, ""))
+        rows += [_run_row(child, "  - ") for child in reversed(children.get(run.info.run_id, []))]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def _run_row(run, indent: str) -> tuple[str, ...]:
+    p, m, t = run.data.params, run.data.metrics, run.data.tags
+    command = t.get("orch.command")
+    if command in ("sweep", "tune"):
+        plan = f"{command}, {t['sweep.jobs']} jobs" if "sweep.jobs" in t else command
+    else:
+        plan = f"dp{p.get('plan.dp', '?')} tp{p.get('plan.tp', '?')} pp{p.get('plan.pp', '?')} " \
+               f"z{p.get('plan.zero_stage', '?')}"
+    loss = next((f"{m[k]:.4f}" for k in ("loss", "best_eval_loss") if k in m), "-")
+    return (indent + run.info.run_id[:12], run.info.run_name or "", run.info.status, plan, loss,
+            f"{m['tokens_per_s']:,.0f}" if "tokens_per_s" in m else "-")
 
 
 def runs_command(uri: str, experiment: str) -> str:
@@ -162,7 +201,11 @@ def runs_command(uri: str, experiment: str) -> str:
 
 
 def report_command(uri: str, run_id: str, out_dir: Path) -> tuple[str, list[Path]]:
-    """`orch report RUN_ID`: the run's summary and the plots written to ``out_dir``."""
+    """`orch report RUN_ID`: the run's summary and the plots written to ``out_dir``; for a sweep's
+    parent run, the comparison of its jobs."""
     client = open_existing(uri)
+    run = reading(uri, f"run {run_id}", lambda: client.get_run(run_id))
+    if run.data.tags.get("orch.command") == "sweep":
+        return reading(uri, f"the sweep of run {run_id}", lambda: sweep_report(client, run, out_dir))
     text = reading(uri, f"run {run_id}", lambda: summary(client, run_id))
     return text, reading(uri, f"the metrics of run {run_id}", lambda: write_plots(client, run_id, out_dir))

@@ -109,10 +109,10 @@ job_runs: dict[int, str] = {}
 """The MLflow run of each job of the running sweep, by job number (the jobs record them)."""
 
 
-def record_job_run(config: DictConfig, run_id: str | None) -> None:
+def record_job_run(job_number: int, run_id: str | None) -> None:
     """Remember the current sweep job's run, for the parent's comparison."""
     if run_id and os.environ.get(PARENT_ENV):
-        job_runs[int(config.hydra.job.num)] = run_id
+        job_runs[job_number] = run_id
 
 
 def compare(tracker: Any, sweep: _Sweep) -> None:
@@ -123,18 +123,21 @@ def compare(tracker: Any, sweep: _Sweep) -> None:
     import matplotlib.pyplot as plt
 
     client = tracker.client
+    # Each job is named by what sets it apart: the overrides the jobs do not all share.
+    common = set.intersection(*(set(j.overrides) for j in sweep.jobs)) if len(sweep.jobs) > 1 else set()
     rows = []
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for job in sorted(sweep.jobs, key=lambda j: j.number):
         metrics = client.get_run(job.run_id).data.metrics if job.run_id else {}
-        rows.append({"job": job.number, "overrides": job.overrides, "status": job.status, "run_id": job.run_id,
+        varying = [o for o in job.overrides if o not in common]
+        rows.append({"job": job.number, "overrides": varying, "status": job.status, "run_id": job.run_id,
                      sweep.metric: job.value, **{k: metrics[k] for k in FINAL_METRICS if k in metrics},
                      **({"error": job.error} if job.error else {})})
         if job.run_id:
             points = sorted(client.get_metric_history(job.run_id, "loss"), key=lambda m: m.step)
             if points:
                 ax.plot([m.step for m in points], [m.value for m in points],
-                        label=f"#{job.number} {' '.join(job.overrides)}"[:60])
+                        label=f"#{job.number} {' '.join(varying)}"[:60])
     ax.set(xlabel="step", ylabel="training loss", title=f"sweep: {len(sweep.jobs)} jobs")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
