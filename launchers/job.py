@@ -25,6 +25,9 @@ class TrainJob:
     """MLflow run id, recorded with each published checkpoint so a resume continues that run."""
     resume_tag: str | None = None
     """Checkpoint tag (in train.checkpoint_dir) to load before training; None starts fresh."""
+    system_metrics_interval_s: float = 0.0
+    """Seconds between samples of each node's hardware use (the first worker of a node samples);
+    0: none."""
     model_signature: dict | None = None
     """Parameter names and shapes and the model's config, recorded in each checkpoint's manifest
     (:func:`launchers.checkpoint.model_signature`) so a resume can check it fits before launching."""

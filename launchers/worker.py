@@ -199,6 +199,7 @@ class TrainWorker:
     def setup(self, job: TrainJob, slot: RankSlot, world_size: int, master_addr: str, master_port: int) -> dict:
         """Join the process group and build the DeepSpeed engine; returns facts for the driver."""
         self.rank, self.world_size = slot.rank, world_size
+        self._samples_node = slot.local_rank == 0 and job.system_metrics_interval_s > 0
         os.environ.update(job.env)
         os.environ.update({
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(slot.rank),
@@ -570,6 +571,11 @@ class TrainWorker:
         self._progress_at = time.monotonic()
         self._done = False
         self._error: str | None = None
+        self._sampler = None
+        if self._samples_node:
+            from launchers.system_metrics import SystemSampler
+
+            self._sampler = SystemSampler(self.job.system_metrics_interval_s).start()
         device = getattr(self.engine, "device", None)
 
         def run() -> None:
@@ -590,10 +596,12 @@ class TrainWorker:
 
     def poll(self, seen: int) -> dict:
         """Reports after the first ``seen``, whether training ended, its traceback if it failed,
-        and how long ago this rank last finished an optimizer step (for hang detection)."""
+        how long ago this rank last finished an optimizer step (for hang detection), and on the
+        first worker of a node the node's hardware samples taken since the last poll."""
         return {"reports": self._reports[seen:], "done": self._done, "error": self._error,
                 "step": self.progress_step, "milestones": self.milestones,
-                "since_progress_s": time.monotonic() - self._progress_at}
+                "since_progress_s": time.monotonic() - self._progress_at,
+                "system": self._sampler.take() if self._sampler is not None else []}
 
     def stacks(self) -> str:
         """Every thread's Python stack, answered even while the training thread is stuck."""
@@ -636,5 +644,7 @@ class TrainWorker:
     def shutdown(self) -> None:
         import deepspeed.comm as dist
 
+        if getattr(self, "_sampler", None) is not None:
+            self._sampler.stop()
         if dist.is_initialized():
             dist.destroy_process_group()

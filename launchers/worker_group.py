@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import ray
@@ -186,8 +186,12 @@ class WorkerGroup:
             fact["node_id"] = slot.node_id
         return self.facts
 
-    def train(self, *, hang_timeout_s: float = 0.0, poll_interval_s: float | None = None) -> Iterator[list[dict]]:
+    def train(self, *, hang_timeout_s: float = 0.0, poll_interval_s: float | None = None,
+              on_system: Callable[[int, list[dict]], None] | None = None) -> Iterator[list[dict]]:
         """Yield, per logged step, the reports of all ranks (ordered by rank).
+
+        ``on_system(rank, samples)`` receives the hardware samples of the node a rank samples
+        (:mod:`launchers.system_metrics`) as they arrive.
 
         Polls every worker; a worker whose training raised fails the run with its traceback,
         and a dead worker raises Ray's ActorDiedError at once, instead of the other ranks
@@ -203,6 +207,8 @@ class WorkerGroup:
                 if poll["error"]:
                     raise WorkerFailedError(rank, poll["error"])
                 seen[rank] += len(poll["reports"])
+                if on_system is not None and poll.get("system"):
+                    on_system(rank, poll["system"])
                 for report in poll["reports"]:
                     by_step.setdefault(report["step"], {})[rank] = report
             for step in sorted(by_step):

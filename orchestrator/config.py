@@ -71,6 +71,9 @@ class TrackingConfig:
     fallback: str | None = None
     """local: when the tracking server is unreachable at start, track in sqlite:///mlflow.db
     with a warning instead of failing."""
+    system_metrics_interval_s: float = 10.0
+    """Seconds between samples of every node's CPU, memory, disk, network and GPU use, logged as
+    system/node<i>/<metric> (MLflow's system metrics, one series per node); 0 turns them off."""
 
 
 @dataclass(kw_only=True)

@@ -129,7 +129,8 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
     job = TrainJob(plan=plan, ds_config=ds_config, workload=workload, train=cfg.train,
                    env={**worker_env(plan),
                         **collective_timeout_env(cfg.train.hang_timeout_s, cfg.train.setup_timeout_s)},
-                   model_signature=signature_of(workload.model_factory, workload.model_config, cfg.train))
+                   model_signature=signature_of(workload.model_factory, workload.model_config, cfg.train),
+                   system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.enabled else 0.0)
     group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
                                  gpus_per_worker=1.0 if plan.accelerator == Accelerator.gpu else 0.0,
                                  env=job.env, wait_s=cfg.cluster.wait_s, tp=plan.tp,
@@ -189,7 +190,8 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
                                                     for f in result.worker_facts]}, "plan/placement_realized.json")
                         tracker.set_tags({"nodes_used": str(len({f["node_id"] for f in result.worker_facts})),
                                           "peak_tflops_per_device": f"{_mean_peak(result.worker_facts):.4f}"})
-                    for reports in group.train(hang_timeout_s=cfg.train.hang_timeout_s):
+                    on_system = SystemMetricsLog(tracker, result.worker_facts) if tracker else None
+                    for reports in group.train(hang_timeout_s=cfg.train.hang_timeout_s, on_system=on_system):
                         if not result.reports:
                             clock.mark("first_report")
                             result.startup = dict(clock.phases)
@@ -290,6 +292,30 @@ def _start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: 
                      "plan/placement.json")
     tracker.log_metrics({"memory/predicted_peak_bytes": estimate.per_device.total}, step=0)
     return tracker
+
+
+class SystemMetricsLog:
+    """Logs the nodes' hardware samples as MLflow names system metrics of several nodes:
+    ``system/node<i>/<metric>``, nodes numbered in rank order, each node's samples its own steps.
+    The ``system.node<i>`` tags name each node's host."""
+
+    def __init__(self, tracker: RunTracker, worker_facts: list[dict]):
+        self.tracker = tracker
+        self.node_of_rank: dict[int, int] = {}
+        nodes: dict[str, int] = {}
+        for fact in sorted(worker_facts, key=lambda f: f["rank"]):
+            if fact["node_id"] not in nodes:
+                nodes[fact["node_id"]] = len(nodes)
+                tracker.set_tags({f"system.node{len(nodes) - 1}": str(fact.get("hostname", fact["node_id"]))})
+            self.node_of_rank[fact["rank"]] = nodes[fact["node_id"]]
+        self.samples: dict[int, int] = {}
+
+    def __call__(self, rank: int, samples: list[dict]) -> None:
+        node = self.node_of_rank.get(rank, rank)
+        for sample in samples:
+            step = self.samples.get(node, 0)
+            self.tracker.log_metrics({f"system/node{node}/{key}": value for key, value in sample.items()}, step=step)
+            self.samples[node] = step + 1
 
 
 def _export(group: WorkerGroup, workload, tracker: RunTracker, out) -> None:

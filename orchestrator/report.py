@@ -62,7 +62,32 @@ def write_plots(client: MlflowClient, run_id: str, out_dir: Path) -> list[Path]:
     stages = measured_by_stage(measured, tp=int(params.get("plan.tp", 1)), pp=int(params.get("plan.pp", 1)))
     fig = memory_figure(predicted, stages)
     written.append(_save(fig, out_dir / "memory.png"))
+    if any(key.startswith("system/") for key in run.data.metrics):
+        written.append(_save(system_figure(client, run), out_dir / "system.png"))
     return written
+
+
+# The system metrics drawn, as MLflow names them, with their axis labels.
+_SYSTEM_PLOTS = (("cpu_utilization_percentage", "CPU %"), ("system_memory_usage_percentage", "memory %"),
+                 ("gpu_utilization_percentage", "GPU %"), ("gpu_memory_usage_percentage", "GPU memory %"))
+
+
+def system_figure(client: MlflowClient, run):
+    """Each node's hardware use over the run, one line per node (``system/node<i>/...``)."""
+    nodes = sorted({key.split("/")[1] for key in run.data.metrics if key.startswith("system/")})
+    shown = [(name, label) for name, label in _SYSTEM_PLOTS
+             if any(f"system/{node}/{name}" in run.data.metrics for node in nodes)]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(7, 2.2 * len(shown)), sharex=True, squeeze=False)
+    for ax, (name, label) in zip(axes[:, 0], shown, strict=True):
+        for node in nodes:
+            steps, values = _history(client, run.info.run_id, f"system/{node}/{name}")
+            host = run.data.tags.get(f"system.{node}", "")
+            ax.plot(steps, values, label=f"{node} {host}".strip())
+        ax.set(ylabel=label, ylim=(0, 100))
+    axes[0, 0].set_title("hardware use per node")
+    axes[-1, 0].set_xlabel("sample (every tracking.system_metrics_interval_s)")
+    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    return fig
 
 
 @dataclass(frozen=True)

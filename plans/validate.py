@@ -93,6 +93,7 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("train.keep_checkpoints", 1),
     Bound("train.max_failures", 0),
     Bound("train.hang_timeout_s", 0, MAX_TIMEOUT_S, meaning="seconds; 0 disables hang detection"),
+    Bound("tracking.system_metrics_interval_s", 0, MAX_TIMEOUT_S, meaning="seconds; 0 turns system metrics off"),
     Bound("train.setup_timeout_s", 0, MAX_TIMEOUT_S, meaning="seconds; 0 disables the setup deadline"),
     Bound("data.seq_len", 1),
     Bound("data.val_fraction", 0, 1, low_open=True, high_open=True,

@@ -111,7 +111,7 @@ def test_train_with_defaults_tracks_a_local_run(tmp_path):
     report = orch("report", runs[0].info.run_id, "--out", "rep", cwd=tmp_path)
     assert report.returncode == 0, report.stderr[-2000:]
     assert "throughput" in report.stdout and "MFU" in report.stdout and "restarts   0" in report.stdout
-    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["loss.png", "memory.png", "throughput.png"]
+    assert {"loss.png", "memory.png", "throughput.png"} <= {p.name for p in (tmp_path / "rep").iterdir()}
 
 
 @pytest.mark.slow

@@ -72,8 +72,9 @@ def two_node_ray():
 
 
 def test_workers_land_on_both_nodes_of_a_real_cluster(two_node_ray, tmp_path):
+    """Both nodes train, and each reports its own hardware use as MLflow system metrics."""
     done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2", "cluster.devices_per_node=1",
-                      cwd=tmp_path, env=two_node_ray["env"])
+                      "train.steps=40", "tracking.system_metrics_interval_s=0.5", cwd=tmp_path, env=two_node_ray["env"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Started a local Ray instance" not in done.stderr
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -81,6 +82,15 @@ def test_workers_land_on_both_nodes_of_a_real_cluster(two_node_ray, tmp_path):
     assert run.data.tags["nodes_used"] == "2"
     assert run.data.params["cluster.address"] == two_node_ray["gcs"]
     assert run.info.status == "FINISHED"
+    for node in ("node0", "node1"):
+        assert run.data.tags[f"system.{node}"]
+        cpu = client.get_metric_history(run.info.run_id, f"system/{node}/cpu_utilization_percentage")
+        memory = client.get_metric_history(run.info.run_id, f"system/{node}/system_memory_usage_megabytes")
+        assert cpu and memory and all(0 <= m.value <= 100 for m in cpu) and all(m.value > 0 for m in memory)
+        assert [m.step for m in cpu] == list(range(len(cpu)))
+    report = subprocess.run([sys.executable, "-m", "orchestrator", "report", run.info.run_id, "--out", "rep"],
+                            cwd=tmp_path, env=two_node_ray["env"], capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0 and (tmp_path / "rep" / "system.png").exists(), report.stderr[-2000:]
 
 
 def test_a_3d_plan_keeps_tensor_parallel_groups_inside_nodes(two_node_ray, tmp_path):

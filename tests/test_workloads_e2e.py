@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from conftest import compose_config
 from orchestrator.config import to_typed
 from orchestrator.driver import run_training
-from orchestrator.workload import build_data_source as resolve_data
+from orchestrator.workload import build_data_source
 from plans.workload import output_tensor
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ def test_each_shipped_experiment_trains_and_logs_predicted_and_measured_memory(l
     [data_input] = run.inputs.dataset_inputs
     assert data_input.tags[0].value == "train" and len(data_input.dataset.digest) == 16
     typed, _, _ = to_typed(compose_config(f"experiment={experiment}"))
-    described = resolve_data(typed.data).describe()
+    described = build_data_source(typed.data).describe()
     assert data_input.dataset.digest == described["digest"][:16]
     assert json.loads(data_input.dataset.profile)["size"] == described["size"] > 0
     assert metrics["memory/predicted_peak_bytes"] > 0 and metrics["memory/measured_peak_bytes"] > 0
