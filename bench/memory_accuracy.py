@@ -127,17 +127,24 @@ def measure(overrides: list[str], tracking_uri: str) -> list[dict]:
     name = " ".join(o.split(".", 1)[1] if o.startswith("plan.") else o
                     for o in overrides if not o.startswith("cluster."))
     rows = []
+    # On GPUs the measured figures are CUDA's allocator (device tensors only): no host-side states,
+    # no data tensors (they stay in host memory), and the planner's allocator reserve left out.
+    gpu = estimate.plan.accelerator.value == "gpu"
+    host = 0 if gpu else estimate.host_per_device
+    if gpu:
+        data_bytes = dict.fromkeys(data_bytes, 0)
     for stage, device in enumerate(estimate.stages):
         ranks = [r for r in last if stage_of[r["rank"]] == stage]
         # The most loaded rank by what is compared: measured minus the rank's own non-model bytes.
         peak_rank = max(ranks, key=lambda r: r["measured_peak_bytes"] - data_bytes[r["rank"]])
         held_rank = max(ranks, key=lambda r: r["measured_state_bytes"] - data_bytes[r["rank"]])
+        reserve = device.reserve if gpu else 0
         rows.append({
             "plan": name + (f" (stage {stage})" if len(estimate.stages) > 1 else ""),
             "phase": device.phase,
-            "predicted_peak": device.total + estimate.host_per_device,
+            "predicted_peak": device.total - reserve + host,
             "measured_peak": peak_rank["measured_peak_bytes"] - data_bytes[peak_rank["rank"]],
-            "predicted_held": device.held + estimate.host_per_device,
+            "predicted_held": device.held + host,
             "measured_held": held_rank["measured_state_bytes"] - data_bytes[held_rank["rank"]],
             "non_model": batch,
             "data": max(data_bytes[r["rank"]] for r in ranks),
@@ -195,9 +202,13 @@ def main() -> None:
     args = parser.parse_args()
     store = tempfile.mkdtemp(prefix="orch-bench-")
     # A Ray of its own (even when another cluster runs on this machine), on loopback as `orch` starts it.
-    start_local_ray(num_cpus=2, object_store_memory=300 * 2**20, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    start_local_ray(num_cpus=max(2, gpus), num_gpus=gpus, object_store_memory=300 * 2**20,
+                    runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:
-        rows = [row for p in plans(args.plans)
+        # On GPUs, each worker needs a GPU of its own: the 4-worker plans need 4.
+        chosen = [p for p in plans(args.plans) if not (gpus and gpus < 4 and FOUR_WORKERS[0] in p)]
+        rows = [row for p in chosen
                 for row in measure_with_retry([*p, *args.overrides], f"sqlite:///{store}/mlflow.db")]
     finally:
         ray.shutdown()

@@ -12,8 +12,11 @@ launch, after the warm-up steps): tracking must not slow training by more than 2
 first step and launch to exit are shown too: tracking adds its start (params, config
 artifacts) and its end (waiting for the buffered metrics, plots).
 
-    python bench/tracking_overhead.py [--steps 300] [--repeats 4]
+    python bench/tracking_overhead.py [--steps 300] [--repeats 4] [--system-metrics]
                                       [--markdown bench/results/tracking_overhead.md]
+
+``--system-metrics`` compares instead two tracked runs: system metrics sampled every second
+(ten times the default rate) against none (`bench/results/system_metrics_overhead.md`).
 """
 
 from __future__ import annotations
@@ -112,12 +115,27 @@ def metric_steps_on_server(url: str, experiment: str) -> list[int]:
     return [len(client.get_metric_history(r.info.run_id, "loss")) for r in runs]
 
 
+def system_samples_on_server(url: str, experiment: str) -> list[int]:
+    """For every run of ``experiment``, how many CPU samples its first node logged."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=url)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return [len(client.get_metric_history(r.info.run_id, "system/node0/cpu_utilization_percentage")) for r in runs]
+
+
+TRACKING_SIDES = ("tracking off", "mlflow server")
+SYSTEM_SIDES = ("system metrics off", "system metrics every 1 s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of the steady state")
     parser.add_argument("--repeats", type=int, default=4, help="runs of each side, interleaved")
     parser.add_argument("--zero-stage", type=int, default=1)
+    parser.add_argument("--system-metrics", action="store_true",
+                        help="compare system metrics sampled every second against none, both tracked on the server")
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
 
@@ -126,18 +144,29 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-tracking-"))
     server, url = start_mlflow_server(work)
     try:
-        commands = {"tracking off": orch_command(*overrides, "tracking.enabled=false"),
-                    "mlflow server": orch_command(*overrides, f"tracking.uri={url}",
-                                                  "tracking.experiment=tracking-overhead")}
+        tracked = [f"tracking.uri={url}", "tracking.experiment=tracking-overhead"]
+        if args.system_metrics:
+            sides = SYSTEM_SIDES
+            commands = {sides[0]: orch_command(*overrides, *tracked, "tracking.system_metrics_interval_s=0"),
+                        sides[1]: orch_command(*overrides, *tracked, "tracking.system_metrics_interval_s=1")}
+        else:
+            sides = TRACKING_SIDES
+            commands = {sides[0]: orch_command(*overrides, "tracking.enabled=false"),
+                        sides[1]: orch_command(*overrides, *tracked)}
         runs, failures = interleaved(commands, args.repeats, cwd=work, env=bench_env())
         logged = metric_steps_on_server(url, "tracking-overhead")
+        samples = system_samples_on_server(url, "tracking-overhead")
     finally:
         stop(server)
-    if len(logged) != args.repeats or any(n != args.steps for n in logged):
-        raise RuntimeError(f"expected {args.repeats} tracked runs with {args.steps} logged steps each, "
+    tracked_runs = args.repeats * (2 if args.system_metrics else 1)
+    if len(logged) != tracked_runs or any(n != args.steps for n in logged):
+        raise RuntimeError(f"expected {tracked_runs} tracked runs with {args.steps} logged steps each, "
                            f"the server holds {logged}")
+    sampled = sorted(n for n in samples if n)
+    if args.system_metrics and len(sampled) != args.repeats:
+        raise RuntimeError(f"expected {args.repeats} runs with system metrics, the server holds {samples}")
 
-    off, on = runs["tracking off"], runs["mlflow server"]
+    off, on = runs[sides[0]], runs[sides[1]]
     steady_off = [r.steady_step_s(args.warmup) for r in off]
     steady_on = [r.steady_step_s(args.warmup) for r in on]
     ratios = [b / a for a, b in zip(steady_off, steady_on, strict=True)]
@@ -147,12 +176,22 @@ def main() -> None:
         return (f"| {name} | {median_spread(off_values, fmt)} | {median_spread(on_values, fmt)} | "
                 f"{median_spread(pairs)} | {target} |")
 
-    lines = header("Tracking overhead: orch train on a real mlflow server vs tracking off", sys.argv)
+    if args.system_metrics:
+        title = "System-metrics overhead: orch train on a real mlflow server, sampled every second vs not"
+        columns = "| | system_metrics_interval_s=0 | system_metrics_interval_s=1 | on / off | target |"
+        what = (f"both sides tracked on the server; the first worker of the node samples CPU, memory, disk and "
+                f"network every second with MLflow's monitors ({min(sampled)}-{max(sampled)} samples per run, "
+                "each logged as system/node0/*)")
+    else:
+        title = "Tracking overhead: orch train on a real mlflow server vs tracking off"
+        columns = "| | tracking.enabled=false | mlflow server (sqlite backend) | tracked / off | target |"
+        what = "tracked: ~10 metrics per step sent to the server"
+    lines = header(title, sys.argv)
     lines += [f"Built-in GPT (`model=gpt`), dp=2 on 2 CPU workers, ZeRO stage {args.zero_stage}, fp32, "
-              f"{args.steps} steps, every step logged (tracked: ~10 metrics per step sent to the server); steady "
+              f"{args.steps} steps, every step logged ({what}); steady "
               f"state = steps after {args.warmup}. {args.repeats} repetitions of each side, interleaved; medians "
               "with (min-max). The ratio column is the median of the per-repetition ratios (min-max).", "",
-              "| | tracking.enabled=false | mlflow server (sqlite backend) | tracked / off | target |",
+              columns,
               "|---|---:|---:|---:|---|",
               row("steady-state step time, wall clock (s)", steady_off, steady_on, "{:.4f}",
                   verdict(ratios, TARGET)),

@@ -41,6 +41,24 @@ def optimizer_section(optim: OptimSpec, plan: ResolvedPlan) -> dict:
     return {"type": _OPTIMIZER_TYPE[optim.name], "params": params}
 
 
+def without_fused_adam(config: dict) -> dict:
+    """``config`` with torch's fused AdamW in place of DeepSpeed's FusedAdam, for GPU workers that
+    cannot build FusedAdam (no CUDA compiler on the node, no prebuilt op).
+
+    DeepSpeed builds FusedAdam with the CUDA toolkit at its first use; ``torch_adam`` makes it
+    take ``torch.optim.Adam``/``AdamW`` instead, and ``fused`` selects torch's own fused CUDA
+    kernel, shipped compiled inside the torch wheel. Offloaded optimizers (DeepSpeed's CPU Adam,
+    built with the host compiler) and SGD are left as they are; so is a config already on torch's
+    Adam.
+    """
+    optimizer = config.get("optimizer", {})
+    params = optimizer.get("params", {})
+    offloaded = "offload_optimizer" in config.get("zero_optimization", {})
+    if optimizer.get("type") not in ("Adam", "AdamW") or offloaded or params.get("torch_adam"):
+        return config
+    return {**config, "optimizer": {**optimizer, "params": {**params, "torch_adam": True, "fused": True}}}
+
+
 def tensor_parallel_section(tp: int, layer_specs: list[dict]) -> dict:
     """DeepSpeed's AutoTP training section: shard the layers ``layer_specs`` name over ``tp`` ranks.
 

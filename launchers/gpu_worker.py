@@ -30,3 +30,36 @@ def use_device(mapping: DeviceMapping) -> None:
     import torch
 
     torch.cuda.set_device(mapping.device_index)
+
+
+def fused_adam_buildable() -> bool:
+    """Whether DeepSpeed's FusedAdam can load on this node: installed prebuilt, or buildable now
+    (a CUDA toolkit torch can compile against)."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if installed_ops.get("fused_adam"):
+            return True
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("FusedAdamBuilder")
+        return CUDA_HOME is not None and builder is not None and builder.is_compatible(verbose=False)
+    except Exception:  # noqa: BLE001 - any failure to tell means it cannot be relied on
+        return False
+
+
+def cuda_memory_facts(device) -> dict[str, int]:
+    """The measured peak and held bytes of this rank's GPU, from CUDA's caching allocator:
+    the peak since :func:`reset_cuda_peak` and what is allocated now."""
+    import torch
+
+    return {"measured_peak_bytes": torch.cuda.max_memory_allocated(device),
+            "measured_state_bytes": torch.cuda.memory_allocated(device)}
+
+
+def reset_cuda_peak(device) -> None:
+    import torch
+
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)

@@ -45,6 +45,9 @@ class SystemSampler:
     def __init__(self, interval_s: float):
         self.interval_s = interval_s
         self._monitors = mlflow_monitors()
+        for monitor in self._monitors:  # psutil's CPU percentage counts from its previous call
+            monitor.collect_metrics()
+            monitor.clear_metrics()
         self._samples: list[dict[str, float]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -21,7 +21,14 @@ import warnings
 from collections.abc import Iterator
 
 from launchers.devices import DeviceMapping
-from launchers.gpu_worker import accelerator_ids, use_device
+from launchers.ds_config import without_fused_adam
+from launchers.gpu_worker import (
+    accelerator_ids,
+    cuda_memory_facts,
+    fused_adam_buildable,
+    reset_cuda_peak,
+    use_device,
+)
 from launchers.job import TrainJob
 from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
@@ -250,8 +257,13 @@ class TrainWorker:
         # With plan.tp > 1 the config's tensor_parallel section makes initialize() shard the model
         # (AutoTP) before ZeRO wraps it; the parameter generator is read after that, so the
         # optimizer gets the shards.
+        ds_config, optimizer_note = job.ds_config, None
+        if plan.accelerator.value == "gpu" and not fused_adam_buildable():
+            ds_config = without_fused_adam(job.ds_config)
+            if ds_config is not job.ds_config:
+                optimizer_note = "torch's fused AdamW (DeepSpeed's FusedAdam cannot be built on this node)"
         self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
-                                                    config=job.ds_config, mpu=mpu)
+                                                    config=ds_config, mpu=mpu)
         self._dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision.value)
         if self._dtype is not None:
             # DeepSpeed casts the parameters to the training precision but leaves floating-point
@@ -295,7 +307,7 @@ class TrainWorker:
         return {"rank": self.rank, "pid": os.getpid(), "hostname": socket.gethostname(), "dp_rank": dp_rank,
                 "tp_rank": coords.tp_rank, "pp_rank": coords.pp_rank, "start_step": self.start_step,
                 "params_on_rank": sum(p.numel() for p in module.parameters()), "params_at_build": held_at_build,
-                "built": built, "data_tensor_bytes": data_tensor_bytes,
+                "built": built, "data_tensor_bytes": data_tensor_bytes, "optimizer_note": optimizer_note,
                 "peak_tflops": _matmul_tflops(plan.precision.value, self.engine.device)}
 
     def _pipeline_module(self, job: TrainJob):
@@ -512,11 +524,16 @@ class TrainWorker:
         tokens_per_sample = job.workload.data.tokens_per_sample
         interval_loss, interval_time, interval_steps = 0.0, 0.0, 0
         measured: dict[str, int] = {}
+        on_cuda = getattr(self.engine.device, "type", "cpu") == "cuda"
         self.engine.train()
         for step in range(self.start_step + 1, spec.steps + 1):
             started = time.perf_counter()
             step_loss = 0.0
-            probe = PeakMemoryTracker() if step == spec.memory_probe_step else contextlib.nullcontext()
+            probing = step == spec.memory_probe_step
+            # On GPUs CUDA's allocator keeps the statistics; on CPU the tracker counts tensors.
+            probe = PeakMemoryTracker() if probing and not on_cuda else contextlib.nullcontext()
+            if probing and on_cuda:
+                reset_cuda_peak(self.engine.device)
             with probe:
                 if plan.pp > 1:
                     # One call runs every micro-batch through the stages (DeepSpeed's 1F1B schedule)
@@ -533,8 +550,9 @@ class TrainWorker:
                         self.milestones += 1
                         step_loss += loss.item()
             interval_time += time.perf_counter() - started
-            if step == spec.memory_probe_step:
-                measured = {"measured_peak_bytes": probe.peak, "measured_state_bytes": live_tensor_bytes()}
+            if probing:
+                measured = (cuda_memory_facts(self.engine.device) if on_cuda else
+                            {"measured_peak_bytes": probe.peak, "measured_state_bytes": live_tensor_bytes()})
             interval_loss += step_loss / plan.grad_accum_steps
             interval_steps += 1
             last = step == spec.steps

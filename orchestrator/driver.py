@@ -182,6 +182,8 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
                     result.worker_facts = group.setup(job, timeout_s=cfg.train.setup_timeout_s)
                     clock.mark("setup")
                     built = result.worker_facts[0].get("built", "")
+                    if note := result.worker_facts[0].get("optimizer_note"):
+                        print(f"note: the optimizer is {note}", file=sys.stderr)
                     if built.startswith("whole (zero.Init failed"):
                         print(f"note: ZeRO-3 built the model {built}; every rank held the whole model "
                               "while building it", file=sys.stderr)

@@ -26,3 +26,35 @@ def test_offload_pins_memory_on_gpu_only():
     cpu, gpu = _configs("plan.zero_stage=3", "plan.offload_optimizer=cpu")
     assert cpu["zero_optimization"]["offload_optimizer"]["pin_memory"] is False
     assert gpu["zero_optimization"]["offload_optimizer"]["pin_memory"] is True
+
+
+def test_torchs_fused_adamw_replaces_fusedadam_only_where_it_would_be_built():
+    """A GPU node that cannot build DeepSpeed's FusedAdam trains with torch's fused AdamW; CPU
+    offload (DeepSpeed's CPU Adam), SGD and configs already on torch's Adam are left alone."""
+    from launchers.ds_config import without_fused_adam
+
+    _, gpu = _configs("plan.zero_stage=2")
+    swapped = without_fused_adam(gpu)
+    assert swapped["optimizer"]["type"] == "AdamW"
+    assert swapped["optimizer"]["params"] == {**gpu["optimizer"]["params"], "torch_adam": True, "fused": True}
+    assert "torch_adam" not in gpu["optimizer"]["params"], "the planned config is not changed"
+    _, offloaded = _configs("plan.zero_stage=2", "plan.offload_optimizer=cpu")
+    _, sgd = _configs("optim=sgd")
+    cpu, _ = _configs("plan.zero_stage=2")  # CPU workers are on torch's Adam already
+    for config in (offloaded, sgd, cpu):
+        assert without_fused_adam(config) is config
+
+
+def test_the_fallback_builds_the_optimizer_deepspeed_would_take():
+    """DeepSpeed turns torch_adam + fused into torch.optim.AdamW(fused=True); torch accepts those
+    arguments (the CUDA kernel itself needs a GPU, so only the construction is checked here)."""
+    import torch
+
+    from launchers.ds_config import without_fused_adam
+
+    _, gpu = _configs("plan.zero_stage=2")
+    params = dict(without_fused_adam(gpu)["optimizer"]["params"])
+    assert params.pop("torch_adam") is True
+    weight = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    optimizer = torch.optim.AdamW([weight], **params, foreach=None)
+    assert optimizer.defaults["fused"] is True
