@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -34,6 +35,9 @@ commands:
   runs     list recent runs of tracking.experiment
   report   RUN_ID [--out DIR]: summary of a run and its plots (loss, throughput, memory)
   export   RUN_ID [--out DIR]: the run's newest checkpoint as the model's own weights and an MLflow model
+  submit   [--tune] [--wait] overrides: check here, then run `orch train` (or tune) on a Ray cluster as a
+           Ray Job (cluster.address=http://HEAD:8265 or RAY_ADDRESS), shipping the working directory
+  jobs     the cluster's Ray Jobs;  logs JOB_ID [--follow];  stop JOB_ID
 
 exit codes: 0 success; 1 the plan does not fit (check), training failed, or an internal error
 (its traceback goes to a log file whose path is printed); 2 invalid input (config, plan, paths).
@@ -85,7 +89,8 @@ def sweep_value(result, metric: str) -> float:
 
 
 # Set by main() from `--json`, which Hydra itself would reject.
-_OPTIONS: dict = {"json": False, "run_id": None, "out": None}
+_OPTIONS: dict = {"json": False, "run_id": None, "out": None, "tune": False, "wait": False, "follow": False,
+                  "overrides": [], "config_dir": None}
 
 
 def _stdout_for_json_only() -> contextlib.AbstractContextManager:
@@ -149,20 +154,19 @@ def runs_app(cfg: DictConfig) -> None:
         _fail(error)
 
 
-def _required_run_id(command: str) -> str:
-    """The RUN_ID argument of `orch report` / `orch export`; exit 2 naming the usage without one."""
+def _required_run_id(command: str, usage: str = "RUN_ID [--out DIR] [tracking.uri=...]") -> str:
+    """The RUN_ID (JOB_ID) argument of `orch report`, `export`, `logs` and `stop`; exit 2 naming
+    the usage without one."""
     run_id = _OPTIONS["run_id"]
     if not run_id:
-        print(f"error: orch {command} needs a run id: orch {command} RUN_ID [--out DIR] [tracking.uri=...]",
-              file=sys.stderr)
+        what = "job" if usage.startswith("JOB_ID") else "run"
+        print(f"error: orch {command} needs a {what} id: orch {command} {usage}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     return run_id
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def report_app(cfg: DictConfig) -> None:
-    from pathlib import Path
-
     from orchestrator.report import report_command
 
     protect_config(cfg)
@@ -178,8 +182,6 @@ def report_app(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def export_app(cfg: DictConfig) -> None:
-    from pathlib import Path
-
     from orchestrator.export import export_run
 
     protect_config(cfg)
@@ -192,8 +194,114 @@ def export_app(cfg: DictConfig) -> None:
           + (f", weights in {_OPTIONS['out']}" if _OPTIONS["out"] else ""))
 
 
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def submit_app(cfg: DictConfig) -> None:
+    """`orch submit [--tune] [--wait] overrides`: check here, then run as a Ray Job."""
+    protect_config(cfg)
+    from orchestrator import submit as jobs
+
+    command = "tune" if _OPTIONS["tune"] else "train"
+    try:
+        typed, model_cfg, _ = to_typed(cfg)
+        address = jobs.jobs_address(typed)
+        checked_submission(typed, model_cfg, address, command)
+        job = jobs.submission(command, _OPTIONS["overrides"], typed.submit, _OPTIONS["config_dir"], Path.cwd())
+        job_id = jobs.submit(address, job)
+    except OrchError as error:
+        _fail(error)
+    print(f"submitted job {job_id} to {address}: {job.entrypoint}")
+    follow_up = f" cluster.address={address}" if typed.cluster.address else ""
+    print(f"  follow it: orch logs {job_id} --follow{follow_up}\n  stop it:   orch stop {job_id}{follow_up}\n"
+          f"  all jobs:  orch jobs{follow_up}")
+    if _OPTIONS["wait"]:
+        status = jobs.follow(address, job_id)
+        print(f"job {job_id} ended {status}")
+        sys.exit(jobs.EXIT_OF_STATUS.get(status, 1))
+
+
+def checked_submission(typed, model_cfg: dict, address: str, command: str) -> None:
+    """What `orch train` refuses, refused before submitting: the inputs, the paths a job cannot
+    use, and (for training) a plan the live cluster's nodes cannot hold."""
+    from orchestrator import submit as jobs
+    from orchestrator.checking import checked_run
+    from orchestrator.inputs import input_violations
+    from plans.cluster_facts import reconcile
+    from plans.errors import PlanError
+
+    problems = input_violations(typed) + jobs.submit_violations(typed)
+    cluster, violations, notes = reconcile(typed.cluster, jobs.live_nodes(address, typed.cluster))
+    if problems or violations:
+        raise PlanError(problems + violations)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    if command == "train":
+        estimate = checked_run(typed, model_cfg, cluster)[0]
+        if not estimate.feasible and not typed.plan.force:
+            raise PlanError(estimate.violations)
+
+
+def _job_address(cfg: DictConfig) -> str:
+    from orchestrator import submit as jobs
+
+    typed, _, _ = to_typed(cfg)
+    return jobs.jobs_address(typed)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def jobs_app(cfg: DictConfig) -> None:
+    from orchestrator import submit as jobs
+
+    try:
+        print(jobs.jobs_table(_job_address(cfg)))
+    except OrchError as error:
+        _fail(error)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def logs_app(cfg: DictConfig) -> None:
+    from orchestrator import submit as jobs
+
+    job_id = _required_run_id("logs", "JOB_ID [--follow]")
+    try:
+        address = _job_address(cfg)
+        if _OPTIONS["follow"]:
+            print(f"job {job_id} ended {jobs.follow(address, job_id)}")
+        else:
+            print(jobs.logs(address, job_id), end="")
+    except OrchError as error:
+        _fail(error)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def stop_app(cfg: DictConfig) -> None:
+    from orchestrator import submit as jobs
+
+    job_id = _required_run_id("stop", "JOB_ID")
+    try:
+        print(f"job {job_id}: {jobs.stop(_job_address(cfg), job_id)}")
+    except OrchError as error:
+        _fail(error)
+
+
 COMMANDS = {"train": train_app, "check": check_app, "tune": tune_app, "config": config_app, "runs": runs_app,
-            "report": report_app, "export": export_app}
+            "report": report_app, "export": export_app, "submit": submit_app, "jobs": jobs_app, "logs": logs_app,
+            "stop": stop_app}
+
+
+def _submitted_overrides(rest: list[str]) -> tuple[list[str], str | None]:
+    """The Hydra overrides `orch submit` passes on to the job's `orch train`, and its --config-dir."""
+    overrides, config_dir, skip = [], None, False
+    for i, arg in enumerate(rest):
+        if skip:
+            skip = False
+            continue
+        if arg in ("--config-dir", "-cd"):
+            config_dir, skip = (rest[i + 1] if i + 1 < len(rest) else None), True
+        elif arg.startswith("--config-dir="):
+            config_dir = arg.split("=", 1)[1]
+        elif not arg.startswith("-"):
+            overrides.append(arg)
+    return overrides, config_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +321,13 @@ def main(argv: list[str] | None = None) -> int:
         i = rest.index("--out")
         _OPTIONS["out"] = rest[i + 1] if i + 1 < len(rest) else None
         rest = rest[:i] + rest[i + 2:]
-    if command in ("report", "export"):
+    for flag in ("--tune", "--wait", "--follow"):
+        _OPTIONS[flag[2:]] = flag in rest and command in ("submit", "logs")
+        if _OPTIONS[flag[2:]]:
+            rest = [a for a in rest if a != flag]
+    if command == "submit":
+        _OPTIONS["overrides"], _OPTIONS["config_dir"] = _submitted_overrides(rest)
+    if command in ("report", "export", "logs", "stop"):
         plain = [a for a in rest if "=" not in a and not a.startswith("-")]
         _OPTIONS["run_id"] = plain[0] if plain else None
         rest = [a for a in rest if a not in plain[:1]]

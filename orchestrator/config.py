@@ -113,6 +113,23 @@ class TuneConfig:
 
 
 @dataclass(kw_only=True)
+class SubmitConfig:
+    """`orch submit`: what the Ray Job ships with the run (its runtime environment)."""
+
+    working_dir: str | None = None
+    """The directory shipped to the cluster as the job's working directory (your model, objective
+    and data code, a --config-dir inside it); null: the current directory."""
+    excludes: list[str] = field(default_factory=lambda: [
+        ".git", ".venv", "__pycache__", "mlflow.db", "mlruns", "outputs", "multirun", "checkpoints", "reports"])
+    """Paths of working_dir not shipped (gitignore-style patterns, as Ray's runtime_env takes them)."""
+    pip: list[str] = field(default_factory=list)
+    """Extra pip packages installed for the job on every node (orch itself must be installed there)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables of the job's driver and workers. Never credentials: Ray keeps a
+    job's runtime environment in its job table, readable by anyone who can list jobs."""
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """The whole declaration of a run: one field per config group, plus the loop."""
 
@@ -129,6 +146,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     train: TrainSpec = field(default_factory=TrainSpec)
     tune: TuneConfig = field(default_factory=TuneConfig)
+    submit: SubmitConfig = field(default_factory=SubmitConfig)
 
 
 def register_configs() -> None:

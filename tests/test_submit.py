@@ -1,0 +1,145 @@
+"""`orch submit` and its job commands: the pure checks, then a real Ray head with its Jobs server
+on loopback, a job that trains the user's own model from a shipped working directory, a job
+stopped mid-run, and a plan refused before anything is submitted."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import compose_config, free_port, kill_tree, processes_mentioning, worker_env
+from orchestrator.config import to_typed
+from orchestrator.submit import submission, submit_violations
+from plans.errors import PlanError
+
+RAY = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+
+
+def test_paths_a_job_cannot_reach_are_refused_with_the_fix():
+    typed, _, _ = to_typed(compose_config())
+    found = {v.field: v for v in submit_violations(typed)}
+    assert set(found) == {"tracking.uri", "train.checkpoint_dir"}
+    assert "sqlite:////shared/mlflow.db" in found["tracking.uri"].fix
+    typed, _, _ = to_typed(compose_config("tracking.uri=http://mlflow:5000", "train.checkpoint_dir=/shared/ckpt"))
+    assert submit_violations(typed) == []
+
+
+def test_the_job_runs_orch_on_the_cluster_it_is_on_from_the_shipped_directory(tmp_path):
+    (tmp_path / "conf").mkdir()
+    typed, _, _ = to_typed(compose_config("submit.pip=[einops]", "submit.env={MY_FLAG: '1'}"))
+    job = submission("train", ["model=mine", "cluster.address=http://head:8265", "plan.zero_stage=2"], typed.submit,
+                     "conf", tmp_path)
+    assert job.entrypoint == "orch train --config-dir conf model=mine plan.zero_stage=2 cluster.address=auto"
+    assert job.runtime_env["working_dir"] == str(tmp_path) and ".venv" in job.runtime_env["excludes"]
+    assert job.runtime_env["pip"] == ["einops"] and job.runtime_env["env_vars"] == {"MY_FLAG": "1"}
+    with pytest.raises(PlanError, match="--config-dir"):
+        submission("train", [], typed.submit, str(tmp_path.parent), tmp_path)
+
+
+OWN_MODEL = '''
+import torch
+
+
+class Tiny(torch.nn.Module):
+    """A user's own model, known to the cluster only through the shipped working directory."""
+
+    def __init__(self, vocab_size: int = 256, width: int = 32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, width)
+        self.head = torch.nn.Linear(width, vocab_size)
+
+    def forward(self, input_ids):
+        return self.head(self.embed(input_ids))
+'''
+
+
+@pytest.fixture(scope="module")
+def jobs_head():
+    """A Ray head with its dashboard (the Jobs server) on loopback, token auth on, started from
+    this environment so the job's `orch` is the one under test."""
+    port, dashboard = free_port(), free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")
+    token = Path(temp_dir, "auth_token")
+    token.write_text(secrets.token_hex(32))
+    env = {**worker_env(), "RAY_AUTH_TOKEN_PATH": str(token),
+           "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
+    try:
+        subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                        f"--temp-dir={temp_dir}", "--num-cpus=2", "--object-store-memory=300000000",
+                        "--disable-usage-stats"], env={**env, "RAY_AUTH_MODE": "token"}, check=True,
+                       capture_output=True, timeout=180)
+        yield {"address": f"http://127.0.0.1:{dashboard}", "env": env}
+    finally:
+        kill_tree(processes_mentioning(temp_dir))
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def orch(*args: str, cwd, env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def user_project(tmp_path: Path) -> Path:
+    project = tmp_path / "project"
+    (project / "conf" / "model").mkdir(parents=True)
+    (project / "tiny.py").write_text(OWN_MODEL)
+    (project / "conf" / "model" / "tiny.yaml").write_text("_target_: tiny.Tiny\nwidth: 32\n")
+    return project
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_submitted_job_trains_the_users_own_code_and_can_be_stopped(jobs_head, tmp_path):
+    project = user_project(tmp_path)
+    address = f"cluster.address={jobs_head['address']}"
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # absolute: the head shares this machine's disk
+    common = ["--config-dir", "conf", "model=tiny", address, f"tracking.uri={store}",
+              f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.log_every=5"]
+
+    done = orch("submit", "--wait", *common, "train.steps=10", cwd=project, env=jobs_head["env"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    job_id = done.stdout.split("submitted job ", 1)[1].split()[0]
+    assert f"orch logs {job_id} --follow" in done.stdout and f"job {job_id} ended SUCCEEDED" in done.stdout
+    client = MlflowClient(tracking_uri=store)
+    [run] = client.search_runs([client.get_experiment_by_name("orch").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["model._target_"] == "tiny.Tiny"
+    listed = orch("jobs", address, cwd=project, env=jobs_head["env"])
+    assert job_id in listed.stdout and "SUCCEEDED" in listed.stdout
+    logs = orch("logs", job_id, address, cwd=project, env=jobs_head["env"])
+    assert "done: 10 steps" in logs.stdout
+
+    # A plan that cannot fit is refused here: nothing reaches the cluster.
+    refused = orch("submit", *common, "plan.micro_batch_size=100000", cwd=project, env=jobs_head["env"])
+    assert refused.returncode == 2 and "submitted job" not in refused.stdout, refused.stderr[-2000:]
+
+    # Stopped mid-run: the run ends KILLED and its workers are gone.
+    started = orch("submit", *common, "train.steps=1000000", "tracking.experiment=long", cwd=project,
+                   env=jobs_head["env"])
+    assert started.returncode == 0, started.stderr[-3000:]
+    long_id = started.stdout.split("submitted job ", 1)[1].split()[0]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        experiment = client.get_experiment_by_name("long")
+        runs = client.search_runs([experiment.experiment_id]) if experiment else []
+        if runs and client.get_metric_history(runs[0].info.run_id, "loss"):
+            break
+        time.sleep(2)
+    else:
+        pytest.fail("the long job never reported a step")
+    stopped = orch("stop", long_id, address, cwd=project, env=jobs_head["env"])
+    assert stopped.returncode == 0 and f"job {long_id}: STOPPED" in stopped.stdout, stopped.stderr[-2000:]
+    assert client.get_run(runs[0].info.run_id).info.status == "KILLED"
+    from ray.util.state import list_actors
+
+    alive = list_actors(address=jobs_head["address"], filters=[("state", "=", "ALIVE")])
+    assert not [a for a in alive if "TrainWorker" in (a.class_name or "")]
