@@ -45,7 +45,7 @@ from plans.pipeline import (
 )
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision
-from plans.workload import ModelInputs, batch_bytes
+from plans.workload import ModelInputs, batch_bytes, supports_activation_checkpointing
 
 GIB = 1024**3
 # The keys of one device in `orch check --json` (``per_device`` and each of ``stages``), in bytes
@@ -442,8 +442,11 @@ def _candidate_changes(plan: ResolvedPlan) -> list[tuple[str, dict]]:
 
 def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe,
                   build_config: Callable[[ResolvedPlan], dict], limit: int = 3) -> list[str]:
-    """Single changes (then pairs) that make the plan fit, cheapest first."""
+    """Single changes (then pairs) that make the plan fit, cheapest first; never one the model
+    cannot take (activation checkpointing of a model with nothing to checkpoint)."""
     singles = _candidate_changes(plan)
+    if not supports_activation_checkpointing(probe.sample):
+        singles = [(what, change) for what, change in singles if "activation_checkpointing" not in change]
     found: list[str] = []
     for what, change in singles:
         candidate = dataclasses.replace(plan, **change)

@@ -89,3 +89,16 @@ def test_a_users_own_model_objective_and_dataset_train_from_their_config_dir(tmp
     run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
     assert run.info.status == "FINISHED"
     assert run.data.params["plan.zero_stage"] == "2" and run.data.params["objective._target_"] == "mine.mse"
+
+
+def test_a_plan_too_big_for_a_model_without_checkpointing_gets_fixes_it_can_take():
+    """The fix search leaves activation checkpointing out for a model with nothing to checkpoint."""
+    from conftest import compose_config
+    from orchestrator.checking import check_run
+    from orchestrator.config import to_typed
+
+    typed, model_cfg, _ = to_typed(compose_config("model=mlp", "data=dataset", "objective=classification",
+                                                  "plan.micro_batch_size=512", "cluster.device_memory_gib=0.0001"))
+    estimate, facts = check_run(typed, model_cfg)
+    assert not facts.supports_activation_checkpointing and not estimate.feasible
+    assert not [s for s in estimate.suggestions if "checkpointing" in s]

@@ -35,7 +35,7 @@ def test_paths_a_job_cannot_reach_are_refused_with_the_fix():
 
 def test_the_job_runs_orch_on_the_cluster_it_is_on_from_the_shipped_directory(tmp_path):
     (tmp_path / "conf").mkdir()
-    typed, _, _ = to_typed(compose_config("submit.pip=[einops]", "submit.env={MY_FLAG: '1'}"))
+    typed, _, _ = to_typed(compose_config("submit.pip=[einops]", "+submit.env.MY_FLAG=1"))
     job = submission("train", ["model=mine", "cluster.address=http://head:8265", "plan.zero_stage=2"], typed.submit,
                      "conf", tmp_path)
     assert job.entrypoint == "orch train --config-dir conf model=mine plan.zero_stage=2 cluster.address=auto"
