@@ -99,7 +99,7 @@ def user_project(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_a_submitted_job_trains_the_users_own_code_and_can_be_stopped(jobs_head, tmp_path):
+def test_a_submitted_job_trains_the_users_own_code_and_can_be_stopped(jobs_head, tmp_path, monkeypatch):
     project = user_project(tmp_path)
     address = f"cluster.address={jobs_head['address']}"
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # absolute: the head shares this machine's disk
@@ -141,5 +141,7 @@ def test_a_submitted_job_trains_the_users_own_code_and_can_be_stopped(jobs_head,
     assert client.get_run(runs[0].info.run_id).info.status == "KILLED"
     from ray.util.state import list_actors
 
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", jobs_head["env"]["RAY_AUTH_TOKEN_PATH"])
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
     alive = list_actors(address=jobs_head["address"], filters=[("state", "=", "ALIVE")])
     assert not [a for a in alive if "TrainWorker" in (a.class_name or "")]
