@@ -9,6 +9,10 @@ files and what it was written for, which a resume checks before anything is load
 (:func:`resumable`), falling back to the newest intact kept tag.
 
 One run at a time writes a checkpoint directory: :func:`directory_lock`.
+
+On object storage (:mod:`launchers.storage`) the order is the same: every node uploads its files,
+then rank 0 writes the manifest from the digests the nodes took, then ``latest.json``
+(:func:`publish_remote`); an object is replaced whole, as ``os.replace`` replaces a file.
 """
 
 from __future__ import annotations
@@ -28,8 +32,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from launchers.manifest import CheckpointIntegrityError, write_manifest
+from launchers.manifest import (
+    MANIFEST,
+    CheckpointIntegrityError,
+    Manifest,
+    manifest_text,
+    missing_manifest,
+    parse_manifest,
+    verify_listing,
+    write_manifest,
+)
 from launchers.manifest import verify as verify_manifest
+from launchers.storage import RemoteDir, is_remote, local_path
 from plans.errors import OrchError, PlanError, Violation
 
 LATEST = "latest.json"
@@ -79,18 +93,29 @@ def tag_for(step: int) -> str:
 
 def latest(checkpoint_dir: str | os.PathLike) -> Published | None:
     """The record ``latest.json`` holds, or None without one; :class:`CheckpointRecordError` if malformed."""
-    path = Path(checkpoint_dir) / LATEST
-    if not path.exists():
-        return None
-    record = _parse_record(path)
-    _check_record(record, path)
+    if is_remote(checkpoint_dir):
+        where = f"{str(checkpoint_dir).rstrip('/')}/{LATEST}"
+        text = RemoteDir(str(checkpoint_dir)).read_text(LATEST)
+        if text is None:
+            return None
+    else:
+        path = Path(local_path(checkpoint_dir)) / LATEST
+        if not path.exists():
+            return None
+        where = str(path)
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            text = ""
+    record = _parse_record(text, where)
+    _check_record(record, where)
     return record
 
 
-def _parse_record(path: Path) -> Published:
-    """``latest.json`` read into a :class:`Published`, every field's type checked."""
+def _parse_record(text: str, where: str) -> Published:
+    """``latest.json``'s text read into a :class:`Published`, every field's type checked."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(text)
         if not isinstance(data, dict):
             raise TypeError(f"a JSON object was expected, not {type(data).__name__}")
         layout = data.get("layout")
@@ -99,15 +124,15 @@ def _parse_record(path: Path) -> Published:
             raise TypeError("step must be an integer, tags a list, layout an object")
         return Published(tag=data["tag"], step=data["step"], run_id=data.get("run_id"), tags=list(data["tags"]),
                          layout={k: int(v) for k, v in layout.items()} if layout else None)
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         what = f"missing key {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
         raise CheckpointRecordError(
-            f"{path} is malformed ({what}); it is the record of the latest checkpoint and this orchestrator writes it "
-            "whole. Fix: delete it to start fresh (or set train.resume=never), or point train.checkpoint_dir at a "
+            f"{where} is malformed ({what}); it is the record of the latest checkpoint and this orchestrator writes "
+            "it whole. Fix: delete it to start fresh (or set train.resume=never), or point train.checkpoint_dir at a "
             "directory this orchestrator wrote") from None
 
 
-def _check_record(record: Published, path: Path) -> None:
+def _check_record(record: Published, path: str) -> None:
     """Refuse a record whose names could leave the checkpoint directory.
 
     Tags become paths that are loaded and, when pruned, deleted; the run id selects the MLflow
@@ -132,19 +157,17 @@ def publish(checkpoint_dir: str | os.PathLike, step: int, run_id: str | None, ke
     delete the ones beyond ``keep`` (and any universal conversion made from them).
 
     ``model`` is the :func:`model_signature` of the model that wrote it."""
-    root = Path(checkpoint_dir)
-    previous = latest(root)
+    root = Path(local_path(checkpoint_dir))
+    previous = latest(root)  # a malformed or planted record stops the save before anything is deleted
     tag = tag_for(step)
     write_manifest(root / tag, layout=layout, model=model)
     # A conversion of an earlier checkpoint under this tag (a run resumed from an older one
     # writes the same steps again) would otherwise be taken for this one's.
     shutil.rmtree(root / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
-    tags = [t for t in (previous.tags if previous else []) if t != tag] + [tag]
-    kept, dropped = tags[-max(keep, 1):], tags[:-max(keep, 1)]
-    record = Published(tag=tag, step=step, run_id=run_id, tags=kept, layout=layout)
+    record, dropped = _next_record(previous, step, run_id, keep, layout)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=".latest-", suffix=".json")
     with os.fdopen(fd, "w") as f:
-        json.dump({**asdict(record), "published_at": time.time()}, f)
+        f.write(_record_text(record))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / LATEST)
@@ -152,6 +175,40 @@ def publish(checkpoint_dir: str | os.PathLike, step: int, run_id: str | None, ke
         shutil.rmtree(root / old, ignore_errors=True)
         shutil.rmtree(root / f"{old}{UNIVERSAL_SUFFIX}", ignore_errors=True)
     return record
+
+
+def publish_remote(uri: str, step: int, run_id: str | None, keep: int, files: dict[str, str],
+                   sizes: dict[str, int], layout: dict[str, int] | None = None,
+                   model: dict | None = None) -> Published:
+    """:func:`publish` for a checkpoint directory on object storage, once every node has uploaded
+    its files: ``files`` and ``sizes`` are their digests and sizes, taken where they were written.
+
+    The same order keeps the same guarantee: the manifest is written after every file, and
+    ``latest.json`` (one object, replaced whole) after the manifest."""
+    store = RemoteDir(uri)
+    previous = latest(uri)
+    tag = tag_for(step)
+    store.write_text(f"{tag}/{MANIFEST}", manifest_text(files, sizes, layout, model))
+    store.delete(f"{tag}{UNIVERSAL_SUFFIX}")
+    record, dropped = _next_record(previous, step, run_id, keep, layout)
+    store.write_text(LATEST, _record_text(record))
+    for old in dropped:
+        store.delete(old)
+        store.delete(f"{old}{UNIVERSAL_SUFFIX}")
+    return record
+
+
+def _next_record(previous: Published | None, step: int, run_id: str | None, keep: int,
+                 layout: dict[str, int] | None) -> tuple[Published, list[str]]:
+    """The record naming ``step`` the latest, and the tags it no longer keeps."""
+    tag = tag_for(step)
+    tags = [t for t in (previous.tags if previous else []) if t != tag] + [tag]
+    kept, dropped = tags[-max(keep, 1):], tags[:-max(keep, 1)]
+    return Published(tag=tag, step=step, run_id=run_id, tags=kept, layout=layout), dropped
+
+
+def _record_text(record: Published) -> str:
+    return json.dumps({**asdict(record), "published_at": time.time()})
 
 
 def model_signature(module, config: dict) -> dict:
@@ -175,26 +232,41 @@ def resumable(checkpoint_dir: str | os.PathLike, model: dict | None,
     if record is None:
         return None
     warn = warn or sys.stderr
-    root = Path(checkpoint_dir)
+    where = str(checkpoint_dir).rstrip("/") if is_remote(checkpoint_dir) else Path(local_path(checkpoint_dir))
     refused = []
     for tag in reversed(record.tags or [record.tag]):
         try:
-            manifest = verify_manifest(root / tag)
+            manifest = _verified(checkpoint_dir, tag)
         except CheckpointIntegrityError as error:
             refused.append(str(error).split(" Fix:")[0])
-            print(f"warning: not resuming from {root / tag}: {refused[-1]}", file=warn, flush=True)
+            print(f"warning: not resuming from {where}/{tag}: {refused[-1]}", file=warn, flush=True)
             continue
-        _check_model(root / tag, manifest.model, model)
+        _check_model(f"{where}/{tag}", manifest.model, model)
         if refused:
-            print(f"warning: resuming from the newest intact checkpoint, {root / tag}", file=warn, flush=True)
+            print(f"warning: resuming from the newest intact checkpoint, {where}/{tag}", file=warn, flush=True)
         return dataclasses.replace(record, tag=tag, step=int(tag.removeprefix("step_")),
                                    layout={k: int(v) for k, v in manifest.layout.items()} if manifest.layout else None)
     raise NoIntactCheckpointError(
-        f"train.resume=auto: no checkpoint kept in train.checkpoint_dir={root} verifies ({'; '.join(refused)}). "
+        f"train.resume=auto: no checkpoint kept in train.checkpoint_dir={where} verifies ({'; '.join(refused)}). "
         "Fix: set train.resume=never to start fresh, or point train.checkpoint_dir at intact checkpoints")
 
 
-def _check_model(folder: Path, saved: dict | None, now: dict | None) -> None:
+def _verified(checkpoint_dir: str | os.PathLike, tag: str) -> Manifest:
+    """A local tag verified byte for byte; a remote one by its objects' names and sizes (its
+    digests are checked on the nodes that download it, before anything is loaded)."""
+    if not is_remote(checkpoint_dir):
+        return verify_manifest(Path(local_path(checkpoint_dir)) / tag)
+    store = RemoteDir(str(checkpoint_dir))
+    where = f"{str(checkpoint_dir).rstrip('/')}/{tag}"
+    text = store.read_text(f"{tag}/{MANIFEST}")
+    if text is None:
+        raise missing_manifest(where)
+    manifest = parse_manifest(text, where)
+    verify_listing(manifest, store.sizes(tag), where)
+    return manifest
+
+
+def _check_model(folder: str, saved: dict | None, now: dict | None) -> None:
     """Refuse a checkpoint whose parameters' names or shapes differ from the model's."""
     if not saved or not now or saved.get("params") == now.get("params"):
         return
@@ -227,9 +299,13 @@ def directory_lock(checkpoint_dir: str | os.PathLike) -> Iterator[None]:
     Two runs writing one directory would interleave their tags and each overwrite the other's
     ``latest.json``. The kernel releases the lock when the process ends, however it ends, so a
     crashed run never leaves the directory locked. (``flock`` on NFS is emulated with POSIX
-    locks by Linux clients, which the server enforces across nodes.)
+    locks by Linux clients, which the server enforces across nodes.) Object stores have no such
+    lock: a remote directory is not held, and two runs must not be given the same one.
     """
-    root = Path(checkpoint_dir)
+    if is_remote(checkpoint_dir):
+        yield
+        return
+    root = Path(local_path(checkpoint_dir))
     path = root / LOCK
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,8 @@ class Manifest:
     model: dict | None = None
     """``{"config": {...}, "params": {name: shape}}`` of the model that wrote it (see
     :func:`launchers.checkpoint.model_signature`)."""
+    sizes: dict[str, int] | None = None
+    """Path → size in bytes: what a remote copy is checked against without downloading it."""
 
     def digest_of(self, path: str | os.PathLike) -> str:
         """The recorded digest of ``path`` (absolute or relative to the folder); refuses unlisted files."""
@@ -67,21 +69,33 @@ def sha256_of(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def file_digests(folder: str | os.PathLike) -> tuple[dict[str, str], dict[str, int]]:
+    """Every file under ``folder`` (relative path) → its SHA-256, and → its size."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise CheckpointIntegrityError(f"checkpoint directory {root} does not exist; nothing to publish")
+    names = _listed_files(root)
+    return {name: sha256_of(root / name) for name in names}, {name: (root / name).stat().st_size for name in names}
+
+
+def manifest_text(files: dict[str, str], sizes: dict[str, int], layout: dict[str, int] | None = None,
+                  model: dict | None = None) -> str:
+    """The manifest's JSON, for a checkpoint whose files were digested where they were written."""
+    return json.dumps({"format": _FORMAT, "files": files, "sizes": sizes, "layout": layout, "model": model})
+
+
 def write_manifest(folder: str | os.PathLike, layout: dict[str, int] | None = None,
                    model: dict | None = None) -> Manifest:
     """Digest every file under ``folder`` and write the manifest atomically (temp file, fsync, rename)."""
     root = Path(folder)
-    if not root.is_dir():
-        raise CheckpointIntegrityError(f"checkpoint directory {root} does not exist; nothing to publish")
-    files = {name: sha256_of(root / name) for name in _listed_files(root)}
-    manifest = Manifest(folder=root, files=files, layout=layout, model=model)
+    files, sizes = file_digests(root)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=".manifest-", suffix=".json")
     with os.fdopen(fd, "w") as f:
-        json.dump({"format": _FORMAT, "files": files, "layout": layout, "model": model}, f)
+        f.write(manifest_text(files, sizes, layout, model))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / MANIFEST)
-    return manifest
+    return Manifest(folder=root, files=files, layout=layout, model=model, sizes=sizes)
 
 
 def read_manifest(folder: str | os.PathLike) -> Manifest:
@@ -89,21 +103,55 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     root = Path(folder)
     path = root / MANIFEST
     if not path.is_file():
-        raise CheckpointIntegrityError(
-            f"checkpoint {root} has no {MANIFEST}: it was not completely written by this orchestrator (or was "
-            f"written before checkpoints carried manifests), so it cannot be verified and was not loaded. {_FIX}")
+        raise missing_manifest(root)
     try:
-        data = json.loads(path.read_text())
-        files = data["files"]
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    return parse_manifest(text, root)
+
+
+def missing_manifest(where) -> CheckpointIntegrityError:
+    return CheckpointIntegrityError(
+        f"checkpoint {where} has no {MANIFEST}: it was not completely written by this orchestrator (or was "
+        f"written before checkpoints carried manifests), so it cannot be verified and was not loaded. {_FIX}")
+
+
+def parse_manifest(text: str, folder: str | os.PathLike) -> Manifest:
+    """The manifest ``text`` of the checkpoint at ``folder`` (a path, or a URI for a remote one),
+    structure checked."""
+    try:
+        data = json.loads(text)
+        files, sizes = data["files"], data.get("sizes")
         layout, model = data.get("layout"), data.get("model")
         well_formed = (data.get("format") == _FORMAT and isinstance(files, dict)
                        and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+                       and (sizes is None or (isinstance(sizes, dict) and set(sizes) == set(files)
+                                              and all(isinstance(v, int) for v in sizes.values())))
                        and (layout is None or isinstance(layout, dict)) and (model is None or isinstance(model, dict)))
-    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         well_formed = False
     if not well_formed:
-        raise CheckpointIntegrityError(f"{path} is not a manifest this orchestrator writes (malformed). {_FIX}")
-    return Manifest(folder=root, files=files, layout=layout, model=model)
+        raise CheckpointIntegrityError(f"{folder}/{MANIFEST} is not a manifest this orchestrator writes (malformed). "
+                                       f"{_FIX}")
+    return Manifest(folder=Path(folder), files=files, layout=layout, model=model, sizes=sizes)
+
+
+def verify_listing(manifest: Manifest, present: dict[str, int], where: str) -> None:
+    """Refuse a remote copy whose objects (path → size) are not exactly the manifest's files at their
+    recorded sizes: a cut-short upload or a changed object, found without downloading anything. The
+    digests are checked where the files are downloaded (:func:`verify`)."""
+    for name in sorted(set(present) - set(manifest.files) - {MANIFEST}):
+        raise CheckpointIntegrityError(f"checkpoint object {where}/{name} is not listed in its {MANIFEST}: it was "
+                                       f"added after the checkpoint was written. {_FIX}")
+    for name in sorted(manifest.files):
+        if name not in present:
+            raise CheckpointIntegrityError(f"checkpoint object {where}/{name} listed in its {MANIFEST} is missing. "
+                                           f"{_FIX}")
+        if manifest.sizes is not None and present[name] != manifest.sizes[name]:
+            raise CheckpointIntegrityError(
+                f"checkpoint object {where}/{name} holds {present[name]} bytes, its {MANIFEST} records "
+                f"{manifest.sizes[name]} (cut short or changed); it was not loaded. {_FIX}")
 
 
 def verify(folder: str | os.PathLike) -> Manifest:

@@ -4,20 +4,23 @@ NCCL, CUDA and the network transports beneath them (UCX, libfabric) are tuned th
 environment variables a cluster's administrators set where the job is launched; Ray actors do
 not inherit the driver's environment, so without this the workers would run with the defaults.
 ``CUDA_VISIBLE_DEVICES`` is excluded: each node's workers get their own (:mod:`launchers.devices`).
-Names that look like credentials are never passed this way, whatever their prefix.
+The object store's endpoint and region (``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``) go along, so
+workers write checkpoints to the store the driver checked (:mod:`launchers.storage`).
+Names that look like credentials are never passed this way, whatever their prefix: a node reads
+its own (its environment, a profile, an instance role).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-PASSED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "CUDA_", "UCX_", "FI_")
+PASSED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "CUDA_", "UCX_", "FI_", "AWS_")
 NEVER_PASSED = frozenset({"CUDA_VISIBLE_DEVICES"})
 CREDENTIAL_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
 
 
 def passthrough_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The communication-tuning subset of ``environ`` to set in every worker."""
+    """The communication- and storage-tuning subset of ``environ`` to set in every worker."""
     return {name: value for name, value in environ.items()
             if name.startswith(PASSED_PREFIXES) and name not in NEVER_PASSED
             and not any(word in name.upper() for word in CREDENTIAL_WORDS)}

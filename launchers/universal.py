@@ -25,6 +25,7 @@ from pathlib import Path
 
 from launchers.checkpoint import UNIVERSAL_SUFFIX
 from launchers.manifest import CheckpointIntegrityError, verify, write_manifest
+from launchers.storage import RemoteDir, is_remote, local_path, staging_dir
 from plans.errors import OrchError, PlanError, Violation
 
 # The layout keys whose change needs a universal checkpoint, and those that may not change at all.
@@ -96,7 +97,9 @@ def convert(checkpoint_dir: str | os.PathLike, tag: str, env: dict[str, str] | N
     :class:`CheckpointIntegrityError` or ``UnsafeCheckpointError`` naming a file that fails the
     checks, before anything of it is unpickled without ``weights_only``.
     """
-    root = Path(checkpoint_dir)
+    if is_remote(checkpoint_dir):
+        return _convert_remote(str(checkpoint_dir), tag, env)
+    root = Path(local_path(checkpoint_dir))
     source, target = root / tag, root / f"{tag}{UNIVERSAL_SUFFIX}"
     if _converted(target):
         return target.name
@@ -116,6 +119,21 @@ def convert(checkpoint_dir: str | os.PathLike, tag: str, env: dict[str, str] | N
     _check_files(target)
     write_manifest(target)
     return target.name
+
+
+def _convert_remote(uri: str, tag: str, env: dict[str, str] | None) -> str:
+    """:func:`convert` of a tag on object storage: downloaded (and verified) here, converted, and
+    the conversion uploaded next to it, where the workers download it from."""
+    store = RemoteDir(uri)
+    staging = staging_dir(uri, "driver")
+    try:
+        store.download(tag, staging / tag)
+        converted = convert(staging, tag, env)
+        store.delete(converted)
+        store.upload(staging / converted, converted)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return converted
 
 
 def resumed_position(position: int, saved: dict[str, int], micro_batch_size: int, dp: int) -> int:

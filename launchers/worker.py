@@ -32,6 +32,7 @@ from launchers.gpu_worker import (
 from launchers.job import TrainJob
 from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
+from launchers.storage import RemoteDir, is_remote, local_path, staging_dir
 
 
 def _digest(batch) -> str:
@@ -206,6 +207,7 @@ class TrainWorker:
     def setup(self, job: TrainJob, slot: RankSlot, world_size: int, master_addr: str, master_port: int) -> dict:
         """Join the process group and build the DeepSpeed engine; returns facts for the driver."""
         self.rank, self.world_size = slot.rank, world_size
+        self.local_rank = slot.local_rank
         self._samples_node = slot.local_rank == 0 and job.system_metrics_interval_s > 0
         os.environ.update(job.env)
         os.environ.update({
@@ -394,14 +396,21 @@ class TrainWorker:
         from launchers.safe_load import verified_loading, weights_only_loading
 
         # A checkpoint file must not be able to run code, and must be the one its manifest lists.
-        folder = os.path.join(job.train.checkpoint_dir, job.resume_tag)
+        root = self._checkpoint_root()
+        if is_remote(job.train.checkpoint_dir):
+            self._download(job.resume_tag)
+        folder = os.path.join(root, job.resume_tag)
         if self.engine.load_universal_checkpoint():
             # DeepSpeed reads universal checkpoints past the checkpoint engine, with torch.load itself.
             with verified_loading(folder):
-                _, client_state = self.engine.load_checkpoint(job.train.checkpoint_dir, tag=job.resume_tag)
+                _, client_state = self.engine.load_checkpoint(root, tag=job.resume_tag)
         else:
             with weights_only_loading(self.engine, folder):
-                _, client_state = self.engine.load_checkpoint(job.train.checkpoint_dir, tag=job.resume_tag)
+                _, client_state = self.engine.load_checkpoint(root, tag=job.resume_tag)
+        if is_remote(job.train.checkpoint_dir):
+            torch.distributed.barrier()  # every rank of the node has read its files
+            if self.local_rank == 0:
+                shutil.rmtree(root, ignore_errors=True)
         if client_state is None:
             raise RuntimeError(f"checkpoint {job.resume_tag} in {job.train.checkpoint_dir} could not be loaded")
         data, val_data = client_state["data"], client_state["val_data"]
@@ -423,25 +432,72 @@ class TrainWorker:
         import deepspeed.comm as dist
         import torch
 
-        from launchers.checkpoint import publish, tag_for
+        from launchers.checkpoint import publish, publish_remote, tag_for
+        from launchers.manifest import file_digests
         from launchers.universal import layout_of
 
         spec = self.job.train
         layout = layout_of(self.job.plan)
         client_state = {"step": step, "data": self.batches.state_dict(), "val_data": self.val_batches.state_dict(),
                         "rng": torch.get_rng_state(), "layout": layout}
+        root, tag = self._checkpoint_root(), tag_for(step)
+        remote = is_remote(spec.checkpoint_dir)
+        # What an earlier attempt left under this tag (a run resumed from an older checkpoint
+        # writes the same steps again) must not end up in this checkpoint's manifest.
         if self.rank == 0:
-            # What an earlier attempt left under this tag (a run resumed from an older checkpoint
-            # writes the same steps again) must not end up in this checkpoint's manifest.
-            shutil.rmtree(os.path.join(spec.checkpoint_dir, tag_for(step)), ignore_errors=True)
+            shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
+            if remote:
+                RemoteDir(spec.checkpoint_dir).delete(tag)
+        if remote and self.local_rank == 0:
+            shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
         dist.barrier()
-        self.engine.save_checkpoint(spec.checkpoint_dir, tag=tag_for(step), client_state=client_state,
-                                    save_latest=False)
+        self.engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
         dist.barrier()
+        if not remote:
+            if self.rank == 0:
+                publish(root, step, self.job.run_id, spec.keep_checkpoints, layout=layout,
+                        model=self.job.model_signature)
+            dist.barrier()
+            return
+        # Each node's first worker digests and uploads what the node wrote; once every node has
+        # (the gather waits for them), rank 0 publishes.
+        written = ({}, {})
+        if self.local_rank == 0:
+            written = file_digests(os.path.join(root, tag))
+            RemoteDir(spec.checkpoint_dir).upload(os.path.join(root, tag), tag)
+        gathered = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, written)
         if self.rank == 0:
-            publish(spec.checkpoint_dir, step, self.job.run_id, spec.keep_checkpoints, layout=layout,
-                    model=self.job.model_signature)
+            files = {name: digest for digests, _ in gathered for name, digest in digests.items()}
+            sizes = {name: size for _, node_sizes in gathered for name, size in node_sizes.items()}
+            publish_remote(spec.checkpoint_dir, step, self.job.run_id, spec.keep_checkpoints, files, sizes,
+                           layout=layout, model=self.job.model_signature)
         dist.barrier()
+        if self.local_rank == 0:  # the staging copy, and the scripts DeepSpeed copies beside its tags
+            shutil.rmtree(root, ignore_errors=True)
+
+    def _checkpoint_root(self) -> str:
+        """Where DeepSpeed writes and reads checkpoints: ``train.checkpoint_dir``, or for a URI this
+        node's staging directory (:mod:`launchers.storage`)."""
+        location = self.job.train.checkpoint_dir
+        if not is_remote(location):
+            return local_path(location)
+        import ray
+
+        return str(staging_dir(location, ray.get_runtime_context().get_node_id()))
+
+    def _download(self, tag: str) -> None:
+        """Bring a remote tag into this node's staging directory (its first worker downloads it,
+        and checks every file against the manifest before any rank loads it)."""
+        import torch
+
+        from launchers.manifest import verify
+
+        folder = os.path.join(self._checkpoint_root(), tag)
+        if self.local_rank == 0:
+            RemoteDir(self.job.train.checkpoint_dir).download(tag, folder)
+            verify(folder)
+        torch.distributed.barrier()
 
     def _tensor_parallel_groups(self, coords: ParallelCoords):
         """DeepSpeed's tensor- and data-parallel groups, built before ``deepspeed.initialize`` (None at tp=1).

@@ -92,7 +92,8 @@ class TuneConfig:
     out: str | None = None
     """The winning plan file; null: ./tuned_plans/plan/<name>.yaml in the current directory. A file in a
     directory named plan/ is usable as plan=<its name> (`orch train --config-dir <that directory's parent>
-    plan=<name>`, the command `orch tune` prints); the installed package is never written to."""
+    plan=<name>`, the command `orch tune` prints); the installed package is never written to. A URI
+    (s3://bucket/plans/tuned.yaml) writes it to object storage."""
     name: str = "tuned"
     """Name of the winning plan file (and of the plan=<name> option) when tune.out is null."""
     calibrate: bool = True

@@ -86,6 +86,7 @@ def export_run(uri: str, run_id: str, out: Path | None = None) -> str:
     from omegaconf import OmegaConf
 
     from launchers.checkpoint import latest
+    from launchers.storage import RemoteDir, is_remote, local_path
     from orchestrator.tracking import RunTracker, open_existing, reading
     from orchestrator.workload import resolve_workload
     from plans.errors import PlanError, Violation
@@ -97,7 +98,7 @@ def export_run(uri: str, run_id: str, out: Path | None = None) -> str:
         raise PlanError([Violation("run", run_id, f"was trained with tp={params.get('plan.tp')} and "
                                    f"pp={params.get('plan.pp')}; only data-parallel checkpoints are consolidated.",
                                    "load the checkpoint with the same plan to use it")])
-    checkpoint_dir = Path(params.get("train.checkpoint_dir", "checkpoints"))
+    checkpoint_dir = params.get("train.checkpoint_dir", "checkpoints")
     record = latest(checkpoint_dir)
     if record is None or record.run_id != run_id:
         raise PlanError([Violation("train.checkpoint_dir", str(checkpoint_dir),
@@ -107,7 +108,12 @@ def export_run(uri: str, run_id: str, out: Path | None = None) -> str:
     config = OmegaConf.create(Path(client.download_artifacts(run_id, "config/resolved.yaml")).read_text())
     resolved = OmegaConf.to_container(config, resolve=True)
     workload = resolve_workload(resolved["model"], resolved["objective"], resolved["data"])
-    state = consolidated_from_checkpoint(checkpoint_dir / record.tag, int(params.get("plan.zero_stage", 0)))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(local_path(checkpoint_dir)) / record.tag
+        if is_remote(checkpoint_dir):
+            folder = Path(tmp) / record.tag
+            RemoteDir(checkpoint_dir).download(record.tag, folder)
+        state = consolidated_from_checkpoint(folder, int(params.get("plan.zero_stage", 0)))
     model = build_trained(workload, state)
     if out is not None:
         save_weights(model, out)

@@ -13,6 +13,7 @@ import os
 import types
 from pathlib import Path
 
+from launchers.storage import is_remote, local_path, location_violation
 from orchestrator.config import RunConfig
 from orchestrator.workload import build_data_source
 from plans.errors import PlanError, Violation
@@ -63,7 +64,7 @@ def check_inputs(cfg: RunConfig, data: DataSource | None = None) -> None:
 
 def validated_plan(cfg: RunConfig, cluster: ClusterSpec, data: DataSource | None = None) -> ResolvedPlan:
     """The resolved plan, or one :class:`PlanError` with the plan's problems and the inputs' together."""
-    found = input_violations(cfg, data)
+    found = input_violations(cfg, data) + shared_checkpoint_violations(cfg.train, cluster)
     try:
         plan = resolve_plan(cfg.plan, cluster, cfg.train)
     except PlanError as error:
@@ -84,13 +85,33 @@ def data_fits_plan(data: DataSource, plan: ResolvedPlan) -> None:
         raise PlanError([dataclasses.replace(found[0], fix=fix)])
 
 
+def shared_checkpoint_violations(train: TrainSpec, cluster: ClusterSpec) -> list[Violation]:
+    """A run over several nodes needs a checkpoint directory they all reach: a relative path is
+    each node's own working directory, where no node would hold a whole checkpoint."""
+    location = train.checkpoint_dir
+    uses = train.checkpoint_every > 0 or train.resume == ResumeMode.auto
+    if cluster.nodes <= 1 or not uses or is_remote(location) or os.path.isabs(local_path(location)):
+        return []
+    return [Violation("train.checkpoint_dir", location,
+                      f"is relative, and the run spans cluster.nodes={cluster.nodes} nodes: each would write its "
+                      "ranks' part of a checkpoint under its own working directory, and none would hold a whole one.",
+                      "set it to an absolute path every node mounts (/shared/checkpoints/run) or to a URI "
+                      "(s3://bucket/run)")]
+
+
 def checkpoint_dir_violations(train: TrainSpec) -> list[Violation]:
     """A checkpoint directory that will be written must be a directory this user can write, or be
     creatable in one; one that is only read (resume) must not be a file."""
     writes = train.checkpoint_every > 0
     if not writes and train.resume != ResumeMode.auto:
         return []
-    path = Path(train.checkpoint_dir)
+    if is_remote(train.checkpoint_dir):
+        problem = location_violation(train.checkpoint_dir)
+        if problem is None:
+            return []
+        why, _, fix = problem.partition(" Fix: ")
+        return [Violation("train.checkpoint_dir", train.checkpoint_dir, why, fix)]
+    path = Path(local_path(train.checkpoint_dir))
     if path.exists() and not path.is_dir():
         return [Violation("train.checkpoint_dir", train.checkpoint_dir, "is a file, not a directory.",
                           "point train.checkpoint_dir at a directory (it is created if missing)")]

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 import conf
 from launchers.ds_config import build_ds_config
+from launchers.storage import RemoteDir, is_remote, location_violation
 from orchestrator.checking import check_model, check_pipeline, live_cluster
 from orchestrator.config import RunConfig
 from orchestrator.inputs import check_inputs, declared_violations
@@ -98,7 +99,9 @@ class TuneResult:
     trials: list[Trial] = field(default_factory=list)
     winner: Candidate | None = None
     winner_trial: Trial | None = None
-    plan_file: Path | None = None
+    plan_file: Path | str | None = None
+    """Where the winner's plan file was written: a path, or a URI (``tune.out=s3://...``)."""
+    plan_text: str | None = None
     overrides: list[str] = field(default_factory=list)
     parent_run_id: str | None = None
 
@@ -411,6 +414,7 @@ installed package (site-packages, or the checkout of an editable install)."""
 
 
 def plan_file_path(cfg: RunConfig) -> Path:
+    """The local plan file (see :func:`write_plan_file` for ``tune.out`` on object storage)."""
     if cfg.tune.out:
         return Path(cfg.tune.out).expanduser()
     return TUNED_PLANS_DIR / "plan" / f"{cfg.tune.name}.yaml"
@@ -428,6 +432,12 @@ def check_plan_file(cfg: RunConfig) -> None:
     (and the plan schema, which every plan file extends, would extend itself)."""
     from hydra.core.config_store import ConfigStore
 
+    if cfg.tune.out and is_remote(cfg.tune.out):
+        problem = location_violation(_remote_parent(cfg.tune.out)[0])
+        if problem:
+            why, _, fix = problem.partition(" Fix: ")
+            raise PlanError([Violation("tune.out", cfg.tune.out, f"its directory {why}", fix)])
+        return
     path = plan_file_path(cfg)
     shipped = Path(conf.__file__).resolve().parent / "plan" / path.name
     registered = path.name in ConfigStore.instance().repo.get("plan", {})
@@ -444,7 +454,7 @@ def check_plan_file(cfg: RunConfig) -> None:
 def train_command(result: TuneResult) -> str | None:
     """The `orch train` command line that trains the winner from its plan file, if it is usable as
     ``plan=<name>``; relative paths stay relative, as the user gave them (or as the default is)."""
-    root = _config_dir(result.plan_file) if result.plan_file else None
+    root = _config_dir(result.plan_file) if isinstance(result.plan_file, Path) else None
     if root is None:
         return None
     batch = [o for o in result.overrides if o.startswith("train.global_batch_size=")]
@@ -452,18 +462,31 @@ def train_command(result: TuneResult) -> str | None:
                      f"plan={shlex.quote(result.plan_file.stem)}", *batch])
 
 
-def write_plan_file(plan: ResolvedPlan, cfg: RunConfig, model_cfg: dict, cluster, result: TuneResult) -> Path:
-    """The winner as a plan file that extends the plan schema, like the shipped ones."""
-    path = plan_file_path(cfg)
+def write_plan_file(plan: ResolvedPlan, cfg: RunConfig, model_cfg: dict, cluster, result: TuneResult) -> Path | str:
+    """The winner as a plan file that extends the plan schema, like the shipped ones; written to
+    object storage when ``tune.out`` is a URI (a submitted tune's result, out of the job's
+    working directory)."""
     how = (f"measured {result.winner_trial.tokens_per_s:,.0f} tokens/s in a trial"
            if result.winner_trial else f"predicted {result.winner.predicted.tokens_per_s:,.0f} tokens/s")
     header = (f"# Written by `orch tune` on {datetime.date.today()} for {model_cfg.get('_target_', 'the model')} "
               f"on {cluster.nodes} node(s) x {cluster.devices_per_node} {cluster.accelerator.value} device(s), "
               f"global batch {result.global_batch_size}:\n# {how}.\n")
     body = OmegaConf.to_yaml(OmegaConf.create({"defaults": ["plan_schema", "_self_"], **_plan_values(plan)}))
+    result.plan_text = header + body
+    if cfg.tune.out and is_remote(cfg.tune.out):
+        directory, name = _remote_parent(cfg.tune.out)
+        RemoteDir(directory).write_text(name, result.plan_text)
+        return cfg.tune.out
+    path = plan_file_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + body)
+    path.write_text(result.plan_text)
     return path
+
+
+def _remote_parent(uri: str) -> tuple[str, str]:
+    """``s3://bucket/dir/plan.yaml`` → ``("s3://bucket/dir", "plan.yaml")``."""
+    directory, _, name = uri.rstrip("/").rpartition("/")
+    return directory, name
 
 
 # --- rendering -------------------------------------------------------------------------------------
@@ -534,8 +557,8 @@ def _finish_parent(tracker, result: TuneResult, cfg: RunConfig, status: str) -> 
     doc = result.as_json(cfg.tune.top_k)
     tracker.log_dict(doc, "tune/candidates.json")
     tracker.log_text(render(result, cfg.tune.top_k), "tune/ranked.txt")
-    if result.plan_file and result.plan_file.exists():
-        tracker.log_text(result.plan_file.read_text(), "tune/winner.yaml")
+    if result.plan_text:
+        tracker.log_text(result.plan_text, "tune/winner.yaml")
     for trial in result.trials:
         tracker.set_tags({f"trial.{trial.index}.status": trial.status,
                           f"trial.{trial.index}.plan": describe(trial.candidate.plan),

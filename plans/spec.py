@@ -167,7 +167,8 @@ class TrainSpec:
     checkpoint_every: int = 0
     """Write a DeepSpeed checkpoint every this many steps, and at the last step (0: never)."""
     checkpoint_dir: str = "checkpoints"
-    """Where checkpoints go (a shared path on multi-node clusters)."""
+    """Where checkpoints go: a path (shared by every node of a multi-node run) or a URI of object
+    storage (s3://bucket/run, gs://..., file:///...), whose credentials come from the environment."""
     export: bool = True
     """At the end of a run, log the trained model to it: consolidated weights in the model's own format
     and an MLflow model (data-parallel plans; see `orch export` for a checkpoint)."""

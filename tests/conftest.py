@@ -62,15 +62,55 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
+def s3_store():
+    """A real S3-compatible server on loopback (moto in server mode) with an empty bucket, and the
+    standard AWS variables that reach it (``env``), as a cluster's nodes would hold them."""
+    import secrets
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    import boto3
+
+    port = free_port()
+    server = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
+    proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "orch-test",
+           "AWS_SECRET_ACCESS_KEY": secrets.token_hex(16), "AWS_DEFAULT_REGION": "us-east-1"}
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"])
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.create_bucket(Bucket="orch")
+                break
+            except Exception:  # noqa: BLE001 - the server is still starting
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.3)
+        yield {"env": env, "bucket": "orch", "client": client}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
 def local_ray():
     """One embedded Ray for a test module (starting Ray costs ~4 s); 2 CPUs like this machine, on
     loopback as `orch` starts it."""
+    start_test_ray()
+    yield
+    ray.shutdown()
+
+
+def start_test_ray() -> None:
     from launchers.ray_session import start_local_ray
 
     start_local_ray(num_cpus=2, object_store_memory=300 * 1024**2,
                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}})
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ def orch_train(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess
 
 
 @pytest.fixture(scope="module")
-def two_node_ray():
+def two_node_ray(s3_store):
     """A head node and a second node, each with 1 CPU, so a 2-worker plan must span both.
 
     The cluster keeps its files in a temp dir of its own, and teardown stops exactly the
@@ -43,12 +43,13 @@ def two_node_ray():
     auth on only when a token already sits in ~/.ray/auth_token (an embedded `ray.init` writes
     one), so without this the cluster's mode would depend on which tests ran before. Clients
     reach it with ``env`` (RAY_AUTH_TOKEN_PATH), which is how a user's machine would hold the token.
+    Its nodes, and ``env``, reach an S3-compatible store with the standard AWS variables.
     """
     port, client_port = free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length limit
     token = Path(temp_dir, "auth_token")
     token.write_text(secrets.token_hex(32))
-    env = {**worker_env(), "RAY_AUTH_TOKEN_PATH": str(token)}
+    env = {**worker_env(), **s3_store["env"], "RAY_AUTH_TOKEN_PATH": str(token)}
     fault = os.path.join(temp_dir, "fail-next-client-session")
     # The head waits 15 s, not 30, for a client session server to answer before giving up on it
     # (twice, for the data and the log stream): the injected fault costs ~45 s instead of ~75
@@ -373,10 +374,12 @@ def train_worker_pids(temp_dir: str) -> set[int]:
     return pids
 
 
-def test_a_killed_worker_restarts_through_ray_client(two_node_ray, tmp_path):
-    ckpt = tmp_path / "ckpt"
+def test_a_killed_worker_restarts_from_checkpoints_on_s3_through_ray_client(two_node_ray, s3_store, tmp_path):
+    """Each node uploads its ranks' part of every checkpoint; the restarted workers download it."""
+    ckpt = f"s3://{s3_store['bucket']}/killed"
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "train.steps=60", "train.log_every=5",
                              "train.eval_batches=1", "train.checkpoint_every=20", f"train.checkpoint_dir={ckpt}",
+                             "train.keep_checkpoints=2",
                              "train.max_failures=1", f"cluster.address={two_node_ray['client']}", "cluster.nodes=2",
                              "cluster.devices_per_node=1"],
                             cwd=tmp_path, env=two_node_ray["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -404,3 +407,15 @@ def test_a_killed_worker_restarts_through_ray_client(two_node_ray, tmp_path):
     assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"
     assert run.data.tags["restart.1.resumed_from_step"] == "20"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(5, 61, 5))
+    # In the bucket: the two newest tags, each with its manifest, and the record naming the last.
+    keys = {o["Key"] for o in s3_store["client"].list_objects_v2(Bucket=s3_store["bucket"],
+                                                                 Prefix="killed/")["Contents"]}
+    assert {k.split("/")[1] for k in keys} - {""} == {"latest.json", "step_000000040", "step_000000060"}
+    assert {"killed/step_000000040/manifest.json", "killed/step_000000060/manifest.json"} <= keys
+    latest = json.loads(s3_store["client"].get_object(Bucket=s3_store["bucket"], Key="killed/latest.json")["Body"]
+                        .read())
+    assert latest["tag"] == "step_000000060" and latest["run_id"] == run.info.run_id
+    # The store's credentials reached neither the run's params nor its recorded config.
+    secret = s3_store["env"]["AWS_SECRET_ACCESS_KEY"]
+    config = Path(client.download_artifacts(run.info.run_id, "config/resolved.yaml", str(tmp_path))).read_text()
+    assert secret not in json.dumps(run.data.params) and secret not in config and secret not in output

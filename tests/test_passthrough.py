@@ -1,4 +1,5 @@
-"""The driver's NCCL/CUDA/transport variables reach the workers; credentials and the device list do not."""
+"""The driver's NCCL/CUDA/transport and storage-endpoint variables reach the workers; credentials and the
+device list do not."""
 
 from conftest import compose_config
 from launchers.passthrough import passthrough_env
@@ -11,10 +12,13 @@ def test_communication_variables_pass_and_others_do_not():
     environ = {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
                "CUDA_DEVICE_MAX_CONNECTIONS": "1", "UCX_TLS": "rc", "FI_PROVIDER": "efa",
                "CUDA_VISIBLE_DEVICES": "0,1", "HOME": "/root", "PATH": "/bin",
-               "NCCL_IB_TOKEN": "t", "UCX_SECRET": "s", "FI_PASSWORD": "p", "CUDA_API_KEY": "k"}
+               "NCCL_IB_TOKEN": "t", "UCX_SECRET": "s", "FI_PASSWORD": "p", "CUDA_API_KEY": "k",
+               "AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "AWS_DEFAULT_REGION": "eu-west-1",
+               "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "s", "AWS_SESSION_TOKEN": "t"}
     assert passthrough_env(environ) == {
         "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1", "UCX_TLS": "rc", "FI_PROVIDER": "efa"}
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1", "UCX_TLS": "rc", "FI_PROVIDER": "efa",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "AWS_DEFAULT_REGION": "eu-west-1"}
 
 
 def test_the_driver_s_worker_env_includes_them(monkeypatch):

@@ -1,19 +1,40 @@
 """Resuming at another data-parallel degree: the rules in milliseconds, then a real run that
-writes checkpoints at dp=2 and resumes at dp=1 through DeepSpeed's universal checkpoint."""
+writes checkpoints at dp=2 to an S3 bucket and resumes at dp=1 through DeepSpeed's universal
+checkpoint, converted by the driver and uploaded beside it."""
 
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
+import ray
 
-from conftest import FAST, compose_config, dp_reference
+from conftest import FAST, compose_config, dp_reference, start_test_ray
 from launchers.checkpoint import latest, publish, tag_for
 from launchers.universal import layout_of, needs_universal, resumed_position
 from orchestrator.config import to_typed
 from plans.errors import PlanError
 from plans.resolve import resolve_plan
 from plans.spec import ClusterSpec, PlanSpec, TrainSpec
+
+
+@pytest.fixture(scope="module")
+def local_ray(s3_store):
+    """The module's Ray, started where the store's variables are set: its workers inherit them,
+    as the workers of a cluster node started with them do."""
+    saved = {name: os.environ.get(name) for name in s3_store["env"]}
+    os.environ.update(s3_store["env"])
+    try:
+        start_test_ray()
+        yield
+    finally:
+        ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def plan(**kw):
@@ -55,7 +76,7 @@ def test_latest_json_records_the_layout(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_at_another_dp_continues_the_same_curve(local_ray, sqlite_uri, tmp_path):
+def test_resume_at_another_dp_from_s3_continues_the_same_curve(local_ray, s3_store, sqlite_uri):
     from orchestrator.driver import run_training
 
     def train(*overrides, stream=None):
@@ -63,7 +84,8 @@ def test_resume_at_another_dp_continues_the_same_curve(local_ray, sqlite_uri, tm
                                                      *overrides)), stream=stream)
 
     whole = dp_reference()  # dp=2, 30 steps, ZeRO-1, uninterrupted
-    checkpoints = ["train.checkpoint_every=10", f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.resume=auto"]
+    checkpoints = ["train.checkpoint_every=10", f"train.checkpoint_dir=s3://{s3_store['bucket']}/universal",
+                   "train.resume=auto"]
     # The first 10 steps of the same run: its 10 warmup steps end at the checkpoint, so its
     # learning rates are the 30-step run's up to there.
     first = train(*checkpoints, "plan.dp=2", "train.steps=10")
@@ -75,7 +97,9 @@ def test_resume_at_another_dp_continues_the_same_curve(local_ray, sqlite_uri, tm
     assert resumed.run_id == first.run_id
     assert resumed.worker_facts[0]["start_step"] == 10
     # Pruning step 10 (keep_checkpoints=2 after steps 20 and 30) removed its conversion too.
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_000000020", "step_000000030"]
+    listed = s3_store["client"].list_objects_v2(Bucket=s3_store["bucket"], Prefix="universal/")["Contents"]
+    # (pyarrow marks the directories it creates with empty objects named like them: "universal/".)
+    assert {o["Key"].split("/")[1] for o in listed} - {""} == {"latest.json", "step_000000020", "step_000000030"}
     assert [r[0]["step"] for r in resumed.reports] == [15, 20, 25, 30]
     assert [r[0]["loss"] for r in resumed.reports] == pytest.approx([r[0]["loss"] for r in whole.reports[2:]],
                                                                     abs=1e-4)

@@ -1,0 +1,154 @@
+"""Checkpoints on object storage: ``train.checkpoint_dir`` as a URI (``s3://``, ``gs://``, ``hdfs://``).
+
+DeepSpeed writes and reads a checkpoint as files of a local directory, so a URI is used the way
+Ray Train uses its ``storage_path``: each node's workers write into a local staging directory and
+the node's first worker uploads what they wrote; a resume downloads the tag into the staging
+directory and loads it from there. The stores are reached through ``pyarrow.fs``, which reads
+the endpoint and the credentials the way each store's own tools do (for S3: ``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, a profile or an instance
+role). Nothing here holds a credential, and a URI that carries one is refused
+(:func:`location_violation`).
+
+``file://`` URIs are plain local paths (:func:`local_path`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+_SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def is_remote(location: str | os.PathLike) -> bool:
+    """Whether ``location`` names object storage rather than a path of this machine."""
+    match = _SCHEME.match(str(location))
+    return bool(match) and match.group("scheme").lower() != "file"
+
+
+def local_path(location: str | os.PathLike) -> str:
+    """A local location as a path: ``file:///a/b`` → ``/a/b``; a path is returned as it is."""
+    text = str(location)
+    return text[len("file://"):] if text.lower().startswith("file://") else text
+
+
+def location_violation(location: str) -> str | None:
+    """Why ``location`` cannot hold checkpoints, or None. Opens the store, so a misspelt scheme, a
+    missing bucket or refused credentials are reported before any worker starts."""
+    if not is_remote(location):
+        return None
+    if "@" in location.split("://", 1)[1].split("/", 1)[0]:
+        return ("carries credentials in the URI, where they would be recorded with the run's config. Fix: remove "
+                "the user:secret@ part and give them through the store's environment variables (for S3: "
+                "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), a profile or an instance role")
+    try:
+        store = RemoteDir(location)
+        info = store.fs.get_file_info(store.root)
+        bucket = store.root.split("/", 1)[0]
+        has_bucket = store.fs.type_name not in ("s3", "gcs") or store.fs.get_file_info(bucket).type.name != "NotFound"
+    except Exception as error:  # noqa: BLE001 - pyarrow raises OSError, ValueError or ArrowException subclasses
+        return (f"cannot be opened ({type(error).__name__}: {_first_line(error)}). Fix: check the scheme "
+                "(s3://, gs://, hdfs://), the bucket, and the endpoint and credentials in the environment "
+                "(for S3: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION)")
+    import pyarrow.fs as pafs
+
+    if not has_bucket:
+        return (f"names the bucket {bucket!r}, which does not exist or these credentials cannot see. Fix: create it, "
+                "or check the endpoint and credentials in the environment")
+    if info.type == pafs.FileType.File:
+        return "is an object, not a directory. Fix: point it at a prefix (it is created if missing)"
+    return None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+@dataclass(frozen=True)
+class RemoteDir:
+    """A directory of an object store, given by its URI; every name below is relative to it."""
+
+    uri: str
+
+    @cached_property
+    def _opened(self):
+        import pyarrow.fs as pafs
+
+        return pafs.FileSystem.from_uri(self.uri.rstrip("/"))
+
+    @property
+    def fs(self):
+        return self._opened[0]
+
+    @property
+    def root(self) -> str:
+        return self._opened[1].rstrip("/")
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{name}" if name else self.root
+
+    def read_text(self, name: str) -> str | None:
+        """The object's text, or None when it does not exist."""
+        import pyarrow.fs as pafs
+
+        path = self._path(name)
+        if self.fs.get_file_info(path).type != pafs.FileType.File:
+            return None
+        with self.fs.open_input_stream(path) as stream:
+            return stream.read().decode()
+
+    def write_text(self, name: str, text: str) -> None:
+        """Write one object. An object store makes it visible whole or not at all, so this is the
+        atomic replace a local ``latest.json`` gets from ``os.replace``."""
+        with self.fs.open_output_stream(self._path(name)) as stream:
+            stream.write(text.encode())
+
+    def sizes(self, name: str) -> dict[str, int]:
+        """Every object under ``name``: its path relative to ``name`` → its size in bytes."""
+        import pyarrow.fs as pafs
+
+        base = self._path(name)
+        found = self.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        return {info.path[len(base) + 1:]: info.size for info in found if info.type == pafs.FileType.File}
+
+    def upload(self, local_dir: str | os.PathLike, name: str) -> None:
+        """Copy the local directory's files under ``name`` (objects already there are overwritten)."""
+        import pyarrow.fs as pafs
+
+        pafs.copy_files(str(local_dir), self._path(name), source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=self.fs)
+
+    def download(self, name: str, local_dir: str | os.PathLike) -> None:
+        """Replace ``local_dir`` with a copy of the objects under ``name``."""
+        import pyarrow.fs as pafs
+
+        shutil.rmtree(local_dir, ignore_errors=True)
+        Path(local_dir).mkdir(parents=True)
+        pafs.copy_files(self._path(name), str(local_dir), source_filesystem=self.fs,
+                        destination_filesystem=pafs.LocalFileSystem())
+
+    def delete(self, name: str) -> None:
+        """Delete everything under ``name``; nothing to delete is not an error."""
+        import pyarrow.fs as pafs
+
+        path = self._path(name)
+        if self.fs.get_file_info(path).type == pafs.FileType.Directory:
+            self.fs.delete_dir(path)
+
+
+def staging_dir(location: str, node: str) -> Path:
+    """This node's local copy of a remote checkpoint directory.
+
+    Under the temporary directory (``TMPDIR`` where the node's Ray was started), keyed by the
+    location and the node, so two runs with different locations, or two Ray nodes sharing one
+    machine, never write into each other's staging directories.
+    """
+    key = hashlib.sha256(location.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "orch-staging" / key / node
