@@ -37,6 +37,7 @@ from launchers.placement import assign_ranks
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from plans.cost_model import Speeds
 from plans.errors import OrchError
+from plans.spec import Precision
 
 _BANDWIDTH_ELEMENTS = 4 * 1024 * 1024  # 16 MB of fp32: large enough that latency is a few percent
 # Part of the cache key: a cache written by older probes is measured again, not misread.
@@ -62,7 +63,7 @@ class CalibrationWorker:
         import torch
 
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        dtype = Precision(precision).dtype
         b = torch.randn(k, n, dtype=dtype, device=device)
         tflops = []
         for m in rows:

@@ -33,6 +33,7 @@ from launchers.job import TrainJob
 from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from launchers.storage import RemoteDir, is_remote, local_path, staging_dir
+from plans.spec import Precision
 
 
 def _digest(batch) -> str:
@@ -119,7 +120,7 @@ def _matmul_tflops(precision: str, device, size: int = 1024, seconds: float = 0.
     """
     import torch
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = Precision(precision).dtype
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
     a @ b  # warm-up
@@ -266,7 +267,7 @@ class TrainWorker:
                 optimizer_note = "torch's fused AdamW (DeepSpeed's FusedAdam cannot be built on this node)"
         self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                                     config=ds_config, mpu=mpu)
-        self._dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision.value)
+        self._dtype = None if plan.precision == Precision.fp32 else plan.precision.dtype
         if self._dtype is not None:
             # DeepSpeed casts the parameters to the training precision but leaves floating-point
             # buffers (BatchNorm's running statistics) in fp32, which the layers then refuse.

@@ -23,7 +23,7 @@ from pathlib import Path
 from orchestrator.config import RunConfig, SubmitConfig
 from plans.cluster_facts import NodeFacts
 from plans.errors import OrchError, PlanError, Violation
-from plans.spec import Accelerator, ClusterSpec
+from plans.spec import Accelerator, ClusterSpec, ResumeMode
 
 GIB = 1024**3
 JOB_ADDRESS_ENV = "RAY_ADDRESS"
@@ -60,7 +60,8 @@ def submit_violations(cfg: RunConfig) -> list[Violation]:
                                "cluster's head node and would track there, out of your reach.",
                                "set tracking.uri to an MLflow server (http://host:5000) or an absolute path "
                                "on storage the head node shares (sqlite:////shared/mlflow.db)"))
-    if not _is_absolute_location(cfg.train.checkpoint_dir):
+    uses_checkpoints = cfg.train.checkpoint_every > 0 or cfg.train.resume == ResumeMode.auto
+    if uses_checkpoints and not _is_absolute_location(cfg.train.checkpoint_dir):
         found.append(Violation("train.checkpoint_dir", cfg.train.checkpoint_dir,
                                "is relative: a submitted job's checkpoints must be on storage every node shares.",
                                "set train.checkpoint_dir to an absolute path on shared storage "

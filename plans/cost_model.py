@@ -55,7 +55,6 @@ DECLARED_LATENCY_S = {"intra": 10e-6, "inter": 25e-6}
 # Fixed cost per operation when not measured: hidden by asynchronous launches on GPUs; on a CPU
 # worker, torch's dispatch plus autograd bookkeeping take tens of microseconds per op.
 DECLARED_OP_OVERHEAD_S = {"gpu": 0.0, "cpu": 20e-6}
-_BYTES = {Precision.fp32: 4, Precision.bf16: 2, Precision.fp16: 2}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,7 +202,7 @@ def _optimizer_bytes_per_param(optim: OptimSpec, precision: Precision) -> int:
     mixed precision write the low-precision copy of the weight. SGD: the weight, the gradient and
     the momentum buffer if any.
     """
-    low = _BYTES[precision] if precision != Precision.fp32 else 0
+    low = precision.element_bytes if precision != Precision.fp32 else 0
     if optim.name == OptimizerName.sgd:
         return 8 + 4 + (8 if optim.momentum else 0) + low
     return 24 + 4 + low
@@ -230,7 +229,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     links = group_links(plan.world_size, devices_per_node, tp, pp)
     bw = {"intra": speeds.intra_node_gbps, "inter": speeds.inter_node_gbps}
     lat = {"intra": speeds.intra_latency_s, "inter": speeds.inter_latency_s}
-    act_bytes = _BYTES[plan.precision]
+    act_bytes = plan.precision.element_bytes
 
     flops = model.flops_per_sample_checkpointed if plan.activation_checkpointing else model.flops_per_sample
     ops = model.ops_per_micro_batch_checkpointed if plan.activation_checkpointing else model.ops_per_micro_batch
@@ -252,7 +251,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
 
     # Parameters of this device: its tensor-parallel shard of its stage's layers.
     params = model.tp_param_count.get(tp, model.param_count / tp) / pp
-    grad_bytes = params * _BYTES[plan.precision]
+    grad_bytes = params * plan.precision.element_bytes
     dp_bw, dp_lat = bw[links.dp], lat[links.dp]
     dp_comm_s = 0.0
     if dp > 1:
@@ -281,13 +280,13 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     if plan.offload_optimizer != Offload.none:
         link = _bytes_per_s(speeds.host_link_gbps)
         # Gradients down, updated weights up; the node's CPU runs every local rank's optimizer at once.
-        offload_s = 2 * part * _BYTES[plan.precision] / link
+        offload_s = 2 * part * plan.precision.element_bytes / link
         optimizer_s = opt_bytes / (speeds.host_memory_gb_per_s * 1e9 / devices_per_node)
     else:
         optimizer_s = opt_bytes / (speeds.device_memory_gb_per_s * 1e9)
     if plan.offload_param != Offload.none:
         gathers = 3 if plan.activation_checkpointing else 2
-        offload_s += m * gathers * (params / dp) * _BYTES[plan.precision] / _bytes_per_s(speeds.host_link_gbps)
+        offload_s += m * gathers * (params / dp) * plan.precision.element_bytes / _bytes_per_s(speeds.host_link_gbps)
 
     parts = StepTime(compute_s=compute_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s, dp_comm_s=dp_comm_s,
                      pp_comm_s=pp_comm_s, offload_s=offload_s, optimizer_s=optimizer_s,

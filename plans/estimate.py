@@ -52,7 +52,6 @@ GIB = 1024**3
 # but for ``phase``, the step phase the peak falls in.
 DEVICE_JSON_KEYS = ("params", "grads", "optimizer_states", "activations", "buffers", "reserve", "total",
                     "capacity", "held", "phase")
-_DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,7 +246,7 @@ class ModelProbe:
 
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
                  tp: int = 1) -> ActivationBytes:
-        args = dict(micro_batch_size=micro_batch_size, inputs=self.inputs, dtype=_DTYPE[precision],
+        args = dict(micro_batch_size=micro_batch_size, inputs=self.inputs, dtype=precision.dtype,
                     checkpointing=checkpointing)
         if self.shallow is not None:
             shallow = self.shallow if tp <= 1 else self.shallow.map(
@@ -266,7 +265,7 @@ class ModelProbe:
             raise ValueError("the model declares no pipeline layers")
         def measure(layers: list) -> list[PipelineLayer]:
             return measure_pipeline_layers(layers, micro_batch_size=micro_batch_size, inputs=self.inputs,
-                                           dtype=_DTYPE[precision])
+                                           dtype=precision.dtype)
 
         if self.shallow is not None:  # building every layer of a deep model costs what building it does
             carried = carry_layers(*(measure(self.pipeline_layers(d)) for d in SHALLOW_DEPTHS), self.shallow.depth)

@@ -42,11 +42,6 @@ _STAGE3_SUB_GROUP_SIZE = 1_000_000_000
 _FP32 = 4
 
 
-def bytes_per_element(precision: Precision) -> int:
-    """Bytes of one parameter, gradient or activation element in the training precision."""
-    return _FP32 if precision == Precision.fp32 else 2
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModelStats:
     """Parameter counts of a built model, all the memory model needs to know about it."""
@@ -157,7 +152,7 @@ def model_state_bytes(*, param_count: int, trainable_count: int, zero_stage: int
     2020, Fig. 1): 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N for stages 0-3. Partitioned sizes are
     rounded up (``-(-x // N)``) because DeepSpeed pads each group to a multiple of N.
     """
-    b = bytes_per_element(precision)
+    b = precision.element_bytes
     n = max(dp, 1)
     offloaded = zero_stage >= 1 and offload_optimizer != Offload.none
     param_offloaded = zero_stage == 3 and offload_param != Offload.none
@@ -316,7 +311,7 @@ def step_phases(ds_config: dict, *, states: ModelStateBytes, model: ModelStats, 
     """
     zero = _zero_section(ds_config)
     stage = int(zero.get("stage", 0))
-    b = bytes_per_element(precision)
+    b = precision.element_bytes
     n = max(dp, 1)
     psi, phi = model.param_count, model.trainable_count
     largest_param = model.largest_param or model.largest_layer_params

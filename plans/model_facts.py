@@ -11,7 +11,6 @@ import torch
 
 from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.errors import PlanError, Violation
-from plans.memory import bytes_per_element
 from plans.spec import ClusterSpec, Offload, Precision
 from plans.workload import (
     PROBE_SAMPLES,
@@ -166,13 +165,13 @@ def refuse_unbuildable(facts: ModelFacts, shallow: ShallowModels, depth_field: s
             f"{depth:,} layers of {per_layer:,} modules each make {facts.modules:,} torch modules, more than "
             f"{MAX_MODULES:,}: building them (even on the meta device) would exhaust a host's memory.",
             f"use fewer layers ({depth_field})"))
-    param_bytes = facts.param_count * bytes_per_element(precision)
+    param_bytes = facts.param_count * precision.element_bytes
     per_device = cluster.devices_per_node * cluster.device_memory_gib
     capacity = int(cluster.nodes * (per_device + cluster.host_memory_gib) * GIB)
     if offload_param != Offload.nvme and param_bytes > capacity:
         per_layer = (_param_count(shallow.deeper) - _param_count(shallow.shallow)) // step
         outside = facts.param_count - depth * per_layer
-        fitting = max((capacity // bytes_per_element(precision) - outside) // max(per_layer, 1), 0)
+        fitting = max((capacity // precision.element_bytes - outside) // max(per_layer, 1), 0)
         problems.append(Violation(
             depth_field, depth,
             f"{depth:,} layers of {per_layer:,} parameters each make {facts.param_count:,} parameters: "

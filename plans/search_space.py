@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from plans.activations import ActivationBytes, measure_activations, measure_activations_depth_scaled
 from plans.cost_model import ModelCost, Speeds, StepTime, predict_step
 from plans.errors import PlanError
-from plans.estimate import _DTYPE, ModelProbe, PlanEstimate, estimate_plan
+from plans.estimate import ModelProbe, PlanEstimate, estimate_plan
 from plans.pipeline import PipelineLayer, PipelineStage, pipeline_stages
 from plans.resolve import PP_ZERO_STAGES, TP_ZERO_STAGES, ResolvedPlan, resolve_plan
 from plans.spec import ClusterSpec, Offload, OptimSpec, PlanSpec, Precision, TrainSpec
@@ -144,7 +144,7 @@ class BatchScaledProbe(ModelProbe):
                 return super()._measure(micro_batch_size, precision, checkpointing, tp)
             measure = measure_activations_depth_scaled if self.depth_scaled else measure_activations
             return measure(self.module, micro_batch_size=micro_batch_size, inputs=self.inputs,
-                           dtype=_DTYPE[precision], checkpointing=checkpointing)
+                           dtype=precision.dtype, checkpointing=checkpointing)
         m2 = 1 << (self.exact_up_to.bit_length() - 1)  # the largest power of two measured exactly
         high = self._activations(m2, precision, checkpointing, tp)
         low = self._activations(m2 // 2, precision, checkpointing, tp) if m2 > 1 else None

@@ -27,6 +27,18 @@ class Precision(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
 
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one parameter, gradient or activation element in this precision."""
+        return 4 if self is Precision.fp32 else 2
+
+    @property
+    def dtype(self):
+        """The ``torch.dtype`` it trains in (torch imported only when asked)."""
+        import torch
+
+        return {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}[self]
+
 
 class Accelerator(str, Enum):
     """Kind of device one worker drives."""

@@ -26,6 +26,8 @@ RAY = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
 
 def test_paths_a_job_cannot_reach_are_refused_with_the_fix():
     typed, _, _ = to_typed(compose_config())
+    assert [v.field for v in submit_violations(typed)] == ["tracking.uri"]  # no checkpoints: no checkpoint_dir
+    typed, _, _ = to_typed(compose_config("train.checkpoint_every=10"))
     found = {v.field: v for v in submit_violations(typed)}
     assert set(found) == {"tracking.uri", "train.checkpoint_dir"}
     assert "sqlite:////shared/mlflow.db" in found["tracking.uri"].fix
