@@ -462,10 +462,11 @@ class TrainWorker:
             return
         # Each node's first worker digests and uploads what the node wrote; once every node has
         # (the gather waits for them), rank 0 publishes.
-        written = ({}, {})
-        if self.local_rank == 0:
-            written = file_digests(os.path.join(root, tag))
-            RemoteDir(spec.checkpoint_dir).upload(os.path.join(root, tag), tag)
+        written, folder = ({}, {}), os.path.join(root, tag)
+        # (A node whose ranks write nothing, as at ZeRO stage 0 beyond rank 0, may have no folder.)
+        if self.local_rank == 0 and os.path.isdir(folder):
+            written = file_digests(folder)
+            RemoteDir(spec.checkpoint_dir).upload(folder, tag)
         gathered = [None] * self.world_size
         torch.distributed.all_gather_object(gathered, written)
         if self.rank == 0:

@@ -1,7 +1,7 @@
 """`orch check`: the planner's verdict on a declared plan, as a table or as JSON.
 
 `orch train` runs the same check before any Ray resource exists and refuses a plan that
-does not fit unless ``plan.force=true``.
+does not fit unless ``train.force=true``.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def checked_submission(typed, model_cfg: dict, address: str, command: str) -> No
         print(f"note: {note}", file=sys.stderr)
     if command == "train":
         estimate = checked_run(typed, model_cfg, cluster)[0]
-        if not estimate.feasible and not typed.plan.force:
+        if not estimate.feasible and not typed.train.force:
             raise PlanError(estimate.violations)
 
 

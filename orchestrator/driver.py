@@ -117,9 +117,9 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
     plan = estimate.plan
     data_fits_plan(workload.data, plan)
     if not estimate.feasible:
-        if not cfg.plan.force:
+        if not cfg.train.force:
             raise PlanError(_with_suggestions(estimate))
-        print("warning: the planner predicts this plan does not fit; launching anyway because plan.force=true",
+        print("warning: the planner predicts this plan does not fit; launching anyway because train.force=true",
               file=sys.stderr)
     held.enter_context(checkpoint_dir_lock(cfg.train))
     flops_per_sample = training_flops_per_sample(workload.model_factory, workload,
@@ -374,7 +374,7 @@ def _resume_from(job: TrainJob, cfg: RunConfig, published: Published, out) -> Tr
 def _with_suggestions(estimate: PlanEstimate) -> list[Violation]:
     """The planner's violations, with the fixes it found folded into each one."""
     fixes = "; or ".join(estimate.suggestions) if estimate.suggestions else None
-    return [dataclasses.replace(v, fix=f"{fixes or v.fix} (or set plan.force=true to launch anyway)")
+    return [dataclasses.replace(v, fix=f"{fixes or v.fix} (or set train.force=true to launch anyway)")
             for v in estimate.violations]
 
 

@@ -392,9 +392,7 @@ def describe(plan: ResolvedPlan) -> str:
 
 def _plan_values(plan: ResolvedPlan) -> dict:
     spec = plan_spec(plan)
-    values = {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(spec).items()}
-    values.pop("force", None)
-    return values
+    return {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(spec).items()}
 
 
 def plan_overrides(plan: ResolvedPlan, cfg: RunConfig) -> list[str]:

@@ -88,8 +88,6 @@ class PlanSpec:
     """Micro-batches accumulated per optimizer step."""
     precision: Precision = Precision.fp32
     """fp32, or bf16/fp16 mixed precision with fp32 master weights."""
-    force: bool = False
-    """Launch even when the planner predicts the plan does not fit (prints a warning)."""
 
 
 @dataclass(kw_only=True)
@@ -190,6 +188,9 @@ class TrainSpec:
     """auto: continue from the latest checkpoint in checkpoint_dir (same MLflow run) if there is one."""
     max_failures: int = 0
     """Restarts of the whole worker group from the latest checkpoint after a worker fails."""
+    force: bool = False
+    """Launch even when the planner predicts the plan does not fit (prints a warning): a decision
+    about this launch, not part of the plan."""
     hang_timeout_s: float = 900.0
     """A rank that finishes no optimizer step for this long is declared hung: every rank's
     stack is saved to the MLflow run, then the group restarts or fails (0 disables)."""

@@ -113,7 +113,7 @@ def test_train_refuses_a_plan_that_does_not_fit_before_starting_ray(tmp_path):
     done = orch("train", "cluster.device_memory_gib=0.01", cwd=tmp_path)
     assert done.returncode == 2
     assert "cluster.device_memory_gib=0.01: the plan needs" in done.stderr
-    assert "plan.force=true" in done.stderr
+    assert "train.force=true" in done.stderr
     assert "Started a local Ray instance" not in done.stderr
 
 

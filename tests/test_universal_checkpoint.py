@@ -76,7 +76,7 @@ def test_latest_json_records_the_layout(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_at_another_dp_from_s3_continues_the_same_curve(local_ray, s3_store, sqlite_uri):
+def test_resume_at_another_dp_from_s3_continues_the_same_curve(local_ray, s3_store, sqlite_uri, tmp_path):
     from orchestrator.driver import run_training
 
     def train(*overrides, stream=None):
@@ -103,3 +103,8 @@ def test_resume_at_another_dp_from_s3_continues_the_same_curve(local_ray, s3_sto
     assert [r[0]["step"] for r in resumed.reports] == [15, 20, 25, 30]
     assert [r[0]["loss"] for r in resumed.reports] == pytest.approx([r[0]["loss"] for r in whole.reports[2:]],
                                                                     abs=1e-4)
+    # `orch export` consolidates the newest checkpoint from the bucket.
+    from orchestrator.export import export_run
+
+    assert export_run(sqlite_uri, resumed.run_id, tmp_path / "out") == "step_000000030"
+    assert (tmp_path / "out" / "model.safetensors").stat().st_size > 0
