@@ -121,8 +121,8 @@ def measure(overrides: list[str], tracking_uri: str) -> list[dict]:
     workload = resolve_workload(model_cfg, run_cfg.objective, run_cfg.data)
     last = result.reports[-1]
     estimate = result.estimate
-    stage_of = {f["rank"]: f.get("pp_rank", 0) for f in result.worker_facts}
-    data_bytes = {f["rank"]: f["data_tensor_bytes"] for f in result.worker_facts}
+    stage_of = {f.rank: f.pp_rank for f in result.worker_facts}
+    data_bytes = {f.rank: f.data_tensor_bytes for f in result.worker_facts}
     batch = micro_batch_bytes(workload, estimate.plan.micro_batch_size, estimate.plan.precision.value)
     name = " ".join(o.split(".", 1)[1] if o.startswith("plan.") else o
                     for o in overrides if not o.startswith("cluster."))

@@ -1,4 +1,5 @@
-"""What one training run hands to its workers: plain, picklable, free of Hydra objects."""
+"""What one training run hands to its workers, and what each worker reports back once it is set
+up: plain, picklable, free of Hydra objects."""
 
 from __future__ import annotations
 
@@ -31,3 +32,31 @@ class TrainJob:
     model_signature: dict | None = None
     """Parameter names and shapes and the model's config, recorded in each checkpoint's manifest
     (:func:`launchers.checkpoint.model_signature`) so a resume can check it fits before launching."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerFacts:
+    """One rank, set up: where it runs, where it sits in the grid and what it holds."""
+
+    rank: int
+    pid: int
+    hostname: str
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    start_step: int
+    """The step it resumed after (0: a fresh start)."""
+    params_on_rank: int
+    """Parameters this rank's module holds once DeepSpeed has wrapped (and AutoTP sharded) it."""
+    params_at_build: int
+    """Parameters it held right after building the model (ZeRO-3: only its partition)."""
+    built: str
+    """How the model was built: ``zero.Init``, ``whole (...)`` or ``stages``."""
+    data_tensor_bytes: int
+    """Bytes of tensors the data source holds in this process (not the model's)."""
+    optimizer_note: str | None
+    """Why the optimizer differs from the configured one, if it does."""
+    peak_tflops: float
+    """Measured dense matmul throughput in the training precision."""
+    node_id: str = ""
+    """The Ray node it runs on (set by the worker group, which placed it)."""

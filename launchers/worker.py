@@ -29,7 +29,7 @@ from launchers.gpu_worker import (
     reset_cuda_peak,
     use_device,
 )
-from launchers.job import TrainJob
+from launchers.job import TrainJob, WorkerFacts
 from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from launchers.storage import RemoteDir, is_remote, local_path, staging_dir
@@ -205,7 +205,8 @@ class TrainWorker:
         """Remember this rank's GPU mapping; :meth:`setup` applies it before the process group starts."""
         self.device_mapping = mapping
 
-    def setup(self, job: TrainJob, slot: RankSlot, world_size: int, master_addr: str, master_port: int) -> dict:
+    def setup(self, job: TrainJob, slot: RankSlot, world_size: int, master_addr: str,
+              master_port: int) -> WorkerFacts:
         """Join the process group and build the DeepSpeed engine; returns facts for the driver."""
         self.rank, self.world_size = slot.rank, world_size
         self.local_rank = slot.local_rank
@@ -307,11 +308,12 @@ class TrainWorker:
         self.first_batch_digest: str | None = None
         self.train_batches = self._recorded(self.batches)
         data_tensor_bytes = live_tensor_bytes() - before_data if job.train.memory_probe_step else 0
-        return {"rank": self.rank, "pid": os.getpid(), "hostname": socket.gethostname(), "dp_rank": dp_rank,
-                "tp_rank": coords.tp_rank, "pp_rank": coords.pp_rank, "start_step": self.start_step,
-                "params_on_rank": sum(p.numel() for p in module.parameters()), "params_at_build": held_at_build,
-                "built": built, "data_tensor_bytes": data_tensor_bytes, "optimizer_note": optimizer_note,
-                "peak_tflops": _matmul_tflops(plan.precision.value, self.engine.device)}
+        return WorkerFacts(rank=self.rank, pid=os.getpid(), hostname=socket.gethostname(), dp_rank=dp_rank,
+                           tp_rank=coords.tp_rank, pp_rank=coords.pp_rank, start_step=self.start_step,
+                           params_on_rank=sum(p.numel() for p in module.parameters()),
+                           params_at_build=held_at_build, built=built, data_tensor_bytes=data_tensor_bytes,
+                           optimizer_note=optimizer_note,
+                           peak_tflops=_matmul_tflops(plan.precision.value, self.engine.device))
 
     def _pipeline_module(self, job: TrainJob):
         """The model as DeepSpeed pipeline stages; this rank builds only its own stage's layers.

@@ -6,6 +6,7 @@ gets all its devices or none; a failed start tears down whatever was created.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launchers.gpu_sharing import share_gpus
-from launchers.job import TrainJob
+from launchers.job import TrainJob, WorkerFacts
 from launchers.placement import RankSlot, assign_ranks, straddling_groups
 from launchers.worker import TrainWorker
 from plans.errors import OrchError
@@ -115,7 +116,7 @@ class WorkerGroup:
         self._pg = pg
         self.actors = actors
         self.slots = slots
-        self.facts: list[dict] = []
+        self.facts: list[WorkerFacts] = []
 
     @classmethod
     def create(cls, spec: WorkerGroupSpec) -> WorkerGroup:
@@ -156,7 +157,7 @@ class WorkerGroup:
             remove_placement_group(pg)
             raise
 
-    def setup(self, job: TrainJob, *, timeout_s: float = 0.0) -> list[dict]:
+    def setup(self, job: TrainJob, *, timeout_s: float = 0.0) -> list[WorkerFacts]:
         """Rendezvous on rank 0's node and build the DeepSpeed engine on every rank.
 
         Ranks still setting up after ``timeout_s`` (0: no limit) raise :class:`WorkerHangError`
@@ -182,8 +183,8 @@ class WorkerGroup:
             if isinstance(error.cause, OrchError):
                 raise error.cause from None
             raise
-        for fact, slot in zip(self.facts, self.slots, strict=True):
-            fact["node_id"] = slot.node_id
+        self.facts = [dataclasses.replace(fact, node_id=slot.node_id)
+                      for fact, slot in zip(self.facts, self.slots, strict=True)]
         return self.facts
 
     def train(self, *, hang_timeout_s: float = 0.0, poll_interval_s: float | None = None,

@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError
 
 from launchers.checkpoint import Published, resumable
 from launchers.ds_config import build_ds_config
-from launchers.job import TrainJob
+from launchers.job import TrainJob, WorkerFacts
 from launchers.passthrough import passthrough_env
 from launchers.placement import placement_strategy, rank_layout
 from launchers.ray_session import ray_session
@@ -61,7 +61,7 @@ class TrainResult:
     estimate: PlanEstimate
     reports: list[list[dict]] = field(default_factory=list)
     """Per logged step, the report of every rank."""
-    worker_facts: list[dict] = field(default_factory=list)
+    worker_facts: list[WorkerFacts] = field(default_factory=list)
     wall_s: float = 0.0
     startup: dict[str, float] = field(default_factory=dict)
     """Seconds of each start-up phase (orchestrator/startup.py), in the order they ran."""
@@ -181,16 +181,16 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
                 try:
                     result.worker_facts = group.setup(job, timeout_s=cfg.train.setup_timeout_s)
                     clock.mark("setup")
-                    built = result.worker_facts[0].get("built", "")
-                    if note := result.worker_facts[0].get("optimizer_note"):
+                    built = result.worker_facts[0].built
+                    if note := result.worker_facts[0].optimizer_note:
                         print(f"note: the optimizer is {note}", file=sys.stderr)
                     if built.startswith("whole (zero.Init failed"):
                         print(f"note: ZeRO-3 built the model {built}; every rank held the whole model "
                               "while building it", file=sys.stderr)
                     if tracker:
-                        tracker.log_dict({"ranks": [{k: f.get(k) for k in _REALIZED_PLACEMENT}
+                        tracker.log_dict({"ranks": [{k: getattr(f, k) for k in _REALIZED_PLACEMENT}
                                                     for f in result.worker_facts]}, "plan/placement_realized.json")
-                        tracker.set_tags({"nodes_used": str(len({f["node_id"] for f in result.worker_facts})),
+                        tracker.set_tags({"nodes_used": str(len({f.node_id for f in result.worker_facts})),
                                           "peak_tflops_per_device": f"{_mean_peak(result.worker_facts):.4f}"})
                     on_system = SystemMetricsLog(tracker, result.worker_facts) if tracker else None
                     for reports in group.train(hang_timeout_s=cfg.train.hang_timeout_s, on_system=on_system):
@@ -266,8 +266,8 @@ def _log_plots(tracker: RunTracker) -> None:
         print(f"warning: could not log plots ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
-def _mean_peak(worker_facts: list[dict]) -> float:
-    peaks = [f.get("peak_tflops", 0.0) for f in worker_facts]
+def _mean_peak(worker_facts: list[WorkerFacts]) -> float:
+    peaks = [f.peak_tflops for f in worker_facts]
     return sum(peaks) / len(peaks) if peaks else 0.0
 
 
@@ -301,15 +301,15 @@ class SystemMetricsLog:
     ``system/node<i>/<metric>``, nodes numbered in rank order, each node's samples its own steps.
     The ``system.node<i>`` tags name each node's host."""
 
-    def __init__(self, tracker: RunTracker, worker_facts: list[dict]):
+    def __init__(self, tracker: RunTracker, worker_facts: list[WorkerFacts]):
         self.tracker = tracker
         self.node_of_rank: dict[int, int] = {}
         nodes: dict[str, int] = {}
-        for fact in sorted(worker_facts, key=lambda f: f["rank"]):
-            if fact["node_id"] not in nodes:
-                nodes[fact["node_id"]] = len(nodes)
-                tracker.set_tags({f"system.node{len(nodes) - 1}": str(fact.get("hostname", fact["node_id"]))})
-            self.node_of_rank[fact["rank"]] = nodes[fact["node_id"]]
+        for fact in sorted(worker_facts, key=lambda f: f.rank):
+            if fact.node_id not in nodes:
+                nodes[fact.node_id] = len(nodes)
+                tracker.set_tags({f"system.node{len(nodes) - 1}": fact.hostname or fact.node_id})
+            self.node_of_rank[fact.rank] = nodes[fact.node_id]
         self.samples: dict[int, int] = {}
 
     def __call__(self, rank: int, samples: list[dict]) -> None:

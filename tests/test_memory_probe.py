@@ -182,9 +182,9 @@ def test_the_planner_predicts_each_pipeline_stage_within_the_benchmark_targets(l
     result = _train_with_probe(sqlite_uri, *overrides)
     # Not the model's, as bench/memory_accuracy.py counts them: the tensors the rank's data source
     # holds (measured by the worker) and one micro-batch of int64 inputs and targets.
-    data = {f["rank"]: f["data_tensor_bytes"] for f in result.worker_facts}
+    data = {f.rank: f.data_tensor_bytes for f in result.worker_facts}
     batch = 2 * 8 * 128 * 8
-    stage_of = {f["rank"]: f["pp_rank"] for f in result.worker_facts}
+    stage_of = {f.rank: f.pp_rank for f in result.worker_facts}
     (reports,) = result.reports
     assert sorted(stage_of.values()) == [0, 1]
     for report in reports:

@@ -126,11 +126,11 @@ def test_pipelines_follow_the_data_parallel_loss_curve(local_ray, sqlite_uri):
                    "train.eval_batches=4"]
     pp = train(sqlite_uri, *one_replica)
     grid = train(sqlite_uri, *one_replica, "plan.tp=2", "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5")
-    assert [(f["dp_rank"], f["pp_rank"]) for f in pp.worker_facts] == [(0, 0), (0, 1)]
-    assert [(f["pp_rank"], f["tp_rank"]) for f in grid.worker_facts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(f.dp_rank, f.pp_rank) for f in pp.worker_facts] == [(0, 0), (0, 1)]
+    assert [(f.pp_rank, f.tp_rank) for f in grid.worker_facts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # Each stage holds its own layers only, as the planner split them; tp halves the blocks' share.
-    assert [f["params_on_rank"] for f in pp.worker_facts] == [s.params for s in pp.estimate.pipeline]
-    assert all(f["params_on_rank"] < s.params for f, s in zip(grid.worker_facts[::2], grid.estimate.pipeline,
+    assert [f.params_on_rank for f in pp.worker_facts] == [s.params for s in pp.estimate.pipeline]
+    assert all(f.params_on_rank < s.params for f, s in zip(grid.worker_facts[::2], grid.estimate.pipeline,
                                                                 strict=True))
     # The two ranks of a tensor-parallel group read the same batch on the first stage.
     assert grid.reports[0][0]["first_batch_digest"] == grid.reports[0][1]["first_batch_digest"]
@@ -156,7 +156,7 @@ def test_a_3d_checkpoint_resumes_the_same_run(local_ray, sqlite_uri, tmp_path):
     before = train(sqlite_uri, *plan, "train.steps=10")
     after = train(sqlite_uri, *plan, "train.steps=20")
     assert after.run_id == before.run_id
-    assert {f["start_step"] for f in after.worker_facts} == {10}
+    assert {f.start_step for f in after.worker_facts} == {10}
     # One file per layer and tensor-parallel rank, and one ZeRO file per model-parallel rank (pipe x tp).
     assert len(list((tmp_path / "ckpt" / "step_000000020").glob("zero_pp_rank_0_mp_rank_*_optim_states.pt"))) == 4
     assert [r[0]["step"] for r in after.reports] == [15, 20]

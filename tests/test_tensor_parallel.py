@@ -126,7 +126,7 @@ def train(sqlite_uri: str, *overrides: str):
 @pytest.mark.slow
 def test_tp2_trains_with_both_ranks_on_the_same_batch(local_ray, sqlite_uri):
     result = train(sqlite_uri, "plan.dp=1", "plan.tp=2")
-    assert [(f["dp_rank"], f["tp_rank"]) for f in result.worker_facts] == [(0, 0), (0, 1)]
+    assert [(f.dp_rank, f.tp_rank) for f in result.worker_facts] == [(0, 0), (0, 1)]
     first, last = result.reports[0], result.reports[-1]
     assert last[0]["loss"] < first[0]["loss"] - 0.5, (first[0]["loss"], last[0]["loss"])
     # One replica split in two: both ranks read the same batch and, since the output head is
@@ -161,7 +161,7 @@ def test_dp2_by_tp2_on_four_workers_matches_dp2(local_ray, sqlite_uri):
     four = ["plan.dp=2", "plan.tp=2", "plan.zero_stage=1", "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5"]
     grid = train(sqlite_uri, *four)
     dp = dp_reference()
-    assert [(f["dp_rank"], f["tp_rank"]) for f in grid.worker_facts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(f.dp_rank, f.tp_rank) for f in grid.worker_facts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     digests = [r["first_batch_digest"] for r in grid.reports[0]]
     assert digests[0] == digests[1] != digests[2] == digests[3]
     assert digests[0::2] == [r["first_batch_digest"] for r in dp.reports[0]]

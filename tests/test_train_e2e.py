@@ -43,8 +43,8 @@ def test_training_matrix(local_ray, sqlite_uri, overrides):
     assert last[0]["eval_loss"] == last[1]["eval_loss"]
     if any("zero_stage=3" in o or "zero3" in o for o in overrides):
         # Built under zero.Init: no rank ever held the whole model, not even while building it.
-        assert all(f["built"] == "zero.Init" for f in result.worker_facts)
-        assert all(0 < f["params_at_build"] < result.model.param_count for f in result.worker_facts)
+        assert all(f.built == "zero.Init" for f in result.worker_facts)
+        assert all(0 < f.params_at_build < result.model.param_count for f in result.worker_facts)
 
 
 def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):

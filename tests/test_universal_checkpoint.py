@@ -95,7 +95,7 @@ def test_resume_at_another_dp_from_s3_continues_the_same_curve(local_ray, s3_sto
     resumed = train(*checkpoints, "plan.dp=1", "cluster.devices_per_node=1", "plan.grad_accum_steps=2", stream=out)
     assert "written with dp=2; converting it to a universal checkpoint for dp=1" in out.getvalue()
     assert resumed.run_id == first.run_id
-    assert resumed.worker_facts[0]["start_step"] == 10
+    assert resumed.worker_facts[0].start_step == 10
     # Pruning step 10 (keep_checkpoints=2 after steps 20 and 30) removed its conversion too.
     listed = s3_store["client"].list_objects_v2(Bucket=s3_store["bucket"], Prefix="universal/")["Contents"]
     # (pyarrow marks the directories it creates with empty objects named like them: "universal/".)
