@@ -19,6 +19,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 from launchers.devices import DeviceMapping
 from launchers.ds_config import without_fused_adam
@@ -206,8 +207,13 @@ class TrainWorker:
         self.device_mapping = mapping
 
     def setup(self, job: TrainJob, slot: RankSlot, world_size: int, master_addr: str,
-              master_port: int) -> WorkerFacts:
-        """Join the process group and build the DeepSpeed engine; returns facts for the driver."""
+              master_port: int, streams: tuple[Any, Any] | None = None) -> WorkerFacts:
+        """Join the process group and build the DeepSpeed engine; returns facts for the driver.
+
+        ``streams`` is this rank's ``(training, evaluation)`` pair of a streamed data source
+        (:class:`plans.workload.StreamingSource`): given to the first rank of each data-parallel
+        replica, which reads it for the replica's other ranks.
+        """
         self.rank, self.world_size = slot.rank, world_size
         self.local_rank = slot.local_rank
         self._samples_node = slot.local_rank == 0 and job.system_metrics_interval_s > 0
@@ -230,6 +236,7 @@ class TrainWorker:
         warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
 
         from launchers.batches import ShardedBatches
+        from plans.workload import StreamingSource
 
         self.job = job
         plan = job.plan
@@ -295,15 +302,18 @@ class TrainWorker:
         # measured memory is compared with the planner's prediction without them.
         before_data = live_tensor_bytes() if job.train.memory_probe_step else 0
         data = job.workload.data
-        data.prepare()
-        train_set, val_set = data.datasets()
-        collate = data.collate()
         # The ranks of one tensor-parallel group hold shards of one replica: they read the same batch.
         dp_rank = coords.dp_rank
-        self.batches = ShardedBatches(train_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank, dp_size=plan.dp,
-                                      seed=job.train.seed, collate=collate)
-        self.val_batches = ShardedBatches(val_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank,
-                                          dp_size=plan.dp, seed=job.train.seed, shuffle=False, collate=collate)
+        if isinstance(data, StreamingSource):
+            self.batches, self.val_batches = self._streamed_batches(data, streams, coords)
+        else:
+            data.prepare()
+            train_set, val_set = data.datasets()
+            collate = data.collate()
+            self.batches = ShardedBatches(train_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank,
+                                          dp_size=plan.dp, seed=job.train.seed, collate=collate)
+            self.val_batches = ShardedBatches(val_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank,
+                                              dp_size=plan.dp, seed=job.train.seed, shuffle=False, collate=collate)
         self.start_step = self._resume(job) if job.resume_tag else 0
         self.first_batch_digest: str | None = None
         self.train_batches = self._recorded(self.batches)
@@ -502,6 +512,37 @@ class TrainWorker:
             RemoteDir(self.job.train.checkpoint_dir).download(tag, folder)
             verify(folder)
         torch.distributed.barrier()
+
+    def _streamed_batches(self, data, streams: tuple[Any, Any] | None, coords: ParallelCoords):
+        """Training and evaluation batches of a streamed source, shared within each replica.
+
+        A replica's readers are its ranks that take batches: every tensor-parallel rank, of the
+        first and the last pipeline stage only (the stages between receive activations). Every
+        rank creates every replica's group, as ``new_group`` requires, in the same order.
+        """
+        import torch.distributed as dist
+
+        from launchers.batches import ReplicaBatches, StreamedBatches
+
+        plan = self.job.plan
+        readers_of = []
+        for dp_rank in range(plan.dp):
+            stages = sorted({0, plan.pp - 1})
+            readers_of.append([(dp_rank * plan.pp + stage) * plan.tp + tp_rank
+                               for stage in stages for tp_rank in range(plan.tp)])
+        groups = [dist.new_group(ranks, backend="gloo") if len(ranks) > 1 else None for ranks in readers_of]
+        readers = readers_of[coords.dp_rank]
+        group = groups[coords.dp_rank]
+        if self.rank == readers[0] and streams is None:
+            raise RuntimeError(f"rank {self.rank} leads data-parallel replica {coords.dp_rank} but got no data stream")
+        pair = []
+        for index, shuffle in ((0, data.shuffle_buffer), (1, 0)):
+            source = None
+            if self.rank == readers[0]:
+                source = StreamedBatches(streams[index], batch_size=plan.micro_batch_size, seed=self.job.train.seed,
+                                         to_batch=data.to_batch(), shuffle_buffer=shuffle)
+            pair.append(ReplicaBatches(source, group=group, src=readers[0], peers=readers[1:], tag=index))
+        return pair[0], pair[1]
 
     def _tensor_parallel_groups(self, coords: ParallelCoords):
         """DeepSpeed's tensor- and data-parallel groups, built before ``deepspeed.initialize`` (None at tp=1).
@@ -705,7 +746,7 @@ class TrainWorker:
         if plan.pp > 1:
             return None
         # The engine's output on one held-out batch, for checking the exported model against it.
-        batch = self._batch(next(iter(self.val_batches.loader)))
+        batch = self._batch(self.val_batches.sample_batch())
         self.engine.eval()
         with torch.no_grad():
             output = output_tensor(call_model(self.engine, batch))

@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -157,8 +158,12 @@ class WorkerGroup:
             remove_placement_group(pg)
             raise
 
-    def setup(self, job: TrainJob, *, timeout_s: float = 0.0) -> list[WorkerFacts]:
+    def setup(self, job: TrainJob, *, timeout_s: float = 0.0,
+              streams: list[tuple[Any, Any]] | None = None) -> list[WorkerFacts]:
         """Rendezvous on rank 0's node and build the DeepSpeed engine on every rank.
+
+        ``streams`` holds one ``(training, evaluation)`` pair per data-parallel replica of a
+        streamed data source; each goes to its replica's first rank (tp and pp rank 0).
 
         Ranks still setting up after ``timeout_s`` (0: no limit) raise :class:`WorkerHangError`
         with every rank's stack: a stuck rendezvous, a JIT build waiting on a stale lock or a
@@ -168,7 +173,10 @@ class WorkerGroup:
         """
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         world_size = len(self.actors)
-        calls = [actor.setup.remote(job, slot, world_size, master_addr, master_port)
+        plan = job.plan
+        first_rank_streams = {replica * plan.pp * plan.tp: pair for replica, pair in enumerate(streams or [])}
+        calls = [actor.setup.remote(job, slot, world_size, master_addr, master_port,
+                                    first_rank_streams.get(slot.rank))
                  for actor, slot in zip(self.actors, self.slots, strict=True)]
         try:
             self.facts = ray.get(calls, timeout=timeout_s or None)

@@ -21,6 +21,7 @@ from workloads.corpus import CorpusDataConfig
 from workloads.dataset import DatasetDataConfig
 from workloads.hf import HFCausalLMConfig
 from workloads.images import ImagesDataConfig
+from workloads.ray_data import RayDataConfig
 from workloads.text import TextDataConfig
 from workloads.vision import TorchvisionModelConfig
 
@@ -162,6 +163,7 @@ def register_configs() -> None:
     cs.store(group="data", name="images_schema", node=ImagesDataConfig)
     cs.store(group="data", name="text_schema", node=TextDataConfig)
     cs.store(group="data", name="dataset_schema", node=DatasetDataConfig)
+    cs.store(group="data", name="ray_schema", node=RayDataConfig)
     cs.store(group="model", name="torchvision_schema", node=TorchvisionModelConfig)
     cs.store(group="model", name="hf_causal_lm_schema", node=HFCausalLMConfig)
     cs.store(group="objective", name="causal_lm_schema", node=ObjectiveConfig(_target_="workloads.objectives.CausalLM"))

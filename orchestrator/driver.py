@@ -49,6 +49,7 @@ from plans.flops import training_flops_per_sample
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, ResumeMode
+from plans.workload import StreamingSource
 
 
 @dataclass
@@ -170,7 +171,9 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
     progress = Progress(cfg.train.steps)
     logged_step = published.step if published else 0
     try:
-        with ray_session(cfg.cluster.address, min_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
+        streamed = isinstance(workload.data, StreamingSource)
+        data_cpus = workload.data.cpus if streamed else 0.0
+        with ray_session(cfg.cluster.address, min_cpus=plan.world_size * cfg.cluster.cpus_per_worker + data_cpus,
                          object_store_gib=cfg.cluster.object_store_memory_gib,
                          connect_timeout_s=cfg.cluster.connect_timeout_s):
             clock.mark("ray")
@@ -179,7 +182,10 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
                 group = WorkerGroup.create(group_spec)
                 clock.mark("workers")
                 try:
-                    result.worker_facts = group.setup(job, timeout_s=cfg.train.setup_timeout_s)
+                    # A streamed source is split afresh for each attempt: a failed attempt's splits
+                    # are left half-read by workers that are gone.
+                    streams = workload.data.streams(plan.dp) if streamed else None
+                    result.worker_facts = group.setup(job, timeout_s=cfg.train.setup_timeout_s, streams=streams)
                     clock.mark("setup")
                     built = result.worker_facts[0].built
                     if note := result.worker_facts[0].optimizer_note:

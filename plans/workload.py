@@ -148,6 +148,29 @@ class DataSource(Protocol):
         ...
 
 
+@runtime_checkable
+class StreamingSource(DataSource, Protocol):
+    """A data source too large to open as a map-style dataset in every worker: it is streamed.
+
+    The driver asks it for one ``(training, evaluation)`` pair of streams per data-parallel
+    replica, for each attempt of the worker group; each replica's first rank reads its pair and
+    passes the batches to the replica's other ranks. ``datasets()`` is not used.
+    """
+
+    cpus: float
+    """CPUs the source's own tasks need beside the workers' (an embedded Ray adds them)."""
+    shuffle_buffer: int
+    """Samples each replica shuffles among locally, reseeded every epoch; 0: stream order."""
+
+    def streams(self, dp: int) -> list[tuple[Any, Any]]:
+        """One ``(training, evaluation)`` stream pair per replica, of equal lengths."""
+        ...
+
+    def to_batch(self) -> Callable[[dict], Batch]:
+        """How one streamed micro-batch (a dict of column tensors) becomes the model's batch."""
+        ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class Workload:
     """The user's workload, resolved once; picklable, so the workers get the same object."""
