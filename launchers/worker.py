@@ -671,7 +671,8 @@ class TrainWorker:
                 "samples_per_s": samples_per_step * interval_steps / interval_time,
                 **({"tokens_per_s": samples_per_step * tokens_per_sample * interval_steps / interval_time}
                    if tokens_per_sample else {}),
-                "first_batch_digest": self.first_batch_digest, **measured,
+                "first_batch_digest": self.first_batch_digest, "epoch": self.batches.state_dict()["epoch"],
+                **measured,
             }
             if (spec.eval_every and step % spec.eval_every == 0) or last:
                 report.update(self.evaluate())

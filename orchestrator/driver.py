@@ -398,7 +398,7 @@ def _report_step(reports: list[dict], plan: ResolvedPlan, progress: Progress, tr
     metrics = {
         "loss": lead["loss"], "lr": lead["lr"], "step_time_s": slowest,
         "samples_per_s": samples_per_s,
-        "step_time_spread_s": slowest - min(step_times),
+        "step_time_spread_s": slowest - min(step_times), "epoch": lead["epoch"],
     }
     tokens_per_s = None
     if "tokens_per_s" in lead:  # data with tokens: every rank of one replica reports its replica's tokens

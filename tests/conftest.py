@@ -106,10 +106,10 @@ def local_ray():
     ray.shutdown()
 
 
-def start_test_ray() -> None:
+def start_test_ray(num_cpus: int = 2) -> None:
     from launchers.ray_session import start_local_ray
 
-    start_local_ray(num_cpus=2, object_store_memory=300 * 1024**2,
+    start_local_ray(num_cpus=num_cpus, object_store_memory=300 * 1024**2,
                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}})
 
 

@@ -252,18 +252,6 @@ class RayDataSource:
                               f"set data.format to one of {', '.join(FORMATS)}, or null to infer it")]
         if not self.path_list:
             return [Violation("data.paths", self.paths, "names nothing to read.", _FIX)]
-        if self.read_format is None:
-            return [Violation("data.format", None, f"cannot be inferred from {self.path_list[0]!r}.",
-                              f"set data.format to one of {', '.join(FORMATS)}")]
-        if self.sample == "images" and self.read_format != "images":
-            return [Violation("data.format", self.read_format, "cannot give data.sample=images.",
-                              "set data.format=images (or null)")]
-        if self.sample != "images" and self.read_format == "images":
-            return [Violation("data.sample", self.sample, "does not read data.format=images.",
-                              "set data.sample=images")]
-        if self.sample == "columns" and self.read_format == "text":
-            return [Violation("data.sample", self.sample, "needs named columns, which text lines do not have.",
-                              "read parquet or json, or set data.sample=tokens")]
         if "@" in "".join(p.split("://", 1)[1].split("/", 1)[0] for p in self.path_list if "://" in p):
             return [Violation("data.paths", self.paths, "carries credentials in a URI, where they would be "
                               "recorded with the run's config.", "remove the user:secret@ part and give them "
@@ -278,9 +266,22 @@ class RayDataSource:
                               f"{str(error).splitlines()[0][:300]}.", _FIX + "; check the store's endpoint and "
                               "credentials in the environment")]
         if not listing:
-            return [Violation("data.paths", self.paths, "matches no file.", _FIX)]
+            what = f"no image file ({', '.join(_IMAGE_SUFFIXES)})" if self.sample == "images" else "no file"
+            return [Violation("data.paths", self.paths, f"matches {what}.", _FIX)]
         if sum(size for _, size in listing) == 0:
             return [Violation("data.paths", self.paths, "holds only empty files.", _FIX)]
+        if self.read_format is None:
+            return [Violation("data.format", None, f"cannot be inferred from {self.path_list[0]!r}.",
+                              f"set data.format to one of {', '.join(FORMATS)}")]
+        if self.sample == "images" and self.read_format != "images":
+            return [Violation("data.format", self.read_format, "cannot give data.sample=images.",
+                              "set data.format=images (or null)")]
+        if self.sample != "images" and self.read_format == "images":
+            return [Violation("data.sample", self.sample, "does not read data.format=images.",
+                              "set data.sample=images")]
+        if self.sample == "columns" and self.read_format == "text":
+            return [Violation("data.sample", self.sample, "needs named columns, which text lines do not have.",
+                              "read parquet or json, or set data.sample=tokens")]
         if self.val_paths is None and not 0 < self.val_fraction < 1:
             return []  # reported by the range checks
         if self.sample == "images":
@@ -415,17 +416,17 @@ class RayDataSource:
 
             root = paths[0].rstrip("/")
             ds = ray.data.read_images(paths, size=(self.image_size, self.image_size), mode="RGB",
-                                      include_paths=True, ray_remote_args=remote,
+                                      include_paths=True, **remote,
                                       partitioning=Partitioning("dir", field_names=["class"], base_dir=root))
             key = "path"
         elif kind == "text":
-            ds = ray.data.read_text(paths, ray_remote_args=remote)
+            ds = ray.data.read_text(paths, **remote)
             key = "text"
         elif kind == "parquet":
-            ds = ray.data.read_parquet(paths, ray_remote_args=remote)
+            ds = ray.data.read_parquet(paths, **remote)
             key = self.text_field if self.sample == "tokens" else None
         else:
-            ds = ray.data.read_json(paths, lines=True, ray_remote_args=remote)
+            ds = ray.data.read_json(paths, lines=True, **remote)
             key = self.text_field if self.sample == "tokens" else None
         if self.val_paths is None:
             ds = ds.filter(_HeldOut(key, round(self.val_fraction * _HASH_BUCKETS), evaluation), **remote)
