@@ -49,7 +49,7 @@ from plans.flops import training_flops_per_sample
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, ResumeMode
-from plans.workload import StreamingSource
+from plans.workload import StreamingSource, data_task_cpus
 
 
 @dataclass
@@ -172,8 +172,8 @@ def _run_on(cluster: ClusterSpec, notes: list[str], clock: StartupClock, cfg: Ru
     logged_step = published.step if published else 0
     try:
         streamed = isinstance(workload.data, StreamingSource)
-        data_cpus = workload.data.cpus if streamed else 0.0
-        with ray_session(cfg.cluster.address, min_cpus=plan.world_size * cfg.cluster.cpus_per_worker + data_cpus,
+        min_cpus = plan.world_size * cfg.cluster.cpus_per_worker + data_task_cpus(workload.data)
+        with ray_session(cfg.cluster.address, min_cpus=min_cpus,
                          object_store_gib=cfg.cluster.object_store_memory_gib,
                          connect_timeout_s=cfg.cluster.connect_timeout_s):
             clock.mark("ray")

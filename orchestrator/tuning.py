@@ -54,7 +54,7 @@ from plans.search_space import (
     trial_candidates,
 )
 from plans.spec import Accelerator, Offload, ResumeMode
-from plans.workload import Workload
+from plans.workload import Workload, data_task_cpus
 
 # Models above this many parameters get their activations measured at one micro-batch size and
 # scaled (plans.search_space.BatchScaledProbe), and their FLOPs and activations counted at two
@@ -262,7 +262,8 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
         if uses_ray:
             from launchers.ray_session import ray_session
 
-            stack.enter_context(ray_session(cfg.cluster.address, min_cpus=cluster.world_size * cluster.cpus_per_worker,
+            min_cpus = cluster.world_size * cluster.cpus_per_worker + data_task_cpus(workload.data)
+            stack.enter_context(ray_session(cfg.cluster.address, min_cpus=min_cpus,
                                             object_store_gib=cfg.cluster.object_store_memory_gib,
                                             connect_timeout_s=cfg.cluster.connect_timeout_s))
             if cfg.tune.calibrate:

@@ -171,6 +171,11 @@ class StreamingSource(DataSource, Protocol):
         ...
 
 
+def data_task_cpus(data: DataSource) -> float:
+    """CPUs a run needs beside its workers' for the data's own tasks (0 for a map-style source)."""
+    return data.cpus if isinstance(data, StreamingSource) else 0.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Workload:
     """The user's workload, resolved once; picklable, so the workers get the same object."""

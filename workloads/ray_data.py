@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -429,6 +430,8 @@ class RayDataSource:
             ds = ray.data.read_json(paths, lines=True, **remote)
             key = self.text_field if self.sample == "tokens" else None
         if self.val_paths is None:
+            # A stable hash of the row is no column expression, so Ray's advice to use one does not apply.
+            warnings.filterwarnings("ignore", message="Use 'expr' instead of 'fn'", category=UserWarning)
             ds = ds.filter(_HeldOut(key, round(self.val_fraction * _HASH_BUCKETS), evaluation), **remote)
         if self.sample == "tokens":
             field_name = "text" if kind == "text" else self.text_field
