@@ -1,5 +1,8 @@
 """Data at cluster scale: ``data=ray`` streams files or URIs through Ray Data.
 
+This module is imported by every Ray Data task that transforms the data, so torch is imported
+only where a tensor is made (the planner's example batch), not at the top.
+
 The files are read by Ray Data tasks (``ray.data.read_parquet``, ``read_json``, ``read_text`` or
 ``read_images``), turned into samples by Ray Data tasks too (tokenized and packed into windows,
 decoded images with their class, or named columns), and handed to the data-parallel replicas
@@ -28,12 +31,12 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from plans.errors import Violation
-from workloads.corpus import BYTE_VOCAB
+
+if TYPE_CHECKING:
+    import torch
 
 FORMATS = ("parquet", "json", "text", "images")
 SAMPLES = ("tokens", "images", "columns")
@@ -224,6 +227,8 @@ class RayDataSource:
     @property
     def required_outputs(self) -> int | None:
         if self.sample == "tokens":
+            from workloads.corpus import BYTE_VOCAB
+
             return BYTE_VOCAB if self.tokenizer is None else len(_load_tokenizer(self.tokenizer))
         if self.sample == "images":
             return len(self.classes)
@@ -365,6 +370,8 @@ class RayDataSource:
         return sum(size for _, size in listing) // row_bytes
 
     def example_batch(self, batch_size: int):
+        import torch
+
         if self.sample == "tokens":
             shape = (batch_size, self.seq_len)
             return (torch.zeros(shape, dtype=torch.long, device="meta"),
