@@ -33,7 +33,6 @@ sys.path.insert(0, str(REPO))
 from hydra import compose, initialize_config_module  # noqa: E402
 
 from bench.harness import machine, publish  # noqa: E402
-from launchers.ds_config import build_ds_config  # noqa: E402
 from orchestrator.config import register_configs, to_typed  # noqa: E402
 from orchestrator.models import model_factory  # noqa: E402
 from orchestrator.workload import resolve_workload  # noqa: E402
@@ -110,9 +109,7 @@ def main() -> None:
         typed, _, _ = config(devices // 8)
         plan = resolve_plan(typed.plan, typed.cluster, typed.train)
         started = time.perf_counter()
-        estimate = check_plan(plan, typed.cluster, typed.optim, probe,
-                              lambda p, t=typed: build_ds_config(p, t.optim, t.train.steps,
-                                                                 param_count=probe.stats.param_count))
+        estimate = check_plan(plan, typed.cluster, typed.optim, probe)
         rows.append((devices, time.perf_counter() - started, estimate.per_device.total / 2**30, estimate.feasible))
 
     typed, _, _ = config(128)
@@ -122,12 +119,12 @@ def main() -> None:
                 for z, o, c, m in itertools.product(range(1, 4), (Offload.none, Offload.cpu), (False, True),
                                                     (1, 2, 4))]
     for v in variants:  # first pass measures the activations of each (micro-batch, checkpointing)
-        estimate_plan(v, typed.cluster, typed.optim, build_ds_config(v, typed.optim, 1), probe)
+        estimate_plan(v, typed.cluster, typed.optim, probe)
     started = time.perf_counter()
     repeats = 20
     for _ in range(repeats):
         for v in variants:
-            estimate_plan(v, typed.cluster, typed.optim, build_ds_config(v, typed.optim, 1), probe)
+            estimate_plan(v, typed.cluster, typed.optim, probe)
     per_second = repeats * len(variants) / (time.perf_counter() - started)
 
     first = rows[0][1]

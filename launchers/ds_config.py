@@ -1,44 +1,59 @@
 """Generate the DeepSpeed config from a resolved plan; users never hand-write DeepSpeed JSON.
 
-The bucket and ZeRO-3 limits are written out explicitly (at DeepSpeed's defaults) rather than
-left implicit, so the planner reads the same numbers DeepSpeed will use.
+The settings themselves are decided in :mod:`plans.engine` (the planner reads the same object);
+this module only writes them out as DeepSpeed's JSON, every bucket and ZeRO-3 limit explicit.
 """
 
 from __future__ import annotations
 
+from plans.engine import EngineSettings, engine_settings
 from plans.resolve import ResolvedPlan
-from plans.spec import Accelerator, Offload, OptimizerName, OptimSpec, Precision
-
-# DeepSpeed's defaults (deepspeed/runtime/zero/config.py), in elements.
-REDUCE_BUCKET_SIZE = 500_000_000
-ALLGATHER_BUCKET_SIZE = 500_000_000
-STAGE3_PREFETCH_BUCKET_SIZE = 50_000_000
-STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
-STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
-STAGE3_MAX_REUSE_DISTANCE = 1_000_000_000
+from plans.spec import Offload, OptimizerName, OptimSpec, Precision
 
 _OPTIMIZER_TYPE = {OptimizerName.adam: "Adam", OptimizerName.adamw: "AdamW", OptimizerName.sgd: "SGD"}
 
 
-def _offload_section(device: Offload, plan: ResolvedPlan) -> dict:
-    section: dict = {"device": device.value, "pin_memory": plan.accelerator == Accelerator.gpu}
+def _offload_section(device: Offload, engine: EngineSettings) -> dict:
+    section: dict = {"device": device.value, "pin_memory": engine.pin_memory}
     if device == Offload.nvme:
-        section["nvme_path"] = plan.nvme_path
+        section["nvme_path"] = engine.nvme_path
     return section
 
 
-def optimizer_section(optim: OptimSpec, plan: ResolvedPlan) -> dict:
+def optimizer_section(optim: OptimSpec, engine: EngineSettings) -> dict:
     params: dict = {"lr": optim.lr, "weight_decay": optim.weight_decay}
     if optim.name == OptimizerName.sgd:
         params["momentum"] = optim.momentum
     else:
         params["betas"] = list(optim.betas)
         params["eps"] = 1e-8
-        # Without offload on CPU workers, torch's Adam avoids JIT-building DeepSpeed's FusedAdam,
-        # which needs CUDA; with offload DeepSpeed picks its CPU Adam itself.
-        if plan.accelerator == Accelerator.cpu and plan.offload_optimizer == Offload.none:
+        if engine.torch_adam:
             params["torch_adam"] = True
     return {"type": _OPTIMIZER_TYPE[optim.name], "params": params}
+
+
+def zero_section(engine: EngineSettings) -> dict:
+    """DeepSpeed's ``zero_optimization`` section of ``engine``."""
+    zero: dict = {
+        "stage": int(engine.zero_stage),
+        "reduce_bucket_size": engine.reduce_bucket_size,
+        "allgather_bucket_size": engine.allgather_bucket_size,
+        "overlap_comm": engine.overlap_comm,
+        "contiguous_gradients": engine.contiguous_gradients,
+    }
+    if engine.zero_stage == 3:
+        zero.update({
+            "stage3_prefetch_bucket_size": engine.stage3_prefetch_bucket_size,
+            "stage3_param_persistence_threshold": engine.stage3_param_persistence_threshold,
+            "stage3_max_live_parameters": engine.stage3_max_live_parameters,
+            "stage3_max_reuse_distance": engine.stage3_max_reuse_distance,
+            "sub_group_size": engine.sub_group_size,
+        })
+    if engine.offload_optimizer != Offload.none:
+        zero["offload_optimizer"] = _offload_section(engine.offload_optimizer, engine)
+    if engine.offload_param != Offload.none:
+        zero["offload_param"] = _offload_section(engine.offload_param, engine)
+    return zero
 
 
 def without_fused_adam(config: dict) -> dict:
@@ -79,47 +94,19 @@ def tensor_parallel_section(tp: int, layer_specs: list[dict]) -> dict:
     }
 
 
-BUCKET_ALIGNMENT = 1024
-"""Bucket sizes are multiples of this many elements (a multiple of every alignment DeepSpeed asks)."""
-
-
 def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int, *,
                     param_count: int | None = None, tp_layer_specs: list[dict] | None = None) -> dict:
-    """The DeepSpeed config dict for ``deepspeed.initialize(config=...)``.
-
-    With ``param_count`` the communication buckets are capped at the model's size: DeepSpeed
-    allocates its reduce bucket at full size (500M elements = 2 GB in fp32) whatever the model,
-    which a small model never fills. The cap is rounded up to a multiple of
-    :data:`BUCKET_ALIGNMENT`: ZeRO-2 refuses a bucket that is not a multiple of its
-    alignment factor (2 to 8 elements, by dtype and world size).
+    """The DeepSpeed config dict for ``deepspeed.initialize(config=...)``: the plan's
+    :func:`plans.engine.engine_settings` (``param_count`` caps the buckets at the model's size),
+    the batch sizes, precision, optimizer and schedule.
 
     With ``plan.tp > 1`` the config gains a ``tensor_parallel`` section (see
     :func:`tensor_parallel_section`) sharding the layers ``tp_layer_specs`` names (the workload's:
     there is no default, a model's specs fit that model only). ``train_batch_size`` stays
     micro × accumulation × dp: the ranks of one tensor-parallel group share their batch.
     """
-    cap = -(-param_count // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT if param_count else REDUCE_BUCKET_SIZE
-    zero: dict = {
-        "stage": plan.zero_stage,
-        "reduce_bucket_size": min(REDUCE_BUCKET_SIZE, cap),
-        "allgather_bucket_size": min(ALLGATHER_BUCKET_SIZE, cap),
-        # Overlapping the gradient reduction with backward costs a second reduce bucket, which
-        # plans/memory.py counts; on GPU it hides NCCL time, on CPU (gloo) there is nothing to hide.
-        "overlap_comm": plan.accelerator == Accelerator.gpu,
-        "contiguous_gradients": True,
-    }
-    if plan.zero_stage == 3:
-        zero.update({
-            "stage3_prefetch_bucket_size": STAGE3_PREFETCH_BUCKET_SIZE,
-            "stage3_param_persistence_threshold": STAGE3_PARAM_PERSISTENCE_THRESHOLD,
-            "stage3_max_live_parameters": STAGE3_MAX_LIVE_PARAMETERS,
-            "stage3_max_reuse_distance": STAGE3_MAX_REUSE_DISTANCE,
-        })
-    if plan.offload_optimizer != Offload.none:
-        zero["offload_optimizer"] = _offload_section(plan.offload_optimizer, plan)
-    if plan.offload_param != Offload.none:
-        zero["offload_param"] = _offload_section(plan.offload_param, plan)
-
+    engine = engine_settings(plan, optim, param_count)
+    zero = zero_section(engine)
     config = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
@@ -130,7 +117,7 @@ def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int, *,
         "zero_optimization": zero,
         "bf16": {"enabled": plan.precision == Precision.bf16},
         "fp16": {"enabled": plan.precision == Precision.fp16, "loss_scale": 0, "initial_scale_power": 16},
-        "optimizer": optimizer_section(optim, plan),
+        "optimizer": optimizer_section(optim, engine),
         "scheduler": {
             "type": "WarmupCosineLR",
             "params": {

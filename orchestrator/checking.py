@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from launchers.ds_config import build_ds_config
 from launchers.placement import rank_layout
 from orchestrator.config import RunConfig
 from orchestrator.inputs import declared_violations, validated_plan
@@ -164,11 +163,7 @@ def checked_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = N
     if plan.pp > 1:
         check_pipeline(probe, plan, constructor_cfg, workload.pipeline_refusal)
 
-    def ds_config(candidate: ResolvedPlan) -> dict:
-        return build_ds_config(candidate, cfg.optim, cfg.train.steps, param_count=probe.stats.param_count,
-                               tp_layer_specs=workload.tp_layer_specs)
-
-    return check_plan(plan, cluster, cfg.optim, probe, ds_config), facts, probe, workload
+    return check_plan(plan, cluster, cfg.optim, probe), facts, probe, workload
 
 
 # The top-level keys of `orch check --json`; tools read these names, so they only ever grow.

@@ -25,7 +25,6 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 import conf
-from launchers.ds_config import build_ds_config
 from launchers.storage import RemoteDir, is_remote, location_violation
 from orchestrator.checking import check_model, check_pipeline, live_cluster
 from orchestrator.config import RunConfig
@@ -194,14 +193,10 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
             return plan_error_reason(error)
         return None
 
-    def ds_config(plan: ResolvedPlan) -> dict:
-        return build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=probe.stats.param_count,
-                               tp_layer_specs=tp_layer_specs)
-
     ctx = SearchContext(cluster=cluster, train=cfg.train, optim=cfg.optim, probe=probe,
                         model_cost=measure_model_cost(probe, tp_degrees, depth_scaled=large or shallow is not None),
                         speeds=Speeds.declared(cluster),
-                        build_config=ds_config, tp_problem=tp_problem, plan_problem=plan_problem)
+                        tp_problem=tp_problem, plan_problem=plan_problem)
     space = _space(cfg, cluster.world_size, facts.supports_activation_checkpointing)
     # Degrees the model cannot use are left out of the search rather than ranked as failures.
     if workload.pipeline_layers is None:

@@ -15,8 +15,8 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
 - **tensor parallelism**: one all-reduce of a row-parallel layer's output in forward and one of a
   column-parallel layer's input gradient in backward (DeepSpeed AutoTP's ``RowParallel`` /
   ``ColumnParallel``), again in the recomputed forward; sizes read off the model on ``meta``.
-- **data parallelism** by ZeRO stage (DeepSpeed 0.19, ``overlap_comm`` off as the generated config
-  sets it): stage 0 all-reduces the gradients once per step (a ring all-reduce, 2(n-1)/n of the
+- **data parallelism** by ZeRO stage (DeepSpeed 0.19; the plan's :mod:`plans.engine` settings):
+  stage 0 all-reduces the gradients once per step (a ring all-reduce, 2(n-1)/n of the
   bytes). Stages 1 and 2 share one optimizer (``runtime/zero/stage_1_and_2.py``), which also
   *all-reduces* the gradient buckets (``allreduce_and_scatter`` -> ``allreduce_bucket``) and keeps
   its partition, then all-gathers the updated parameters after the step (``all_gather_dp_groups``):
@@ -33,8 +33,9 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
 Every collective is an alpha-beta cost: a latency per call plus bytes over the bandwidth of the
 link it crosses, intra-node or inter-node, from the rank layout (tp innermost, then pp, then dp:
 :func:`launchers.placement.parallel_coords`). Communication does not overlap compute (tensor
-parallel all-reduces are synchronous, and the generated DeepSpeed config turns ``overlap_comm``
-off), so the parts add up.
+parallel all-reduces are synchronous, and CPU plans run with ``overlap_comm`` off), so the parts
+add up. GPU plans overlap the gradient reduction with backward (``EngineSettings.overlap_comm``),
+which this model does not credit: their data-parallel time is an upper bound.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from plans.engine import ZeroStage, engine_settings
 from plans.resolve import ResolvedPlan
 from plans.spec import ClusterSpec, Offload, OptimizerName, OptimSpec, Precision
 
@@ -230,6 +232,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     bw = {"intra": speeds.intra_node_gbps, "inter": speeds.inter_node_gbps}
     lat = {"intra": speeds.intra_latency_s, "inter": speeds.inter_latency_s}
     act_bytes = plan.precision.element_bytes
+    engine = engine_settings(plan, optim)
 
     flops = model.flops_per_sample_checkpointed if plan.activation_checkpointing else model.flops_per_sample
     ops = model.ops_per_micro_batch_checkpointed if plan.activation_checkpointing else model.ops_per_micro_batch
@@ -256,11 +259,11 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     dp_comm_s = 0.0
     if dp > 1:
         gather_params = _half_ring_s(grad_bytes, dp, dp_bw, dp_lat)
-        if plan.zero_stage == 0:
+        if engine.zero_stage == ZeroStage.none:
             dp_comm_s = _allreduce_s(grad_bytes, dp, dp_bw, dp_lat)
-        elif plan.zero_stage == 1:
+        elif engine.zero_stage == ZeroStage.optimizer_states:
             dp_comm_s = _allreduce_s(grad_bytes, dp, dp_bw, dp_lat) + gather_params
-        elif plan.zero_stage == 2:
+        elif engine.zero_stage == ZeroStage.gradients:
             dp_comm_s = m * _allreduce_s(grad_bytes, dp, dp_bw, dp_lat) + gather_params
         else:
             gathers = 3 if plan.activation_checkpointing else 2
@@ -274,17 +277,17 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         pp_comm_s = m * 2 * (p2p_bytes / _bytes_per_s(bw[links.pp]) + lat[links.pp])
 
     # The optimizer updates this rank's partition: all of its parameters below ZeRO-1.
-    part = params / dp if plan.zero_stage >= 1 else params
+    part = params / dp if engine.zero_stage >= ZeroStage.optimizer_states else params
     opt_bytes = part * _optimizer_bytes_per_param(optim, plan.precision)
     offload_s = 0.0
-    if plan.offload_optimizer != Offload.none:
+    if engine.offload_optimizer != Offload.none:
         link = _bytes_per_s(speeds.host_link_gbps)
         # Gradients down, updated weights up; the node's CPU runs every local rank's optimizer at once.
         offload_s = 2 * part * plan.precision.element_bytes / link
         optimizer_s = opt_bytes / (speeds.host_memory_gb_per_s * 1e9 / devices_per_node)
     else:
         optimizer_s = opt_bytes / (speeds.device_memory_gb_per_s * 1e9)
-    if plan.offload_param != Offload.none:
+    if engine.offload_param != Offload.none:
         gathers = 3 if plan.activation_checkpointing else 2
         offload_s += m * gathers * (params / dp) * plan.precision.element_bytes / _bytes_per_s(speeds.host_link_gbps)
 

@@ -22,6 +22,7 @@ import torch
 from plans.activations import ActivationBytes, activations_from_shallow, measure_activations
 from plans.build_memory import BuildMemory, build_memory, build_violation
 from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
+from plans.engine import EngineSettings, ZeroStage, engine_settings
 from plans.errors import Violation
 from plans.memory import (
     DevicePhases,
@@ -288,12 +289,11 @@ class ModelProbe:
         return pipeline_stages(self._pipeline(micro_batch_size, precision), pp=pp, method=method,
                                micro_batches=micro_batches, input_bytes=batch)
 
-    def persistent_params(self, ds_config: dict) -> int:
+    def persistent_params(self, engine: EngineSettings) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (under the persistence threshold)."""
-        zero = ds_config.get("zero_optimization", {})
-        if int(zero.get("stage", 0)) != 3:
+        if engine.zero_stage != ZeroStage.parameters:
             return 0
-        threshold = int(zero.get("stage3_param_persistence_threshold", 100_000))
+        threshold = engine.stage3_param_persistence_threshold
         return self._count(lambda m: stage3_persistent_params(m, threshold))
 
 
@@ -322,15 +322,15 @@ def _tensor_parallel_params(module: torch.nn.Module, layer_specs: list[dict]) ->
     return sharded, trainable
 
 
-def _device_phases(plan: ResolvedPlan, optim: OptimSpec, ds_config: dict, probe: ModelProbe, stats: ModelStats,
+def _device_phases(plan: ResolvedPlan, optim: OptimSpec, engine: EngineSettings, probe: ModelProbe, stats: ModelStats,
                    activations: ActivationBytes, grad_accum_steps: int) -> tuple[ModelStateBytes, DevicePhases]:
     states = model_state_bytes(param_count=stats.param_count, trainable_count=stats.trainable_count,
                                zero_stage=plan.zero_stage, dp=plan.dp, precision=plan.precision,
                                optimizer=optim.name, momentum=optim.momentum,
                                offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param)
-    phases = step_phases(ds_config, states=states, model=stats, activations=activations, dp=plan.dp,
+    phases = step_phases(engine, states=states, model=stats, activations=activations, dp=plan.dp,
                          precision=plan.precision, grad_accum_steps=grad_accum_steps,
-                         accelerator=plan.accelerator, persistent_params=probe.persistent_params(ds_config))
+                         accelerator=plan.accelerator, persistent_params=probe.persistent_params(engine))
     return states, phases
 
 
@@ -344,9 +344,11 @@ def _stage_stats(probe: ModelProbe, stage: PipelineStage, tp: int) -> ModelStats
                       largest_param=stage.largest_param)
 
 
-def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds_config: dict,
-                  probe: ModelProbe) -> PlanEstimate:
+def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe) -> PlanEstimate:
     """Predict the peak bytes of every device and node for ``plan``; no fix search.
+
+    The engine's buffers and limits are the plan's :func:`plans.engine.engine_settings`, the
+    same object the workers' DeepSpeed config is written from.
 
     With pipeline stages every stage is estimated on its own (its layers' parameters, its share
     of the activations times the micro-batches it holds in flight) and the most loaded one
@@ -354,6 +356,7 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds
     micro-batches' gradients sit in ``.grad``.
     """
     capacity = int(cluster.device_memory_gib * GIB)
+    engine = engine_settings(plan, optim, probe.stats.param_count)
     whole_activations = probe.activations(plan)
     pipeline: list[PipelineStage] = []
     if plan.pp > 1:
@@ -361,13 +364,13 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, ds
         total_saved = sum(layer.saved_bytes for layer in probe.pipeline_layer_facts(plan))
         per_stage = []
         for stage in pipeline:
-            states, phases = _device_phases(plan, optim, ds_config, probe, _stage_stats(probe, stage, plan.tp),
+            states, phases = _device_phases(plan, optim, engine, probe, _stage_stats(probe, stage, plan.tp),
                                             stage_activations(whole_activations, stage, total_saved),
                                             max(plan.grad_accum_steps, 2))
             held = dataclasses.replace(phases.held, buffers=phases.held.buffers + stage.buffer_bytes)
             per_stage.append((states, dataclasses.replace(phases, held=held)))
     else:
-        per_stage = [_device_phases(plan, optim, ds_config, probe, probe.stats_for(plan.tp), whole_activations,
+        per_stage = [_device_phases(plan, optim, engine, probe, probe.stats_for(plan.tp), whole_activations,
                                     plan.grad_accum_steps)]
     stages = [memory_breakdown(device=phases, capacity=capacity, accelerator=plan.accelerator)
               for _, phases in per_stage]
@@ -440,7 +443,7 @@ def _candidate_changes(plan: ResolvedPlan) -> list[tuple[str, dict]]:
 
 
 def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe,
-                  build_config: Callable[[ResolvedPlan], dict], limit: int = 3) -> list[str]:
+                  limit: int = 3) -> list[str]:
     """Single changes (then pairs) that make the plan fit, cheapest first; never one the model
     cannot take (activation checkpointing of a model with nothing to checkpoint)."""
     singles = _candidate_changes(plan)
@@ -449,7 +452,7 @@ def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
     found: list[str] = []
     for what, change in singles:
         candidate = dataclasses.replace(plan, **change)
-        if estimate_plan(candidate, cluster, optim, build_config(candidate), probe).feasible:
+        if estimate_plan(candidate, cluster, optim, probe).feasible:
             found.append(what)
     if found:
         return found[:limit]
@@ -459,17 +462,16 @@ def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
             if "zero_stage" in change_a and "zero_stage" in change_b:
                 merged["zero_stage"] = max(change_a["zero_stage"], change_b["zero_stage"])
             candidate = dataclasses.replace(plan, **merged)
-            if estimate_plan(candidate, cluster, optim, build_config(candidate), probe).feasible:
+            if estimate_plan(candidate, cluster, optim, probe).feasible:
                 found.append(f"{what_a}, and {what_b}")
                 if len(found) >= limit:
                     return found
     return found
 
 
-def check_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe,
-               build_config: Callable[[ResolvedPlan], dict]) -> PlanEstimate:
+def check_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe) -> PlanEstimate:
     """Estimate the plan and, when it does not fit, search for the changes that would."""
-    estimate = estimate_plan(plan, cluster, optim, build_config(plan), probe)
+    estimate = estimate_plan(plan, cluster, optim, probe)
     if estimate.feasible:
         return estimate
-    return dataclasses.replace(estimate, suggestions=suggest_fixes(plan, cluster, optim, probe, build_config))
+    return dataclasses.replace(estimate, suggestions=suggest_fixes(plan, cluster, optim, probe))

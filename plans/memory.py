@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from plans.activations import ActivationBytes
+from plans.engine import EngineSettings
 from plans.spec import Accelerator, Offload, OptimizerName, Precision
 
 # Why 10%: PyTorch's CUDA caching allocator rounds every block up (512 B small blocks, 2 MiB
@@ -32,11 +33,9 @@ from plans.spec import Accelerator, Offload, OptimizerName, Precision
 # tensors are mmap'ed and returned to the OS on free, so no reserve is added there.
 FRAGMENTATION_RESERVE = 0.10
 
-# DeepSpeed's defaults for settings ``launchers/ds_config.py`` does not write out.
-# deepspeed/runtime/engine.py: MEMORY_OPT_ALLREDUCE_SIZE, the bucket of the stage-0 all-reduce.
+# DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE (its runtime/engine.py), the bucket of the stage-0
+# all-reduce: a constant of the engine, not a setting (the settings are plans.engine's).
 _STAGE0_ALLREDUCE_BUCKET = 500_000_000
-# deepspeed/runtime/zero/config.py: sub_group_size, the optimizer-step granularity of stage 3.
-_STAGE3_SUB_GROUP_SIZE = 1_000_000_000
 
 # The fp32 master weights and gradients the optimizer works on.
 _FP32 = 4
@@ -214,25 +213,6 @@ def model_state_bytes(*, param_count: int, trainable_count: int, zero_stage: int
                            host_grads=host_grads, host_optimizer_states=optimizer_states)
 
 
-def _zero_section(ds_config: dict) -> dict:
-    return ds_config.get("zero_optimization", {}) or {}
-
-
-def _offloaded(section: dict, key: str) -> bool:
-    return (section.get(key) or {}).get("device", "none") != "none"
-
-
-def _torch_adam(ds_config: dict) -> bool:
-    """Whether the optimizer step runs torch's Adam (CPU workers without offload, ds_config.py).
-
-    On CPU torch's Adam takes its single-tensor path: ``exp_avg_sq.sqrt()`` and the division by
-    the bias correction are two temporaries the size of the tensor being stepped. DeepSpeed's
-    FusedAdam (GPU) and CPU Adam (offload) update in place and allocate nothing.
-    """
-    optimizer = ds_config.get("optimizer") or {}
-    return optimizer.get("type") in ("Adam", "AdamW") and bool((optimizer.get("params") or {}).get("torch_adam"))
-
-
 @dataclass(frozen=True, kw_only=True)
 class PhaseBytes:
     """Bytes of one device by kind: what persists across steps, or what one phase adds to it."""
@@ -267,7 +247,7 @@ class DevicePhases:
         return max(self.phases, key=lambda p: p.total)
 
 
-def step_phases(ds_config: dict, *, states: ModelStateBytes, model: ModelStats, activations: ActivationBytes,
+def step_phases(engine: EngineSettings, *, states: ModelStateBytes, model: ModelStats, activations: ActivationBytes,
                 dp: int, precision: Precision, grad_accum_steps: int = 1,
                 accelerator: Accelerator = Accelerator.cpu, persistent_params: int = 0) -> DevicePhases:
     """What one device holds between steps and what each phase of a step adds, as DeepSpeed 0.19 runs.
@@ -305,18 +285,18 @@ def step_phases(ds_config: dict, *, states: ModelStateBytes, model: ModelStats, 
     * optimizer step: stage 0 keeps the full gradients (mixed precision adds the fp32 copy its
       FP16/BF16 optimizer steps on); stages 1-2 flatten the partition to an fp32 ``.grad`` of the
       master (``step``, line 3118); stage 3 flattens one sub-group (``_prepare_fp32_grad_for_
-      sub_group``); torch Adam then adds two temporaries of the tensor it steps (:func:`_torch_adam`).
+      sub_group``); torch Adam then adds two temporaries of the tensor it steps (``engine.torch_adam``:
+      its single-tensor path on CPU makes ``exp_avg_sq.sqrt()`` and the bias-corrected division).
     * ``grad_accum_steps > 1``: the gradients of earlier micro-batches coexist with the next
       micro-batch's forward and backward (full at stages 0-1, the partition at stage 2).
     """
-    zero = _zero_section(ds_config)
-    stage = int(zero.get("stage", 0))
+    stage = engine.zero_stage
     b = precision.element_bytes
     n = max(dp, 1)
     psi, phi = model.param_count, model.trainable_count
     largest_param = model.largest_param or model.largest_layer_params
-    offloaded = stage >= 1 and _offloaded(zero, "offload_optimizer")
-    adam_temporaries = 2 if _torch_adam(ds_config) else 0
+    offloaded = engine.optimizer_offloaded
+    adam_temporaries = 2 if engine.torch_adam else 0
     accumulating = grad_accum_steps > 1
 
     def part(x: int) -> int:
@@ -327,8 +307,8 @@ def step_phases(ds_config: dict, *, states: ModelStateBytes, model: ModelStats, 
         # bucket is capped at the model by ds_config.py and only pages written become resident.
         return elements if accelerator == Accelerator.gpu else min(elements, psi)
 
-    contiguous = bool(zero.get("contiguous_gradients", True)) or offloaded
-    reduce_bucket = b * resident(int(zero.get("reduce_bucket_size", 500_000_000))) if contiguous else 0
+    contiguous = engine.contiguous_gradients or offloaded
+    reduce_bucket = b * resident(engine.reduce_bucket_size) if contiguous else 0
 
     if stage == 0:
         held = PhaseBytes(phase="held", params=states.params, optimizer_states=states.optimizer_states)
@@ -352,7 +332,7 @@ def step_phases(ds_config: dict, *, states: ModelStateBytes, model: ModelStats, 
         staging = b * largest_param if offloaded else 0
         held = PhaseBytes(phase="held", params=states.params, optimizer_states=states.optimizer_states,
                           buffers=staging)
-        buckets = reduce_bucket * (2 if zero.get("overlap_comm", False) else 1)
+        buckets = reduce_bucket * (2 if engine.overlap_comm else 1)
         partition = 0 if offloaded else part(b * phi)
         if stage == 1:
             earlier = b * phi if accumulating else 0
@@ -375,14 +355,14 @@ def step_phases(ds_config: dict, *, states: ModelStateBytes, model: ModelStats, 
 
     held = PhaseBytes(phase="held", params=states.params + b * persistent_params, grads=states.grads,
                       optimizer_states=states.optimizer_states, buffers=reduce_bucket)
-    max_live = int(zero.get("stage3_max_live_parameters", 1_000_000_000))
+    max_live = engine.stage3_max_live_parameters
     gathered = b * min(max(psi - persistent_params, 0), max(max_live, model.largest_layer_params))
     phases = [
         PhaseBytes(phase="forward", activations=activations.forward_peak, buffers=2 * gathered),
         PhaseBytes(phase="backward", activations=activations.backward_peak, buffers=gathered),
     ]
     if not offloaded:
-        sub_group = _FP32 * min(int(zero.get("sub_group_size", _STAGE3_SUB_GROUP_SIZE)), part(phi))
+        sub_group = _FP32 * min(engine.sub_group_size, part(phi))
         phases.append(PhaseBytes(phase="optimizer step", buffers=sub_group * (1 + adam_temporaries)))
     return DevicePhases(held=held, phases=phases)
 

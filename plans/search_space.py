@@ -250,8 +250,6 @@ class SearchContext:
     probe: ModelProbe
     model_cost: ModelCost
     speeds: Speeds
-    build_config: Callable[[ResolvedPlan], dict]
-    """The DeepSpeed config of a plan (its buffers count in the memory estimate)."""
     tp_problem: Callable[[int], str | None] = lambda tp: None
     """Why the model cannot be split ``tp`` ways, or None."""
     plan_problem: Callable[[ResolvedPlan], str | None] = lambda plan: None
@@ -278,7 +276,7 @@ def search(space: SearchSpace, ctx: SearchContext) -> SearchResult:
         if problem := ctx.plan_problem(plan):
             result.rejected[problem] += 1
             continue
-        estimate = estimate_plan(plan, ctx.cluster, ctx.optim, ctx.build_config(plan), ctx.probe)
+        estimate = estimate_plan(plan, ctx.cluster, ctx.optim, ctx.probe)
         predicted = predict_step(plan, ctx.model_cost, ctx.speeds, devices_per_node=ctx.cluster.devices_per_node,
                                  optim=ctx.optim)
         candidate = Candidate(plan=plan, estimate=estimate, predicted=predicted)

@@ -21,6 +21,7 @@ from plans.activations import (  # noqa: E402
     measure_activations,
     saved_activation_bytes,
 )
+from plans.engine import EngineSettings, ZeroStage  # noqa: E402
 from plans.memory import (  # noqa: E402
     DevicePhases,
     ModelStateBytes,
@@ -45,15 +46,9 @@ def states(*, psi: int, stage: int, dp: int, precision: Precision = Precision.bf
                              offload_optimizer=offload_optimizer, offload_param=offload_param)
 
 
-def ds_config(stage: int, **zero) -> dict:
-    """The zero section as launchers/ds_config.py writes it, with overrides."""
-    section = {"stage": stage, "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
-               "overlap_comm": False, "contiguous_gradients": True}
-    if stage == 3:
-        section.update({"stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
-                        "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000})
-    section.update(zero)
-    return {"zero_optimization": section}
+def engine(stage: int, **overrides) -> EngineSettings:
+    """The engine settings at DeepSpeed's defaults (uncapped buckets, no overlap), with overrides."""
+    return EngineSettings(zero_stage=ZeroStage(stage), **overrides)
 
 
 # --- the ZeRO paper ------------------------------------------------------------------------------
@@ -82,9 +77,9 @@ NO_ACTIVATIONS = ActivationBytes(saved=0, recompute_peak=0)
 def phases(stage: int, dp: int, *, states_: ModelStateBytes | None = None, psi: int = PSI, largest: int = LARGEST,
            activations: ActivationBytes = NO_ACTIVATIONS, precision: Precision = Precision.bf16,
            accelerator: Accelerator = Accelerator.gpu, persistent_params: int = 0, grad_accum_steps: int = 1,
-           config: dict | None = None) -> DevicePhases:
+           config: EngineSettings | None = None) -> DevicePhases:
     model_states = states_ or states(psi=psi, stage=stage, dp=dp, precision=precision)
-    return step_phases(config or ds_config(stage), states=model_states,
+    return step_phases(config or engine(stage), states=model_states,
                        model=ModelStats(param_count=psi, trainable_count=psi, largest_layer_params=largest,
                                         largest_param=largest),
                        activations=activations, dp=dp, precision=precision, grad_accum_steps=grad_accum_steps,
@@ -129,7 +124,7 @@ def test_zero3_matches_deepspeed_estimator_without_offload(gpus):
     # With at most one layer live, the forward holds it twice in bf16: the all-gather's flat output
     # and the torch.cat copy that becomes param.data. DeepSpeed budgets the same 4 bytes per
     # parameter of the largest layer, as its bf16 parameters plus their bf16 gradient.
-    config = ds_config(3, contiguous_gradients=False, stage3_max_live_parameters=LARGEST)
+    config = engine(3, contiguous_gradients=False, stage3_max_live_parameters=LARGEST)
     forward = phase(phases(3, gpus, config=config), "forward")
     assert forward.buffers == ds_largest == 4 * LARGEST
     # DeepSpeed budgets 18Ψ/N for the partitioned states; we count the paper's 16Ψ/N (bf16 params
@@ -229,7 +224,7 @@ def test_buckets_are_capped_by_the_model_on_cpu_but_not_on_gpu():
     gpu = phase(phases(2, 2, accelerator=Accelerator.gpu, **kwargs), "backward")
     assert cpu.buffers == 2 * small  # bucket touched up to the model
     assert gpu.buffers == 2 * 500_000_000  # torch.empty(reduce_bucket_size) reserved whole
-    overlapped = phase(phases(2, 2, config=ds_config(2, overlap_comm=True), **kwargs), "backward")
+    overlapped = phase(phases(2, 2, config=engine(2, overlap_comm=True), **kwargs), "backward")
     assert overlapped.buffers == 2 * gpu.buffers
 
 
@@ -293,7 +288,7 @@ def test_zero2_gradients_leave_for_the_bucket_and_zero1_keep_them_in_backward():
 def test_optimizer_offload_keeps_its_staging_buffers():
     device = phases(2, 2, psi=SMALL, largest=SMALL // 10, activations=ACTS, accelerator=Accelerator.cpu,
                     states_=states(psi=SMALL, stage=2, dp=2, offload_optimizer=Offload.cpu),
-                    config=ds_config(2, offload_optimizer={"device": "cpu"}))
+                    config=engine(2, offload_optimizer=Offload.cpu))
     # temp_grad_buffer_for_gpu_offload on the device, ..._for_cpu_offload on the host, one parameter each.
     assert device.held.buffers == device.host_buffers == 2 * SMALL // 10
     # CPU Adam steps in place on the host: no step phase on the device.
@@ -301,7 +296,7 @@ def test_optimizer_offload_keeps_its_staging_buffers():
 
 
 def test_torch_adam_adds_two_temporaries_of_the_stepped_tensor():
-    config = {**ds_config(2), "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
+    config = engine(2, torch_adam=True)
     step = phase(phases(2, 2, psi=SMALL, precision=Precision.fp32, config=config), "optimizer step")
     assert step.buffers == 3 * 4 * SMALL // 2  # the fp32 gradient partition, sqrt and division
 
