@@ -60,3 +60,24 @@ class WorkerFacts:
     """Measured dense matmul throughput in the training precision."""
     node_id: str = ""
     """The Ray node it runs on (set by the worker group, which placed it)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PollStatus:
+    """What one rank answers the driver's poll: its new reports and the state of its training."""
+
+    reports: list[dict]
+    """Reports of the logged steps after those the driver has seen (step, loss, throughput, eval_*)."""
+    done: bool
+    """Training ended (finished, or failed with ``error``)."""
+    error: str | None
+    """The traceback of the exception that ended training, if it failed."""
+    step: int
+    """The last optimizer step this rank finished."""
+    milestones: int
+    """Progress markers passed (steps and the collectives around them): the lowest is the rank a hang waits for."""
+    since_progress_s: float
+    """Seconds since this rank last made progress (hang detection)."""
+    system: list[dict] = field(default_factory=list)
+    """Hardware samples of the node taken since the last poll (only its first worker samples)."""
+

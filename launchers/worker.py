@@ -30,7 +30,7 @@ from launchers.gpu_worker import (
     reset_cuda_peak,
     use_device,
 )
-from launchers.job import TrainJob, WorkerFacts
+from launchers.job import PollStatus, TrainJob, WorkerFacts
 from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from launchers.storage import RemoteDir, is_remote, local_path, staging_dir
@@ -714,14 +714,11 @@ class TrainWorker:
         self._thread = threading.Thread(target=run, name=f"train-rank{self.rank}", daemon=True)
         self._thread.start()
 
-    def poll(self, seen: int) -> dict:
-        """Reports after the first ``seen``, whether training ended, its traceback if it failed,
-        how long ago this rank last finished an optimizer step (for hang detection), and on the
-        first worker of a node the node's hardware samples taken since the last poll."""
-        return {"reports": self._reports[seen:], "done": self._done, "error": self._error,
-                "step": self.progress_step, "milestones": self.milestones,
-                "since_progress_s": time.monotonic() - self._progress_at,
-                "system": self._sampler.take() if self._sampler is not None else []}
+    def poll(self, seen: int) -> PollStatus:
+        """This rank's reports after the first ``seen`` and the state of its training."""
+        return PollStatus(reports=self._reports[seen:], done=self._done, error=self._error, step=self.progress_step,
+                          milestones=self.milestones, since_progress_s=time.monotonic() - self._progress_at,
+                          system=self._sampler.take() if self._sampler is not None else [])
 
     def stacks(self) -> str:
         """Every thread's Python stack, answered even while the training thread is stuck."""

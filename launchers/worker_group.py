@@ -18,7 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launchers.gpu_sharing import share_gpus
-from launchers.job import TrainJob, WorkerFacts
+from launchers.job import PollStatus, TrainJob, WorkerFacts
 from launchers.placement import RankSlot, assign_ranks, straddling_groups
 from launchers.worker import TrainWorker
 from plans.errors import OrchError
@@ -213,31 +213,31 @@ class WorkerGroup:
         while True:
             polls = ray.get([actor.poll.remote(n) for actor, n in zip(self.actors, seen, strict=True)])
             for rank, poll in enumerate(polls):
-                if poll["error"]:
-                    raise WorkerFailedError(rank, poll["error"])
-                seen[rank] += len(poll["reports"])
-                if on_system is not None and poll.get("system"):
-                    on_system(rank, poll["system"])
-                for report in poll["reports"]:
+                if poll.error:
+                    raise WorkerFailedError(rank, poll.error)
+                seen[rank] += len(poll.reports)
+                if on_system is not None and poll.system:
+                    on_system(rank, poll.system)
+                for report in poll.reports:
                     by_step.setdefault(report["step"], {})[rank] = report
             for step in sorted(by_step):
                 if len(by_step[step]) < len(self.actors):
                     break
                 reports = by_step.pop(step)
                 yield [reports[r] for r in sorted(reports)]
-            if all(poll["done"] for poll in polls) and not by_step:
+            if all(poll.done for poll in polls) and not by_step:
                 return
             stalled = [r for r, poll in enumerate(polls)
-                       if not poll["done"] and hang_timeout_s and poll["since_progress_s"] > hang_timeout_s]
+                       if not poll.done and hang_timeout_s and poll.since_progress_s > hang_timeout_s]
             if stalled:
                 raise self._hang_error(polls, stalled, hang_timeout_s)
             time.sleep(POLL_INTERVAL_S if poll_interval_s is None else poll_interval_s)
 
-    def _hang_error(self, polls: list[dict], stalled: list[int], timeout_s: float) -> WorkerHangError:
+    def _hang_error(self, polls: list[PollStatus], stalled: list[int], timeout_s: float) -> WorkerHangError:
         """Name the ranks that fell behind (the others wait for them in a collective)."""
-        behind = min(polls[r]["milestones"] for r in stalled)
-        culprits = [r for r in stalled if polls[r]["milestones"] == behind]
-        steps = ", ".join(f"rank {r}: step {p['step']}" for r, p in enumerate(polls))
+        behind = min(polls[r].milestones for r in stalled)
+        culprits = [r for r in stalled if polls[r].milestones == behind]
+        steps = ", ".join(f"rank {r}: step {p.step}" for r, p in enumerate(polls))
         return WorkerHangError(culprits, f"no optimizer step for {timeout_s:g}s ({steps})", self._stacks())
 
     def _stacks(self) -> dict[int, str]:
