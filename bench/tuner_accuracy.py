@@ -44,7 +44,9 @@ from hydra import compose, initialize_config_module  # noqa: E402
 from bench.harness import format_load, machine  # noqa: E402
 from launchers.ray_session import ray_session  # noqa: E402
 from orchestrator.config import register_configs, to_typed  # noqa: E402
-from orchestrator.tuning import TuneResult, describe, measure_speeds, prepare, run_trial, tune  # noqa: E402
+from orchestrator.trials import run_trial  # noqa: E402
+from orchestrator.tune_result import TuneResult, describe  # noqa: E402
+from orchestrator.tuning import measure_speeds, prepare, tune  # noqa: E402
 from plans.search_space import search  # noqa: E402
 
 # Steps per trial; the first and the memory-probe step are not timed. On 4 workers sharing 2 cores

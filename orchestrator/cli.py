@@ -125,7 +125,8 @@ def check_app(cfg: DictConfig) -> None:
 def tune_app(cfg: DictConfig) -> None:
     protect_config(cfg)
 
-    from orchestrator.tuning import render, to_json_text, tune
+    from orchestrator.tune_result import render, to_json_text
+    from orchestrator.tuning import tune
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     try:

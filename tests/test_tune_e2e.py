@@ -9,7 +9,8 @@ from mlflow.tracking import MlflowClient
 
 from conftest import compose_config
 from orchestrator.config import to_typed
-from orchestrator.tuning import render, tune
+from orchestrator.tune_result import render
+from orchestrator.tuning import tune
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,8 @@ from conftest import compose_config, lm_inputs
 from launchers.placement import rank_layout
 from orchestrator.config import to_typed
 from orchestrator.models import model_factory
-from orchestrator.tuning import plan_overrides, prepare, write_plan_file
+from orchestrator.plan_file import plan_overrides, write_plan_file
+from orchestrator.tuning import prepare
 from plans.activations import measure_activations
 from plans.cost_model import ModelCost, Speeds, group_links, predict_step
 from plans.flops import training_flops_per_sample
@@ -121,7 +122,7 @@ def test_memory_prunes_plans_that_do_not_fit():
 def test_winner_file_is_a_valid_plan_and_overrides_round_trip(tmp_path):
     typed, model_cfg, _ = to_typed(compose_config("train.global_batch_size=16", f"tune.out={tmp_path}/p.yaml"))
     space, ctx = prepare(typed, model_cfg, typed.cluster)
-    from orchestrator.tuning import TuneResult
+    from orchestrator.tune_result import TuneResult
 
     result = TuneResult(search=search(space, ctx), speeds=ctx.speeds, speeds_note="declared", global_batch_size=16)
     result.winner = result.search.best
@@ -344,7 +345,8 @@ def test_orch_tune_json_from_the_command_line(tmp_path):
 
 
 def test_table_names_rejections_and_the_winner(tmp_path):
-    from orchestrator.tuning import render, tune
+    from orchestrator.tune_result import render
+    from orchestrator.tuning import tune
 
     out = tmp_path / "winner.yaml"
     typed, model_cfg, _ = to_typed(compose_config(f"tune.out={out}", "train.global_batch_size=16", "cluster.nodes=2",
@@ -371,7 +373,8 @@ def test_tune_writes_the_winner_outside_the_package_and_prints_a_command_that_se
 
     import conf
     from orchestrator import cli
-    from orchestrator.tuning import render, tune
+    from orchestrator.tune_result import render
+    from orchestrator.tuning import tune
 
     monkeypatch.chdir(tmp_path)
     package_conf = Path(conf.__file__).resolve().parent
@@ -453,14 +456,14 @@ def test_trials_try_each_layout_before_another_zero_stage_of_one():
 
 
 def test_a_trial_is_bounded_by_the_trial_timeout_in_setup_and_in_training():
-    from orchestrator.tuning import _trial_config
+    from orchestrator.trials import trial_config
 
     typed, _, _ = to_typed(compose_config("tune.trial_timeout_s=120"))
     plan = resolve_plan(typed.plan, typed.cluster, typed.train)
-    trial = _trial_config(typed, plan, 1, "tune")
+    trial = trial_config(typed, plan, 1, "tune")
     # A trial stuck before its first step (setup) or between steps is stopped, and tuning goes on.
     assert (trial.train.setup_timeout_s, trial.train.hang_timeout_s) == (120, 120)
     unlimited, _, _ = to_typed(compose_config("tune.trial_timeout_s=120", "train.setup_timeout_s=0",
                                               "train.hang_timeout_s=0"))
-    trial = _trial_config(unlimited, plan, 1, "tune")
+    trial = trial_config(unlimited, plan, 1, "tune")
     assert (trial.train.setup_timeout_s, trial.train.hang_timeout_s) == (120, 120)
