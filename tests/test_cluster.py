@@ -264,7 +264,7 @@ def test_refused_credentials_are_a_clear_error(mlflow_auth_server, tmp_path, mon
     # tracking.fallback=local is for a server that is down, not one that refuses the user.
     from conftest import compose_config
     from orchestrator.config import to_typed
-    from orchestrator.driver import reachable_tracking
+    from orchestrator.train_tracking import reachable_tracking
 
     typed, _, _ = to_typed(compose_config(f"tracking.uri={url}", "tracking.fallback=local"))
     with pytest.raises(TrackingError, match="HTTP 401"):

@@ -1,0 +1,144 @@
+"""A training run in MLflow: the run opened with its params and configs, each logged step's
+metrics, the nodes' hardware samples, hang evidence and the plots at the end.
+
+The client-side mechanics (reaching a store, buffering metrics, credentials) are
+:mod:`orchestrator.tracking`; this module decides what a run of `orch train` records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tempfile
+from pathlib import Path
+
+from launchers.job import WorkerFacts
+from launchers.placement import rank_layout
+from launchers.worker_group import WorkerHangError
+from orchestrator.config import RunConfig
+from orchestrator.credentials import redact_text
+from orchestrator.tracking import RunTracker, TrackingUnreachable, check_reachable, flatten, git_commit, redact_uri
+from plans.estimate import PlanEstimate
+from plans.model_facts import ModelFacts
+from plans.resolve import ResolvedPlan
+
+
+def reachable_tracking(cfg: RunConfig) -> RunConfig:
+    """The config with a tracking URI that answers, falling back to a local store if asked to
+    (only when no server answers: refused credentials or a wrong path are errors to fix)."""
+    try:
+        check_reachable(cfg.tracking.uri)
+        return cfg
+    except TrackingUnreachable as error:
+        if cfg.tracking.fallback != "local":
+            raise
+        print(f"warning: {str(error).split(' Fix:')[0]}; tracking in sqlite:///mlflow.db instead "
+              "(tracking.fallback=local)", file=sys.stderr)
+        return dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, uri="sqlite:///mlflow.db"))
+
+
+def address_param(address: str | None) -> str:
+    """The Ray address as an MLflow param: `embedded` for the local Ray, credentials redacted."""
+    return "embedded" if address is None else redact_uri(address)
+
+
+def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: ModelFacts,
+                    estimate: PlanEstimate, ds_config: dict, config_yaml: str,
+                    extra_tags: dict[str, str]) -> RunTracker:
+    """A new MLflow run with the flattened resolved config as params and the configs as artifacts."""
+    params = flatten({"plan": plan.as_dict(), "model": dict(model_cfg),
+                      "data": dict(cfg.data), "objective": dict(cfg.objective), "optim": vars(cfg.optim),
+                      "train": vars(cfg.train),
+                      "cluster": {**vars(cfg.cluster), "address": address_param(cfg.cluster.address)}})
+    params["model.param_count"] = str(facts.param_count)
+    params.update({f"memory.predicted.{k}": str(v) for k, v in estimate.per_device.as_dict().items()})
+    tags = {"world_size": str(plan.world_size), "devices": f"{plan.world_size}x{plan.accelerator.value}",
+            "orch.command": "train", **extra_tags}
+    if commit := git_commit():
+        tags["git_commit"] = commit
+    tracker = RunTracker.start(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,
+                               run_name=cfg.tracking.run_name, params=params, tags=tags)
+    tracker.log_text(redact_text(config_yaml), "config/resolved.yaml")  # cluster.address may hold a password
+    tracker.log_dict(ds_config, "config/deepspeed.json")
+    tracker.log_dict(estimate.as_json(), "plan/estimate.json")
+    tracker.log_dict({"placement": rank_layout(plan.world_size, cfg.cluster.devices_per_node, plan.tp, plan.pp)},
+                     "plan/placement.json")
+    tracker.log_metrics({"memory/predicted_peak_bytes": estimate.per_device.total}, step=0)
+    return tracker
+
+
+def step_metrics(reports: list[dict], plan: ResolvedPlan, flops_per_sample: int,
+                 peak_tflops: float) -> dict[str, float]:
+    """The metrics of one logged step from every rank's report: the slowest rank's step time, the
+    throughput of the whole step, FLOP rate and MFU, eval metrics and measured memory."""
+    lead = reports[0]
+    step_times = [r["step_time_s"] for r in reports]
+    slowest = max(step_times)
+    metrics = {
+        "loss": lead["loss"], "lr": lead["lr"], "step_time_s": slowest,
+        "samples_per_s": plan.global_batch_size / slowest,
+        "step_time_spread_s": slowest - min(step_times), "epoch": lead["epoch"],
+    }
+    if "tokens_per_s" in lead:  # data with tokens: every rank of one replica reports its replica's tokens
+        metrics["tokens_per_s"] = sum(r["tokens_per_s"] for r in reports) / plan.tp / plan.pp
+    # Every device does an equal share of the step's FLOPs (dp splits the batch, tp the layers).
+    tflops = flops_per_sample * plan.global_batch_size / slowest / plan.world_size / 1e12
+    metrics["tflops_per_device"] = tflops
+    if peak_tflops > 0:
+        metrics["mfu"] = tflops / peak_tflops
+    metrics.update({key: value for key, value in lead.items() if key.startswith("eval_")})
+    if "measured_peak_bytes" in lead:
+        # The most loaded rank is what has to fit; the planner predicts that rank.
+        metrics["memory/measured_peak_bytes"] = max(r["measured_peak_bytes"] for r in reports)
+        metrics["memory/measured_state_bytes"] = max(r["measured_state_bytes"] for r in reports)
+        for r in reports:
+            metrics[f"memory/rank{r['rank']}/measured_peak_bytes"] = r["measured_peak_bytes"]
+    return metrics
+
+
+def mean_peak_tflops(worker_facts: list[WorkerFacts]) -> float:
+    peaks = [f.peak_tflops for f in worker_facts]
+    return sum(peaks) / len(peaks) if peaks else 0.0
+
+
+class SystemMetricsLog:
+    """Logs the nodes' hardware samples as MLflow names system metrics of several nodes:
+    ``system/node<i>/<metric>``, nodes numbered in rank order, each node's samples its own steps.
+    The ``system.node<i>`` tags name each node's host."""
+
+    def __init__(self, tracker: RunTracker, worker_facts: list[WorkerFacts]):
+        self.tracker = tracker
+        self.node_of_rank: dict[int, int] = {}
+        nodes: dict[str, int] = {}
+        for fact in sorted(worker_facts, key=lambda f: f.rank):
+            if fact.node_id not in nodes:
+                nodes[fact.node_id] = len(nodes)
+                tracker.set_tags({f"system.node{len(nodes) - 1}": fact.hostname or fact.node_id})
+            self.node_of_rank[fact.rank] = nodes[fact.node_id]
+        self.samples: dict[int, int] = {}
+
+    def __call__(self, rank: int, samples: list[dict]) -> None:
+        node = self.node_of_rank.get(rank, rank)
+        for sample in samples:
+            step = self.samples.get(node, 0)
+            self.tracker.log_metrics({f"system/node{node}/{key}": value for key, value in sample.items()}, step=step)
+            self.samples[node] = step + 1
+
+
+def record_hang(tracker: RunTracker, error: WorkerHangError, attempt: int) -> None:
+    """Keep the evidence of a hang: every rank's Python stack, in the MLflow run."""
+    for rank, text in error.stacks.items():
+        tracker.log_text(text, f"hangs/attempt{attempt}/rank{rank}.txt")
+    tracker.set_tags({f"hang.{attempt}.ranks": ",".join(map(str, error.ranks))})
+
+
+def log_plots(tracker: RunTracker) -> None:
+    """Loss, throughput and memory pictures into the run's ``plots/`` (best effort)."""
+    from orchestrator.report import write_plots
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_plots(tracker.client, tracker.run_id, Path(tmp))
+            tracker.client.log_artifacts(tracker.run_id, tmp, "plots")
+    except Exception as exc:  # pictures are a convenience; the run's data is already recorded
+        print(f"warning: could not log plots ({type(exc).__name__}: {exc})", file=sys.stderr)
