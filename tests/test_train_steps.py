@@ -1,0 +1,39 @@
+"""The pure decisions of a training run: which failed attempts restart, and what a logged step
+records (milliseconds; the real restarts are tests/test_reliability.py's)."""
+
+from __future__ import annotations
+
+import pytest
+from ray.exceptions import RayActorError
+
+from launchers.worker_group import WorkerFailedError, WorkerHangError
+from orchestrator.driver import FailurePolicy
+from orchestrator.train_tracking import step_metrics
+from plans.errors import PlanError
+from plans.resolve import resolve_plan
+from plans.spec import ClusterSpec, PlanSpec, TrainSpec
+
+
+@pytest.mark.parametrize("error", [WorkerFailedError(1, "Traceback ..."), WorkerHangError([0], "stuck", {}),
+                                   RayActorError()])
+def test_worker_failures_restart_until_max_failures_are_used(error):
+    policy = FailurePolicy(max_failures=2)
+    assert [policy.gives_up(error, failures) for failures in (1, 2, 3)] == [False, False, True]
+
+
+@pytest.mark.parametrize("error", [PlanError([]), ValueError("a bug in the driver")])
+def test_anything_else_ends_the_run_at_once(error):
+    assert FailurePolicy(max_failures=5).gives_up(error, 1)
+
+
+def test_a_step_is_as_slow_as_its_slowest_rank_and_counts_each_replicas_tokens_once():
+    plan = resolve_plan(PlanSpec(dp=2, tp=2, micro_batch_size=4), ClusterSpec(devices_per_node=4), TrainSpec())
+    reports = [{"rank": r, "step": 10, "loss": 2.0, "lr": 1e-3, "epoch": 1, "step_time_s": 0.5 + 0.1 * r,
+                "tokens_per_s": 1000.0, "eval_loss": 1.5, "eval_accuracy": 0.25} for r in range(4)]
+    metrics = step_metrics(reports, plan, flops_per_sample=10**9, peak_tflops=0.0)
+    assert metrics["step_time_s"] == pytest.approx(0.8) and metrics["step_time_spread_s"] == pytest.approx(0.3)
+    assert metrics["samples_per_s"] == pytest.approx(plan.global_batch_size / 0.8)
+    assert metrics["tokens_per_s"] == pytest.approx(2000.0)  # 4 ranks, 2 replicas: each replica's tokens once
+    assert metrics["tflops_per_device"] == pytest.approx(1e9 * plan.global_batch_size / 0.8 / 4 / 1e12)
+    assert "mfu" not in metrics  # no measured peak, no utilization
+    assert (metrics["eval_loss"], metrics["eval_accuracy"], metrics["epoch"]) == (1.5, 0.25, 1)
