@@ -30,11 +30,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launchers.placement import assign_ranks
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
+from launchers.worker_group import NoPlacementError, WorkerGroupSpec, place_actors
 from plans.cost_model import Speeds
 from plans.errors import OrchError
 from plans.spec import Precision
@@ -263,22 +261,16 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
     """The cluster's measured :class:`Speeds` (from the cache when this cluster was measured
     before), and a note saying which. Numbers a probe cannot measure here (inter-node speeds on
     one node) stay as declared."""
-    bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
-    pg = placement_group([bundle] * world_size, strategy="PACK")
-    actors = []
+    spec = WorkerGroupSpec(world_size=world_size, cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker,
+                           env=env, wait_s=wait_s)
+    bundle = spec.bundle
     try:
-        if not ray.wait([pg.ready()], timeout=wait_s)[0]:
-            raise CalibrationError(f"no room for {world_size} calibration workers within {wait_s:g}s. Fix: "
-                                   "free the cluster, or set tune.calibrate=false to use the declared speeds")
-        remote = ray.remote(CalibrationWorker)
-        actors = [remote.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, runtime_env={"env_vars": env},
-                                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                     placement_group=pg, placement_group_bundle_index=i)).remote()
-                  for i in range(world_size)]
-        slots = assign_ranks(ray.get([a.node_id.remote() for a in actors]))
-        order = sorted(range(world_size), key=lambda i: slots[i].rank)
-        actors = [actors[i] for i in order]
-        slots = [slots[i] for i in order]
+        placed = place_actors(CalibrationWorker, spec)
+    except NoPlacementError as error:
+        raise CalibrationError(f"{error}. Fix: free the cluster, or set tune.calibrate=false to use the declared "
+                               "speeds") from None
+    actors, slots = placed.actors, placed.slots
+    try:
         hosts = ray.get([a.hostname.remote() for a in actors])
         key = {"probes": _PROBES_VERSION, "hosts": hosts, "per_node": [s.local_world_size for s in slots],
                "precision": precision, "rows": rows, "k": k, "n": n, "bundle": bundle}
@@ -302,9 +294,7 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         comm = ray.get([actor.communication.remote(slot.rank, world_size, master, list(by_node.values()), env)
                         for actor, slot in zip(actors, slots, strict=True)])
     finally:
-        for actor in actors:
-            ray.kill(actor)
-        remove_placement_group(pg)
+        placed.release()
 
     intra = [c["intra"] for c in comm if "intra" in c]
     inter = [c["inter"] for c in comm if "inter" in c]

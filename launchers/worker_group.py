@@ -109,6 +109,52 @@ def _resource_shortfall(spec: WorkerGroupSpec) -> str:
     return f"the plan needs {spec.world_size} workers with {needs} each; the cluster has {free} free"
 
 
+class NoPlacementError(WorkerGroupError):
+    """The cluster did not grant the actors' resources in time."""
+
+
+@dataclass(frozen=True)
+class PlacedActors:
+    """Actors of one placement group, one per bundle, ordered by the rank :func:`assign_ranks` gives them."""
+
+    pg: object
+    actors: list
+    slots: list[RankSlot]
+
+    def release(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.pg)
+
+
+def place_actors(actor_class: type, spec: WorkerGroupSpec, *, max_concurrency: int = 1) -> PlacedActors:
+    """One ``actor_class`` actor per bundle of a placement group of ``spec``'s shape, with ranks.
+
+    The training workers and the tuner's calibration workers are placed this way, so they land
+    the same way. Raises :class:`NoPlacementError` when the cluster does not grant the bundles
+    within ``spec.wait_s``; a partial start is torn down.
+    """
+    pg = placement_group([spec.bundle] * spec.world_size, strategy=spec.strategy)
+    actors: list = []
+    try:
+        if not ray.wait([pg.ready()], timeout=spec.wait_s)[0]:
+            raise NoPlacementError(f"no placement within {spec.wait_s:g}s: {_resource_shortfall(spec)}")
+        remote_cls = ray.remote(actor_class)
+        for i in range(spec.world_size):
+            actors.append(remote_cls.options(
+                num_cpus=spec.cpus_per_worker, num_gpus=spec.gpus_per_worker, max_concurrency=max_concurrency,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                     placement_group_bundle_index=i),
+                runtime_env={"env_vars": spec.env},
+            ).remote())
+        slots = assign_ranks(ray.get([a.node_id.remote() for a in actors]))
+        order = sorted(range(len(actors)), key=lambda i: slots[i].rank)
+        return PlacedActors(pg, [actors[i] for i in order], [slots[i] for i in order])
+    except BaseException:
+        PlacedActors(pg, actors, []).release()
+        raise
+
+
 class WorkerGroup:
     """A running set of :class:`TrainWorker` actors with ranks assigned."""
 
@@ -121,41 +167,22 @@ class WorkerGroup:
 
     @classmethod
     def create(cls, spec: WorkerGroupSpec) -> WorkerGroup:
-        pg = placement_group([spec.bundle] * spec.world_size, strategy=spec.strategy)
-        actors: list = []
         try:
-            ready, _ = ray.wait([pg.ready()], timeout=spec.wait_s)
-            if not ready:
-                raise WorkerGroupError(f"no placement within {spec.wait_s:g}s: {_resource_shortfall(spec)}. "
-                                       "Fix: lower cluster.devices_per_node/cluster.nodes or add nodes.")
-            remote_cls = ray.remote(TrainWorker)
-            for i in range(spec.world_size):
-                actor = remote_cls.options(
-                    num_cpus=spec.cpus_per_worker, num_gpus=spec.gpus_per_worker,
-                    # A second call runs while one is stuck: stacks() during a hung setup().
-                    max_concurrency=2,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=i),
-                    runtime_env={"env_vars": spec.env},
-                ).remote()
-                actors.append(actor)
-            node_ids = ray.get([a.node_id.remote() for a in actors])
-            slots = assign_ranks(node_ids)
-            straddling = straddling_groups(slots, spec.tp)
+            placed = place_actors(TrainWorker, spec, max_concurrency=2)  # stacks() answers during a hung setup()
+        except NoPlacementError as error:
+            raise WorkerGroupError(f"{error}. Fix: lower cluster.devices_per_node/cluster.nodes or add nodes.") \
+                from None
+        try:
+            straddling = straddling_groups(placed.slots, spec.tp)
             if straddling:
                 raise WorkerGroupError(
                     f"Ray placed tensor-parallel group(s) {straddling} across nodes (tp={spec.tp}): the "
                     "cluster's free devices are spread unevenly over its nodes. Fix: free whole nodes, "
                     "or set plan.tp to a divisor of the free devices of every node")
-            order = sorted(range(len(actors)), key=lambda i: slots[i].rank)
-            actors, slots = [actors[i] for i in order], [slots[i] for i in order]
-            if spec.gpus_per_worker:
-                slots = share_gpus(actors, slots)
-            return cls(spec, pg, actors, slots)
+            slots = share_gpus(placed.actors, placed.slots) if spec.gpus_per_worker else placed.slots
+            return cls(spec, placed.pg, placed.actors, slots)
         except BaseException:
-            for actor in actors:
-                ray.kill(actor)
-            remove_placement_group(pg)
+            placed.release()
             raise
 
     def setup(self, job: TrainJob, *, timeout_s: float = 0.0,
