@@ -34,7 +34,7 @@ if [ "$gpus" -ge 2 ]; then
   echo >> "$out"
   echo "## bench/memory_accuracy.py on GPU workers (4-worker plans with 4 or more GPUs)" >> "$out"
   echo >> "$out"
-  python bench/memory_accuracy.py --markdown "$work/accuracy.md" cluster.accelerator=gpu \
+  python -m bench.memory_accuracy --markdown "$work/accuracy.md" cluster.accelerator=gpu \
     "cluster.device_memory_gib=$memory" > "$work/accuracy.log" 2>&1
   bench_status=$?
   if [ "$bench_status" -eq 0 ]; then cat "$work/accuracy.md" >> "$out"; else tail -40 "$work/accuracy.log" >> "$out"; fi

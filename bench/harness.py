@@ -192,7 +192,11 @@ def format_load(values: tuple[float, float, float]) -> str:
 
 def header(title: str, argv: list[str]) -> list[str]:
     """Title, date, machine, its load while the benchmark ran and the command that reproduces the file."""
-    command = shlex.join(["python", *[os.path.relpath(a, REPO) if a.endswith(".py") else a for a in argv]])
+    script, *args = argv
+    # Run as ``python -m bench.<name>``, argv[0] is the module's file.
+    module = os.path.relpath(script, REPO).removesuffix(".py").replace(os.sep, ".") if script.endswith(".py") \
+        else script
+    command = shlex.join(["python", "-m", module, *args])
     return [f"# {title}", "",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             f"- machine: {machine()}",
@@ -207,3 +211,14 @@ def publish(lines: list[str], markdown: Path | None) -> None:
     if markdown:
         markdown.parent.mkdir(parents=True, exist_ok=True)
         markdown.write_text(text)
+
+
+def compose_config(*overrides: str):
+    """The run config `orch` would compose from ``overrides`` (Hydra's compose API, the shipped conf/)."""
+    from hydra import compose, initialize_config_module
+
+    from orchestrator.config import register_configs
+
+    register_configs()
+    with initialize_config_module("conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides))

@@ -12,32 +12,30 @@ distributed optimizer). The paper counts FLOPs with its closed form
 GPU is given both with that formula and with our counted FLOPs, since torch's checkpoint stops
 recomputing early and so counts less work.
 
-    python bench/megatron_sanity.py [--markdown bench/results/megatron_sanity.md]
+    python -m bench.megatron_sanity [--markdown bench/results/megatron_sanity.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 from pathlib import Path
 
+from hydra import compose, initialize_config_module
+
+from orchestrator.config import register_configs, to_typed
+from orchestrator.models import model_factory
+from plans.cost_model import Speeds, predict_step
+from plans.estimate import ModelProbe
+from plans.model_cost import measure_model_cost
+from plans.resolve import resolve_plan
+from plans.spec import PlanSpec, Precision, TrainSpec
+from plans.workload import Workload
+from workloads.corpus import CorpusSource
+from workloads.gpt import TP_LAYER_SPECS
+from workloads.objectives import CausalLM
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from hydra import compose, initialize_config_module  # noqa: E402
-
-from orchestrator.config import register_configs, to_typed  # noqa: E402
-from orchestrator.models import model_factory  # noqa: E402
-from plans.cost_model import Speeds, predict_step  # noqa: E402
-from plans.estimate import ModelProbe  # noqa: E402
-from plans.model_cost import measure_model_cost  # noqa: E402
-from plans.resolve import resolve_plan  # noqa: E402
-from plans.spec import PlanSpec, Precision, TrainSpec  # noqa: E402
-from plans.workload import Workload  # noqa: E402
-from workloads.corpus import CorpusSource  # noqa: E402
-from workloads.gpt import TP_LAYER_SPECS  # noqa: E402
-from workloads.objectives import CausalLM  # noqa: E402
 
 # (name, heads, hidden, layers, tp, pp, GPUs, global batch, published TFLOP/s per GPU)
 CONFIGS = [
@@ -87,7 +85,7 @@ def main() -> None:
                      step.tflops_per_device, step.total_s,
                      ", ".join(f"{k} {v / step.total_s:.0%}" for k, v in parts.items() if v / step.total_s >= 0.005)))
         print(rows[-1], flush=True)
-    lines = [f"Cost model vs Megatron-LM (SC'21), {datetime.date.today()}; `python bench/megatron_sanity.py`", "",
+    lines = [f"Cost model vs Megatron-LM (SC'21), {datetime.date.today()}; `python -m bench.megatron_sanity`", "",
              "Declared speeds (`cluster=a100_8x`): 312 TFLOP/s bf16 peak derated to 80% sustained, NVLink 2400 Gb/s, "
              "InfiniBand 200 Gb/s per GPU. bf16, micro-batch 1, activation checkpointing, ZeRO-0.", "",
              "| model | plan | GPUs | batch | published TFLOP/s/GPU | predicted (paper's FLOPs formula) | "

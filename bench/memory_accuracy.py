@@ -24,7 +24,7 @@ What is compared, and why:
 
 Targets: every plan's peak within ±10%, held model states within ±3%.
 
-    python bench/memory_accuracy.py [--markdown bench/results/memory_accuracy.md] [overrides...]
+    python -m bench.memory_accuracy [--markdown bench/results/memory_accuracy.md] [overrides...]
 """
 
 from __future__ import annotations
@@ -39,18 +39,16 @@ from pathlib import Path
 
 import ray
 import torch
+from hydra import compose, initialize_config_module
+
+from bench.harness import publish
+from launchers.ray_session import start_local_ray
+from orchestrator.config import register_configs, to_typed
+from orchestrator.driver import run_training
+from orchestrator.workload import resolve_workload
+from plans.workload import batch_bytes, move_batch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from hydra import compose, initialize_config_module  # noqa: E402
-
-from bench.harness import publish  # noqa: E402
-from launchers.ray_session import start_local_ray  # noqa: E402
-from orchestrator.config import register_configs, to_typed  # noqa: E402
-from orchestrator.driver import run_training  # noqa: E402
-from orchestrator.workload import resolve_workload  # noqa: E402
-from plans.workload import batch_bytes, move_batch  # noqa: E402
 
 # Big enough that model states dominate the process's incidental tensors (the corpus, RNG state).
 MODEL = ["model.n_layer=4", "model.d_model=256", "model.n_head=8", "model.seq_len=128"]
@@ -215,7 +213,7 @@ def main() -> None:
     hits = sum(within_target(r) for r in rows)
     models = ("the shipped experiments' models and data" if args.plans == "workloads"
               else f"model {' '.join(MODEL)}")
-    command = " ".join(["python bench/memory_accuracy.py", *(["--plans", args.plans] if args.plans != "all" else [])])
+    command = " ".join(["python -m bench.memory_accuracy", *(["--plans", args.plans] if args.plans != "all" else [])])
     text = (f"Planner accuracy, {datetime.date.today()}, {platform.machine()} {platform.processor() or ''}"
             f" 2 CPU workers, {models}, {' '.join(RUN[-1:])}; `{command}`\n\n"
             "Measured figures have the non-model tensors (the data source's and one micro-batch) subtracted; "

@@ -16,7 +16,7 @@ Measured from the outside, the same way for both: when each step's line appears 
   step (the slowest rank; `orch`'s ``step_time_s`` metric), which leaves out the logging and
   polling around it.
 
-    python bench/overhead_vs_deepspeed.py [--steps 300] [--repeats 4] [--zero-stage 1]
+    python -m bench.overhead_vs_deepspeed [--steps 300] [--repeats 4] [--zero-stage 1]
                                           [--markdown bench/results/overhead_vs_deepspeed.md]
 """
 
@@ -30,9 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.harness import (  # noqa: E402
+from bench.harness import (
     PYTHON,
     REPO,
     TimedRun,
@@ -45,7 +43,7 @@ from bench.harness import (  # noqa: E402
     publish,
     verdict,
 )
-from bench.run_spec import plain_job, same_ds_config, write_job  # noqa: E402
+from bench.run_spec import plain_job, same_ds_config, write_job
 
 TARGET = 1.03
 RUN_ID = re.compile(r"MLflow run ([0-9a-f]{32})")

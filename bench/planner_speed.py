@@ -10,7 +10,7 @@ process that composes the config, builds the model on ``meta``, measures its act
 checks the plan (``--cli-repeats`` runs per size, interleaved over the sizes; the median is shown).
 Last, the same command for the built-in GPT at depths from 2 to 10 million layers.
 
-    python bench/planner_speed.py [--cli-repeats 3] [--markdown bench/results/planner_speed.md]
+    python -m bench.planner_speed [--cli-repeats 3] [--markdown bench/results/planner_speed.md]
 """
 
 from __future__ import annotations
@@ -27,19 +27,18 @@ import sys
 import time
 from pathlib import Path
 
+from hydra import compose, initialize_config_module
+
+from bench.harness import machine, publish
+from orchestrator.config import register_configs, to_typed
+from orchestrator.models import model_factory
+from orchestrator.workload import resolve_workload
+from plans.estimate import ModelProbe, check_plan, estimate_plan
+from plans.resolve import resolve_plan
+from plans.spec import Offload
+from workloads.gpt import TP_LAYER_SPECS
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from hydra import compose, initialize_config_module  # noqa: E402
-
-from bench.harness import machine, publish  # noqa: E402
-from orchestrator.config import register_configs, to_typed  # noqa: E402
-from orchestrator.models import model_factory  # noqa: E402
-from orchestrator.workload import resolve_workload  # noqa: E402
-from plans.estimate import ModelProbe, check_plan, estimate_plan  # noqa: E402
-from plans.resolve import resolve_plan  # noqa: E402
-from plans.spec import Offload  # noqa: E402
-from workloads.gpt import TP_LAYER_SPECS  # noqa: E402
 
 SIZES = (64, 256, 1024, 4096)
 BIG = ["model=gpt3_175b", "cluster=a100_8x", "plan.precision=bf16", "plan.micro_batch_size=1",
@@ -130,7 +129,7 @@ def main() -> None:
     first = rows[0][1]
     lines = [f"Planner speed, {datetime.date.today()}, {machine()}, GPT-3 175B "
              f"({probe.stats.param_count:,} parameters), ZeRO-3 bf16; "
-             f"`python bench/planner_speed.py --cli-repeats {args.cli_repeats}`", "",
+             f"`python -m bench.planner_speed --cli-repeats {args.cli_repeats}`", "",
              f"Building the model on meta and measuring its activations: {build_s:.2f} s (once per model; "
              "the checks below reuse it).", "",
              "| devices | check time (s) | relative to 64 | per-device peak (GiB) | fits |",

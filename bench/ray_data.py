@@ -13,7 +13,7 @@ length:
 Repetitions are interleaved. Reported: the steady-state step time against the baseline, and the
 time to the first step of the large stream against the small one (streaming: the same).
 
-    python bench/ray_data.py [--steps 150] [--repeats 2] [--scale 400] [--markdown bench/results/ray_data.md]
+    python -m bench.ray_data [--steps 150] [--repeats 2] [--scale 400] [--markdown bench/results/ray_data.md]
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.harness import (  # noqa: E402
+from bench.harness import (
     bench_env,
     failure_note,
     header,

@@ -10,7 +10,7 @@ and this script replaces what is between the markers with when the results file 
 its N-th table. Run it after a benchmark wrote its file; ``--check`` exits non-zero when
 ``bench/README.md`` is out of date (the tests run it).
 
-    python bench/readme_tables.py [--check]
+    python -m bench.readme_tables [--check]
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> None:
     updated = render(current)
     if args.check:
         if updated != current:
-            sys.exit("bench/README.md's benchmark tables differ from bench/results: run python bench/readme_tables.py")
+            sys.exit("bench/README.md's benchmark tables differ from bench/results: run python -m bench.readme_tables")
         return
     readme.write_text(updated)
 

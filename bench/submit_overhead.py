@@ -11,7 +11,7 @@ Both sides are timed from the outside, from launch, by when each ``step N/T`` li
 Targets: the submitted job's first step at most 10 s later than the direct run's, and the same
 steady-state step time (within 3%).
 
-    python bench/submit_overhead.py [--steps 200] [--repeats 3] [--markdown bench/results/submit_overhead.md]
+    python -m bench.submit_overhead [--steps 200] [--repeats 3] [--markdown bench/results/submit_overhead.md]
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.harness import (  # noqa: E402
+from bench.harness import (
     PYTHON,
     bench_env,
     failure_note,

@@ -7,7 +7,7 @@ memory-maps (the cache is built before the timed runs, as a second run of any jo
 Repetitions are interleaved. The target is on the steady-state step time: the text path must not
 slow training by more than 5%.
 
-    python bench/text_data.py [--steps 200] [--repeats 3] [--markdown bench/results/text_data.md]
+    python -m bench.text_data [--steps 200] [--repeats 3] [--markdown bench/results/text_data.md]
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.harness import (  # noqa: E402
+from bench.harness import (
     bench_env,
     failure_note,
     header,

@@ -12,7 +12,7 @@ launch, after the warm-up steps): tracking must not slow training by more than 2
 first step and launch to exit are shown too: tracking adds its start (params, config
 artifacts) and its end (waiting for the buffered metrics, plots).
 
-    python bench/tracking_overhead.py [--steps 300] [--repeats 4] [--system-metrics]
+    python -m bench.tracking_overhead [--steps 300] [--repeats 4] [--system-metrics]
                                       [--markdown bench/results/tracking_overhead.md]
 
 ``--system-metrics`` compares instead two tracked runs: system metrics sampled every second
@@ -33,9 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.harness import (  # noqa: E402
+from bench.harness import (
     PYTHON,
     bench_env,
     failure_note,

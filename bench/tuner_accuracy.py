@@ -13,7 +13,7 @@ layout the model and the workers allow, ZeRO 0-3 where the engines take them, op
 parameter offload to the CPU, activation checkpointing on and off; micro-batches 2 and 8 only, at
 a global batch of 16 (each size adds a full copy of the grid, and these two span the range).
 
-    python bench/tuner_accuracy.py [--workers 2 4] [--markdown bench/results/tuner_accuracy.md] [overrides]
+    python -m bench.tuner_accuracy [--workers 2 4] [--markdown bench/results/tuner_accuracy.md] [overrides]
 
 Config overrides after the options narrow the grid where a whole one would take too long (each
 section records the command that made it).
@@ -36,18 +36,17 @@ import sys
 import time
 from pathlib import Path
 
+from hydra import compose, initialize_config_module
+
+from bench.harness import format_load, machine
+from launchers.ray_session import ray_session
+from orchestrator.config import register_configs, to_typed
+from orchestrator.trials import run_trial
+from orchestrator.tune_result import TuneResult, describe
+from orchestrator.tuning import measure_speeds, prepare, tune
+from plans.search_space import search
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from hydra import compose, initialize_config_module  # noqa: E402
-
-from bench.harness import format_load, machine  # noqa: E402
-from launchers.ray_session import ray_session  # noqa: E402
-from orchestrator.config import register_configs, to_typed  # noqa: E402
-from orchestrator.trials import run_trial  # noqa: E402
-from orchestrator.tune_result import TuneResult, describe  # noqa: E402
-from orchestrator.tuning import measure_speeds, prepare, tune  # noqa: E402
-from plans.search_space import search  # noqa: E402
 
 # Steps per trial; the first and the memory-probe step are not timed. On 4 workers sharing 2 cores
 # the per-step times scatter by tens of percent, and 6 steps left 4 timed ones to take a median of.
@@ -180,7 +179,7 @@ def section(r: dict) -> list[str]:
     lines = [f"## {r['workers']} workers", "",
              f"Measured from {r['started_at']:%Y-%m-%d %H:%M} UTC on {machine()}; "
              f"{TRIAL_STEPS}-step trials: "
-             f"`python bench/tuner_accuracy.py --workers {r['workers']}{''.join(' ' + o for o in r['overrides'])}`; "
+             f"`python -m bench.tuner_accuracy --workers {r['workers']}{''.join(' ' + o for o in r['overrides'])}`; "
              "load average (1/5/15 min) "
              f"{format_load(r['load'][0])} before, {format_load(r['load'][1])} after.", "",
              f"Speeds: {r['note']}.", "", verdict, "", drift_line(r), "",

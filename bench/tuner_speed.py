@@ -9,7 +9,7 @@ FLOPs and activations are counted at two shallow depths and extrapolated (plans/
 the benchmark also counts all 96 layers, as before that, and reports the ratios and whether the
 two counts agree.
 
-    python bench/tuner_speed.py [--markdown bench/results/tuner_speed.md]
+    python -m bench.tuner_speed [--markdown bench/results/tuner_speed.md]
 """
 
 from __future__ import annotations
@@ -22,17 +22,14 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+from bench.harness import compose_config, header, publish
+from orchestrator.config import to_typed
+from orchestrator.tuning import prepare
+from plans.activations import measure_activations, measure_activations_depth_scaled
+from plans.model_cost import measure_model_cost
+from plans.search_space import search
 
-from bench.harness import header, publish  # noqa: E402
-from conftest import compose_config  # noqa: E402
-from orchestrator.config import to_typed  # noqa: E402
-from orchestrator.tuning import prepare  # noqa: E402
-from plans.activations import measure_activations, measure_activations_depth_scaled  # noqa: E402
-from plans.model_cost import measure_model_cost  # noqa: E402
-from plans.search_space import search  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 NODES = [8, 32, 128, 512]  # x 8 devices: 64, 256, 1024, 4096
 OVERRIDES = ["model=gpt3_175b", "cluster=a100_8x", "plan.precision=bf16", "train.global_batch_size=1536"]

@@ -9,7 +9,7 @@ exit. Repetitions are interleaved (Ray Train, orch, Ray Train, ...) on this shar
 Ray Train is an optional extra (``pip install -e ".[bench]"``); without it the script says so
 and exits.
 
-    python bench/vs_ray_train.py [--steps 100] [--repeats 3] [--zero-stage 1]
+    python -m bench.vs_ray_train [--steps 100] [--repeats 3] [--zero-stage 1]
                                  [--markdown bench/results/vs_ray_train.md]
 """
 
@@ -23,9 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.harness import (  # noqa: E402
+from bench.harness import (
     PYTHON,
     bench_env,
     failure_note,

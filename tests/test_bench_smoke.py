@@ -9,13 +9,10 @@ import sys
 
 import pytest
 
+from bench.harness import STEP_LINE, BenchError, TimedRun, bench_env, run_timed
+from bench.overhead_vs_deepspeed import plain_in_loop_step_s
+from bench.run_spec import plain_job, write_job
 from conftest import REPO
-
-sys.path.insert(0, str(REPO))  # bench/ is scripts, not an installed package
-
-from bench.harness import STEP_LINE, BenchError, TimedRun, bench_env, run_timed  # noqa: E402
-from bench.overhead_vs_deepspeed import plain_in_loop_step_s  # noqa: E402
-from bench.run_spec import plain_job, write_job  # noqa: E402
 
 
 def test_step_lines_of_every_runner_are_recognised():

@@ -15,10 +15,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import REPO, free_port, kill_tree, processes_mentioning, worker_env
-
-sys.path.insert(0, str(REPO))  # bench/ is scripts, not an installed package
-from bench.tracking_overhead import launch_mlflow_server, stop, wait_healthy  # noqa: E402
+from bench.tracking_overhead import launch_mlflow_server, stop, wait_healthy
+from conftest import free_port, kill_tree, processes_mentioning, worker_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

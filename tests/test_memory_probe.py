@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import gc
-import sys
 
 import pytest
 import torch
 
-from conftest import FAST, REPO, compose_config
+from conftest import FAST, compose_config
 from launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
-
-sys.path.insert(0, str(REPO))  # bench/ is scripts, not an installed package
 
 FP32 = 4
 
