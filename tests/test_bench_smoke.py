@@ -12,7 +12,7 @@ import pytest
 from bench.harness import STEP_LINE, BenchError, TimedRun, bench_env, run_timed
 from bench.overhead_vs_deepspeed import plain_in_loop_step_s
 from bench.run_spec import plain_job, write_job
-from conftest import REPO
+from helpers.config import REPO
 
 
 def test_step_lines_of_every_runner_are_recognised():

@@ -9,7 +9,8 @@ import sys
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import compose_config, worker_env
+from helpers.config import compose_config
+from helpers.processes import worker_env
 from orchestrator.checking import CHECK_JSON_KEYS, CLUSTER_JSON_KEYS, check_document, check_run
 from orchestrator.config import to_typed
 from plans.errors import OrchError

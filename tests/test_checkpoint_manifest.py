@@ -263,7 +263,7 @@ def test_orch_train_refuses_a_held_directory_and_a_malformed_record(tmp_path):
     import subprocess
     import sys
 
-    from conftest import worker_env
+    from helpers.processes import worker_env
 
     ckpt = tmp_path / "ckpt"
 

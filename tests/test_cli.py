@@ -13,7 +13,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import alive, descendants, is_loopback, listening_sockets, worker_env
+from helpers.processes import alive, descendants, is_loopback, listening_sockets, worker_env
 
 
 def orch(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -177,7 +177,7 @@ def _gcs_answers_without_a_token(port: int) -> str:
 ])
 def test_an_unreachable_cluster_fails_within_connect_timeout(tmp_path, command, address, extra):
     """Ray's own retries would wait ~14 minutes, printing a warning every 5 s."""
-    from conftest import free_port, processes_mentioning
+    from helpers.processes import free_port, processes_mentioning
 
     address = address.format(port=free_port())
     ray_tmp = tmp_path / "raytmp"
@@ -200,7 +200,7 @@ def test_an_unreachable_cluster_fails_within_connect_timeout(tmp_path, command, 
 
 
 def test_an_unreachable_tracking_server_is_a_clear_error_before_anything_starts(tmp_path):
-    from conftest import free_port
+    from helpers.processes import free_port
 
     uri = f"http://127.0.0.1:{free_port()}"
     done = orch("train", f"tracking.uri={uri}", cwd=tmp_path, timeout=120)
@@ -239,7 +239,7 @@ def not_mlflow():
     ("runs", "sqlite:///mlflow.db", "there is no MLflow store at"),
 ])
 def test_a_tracking_uri_mlflow_cannot_use_is_a_short_error(command, uri, message, not_mlflow, tmp_path):
-    from conftest import free_port
+    from helpers.processes import free_port
 
     uri = {"NOT_MLFLOW": not_mlflow, "UNREACHABLE": f"http://127.0.0.1:{free_port()}"}.get(uri, uri)
     args = {"train": ["train", "train.steps=1"], "runs": ["runs"], "report": ["report", "0123abcd"]}[command]

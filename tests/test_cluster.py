@@ -16,7 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from bench.tracking_overhead import launch_mlflow_server, stop, wait_healthy
-from conftest import free_port, kill_tree, processes_mentioning, worker_env
+from helpers.processes import free_port, kill_tree, processes_mentioning, worker_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -260,7 +260,7 @@ def test_refused_credentials_are_a_clear_error(mlflow_auth_server, tmp_path, mon
     with pytest.raises(TrackingError, match=r"needs credentials and none were given \(HTTP 401\)"):
         check_reachable(url)
     # tracking.fallback=local is for a server that is down, not one that refuses the user.
-    from conftest import compose_config
+    from helpers.config import compose_config
     from orchestrator.config import to_typed
     from orchestrator.train_tracking import reachable_tracking
 
@@ -325,7 +325,7 @@ def test_check_reads_the_live_cluster(two_node_ray, tmp_path):
 
 
 def test_metrics_survive_a_tracking_server_restart_mid_run(tmp_path, monkeypatch):
-    from conftest import compose_config
+    from helpers.config import compose_config
     from orchestrator.config import to_typed
     from orchestrator.driver import run_training
 
@@ -358,7 +358,7 @@ def test_metrics_survive_a_tracking_server_restart_mid_run(tmp_path, monkeypatch
 
 def train_worker_pids(temp_dir: str) -> set[int]:
     """This cluster's TrainWorker processes (Ray titles them ``ray::TrainWorker...``)."""
-    from conftest import descendants
+    from helpers.processes import descendants
 
     pids = set()
     for root in processes_mentioning(temp_dir):

@@ -10,7 +10,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from conftest import REPO, compose_config
+from helpers.config import REPO, compose_config
 from launchers.ds_config import build_ds_config
 from orchestrator.config import ConfigError, RunConfig, to_typed
 from orchestrator.models import build_model

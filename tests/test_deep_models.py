@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import compose_config, lm_inputs, worker_env
+from helpers.config import compose_config, lm_inputs
+from helpers.processes import worker_env
 from orchestrator import models
 from orchestrator.checking import check_run
 from orchestrator.config import to_typed

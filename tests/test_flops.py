@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from conftest import lm_inputs
+from helpers.config import lm_inputs
 from plans.flops import training_flops_per_sample
 from workloads.gpt import GPT
 

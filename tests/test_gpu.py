@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from conftest import compose_config
+from helpers.config import compose_config
 from orchestrator.config import to_typed
 from orchestrator.driver import run_training
 

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from conftest import compose_config
+from helpers.config import compose_config
 from launchers.ds_config import build_ds_config
 from orchestrator.config import to_typed
 from plans.resolve import resolve_plan

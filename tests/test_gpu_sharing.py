@@ -12,7 +12,7 @@ import os
 import pytest
 import ray
 
-from conftest import REPO
+from helpers.config import REPO
 from launchers.gpu_sharing import share_gpus
 from launchers.placement import assign_ranks
 from launchers.worker import TrainWorker

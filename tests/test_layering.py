@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from helpers.config import REPO
 
 FORBIDDEN = {
     "plans": {"ray", "hydra", "omegaconf", "mlflow", "workloads", "launchers", "orchestrator"},

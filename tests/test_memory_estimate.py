@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs  # noqa: E402
 
-from conftest import lm_inputs  # noqa: E402
+from helpers.config import lm_inputs
 from plans.activations import (  # noqa: E402
     ActivationBytes,
     gpt_activation_bytes,

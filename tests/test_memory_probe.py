@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from conftest import FAST, compose_config
+from helpers.config import FAST, compose_config
 from launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
 
 FP32 = 4

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import worker_env
+from helpers.processes import worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +93,7 @@ def test_a_users_own_model_objective_and_dataset_train_from_their_config_dir(tmp
 
 def test_a_plan_too_big_for_a_model_without_checkpointing_gets_fixes_it_can_take():
     """The fix search leaves activation checkpointing out for a model with nothing to checkpoint."""
-    from conftest import compose_config
+    from helpers.config import compose_config
     from orchestrator.checking import check_run
     from orchestrator.config import to_typed
 

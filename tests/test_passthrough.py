@@ -1,7 +1,7 @@
 """The driver's NCCL/CUDA/transport and storage-endpoint variables reach the workers; credentials and the
 device list do not."""
 
-from conftest import compose_config
+from helpers.config import compose_config
 from launchers.passthrough import passthrough_env
 from orchestrator.config import to_typed
 from orchestrator.driver import worker_env

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAST, compose_config, dp_reference, lm_inputs
+from helpers.config import FAST, compose_config, lm_inputs
 from orchestrator.checking import check_run
 from orchestrator.config import to_typed
 from orchestrator.models import pipeline_layers_factory
@@ -108,7 +108,7 @@ def train(sqlite_uri: str, *overrides: str):
 
 
 @pytest.mark.slow
-def test_pipelines_follow_the_data_parallel_loss_curve(local_ray, sqlite_uri):
+def test_pipelines_follow_the_data_parallel_loss_curve(dp_reference, local_ray, sqlite_uri):
     # Same global batch (8) and seed: dp=2 with one micro-batch of 4 per rank; pp=2 (and
     # tp=2 x pp=2 on 4 workers) with one replica running two micro-batches of 4 through two
     # stages. dp=1 reads the permutation's first 8 samples in two micro-batches of 4, the same 8
@@ -121,7 +121,7 @@ def test_pipelines_follow_the_data_parallel_loss_curve(local_ray, sqlite_uri):
     # stage's gradients would clip differently and leave this tolerance within a few steps.
     # train.eval_batches counts micro-batches per replica: the one pipeline replica evaluates
     # twice as many as each of dp's two, so both runs evaluate the same 16 samples.
-    dp = dp_reference()
+    dp = dp_reference
     one_replica = ["plan.dp=1", "plan.pp=2", "plan.micro_batch_size=4", "plan.grad_accum_steps=2",
                    "train.eval_batches=4"]
     pp = train(sqlite_uri, *one_replica)

@@ -19,7 +19,8 @@ import pytest
 import ray
 import torch
 
-from conftest import compose_config, start_test_ray
+from helpers.config import compose_config
+from helpers.ray_cluster import start_test_ray
 from launchers.batches import StreamedBatches
 from orchestrator.config import to_typed
 from workloads.corpus import SHIPPED_CORPUS

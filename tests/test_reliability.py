@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import compose_config
+from helpers.config import compose_config
 from launchers.checkpoint import LATEST, latest, publish, tag_for
 from orchestrator.config import to_typed
 from orchestrator.driver import run_training
@@ -155,7 +155,7 @@ def test_a_rank_failing_in_setup_fails_the_run_without_waiting_for_its_peers(loc
 
 @pytest.mark.slow
 def test_tracking_falls_back_to_a_local_store_when_asked(local_ray, sqlite_uri, tmp_path, capsys):
-    from conftest import free_port
+    from helpers.processes import free_port
 
     cfg = compose_config(*RUN, "train.steps=5", "train.checkpoint_every=0",
                          f"tracking.uri=http://127.0.0.1:{free_port()}", "tracking.fallback=local")
@@ -277,7 +277,7 @@ def test_a_hang_inside_a_collective_is_detected_and_nothing_is_left(local_ray, s
 
     import ray
 
-    from conftest import alive
+    from helpers.processes import alive
     from launchers.worker_group import WorkerHangError
 
     timeout_s = 5

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import compose_config
+from helpers.config import compose_config
 from launchers.checkpoint import CheckpointRecordError, latest, publish_remote, resumable, tag_for
 from launchers.manifest import file_digests
 from launchers.storage import RemoteDir, is_remote, local_path, location_violation

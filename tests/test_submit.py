@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import compose_config, free_port, kill_tree, processes_mentioning, worker_env
+from helpers.config import compose_config
+from helpers.processes import free_port, kill_tree, processes_mentioning, worker_env
 from orchestrator.config import to_typed
 from orchestrator.submit import submission, submit_violations
 from plans.errors import PlanError

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from conftest import worker_env
+from helpers.processes import worker_env
 
 pytestmark = pytest.mark.slow
 

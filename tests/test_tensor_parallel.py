@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAST, compose_config, dp_reference
+from helpers.config import FAST, compose_config
 from launchers.ds_config import build_ds_config, tensor_parallel_section
 from launchers.placement import ParallelCoords, parallel_coords
 from orchestrator.config import to_typed
@@ -139,7 +139,7 @@ def test_tp2_trains_with_both_ranks_on_the_same_batch(local_ray, sqlite_uri):
 
 
 @pytest.mark.slow
-def test_tp2_follows_the_data_parallel_loss_curve(local_ray, sqlite_uri):
+def test_tp2_follows_the_data_parallel_loss_curve(dp_reference, local_ray, sqlite_uri):
     # Same global batch (8) and seed: dp=2 with 4 samples per rank, tp=2 with all 8 on one replica.
     # DistributedSampler draws one permutation per epoch for every replica and deals it out
     # round-robin, so dp=2's two micro-batches are exactly the 8 samples dp=1 reads at that step:
@@ -147,7 +147,7 @@ def test_tp2_follows_the_data_parallel_loss_curve(local_ray, sqlite_uri):
     # (one mean over 8 vs the average of two means over 4, the all-reduces), ~1e-7 per step in
     # fp32; 1e-3 leaves room for Adam to amplify that over 30 steps and is still 500 times smaller
     # than the loss falls between two logged steps.
-    dp = dp_reference()  # ZeRO-1: the same Adam steps as ZeRO-0, on a flat fp32 partition
+    dp = dp_reference  # ZeRO-1: the same Adam steps as ZeRO-0, on a flat fp32 partition
     tp = train(sqlite_uri, "plan.dp=1", "plan.tp=2", "plan.micro_batch_size=8")
     assert dp.plan.global_batch_size == tp.plan.global_batch_size == 8
     assert [r[0]["loss"] for r in tp.reports] == pytest.approx([r[0]["loss"] for r in dp.reports], abs=1e-3)
@@ -155,12 +155,12 @@ def test_tp2_follows_the_data_parallel_loss_curve(local_ray, sqlite_uri):
 
 
 @pytest.mark.slow
-def test_dp2_by_tp2_on_four_workers_matches_dp2(local_ray, sqlite_uri):
+def test_dp2_by_tp2_on_four_workers_matches_dp2(dp_reference, local_ray, sqlite_uri):
     # 4 workers on this 2-core machine: half a CPU each. TP groups are ranks (0, 1) and (2, 3);
     # each group reads its dp shard, the same shards the two ranks of a plain dp=2 run read.
     four = ["plan.dp=2", "plan.tp=2", "plan.zero_stage=1", "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5"]
     grid = train(sqlite_uri, *four)
-    dp = dp_reference()
+    dp = dp_reference
     assert [(f.dp_rank, f.tp_rank) for f in grid.worker_facts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     digests = [r["first_batch_digest"] for r in grid.reports[0]]
     assert digests[0] == digests[1] != digests[2] == digests[3]

@@ -10,7 +10,7 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import worker_env
+from helpers.processes import worker_env
 from orchestrator.credentials import (
     PASSWORD_ENV,
     USERNAME_ENV,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import FAST, compose_config
+from helpers.config import FAST, compose_config
 from orchestrator.config import to_typed
 from orchestrator.driver import run_training
 

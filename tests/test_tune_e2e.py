@@ -7,7 +7,7 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import compose_config
+from helpers.config import compose_config
 from orchestrator.config import to_typed
 from orchestrator.tune_result import render
 from orchestrator.tuning import tune

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import compose_config, lm_inputs
+from helpers.config import compose_config, lm_inputs
 from launchers.placement import rank_layout
 from orchestrator.config import to_typed
 from orchestrator.models import model_factory
@@ -322,7 +322,7 @@ def test_orch_tune_json_from_the_command_line(tmp_path):
     import subprocess
     import sys
 
-    from conftest import worker_env
+    from helpers.processes import worker_env
 
     def orch(*args):
         return subprocess.run([sys.executable, "-m", "orchestrator", "tune", *args], cwd=tmp_path, env=worker_env(),

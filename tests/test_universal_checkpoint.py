@@ -10,7 +10,8 @@ import os
 import pytest
 import ray
 
-from conftest import FAST, compose_config, dp_reference, start_test_ray
+from helpers.config import FAST, compose_config
+from helpers.ray_cluster import start_test_ray
 from launchers.checkpoint import latest, publish, tag_for
 from launchers.universal import layout_of, needs_universal, resumed_position
 from orchestrator.config import to_typed
@@ -76,14 +77,14 @@ def test_latest_json_records_the_layout(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_at_another_dp_from_s3_continues_the_same_curve(local_ray, s3_store, sqlite_uri, tmp_path):
+def test_resume_at_another_dp_from_s3_continues_the_same_curve(dp_reference, local_ray, s3_store, sqlite_uri, tmp_path):
     from orchestrator.driver import run_training
 
     def train(*overrides, stream=None):
         return run_training(*to_typed(compose_config(*FAST, f"tracking.uri={sqlite_uri}", "plan.zero_stage=1",
                                                      *overrides)), stream=stream)
 
-    whole = dp_reference()  # dp=2, 30 steps, ZeRO-1, uninterrupted
+    whole = dp_reference  # dp=2, 30 steps, ZeRO-1, uninterrupted
     checkpoints = ["train.checkpoint_every=10", f"train.checkpoint_dir=s3://{s3_store['bucket']}/universal",
                    "train.resume=auto"]
     # The first 10 steps of the same run: its 10 warmup steps end at the checkpoint, so its

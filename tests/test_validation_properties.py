@@ -99,7 +99,7 @@ def _path_case(root, case: str) -> str:
 def prelaunch(*overrides: str) -> None:
     """What `orch train` runs before Ray starts, in process: `orch check` runs all but the last
     line, `orch tune` starts with check_run's first part (orchestrator.inputs.check_inputs)."""
-    from conftest import compose_config
+    from helpers.config import compose_config
     from orchestrator.checking import checked_run
     from orchestrator.config import to_typed
     from orchestrator.inputs import data_fits_plan

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from conftest import compose_config
+from helpers.config import compose_config
 from orchestrator.checking import check_run
 from orchestrator.config import to_typed
 from orchestrator.workload import resolve_workload
@@ -234,7 +234,7 @@ def test_orch_export_needs_a_run_and_refuses_an_unknown_one(tmp_path):
     import subprocess
     import sys
 
-    from conftest import worker_env
+    from helpers.processes import worker_env
 
     def orch(*args):
         return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=worker_env(),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import compose_config
+from helpers.config import compose_config
 from orchestrator.config import to_typed
 from orchestrator.driver import run_training
 from orchestrator.workload import build_data_source

@@ -1,0 +1,1 @@
+"""Helpers the tests share: composing configs, starting Ray, watching processes. Fixtures are in conftest.py."""

@@ -1,0 +1,30 @@
+"""The real composed config, shrunk for CPU runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig
+
+from orchestrator.config import register_configs
+
+REPO = Path(__file__).resolve().parents[2]
+# Small enough that a 2-worker run takes seconds on 2 cores, big enough for the loss to fall.
+FAST = ["train.steps=30", "train.log_every=5", "train.eval_batches=2", "plan.micro_batch_size=4"]
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    register_configs()
+    with initialize_config_module("conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def lm_inputs(seq_len: int):
+    """What the planner measures a language model with: windows of ``seq_len`` byte tokens and
+    next-token cross-entropy (the default data source and objective)."""
+    from plans.workload import Workload
+    from workloads.corpus import CorpusSource
+    from workloads.objectives import CausalLM
+
+    return Workload(model_factory=lambda: None, objective=CausalLM(), data=CorpusSource(seq_len=seq_len))
