@@ -414,8 +414,11 @@ class RayDataSource:
         """The training or evaluation split as a lazy Ray Dataset of samples."""
         import ray.data
 
-        # The driver reports the run's progress; Ray Data's own bars would interleave with it.
-        ray.data.DataContext.get_current().enable_progress_bars = False
+        # The driver reports the run's progress; Ray Data's own bars and execution plans would
+        # interleave with it (they stay in Ray's logs).
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False
+        context.print_on_execution_start = False
         remote = {"num_cpus": self.cpus_per_task}
         paths = self.val_path_list if evaluation and self.val_paths is not None else self.path_list
         kind = self.read_format
