@@ -106,6 +106,14 @@ class PreparedJob:
         return self.job.plan
 
 
+@dataclass
+class _LoggedStep:
+    """The last step whose metrics are tracked, across attempts: steps replayed after a restart
+    (from the checkpoint before the failure) are not logged twice."""
+
+    step: int
+
+
 @dataclass(frozen=True)
 class FailurePolicy:
     """When a failed attempt of the worker group is retried: a worker that raised, hung or died
@@ -251,13 +259,14 @@ def _train(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: RunTra
     """Attempts of the worker group until one finishes; a failed one restarts from the latest
     checkpoint while :class:`FailurePolicy` allows (steps replayed after a restart are not logged twice)."""
     policy = FailurePolicy(cfg.train.max_failures)
+    logged = _LoggedStep(logged_step)
     failures = 0
     while True:
         group = WorkerGroup.create(prepared.group_spec)
         clock.mark("workers")
         try:
-            logged_step = _attempt(group, prepared, job, tracker, result, progress, clock,
-                                   on_report=on_report, logged_step=logged_step, export=cfg.train.export, out=out)
+            _attempt(group, prepared, job, tracker, result, progress, clock, on_report=on_report, logged=logged,
+                     export=cfg.train.export, out=out)
             return
         except Exception as error:
             if isinstance(error, WorkerHangError):
@@ -270,16 +279,16 @@ def _train(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: RunTra
                     raise WorkerDiedError(f"a worker died and train.max_failures={cfg.train.max_failures} "
                                           f"restarts are used up: {error}") from error
                 raise
-            job = _prepare_restart(job, cfg, error, failures, logged_step, tracker, out)
+            job = _prepare_restart(job, cfg, error, failures, logged.step, tracker, out)
         finally:
             group.shutdown()
 
 
 def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: RunTracker | None,
-             result: TrainResult, progress: Progress, clock: StartupClock, *, on_report, logged_step: int,
-             export: bool, out) -> int:
-    """One attempt: set the group up, train it to the end, export the model; returns the last
-    logged step."""
+             result: TrainResult, progress: Progress, clock: StartupClock, *, on_report, logged: _LoggedStep,
+             export: bool, out) -> None:
+    """One attempt: set the group up, train it to the end, export the model. ``logged`` advances
+    as steps are tracked, and keeps its value when the attempt fails."""
     data = prepared.workload.data
     # A streamed source is split afresh for each attempt: a failed attempt's splits are left
     # half-read by workers that are gone.
@@ -298,19 +307,18 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
         result.reports.append(reports)
         if on_report:
             on_report(reports, result.worker_facts)
-        if reports[0]["step"] <= logged_step:
+        if reports[0]["step"] <= logged.step:
             continue  # replayed after a restart: tracked the first time
-        logged_step = reports[0]["step"]
+        logged.step = reports[0]["step"]
         metrics = step_metrics(reports, job.plan, prepared.flops_per_sample, peak_tflops)
         if tracker:
-            tracker.log_metrics(metrics, logged_step)
+            tracker.log_metrics(metrics, logged.step)
         tokens_per_s = metrics.get("tokens_per_s")
-        progress.update(logged_step, metrics["loss"], tokens_per_s if tokens_per_s is not None
+        progress.update(logged.step, metrics["loss"], tokens_per_s if tokens_per_s is not None
                         else metrics["samples_per_s"], metrics.get("eval_loss"),
                         unit="tok/s" if tokens_per_s is not None else "samples/s")
     if tracker and export:
         _export(group, prepared.workload, tracker, out)
-    return logged_step
 
 
 def _note_setup(worker_facts: list[WorkerFacts], tracker: RunTracker | None) -> None:

@@ -10,17 +10,15 @@ resume from the bucket, and a tensor x pipeline grid whose four ranks share one 
 from __future__ import annotations
 
 import gzip
-import os
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import ray
 import torch
 
 from helpers.config import compose_config
-from helpers.ray_cluster import start_test_ray
+from helpers.ray_cluster import ray_with_env
 from launchers.batches import StreamedBatches
 from orchestrator.config import to_typed
 from workloads.corpus import SHIPPED_CORPUS
@@ -104,18 +102,8 @@ def test_the_planner_sees_the_batch_the_stream_gives_and_digests_are_stable(tmp_
 def data_ray(s3_store):
     """Ray started where the store's variables are set (its tasks read the bucket with them), with
     a CPU beside the 2 workers' for the data's tasks, as `orch` starts an embedded Ray."""
-    saved = {name: os.environ.get(name) for name in s3_store["env"]}
-    os.environ.update(s3_store["env"])
-    try:
-        start_test_ray(num_cpus=3)
+    with ray_with_env(s3_store["env"], num_cpus=3):
         yield
-    finally:
-        ray.shutdown()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def read_all(source: RayDataSource, evaluation: bool) -> list:

@@ -5,13 +5,11 @@ checkpoint, converted by the driver and uploaded beside it."""
 from __future__ import annotations
 
 import io
-import os
 
 import pytest
-import ray
 
 from helpers.config import FAST, compose_config
-from helpers.ray_cluster import start_test_ray
+from helpers.ray_cluster import ray_with_env
 from launchers.checkpoint import latest, publish, tag_for
 from launchers.universal import layout_of, needs_universal, resumed_position
 from orchestrator.config import to_typed
@@ -24,18 +22,8 @@ from plans.spec import ClusterSpec, PlanSpec, TrainSpec
 def local_ray(s3_store):
     """The module's Ray, started where the store's variables are set: its workers inherit them,
     as the workers of a cluster node started with them do."""
-    saved = {name: os.environ.get(name) for name in s3_store["env"]}
-    os.environ.update(s3_store["env"])
-    try:
-        start_test_ray()
+    with ray_with_env(s3_store["env"]):
         yield
-    finally:
-        ray.shutdown()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def plan(**kw):

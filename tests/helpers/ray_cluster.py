@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+
+import pytest
+import ray
 
 from helpers.config import REPO
 
@@ -12,3 +17,18 @@ def start_test_ray(num_cpus: int = 2) -> None:
 
     start_local_ray(num_cpus=num_cpus, object_store_memory=300 * 1024**2,
                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}})
+
+
+@contextlib.contextmanager
+def ray_with_env(env: dict[str, str], num_cpus: int = 2) -> Iterator[None]:
+    """A test Ray started where ``env`` is set (a store's endpoint and credentials): its workers
+    inherit the variables, as the workers of a cluster node started with them do. The variables
+    are restored and Ray shut down afterwards."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        start_test_ray(num_cpus)
+        try:
+            yield
+        finally:
+            ray.shutdown()
