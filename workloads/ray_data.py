@@ -245,6 +245,11 @@ class RayDataSource:
         return _list_files(self.path_list, images=self.sample == "images")
 
     @cached_property
+    def val_listing(self) -> list[tuple[str, int]]:
+        """The files of ``val_paths`` with their sizes (empty without them)."""
+        return _list_files(self.val_path_list, images=self.sample == "images") if self.val_path_list else []
+
+    @cached_property
     def classes(self) -> tuple[str, ...]:
         """sample=images: the class names, the subdirectories of the (first) path, in sorted order."""
         return _subdirectories(self.path_list[0]) if self.path_list else ()
@@ -264,9 +269,8 @@ class RayDataSource:
                               "through the store's environment variables (AWS_ACCESS_KEY_ID, ...)")]
         try:
             listing = self.listing
-            for paths, name in ((self.val_path_list, "data.val_paths"),):
-                if paths and not _list_files(paths, images=self.sample == "images"):
-                    return [Violation(name, self.val_paths, "matches no file.", _FIX)]
+            if self.val_path_list and not self.val_listing:
+                return [Violation("data.val_paths", self.val_paths, "matches no file.", _FIX)]
         except (OSError, ValueError) as error:
             return [Violation("data.paths", self.paths, f"cannot be listed: {type(error).__name__}: "
                               f"{str(error).splitlines()[0][:300]}.", _FIX + "; check the store's endpoint and "
@@ -348,7 +352,7 @@ class RayDataSource:
         only once read): windows at one token per byte, images by file, rows of parquet metadata."""
         train = self._estimated_samples(self.listing)
         if self.val_paths is not None:
-            return train, self._estimated_samples(_list_files(self.val_path_list, images=self.sample == "images"))
+            return train, self._estimated_samples(self.val_listing)
         held = int(train * self.val_fraction)
         return train - held, held
 
