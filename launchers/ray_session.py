@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import ray
 
-from plans.errors import OrchError
+from plans.errors import OrchError, PlanError, Violation
 
 GIB = 1024**3
 CLIENT_ATTEMPTS = 3
@@ -28,7 +28,7 @@ class RayConnectError(OrchError):
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, *, min_cpus: float = 0, object_store_gib: float = 1.0,
+def ray_session(address: str | None, *, min_cpus: float = 0, data_cpus: float = 0, object_store_gib: float = 1.0,
                 connect_timeout_s: float = 30.0) -> Iterator[None]:
     """Yield with Ray connected; shut down only what this call started.
 
@@ -36,8 +36,11 @@ def ray_session(address: str | None, *, min_cpus: float = 0, object_store_gib: f
     embedded Ray starts on loopback with at least ``min_cpus`` logical CPUs, so a plan may run
     more workers than cores, and a capped object store (Ray would otherwise reserve ~30% of host
     memory). An address must answer within ``connect_timeout_s`` (cluster.connect_timeout_s).
+    ``data_cpus`` (part of ``min_cpus``) are what a streamed data source's own tasks take beside
+    the workers: a cluster whose CPUs cannot hold both is refused (see :func:`require_data_cpus`).
     """
     if ray.is_initialized():
+        require_data_cpus(min_cpus, data_cpus)
         yield
         return
     try:  # a start interrupted half-way (Ctrl-C, SIGTERM) is shut down too
@@ -52,9 +55,29 @@ def ray_session(address: str | None, *, min_cpus: float = 0, object_store_gib: f
                     f"cluster.address={address}: cannot connect to a Ray cluster there ({exc}). Fix: start the "
                     "cluster (`ray start --head`), correct cluster.address, or set cluster.address=null for an "
                     "embedded local Ray") from exc
+        require_data_cpus(min_cpus, data_cpus)
         yield
     finally:
         ray.shutdown()
+
+
+def require_data_cpus(min_cpus: float, data_cpus: float) -> None:
+    """Refuse a cluster whose CPUs cannot hold the workers and the data's tasks together.
+
+    The workers' placement waits for CPUs (an autoscaler may add them), but a streamed source's
+    tasks on a cluster with no CPU beside the workers' would never be scheduled: Ray Data waits
+    for them for ever, with the workers blocked on their first batch.
+    """
+    total = ray.cluster_resources().get("CPU", 0.0)
+    if data_cpus and total < min_cpus:
+        workers = min_cpus - data_cpus
+        raise PlanError([Violation(
+            "data.cpus_per_task", data_cpus,
+            f"the data's tasks take {data_cpus:g} CPU(s) beside the workers' {workers:g}, but the cluster has "
+            f"{total:g} CPU(s) in all.",
+            (f"lower data.cpus_per_task to {total - workers:g} or less, or add a node with CPUs"
+             if total > workers else "add a node with CPUs beside the workers' (an autoscaling cluster: start its "
+             "nodes first), or lower cluster.cpus_per_worker"))])
 
 
 def start_local_ray(**init_kwargs) -> None:

@@ -167,6 +167,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         try:
             min_cpus = prepared.plan.world_size * cfg.cluster.cpus_per_worker + data_task_cpus(prepared.workload.data)
             with ray_session(cfg.cluster.address, min_cpus=min_cpus,
+                             data_cpus=data_task_cpus(prepared.workload.data),
                              object_store_gib=cfg.cluster.object_store_memory_gib,
                              connect_timeout_s=cfg.cluster.connect_timeout_s):
                 clock.mark("ray")
@@ -292,7 +293,10 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
     data = prepared.workload.data
     # A streamed source is split afresh for each attempt: a failed attempt's splits are left
     # half-read by workers that are gone.
-    streams = data.streams(job.plan.dp) if isinstance(data, StreamingSource) else None
+    streams = None
+    if isinstance(data, StreamingSource):
+        eval_samples = job.train.eval_batches * job.plan.micro_batch_size * job.plan.dp
+        streams = data.streams(job.plan.dp, eval_samples=eval_samples)
     result.worker_facts = group.setup(job, timeout_s=job.train.setup_timeout_s, streams=streams)
     clock.mark("setup")
     _note_setup(result.worker_facts, tracker)

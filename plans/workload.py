@@ -162,8 +162,9 @@ class StreamingSource(DataSource, Protocol):
     shuffle_buffer: int
     """Samples each replica shuffles among locally, reseeded every epoch; 0: stream order."""
 
-    def streams(self, dp: int) -> list[tuple[Any, Any]]:
-        """One ``(training, evaluation)`` stream pair per replica, of equal lengths."""
+    def streams(self, dp: int, eval_samples: int) -> list[tuple[Any, Any]]:
+        """One ``(training, evaluation)`` stream pair per replica, of equal lengths; the
+        evaluation streams hold the held-out split's first ``eval_samples`` samples."""
         ...
 
     def to_batch(self) -> Callable[[dict], Batch]:

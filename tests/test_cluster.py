@@ -122,6 +122,16 @@ def test_a_plan_larger_than_the_cluster_fails_clearly(two_node_ray, tmp_path):
                       "cluster.discover=false", cwd=tmp_path, env=two_node_ray["env"])
     assert done.returncode == 2, done.stderr[-3000:]
     assert "the plan needs 3 workers with 1 CPU each; the cluster has 2 CPU free" in done.stderr
+    # A streamed source's tasks need CPUs beside the workers': none left here would hang its reads.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [os.urandom(32).hex() for _ in range(2000)]}), tmp_path / "rows.parquet")
+    done = orch_train(f"cluster.address={two_node_ray['gcs']}", "data=ray", f"data.paths=[{tmp_path / 'rows.parquet'}]",
+                      cwd=tmp_path, env=two_node_ray["env"])
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert ("data.cpus_per_task=1.0: the data's tasks take 1 CPU(s) beside the workers' 2, but the cluster has 2 "
+            "CPU(s) in all") in done.stderr, done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

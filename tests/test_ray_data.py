@@ -106,9 +106,9 @@ def data_ray(s3_store):
         yield
 
 
-def read_all(source: RayDataSource, evaluation: bool) -> list:
+def read_all(source: RayDataSource, evaluation: bool, eval_samples: int = 10**6) -> list:
     """Every sample of one pass over a split, one replica reading."""
-    train, val = source.streams(1)[0]
+    train, val = source.streams(1, eval_samples=eval_samples)[0]
     batches = StreamedBatches(val if evaluation else train, batch_size=1, seed=0, to_batch=source.to_batch())
     samples = []
     while True:
@@ -127,6 +127,10 @@ def test_held_out_rows_are_the_same_every_pass_and_never_trained_on(data_ray, tm
     assert not set(train) & set(val) and sorted(train + val) == list(range(80))
     assert 8 <= len(val) <= 35  # a quarter of the rows by hash, not by position
     assert sorted(int(b["row"]) for b in read_all(source, evaluation=True)) == val
+    # The evaluation set is the split's first samples: every evaluation reads the same ones.
+    first = [int(b["row"]) for b in read_all(source, evaluation=True, eval_samples=5)]
+    assert len(first) == 5 and set(first) <= set(val)
+    assert [int(b["row"]) for b in read_all(source, evaluation=True, eval_samples=5)] == first
 
 
 def test_images_and_token_windows_stream_as_the_objectives_take_them(data_ray, tmp_path):
@@ -138,7 +142,7 @@ def test_images_and_token_windows_stream_as_the_objectives_take_them(data_ray, t
             Image.new("RGB", (20 + i, 12), colour).save(tmp_path / "img" / f"class_{label}" / f"{i}.png")
     images = RayDataSource(paths=[str(tmp_path / "img")], sample="images", image_size=16, val_fraction=0.3)
     assert images.violations() == [] and images.required_outputs == 3
-    (train, _), = images.streams(1)
+    (train, _), = images.streams(1, eval_samples=10**6)
     batches = StreamedBatches(train, batch_size=4, seed=0, to_batch=images.to_batch(), shuffle_buffer=8)
     x, labels = next(batches)
     assert x.shape == (4, 3, 16, 16) and x.dtype == torch.float32 and -1 <= x.min() <= x.max() <= 1
@@ -160,7 +164,7 @@ def test_images_and_token_windows_stream_as_the_objectives_take_them(data_ray, t
 def test_epochs_count_passes_and_a_resume_restarts_the_saved_epoch(data_ray, tmp_path):
     write_rows(tmp_path / "rows", 1, 12)
     source = RayDataSource(paths=[str(tmp_path / "rows")], sample="columns", val_paths=[str(tmp_path / "rows")])
-    (train, _), = source.streams(1)
+    (train, _), = source.streams(1, eval_samples=10**6)
     batches = StreamedBatches(train, batch_size=4, seed=0, to_batch=source.to_batch())
     seen = [sorted(next(batches)["row"].tolist()) for _ in range(4)]
     assert batches.state_dict() == {"epoch": 1, "position": 1}

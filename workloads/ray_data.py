@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,15 +103,17 @@ class _Pack:
         import numpy as np
 
         texts = [str(text) + "\n" for text in batch[self.field]]
+        # Windows travel through the object store in the smallest type that holds the vocabulary
+        # (bytes: uint8, 8x smaller than int64); the worker widens them to int64 per micro-batch.
         if self.tokenizer is None:
-            stream = np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8).astype(np.int64)
+            stream = np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8)
         else:
             ids = _load_tokenizer(self.tokenizer)(texts, add_special_tokens=False)["input_ids"]
-            stream = np.fromiter((t for row in ids for t in row), dtype=np.int64)
+            stream = np.fromiter((t for row in ids for t in row), dtype=np.int32)
         # Windows share their edge token, as data=text packs them: one's inputs end where the next start.
         count = max((len(stream) - 1) // self.seq_len, 0)
         windows = [stream[i * self.seq_len: i * self.seq_len + self.seq_len + 1] for i in range(count)]
-        return {"ids": np.stack(windows) if windows else np.zeros((0, self.seq_len + 1), dtype=np.int64)}
+        return {"ids": np.stack(windows) if windows else np.zeros((0, self.seq_len + 1), dtype=stream.dtype)}
 
 
 @dataclass(frozen=True)
@@ -152,19 +153,30 @@ class _Columns:
 
 @dataclass(frozen=True)
 class _HeldOut:
-    """Ray Data row filter: whether a raw row belongs to the evaluation split (or, negated, to training)."""
+    """Ray Data batch function: the rows of a batch that belong to the evaluation split (or, negated, to training).
+
+    Per batch of columns rather than per row: Ray's row filter builds a dict per row, which cost
+    several times the hashing itself.
+    """
 
     key: str | None
     threshold: int
     evaluation: bool
 
-    def __call__(self, row: dict) -> bool:
-        key = row[self.key] if self.key else sorted(row.items())
-        return (_row_bucket(key) < self.threshold) == self.evaluation
+    def __call__(self, batch: dict) -> dict:
+        import numpy as np
+
+        names = [self.key] if self.key else sorted(batch)
+        columns = [batch[name].tolist() for name in names]
+        rows = zip(*columns, strict=True)
+        keys = columns[0] if self.key else [list(zip(names, values, strict=True)) for values in rows]
+        keep = np.fromiter(((_row_bucket(key) < self.threshold) == self.evaluation for key in keys),
+                           dtype=bool, count=len(keys))
+        return {name: values[keep] for name, values in batch.items()}
 
 
 def _tokens_to_batch(columns: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = columns["ids"]
+    ids = columns["ids"].long()
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -444,9 +456,8 @@ class RayDataSource:
             ds = ray.data.read_json(paths, lines=True, **remote)
             key = self.text_field if self.sample == "tokens" else None
         if self.val_paths is None:
-            # A stable hash of the row is no column expression, so Ray's advice to use one does not apply.
-            warnings.filterwarnings("ignore", message="Use 'expr' instead of 'fn'", category=UserWarning)
-            ds = ds.filter(_HeldOut(key, round(self.val_fraction * _HASH_BUCKETS), evaluation), **remote)
+            ds = ds.map_batches(_HeldOut(key, round(self.val_fraction * _HASH_BUCKETS), evaluation),
+                                batch_format="numpy", batch_size=4096, **remote)
         if self.sample == "tokens":
             field_name = "text" if kind == "text" else self.text_field
             return ds.map_batches(_Pack(field_name, self.seq_len, self.tokenizer), batch_size=1024, **remote)
@@ -454,11 +465,21 @@ class RayDataSource:
             return ds.map_batches(_Images(self.classes), batch_size=64, **remote)
         return ds.map_batches(_Columns(self.model_columns, self.label_column), batch_size=1024, **remote)
 
-    def streams(self, dp: int) -> list[tuple[Any, Any]]:
+    def streams(self, dp: int, eval_samples: int) -> list[tuple[Any, Any]]:
         """One ``(training, evaluation)`` pair of Ray ``DataIterator`` per data-parallel replica,
-        of equal length (``streaming_split(dp, equal=True)``): made in the driver, per attempt."""
+        of equal length (``streaming_split(dp, equal=True)``): made in the driver, per attempt.
+
+        The evaluation set is the held-out split's first ``eval_samples`` samples (in file order),
+        read here and kept in the object store, so every evaluation reads the same samples. Streamed instead,
+        its execution would start while the training stream's is paused mid-epoch holding the
+        data's CPUs and object store, and wait for them for ever.
+        """
         train = self.ray_dataset(evaluation=False).streaming_split(dp, equal=True)
-        evaluation = self.ray_dataset(evaluation=True).streaming_split(dp, equal=True)
+        held_out = self.ray_dataset(evaluation=True)
+        # Blocks in file order: the first samples are the same ones in every attempt and run.
+        held_out.context.execution_options.preserve_order = True
+        held_out = held_out.limit(eval_samples).materialize()
+        evaluation = held_out.streaming_split(dp, equal=True)
         return list(zip(train, evaluation, strict=True))
 
 
