@@ -142,7 +142,7 @@ class OptimSpec:
     """Optimizer and learning-rate schedule."""
 
     name: OptimizerName = OptimizerName.adamw
-    lr: float = 1e-3
+    lr: float = 3e-3
     """Peak learning rate, reached after warmup_steps."""
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -160,9 +160,9 @@ class OptimSpec:
 class TrainSpec:
     """The training loop."""
 
-    steps: int = 60
+    steps: int = 200
     """Optimizer steps to run."""
-    log_every: int = 5
+    log_every: int = 10
     """Report and track metrics every this many steps."""
     eval_every: int = 0
     """Evaluate on held-out data every this many steps (0: only at the end)."""

@@ -103,5 +103,15 @@ def test_yaml_files_extend_their_schema():
             assert "_schema" in text, f"conf/{group}/{option}.yaml does not extend a schema"
 
 
+def test_the_default_run_takes_the_loop_tuner_and_optimizer_defaults_from_their_schemas():
+    """One source of truth: no YAML file restates (or contradicts) what the schemas declare."""
+    from orchestrator.config import TuneConfig
+    from plans.spec import OptimSpec, TrainSpec
+
+    typed, _, _ = to_typed(compose_config())
+    assert typed.train == TrainSpec() and typed.tune == TuneConfig() and typed.optim == OptimSpec()
+    assert "train:" not in (REPO / "conf" / "config.yaml").read_text()
+
+
 def test_package_data_ships_the_configs():
     assert Path(REPO / "conf" / "__init__.py").exists()
