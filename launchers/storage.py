@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from plans.uris import CREDENTIALS_FIX, carries_credentials
+
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 
 
@@ -43,10 +45,9 @@ def location_violation(location: str) -> str | None:
     missing bucket or refused credentials are reported before any worker starts."""
     if not is_remote(location):
         return None
-    if "@" in location.split("://", 1)[1].split("/", 1)[0]:
-        return ("carries credentials in the URI, where they would be recorded with the run's config. Fix: remove "
-                "the user:secret@ part and give them through the store's environment variables (for S3: "
-                "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), a profile or an instance role")
+    if carries_credentials(location):
+        return ("carries credentials in the URI, where they would be recorded with the run's config. "
+                f"Fix: {CREDENTIALS_FIX}")
     try:
         store = RemoteDir(location)
         info = store.fs.get_file_info(store.root)

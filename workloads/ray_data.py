@@ -33,6 +33,7 @@ from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
 from plans.errors import Violation
+from plans.uris import CREDENTIALS_FIX, carries_credentials
 
 if TYPE_CHECKING:
     import torch
@@ -275,10 +276,11 @@ class RayDataSource:
                               f"set data.format to one of {', '.join(FORMATS)}, or null to infer it")]
         if not self.path_list:
             return [Violation("data.paths", self.paths, "names nothing to read.", _FIX)]
-        if "@" in "".join(p.split("://", 1)[1].split("/", 1)[0] for p in self.path_list if "://" in p):
-            return [Violation("data.paths", self.paths, "carries credentials in a URI, where they would be "
-                              "recorded with the run's config.", "remove the user:secret@ part and give them "
-                              "through the store's environment variables (AWS_ACCESS_KEY_ID, ...)")]
+        for name, value, paths in (("data.paths", self.paths, self.path_list),
+                                   ("data.val_paths", self.val_paths, self.val_path_list)):
+            if any(carries_credentials(path) for path in paths):
+                return [Violation(name, value, "carries credentials in a URI, where they would be recorded with "
+                                  "the run's config.", CREDENTIALS_FIX)]
         try:
             listing = self.listing
             if self.val_path_list and not self.val_listing:
