@@ -10,8 +10,6 @@ resume from the bucket, and a tensor x pipeline grid whose four ranks share one 
 from __future__ import annotations
 
 import gzip
-import os
-import signal
 from pathlib import Path
 
 import pyarrow as pa
@@ -180,12 +178,12 @@ def test_epochs_count_passes_and_a_resume_restarts_the_saved_epoch(data_ray, tmp
 # --- real runs -------------------------------------------------------------------------------------
 
 
-def train(sqlite_uri: str, *overrides: str, on_report=None):
+def train(sqlite_uri: str, *overrides: str):
     from orchestrator.driver import run_training
 
     cfg = compose_config("train.log_every=2", "train.eval_batches=1", "plan.micro_batch_size=4",
                          f"tracking.uri={sqlite_uri}", *overrides)
-    return run_training(*to_typed(cfg), on_report=on_report)
+    return run_training(*to_typed(cfg))
 
 
 @pytest.mark.slow
@@ -217,20 +215,14 @@ def test_two_replicas_cover_parquet_in_the_bucket_disjointly_and_resume_at_the_e
     assert all(len(rows[rank]) == 8 * 4 for rank in rows)
     assert first.reports[-1][0]["eval_loss"] > 0
 
-    # Resumed from the bucket; a worker killed mid-run restarts the group, with its streams (and
-    # the evaluation set) made afresh while the dead attempt's are torn down.
-    killed = []
-
-    def kill_rank1_at_step_10(reports, facts):
-        if reports[0]["step"] == 10 and not killed:
-            os.kill(facts[1].pid, signal.SIGKILL)
-            killed.append(facts[1].pid)
-
-    resumed = train(sqlite_uri, *run, "train.steps=14", "train.max_failures=1", on_report=kill_rank1_at_step_10)
-    assert resumed.run_id == first.run_id and killed and resumed.worker_facts[1].pid != killed[0]
-    assert [f.start_step for f in resumed.worker_facts] == [8, 8]  # the second attempt, from step 8 again
-    steps = [(r[0]["step"], r[0]["epoch"]) for r in resumed.reports]
-    assert steps[0] == (10, 1) and steps[-1] == (14, 1) and steps.count((10, 1)) == 2
+    # Resumed from the bucket, rank 1 dies (SIGKILL) in its second batch, step 10, before any
+    # report or checkpoint of this run: the group restarts from step 8 with its streams and its
+    # evaluation set made afresh, while the dead attempt's are torn down.
+    (record / "kill-rank1-at-batch-2").touch()
+    resumed = train(sqlite_uri, *run, "train.steps=14", "train.max_failures=1")
+    assert resumed.run_id == first.run_id and not (record / "kill-rank1-at-batch-2").exists()
+    assert [f.start_step for f in resumed.worker_facts] == [8, 8]
+    assert [(r[0]["step"], r[0]["epoch"]) for r in resumed.reports] == [(10, 1), (12, 1), (14, 1)]
     assert resumed.reports[-1][0]["eval_loss"] > 0
 
 
