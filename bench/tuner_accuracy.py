@@ -94,7 +94,7 @@ def run(workers: int, overrides: list[str]) -> dict:
     load_before = os.getloadavg()
     started_at = datetime.datetime.now(datetime.UTC)
     started = time.perf_counter()
-    with ray_session(None, min_cpus=workers, object_store_gib=1.0):
+    with ray_session(None, worker_cpus=workers, object_store_gib=1.0):
         space, ctx = prepare(typed, model_cfg, cluster)
         speeds, note = measure_speeds(typed, cluster, space, ctx)
         ctx = dataclasses.replace(ctx, speeds=speeds)
@@ -119,7 +119,7 @@ def run(workers: int, overrides: list[str]) -> dict:
     pick = picked.winner_trial
     rematch = None
     if pick and pick.candidate.plan != best.candidate.plan:
-        with ray_session(None, min_cpus=workers, object_store_gib=1.0):
+        with ray_session(None, worker_cpus=workers, object_store_gib=1.0):
             rematch = head_to_head(typed, model_cfg, ctx, holder, pick.candidate, best.candidate)
     return {"workers": workers, "overrides": overrides, "grid": grid, "note": note, "speeds": speeds, "best": best,
             "pick": pick, "rematch": rematch,

@@ -28,24 +28,24 @@ class RayConnectError(OrchError):
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, *, min_cpus: float = 0, data_cpus: float = 0, object_store_gib: float = 1.0,
+def ray_session(address: str | None, *, worker_cpus: float = 0, data_cpus: float = 0, object_store_gib: float = 1.0,
                 connect_timeout_s: float = 30.0) -> Iterator[None]:
     """Yield with Ray connected; shut down only what this call started.
 
     An already-initialized Ray (a test fixture, a notebook) is used as it is. With no address an
-    embedded Ray starts on loopback with at least ``min_cpus`` logical CPUs, so a plan may run
-    more workers than cores, and a capped object store (Ray would otherwise reserve ~30% of host
-    memory). An address must answer within ``connect_timeout_s`` (cluster.connect_timeout_s).
-    ``data_cpus`` (part of ``min_cpus``) are what a streamed data source's own tasks take beside
-    the workers: a cluster whose CPUs cannot hold both is refused (see :func:`require_data_cpus`).
+    embedded Ray starts on loopback with at least ``worker_cpus + data_cpus`` logical CPUs, so a
+    plan may run more workers than cores, and a capped object store (Ray would otherwise reserve
+    ~30% of host memory). An address must answer within ``connect_timeout_s`` (cluster.connect_timeout_s).
+    ``data_cpus`` are what a streamed data source's own tasks take beside the workers': a cluster
+    whose CPUs cannot hold both is refused (see :func:`require_data_cpus`).
     """
     if ray.is_initialized():
-        require_data_cpus(min_cpus, data_cpus)
+        require_data_cpus(worker_cpus, data_cpus)
         yield
         return
     try:  # a start interrupted half-way (Ctrl-C, SIGTERM) is shut down too
         if address is None:
-            start_local_ray(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)),
+            start_local_ray(num_cpus=max(os.cpu_count() or 1, int(worker_cpus + data_cpus + 0.999)),
                             object_store_memory=int(object_store_gib * GIB))
         else:
             try:
@@ -55,13 +55,13 @@ def ray_session(address: str | None, *, min_cpus: float = 0, data_cpus: float = 
                     f"cluster.address={address}: cannot connect to a Ray cluster there ({exc}). Fix: start the "
                     "cluster (`ray start --head`), correct cluster.address, or set cluster.address=null for an "
                     "embedded local Ray") from exc
-        require_data_cpus(min_cpus, data_cpus)
+        require_data_cpus(worker_cpus, data_cpus)
         yield
     finally:
         ray.shutdown()
 
 
-def require_data_cpus(min_cpus: float, data_cpus: float) -> None:
+def require_data_cpus(worker_cpus: float, data_cpus: float) -> None:
     """Refuse a cluster whose CPUs cannot hold the workers and the data's tasks together.
 
     The workers' placement waits for CPUs (an autoscaler may add them), but a streamed source's
@@ -69,14 +69,13 @@ def require_data_cpus(min_cpus: float, data_cpus: float) -> None:
     for them for ever, with the workers blocked on their first batch.
     """
     total = ray.cluster_resources().get("CPU", 0.0)
-    if data_cpus and total < min_cpus:
-        workers = min_cpus - data_cpus
+    if data_cpus and total < worker_cpus + data_cpus:
         raise PlanError([Violation(
             "data.cpus_per_task", data_cpus,
-            f"the data's tasks take {data_cpus:g} CPU(s) beside the workers' {workers:g}, but the cluster has "
+            f"the data's tasks take {data_cpus:g} CPU(s) beside the workers' {worker_cpus:g}, but the cluster has "
             f"{total:g} CPU(s) in all.",
-            (f"lower data.cpus_per_task to {total - workers:g} or less, or add a node with CPUs"
-             if total > workers else "add a node with CPUs beside the workers' (an autoscaling cluster: start its "
+            (f"lower data.cpus_per_task to {total - worker_cpus:g} or less, or add a node with CPUs"
+             if total > worker_cpus else "add a node with CPUs beside the workers' (an autoscaling cluster: start its "
              "nodes first), or lower cluster.cpus_per_worker"))])
 
 

@@ -165,8 +165,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         status = "FAILED"
         progress = Progress(cfg.train.steps)
         try:
-            min_cpus = prepared.plan.world_size * cfg.cluster.cpus_per_worker + data_task_cpus(prepared.workload.data)
-            with ray_session(cfg.cluster.address, min_cpus=min_cpus,
+            with ray_session(cfg.cluster.address, worker_cpus=prepared.plan.world_size * cfg.cluster.cpus_per_worker,
                              data_cpus=data_task_cpus(prepared.workload.data),
                              object_store_gib=cfg.cluster.object_store_memory_gib,
                              connect_timeout_s=cfg.cluster.connect_timeout_s):

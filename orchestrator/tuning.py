@@ -173,8 +173,8 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
         if uses_ray:
             from launchers.ray_session import ray_session
 
-            min_cpus = cluster.world_size * cluster.cpus_per_worker + data_task_cpus(workload.data)
-            stack.enter_context(ray_session(cfg.cluster.address, min_cpus=min_cpus,
+            stack.enter_context(ray_session(cfg.cluster.address,
+                                            worker_cpus=cluster.world_size * cluster.cpus_per_worker,
                                             data_cpus=data_task_cpus(workload.data),
                                             object_store_gib=cfg.cluster.object_store_memory_gib,
                                             connect_timeout_s=cfg.cluster.connect_timeout_s))
