@@ -43,6 +43,10 @@ class TimedRun:
     wall_s: float = 0.0
     """Launch to exit, teardown included."""
     output: list[str] = field(default_factory=list)
+    cpu_to_first_step_s: float | None = None
+    """CPU seconds every process on the machine used from launch until the first step's line
+    arrived (None where the kernel does not say): start-up on a machine whose cores were busy
+    the whole time is bound by the work done, not by waiting."""
 
     @property
     def first_step_s(self) -> float:
@@ -69,6 +73,7 @@ def run_timed(label: str, cmd: list[str], *, cwd: Path, env: dict[str, str] | No
               timeout_s: float = 900) -> TimedRun:
     """Run ``cmd`` with stdout and stderr merged, timestamping every ``step N/T`` line."""
     run = TimedRun(label)
+    cpu_at_launch = machine_cpu_s()
     started_wall, started = time.time(), time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True)
@@ -83,6 +88,8 @@ def run_timed(label: str, cmd: list[str], *, cwd: Path, env: dict[str, str] | No
             if match:
                 step = int(match.group(1))
                 stamped = float(match.group(3)) - started_wall if match.group(3) else arrived
+                if not run.step_at and cpu_at_launch is not None:
+                    run.cpu_to_first_step_s = machine_cpu_s() - cpu_at_launch
                 run.step_at.setdefault(step, stamped)
         proc.wait()
     finally:
@@ -97,6 +104,17 @@ def run_timed(label: str, cmd: list[str], *, cwd: Path, env: dict[str, str] | No
         tail = "\n".join(run.output[-80:])
         raise BenchError(f"{label} failed (exit code {proc.returncode}): {shlex.join(cmd)}\n{tail}")
     return run
+
+
+def machine_cpu_s() -> float | None:
+    """CPU seconds all processes on this machine have used since boot (Linux's ``/proc/stat``:
+    every state but idle and I/O wait), or None elsewhere."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except OSError:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def interleaved(commands: dict[str, list[str]], repeats: int, *, cwd: Path, env: dict[str, str],

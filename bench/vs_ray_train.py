@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sys
@@ -37,6 +38,9 @@ from bench.harness import (
 
 GIB = 1024**3
 THREADS = re.compile(r"threads per rank: (\d+)")
+
+FIRST_STEP_TARGET = 0.6
+"""Time to the first step, orch over Ray Train's TorchTrainer."""
 
 
 def run_ray_train(job_path: Path, storage: Path) -> None:
@@ -94,21 +98,24 @@ def main() -> None:
     ray_runs, orch_runs = runs["Ray Train"], runs["orch train"]
     same_ds_config(job, tracking_uri)
 
-    rows = [("wall time to step N (s)", lambda r: r.time_to_step(args.steps), True),
-            ("time to first step (s)", lambda r: r.first_step_s, True),
-            ("launch to exit (s)", lambda r: r.wall_s, False)]
+    rows = [("wall time to step N (s)", lambda r: r.time_to_step(args.steps), 1.0),
+            ("time to first step (s)", lambda r: r.first_step_s, FIRST_STEP_TARGET),
+            ("CPU time until the first step, every process on the machine (CPU-s)",
+             lambda r: r.cpu_to_first_step_s, None),
+            ("launch to exit (s)", lambda r: r.wall_s, None)]
     threads = next((m.group(1) for line in ray_runs[0].output if (m := THREADS.search(line))), "not reported")
     lines = header("Versus Ray Train: orch train vs TorchTrainer running the same DeepSpeed loop", sys.argv)
     lines += [f"Built-in GPT (`model=gpt`), dp=2 on 2 CPU workers, ZeRO stage {args.zero_stage}, fp32, "
               f"micro-batch {job['micro_batch_size']}, N = {args.steps} steps logged every step. {args.repeats} "
               "repetitions of each side, interleaved; medians with (min-max). The ratio column is the median of "
-              "the per-repetition ratios (min-max). Target: orch is not slower (ratio <= 1).", "",
+              "the per-repetition ratios (min-max). Targets: orch is not slower to step N (ratio <= 1), and reaches "
+              f"its first step in at most {FIRST_STEP_TARGET:g}x Ray Train's time.", "",
               "| | Ray Train TorchTrainer | orch train | orch / Ray Train | target |",
               "|---|---:|---:|---:|---|"]
-    for name, measure, judged in rows:
+    for name, measure, limit in rows:
         a, b = [measure(r) for r in ray_runs], [measure(r) for r in orch_runs]
         ratios = [y / x for x, y in zip(a, b, strict=True)]
-        target = verdict(ratios, 1.0) if judged else ""
+        target = verdict(ratios, limit) if limit else ""
         lines.append(f"| {name} | {median_spread(a, '{:.1f}')} | {median_spread(b, '{:.1f}')} | "
                      f"{median_spread(ratios, '{:.2f}')} | {target} |")
     steady = [(r.steady_step_s(10), o.steady_step_s(10)) for r, o in zip(ray_runs, orch_runs, strict=True)]
@@ -120,6 +127,8 @@ def main() -> None:
               "it was), so compare the spreads, not only the medians.",
               "- Both sides start their own local Ray (2 CPUs, 1 GiB object store, no dashboard) inside the timed "
               "process, and both end with an evaluation pass on the held-out data.",
+              f"- CPU time counts every process on the machine ({os.cpu_count()} cores) from launch to the first "
+              "step's line: divided by the cores, it is the least time that work could take.",
               "- Ray Train's step times come from the `t=` stamps its rank 0 prints (Ray forwards worker output "
               "with a delay, which is not counted against it); `orch`'s from when its driver prints the step.",
               "- `orch train` is also charged for its plan check, the matmul probe for MFU, the memory probe during "

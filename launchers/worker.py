@@ -34,7 +34,12 @@ from launchers.job import PollStatus, TrainJob, WorkerFacts
 from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from launchers.storage import RemoteDir, is_remote, local_path, staging_dir
+from plans.meta import meta_device
 from plans.spec import Precision
+
+PRELOAD_MODULES = ("torch", "deepspeed")
+"""What a worker imports before it can set up (seconds each): an embedded Ray's idle worker
+processes import them ahead (launchers.ray_session.start_local_ray)."""
 
 
 def _digest(batch) -> str:
@@ -97,11 +102,10 @@ def _refuse_whole_build_beyond_memory(job: TrainJob, reason: str) -> None:
     on ``meta`` (no memory); the free memory is divided among the node's workers.
     """
     import psutil
-    import torch
 
     from plans.memory import model_stats
 
-    with torch.device("meta"):
+    with meta_device():
         whole = model_stats(job.workload.model_factory()).built_bytes
     local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
     share = psutil.virtual_memory().available // local

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from launchers.gpu_sharing import share_gpus
 from launchers.job import PollStatus, TrainJob, WorkerFacts
 from launchers.placement import RankSlot, assign_ranks, straddling_groups
+from launchers.ray_session import env_to_set
 from launchers.worker import TrainWorker
 from plans.errors import OrchError
 
@@ -28,6 +29,8 @@ from plans.errors import OrchError
 # 1.6% of a core in each worker of a 2-rank run on 2 cores (per-thread CPU from /proc), beside the
 # driver's own loop. Half a second is still live for a progress bar and far below any hang timeout.
 POLL_INTERVAL_S = 0.5
+FIRST_POLL_INTERVAL_S = 0.1
+"""Polling until the first report arrives: it ends the start-up the user waits through."""
 
 
 class WorkerGroupError(OrchError):
@@ -145,7 +148,7 @@ def place_actors(actor_class: type, spec: WorkerGroupSpec, *, max_concurrency: i
                 num_cpus=spec.cpus_per_worker, num_gpus=spec.gpus_per_worker, max_concurrency=max_concurrency,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                      placement_group_bundle_index=i),
-                runtime_env={"env_vars": spec.env},
+                **({"runtime_env": {"env_vars": env}} if (env := env_to_set(spec.env)) else {}),
             ).remote())
         slots = assign_ranks(ray.get([a.node_id.remote() for a in actors]))
         order = sorted(range(len(actors)), key=lambda i: slots[i].rank)
@@ -258,7 +261,8 @@ class WorkerGroup:
                        if not poll.done and hang_timeout_s and poll.since_progress_s > hang_timeout_s]
             if stalled:
                 raise self._hang_error(polls, stalled, hang_timeout_s)
-            time.sleep(POLL_INTERVAL_S if poll_interval_s is None else poll_interval_s)
+            time.sleep(poll_interval_s if poll_interval_s is not None
+                       else POLL_INTERVAL_S if any(seen) else FIRST_POLL_INTERVAL_S)
 
     def _hang_error(self, polls: list[PollStatus], stalled: list[int], timeout_s: float) -> WorkerHangError:
         """Name the ranks that fell behind (the others wait for them in a collective)."""

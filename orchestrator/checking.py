@@ -129,16 +129,10 @@ def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = Non
     return checked_run(cfg, model_cfg, cluster)[:2]
 
 
-def checked_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = None,
-                workload: Workload | None = None) -> tuple[PlanEstimate, ModelFacts, ModelProbe, Workload]:
-    """Resolve the plan and the workload and check the model (raising PlanError on bad input), then
-    estimate memory.
-
-    ``cluster`` is what :func:`live_cluster` found; the declared ``cfg.cluster`` by default. The
-    workload and the model probe are returned for the caller to reuse: the model is built on
-    ``meta`` once per command.
-    """
-    cluster = cluster or cfg.cluster
+def resolve_inputs(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec,
+                   workload: Workload | None = None) -> tuple[Workload, ResolvedPlan]:
+    """The workload and the validated plan, or one PlanError with every problem the config shows
+    before the model is built (milliseconds: `orch train` starts Ray only after this)."""
     problems: list[Violation] = []
     if workload is None:
         try:
@@ -151,9 +145,27 @@ def checked_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = N
         problems += error.violations
     if problems:
         raise PlanError(problems)
+    return workload, plan
+
+
+def checked_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = None,
+                workload: Workload | None = None, plan: ResolvedPlan | None = None,
+                ) -> tuple[PlanEstimate, ModelFacts, ModelProbe, Workload]:
+    """Resolve the plan and the workload and check the model (raising PlanError on bad input), then
+    estimate memory.
+
+    ``cluster`` is what :func:`live_cluster` found; the declared ``cfg.cluster`` by default. A
+    caller that ran :func:`resolve_inputs` passes its workload and plan. The workload and the
+    model probe are returned for the caller to reuse: the model is built on ``meta`` once per
+    command.
+    """
+    cluster = cluster or cfg.cluster
+    if workload is None or plan is None:
+        workload, plan = resolve_inputs(cfg, model_cfg, cluster, workload)
     constructor_cfg = workload.model_config
     # The model's contract, before any arithmetic on it; a deep one is built at shallow depths only.
-    facts, shallow = inspect_declared_model(constructor_cfg, workload, cluster, plan.precision, plan.offload_param)
+    facts, shallow = inspect_declared_model(constructor_cfg, workload, cluster, plan.precision, plan.offload_param,
+                                           factory=workload.model_factory)
     check_model(facts, cfg, workload)
     probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs,
                        pipeline_layers=workload.pipeline_layers, shallow=shallow,

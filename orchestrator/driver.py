@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ray.exceptions import RayActorError
 
@@ -24,9 +26,10 @@ from launchers.ds_config import build_ds_config
 from launchers.job import TrainJob, WorkerFacts
 from launchers.passthrough import passthrough_env
 from launchers.placement import placement_strategy
-from launchers.ray_session import ray_session
+from launchers.ray_session import ray_session_in_background
 from launchers.universal import convert as convert_to_universal
 from launchers.universal import needs_universal
+from launchers.worker import PRELOAD_MODULES
 from launchers.worker_group import (
     WorkerDiedError,
     WorkerFailedError,
@@ -35,30 +38,24 @@ from launchers.worker_group import (
     WorkerHangError,
     collective_timeout_env,
 )
-from orchestrator.checking import checked_run, live_cluster
+from orchestrator.checking import checked_run, live_cluster, resolve_inputs
 from orchestrator.config import RunConfig
 from orchestrator.inputs import data_fits_plan
 from orchestrator.progress import Progress
 from orchestrator.resume import checkpoint_dir_lock, signature_of
-from orchestrator.startup import StartupClock
+from orchestrator.startup import StartupClock, in_background
 from orchestrator.startup import describe as describe_startup
-from orchestrator.tracking import RunTracker, redact_uri
-from orchestrator.train_tracking import (
-    SystemMetricsLog,
-    log_plots,
-    mean_peak_tflops,
-    reachable_tracking,
-    record_hang,
-    start_tracking,
-    step_metrics,
-)
+from orchestrator.step_metrics import mean_peak_tflops, step_metrics
 from plans.errors import PlanError, Violation
 from plans.estimate import PlanEstimate
 from plans.flops import training_flops_per_sample
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
-from plans.spec import Accelerator, ClusterSpec, ResumeMode
+from plans.spec import Accelerator, ClusterSpec, ResumeMode, TrainSpec
 from plans.workload import StreamingSource, Workload, data_task_cpus
+
+if TYPE_CHECKING:
+    from orchestrator.tracking import RunTracker
 
 
 @dataclass
@@ -135,29 +132,55 @@ def worker_env(plan: ResolvedPlan) -> dict[str, str]:
     return env
 
 
+def job_env(plan: ResolvedPlan, train: TrainSpec) -> dict[str, str]:
+    """Every worker's environment: :func:`worker_env` and the collectives' timeout."""
+    return {**worker_env(plan), **collective_timeout_env(train.hang_timeout_s, train.setup_timeout_s)}
+
+
 def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=None,
                  on_report: Callable[[list[dict], list[dict]], None] | None = None,
-                 tags: dict[str, str] | None = None) -> TrainResult:
+                 tags: dict[str, str] | None = None, workload: Workload | None = None) -> TrainResult:
     """Train one declared run end to end and return its result.
+
+    Start-up steps that do not depend on each other overlap: MLflow is imported while the plan
+    is checked against the model, and once everything declared is known to be valid (the
+    tracking store too), Ray starts while the run is created in MLflow. Whatever is refused is
+    refused before Ray starts and before anything is tracked.
 
     ``on_report(reports, worker_facts)`` is called for every logged step, replays included
     (tests use it to inject faults at a known step). ``tags`` go onto the new MLflow run
-    (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``).
+    (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``). ``workload`` is
+    one already resolved for this model, objective and data (`orch tune` resolves it once for all
+    its trials, whose model is then built on ``meta`` once).
     """
     clock = StartupClock()
     out = stream or sys.stdout
     with contextlib.ExitStack() as held, live_cluster(cfg, connect=True) as (cluster, notes):
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
-        prepared = prepare_job(cfg, model_cfg, cluster)
+        workload, plan = resolve_inputs(cfg, model_cfg, cluster, workload)
+        # MLflow's import (a second) runs while the plan is checked; nothing is tracked before the
+        # check passes.
+        imported = held.enter_context(in_background(importlib.import_module, "orchestrator.train_tracking"))
+        prepared = prepare_job(cfg, model_cfg, cluster, workload=workload, plan=plan)
         # Taken once the plan and inputs are known to be valid, so every problem with them is
         # reported together; held until the run ends.
         held.enter_context(checkpoint_dir_lock(cfg.train))
         result = TrainResult(run_id=None, plan=prepared.plan, model=prepared.facts, estimate=prepared.estimate)
-        clock.mark("check")
         job, published = _resume_point(prepared.job, cfg, out)
-        cfg, tracker = open_tracking(cfg, model_cfg, prepared, published, config_yaml, tags or {})
-        if tracker:
+        if cfg.tracking.enabled:
+            cfg = imported().opened_tracking(cfg)  # a tracking URI that cannot be used is refused before Ray starts too
+        clock.mark("check")
+        # Everything declared is valid: Ray starts while the MLflow run is created.
+        data_cpus = data_task_cpus(workload.data)
+        ray_ready = held.enter_context(ray_session_in_background(
+            cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker, data_cpus=data_cpus,
+            object_store_gib=cfg.cluster.object_store_memory_gib, connect_timeout_s=cfg.cluster.connect_timeout_s,
+            # A streamed source's Ray Data tasks take Ray's idle processes too: they would import DeepSpeed.
+            worker_env=job.env, preload=() if data_cpus else PRELOAD_MODULES))
+        tracker = None
+        if cfg.tracking.enabled:
+            tracker = open_tracking(cfg, model_cfg, prepared, published, config_yaml, tags or {})
             result.run_id = tracker.run_id
             job = dataclasses.replace(job, run_id=tracker.run_id)
         clock.mark("tracking")
@@ -165,13 +188,10 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         status = "FAILED"
         progress = Progress(cfg.train.steps)
         try:
-            with ray_session(cfg.cluster.address, worker_cpus=prepared.plan.world_size * cfg.cluster.cpus_per_worker,
-                             data_cpus=data_task_cpus(prepared.workload.data),
-                             object_store_gib=cfg.cluster.object_store_memory_gib,
-                             connect_timeout_s=cfg.cluster.connect_timeout_s):
-                clock.mark("ray")
-                _train(prepared, job, cfg, tracker, result, progress, clock, on_report=on_report,
-                       logged_step=published.step if published else 0, out=out)
+            ray_ready()
+            clock.mark("ray")
+            _train(prepared, job, cfg, tracker, result, progress, clock, on_report=on_report,
+                   logged_step=published.step if published else 0, out=out)
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
@@ -179,6 +199,8 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         finally:
             progress.close()
             if tracker:
+                from orchestrator.train_tracking import log_plots
+
                 tracker.finish(status)
                 log_plots(tracker)
             result.wall_s = time.perf_counter() - clock.started
@@ -186,10 +208,12 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     return result
 
 
-def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec) -> PreparedJob:
+def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, workload: Workload | None = None,
+                plan: ResolvedPlan | None = None) -> PreparedJob:
     """Check the plan, the inputs and the data against ``cluster`` (raising :class:`PlanError`
-    with every problem), then build the job the workers run and the worker group's shape."""
-    estimate, facts, _, workload = checked_run(cfg, model_cfg, cluster)
+    with every problem), then build the job the workers run and the worker group's shape.
+    ``workload`` and ``plan`` are :func:`orchestrator.checking.resolve_inputs`'s, if it ran."""
+    estimate, facts, _, workload = checked_run(cfg, model_cfg, cluster, workload=workload, plan=plan)
     plan = estimate.plan
     data_fits_plan(workload.data, plan)
     if not estimate.feasible:
@@ -199,9 +223,7 @@ def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec) -> Prepar
               file=sys.stderr)
     ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=facts.param_count,
                                 tp_layer_specs=workload.tp_layer_specs)
-    job = TrainJob(plan=plan, ds_config=ds_config, workload=workload, train=cfg.train,
-                   env={**worker_env(plan),
-                        **collective_timeout_env(cfg.train.hang_timeout_s, cfg.train.setup_timeout_s)},
+    job = TrainJob(plan=plan, ds_config=ds_config, workload=workload, train=cfg.train, env=job_env(plan, cfg.train),
                    model_signature=signature_of(workload.model_factory, workload.model_config, cfg.train),
                    system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.enabled else 0.0)
     group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
@@ -225,15 +247,15 @@ def _resume_point(job: TrainJob, cfg: RunConfig, out) -> tuple[TrainJob, Publish
 
 
 def open_tracking(cfg: RunConfig, model_cfg: dict, prepared: PreparedJob, published: Published | None,
-                  config_yaml: str, tags: dict[str, str]) -> tuple[RunConfig, RunTracker | None]:
+                  config_yaml: str, tags: dict[str, str]) -> RunTracker:
     """The run's MLflow run: the one a resumed checkpoint belongs to, or a new one with the
-    config, the estimate and the dataset; None with tracking disabled. The config comes back
-    with the tracking URI that answered (tracking.fallback may have replaced it)."""
-    if not cfg.tracking.enabled:
-        return cfg, None
-    cfg = reachable_tracking(cfg)
+    config, the estimate and the dataset. ``cfg`` holds the tracking URI that answered
+    (:func:`orchestrator.train_tracking.opened_tracking`)."""
+    from orchestrator.tracking import RunTracker
+    from orchestrator.train_tracking import start_tracking
+
     if published and published.run_id:
-        return cfg, RunTracker.resume(uri=cfg.tracking.uri, run_id=published.run_id)
+        return RunTracker.resume(uri=cfg.tracking.uri, run_id=published.run_id)
     tracker = start_tracking(cfg, model_cfg, prepared.plan, prepared.facts, prepared.estimate,
                              prepared.job.ds_config, config_yaml, tags)
     try:
@@ -241,7 +263,7 @@ def open_tracking(cfg: RunConfig, model_cfg: dict, prepared: PreparedJob, publis
     except Exception as error:  # noqa: BLE001 - a user's data source may raise anything
         print(f"note: the data was not logged as a dataset input ({type(error).__name__}: {error})",
               file=sys.stderr)
-    return cfg, tracker
+    return tracker
 
 
 def _print_plan(prepared: PreparedJob, out) -> None:
@@ -272,6 +294,8 @@ def _train(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: RunTra
             if isinstance(error, WorkerHangError):
                 print(f"hang: {error}", file=out, flush=True)
                 if tracker:
+                    from orchestrator.train_tracking import record_hang
+
                     record_hang(tracker, error, failures + 1)
             failures += 1
             if policy.gives_up(error, failures):
@@ -299,7 +323,11 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
     result.worker_facts = group.setup(job, timeout_s=job.train.setup_timeout_s, streams=streams)
     clock.mark("setup")
     _note_setup(result.worker_facts, tracker)
-    on_system = SystemMetricsLog(tracker, result.worker_facts) if tracker else None
+    on_system = None
+    if tracker:
+        from orchestrator.train_tracking import SystemMetricsLog
+
+        on_system = SystemMetricsLog(tracker, result.worker_facts)
     peak_tflops = mean_peak_tflops(result.worker_facts)
     for reports in group.train(hang_timeout_s=job.train.hang_timeout_s, on_system=on_system):
         if not result.reports:
@@ -401,6 +429,8 @@ def _print_summary(result: TrainResult, tracker: RunTracker | None, out) -> None
         lines.append(f"final loss {last['loss']:.4f}" + (f", eval loss {last['eval_loss']:.4f}"
                                                           if "eval_loss" in last else ""))
     if tracker:
+        from orchestrator.tracking import redact_uri
+
         lines.append(f"MLflow run {tracker.run_id} in experiment {tracker.experiment_id} "
                      f"({redact_uri(tracker.uri)})")
         lines.append(f"open it: {tracker.ui_hint()}")

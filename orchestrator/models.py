@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 
@@ -31,9 +32,45 @@ def build_model(model_cfg: dict) -> torch.nn.Module:
         raise
 
 
-def model_factory(model_cfg: dict) -> Callable[[], torch.nn.Module]:
-    """A picklable zero-argument factory, so workers build the model themselves."""
-    return functools.partial(build_model, model_cfg)
+class ModelFactory:
+    """The model's zero-argument factory: picklable, so workers build the model themselves, and
+    built on ``meta`` once per command.
+
+    The planner needs the model on ``meta`` several times (its contract, the memory probe, the
+    activations, the FLOP count, the checkpoint signature, the tensor-parallel plan). Its
+    constructor runs once per default dtype; each caller gets a deep copy, which is cheap on
+    ``meta`` and lets it change or run its copy (cast it, shard it, run a backward pass) without
+    touching the others'. A model that cannot be deep-copied is built again each time. Real
+    builds (workers, export) are never cached, and the cache is not pickled.
+    """
+
+    def __init__(self, model_cfg: dict):
+        self.model_cfg = model_cfg
+        self._on_meta: dict[torch.dtype, torch.nn.Module] = {}
+        self._copyable = True
+
+    def __call__(self) -> torch.nn.Module:
+        if torch.get_default_device().type != "meta" or not self._copyable:
+            return build_model(self.model_cfg)
+        dtype = torch.get_default_dtype()
+        if dtype not in self._on_meta:
+            self._on_meta[dtype] = build_model(self.model_cfg)
+        try:
+            return copy.deepcopy(self._on_meta[dtype])
+        except Exception:  # noqa: BLE001 - a user's module may hold what deepcopy refuses (locks, handles)
+            self._copyable = False
+            return self._on_meta.pop(dtype)
+
+    def __getstate__(self) -> dict:
+        return {"model_cfg": self.model_cfg}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model_cfg"])
+
+
+def model_factory(model_cfg: dict) -> ModelFactory:
+    """The model's :class:`ModelFactory`."""
+    return ModelFactory(model_cfg)
 
 
 # A model config key that is not a constructor argument: the model's tensor-parallel layer specs.
@@ -89,7 +126,8 @@ def build_at_depth(model_cfg: dict, depth: int) -> torch.nn.Module:
 
 
 def inspect_declared_model(model_cfg: dict, inputs: ModelInputs, cluster: ClusterSpec, precision: Precision,
-                           offload_param: Offload) -> tuple[ModelFacts, ShallowModels | None]:
+                           offload_param: Offload, factory: Callable[[], torch.nn.Module] | None = None,
+                           ) -> tuple[ModelFacts, ShallowModels | None]:
     """The model's facts, and its shallow copies when the planner can count from them.
 
     A deep model (:func:`declared_depth`) is built at two shallow depths only: a model no plan
@@ -111,4 +149,4 @@ def inspect_declared_model(model_cfg: dict, inputs: ModelInputs, cluster: Cluste
         refuse_unbuildable(facts, shallow, f"model.{DEPTH_KEY}", cluster, precision, offload_param)
         if shallow.exact:
             return facts, shallow
-    return inspect_model(model_factory(model_cfg), inputs, arguments=model_cfg), None
+    return inspect_model(factory or model_factory(model_cfg), inputs, arguments=model_cfg), None

@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from launchers.checkpoint import directory_lock, latest, model_signature
+from plans.meta import meta_device
 from plans.spec import ResumeMode, TrainSpec
 
 
@@ -40,6 +41,6 @@ def signature_of(factory: Callable[[], torch.nn.Module], constructor_cfg: dict, 
     """The model's signature for checkpoint manifests, read on ``meta`` (nothing allocated)."""
     if not uses_checkpoints(train):
         return None
-    with torch.device("meta"):
+    with meta_device():
         module = factory()
     return model_signature(module, constructor_cfg)

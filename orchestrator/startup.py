@@ -8,15 +8,22 @@ as ``startup/<phase>_s`` metrics, so slow starts can be compared across runs and
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
 
 PHASES = {
     "check": "plan check: the live cluster read off Ray when cluster.address is set (connecting to it), "
-             "model probe on meta, memory estimate, FLOP count",
-    "tracking": "MLflow run created (or resumed)",
-    "ray": "Ray connected (an embedded Ray started), unless the check connected already",
-    "workers": "placement group and one actor process per worker",
+             "model probe on meta, memory estimate, FLOP count; the tracking store opened meanwhile",
+    "tracking": "MLflow run created (or resumed), while Ray starts",
+    "ray": "the rest of Ray's start (an embedded Ray), unless the check connected already",
+    "workers": "placement group and one actor per worker (on an embedded Ray, its idle worker processes, "
+               "which import torch and DeepSpeed while Ray waits for work)",
     "setup": "DeepSpeed initialization on every worker: process group, model, engine",
     "first_report": "the first train.log_every steps, until their report reached the driver",
 }
@@ -49,3 +56,12 @@ class StartupClock:
 def describe(phases: dict[str, float]) -> str:
     """``check 2.1s, tracking 0.3s, ...`` in the order the phases ran."""
     return ", ".join(f"{phase.replace('_', ' ')} {seconds:.1f}s" for phase, seconds in phases.items())
+
+
+@contextlib.contextmanager
+def in_background(work: Callable[..., T], *args) -> Iterator[Callable[[], T]]:
+    """Run ``work(*args)`` in a thread while the block runs; yield ``result()``, which waits for it
+    (raising what it raised). Leaving the block waits for it too, so nothing outlives the command."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=getattr(work, "__name__", "work")) \
+            as pool:
+        yield pool.submit(work, *args).result

@@ -17,7 +17,15 @@ from launchers.placement import rank_layout
 from launchers.worker_group import WorkerHangError
 from orchestrator.config import RunConfig
 from orchestrator.credentials import redact_text
-from orchestrator.tracking import RunTracker, TrackingUnreachable, check_reachable, flatten, git_commit, redact_uri
+from orchestrator.tracking import (
+    RunTracker,
+    TrackingUnreachable,
+    check_reachable,
+    flatten,
+    git_commit,
+    open_client,
+    redact_uri,
+)
 from plans.estimate import PlanEstimate
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
@@ -35,6 +43,15 @@ def reachable_tracking(cfg: RunConfig) -> RunConfig:
         print(f"warning: {str(error).split(' Fix:')[0]}; tracking in sqlite:///mlflow.db instead "
               "(tracking.fallback=local)", file=sys.stderr)
         return dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, uri="sqlite:///mlflow.db"))
+
+
+def opened_tracking(cfg: RunConfig) -> RunConfig:
+    """:func:`reachable_tracking`, with the store opened (a new sqlite store is created and
+    migrated then): a store MLflow cannot use is refused before Ray starts, and the run created
+    while Ray starts finds the store open (MLflow keeps it for every client of the URI)."""
+    cfg = reachable_tracking(cfg)
+    open_client(cfg.tracking.uri)
+    return cfg
 
 
 def address_param(address: str | None) -> str:
@@ -65,40 +82,6 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
                      "plan/placement.json")
     tracker.log_metrics({"memory/predicted_peak_bytes": estimate.per_device.total}, step=0)
     return tracker
-
-
-def step_metrics(reports: list[dict], plan: ResolvedPlan, flops_per_sample: int,
-                 peak_tflops: float) -> dict[str, float]:
-    """The metrics of one logged step from every rank's report: the slowest rank's step time, the
-    throughput of the whole step, FLOP rate and MFU, eval metrics and measured memory."""
-    lead = reports[0]
-    step_times = [r["step_time_s"] for r in reports]
-    slowest = max(step_times)
-    metrics = {
-        "loss": lead["loss"], "lr": lead["lr"], "step_time_s": slowest,
-        "samples_per_s": plan.global_batch_size / slowest,
-        "step_time_spread_s": slowest - min(step_times), "epoch": lead["epoch"],
-    }
-    if "tokens_per_s" in lead:  # data with tokens: every rank of one replica reports its replica's tokens
-        metrics["tokens_per_s"] = sum(r["tokens_per_s"] for r in reports) / plan.tp / plan.pp
-    # Every device does an equal share of the step's FLOPs (dp splits the batch, tp the layers).
-    tflops = flops_per_sample * plan.global_batch_size / slowest / plan.world_size / 1e12
-    metrics["tflops_per_device"] = tflops
-    if peak_tflops > 0:
-        metrics["mfu"] = tflops / peak_tflops
-    metrics.update({key: value for key, value in lead.items() if key.startswith("eval_")})
-    if "measured_peak_bytes" in lead:
-        # The most loaded rank is what has to fit; the planner predicts that rank.
-        metrics["memory/measured_peak_bytes"] = max(r["measured_peak_bytes"] for r in reports)
-        metrics["memory/measured_state_bytes"] = max(r["measured_state_bytes"] for r in reports)
-        for r in reports:
-            metrics[f"memory/rank{r['rank']}/measured_peak_bytes"] = r["measured_peak_bytes"]
-    return metrics
-
-
-def mean_peak_tflops(worker_facts: list[WorkerFacts]) -> float:
-    peaks = [f.peak_tflops for f in worker_facts]
-    return sum(peaks) / len(peaks) if peaks else 0.0
 
 
 class SystemMetricsLog:

@@ -16,6 +16,7 @@ from plans.errors import OrchError
 from plans.resolve import ResolvedPlan
 from plans.search_space import Candidate, SearchContext, plan_spec
 from plans.spec import ResumeMode
+from plans.workload import Workload
 
 
 class TrialTimeout(OrchError):
@@ -48,8 +49,9 @@ def trial_config(cfg: RunConfig, plan: ResolvedPlan, index: int, parent_name: st
 
 
 def run_trial(cfg: RunConfig, model_cfg: dict, candidate: Candidate, index: int, ctx: SearchContext,
-              result: TuneResult, err) -> Trial:
-    """One candidate as a short real run; any failure is caught, reported and recorded."""
+              result: TuneResult, err, workload: Workload | None = None) -> Trial:
+    """One candidate as a short real run; any failure is caught, reported and recorded.
+    ``workload`` is the tuner's, reused unless the trial's model takes the plan's tp."""
     from orchestrator.driver import run_training
 
     plan = candidate.plan
@@ -71,7 +73,8 @@ def run_trial(cfg: RunConfig, model_cfg: dict, candidate: Candidate, index: int,
     if result.parent_run_id:
         tags["mlflow.parentRunId"] = result.parent_run_id
     try:
-        run = run_training(trial_cfg, trial_model, yaml, stream=err, on_report=deadline, tags=tags)
+        run = run_training(trial_cfg, trial_model, yaml, stream=err, on_report=deadline, tags=tags,
+                           workload=workload if trial_model is model_cfg else None)
     except Exception as exc:  # contained: one bad plan (OOM, crash, hang) must not end the tuning
         trial.status = "timeout" if isinstance(exc, TrialTimeout) else "failed"
         first = str(exc).strip().splitlines()

@@ -26,6 +26,7 @@ from orchestrator.workload import resolve_workload
 from plans.cost_model import Speeds
 from plans.depth_scaling import SHALLOW_DEPTHS
 from plans.errors import PlanError, Violation
+from plans.meta import meta_device
 from plans.model_cost import measure_model_cost
 from plans.resolve import ResolvedPlan
 from plans.search_space import (
@@ -74,7 +75,8 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
     workload = workload or resolve_workload(model_cfg, cfg.objective, cfg.data)
     constructor_cfg, tp_layer_specs = workload.model_config, workload.tp_layer_specs
     facts, shallow = inspect_declared_model(constructor_cfg, workload, cluster, cfg.plan.precision,
-                                            Offload.none)  # the tuner offloads to the CPU at most
+                                            Offload.none,  # the tuner offloads to the CPU at most
+                                            factory=workload.model_factory)
     check_model(dataclasses.replace(facts, supports_activation_checkpointing=True), cfg, workload)
     large = facts.param_count >= _EXACT_PARAMS_LIMIT
     probe = BatchScaledProbe(workload.model_factory, workload, tp_layer_specs=tp_layer_specs,
@@ -91,10 +93,9 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
         if "tp" not in constructor_cfg:
             return None
         try:
-            import torch
 
             shallow_depth = {DEPTH_KEY: SHALLOW_DEPTHS[0]} if shallow is not None else {}
-            with torch.device("meta"):
+            with meta_device():
                 build_model({**constructor_cfg, "tp": tp, **shallow_depth})
         except Exception as exc:  # the model's own refusal, e.g. heads that do not split
             return f"the model refuses tp: {type(exc).__name__}"
@@ -196,7 +197,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
         status = "FAILED"
         try:
             for index, candidate in enumerate(trial_candidates(result.search.ranked, cfg.tune.trials), start=1):
-                result.trials.append(run_trial(cfg, model_cfg, candidate, index, ctx, result, err))
+                result.trials.append(run_trial(cfg, model_cfg, candidate, index, ctx, result, err, workload))
             pick_winner(result)
             result.plan_file = write_plan_file(result.winner.plan, cfg, model_cfg, cluster, result)
             result.overrides = plan_overrides(result.winner.plan, cfg)

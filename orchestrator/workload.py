@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from orchestrator.models import (
     split_model_config,
 )
 from plans.errors import PlanError, Violation
+from plans.meta import meta_device
 from plans.tp_plan import specs_from_deepspeed_preset, specs_from_tp_plan
 from plans.workload import DataSource, Objective, Workload
 
@@ -81,7 +83,8 @@ def build_data_source(cfg: dict) -> DataSource:
                                    "fix the data source's arguments")]) from None
 
 
-def declared_tp_specs(model_cfg: dict, constructor_cfg: dict) -> tuple[list[dict] | None, str | None]:
+def declared_tp_specs(model_cfg: dict, constructor_cfg: dict, factory: Callable[[], torch.nn.Module] | None = None,
+                      ) -> tuple[list[dict] | None, str | None]:
     """The model's AutoTP layer specs and where they come from: ``model.tp_layer_specs`` in the
     config, else the model class's own :data:`TP_SPECS_ATTRIBUTE`, else the model's own
     tensor-parallel plan (a Hugging Face model's, read off the model built on ``meta``), else
@@ -97,8 +100,8 @@ def declared_tp_specs(model_cfg: dict, constructor_cfg: dict) -> tuple[list[dict
     if isinstance(specs, list) and specs:
         return specs, f"{target.__name__}.{TP_SPECS_ATTRIBUTE}"
     try:
-        with torch.device("meta"):
-            module = build_model(constructor_cfg)
+        with meta_device():
+            module = factory() if factory else build_model(constructor_cfg)
     except Exception:  # noqa: BLE001 - the model check reports a model that cannot be built
         return None, None
     specs = specs_from_tp_plan(module)
@@ -135,7 +138,8 @@ def resolve_workload(model_cfg: dict, objective_cfg: dict, data_cfg: dict) -> Wo
             problems += error.violations
     if problems:
         raise PlanError(problems)
-    specs, source = declared_tp_specs(model_cfg, constructor_cfg)
+    factory = model_factory(constructor_cfg)
+    specs, source = declared_tp_specs(model_cfg, constructor_cfg, factory)
     try:
         pipeline = pipeline_layers_factory(constructor_cfg)
     except Exception:  # noqa: BLE001 - a factory function or an unimportable target: the model check reports it
@@ -143,7 +147,7 @@ def resolve_workload(model_cfg: dict, objective_cfg: dict, data_cfg: dict) -> Wo
     refusal = None if pipeline else (
         f"{constructor_cfg.get('_target_', 'the model')} cannot be split into pipeline stages: it has no "
         f"{PIPELINE_LAYERS_METHOD}() classmethod returning its layers as DeepSpeed LayerSpecs")
-    return Workload(model_factory=model_factory(constructor_cfg), objective=built["objective"], data=built["data"],
+    return Workload(model_factory=factory, objective=built["objective"], data=built["data"],
                     model_config=constructor_cfg, tp_layer_specs=specs, tp_specs_source=source,
                     pipeline_layers=pipeline, pipeline_refusal=refusal,
                     weight_file_bytes=weight_file_bytes(constructor_cfg))

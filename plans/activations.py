@@ -31,6 +31,7 @@ from plans.depth_scaling import (
     repeated_stack,
     shallow_copy,
 )
+from plans.meta import meta_device
 from plans.workload import (
     Batch,
     MetaBranches,
@@ -166,7 +167,7 @@ def _build_on_meta(factory_or_module: ModelOrFactory, dtype: torch.dtype) -> tor
                              "instead, so the model is built there without allocating")
         module = copy.deepcopy(factory_or_module)
     else:
-        with torch.device("meta"):
+        with meta_device():
             module = factory_or_module()
     # DeepSpeed casts the module to the training dtype; activations follow the parameters.
     return module.to(dtype=dtype)

@@ -30,6 +30,8 @@ from typing import TypeVar
 
 import torch
 
+from plans.meta import meta_device
+
 SHALLOW_DEPTHS = (2, 4)
 """The two depths measured. Not 1: with one block, a peak can sit at a different event (the
 head's backward) than it does in a deep model."""
@@ -99,7 +101,7 @@ class ShallowModels:
 
     @classmethod
     def build(cls, factory_at_depth: Callable[[int], torch.nn.Module], depth: int) -> ShallowModels:
-        with torch.device("meta"):
+        with meta_device():
             shallow, deeper = (factory_at_depth(d) for d in SHALLOW_DEPTHS)
         return cls(depth=depth, shallow=shallow, deeper=deeper)
 

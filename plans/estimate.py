@@ -35,6 +35,7 @@ from plans.memory import (
     stage3_persistent_params,
     step_phases,
 )
+from plans.meta import meta_device
 from plans.pipeline import (
     PipelineLayer,
     PipelineStage,
@@ -146,7 +147,7 @@ def shard_on_meta(factory: Callable[[], torch.nn.Module], layer_specs: list[dict
     keep them. Running the model's own forward on it gives the activations of one rank: the
     sharded layers' outputs and inputs shrink by tp, the rest stay whole (the row-parallel
     all-reduce changes values, not shapes, so it is not needed on meta)."""
-    with torch.device("meta"):
+    with meta_device():
         return shard_module(factory(), layer_specs, tp)
 
 
@@ -217,7 +218,7 @@ class ModelProbe:
     @functools.cached_property
     def module(self) -> torch.nn.Module:
         """The model at its full depth on ``meta``, built on first use."""
-        with torch.device("meta"):
+        with meta_device():
             return self.factory()
 
     @property

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from plans.meta import meta_device
 from plans.workload import (
     PROBE_SAMPLES,
     MetaBranches,
@@ -26,7 +27,7 @@ from plans.workload import (
 def training_flops_per_sample(factory: Callable[[], torch.nn.Module], inputs: ModelInputs, *,
                               checkpointing: bool = False) -> int:
     """FLOPs of forward + objective + backward for one sample of the data source (linear in the batch)."""
-    with torch.device("meta"):
+    with meta_device():
         module = factory()
         if checkpointing:
             enable_activation_checkpointing(module)

@@ -11,6 +11,7 @@ import torch
 
 from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.errors import PlanError, Violation
+from plans.meta import meta_device
 from plans.spec import ClusterSpec, Offload, Precision
 from plans.workload import (
     PROBE_SAMPLES,
@@ -53,7 +54,7 @@ def inspect_model(factory: Callable[[], torch.nn.Module], inputs: ModelInputs,
     message names (``arguments`` is the model's config: ``_target_`` and constructor arguments).
     """
     arguments = arguments or {}
-    with _model_code_errors(arguments, "refused its arguments"), torch.device("meta"):
+    with _model_code_errors(arguments, "refused its arguments"), meta_device():
         module = factory()
     return _facts(module, inputs, arguments)
 

@@ -16,6 +16,7 @@ import torch
 
 from plans.activations import ActivationBytes, _MetaRunsAsOnCpu, _SavedTensors
 from plans.depth_scaling import SHALLOW_DEPTHS
+from plans.meta import meta_device
 from plans.workload import ModelInputs, move_batch
 
 
@@ -64,7 +65,7 @@ class PipelineStage:
 
 
 def _build(spec) -> torch.nn.Module:
-    with torch.device("meta"):
+    with meta_device():
         return spec.build() if hasattr(spec, "build") else spec
 
 

@@ -5,6 +5,7 @@ CI (minutes each, and their numbers mean little on a loaded CI machine)."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import pytest
@@ -50,6 +51,9 @@ def test_plain_deepspeed_baseline_trains_under_torchrun(tmp_path):
     assert sorted(run.step_at) == list(range(1, steps + 1))
     times = [run.step_at[s] for s in range(1, steps + 1)]
     assert times == sorted(times) and 0 < run.first_step_s < run.wall_s
+    # Two ranks importing torch and DeepSpeed use more than a CPU-second; no machine has more cores
+    # busy than it has.
+    assert 1.0 < run.cpu_to_first_step_s < run.first_step_s * os.cpu_count() + 1
     assert run.steady_step_s(warmup=1) > 0
     assert plain_in_loop_step_s(run, warmup=1) > 0
     assert any("eval_loss" in line for line in run.output)

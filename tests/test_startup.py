@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -37,3 +38,41 @@ def test_an_unknown_phase_is_a_programming_error_that_names_the_known_ones():
 def test_describe_lists_the_phases_in_the_order_they_ran():
     assert describe({"check": 2.14, "first_report": 1.0}) == "check 2.1s, first report 1.0s"
     assert list(PHASES)[-1] == "first_report"
+
+
+def test_background_work_hands_back_its_result_or_its_error():
+    from orchestrator.startup import in_background
+
+    with in_background(sum, [1, 2]) as result:
+        assert result() == 3
+    with in_background(int, "x") as result, pytest.raises(ValueError):
+        result()
+
+
+def test_ray_starts_in_the_background_with_the_workers_environment_and_preloaded_modules():
+    """Actors placed on the embedded Ray get the workers' environment without a runtime_env of
+    their own, and find the preloaded module imported; an unreachable address fails ready()."""
+    import ray
+
+    from helpers.config import REPO
+    from helpers.ray_cluster import EnvProbe
+    from launchers.ray_session import RayConnectError, env_to_set, ray_session_in_background
+    from launchers.worker_group import WorkerGroupSpec, place_actors
+
+    env = {"ORCH_TEST_WORKER_ENV": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    with ray_session_in_background(None, worker_cpus=2, object_store_gib=0.25, worker_env=env,
+                                   preload=("colorsys",)) as ready:
+        ready()
+        assert env_to_set(env) == {} and env_to_set({"ORCH_TEST_WORKER_ENV": "2"}) == {"ORCH_TEST_WORKER_ENV": "2"}
+        assert "ORCH_TEST_WORKER_ENV" not in os.environ  # the driver's own environment is left as it was
+        spec = WorkerGroupSpec(world_size=2, cpus_per_worker=1, gpus_per_worker=0, env=env, wait_s=60, tp=1,
+                               strategy="PACK")
+        placed = place_actors(EnvProbe, spec)
+        try:
+            seen = ray.get([a.seen.remote("ORCH_TEST_WORKER_ENV", "colorsys") for a in placed.actors])
+            assert seen == [("1", True)] * 2
+        finally:
+            placed.release()
+    assert not ray.is_initialized() and env_to_set(env) == env
+    with ray_session_in_background("127.0.0.1:1", connect_timeout_s=1) as ready, pytest.raises(RayConnectError):
+        ready()

@@ -8,7 +8,7 @@ from ray.exceptions import RayActorError
 
 from launchers.worker_group import WorkerFailedError, WorkerHangError
 from orchestrator.driver import FailurePolicy
-from orchestrator.train_tracking import step_metrics
+from orchestrator.step_metrics import step_metrics
 from plans.errors import PlanError
 from plans.resolve import resolve_plan
 from plans.spec import ClusterSpec, PlanSpec, TrainSpec
