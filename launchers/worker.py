@@ -42,6 +42,23 @@ PRELOAD_MODULES = ("torch", "deepspeed")
 processes import them ahead (launchers.ray_session.start_local_ray)."""
 
 
+def match_torch_threads() -> None:
+    """Size torch's intra-op thread pool to ``OMP_NUM_THREADS``, which Ray sets to the actor's
+    CPUs when the actor is placed.
+
+    OpenMP reads the variable once, when torch is loaded: a process that imported torch before
+    it was placed (an embedded Ray's preloaded idle worker) would otherwise run one thread per
+    core of the node in every rank, and ranks sharing a node would slow each other down.
+    """
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if not threads.isdigit() or int(threads) < 1:
+        return
+    import torch
+
+    if torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))
+
+
 def _digest(batch) -> str:
     """A fingerprint of a batch of any structure (tests compare the batches ranks read)."""
     import torch
@@ -181,6 +198,7 @@ class TrainWorker:
     """A DeepSpeed worker: one rank of the run."""
 
     def __init__(self):
+        match_torch_threads()
         self.engine = None
         self.device_mapping: DeviceMapping | None = None
         self.start_step = 0
@@ -327,7 +345,8 @@ class TrainWorker:
                            params_on_rank=sum(p.numel() for p in module.parameters()),
                            params_at_build=held_at_build, built=built, data_tensor_bytes=data_tensor_bytes,
                            optimizer_note=optimizer_note,
-                           peak_tflops=_matmul_tflops(plan.precision.value, self.engine.device))
+                           peak_tflops=_matmul_tflops(plan.precision.value, self.engine.device),
+                           torch_threads=torch.get_num_threads())
 
     def _pipeline_module(self, job: TrainJob):
         """The model as DeepSpeed pipeline stages; this rank builds only its own stage's layers.

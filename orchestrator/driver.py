@@ -368,7 +368,7 @@ def _note_setup(worker_facts: list[WorkerFacts], tracker: RunTracker | None) -> 
 
 
 # What each rank reports of where it runs, logged next to the planned layout (plan/placement.json).
-_REALIZED_PLACEMENT = ("rank", "node_id", "hostname", "pid", "dp_rank", "pp_rank", "tp_rank")
+_REALIZED_PLACEMENT = ("rank", "node_id", "hostname", "pid", "dp_rank", "pp_rank", "tp_rank", "torch_threads")
 
 
 def _export(group: WorkerGroup, workload, tracker: RunTracker, out) -> None:

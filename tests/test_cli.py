@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -105,6 +107,11 @@ def test_train_with_defaults_tracks_a_local_run(tmp_path):
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert runs[0].info.run_id in done.stdout
     assert runs[0].data.metrics["loss"] < 5.0
+    # Each rank runs as many torch threads as its actor has CPUs (1), though the embedded Ray's
+    # idle processes imported torch before they were placed.
+    placement = json.loads(Path(client.download_artifacts(runs[0].info.run_id, "plan/placement_realized.json",
+                                                          str(tmp_path))).read_text())
+    assert [rank["torch_threads"] for rank in placement["ranks"]] == [1, 1]
     # The run can be listed and reported afterwards, with its pictures.
     listed = orch("runs", cwd=tmp_path)
     assert listed.returncode == 0 and runs[0].info.run_id[:12] in listed.stdout and "FINISHED" in listed.stdout
