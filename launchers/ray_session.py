@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 
 import ray
 
@@ -29,24 +29,18 @@ class RayConnectError(OrchError):
     """The declared Ray cluster cannot be reached."""
 
 
-_workers_inherit: dict[str, str] = {}
-"""The environment every worker process of the embedded Ray this process started inherits."""
-
-
 @contextlib.contextmanager
 def ray_session(address: str | None, *, worker_cpus: float = 0, data_cpus: float = 0, object_store_gib: float = 1.0,
-                connect_timeout_s: float = 30.0, worker_env: Mapping[str, str] | None = None,
-                preload: Sequence[str] = ()) -> Iterator[None]:
+                connect_timeout_s: float = 30.0) -> Iterator[None]:
     """Yield with Ray connected; shut down only what this call started.
 
     An already-initialized Ray (a test fixture, a notebook) is used as it is. With no address an
     embedded Ray starts on loopback with at least ``worker_cpus + data_cpus`` logical CPUs, so a
     plan may run more workers than cores, and a capped object store (Ray would otherwise reserve
-    ~30% of host memory). Its worker processes start with ``worker_env`` and import ``preload``
-    while they wait for work (see :func:`start_local_ray`). An address must answer within
-    ``connect_timeout_s`` (cluster.connect_timeout_s). ``data_cpus`` are what a streamed data
-    source's own tasks take beside the workers': a cluster whose CPUs cannot hold both is
-    refused (see :func:`require_data_cpus`).
+    ~30% of host memory). An address must answer within ``connect_timeout_s``
+    (cluster.connect_timeout_s). ``data_cpus`` are what a streamed data source's own tasks take
+    beside the workers': a cluster whose CPUs cannot hold both is refused (see
+    :func:`require_data_cpus`).
     """
     if ray.is_initialized():
         require_data_cpus(worker_cpus, data_cpus)
@@ -55,8 +49,7 @@ def ray_session(address: str | None, *, worker_cpus: float = 0, data_cpus: float
     try:  # a start interrupted half-way (Ctrl-C, SIGTERM) is shut down too
         if address is None:
             start_local_ray(num_cpus=max(os.cpu_count() or 1, int(worker_cpus + data_cpus + 0.999)),
-                            object_store_memory=int(object_store_gib * GIB), worker_env=worker_env,
-                            preload=preload)
+                            object_store_memory=int(object_store_gib * GIB))
         else:
             try:
                 connect(address, connect_timeout_s)
@@ -69,13 +62,12 @@ def ray_session(address: str | None, *, worker_cpus: float = 0, data_cpus: float
         yield
     finally:
         ray.shutdown()
-        _workers_inherit.clear()
 
 
 @contextlib.contextmanager
 def ray_session_in_background(address: str | None, **session) -> Iterator[Callable[[], None]]:
-    """:func:`ray_session`, held by a thread of its own: the command checks its plan and opens its
-    tracking while Ray starts (seconds of process start-up, mostly spent waiting on Ray's servers).
+    """:func:`ray_session`, held by a thread of its own, so the command can do other work (create
+    its MLflow run) during the seconds Ray's server processes take to start.
 
     Yields ``ready()``, which returns once Ray is connected and raises what connecting raised.
     The thread holds the session until the block ends, then shuts down what it started: Ray ties
@@ -111,16 +103,6 @@ def ray_session_in_background(address: str | None, **session) -> Iterator[Callab
         holder.join()
 
 
-def env_to_set(env: Mapping[str, str]) -> dict[str, str]:
-    """What of ``env`` a new Ray worker process lacks and must be given (its ``runtime_env``).
-
-    An actor with a ``runtime_env`` of its own gets a new process, started when the actor is;
-    one without takes an idle worker process Ray started ahead, which has imported the embedded
-    Ray's ``preload`` already (:func:`start_local_ray`), so only what those lack is set.
-    """
-    return {key: value for key, value in env.items() if _workers_inherit.get(key) != value}
-
-
 def require_data_cpus(worker_cpus: float, data_cpus: float) -> None:
     """Refuse a cluster whose CPUs cannot hold the workers and the data's tasks together.
 
@@ -139,44 +121,14 @@ def require_data_cpus(worker_cpus: float, data_cpus: float) -> None:
              "nodes first), or lower cluster.cpus_per_worker"))])
 
 
-def start_local_ray(*, worker_env: Mapping[str, str] | None = None, preload: Sequence[str] = (),
-                    **init_kwargs) -> None:
+def start_local_ray(**init_kwargs) -> None:
     """``ray.init`` of an embedded Ray whose GCS, raylet, agents and workers all listen on loopback.
 
     Token authentication stays as Ray sets it for a new local cluster (on, unless the user set
     ``RAY_AUTH_MODE``); the dashboard, which would serve HTTP, is not started.
-
-    Ray starts idle worker processes as soon as the driver connects. They inherit the raylet's
-    environment, which gets ``worker_env`` (so settings a library reads when imported are in
-    place), and import ``preload`` (Ray's ``preload_python_modules``) before they take work:
-    the workers' imports of torch and DeepSpeed, seconds each, then run while the driver is
-    still checking its plan instead of after the actors are created.
     """
-    worker_env = worker_env or {}
-    # Ray keeps as many idle processes as CPUs are free; a placement group reserving every CPU
-    # would have the ones holding the preloaded modules stopped just before the actors need them.
-    system_config = {"preload_python_modules": list(preload),
-                     "num_workers_soft_limit": init_kwargs.get("num_cpus") or os.cpu_count() or 1} if preload else None
-    with _loopback_node_address(), _process_env(worker_env):
-        _init_keeping_sigterm(address="local", _node_ip_address=LOOPBACK, include_dashboard=False,
-                              _system_config=system_config, **init_kwargs)
-    _workers_inherit.clear()
-    _workers_inherit.update(worker_env)
-
-
-@contextlib.contextmanager
-def _process_env(env: Mapping[str, str]) -> Iterator[None]:
-    """``env`` set in this process while the block runs (the processes it starts inherit it)."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with _loopback_node_address():
+        _init_keeping_sigterm(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)
 
 
 @contextlib.contextmanager

@@ -37,18 +37,15 @@ from launchers.storage import RemoteDir, is_remote, local_path, staging_dir
 from plans.meta import meta_device
 from plans.spec import Precision
 
-PRELOAD_MODULES = ("torch", "deepspeed")
-"""What a worker imports before it can set up (seconds each): an embedded Ray's idle worker
-processes import them ahead (launchers.ray_session.start_local_ray)."""
-
 
 def match_torch_threads() -> None:
     """Size torch's intra-op thread pool to ``OMP_NUM_THREADS``, which Ray sets to the actor's
     CPUs when the actor is placed.
 
     OpenMP reads the variable once, when torch is loaded: a process that imported torch before
-    it was placed (an embedded Ray's preloaded idle worker) would otherwise run one thread per
-    core of the node in every rank, and ranks sharing a node would slow each other down.
+    it was placed (a cluster whose Ray preloads modules into its idle workers,
+    ``preload_python_modules``) would otherwise run one thread per core of the node in every
+    rank, and ranks sharing a node would slow each other down.
     """
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if not threads.isdigit() or int(threads) < 1:

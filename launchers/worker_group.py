@@ -20,7 +20,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from launchers.gpu_sharing import share_gpus
 from launchers.job import PollStatus, TrainJob, WorkerFacts
 from launchers.placement import RankSlot, assign_ranks, straddling_groups
-from launchers.ray_session import env_to_set
 from launchers.worker import TrainWorker
 from plans.errors import OrchError
 
@@ -148,7 +147,7 @@ def place_actors(actor_class: type, spec: WorkerGroupSpec, *, max_concurrency: i
                 num_cpus=spec.cpus_per_worker, num_gpus=spec.gpus_per_worker, max_concurrency=max_concurrency,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                      placement_group_bundle_index=i),
-                **({"runtime_env": {"env_vars": env}} if (env := env_to_set(spec.env)) else {}),
+                runtime_env={"env_vars": spec.env},
             ).remote())
         slots = assign_ranks(ray.get([a.node_id.remote() for a in actors]))
         order = sorted(range(len(actors)), key=lambda i: slots[i].rank)

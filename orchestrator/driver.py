@@ -29,7 +29,6 @@ from launchers.placement import placement_strategy
 from launchers.ray_session import ray_session_in_background
 from launchers.universal import convert as convert_to_universal
 from launchers.universal import needs_universal
-from launchers.worker import PRELOAD_MODULES
 from launchers.worker_group import (
     WorkerDiedError,
     WorkerFailedError,
@@ -172,12 +171,10 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
             cfg = imported().opened_tracking(cfg)  # a tracking URI that cannot be used is refused before Ray starts too
         clock.mark("check")
         # Everything declared is valid: Ray starts while the MLflow run is created.
-        data_cpus = data_task_cpus(workload.data)
         ray_ready = held.enter_context(ray_session_in_background(
-            cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker, data_cpus=data_cpus,
-            object_store_gib=cfg.cluster.object_store_memory_gib, connect_timeout_s=cfg.cluster.connect_timeout_s,
-            # A streamed source's Ray Data tasks take Ray's idle processes too: they would import DeepSpeed.
-            worker_env=job.env, preload=() if data_cpus else PRELOAD_MODULES))
+            cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
+            data_cpus=data_task_cpus(workload.data), object_store_gib=cfg.cluster.object_store_memory_gib,
+            connect_timeout_s=cfg.cluster.connect_timeout_s))
         tracker = None
         if cfg.tracking.enabled:
             tracker = open_tracking(cfg, model_cfg, prepared, published, config_yaml, tags or {})

@@ -22,8 +22,7 @@ PHASES = {
              "model probe on meta, memory estimate, FLOP count; the tracking store opened meanwhile",
     "tracking": "MLflow run created (or resumed), while Ray starts",
     "ray": "the rest of Ray's start (an embedded Ray), unless the check connected already",
-    "workers": "placement group and one actor per worker (on an embedded Ray, its idle worker processes, "
-               "which import torch and DeepSpeed while Ray waits for work)",
+    "workers": "placement group and one actor process per worker",
     "setup": "DeepSpeed initialization on every worker: process group, model, engine",
     "first_report": "the first train.log_every steps, until their report reached the driver",
 }

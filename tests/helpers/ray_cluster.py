@@ -35,12 +35,10 @@ def ray_with_env(env: dict[str, str], num_cpus: int = 2) -> Iterator[None]:
 
 
 class EnvProbe:
-    """An actor that tells what its process found: an environment variable and a loaded module."""
+    """An actor that tells what its process found in its environment."""
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def seen(self, variable: str, module: str) -> tuple[str | None, bool]:
-        import sys
-
-        return os.environ.get(variable), module in sys.modules
+    def seen(self, variable: str) -> str | None:
+        return os.environ.get(variable)
