@@ -132,20 +132,20 @@ def measure(overrides: list[str], tracking_uri: str) -> list[dict]:
     if gpu:
         data_bytes = dict.fromkeys(data_bytes, 0)
     for stage, device in enumerate(estimate.stages):
-        ranks = [r for r in last if stage_of[r["rank"]] == stage]
+        ranks = [r for r in last if stage_of[r.rank] == stage]
         # The most loaded rank by what is compared: measured minus the rank's own non-model bytes.
-        peak_rank = max(ranks, key=lambda r: r["measured_peak_bytes"] - data_bytes[r["rank"]])
-        held_rank = max(ranks, key=lambda r: r["measured_state_bytes"] - data_bytes[r["rank"]])
+        peak_rank = max(ranks, key=lambda r: r.measured_peak_bytes - data_bytes[r.rank])
+        held_rank = max(ranks, key=lambda r: r.measured_state_bytes - data_bytes[r.rank])
         reserve = device.reserve if gpu else 0
         rows.append({
             "plan": name + (f" (stage {stage})" if len(estimate.stages) > 1 else ""),
             "phase": device.phase,
             "predicted_peak": device.total - reserve + host,
-            "measured_peak": peak_rank["measured_peak_bytes"] - data_bytes[peak_rank["rank"]],
+            "measured_peak": peak_rank.measured_peak_bytes - data_bytes[peak_rank.rank],
             "predicted_held": device.held + host,
-            "measured_held": held_rank["measured_state_bytes"] - data_bytes[held_rank["rank"]],
+            "measured_held": held_rank.measured_state_bytes - data_bytes[held_rank.rank],
             "non_model": batch,
-            "data": max(data_bytes[r["rank"]] for r in ranks),
+            "data": max(data_bytes[r.rank] for r in ranks),
             "run_id": result.run_id,
         })
     return rows

@@ -65,11 +65,49 @@ class WorkerFacts:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StepReport:
+    """One rank's report of a logged step: what it measured over the steps since its last report."""
+
+    rank: int
+    step: int
+    """The optimizer step reported."""
+    loss: float
+    """The training loss averaged over the steps since the last report and over every rank."""
+    local_loss: float
+    """The same average over this rank's own batches only."""
+    lr: float
+    step_time_s: float
+    """This rank's mean time per step (forward, backward, optimizer step)."""
+    samples_per_s: float
+    """This rank's replica's samples per second."""
+    tokens_per_s: float | None
+    """Its replica's tokens per second, for data with tokens (None otherwise)."""
+    epoch: int
+    """The data source's epoch after this step."""
+    first_batch_digest: str
+    """A fingerprint of the first batch this rank trained on (which ranks share data)."""
+    evaluation: dict[str, float] = field(default_factory=dict)
+    """``eval_loss`` and the objective's own ``eval_<name>`` metrics, at evaluation steps."""
+    measured_peak_bytes: int | None = None
+    """Peak tensor bytes during the memory-probe step (None at other steps)."""
+    measured_state_bytes: int | None = None
+    """Tensor bytes held after the memory-probe step (None at other steps)."""
+
+    def named_values(self) -> dict[str, float]:
+        """Every value reported, by name (``loss``, ``eval_loss``, ...): what a sweep can optimize."""
+        values = {"loss": self.loss, "local_loss": self.local_loss, "lr": self.lr, "step_time_s": self.step_time_s,
+                  "samples_per_s": self.samples_per_s, "epoch": self.epoch, **self.evaluation}
+        if self.tokens_per_s is not None:
+            values["tokens_per_s"] = self.tokens_per_s
+        return values
+
+
+@dataclass(frozen=True, kw_only=True)
 class PollStatus:
     """What one rank answers the driver's poll: its new reports and the state of its training."""
 
-    reports: list[dict]
-    """Reports of the logged steps after those the driver has seen (step, loss, throughput, eval_*)."""
+    reports: list[StepReport]
+    """Reports of the logged steps after those the driver has seen."""
     done: bool
     """Training ended (finished, or failed with ``error``)."""
     error: str | None

@@ -30,7 +30,7 @@ from launchers.gpu_worker import (
     reset_cuda_peak,
     use_device,
 )
-from launchers.job import PollStatus, TrainJob, WorkerFacts
+from launchers.job import PollStatus, StepReport, TrainJob, WorkerFacts
 from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from launchers.storage import RemoteDir, is_remote, local_path, staging_dir
@@ -630,7 +630,7 @@ class TrainWorker:
         means = self._mean_over_ranks([totals[name] / batches for name in names])
         return {f"eval_{name}": mean for name, mean in zip(names, means, strict=True)}
 
-    def train(self) -> Iterator[dict]:
+    def train(self) -> Iterator[StepReport]:
         """Run ``train.steps`` optimizer steps; yield a report every ``train.log_every`` steps.
 
         Step ``train.memory_probe_step`` runs under a :class:`PeakMemoryTracker`; from then on
@@ -685,18 +685,15 @@ class TrainWorker:
                 continue
             local_loss = interval_loss / interval_steps
             global_loss, = self._mean_over_ranks([local_loss])
-            report = {
-                "rank": self.rank, "step": step, "loss": global_loss, "local_loss": local_loss,
-                "lr": self.engine.get_lr()[0], "step_time_s": interval_time / interval_steps,
-                "samples_per_s": samples_per_step * interval_steps / interval_time,
-                **({"tokens_per_s": samples_per_step * tokens_per_sample * interval_steps / interval_time}
-                   if tokens_per_sample else {}),
-                "first_batch_digest": self.first_batch_digest, "epoch": self.batches.state_dict()["epoch"],
-                **measured,
-            }
-            if (spec.eval_every and step % spec.eval_every == 0) or last:
-                report.update(self.evaluate())
-            yield report
+            evaluating = (spec.eval_every and step % spec.eval_every == 0) or last
+            yield StepReport(
+                rank=self.rank, step=step, loss=global_loss, local_loss=local_loss, lr=self.engine.get_lr()[0],
+                step_time_s=interval_time / interval_steps,
+                samples_per_s=samples_per_step * interval_steps / interval_time,
+                tokens_per_s=(samples_per_step * tokens_per_sample * interval_steps / interval_time
+                              if tokens_per_sample else None),
+                epoch=self.batches.state_dict()["epoch"], first_batch_digest=self.first_batch_digest,
+                evaluation=self.evaluate() if evaluating else {}, **measured)
             interval_loss, interval_time, interval_steps = 0.0, 0.0, 0
 
     def start(self) -> None:
@@ -707,7 +704,7 @@ class TrainWorker:
         which streaming generators do not, and a poll that stops being answered tells the
         driver the process is gone.
         """
-        self._reports: list[dict] = []
+        self._reports: list[StepReport] = []
         self._progress_at = time.monotonic()
         self._done = False
         self._error: str | None = None

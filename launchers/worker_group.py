@@ -18,7 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launchers.gpu_sharing import share_gpus
-from launchers.job import PollStatus, TrainJob, WorkerFacts
+from launchers.job import PollStatus, StepReport, TrainJob, WorkerFacts
 from launchers.placement import RankSlot, assign_ranks, straddling_groups
 from launchers.worker import TrainWorker
 from plans.errors import OrchError
@@ -225,7 +225,7 @@ class WorkerGroup:
         return self.facts
 
     def train(self, *, hang_timeout_s: float = 0.0, poll_interval_s: float | None = None,
-              on_system: Callable[[int, list[dict]], None] | None = None) -> Iterator[list[dict]]:
+              on_system: Callable[[int, list[dict]], None] | None = None) -> Iterator[list[StepReport]]:
         """Yield, per logged step, the reports of all ranks (ordered by rank).
 
         ``on_system(rank, samples)`` receives the hardware samples of the node a rank samples
@@ -238,7 +238,7 @@ class WorkerGroup:
         """
         ray.get([actor.start.remote() for actor in self.actors])
         seen = [0] * len(self.actors)
-        by_step: dict[int, dict[int, dict]] = {}
+        by_step: dict[int, dict[int, StepReport]] = {}
         while True:
             polls = ray.get([actor.poll.remote(n) for actor, n in zip(self.actors, seen, strict=True)])
             for rank, poll in enumerate(polls):
@@ -248,7 +248,7 @@ class WorkerGroup:
                 if on_system is not None and poll.system:
                     on_system(rank, poll.system)
                 for report in poll.reports:
-                    by_step.setdefault(report["step"], {})[rank] = report
+                    by_step.setdefault(report.step, {})[rank] = report
             for step in sorted(by_step):
                 if len(by_step[step]) < len(self.actors):
                     break

@@ -78,12 +78,12 @@ def train_app(cfg: DictConfig) -> float:
 
 def sweep_value(result, metric: str) -> float:
     """The run's final ``metric``: its last logged value."""
-    last = result.reports[-1][0] if result.reports else {}
+    last = result.reports[-1][0].named_values() if result.reports else {}
     if metric not in last:
         from plans.errors import PlanError, Violation
 
         raise PlanError([Violation("train.sweep_metric", metric, "the run logged no such metric at its end "
-                                   f"(it logged: {', '.join(sorted(k for k in last if k != 'step'))}).",
+                                   f"(it logged: {', '.join(sorted(last))}).",
                                    "name one of those, or set train.eval_batches > 0 for eval_loss")])
     return float(last[metric])
 

@@ -23,7 +23,7 @@ from ray.exceptions import RayActorError
 
 from launchers.checkpoint import Published, resumable
 from launchers.ds_config import build_ds_config
-from launchers.job import TrainJob, WorkerFacts
+from launchers.job import StepReport, TrainJob, WorkerFacts
 from launchers.passthrough import passthrough_env
 from launchers.placement import placement_strategy
 from launchers.ray_session import ray_session_in_background
@@ -65,7 +65,7 @@ class TrainResult:
     plan: ResolvedPlan
     model: ModelFacts
     estimate: PlanEstimate
-    reports: list[list[dict]] = field(default_factory=list)
+    reports: list[list[StepReport]] = field(default_factory=list)
     """Per logged step, the report of every rank."""
     worker_facts: list[WorkerFacts] = field(default_factory=list)
     wall_s: float = 0.0
@@ -79,11 +79,11 @@ class TrainResult:
 
     @property
     def final_loss(self) -> float:
-        return self.reports[-1][0]["loss"]
+        return self.reports[-1][0].loss
 
     @property
     def eval_loss(self) -> float | None:
-        return self.reports[-1][0].get("eval_loss")
+        return self.reports[-1][0].evaluation.get("eval_loss")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,7 +137,7 @@ def job_env(plan: ResolvedPlan, train: TrainSpec) -> dict[str, str]:
 
 
 def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=None,
-                 on_report: Callable[[list[dict], list[dict]], None] | None = None,
+                 on_report: Callable[[list[StepReport], list[WorkerFacts]], None] | None = None,
                  tags: dict[str, str] | None = None, workload: Workload | None = None) -> TrainResult:
     """Train one declared run end to end and return its result.
 
@@ -331,13 +331,13 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
             clock.mark("first_report")
             result.startup = dict(clock.phases)
             if tracker:
-                tracker.log_metrics(clock.metrics(), reports[0]["step"])
+                tracker.log_metrics(clock.metrics(), reports[0].step)
         result.reports.append(reports)
         if on_report:
             on_report(reports, result.worker_facts)
-        if reports[0]["step"] <= logged.step:
+        if reports[0].step <= logged.step:
             continue  # replayed after a restart: tracked the first time
-        logged.step = reports[0]["step"]
+        logged.step = reports[0].step
         metrics = step_metrics(reports, job.plan, prepared.flops_per_sample, peak_tflops)
         if tracker:
             tracker.log_metrics(metrics, logged.step)
@@ -418,13 +418,13 @@ def _with_suggestions(estimate: PlanEstimate) -> list[Violation]:
 
 
 def _print_summary(result: TrainResult, tracker: RunTracker | None, out) -> None:
-    last = result.reports[-1][0] if result.reports else {}
-    lines = [f"done: {last.get('step', 0)} steps in {result.wall_s:.1f}s "
+    last = result.reports[-1][0] if result.reports else None
+    lines = [f"done: {last.step if last else 0} steps in {result.wall_s:.1f}s "
              f"(first report after {result.time_to_first_report_s:.1f}s"
              + (f": {describe_startup(result.startup)})" if result.startup else ")")]
     if last:
-        lines.append(f"final loss {last['loss']:.4f}" + (f", eval loss {last['eval_loss']:.4f}"
-                                                          if "eval_loss" in last else ""))
+        lines.append(f"final loss {last.loss:.4f}" + (f", eval loss {result.eval_loss:.4f}"
+                                                       if result.eval_loss is not None else ""))
     if tracker:
         from orchestrator.tracking import redact_uri
 

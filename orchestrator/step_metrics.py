@@ -3,36 +3,36 @@ shows; no MLflow here, so the driver imports MLflow only when a run is tracked).
 
 from __future__ import annotations
 
-from launchers.job import WorkerFacts
+from launchers.job import StepReport, WorkerFacts
 from plans.resolve import ResolvedPlan
 
 
-def step_metrics(reports: list[dict], plan: ResolvedPlan, flops_per_sample: int,
+def step_metrics(reports: list[StepReport], plan: ResolvedPlan, flops_per_sample: int,
                  peak_tflops: float) -> dict[str, float]:
     """The metrics of one logged step from every rank's report: the slowest rank's step time, the
     throughput of the whole step, FLOP rate and MFU, eval metrics and measured memory."""
     lead = reports[0]
-    step_times = [r["step_time_s"] for r in reports]
+    step_times = [r.step_time_s for r in reports]
     slowest = max(step_times)
     metrics = {
-        "loss": lead["loss"], "lr": lead["lr"], "step_time_s": slowest,
+        "loss": lead.loss, "lr": lead.lr, "step_time_s": slowest,
         "samples_per_s": plan.global_batch_size / slowest,
-        "step_time_spread_s": slowest - min(step_times), "epoch": lead["epoch"],
+        "step_time_spread_s": slowest - min(step_times), "epoch": lead.epoch,
     }
-    if "tokens_per_s" in lead:  # data with tokens: every rank of one replica reports its replica's tokens
-        metrics["tokens_per_s"] = sum(r["tokens_per_s"] for r in reports) / plan.tp / plan.pp
+    if lead.tokens_per_s is not None:  # data with tokens: every rank of one replica reports its replica's tokens
+        metrics["tokens_per_s"] = sum(r.tokens_per_s for r in reports) / plan.tp / plan.pp
     # Every device does an equal share of the step's FLOPs (dp splits the batch, tp the layers).
     tflops = flops_per_sample * plan.global_batch_size / slowest / plan.world_size / 1e12
     metrics["tflops_per_device"] = tflops
     if peak_tflops > 0:
         metrics["mfu"] = tflops / peak_tflops
-    metrics.update({key: value for key, value in lead.items() if key.startswith("eval_")})
-    if "measured_peak_bytes" in lead:
+    metrics.update(lead.evaluation)
+    if lead.measured_peak_bytes is not None:
         # The most loaded rank is what has to fit; the planner predicts that rank.
-        metrics["memory/measured_peak_bytes"] = max(r["measured_peak_bytes"] for r in reports)
-        metrics["memory/measured_state_bytes"] = max(r["measured_state_bytes"] for r in reports)
+        metrics["memory/measured_peak_bytes"] = max(r.measured_peak_bytes for r in reports)
+        metrics["memory/measured_state_bytes"] = max(r.measured_state_bytes for r in reports)
         for r in reports:
-            metrics[f"memory/rank{r['rank']}/measured_peak_bytes"] = r["measured_peak_bytes"]
+            metrics[f"memory/rank{r.rank}/measured_peak_bytes"] = r.measured_peak_bytes
     return metrics
 
 

@@ -85,15 +85,15 @@ def run_trial(cfg: RunConfig, model_cfg: dict, candidate: Candidate, index: int,
         return trial
     trial.wall_s = time.perf_counter() - started
     trial.run_id = run.run_id
-    timed = [reports for reports in run.reports if reports[0]["step"] not in (1, trial_cfg.train.memory_probe_step)]
-    step_time = statistics.median(max(r["step_time_s"] for r in reports) for reports in (timed or run.reports))
+    timed = [reports for reports in run.reports if reports[0].step not in (1, trial_cfg.train.memory_probe_step)]
+    step_time = statistics.median(max(r.step_time_s for r in reports) for reports in (timed or run.reports))
     flops = (ctx.model_cost.flops_per_sample_checkpointed if plan.activation_checkpointing
              else ctx.model_cost.flops_per_sample)
     trial.status = "ok"
     trial.step_time_s = step_time
     trial.tokens_per_s = plan.global_batch_size * ctx.model_cost.seq_len / step_time
     trial.tflops_per_device = flops * plan.global_batch_size / step_time / plan.world_size / 1e12
-    peaks = [r.get("measured_peak_bytes") for reports in run.reports for r in reports if "measured_peak_bytes" in r]
+    peaks = [r.measured_peak_bytes for reports in run.reports for r in reports if r.measured_peak_bytes is not None]
     trial.peak_bytes = max(peaks) if peaks else None
     print(f"tune: trial {index}: measured {trial.step_time_s:.3g} s/step, {trial.tokens_per_s:,.0f} tokens/s "
           f"(predicted {candidate.predicted.total_s:.3g} s/step)", file=err, flush=True)

@@ -347,7 +347,7 @@ def test_metrics_survive_a_tracking_server_restart_mid_run(tmp_path, monkeypatch
     wait_healthy(url, servers[0])
 
     def restart_server_at_step_10(reports, facts):
-        if reports[0]["step"] == 10 and len(servers) == 1:
+        if reports[0].step == 10 and len(servers) == 1:
             stop(servers[0])  # the server goes away mid-run ...
             servers.append(launch_mlflow_server(root, port))  # ... and comes back some seconds later
 

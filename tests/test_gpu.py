@@ -52,11 +52,11 @@ def train_on_gpus(sqlite_uri: str, gpus: int, *overrides: str):
 
 
 def check_result(result, gpus: int) -> None:
-    losses = [reports[0]["loss"] for reports in result.reports]
+    losses = [reports[0].loss for reports in result.reports]
     assert losses[-1] < losses[0], losses
     assert len(result.worker_facts) == gpus
     last = result.reports[-1]
-    measured = max(r["measured_peak_bytes"] for r in last)
+    measured = max(r.measured_peak_bytes for r in last)
     # CUDA's allocator counts allocated bytes; the planner's reserve is the cache it keeps beyond them.
     predicted = max(stage.total - stage.reserve for stage in result.estimate.stages)
     assert abs(predicted - measured) / measured <= PEAK_TARGET, (predicted, measured)

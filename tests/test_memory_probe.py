@@ -148,8 +148,8 @@ def test_every_rank_reports_measured_memory_and_zero2_shards_states(local_ray, s
         result = _train_with_probe(sqlite_uri, f"plan.zero_stage={stage}", *big)
         (reports,) = result.reports  # one report, at step 5, after the probe at step 2
         for report in reports:
-            assert report["measured_peak_bytes"] >= report["measured_state_bytes"] > 0, report
-        held[stage] = [r["measured_state_bytes"] for r in reports]
+            assert report.measured_peak_bytes >= report.measured_state_bytes > 0, report
+        held[stage] = [r.measured_state_bytes for r in reports]
     psi = result.model.param_count * FP32
     # After a step DeepSpeed has already dropped the gradients (zero_grad), so stage 0 holds the
     # params and Adam's two moments whole (3 psi). Stage 2 keeps the params whole and shards its
@@ -185,12 +185,12 @@ def test_the_planner_predicts_each_pipeline_stage_within_the_benchmark_targets(l
     (reports,) = result.reports
     assert sorted(stage_of.values()) == [0, 1]
     for report in reports:
-        stage = stage_of[report["rank"]]
+        stage = stage_of[report.rank]
         device = result.estimate.stages[stage]
         held = device.held + result.estimate.host_per_device
         peak = device.total + result.estimate.host_per_device
-        non_model = data[report["rank"]] + batch
-        measured_held = report["measured_state_bytes"] - non_model
-        measured_peak = report["measured_peak_bytes"] - non_model
+        non_model = data[report.rank] + batch
+        measured_held = report.measured_state_bytes - non_model
+        measured_peak = report.measured_peak_bytes - non_model
         assert held == pytest.approx(measured_held, rel=0.03), (stage, held, measured_held)
         assert peak == pytest.approx(measured_peak, rel=0.10), (stage, peak, measured_peak)

@@ -133,13 +133,13 @@ def test_pipelines_follow_the_data_parallel_loss_curve(dp_reference, local_ray, 
     assert all(f.params_on_rank < s.params for f, s in zip(grid.worker_facts[::2], grid.estimate.pipeline,
                                                                 strict=True))
     # The two ranks of a tensor-parallel group read the same batch on the first stage.
-    assert grid.reports[0][0]["first_batch_digest"] == grid.reports[0][1]["first_batch_digest"]
+    assert grid.reports[0][0].first_batch_digest == grid.reports[0][1].first_batch_digest
     first, last = pp.reports[0], pp.reports[-1]
-    assert last[0]["loss"] < first[0]["loss"] - 0.5
+    assert last[0].loss < first[0].loss - 0.5
     for run in (pp, grid):
         for reports in run.reports:  # the loss comes back from the last stage to every stage
-            assert len({r["loss"] for r in reports}) == 1
-        assert [r[0]["loss"] for r in run.reports] == pytest.approx([r[0]["loss"] for r in dp.reports], abs=PARITY)
+            assert len({r.loss for r in reports}) == 1
+        assert [r[0].loss for r in run.reports] == pytest.approx([r[0].loss for r in dp.reports], abs=PARITY)
         assert run.eval_loss == pytest.approx(dp.eval_loss, abs=PARITY)
 
 
@@ -159,7 +159,7 @@ def test_a_3d_checkpoint_resumes_the_same_run(local_ray, sqlite_uri, tmp_path):
     assert {f.start_step for f in after.worker_facts} == {10}
     # One file per layer and tensor-parallel rank, and one ZeRO file per model-parallel rank (pipe x tp).
     assert len(list((tmp_path / "ckpt" / "step_000000020").glob("zero_pp_rank_0_mp_rank_*_optim_states.pt"))) == 4
-    assert [r[0]["step"] for r in after.reports] == [15, 20]
+    assert [r[0].step for r in after.reports] == [15, 20]
     # Training went on from the checkpoint: the loss right after resuming is where it had got to,
     # far below a fresh start's (ln 256 = 5.5).
-    assert after.reports[0][0]["loss"] < before.reports[0][0]["loss"] - 0.5
+    assert after.reports[0][0].loss < before.reports[0][0].loss - 0.5

@@ -203,7 +203,7 @@ def test_two_replicas_cover_parquet_in_the_bucket_disjointly_and_resume_at_the_e
            f"+model.record_dir={record}", "plan.dp=2", "train.checkpoint_every=8",
            f"train.checkpoint_dir=s3://{bucket}/rows-run", "train.resume=auto"]
     first = train(sqlite_uri, *run, "train.steps=8")
-    assert [(r[0]["step"], r[0]["epoch"]) for r in first.reports] == [(2, 0), (4, 0), (6, 0), (8, 1)]
+    assert [(r[0].step, r[0].epoch) for r in first.reports] == [(2, 0), (4, 0), (6, 0), (8, 1)]
     rows = {}
     for path in record.iterdir():
         rows[path.name.split("-")[0]] = [int(r) for line in path.read_text().split("\n") if line
@@ -213,7 +213,7 @@ def test_two_replicas_cover_parquet_in_the_bucket_disjointly_and_resume_at_the_e
     assert not set(epoch0[0]) & set(epoch0[1])  # each replica its own shard
     assert sorted(epoch0[0] + epoch0[1]) == list(range(2 * ROWS_PER_REPLICA))  # and together all of it
     assert all(len(rows[rank]) == 8 * 4 for rank in rows)
-    assert first.reports[-1][0]["eval_loss"] > 0
+    assert first.reports[-1][0].evaluation["eval_loss"] > 0
 
     # Resumed from the bucket, rank 1 dies (SIGKILL) in its second batch, step 10, before any
     # report or checkpoint of this run: the group restarts from step 8 with its streams and its
@@ -222,8 +222,8 @@ def test_two_replicas_cover_parquet_in_the_bucket_disjointly_and_resume_at_the_e
     resumed = train(sqlite_uri, *run, "train.steps=14", "train.max_failures=1")
     assert resumed.run_id == first.run_id and not (record / "kill-rank1-at-batch-2").exists()
     assert [f.start_step for f in resumed.worker_facts] == [8, 8]
-    assert [(r[0]["step"], r[0]["epoch"]) for r in resumed.reports] == [(10, 1), (12, 1), (14, 1)]
-    assert resumed.reports[-1][0]["eval_loss"] > 0
+    assert [(r[0].step, r[0].epoch) for r in resumed.reports] == [(10, 1), (12, 1), (14, 1)]
+    assert resumed.reports[-1][0].evaluation["eval_loss"] > 0
 
 
 @pytest.mark.slow
@@ -232,8 +232,8 @@ def test_tensor_and_pipeline_ranks_of_one_replica_read_the_same_stream(data_ray,
     result = train(sqlite_uri, "data=ray", f"data.paths=[{tmp_path / 'text'}]", "data.text_field=body",
                    "train.steps=6", "plan.dp=1", "plan.tp=2", "plan.pp=2", "plan.grad_accum_steps=2",
                    "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5")
-    digests = {r["first_batch_digest"] for r in result.reports[0]}
+    digests = {r.first_batch_digest for r in result.reports[0]}
     assert len(digests) == 1 and None not in digests  # all four ranks: the first stage's and the last's
     first, last = result.reports[0], result.reports[-1]
-    assert last[0]["loss"] < first[0]["loss"]
-    assert len({r["eval_loss"] for r in last}) == 1
+    assert last[0].loss < first[0].loss
+    assert len({r.evaluation["eval_loss"] for r in last}) == 1

@@ -57,14 +57,14 @@ def test_a_killed_worker_is_restarted_from_the_checkpoint(local_ray, sqlite_uri,
     killed = []
 
     def kill_rank1_at_step_15(reports, facts):
-        if reports[0]["step"] == 15 and not killed:
+        if reports[0].step == 15 and not killed:
             os.kill(facts[1].pid, signal.SIGKILL)  # a real kill -9 of the worker process
             killed.append(facts[1].pid)
 
     cfg = compose_config(*RUN, f"tracking.uri={sqlite_uri}", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
                          "train.max_failures=1", "tracking.run_name=killed")
     result = run_training(*to_typed(cfg), on_report=kill_rank1_at_step_15)
-    steps = [r[0]["step"] for r in result.reports]
+    steps = [r[0].step for r in result.reports]
     # First attempt: 5, 10, 15 (killed after 15's report); second attempt resumes at 10.
     assert killed and steps == [5, 10, 15, 15, 20, 25, 30]
     first_15, replayed_15 = result.reports[2][0], result.reports[3][0]
@@ -89,10 +89,10 @@ def test_resume_auto_continues_the_same_mlflow_run(local_ray, sqlite_uri, tmp_pa
     second = run_training(*to_typed(compose_config(*RUN, "train.steps=20", ckpt, "train.resume=auto",
                                                    f"tracking.uri={sqlite_uri}")))
     assert second.run_id == first.run_id
-    assert [r[0]["step"] for r in second.reports] == [15, 20]
+    assert [r[0].step for r in second.reports] == [15, 20]
     assert second.worker_facts[0].start_step == 10
     # Training continued rather than restarted: the loss keeps falling from where it was.
-    assert second.reports[0][0]["loss"] < first.reports[0][0]["loss"]
+    assert second.reports[0][0].loss < first.reports[0][0].loss
     client = MlflowClient(tracking_uri=sqlite_uri)
     assert [m.step for m in client.get_metric_history(first.run_id, "loss")] == [5, 10, 15, 20]
     assert client.get_run(first.run_id).info.status == "FINISHED"
@@ -253,10 +253,10 @@ def test_resume_loads_weights_only_and_refuses_a_planted_pickle(local_ray, tmp_p
     # Point latest.json back at step 4 (as a crash after it would), so the resume replays 5-6.
     publish(ckpt, 4, None, keep=2)
     resumed = run_training(*to_typed(compose_config(*run, "train.resume=auto")))
-    assert resumed.worker_facts[0].start_step == 4 and [r[0]["step"] for r in resumed.reports] == [6]
+    assert resumed.worker_facts[0].start_step == 4 and [r[0].step for r in resumed.reports] == [6]
     # Model, optimizer, scheduler, data position and RNG came back through the weights-only
     # loader: the replayed steps compute what the first run computed (same tolerance as above).
-    assert resumed.reports[0][0]["loss"] == pytest.approx(first.reports[-1][0]["loss"], abs=1e-4)
+    assert resumed.reports[0][0].loss == pytest.approx(first.reports[-1][0].loss, abs=1e-4)
 
     if not plant:
         return
@@ -287,7 +287,7 @@ def test_a_hang_inside_a_collective_is_detected_and_nothing_is_left(local_ray, s
     seen: dict = {}
 
     def remember(reports, facts):
-        seen.update(pids={f.pid for f in facts}, step=reports[0]["step"], at=time.monotonic())
+        seen.update(pids={f.pid for f in facts}, step=reports[0].step, at=time.monotonic())
         with open(f"/proc/{facts[0].pid}/environ") as f:  # what DeepSpeed read its timeout from
             seen["env"] = dict(v.split("=", 1) for v in f.read().split("\0") if "=" in v)
 
@@ -392,7 +392,7 @@ def test_a_resume_verifies_its_checkpoint_and_falls_back(local_ray, sqlite_uri, 
     assert f"not resuming from {newest}: checkpoint file {shard} does not match its digest" in err
     assert f"resuming from the newest intact checkpoint, {older}" in err
     assert "written with dp=2; converting it to a universal checkpoint for dp=1" in out.getvalue()
-    assert resumed.worker_facts[0].start_step == 2 and [r[0]["step"] for r in resumed.reports] == [4]
+    assert resumed.worker_facts[0].start_step == 2 and [r[0].step for r in resumed.reports] == [4]
     assert resumed.run_id == first.run_id and not marker.exists()
     verify(newest)  # written again by the resumed run, manifest and all
     verify(ckpt / f"{older.name}_universal")

@@ -128,14 +128,14 @@ def test_tp2_trains_with_both_ranks_on_the_same_batch(local_ray, sqlite_uri):
     result = train(sqlite_uri, "plan.dp=1", "plan.tp=2")
     assert [(f.dp_rank, f.tp_rank) for f in result.worker_facts] == [(0, 0), (0, 1)]
     first, last = result.reports[0], result.reports[-1]
-    assert last[0]["loss"] < first[0]["loss"] - 0.5, (first[0]["loss"], last[0]["loss"])
+    assert last[0].loss < first[0].loss - 0.5, (first[0].loss, last[0].loss)
     # One replica split in two: both ranks read the same batch and, since the output head is
     # replicated and the row-parallel all-reduce gives both the same sum, compute the same loss.
-    assert first[0]["first_batch_digest"] == first[1]["first_batch_digest"]
+    assert first[0].first_batch_digest == first[1].first_batch_digest
     for reports in result.reports:
-        assert reports[0]["local_loss"] == reports[1]["local_loss"]
-        assert reports[0]["loss"] == reports[1]["loss"]
-    assert last[0]["eval_loss"] == last[1]["eval_loss"]
+        assert reports[0].local_loss == reports[1].local_loss
+        assert reports[0].loss == reports[1].loss
+    assert last[0].evaluation["eval_loss"] == last[1].evaluation["eval_loss"]
 
 
 @pytest.mark.slow
@@ -150,7 +150,7 @@ def test_tp2_follows_the_data_parallel_loss_curve(dp_reference, local_ray, sqlit
     dp = dp_reference  # ZeRO-1: the same Adam steps as ZeRO-0, on a flat fp32 partition
     tp = train(sqlite_uri, "plan.dp=1", "plan.tp=2", "plan.micro_batch_size=8")
     assert dp.plan.global_batch_size == tp.plan.global_batch_size == 8
-    assert [r[0]["loss"] for r in tp.reports] == pytest.approx([r[0]["loss"] for r in dp.reports], abs=1e-3)
+    assert [r[0].loss for r in tp.reports] == pytest.approx([r[0].loss for r in dp.reports], abs=1e-3)
     assert tp.eval_loss == pytest.approx(dp.eval_loss, abs=1e-3)
 
 
@@ -162,7 +162,7 @@ def test_dp2_by_tp2_on_four_workers_matches_dp2(dp_reference, local_ray, sqlite_
     grid = train(sqlite_uri, *four)
     dp = dp_reference
     assert [(f.dp_rank, f.tp_rank) for f in grid.worker_facts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    digests = [r["first_batch_digest"] for r in grid.reports[0]]
+    digests = [r.first_batch_digest for r in grid.reports[0]]
     assert digests[0] == digests[1] != digests[2] == digests[3]
-    assert digests[0::2] == [r["first_batch_digest"] for r in dp.reports[0]]
-    assert [r[0]["loss"] for r in grid.reports] == pytest.approx([r[0]["loss"] for r in dp.reports], abs=1e-3)
+    assert digests[0::2] == [r.first_batch_digest for r in dp.reports[0]]
+    assert [r[0].loss for r in grid.reports] == pytest.approx([r[0].loss for r in dp.reports], abs=1e-3)

@@ -31,16 +31,16 @@ def train(sqlite_uri: str, *overrides: str):
 @pytest.mark.parametrize("overrides", [m[0] for m in MATRIX], ids=[m[1] for m in MATRIX])
 def test_training_matrix(local_ray, sqlite_uri, overrides):
     result = train(sqlite_uri, *overrides)
-    assert [r[0]["step"] for r in result.reports] == [5, 10, 15, 20, 25, 30]
+    assert [r[0].step for r in result.reports] == [5, 10, 15, 20, 25, 30]
     first, last = result.reports[0], result.reports[-1]
     # The loss falls: from ~ln(256)=5.5 at the start to well below after 30 steps.
-    assert last[0]["loss"] < first[0]["loss"] - 0.5, (first[0]["loss"], last[0]["loss"])
+    assert last[0].loss < first[0].loss - 0.5, (first[0].loss, last[0].loss)
     for reports in result.reports:
         # Ranks agree on the all-reduced loss but computed it on different data.
-        assert reports[0]["loss"] == reports[1]["loss"]
-        assert reports[0]["local_loss"] != reports[1]["local_loss"]
-    assert first[0]["first_batch_digest"] != first[1]["first_batch_digest"]
-    assert last[0]["eval_loss"] == last[1]["eval_loss"]
+        assert reports[0].loss == reports[1].loss
+        assert reports[0].local_loss != reports[1].local_loss
+    assert first[0].first_batch_digest != first[1].first_batch_digest
+    assert last[0].evaluation["eval_loss"] == last[1].evaluation["eval_loss"]
     if any("zero_stage=3" in o or "zero3" in o for o in overrides):
         # Built under zero.Init: no rank ever held the whole model, not even while building it.
         assert all(f.built == "zero.Init" for f in result.worker_facts)
@@ -64,7 +64,7 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
         history = client.get_metric_history(result.run_id, key)
         assert [m.step for m in history] == [5, 10, 15, 20, 25, 30], key
     losses = [m.value for m in client.get_metric_history(result.run_id, "loss")]
-    assert losses == pytest.approx([r[0]["loss"] for r in result.reports])
+    assert losses == pytest.approx([r[0].loss for r in result.reports])
     assert [m.step for m in client.get_metric_history(result.run_id, "eval_loss")] == [30]
     assert 0 < run.data.metrics["mfu"] < 1.5  # against a measured matmul peak: near or below 1
     assert {a.path for a in client.list_artifacts(result.run_id, "plots")} == {

@@ -3,9 +3,12 @@ records (milliseconds; the real restarts are tests/test_reliability.py's)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from ray.exceptions import RayActorError
 
+from launchers.job import StepReport
 from launchers.worker_group import WorkerFailedError, WorkerHangError
 from orchestrator.driver import FailurePolicy
 from orchestrator.step_metrics import step_metrics
@@ -28,8 +31,9 @@ def test_anything_else_ends_the_run_at_once(error):
 
 def test_a_step_is_as_slow_as_its_slowest_rank_and_counts_each_replicas_tokens_once():
     plan = resolve_plan(PlanSpec(dp=2, tp=2, micro_batch_size=4), ClusterSpec(devices_per_node=4), TrainSpec())
-    reports = [{"rank": r, "step": 10, "loss": 2.0, "lr": 1e-3, "epoch": 1, "step_time_s": 0.5 + 0.1 * r,
-                "tokens_per_s": 1000.0, "eval_loss": 1.5, "eval_accuracy": 0.25} for r in range(4)]
+    reports = [StepReport(rank=r, step=10, loss=2.0, local_loss=2.0 + r, lr=1e-3, epoch=1, step_time_s=0.5 + 0.1 * r,
+                          samples_per_s=8.0, tokens_per_s=1000.0, first_batch_digest="",
+                          evaluation={"eval_loss": 1.5, "eval_accuracy": 0.25}) for r in range(4)]
     metrics = step_metrics(reports, plan, flops_per_sample=10**9, peak_tflops=0.0)
     assert metrics["step_time_s"] == pytest.approx(0.8) and metrics["step_time_spread_s"] == pytest.approx(0.3)
     assert metrics["samples_per_s"] == pytest.approx(plan.global_batch_size / 0.8)
@@ -37,3 +41,17 @@ def test_a_step_is_as_slow_as_its_slowest_rank_and_counts_each_replicas_tokens_o
     assert metrics["tflops_per_device"] == pytest.approx(1e9 * plan.global_batch_size / 0.8 / 4 / 1e12)
     assert "mfu" not in metrics  # no measured peak, no utilization
     assert (metrics["eval_loss"], metrics["eval_accuracy"], metrics["epoch"]) == (1.5, 0.25, 1)
+
+
+def test_a_report_names_its_values_for_a_sweep_and_carries_memory_only_when_measured():
+    report = StepReport(rank=0, step=4, loss=2.0, local_loss=2.5, lr=1e-3, epoch=0, step_time_s=0.5,
+                        samples_per_s=16.0, tokens_per_s=None, first_batch_digest="ab",
+                        evaluation={"eval_loss": 1.5})
+    assert report.named_values() == {"loss": 2.0, "local_loss": 2.5, "lr": 1e-3, "step_time_s": 0.5,
+                                     "samples_per_s": 16.0, "epoch": 0, "eval_loss": 1.5}
+    plan = resolve_plan(PlanSpec(dp=1, micro_batch_size=4), ClusterSpec(devices_per_node=1), TrainSpec())
+    metrics = step_metrics([report], plan, flops_per_sample=10**9, peak_tflops=1.0)
+    assert "tokens_per_s" not in metrics and not any(key.startswith("memory/") for key in metrics)
+    probed = dataclasses.replace(report, measured_peak_bytes=300, measured_state_bytes=100)
+    measured = step_metrics([probed], plan, flops_per_sample=10**9, peak_tflops=1.0)
+    assert measured["memory/rank0/measured_peak_bytes"] == 300 and measured["memory/measured_state_bytes"] == 100

@@ -89,8 +89,8 @@ def test_resume_at_another_dp_from_s3_continues_the_same_curve(dp_reference, loc
     listed = s3_store["client"].list_objects_v2(Bucket=s3_store["bucket"], Prefix="universal/")["Contents"]
     # (pyarrow marks the directories it creates with empty objects named like them: "universal/".)
     assert {o["Key"].split("/")[1] for o in listed} - {""} == {"latest.json", "step_000000020", "step_000000030"}
-    assert [r[0]["step"] for r in resumed.reports] == [15, 20, 25, 30]
-    assert [r[0]["loss"] for r in resumed.reports] == pytest.approx([r[0]["loss"] for r in whole.reports[2:]],
+    assert [r[0].step for r in resumed.reports] == [15, 20, 25, 30]
+    assert [r[0].loss for r in resumed.reports] == pytest.approx([r[0].loss for r in whole.reports[2:]],
                                                                     abs=1e-4)
     # `orch export` consolidates the newest checkpoint from the bucket.
     from orchestrator.export import export_run

@@ -33,7 +33,7 @@ def test_each_shipped_experiment_trains_and_logs_predicted_and_measured_memory(l
     result = train(sqlite_uri, f"experiment={experiment}", f"train.steps={steps}", "train.log_every=10",
                    "data.cache_dir=" + str(tmp_path / "cache") if experiment == "llama_text" else "train.seed=1234",
                    *extra)
-    losses = [reports[0]["loss"] for reports in result.reports]
+    losses = [reports[0].loss for reports in result.reports]
     assert losses[-1] < losses[0], losses
     run = MlflowClient(tracking_uri=sqlite_uri).get_run(result.run_id)
     metrics = run.data.metrics
@@ -80,7 +80,7 @@ def exported_model(uri: str, run_id: str):
 
 def test_a_hugging_face_model_is_sharded_by_its_own_tensor_parallel_plan(local_ray, sqlite_uri):
     result = train(sqlite_uri, "model=hf_causal_lm", "plan.tp=2", "train.steps=20", "train.log_every=10")
-    losses = [reports[0]["loss"] for reports in result.reports]
+    losses = [reports[0].loss for reports in result.reports]
     assert losses[-1] < losses[0] - 0.5, losses
     # Each rank holds the replicated embeddings and norms and half of every projection.
     assert all(f.params_on_rank < result.model.param_count for f in result.worker_facts)
