@@ -19,7 +19,8 @@ T = TypeVar("T")
 
 PHASES = {
     "check": "plan check: the live cluster read off Ray when cluster.address is set (connecting to it), "
-             "model probe on meta, memory estimate, FLOP count; the tracking store opened meanwhile",
+             "model probe on meta, memory estimate, FLOP count (MLflow imported meanwhile), then the tracking "
+             "store opened",
     "tracking": "MLflow run created (or resumed), while Ray starts",
     "ray": "the rest of Ray's start (an embedded Ray), unless the check connected already",
     "workers": "placement group and one actor process per worker",
