@@ -157,6 +157,18 @@ def place_actors(actor_class: type, spec: WorkerGroupSpec, *, max_concurrency: i
         raise
 
 
+def hang_culprits(polls: list[PollStatus]) -> list[int]:
+    """The ranks a hang waits for: of those still training, the ones with the fewest milestones.
+
+    Every unfinished rank is a candidate, not only those already past the timeout: ranks leave
+    their last step together, so the one that waits in a collective can cross the timeout a
+    poll before the one it waits for.
+    """
+    training = [r for r, poll in enumerate(polls) if not poll.done]
+    behind = min(polls[r].milestones for r in training)
+    return [r for r in training if polls[r].milestones == behind]
+
+
 class WorkerGroup:
     """A running set of :class:`TrainWorker` actors with ranks assigned."""
 
@@ -259,16 +271,13 @@ class WorkerGroup:
             stalled = [r for r, poll in enumerate(polls)
                        if not poll.done and hang_timeout_s and poll.since_progress_s > hang_timeout_s]
             if stalled:
-                raise self._hang_error(polls, stalled, hang_timeout_s)
+                raise self._hang_error(polls, hang_timeout_s)
             time.sleep(poll_interval_s if poll_interval_s is not None
                        else POLL_INTERVAL_S if any(seen) else FIRST_POLL_INTERVAL_S)
 
-    def _hang_error(self, polls: list[PollStatus], stalled: list[int], timeout_s: float) -> WorkerHangError:
-        """Name the ranks that fell behind (the others wait for them in a collective)."""
-        behind = min(polls[r].milestones for r in stalled)
-        culprits = [r for r in stalled if polls[r].milestones == behind]
+    def _hang_error(self, polls: list[PollStatus], timeout_s: float) -> WorkerHangError:
         steps = ", ".join(f"rank {r}: step {p.step}" for r, p in enumerate(polls))
-        return WorkerHangError(culprits, f"no optimizer step for {timeout_s:g}s ({steps})", self._stacks())
+        return WorkerHangError(hang_culprits(polls), f"no optimizer step for {timeout_s:g}s ({steps})", self._stacks())
 
     def _stacks(self) -> dict[int, str]:
         """Every rank's Python stacks, asked while the rank is stuck (the actors take a second call)."""

@@ -71,7 +71,7 @@ def test_a_killed_worker_is_restarted_from_the_checkpoint(local_ray, sqlite_uri,
     # Same weights, optimizer, scheduler, data position and RNG: the replayed interval computes
     # the same losses. Only the order of floating-point reductions could differ (it does not on
     # this 2-rank gloo group), hence a tolerance far below any real drift.
-    assert replayed_15["loss"] == pytest.approx(first_15["loss"], abs=1e-4)
+    assert replayed_15.loss == pytest.approx(first_15.loss, abs=1e-4)
     assert result.worker_facts[1].pid != killed[0] and result.worker_facts[0].start_step == 10
     client = MlflowClient(tracking_uri=sqlite_uri)
     run = client.get_run(result.run_id)

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 from ray.exceptions import RayActorError
 
-from launchers.job import StepReport
-from launchers.worker_group import WorkerFailedError, WorkerHangError
+from launchers.job import PollStatus, StepReport
+from launchers.worker_group import WorkerFailedError, WorkerHangError, hang_culprits
 from orchestrator.driver import FailurePolicy
 from orchestrator.step_metrics import step_metrics
 from plans.errors import PlanError
@@ -55,3 +55,13 @@ def test_a_report_names_its_values_for_a_sweep_and_carries_memory_only_when_meas
     probed = dataclasses.replace(report, measured_peak_bytes=300, measured_state_bytes=100)
     measured = step_metrics([probed], plan, flops_per_sample=10**9, peak_tflops=1.0)
     assert measured["memory/rank0/measured_peak_bytes"] == 300 and measured["memory/measured_state_bytes"] == 100
+
+
+def test_a_hang_names_the_ranks_the_others_wait_for_even_before_they_time_out():
+    def poll(milestones: int, done: bool = False) -> PollStatus:
+        return PollStatus(reports=[], done=done, error=None, step=3, milestones=milestones, since_progress_s=5.0)
+
+    # Rank 0 finished its forward and waits in backward's all-reduce; rank 1 is stuck in its forward.
+    assert hang_culprits([poll(13), poll(12)]) == [1]
+    assert hang_culprits([poll(12), poll(12), poll(13)]) == [0, 1]
+    assert hang_culprits([poll(5, done=True), poll(12), poll(13)]) == [1]  # a finished rank waits for nothing
