@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -23,6 +24,8 @@ CLIENT_RETRY_S = 2.0
 """Pause before the second attempt, doubled before each later one."""
 LOOPBACK = "127.0.0.1"
 """Where every server of the embedded Ray listens: nothing of it is reachable from the network."""
+_abandoned: list[threading.Thread] = []
+"""Threads of :func:`ray_session_in_background` left to finish starting Ray and shut it down."""
 
 
 class RayConnectError(OrchError):
@@ -42,6 +45,7 @@ def ray_session(address: str | None, *, worker_cpus: float = 0, data_cpus: float
     beside the workers': a cluster whose CPUs cannot hold both is refused (see
     :func:`require_data_cpus`).
     """
+    _wait_for_abandoned_sessions()
     if ray.is_initialized():
         require_data_cpus(worker_cpus, data_cpus)
         yield
@@ -66,16 +70,19 @@ def ray_session(address: str | None, *, worker_cpus: float = 0, data_cpus: float
 
 @contextlib.contextmanager
 def ray_session_in_background(address: str | None, **session) -> Iterator[Callable[[], None]]:
-    """:func:`ray_session`, held by a thread of its own, so the command can do other work (create
-    its MLflow run) during the seconds Ray's server processes take to start.
+    """:func:`ray_session`, held by a thread of its own, so the command can do other work (check
+    the model, create its MLflow run) during the seconds Ray's server processes take to start.
 
     Yields ``ready()``, which returns once Ray is connected and raises what connecting raised.
-    The thread holds the session until the block ends, then shuts down what it started: Ray ties
-    the processes it starts to the life of the thread that started them (the kernel's
-    parent-death signal), so the thread must outlive the session.
+    Ray's "Started a local Ray instance" line is held back until ``ready()``: a command that
+    refuses its input before it uses Ray shows the refusal alone, and the Ray it started is shut
+    down when the block ends. The thread holds the session until then: Ray ties the processes
+    it starts to the life of the thread that started them (the kernel's parent-death signal), so
+    the thread must outlive the session.
     """
     connected: concurrent.futures.Future = concurrent.futures.Future()
     leave = threading.Event()
+    started_line = _HeldRecords(logging.getLogger("ray._private.worker"), "Started a local Ray instance")
 
     def hold() -> None:
         try:
@@ -88,6 +95,7 @@ def ray_session_in_background(address: str | None, **session) -> Iterator[Callab
 
     def ready() -> None:
         connected.result()
+        started_line.release()
         # Ray's core worker installs a native SIGTERM handler (it logs and aborts) over the
         # program's, which only the main thread can put back (as :func:`_init_keeping_sigterm` does).
         if threading.current_thread() is threading.main_thread() and callable(
@@ -96,11 +104,67 @@ def ray_session_in_background(address: str | None, **session) -> Iterator[Callab
 
     holder = threading.Thread(target=hold, name="ray-session", daemon=True)
     holder.start()
+    failed = True
     try:
         yield ready
+        failed = False
     finally:
         leave.set()
-        holder.join()
+        if failed and not connected.done():
+            _abandon(holder)
+        else:
+            holder.join()
+        started_line.drop()
+
+
+def _abandon(holder: threading.Thread) -> None:
+    """Let a command that fails while its Ray is still starting end without waiting for Ray.
+
+    A refused model or tracking store would otherwise wait seconds for a start nobody uses,
+    then for its shutdown. The thread goes on: it finishes starting Ray and shuts it down (the
+    next session in this process waits for that). If the process exits first, the Ray it was
+    starting ends with it: Ray starts its server processes with the kernel's parent-death
+    signal. Ray's own exit hook is then taken off, so that it does not shut a half-started node
+    down from this thread while the other is still starting it.
+    """
+    _abandoned.append(holder)
+    if len(_abandoned) == 1:
+        atexit.register(_exit_without_abandoned_sessions)
+
+
+def _exit_without_abandoned_sessions() -> None:
+    if any(thread.is_alive() for thread in _abandoned):
+        atexit.unregister(ray.shutdown)
+
+
+def _wait_for_abandoned_sessions() -> None:
+    while _abandoned:
+        _abandoned.pop().join()
+
+
+class _HeldRecords(logging.Filter):
+    """Holds back ``logger``'s records whose message starts with ``start`` until :meth:`release`
+    emits them (or :meth:`drop` discards them); later ones pass straight through."""
+
+    def __init__(self, logger: logging.Logger, start: str):
+        super().__init__()
+        self.logger, self.start, self.records = logger, start, []
+        logger.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith(self.start):
+            self.records.append(record)
+            return False
+        return True
+
+    def release(self) -> None:
+        self.drop()
+        for record in self.records:
+            self.logger.handle(record)
+        self.records = []
+
+    def drop(self) -> None:
+        self.logger.removeFilter(self)
 
 
 def require_data_cpus(worker_cpus: float, data_cpus: float) -> None:

@@ -1,6 +1,6 @@
 """`orch check`: the planner's verdict on a declared plan, as a table or as JSON.
 
-`orch train` runs the same check before any Ray resource exists and refuses a plan that
+`orch train` runs the same check before any worker starts and refuses a plan that
 does not fit unless ``train.force=true``.
 """
 

@@ -1,7 +1,7 @@
 """`orch train`: validate the plan, launch the worker group, show progress, track the run.
 
 A run goes through three steps, each a function here: :func:`prepare_job` checks everything the
-user declared and builds the job (nothing of Ray exists yet), :func:`open_tracking` opens or
+user declared and builds the job (no worker exists yet), :func:`open_tracking` opens or
 resumes the MLflow run, and :func:`_train` runs attempts of the worker group until one finishes
 or the :class:`FailurePolicy` gives up. The MLflow run is ended (FINISHED, FAILED or KILLED)
 whatever happens after it started.
@@ -88,7 +88,7 @@ class TrainResult:
 
 @dataclass(frozen=True, kw_only=True)
 class PreparedJob:
-    """Everything a run needs before Ray starts: the checked plan and what the workers get."""
+    """Everything a run needs before its workers start: the checked plan and what the workers get."""
 
     estimate: PlanEstimate
     facts: ModelFacts
@@ -141,10 +141,12 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
                  tags: dict[str, str] | None = None, workload: Workload | None = None) -> TrainResult:
     """Train one declared run end to end and return its result.
 
-    Start-up steps that do not depend on each other overlap: MLflow is imported while the plan
-    is checked against the model, and once everything declared is known to be valid (the
-    tracking store too), Ray starts while the run is created in MLflow. Whatever is refused is
-    refused before Ray starts and before anything is tracked.
+    Start-up steps that do not depend on each other overlap. Once the declared values are valid
+    (milliseconds), an embedded Ray starts in the background and MLflow is imported while the
+    model is checked and the tracking store opened; the MLflow run is created while Ray finishes
+    starting. A value, path or plan arithmetic that is wrong is refused before Ray starts; a
+    refusal from the model check or the tracking store stops the Ray started for the run and
+    shows nothing of it. Nothing is tracked before every check passes.
 
     ``on_report(reports, worker_facts)`` is called for every logged step, replays included
     (tests use it to inject faults at a known step). ``tags`` go onto the new MLflow run
@@ -158,8 +160,13 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
         workload, plan = resolve_inputs(cfg, model_cfg, cluster, workload)
-        # MLflow's import (a second) runs while the plan is checked; nothing is tracked before the
-        # check passes.
+        # The declared values are valid. Ray starts, and MLflow is imported, while the model is
+        # checked and the tracking store opened; a refusal from those stops the Ray it started
+        # (it shows nothing of it), and nothing is tracked before they pass.
+        ray_ready = held.enter_context(ray_session_in_background(
+            cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
+            data_cpus=data_task_cpus(workload.data), object_store_gib=cfg.cluster.object_store_memory_gib,
+            connect_timeout_s=cfg.cluster.connect_timeout_s))
         imported = held.enter_context(in_background(importlib.import_module, "orchestrator.train_tracking"))
         prepared = prepare_job(cfg, model_cfg, cluster, workload=workload, plan=plan)
         # Taken once the plan and inputs are known to be valid, so every problem with them is
@@ -168,13 +175,8 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         result = TrainResult(run_id=None, plan=prepared.plan, model=prepared.facts, estimate=prepared.estimate)
         job, published = _resume_point(prepared.job, cfg, out)
         if cfg.tracking.enabled:
-            cfg = imported().opened_tracking(cfg)  # a tracking URI that cannot be used is refused before Ray starts too
+            cfg = imported().opened_tracking(cfg)  # a tracking URI that cannot be used is refused here too
         clock.mark("check")
-        # Everything declared is valid: Ray starts while the MLflow run is created.
-        ray_ready = held.enter_context(ray_session_in_background(
-            cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
-            data_cpus=data_task_cpus(workload.data), object_store_gib=cfg.cluster.object_store_memory_gib,
-            connect_timeout_s=cfg.cluster.connect_timeout_s))
         tracker = None
         if cfg.tracking.enabled:
             tracker = open_tracking(cfg, model_cfg, prepared, published, config_yaml, tags or {})

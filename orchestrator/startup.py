@@ -19,10 +19,10 @@ T = TypeVar("T")
 
 PHASES = {
     "check": "plan check: the live cluster read off Ray when cluster.address is set (connecting to it), "
-             "model probe on meta, memory estimate, FLOP count (MLflow imported meanwhile), then the tracking "
-             "store opened",
+             "model probe on meta, memory estimate, FLOP count, then the tracking store opened (an embedded Ray "
+             "starting and MLflow imported meanwhile)",
     "tracking": "MLflow run created (or resumed), while Ray starts",
-    "ray": "the rest of Ray's start (an embedded Ray), unless the check connected already",
+    "ray": "the rest of an embedded Ray's start, unless it was ready already",
     "workers": "placement group and one actor process per worker",
     "setup": "DeepSpeed initialization on every worker: process group, model, engine",
     "first_report": "the first train.log_every steps, until their report reached the driver",

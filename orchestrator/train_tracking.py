@@ -47,8 +47,8 @@ def reachable_tracking(cfg: RunConfig) -> RunConfig:
 
 def opened_tracking(cfg: RunConfig) -> RunConfig:
     """:func:`reachable_tracking`, with the store opened (a new sqlite store is created and
-    migrated then): a store MLflow cannot use is refused before Ray starts, and the run created
-    while Ray starts finds the store open (MLflow keeps it for every client of the URI)."""
+    migrated then): a store MLflow cannot use is refused before any worker starts, and the run
+    created while Ray starts finds the store open (MLflow keeps it for every client of the URI)."""
     cfg = reachable_tracking(cfg)
     open_client(cfg.tracking.uri)
     return cfg

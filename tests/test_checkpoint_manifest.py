@@ -259,7 +259,7 @@ def test_published_checkpoints_carry_their_manifest(tmp_path):
 
 
 def test_orch_train_refuses_a_held_directory_and_a_malformed_record(tmp_path):
-    """The real command: both refusals exit 2 with one line naming the fix, before Ray starts."""
+    """The real command: both refusals exit 2 with one line naming the fix, before any worker starts."""
     import subprocess
     import sys
 

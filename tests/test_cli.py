@@ -41,10 +41,22 @@ def test_bad_values_and_paths_are_refused_together_before_ray_or_mlflow(tmp_path
         assert named in done.stderr
     assert "Traceback" not in done.stderr
     assert "Started a local Ray instance" not in done.stderr + done.stdout and not (tmp_path / "mlflow.db").exists()
-    # The model is probed once the declared values are valid: its own refusal exits 2 as well.
-    done = orch("train", "model.n_layer=0", cwd=tmp_path, timeout=120)
+    # The model is probed once the declared values are valid, while an embedded Ray starts: the
+    # model's own refusal exits 2 as well, shows nothing of that Ray and leaves none of it running.
+    from helpers.processes import processes_mentioning
+
+    ray_tmp = tmp_path / "raytmp"
+    ray_tmp.mkdir()
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "train", "model.n_layer=0"], cwd=tmp_path,
+                          env={**worker_env(), "RAY_TMPDIR": str(ray_tmp)}, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 2 and "model.n_layer=0: workloads.gpt.GPT refused its arguments" in done.stderr
+    assert "Started a local Ray instance" not in done.stderr + done.stdout and "Traceback" not in done.stderr
     assert not (tmp_path / "mlflow.db").exists()
+    deadline = time.monotonic() + 10  # the parent-death signal is delivered as the command exits
+    while processes_mentioning(str(ray_tmp)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(ray_tmp)) == set()
 
 
 def _malformed_config_dir(root) -> str:
@@ -206,7 +218,7 @@ def test_an_unreachable_cluster_fails_within_connect_timeout(tmp_path, command, 
     assert processes_mentioning(str(tmp_path)) == set()
 
 
-def test_an_unreachable_tracking_server_is_a_clear_error_before_anything_starts(tmp_path):
+def test_an_unreachable_tracking_server_is_a_clear_error_before_anything_is_tracked(tmp_path):
     from helpers.processes import free_port
 
     uri = f"http://127.0.0.1:{free_port()}"

@@ -162,7 +162,7 @@ def test_a_model_that_cannot_be_built_shallow_is_inspected_at_its_depth(depths_b
 
 
 @pytest.mark.parametrize("command", ["check", "train"])
-def test_an_absurd_depth_is_refused_with_exit_code_2_before_ray_starts(command, tmp_path):
+def test_an_absurd_depth_is_refused_with_exit_code_2_and_no_ray_output(command, tmp_path):
     done = subprocess.run([sys.executable, "-m", "orchestrator", command, "model.n_layer=10000000", "train.force=true"],
                           cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr

@@ -97,7 +97,7 @@ def _path_case(root, case: str) -> str:
 
 
 def prelaunch(*overrides: str) -> None:
-    """What `orch train` runs before Ray starts, in process: `orch check` runs all but the last
+    """What `orch train` checks before any worker starts, in process: `orch check` runs all but the last
     line, `orch tune` starts with check_run's first part (orchestrator.inputs.check_inputs)."""
     from helpers.config import compose_config
     from orchestrator.checking import checked_run
