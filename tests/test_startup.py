@@ -50,8 +50,11 @@ def test_background_work_hands_back_its_result_or_its_error():
 
 
 def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
-    """Ray connected by its own thread: actors placed on it get the workers' environment, it is
-    shut down when the block ends, and an unreachable address fails ready()."""
+    """Ray connected by its own thread: actors placed on it get the workers' environment, Ray's
+    start line is held until ready(), it is shut down when the block ends, and an unreachable
+    address fails ready()."""
+    import logging
+
     import ray
 
     from helpers.config import REPO
@@ -59,16 +62,46 @@ def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
     from launchers.ray_session import RayConnectError, ray_session_in_background
     from launchers.worker_group import WorkerGroupSpec, place_actors
 
+    started_lines = []
+    seen = logging.Handler()
+    seen.emit = lambda record: started_lines.append(record.getMessage())
+    ray_logger = logging.getLogger("ray._private.worker")
+    ray_logger.addHandler(seen)
     env = {"ORCH_TEST_WORKER_ENV": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    with ray_session_in_background(None, worker_cpus=2, object_store_gib=0.25) as ready:
-        ready()
-        spec = WorkerGroupSpec(world_size=2, cpus_per_worker=1, gpus_per_worker=0, env=env, wait_s=60, tp=1,
-                               strategy="PACK")
-        placed = place_actors(EnvProbe, spec)
-        try:
-            assert ray.get([a.seen.remote("ORCH_TEST_WORKER_ENV") for a in placed.actors]) == ["1", "1"]
-        finally:
-            placed.release()
+    try:
+        with ray_session_in_background(None, worker_cpus=2, object_store_gib=0.25) as ready:
+            deadline = time.monotonic() + 120
+            while not ray.is_initialized() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(0.5)  # Ray logs its start line as ray.init returns
+            assert not [line for line in started_lines if line.startswith("Started a local Ray instance")]
+            ready()
+            assert [line for line in started_lines if line.startswith("Started a local Ray instance")]
+            spec = WorkerGroupSpec(world_size=2, cpus_per_worker=1, gpus_per_worker=0, env=env, wait_s=60, tp=1,
+                                   strategy="PACK")
+            placed = place_actors(EnvProbe, spec)
+            try:
+                assert ray.get([a.seen.remote("ORCH_TEST_WORKER_ENV") for a in placed.actors]) == ["1", "1"]
+            finally:
+                placed.release()
+    finally:
+        ray_logger.removeHandler(seen)
     assert not ray.is_initialized()
     with ray_session_in_background("127.0.0.1:1", connect_timeout_s=1) as ready, pytest.raises(RayConnectError):
         ready()
+
+
+def test_a_block_that_fails_while_ray_starts_does_not_wait_for_it():
+    """The command's error comes at once; the Ray it was starting is shut down by its thread, and
+    the next session in the process waits for that instead of finding a Ray about to stop."""
+    import ray
+
+    from launchers.ray_session import ray_session, ray_session_in_background
+
+    started = time.monotonic()
+    with pytest.raises(KeyError), ray_session_in_background(None, worker_cpus=2, object_store_gib=0.25):
+        raise KeyError("a refusal")
+    assert time.monotonic() - started < 1.0, "the failing block waited for Ray's start"
+    with ray_session(None, worker_cpus=2, object_store_gib=0.25):
+        assert ray.cluster_resources().get("CPU", 0) >= 2
+    assert not ray.is_initialized()
