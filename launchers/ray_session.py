@@ -69,11 +69,15 @@ def ray_session(address: str | None, *, worker_cpus: float = 0, data_cpus: float
 
 
 @contextlib.contextmanager
-def ray_session_in_background(address: str | None, **session) -> Iterator[Callable[[], None]]:
+def ray_session_in_background(address: str | None, **session) -> Iterator[Callable[..., bool]]:
     """:func:`ray_session`, held by a thread of its own, so the command can do other work (check
     the model, create its MLflow run) during the seconds Ray's server processes take to start.
 
-    Yields ``ready()``, which returns once Ray is connected and raises what connecting raised.
+    Yields ``ready()``, which returns once Ray is connected and raises what connecting raised
+    (``ready(wait=False)`` returns False at once while Ray is still starting). Called in the main
+    thread once Ray is connected, it puts the program's SIGTERM handler back over the one Ray's
+    core worker installs.
+
     Ray's "Started a local Ray instance" line is held back until ``ready()``: a command that
     refuses its input before it uses Ray shows the refusal alone, and the Ray it started is shut
     down when the block ends. The thread holds the session until then: Ray ties the processes
@@ -93,7 +97,9 @@ def ray_session_in_background(address: str | None, **session) -> Iterator[Callab
             if not connected.done():
                 connected.set_exception(error)
 
-    def ready() -> None:
+    def ready(wait: bool = True) -> bool:
+        if not wait and not connected.done():
+            return False
         connected.result()
         started_line.release()
         # Ray's core worker installs a native SIGTERM handler (it logs and aborts) over the
@@ -101,6 +107,7 @@ def ray_session_in_background(address: str | None, **session) -> Iterator[Callab
         if threading.current_thread() is threading.main_thread() and callable(
                 handler := signal.getsignal(signal.SIGTERM)):
             signal.signal(signal.SIGTERM, handler)
+        return True
 
     holder = threading.Thread(target=hold, name="ray-session", daemon=True)
     holder.start()

@@ -177,6 +177,9 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         if cfg.tracking.enabled:
             cfg = imported().opened_tracking(cfg)  # a tracking URI that cannot be used is refused here too
         clock.mark("check")
+        # Ray is usually up by now: taking it here puts the program's SIGTERM handler back (Ray's
+        # core worker replaced it with one that aborts) before the MLflow run is created.
+        ray_ready(wait=False)
         tracker = None
         if cfg.tracking.enabled:
             tracker = open_tracking(cfg, model_cfg, prepared, published, config_yaml, tags or {})
