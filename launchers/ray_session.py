@@ -79,14 +79,17 @@ def ray_session_in_background(address: str | None, **session) -> Iterator[Callab
     core worker installs.
 
     Ray's "Started a local Ray instance" line is held back until ``ready()``: a command that
-    refuses its input before it uses Ray shows the refusal alone, and the Ray it started is shut
-    down when the block ends. The thread holds the session until then: Ray ties the processes
-    it starts to the life of the thread that started them (the kernel's parent-death signal), so
-    the thread must outlive the session.
+    refuses its input before it uses Ray shows the refusal alone. When the block ends Ray is
+    shut down, by the thread, which holds the session until then: Ray ties the processes it
+    starts to the life of the thread that started them (the kernel's parent-death signal), so
+    the thread must outlive the session. A block that fails while Ray is still starting does
+    not wait for it (:func:`_abandon`).
     """
     connected: concurrent.futures.Future = concurrent.futures.Future()
     leave = threading.Event()
     started_line = _HeldRecords(logging.getLogger("ray._private.worker"), "Started a local Ray instance")
+
+    abandoned = threading.Event()
 
     def hold() -> None:
         try:
@@ -96,6 +99,9 @@ def ray_session_in_background(address: str | None, **session) -> Iterator[Callab
         except BaseException as error:  # noqa: BLE001 - handed to the command's thread by ready()
             if not connected.done():
                 connected.set_exception(error)
+        finally:
+            if abandoned.is_set():  # the start line of a Ray nobody used stays unshown
+                started_line.drop()
 
     def ready(wait: bool = True) -> bool:
         if not wait and not connected.done():
@@ -116,32 +122,29 @@ def ray_session_in_background(address: str | None, **session) -> Iterator[Callab
         yield ready
         failed = False
     finally:
+        if failed:
+            abandoned.set()
         leave.set()
         if failed and not connected.done():
             _abandon(holder)
         else:
             holder.join()
-        started_line.drop()
+            started_line.drop()
 
 
 def _abandon(holder: threading.Thread) -> None:
-    """Let a command that fails while its Ray is still starting end without waiting for Ray.
+    """Let a command that fails while its Ray is still starting go on without waiting for Ray.
 
     A refused model or tracking store would otherwise wait seconds for a start nobody uses,
-    then for its shutdown. The thread goes on: it finishes starting Ray and shuts it down (the
-    next session in this process waits for that). If the process exits first, the Ray it was
-    starting ends with it: Ray starts its server processes with the kernel's parent-death
-    signal. Ray's own exit hook is then taken off, so that it does not shut a half-started node
-    down from this thread while the other is still starting it.
+    then for its shutdown, before its error is even shown. The thread goes on: it finishes
+    starting Ray and shuts it down; the next session in this process waits for that, and so
+    does the interpreter's exit, before Ray's own exit hook and before the interpreter tears
+    its modules down under the thread (which a half-started Ray does not survive: gRPC
+    aborts the process).
     """
     _abandoned.append(holder)
     if len(_abandoned) == 1:
-        atexit.register(_exit_without_abandoned_sessions)
-
-
-def _exit_without_abandoned_sessions() -> None:
-    if any(thread.is_alive() for thread in _abandoned):
-        atexit.unregister(ray.shutdown)
+        atexit.register(_wait_for_abandoned_sessions)
 
 
 def _wait_for_abandoned_sessions() -> None:

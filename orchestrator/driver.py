@@ -145,8 +145,9 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     (milliseconds), an embedded Ray starts in the background and MLflow is imported while the
     model is checked and the tracking store opened; the MLflow run is created while Ray finishes
     starting. A value, path or plan arithmetic that is wrong is refused before Ray starts; a
-    refusal from the model check or the tracking store stops the Ray started for the run and
-    shows nothing of it. Nothing is tracked before every check passes.
+    refusal from the model check or the tracking store comes without waiting for that Ray, shows
+    nothing of it, and leaves it to be shut down (:func:`launchers.ray_session.ray_session_in_background`).
+    Nothing is tracked before every check passes.
 
     ``on_report(reports, worker_facts)`` is called for every logged step, replays included
     (tests use it to inject faults at a known step). ``tags`` go onto the new MLflow run
