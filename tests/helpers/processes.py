@@ -65,6 +65,20 @@ def processes_mentioning(text: str) -> set[int]:
     return found
 
 
+def processes_working_in(directory: str) -> set[int]:
+    """PIDs whose working directory is ``directory``: what a command run there started, Ray's
+    agents included, whose command lines name nothing but themselves (``ray::DashboardAgent``)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if os.readlink(f"/proc/{entry}/cwd") == directory:
+                    found.add(int(entry))
+            except OSError:
+                continue
+    return found
+
+
 def listening_sockets(pids: set[int]) -> list[tuple[int, str, str, int]]:
     """(pid, process name, address, port) of every listening TCP socket of these processes."""
     import psutil
