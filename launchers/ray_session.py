@@ -89,8 +89,6 @@ def ray_session_in_background(address: str | None, **session) -> Iterator[Callab
     leave = threading.Event()
     started_line = _HeldRecords(logging.getLogger("ray._private.worker"), "Started a local Ray instance")
 
-    abandoned = threading.Event()
-
     def hold() -> None:
         try:
             with ray_session(address, **session):
@@ -100,8 +98,8 @@ def ray_session_in_background(address: str | None, **session) -> Iterator[Callab
             if not connected.done():
                 connected.set_exception(error)
         finally:
-            if abandoned.is_set():  # the start line of a Ray nobody used stays unshown
-                started_line.drop()
+            # The session is over (or never began): a start line not released by then stays unshown.
+            started_line.drop()
 
     def ready(wait: bool = True) -> bool:
         if not wait and not connected.done():
@@ -122,14 +120,11 @@ def ray_session_in_background(address: str | None, **session) -> Iterator[Callab
         yield ready
         failed = False
     finally:
-        if failed:
-            abandoned.set()
         leave.set()
         if failed and not connected.done():
             _abandon(holder)
         else:
             holder.join()
-            started_line.drop()
 
 
 def _abandon(holder: threading.Thread) -> None:

@@ -162,8 +162,9 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
             print(f"note: {note}", file=sys.stderr)
         workload, plan = resolve_inputs(cfg, model_cfg, cluster, workload)
         # The declared values are valid. Ray starts, and MLflow is imported, while the model is
-        # checked and the tracking store opened; a refusal from those stops the Ray it started
-        # (it shows nothing of it), and nothing is tracked before they pass.
+        # checked and the tracking store opened; a refusal from those shows nothing of that Ray,
+        # which is shut down without the refusal waiting for its start, and nothing is tracked
+        # before they pass.
         ray_ready = held.enter_context(ray_session_in_background(
             cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
             data_cpus=data_task_cpus(workload.data), object_store_gib=cfg.cluster.object_store_memory_gib,

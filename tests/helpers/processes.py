@@ -53,26 +53,26 @@ def alive(pids: set[int]) -> set[int]:
 
 def processes_mentioning(text: str) -> set[int]:
     """PIDs whose command line contains ``text`` (e.g. a Ray cluster's own temp dir)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if text.encode() in f.read():
-                        found.add(int(entry))
-            except OSError:
-                continue
-    return found
+    def mentions(pid: str) -> bool:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return text.encode() in f.read()
+
+    return _pids_where(mentions)
 
 
 def processes_working_in(directory: str) -> set[int]:
     """PIDs whose working directory is ``directory``: what a command run there started, Ray's
     agents included, whose command lines name nothing but themselves (``ray::DashboardAgent``)."""
+    return _pids_where(lambda pid: os.readlink(f"/proc/{pid}/cwd") == directory)
+
+
+def _pids_where(matches) -> set[int]:
+    """PIDs of the other processes for which ``matches(pid)`` holds (one that exits meanwhile does not)."""
     found = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             try:
-                if os.readlink(f"/proc/{entry}/cwd") == directory:
+                if matches(entry):
                     found.add(int(entry))
             except OSError:
                 continue
