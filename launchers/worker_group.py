@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from launchers.gpu_sharing import share_gpus
 from launchers.job import PollStatus, StepReport, TrainJob, WorkerFacts
 from launchers.placement import RankSlot, assign_ranks, straddling_groups
+from launchers.ray_session import environment_to_ship
 from launchers.worker import TrainWorker
 from plans.errors import OrchError
 
@@ -142,12 +143,13 @@ def place_actors(actor_class: type, spec: WorkerGroupSpec, *, max_concurrency: i
         if not ray.wait([pg.ready()], timeout=spec.wait_s)[0]:
             raise NoPlacementError(f"no placement within {spec.wait_s:g}s: {_resource_shortfall(spec)}")
         remote_cls = ray.remote(actor_class)
+        shipped = environment_to_ship(spec.env)
         for i in range(spec.world_size):
             actors.append(remote_cls.options(
                 num_cpus=spec.cpus_per_worker, num_gpus=spec.gpus_per_worker, max_concurrency=max_concurrency,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                      placement_group_bundle_index=i),
-                runtime_env={"env_vars": spec.env},
+                runtime_env={"env_vars": shipped} if shipped else None,
             ).remote())
         slots = assign_ranks(ray.get([a.node_id.remote() for a in actors]))
         order = sorted(range(len(actors)), key=lambda i: slots[i].rank)

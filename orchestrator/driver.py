@@ -168,7 +168,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         ray_ready = held.enter_context(ray_session_in_background(
             cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
             data_cpus=data_task_cpus(workload.data), object_store_gib=cfg.cluster.object_store_memory_gib,
-            connect_timeout_s=cfg.cluster.connect_timeout_s))
+            connect_timeout_s=cfg.cluster.connect_timeout_s, worker_env=job_env(plan, cfg.train)))
         imported = held.enter_context(in_background(importlib.import_module, "orchestrator.train_tracking"))
         prepared = prepare_job(cfg, model_cfg, cluster, workload=workload, plan=plan)
         # Taken once the plan and inputs are known to be valid, so every problem with them is

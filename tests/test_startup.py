@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -52,14 +53,18 @@ def test_background_work_hands_back_its_result_or_its_error():
 def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
     """Ray connected by its own thread: actors placed on it get the workers' environment, Ray's
     start line is held until ready(), it is shut down when the block ends, and an unreachable
-    address fails ready()."""
+    address fails ready().
+
+    The environment the embedded Ray was started with is not shipped again: those actors run in
+    the worker processes Ray started beside its raylet, before they were asked for. A variable it
+    lacks is shipped with the actors. The command's own environment is left as it was."""
     import logging
 
     import ray
 
     from helpers.config import REPO
     from helpers.ray_cluster import EnvProbe
-    from launchers.ray_session import RayConnectError, ray_session_in_background
+    from launchers.ray_session import RayConnectError, environment_to_ship, ray_session_in_background
     from launchers.worker_group import WorkerGroupSpec, place_actors
 
     started_lines = []
@@ -69,7 +74,7 @@ def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
     ray_logger.addHandler(seen)
     env = {"ORCH_TEST_WORKER_ENV": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     try:
-        with ray_session_in_background(None, worker_cpus=2, object_store_gib=0.25) as ready:
+        with ray_session_in_background(None, worker_cpus=2, object_store_gib=0.25, worker_env=env) as ready:
             deadline = time.monotonic() + 120
             while not ray.is_initialized() and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -77,16 +82,29 @@ def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
             assert not [line for line in started_lines if line.startswith("Started a local Ray instance")]
             ready()
             assert [line for line in started_lines if line.startswith("Started a local Ray instance")]
+            assert "ORCH_TEST_WORKER_ENV" not in os.environ
+            assert environment_to_ship(env) == {}
             spec = WorkerGroupSpec(world_size=2, cpus_per_worker=1, gpus_per_worker=0, env=env, wait_s=60, tp=1,
                                    strategy="PACK")
+            asked = time.time()
             placed = place_actors(EnvProbe, spec)
             try:
+                assert ray.get([a.seen.remote("ORCH_TEST_WORKER_ENV") for a in placed.actors]) == ["1", "1"]
+                assert max(ray.get([a.process_started.remote() for a in placed.actors])) < asked
+            finally:
+                placed.release()
+            shipped = {**env, "ORCH_TEST_SHIPPED": "2"}
+            assert environment_to_ship(shipped) == {"ORCH_TEST_SHIPPED": "2"}
+            placed = place_actors(EnvProbe, dataclasses.replace(spec, env=shipped))
+            try:
+                assert ray.get([a.seen.remote("ORCH_TEST_SHIPPED") for a in placed.actors]) == ["2", "2"]
                 assert ray.get([a.seen.remote("ORCH_TEST_WORKER_ENV") for a in placed.actors]) == ["1", "1"]
             finally:
                 placed.release()
     finally:
         ray_logger.removeHandler(seen)
     assert not ray.is_initialized()
+    assert environment_to_ship(env) == env, "a session's environment outlived it"
     with ray_session_in_background("127.0.0.1:1", connect_timeout_s=1) as ready, pytest.raises(RayConnectError):
         ready()
 

@@ -42,3 +42,9 @@ class EnvProbe:
 
     def seen(self, variable: str) -> str | None:
         return os.environ.get(variable)
+
+    def process_started(self) -> float:
+        """When this actor's worker process started (seconds since the epoch)."""
+        import psutil
+
+        return psutil.Process().create_time()
