@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,10 +20,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launchers.gpu_sharing import share_gpus
 from launchers.job import PollStatus, StepReport, TrainJob, WorkerFacts
+from launchers.passthrough import passthrough_env
 from launchers.placement import RankSlot, assign_ranks, straddling_groups
 from launchers.ray_session import environment_to_ship
 from launchers.worker import TrainWorker
 from plans.errors import OrchError
+from plans.spec import Accelerator, TrainSpec
 
 # How often the driver asks the workers for reports. Every poll wakes each worker's main thread,
 # which then competes with its training thread for the GIL and a core: at 0.1 s that thread used
@@ -87,6 +90,19 @@ class WorkerGroupSpec:
         if self.gpus_per_worker:
             bundle["GPU"] = self.gpus_per_worker
         return bundle
+
+
+def worker_env(accelerator: Accelerator) -> dict[str, str]:
+    """What every worker process of this accelerator needs in its environment, calibration's included."""
+    env = {"PYTHONUNBUFFERED": "1", **passthrough_env(os.environ)}
+    if accelerator == Accelerator.cpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def job_env(accelerator: Accelerator, train: TrainSpec) -> dict[str, str]:
+    """Every training worker's environment: :func:`worker_env` and the collectives' timeout."""
+    return {**worker_env(accelerator), **collective_timeout_env(train.hang_timeout_s, train.setup_timeout_s)}
 
 
 def collective_timeout_env(hang_timeout_s: float, setup_timeout_s: float = 0.0) -> dict[str, str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +23,6 @@ from ray.exceptions import RayActorError
 from launchers.checkpoint import Published, resumable
 from launchers.ds_config import build_ds_config
 from launchers.job import StepReport, TrainJob, WorkerFacts
-from launchers.passthrough import passthrough_env
 from launchers.placement import placement_strategy
 from launchers.ray_session import ray_session_in_background
 from launchers.universal import convert as convert_to_universal
@@ -35,7 +33,7 @@ from launchers.worker_group import (
     WorkerGroup,
     WorkerGroupSpec,
     WorkerHangError,
-    collective_timeout_env,
+    job_env,
 )
 from orchestrator.checking import checked_run, live_cluster, resolve_inputs
 from orchestrator.config import RunConfig
@@ -50,7 +48,7 @@ from plans.estimate import PlanEstimate
 from plans.flops import training_flops_per_sample
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
-from plans.spec import Accelerator, ClusterSpec, ResumeMode, TrainSpec
+from plans.spec import Accelerator, ClusterSpec, ResumeMode
 from plans.workload import StreamingSource, Workload, data_task_cpus
 
 if TYPE_CHECKING:
@@ -124,18 +122,6 @@ class FailurePolicy:
         return not isinstance(error, self.restartable) or failures > self.max_failures
 
 
-def worker_env(plan: ResolvedPlan) -> dict[str, str]:
-    env = {"PYTHONUNBUFFERED": "1", **passthrough_env(os.environ)}
-    if plan.accelerator == Accelerator.cpu:
-        env["DS_ACCELERATOR"] = "cpu"
-    return env
-
-
-def job_env(plan: ResolvedPlan, train: TrainSpec) -> dict[str, str]:
-    """Every worker's environment: :func:`worker_env` and the collectives' timeout."""
-    return {**worker_env(plan), **collective_timeout_env(train.hang_timeout_s, train.setup_timeout_s)}
-
-
 def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=None,
                  on_report: Callable[[list[StepReport], list[WorkerFacts]], None] | None = None,
                  tags: dict[str, str] | None = None, workload: Workload | None = None) -> TrainResult:
@@ -168,7 +154,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         ray_ready = held.enter_context(ray_session_in_background(
             cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
             data_cpus=data_task_cpus(workload.data), object_store_gib=cfg.cluster.object_store_memory_gib,
-            connect_timeout_s=cfg.cluster.connect_timeout_s, worker_env=job_env(plan, cfg.train)))
+            connect_timeout_s=cfg.cluster.connect_timeout_s, worker_env=job_env(plan.accelerator, cfg.train)))
         imported = held.enter_context(in_background(importlib.import_module, "orchestrator.train_tracking"))
         prepared = prepare_job(cfg, model_cfg, cluster, workload=workload, plan=plan)
         # Taken once the plan and inputs are known to be valid, so every problem with them is
@@ -227,7 +213,8 @@ def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, worklo
               file=sys.stderr)
     ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=facts.param_count,
                                 tp_layer_specs=workload.tp_layer_specs)
-    job = TrainJob(plan=plan, ds_config=ds_config, workload=workload, train=cfg.train, env=job_env(plan, cfg.train),
+    job = TrainJob(plan=plan, ds_config=ds_config, workload=workload, train=cfg.train,
+                   env=job_env(plan.accelerator, cfg.train),
                    model_signature=signature_of(workload.model_factory, workload.model_config, cfg.train),
                    system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.enabled else 0.0)
     group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,

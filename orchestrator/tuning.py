@@ -139,12 +139,13 @@ def _matmul_shape(probe) -> tuple[int, int]:
 def measure_speeds(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchContext) -> tuple[Speeds, str]:
     """The cluster's matmul and all-reduce speeds, probed at the search's matmul shapes (or cached)."""
     from launchers.calibration import calibrate
+    from launchers.worker_group import worker_env
 
     k, n = _matmul_shape(ctx.probe)
     micro = sorted({spec.micro_batch_size for spec in space.plans()})
     rows = [m * ctx.model_cost.seq_len for m in micro][:8]
     gpu = cluster.accelerator == Accelerator.gpu
-    env = {"PYTHONUNBUFFERED": "1", **({} if gpu else {"DS_ACCELERATOR": "cpu"})}
+    env = worker_env(cluster.accelerator)
     return calibrate(world_size=cluster.world_size, devices_per_node=cluster.devices_per_node,
                      cpus_per_worker=cluster.cpus_per_worker, gpus_per_worker=1.0 if gpu else 0.0, env=env,
                      precision=cfg.plan.precision.value, rows=rows, k=k, n=n, declared=ctx.speeds,
@@ -173,12 +174,14 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
         speeds, note = ctx.speeds, "declared in the cluster config (cluster.device_tflops, ...)"
         if uses_ray:
             from launchers.ray_session import ray_session
+            from launchers.worker_group import job_env
 
             stack.enter_context(ray_session(cfg.cluster.address,
                                             worker_cpus=cluster.world_size * cluster.cpus_per_worker,
                                             data_cpus=data_task_cpus(workload.data),
                                             object_store_gib=cfg.cluster.object_store_memory_gib,
-                                            connect_timeout_s=cfg.cluster.connect_timeout_s))
+                                            connect_timeout_s=cfg.cluster.connect_timeout_s,
+                                            worker_env=job_env(cluster.accelerator, cfg.train)))
             if cfg.tune.calibrate:
                 print("tune: measuring the cluster's speeds on the Ray workers", file=err, flush=True)
                 speeds, note = measure_speeds(cfg, cluster, space, ctx)

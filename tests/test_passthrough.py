@@ -3,8 +3,8 @@ device list do not."""
 
 from helpers.config import compose_config
 from launchers.passthrough import passthrough_env
+from launchers.worker_group import worker_env
 from orchestrator.config import to_typed
-from orchestrator.driver import worker_env
 from plans.resolve import resolve_plan
 
 
@@ -25,5 +25,5 @@ def test_the_driver_s_worker_env_includes_them(monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
     monkeypatch.setenv("NCCL_AUTH_TOKEN", "never")
     cfg, _, _ = to_typed(compose_config())
-    env = worker_env(resolve_plan(cfg.plan, cfg.cluster, cfg.train))
+    env = worker_env(resolve_plan(cfg.plan, cfg.cluster, cfg.train).accelerator)
     assert env["NCCL_DEBUG"] == "WARN" and "NCCL_AUTH_TOKEN" not in env
