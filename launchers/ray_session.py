@@ -57,49 +57,48 @@ def ray_session(address: str | None, *, worker_cpus: float = 0, data_cpus: float
         require_data_cpus(worker_cpus, data_cpus)
         yield
         return
-    try:  # a start interrupted half-way (Ctrl-C, SIGTERM) is shut down too
-        if address is None:
-            _start_embedded(worker_env or {}, num_cpus=max(os.cpu_count() or 1, int(worker_cpus + data_cpus + 0.999)),
-                            object_store_memory=int(object_store_gib * GIB))
-        else:
-            try:
-                connect(address, connect_timeout_s)
-            except (ConnectionError, RuntimeError) as exc:
-                raise RayConnectError(
-                    f"cluster.address={address}: cannot connect to a Ray cluster there ({exc}). Fix: start the "
-                    "cluster (`ray start --head`), correct cluster.address, or set cluster.address=null for an "
-                    "embedded local Ray") from exc
-        require_data_cpus(worker_cpus, data_cpus)
-        yield
-    finally:
-        _forget_embedded_environment()
-        ray.shutdown()
+    with contextlib.ExitStack() as environment:
+        try:  # a start interrupted half-way (Ctrl-C, SIGTERM) is shut down too
+            if address is None:
+                environment.enter_context(_inherited_by_workers(worker_env or {}))
+                start_local_ray(num_cpus=max(os.cpu_count() or 1, int(worker_cpus + data_cpus + 0.999)),
+                                object_store_memory=int(object_store_gib * GIB))
+            else:
+                try:
+                    connect(address, connect_timeout_s)
+                except (ConnectionError, RuntimeError) as exc:
+                    raise RayConnectError(
+                        f"cluster.address={address}: cannot connect to a Ray cluster there ({exc}). Fix: start the "
+                        "cluster (`ray start --head`), correct cluster.address, or set cluster.address=null for an "
+                        "embedded local Ray") from exc
+            require_data_cpus(worker_cpus, data_cpus)
+            yield
+        finally:
+            ray.shutdown()
 
 
-def _start_embedded(worker_env: dict[str, str], **init_kwargs) -> None:
-    """:func:`start_local_ray` with ``worker_env`` in the environment its processes inherit.
+@contextlib.contextmanager
+def _inherited_by_workers(worker_env: dict[str, str]) -> Iterator[None]:
+    """``worker_env`` in this process's environment while the embedded Ray it starts lives.
 
     Ray's processes, the worker processes its raylet starts ahead of any request included, take
-    the environment of the process that starts them; ``worker_env`` is put into this process's
-    environment for the start and taken out again once Ray's processes exist.
+    the environment of the process that starts them. The variables are taken out again when the
+    session ends, not as soon as Ray has started: removing a variable while another thread reads
+    the whole environment (the command goes on checking the plan meanwhile) could fail that read.
     """
     global _embedded_environment
     saved = {name: os.environ.get(name) for name in worker_env}
     os.environ.update(worker_env)
+    _embedded_environment = dict(os.environ)
     try:
-        _embedded_environment = dict(os.environ)
-        start_local_ray(**init_kwargs)
+        yield
     finally:
+        _embedded_environment = None
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _forget_embedded_environment() -> None:
-    global _embedded_environment
-    _embedded_environment = None
 
 
 def environment_to_ship(env: dict[str, str]) -> dict[str, str]:
