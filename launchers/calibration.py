@@ -87,10 +87,12 @@ class CalibrationWorker:
                            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_ranks.index(rank)),
                            "LOCAL_SIZE": str(len(local_ranks)), "LOCAL_WORLD_SIZE": str(len(local_ranks)),
                            **AGENT_STORE_ENV})
-        import deepspeed
         import deepspeed.comm as dist
 
+        from launchers.lean_startup import import_deepspeed
         from launchers.worker import unlink_shared_memory_buffers
+
+        deepspeed = import_deepspeed()
 
         backend = "gloo" if env.get("DS_ACCELERATOR") == "cpu" else "nccl"
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)

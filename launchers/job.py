@@ -4,10 +4,13 @@ up: plain, picklable, free of Hydra objects."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from plans.resolve import ResolvedPlan
 from plans.spec import TrainSpec
-from plans.workload import Workload
+
+if TYPE_CHECKING:  # its torch import is left to the worker's start-up (TrainWorker.__init__)
+    from plans.workload import Workload
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,15 +41,32 @@ def _storage_of(obj) -> torch.UntypedStorage | None:
         return None
 
 
-def _tensors_in_process():
-    """Every tensor the garbage collector knows, and the ``.grad`` of every leaf among them.
+def _tracked_objects() -> list:
+    """Every object the garbage collector tracks, the frozen ones included.
+
+    ``gc.get_objects()`` leaves out objects moved to the permanent generation by ``gc.freeze()``,
+    which the workers call after start-up (:func:`launchers.lean_startup.collector_paused`): the
+    model and the engine would be missing. They are unfrozen for the scan and frozen again after,
+    with whatever else is alive by then.
+    """
+    if not gc.get_freeze_count():
+        return gc.get_objects()
+    gc.unfreeze()
+    try:
+        return gc.get_objects()
+    finally:
+        gc.freeze()
+
+
+def _tensors_in(objects: list):
+    """Every tensor among ``objects``, and the ``.grad`` of every leaf among them.
 
     A gradient autograd wrote from C++ has no Python object until someone reads ``.grad``, so
     ``gc.get_objects()`` alone would miss the gradients of a plain ``torch.optim`` loop. Leaves
     include tensors that do not require grad, which is what DeepSpeed hangs its flat fp32
     gradients on. ``.grad`` is not read on non-leaf tensors: it warns there and is always None.
     """
-    for obj in gc.get_objects():
+    for obj in objects:
         # ``type()`` rather than ``isinstance``: isinstance also asks the object's ``__class__``,
         # which some module-level proxies answer with a deprecation warning.
         if issubclass(type(obj), torch.Tensor):
@@ -58,8 +75,8 @@ def _tensors_in_process():
                 yield obj.grad
 
 
-def _live_storages() -> dict[tuple[str, int], torch.UntypedStorage]:
-    """The distinct storages of all live tensors, keyed by device and address.
+def _live_storages(objects: list) -> dict[tuple[str, int], torch.UntypedStorage]:
+    """The distinct storages of the tensors among ``objects``, keyed by device and address.
 
     Keyed by address rather than by storage object because two storage objects can wrap the same
     memory (``torch.from_numpy`` twice on one array); views and DeepSpeed's flat buffers with
@@ -67,7 +84,7 @@ def _live_storages() -> dict[tuple[str, int], torch.UntypedStorage]:
     own no bytes and are skipped.
     """
     storages: dict[tuple[str, int], torch.UntypedStorage] = {}
-    for tensor in _tensors_in_process():
+    for tensor in _tensors_in(objects):
         storage = _storage_of(tensor)
         if storage is not None and storage.data_ptr():
             storages.setdefault((storage.device.type, storage.data_ptr()), storage)
@@ -82,7 +99,28 @@ def live_tensor_bytes() -> int:
     graph is left, so for the model states this is complete. Garbage in reference cycles that
     ``gc`` has not collected yet is counted, since its memory is still allocated.
     """
-    return sum(s.nbytes() for s in _live_storages().values())
+    return sum(s.nbytes() for s in _live_storages(_tracked_objects()).values())
+
+
+class TensorsMade:
+    """Bytes of the tensors made inside the block and still alive at its end (the in-memory
+    tensors of a data source), counted without scanning the whole process.
+
+    Entering freezes every object the collector tracks (``gc.freeze``), so at the end
+    ``gc.get_objects()`` lists only the objects made since. A tensor made in the block as a view
+    of older memory would be counted with that memory.
+    """
+
+    def __init__(self):
+        self.bytes = 0
+
+    def __enter__(self) -> TensorsMade:
+        gc.freeze()
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.bytes = sum(s.nbytes() for s in _live_storages(gc.get_objects()).values())
 
 
 @dataclass
@@ -134,7 +172,7 @@ class PeakMemoryTracker(TorchDispatchMode):
         self._tracked.clear()
         self._by_address.clear()
         self.current = 0
-        for storage in _live_storages().values():
+        for storage in _live_storages(_tracked_objects()).values():
             self._see(storage)
         self.baseline = self.peak = self.current
         return super().__enter__()

@@ -39,15 +39,12 @@ class SystemSampler:
 
     Each sample averages what the monitors collected over the interval (a sample a second, as
     MLflow's monitor aggregates them). :meth:`take` hands the samples gathered so far to the
-    caller and forgets them.
+    caller and forgets them. The monitors are made on the thread: importing MLflow takes a second
+    of CPU, which the caller does not wait for.
     """
 
     def __init__(self, interval_s: float):
         self.interval_s = interval_s
-        self._monitors = mlflow_monitors()
-        for monitor in self._monitors:  # psutil's CPU percentage counts from its previous call
-            monitor.collect_metrics()
-            monitor.clear_metrics()
         self._samples: list[dict[str, float]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -58,6 +55,11 @@ class SystemSampler:
         return self
 
     def _run(self) -> None:
+        monitors = mlflow_monitors()
+        for monitor in monitors:  # psutil's CPU percentage counts from its previous call
+            monitor.collect_metrics()
+            monitor.clear_metrics()
+        self._monitors = monitors
         tick = min(1.0, self.interval_s)
         next_sample = time.monotonic() + self.interval_s
         while not self._stop.wait(tick):

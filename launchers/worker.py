@@ -31,10 +31,10 @@ from launchers.gpu_worker import (
     use_device,
 )
 from launchers.job import PollStatus, StepReport, TrainJob, WorkerFacts
+from launchers.lean_startup import collector_paused, import_deepspeed
 from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from launchers.storage import RemoteDir, is_remote, local_path, staging_dir
-from plans.meta import meta_device
 from plans.spec import Precision
 
 
@@ -118,6 +118,7 @@ def _refuse_whole_build_beyond_memory(job: TrainJob, reason: str) -> None:
     import psutil
 
     from plans.memory import model_stats
+    from plans.meta import meta_device
 
     with meta_device():
         whole = model_stats(job.workload.model_factory()).built_bytes
@@ -195,7 +196,10 @@ class TrainWorker:
     """A DeepSpeed worker: one rank of the run."""
 
     def __init__(self):
-        match_torch_threads()
+        with collector_paused():  # torch's import, which this module leaves to here: start-up
+            import torch  # noqa: F401
+
+            match_torch_threads()
         self.engine = None
         self.device_mapping: DeviceMapping | None = None
         self.start_step = 0
@@ -233,6 +237,11 @@ class TrainWorker:
         (:class:`plans.workload.StreamingSource`): given to the first rank of each data-parallel
         replica, which reads it for the replica's other ranks.
         """
+        with collector_paused():  # imports and the engine: start-up (launchers.lean_startup)
+            return self._setup(job, slot, world_size, master_addr, master_port, streams)
+
+    def _setup(self, job: TrainJob, slot: RankSlot, world_size: int, master_addr: str,
+               master_port: int, streams: tuple[Any, Any] | None) -> WorkerFacts:
         self.rank, self.world_size = slot.rank, world_size
         self.local_rank = slot.local_rank
         self._samples_node = slot.local_rank == 0 and job.system_metrics_interval_s > 0
@@ -243,8 +252,9 @@ class TrainWorker:
             "LOCAL_SIZE": str(slot.local_world_size), "LOCAL_WORLD_SIZE": str(slot.local_world_size),
             **AGENT_STORE_ENV,
         })
-        import deepspeed
         import torch
+
+        deepspeed = import_deepspeed()
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.ERROR)  # progress is reported by the driver, not by every rank
@@ -315,28 +325,30 @@ class TrainWorker:
         if plan.tp > 1 and sum(p.numel() for p in module.parameters()) == full_numel:
             raise RuntimeError(f"plan.tp={plan.tp}, but no layer of {type(module).__name__} matched the "
                                "tensor-parallel layer specs: every rank would hold and compute the whole model")
-        from launchers.memory_probe import live_tensor_bytes
+        from launchers.memory_probe import TensorsMade
 
         # The data's own tensors (an in-memory corpus, decoded images) are not the model's: the
         # measured memory is compared with the planner's prediction without them.
-        before_data = live_tensor_bytes() if job.train.memory_probe_step else 0
+        data_tensors = TensorsMade() if job.train.memory_probe_step else contextlib.nullcontext()
         data = job.workload.data
         # The ranks of one tensor-parallel group hold shards of one replica: they read the same batch.
         dp_rank = coords.dp_rank
-        if isinstance(data, StreamingSource):
-            self.batches, self.val_batches = self._streamed_batches(data, streams, coords)
-        else:
-            data.prepare()
-            train_set, val_set = data.datasets()
-            collate = data.collate()
-            self.batches = ShardedBatches(train_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank,
-                                          dp_size=plan.dp, seed=job.train.seed, collate=collate)
-            self.val_batches = ShardedBatches(val_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank,
-                                              dp_size=plan.dp, seed=job.train.seed, shuffle=False, collate=collate)
+        with data_tensors:
+            if isinstance(data, StreamingSource):
+                self.batches, self.val_batches = self._streamed_batches(data, streams, coords)
+            else:
+                data.prepare()
+                train_set, val_set = data.datasets()
+                collate = data.collate()
+                self.batches = ShardedBatches(train_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank,
+                                              dp_size=plan.dp, seed=job.train.seed, collate=collate)
+                self.val_batches = ShardedBatches(val_set, batch_size=plan.micro_batch_size, dp_rank=dp_rank,
+                                                  dp_size=plan.dp, seed=job.train.seed, shuffle=False,
+                                                  collate=collate)
+        data_tensor_bytes = data_tensors.bytes if job.train.memory_probe_step else 0
         self.start_step = self._resume(job) if job.resume_tag else 0
         self.first_batch_digest: str | None = None
         self.train_batches = self._recorded(self.batches)
-        data_tensor_bytes = live_tensor_bytes() - before_data if job.train.memory_probe_step else 0
         return WorkerFacts(rank=self.rank, pid=os.getpid(), hostname=socket.gethostname(), dp_rank=dp_rank,
                            tp_rank=coords.tp_rank, pp_rank=coords.pp_rank, start_step=self.start_step,
                            params_on_rank=sum(p.numel() for p in module.parameters()),
@@ -679,6 +691,10 @@ class TrainWorker:
             last = step == spec.steps
             self.progress_step = step
             self._progress_at = time.monotonic()
+            if step == self.start_step + 1 and getattr(self, "_sampler", None) is not None:
+                # Sampling begins once training has: the MLflow import it needs would otherwise
+                # hold up the first step, competing for this rank's CPU and interpreter lock.
+                self._sampler.start()
             if spec.checkpoint_every and (step % spec.checkpoint_every == 0 or last):
                 self._save(step)
             if step % spec.log_every and not last:
@@ -712,7 +728,7 @@ class TrainWorker:
         if self._samples_node:
             from launchers.system_metrics import SystemSampler
 
-            self._sampler = SystemSampler(self.job.system_metrics_interval_s).start()
+            self._sampler = SystemSampler(self.job.system_metrics_interval_s)
         device = getattr(self.engine, "device", None)
 
         def run() -> None:

@@ -1,5 +1,15 @@
+"""`orch` and `python -m orchestrator`: the command line, imported with the garbage collector paused."""
+
 import sys
 
-from orchestrator.cli import main
 
-sys.exit(main())
+def main() -> int:
+    from launchers.lean_startup import collector_paused
+
+    with collector_paused():  # torch, Hydra and the config schemas: start-up (launchers.lean_startup)
+        from orchestrator.cli import main as cli_main
+    return cli_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError
 from launchers.checkpoint import Published, resumable
 from launchers.ds_config import build_ds_config
 from launchers.job import StepReport, TrainJob, WorkerFacts
+from launchers.lean_startup import collector_paused
 from launchers.placement import placement_strategy
 from launchers.ray_session import ray_session_in_background
 from launchers.universal import convert as convert_to_universal
@@ -146,6 +147,9 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     with contextlib.ExitStack() as held, live_cluster(cfg, connect=True) as (cluster, notes):
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
+        # Start-up runs with the garbage collector paused, until Ray is ready (launchers.lean_startup).
+        startup = held.enter_context(contextlib.ExitStack())
+        startup.enter_context(collector_paused())
         workload, plan = resolve_inputs(cfg, model_cfg, cluster, workload)
         # The declared values are valid. Ray starts, and MLflow is imported, while the model is
         # checked and the tracking store opened; a refusal from those shows nothing of that Ray,
@@ -180,6 +184,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         try:
             ray_ready()
             clock.mark("ray")
+            startup.close()
             _train(prepared, job, cfg, tracker, result, progress, clock, on_report=on_report,
                    logged_step=published.step if published else 0, out=out)
             status = "FINISHED"
