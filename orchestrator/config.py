@@ -17,13 +17,15 @@ from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from plans.errors import OrchError
 from plans.spec import ClusterSpec, OptimSpec, PlanSpec, TrainSpec
-from workloads.corpus import CorpusDataConfig
-from workloads.dataset import DatasetDataConfig
-from workloads.hf import HFCausalLMConfig
-from workloads.images import ImagesDataConfig
 from workloads.ray_data import RayDataConfig
-from workloads.text import TextDataConfig
-from workloads.vision import TorchvisionModelConfig
+from workloads.schemas import (
+    CorpusDataConfig,
+    DatasetDataConfig,
+    HFCausalLMConfig,
+    ImagesDataConfig,
+    TextDataConfig,
+    TorchvisionModelConfig,
+)
 
 
 @dataclass(kw_only=True)

@@ -86,19 +86,6 @@ def split(data: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.
 _CORPUS_FIX = "point data.path at a text file (optionally .gz), or set data.path=null for the shipped corpus"
 
 
-@dataclass(kw_only=True)
-class CorpusDataConfig:
-    """``data=corpus``: a text file read as bytes (a vocabulary of 256)."""
-
-    _target_: str = "workloads.corpus.CorpusSource"
-    path: str | None = None
-    """A text file (optionally .gz); null uses the corpus shipped with the project."""
-    seq_len: int = 128
-    """Tokens (bytes) per sample; the shipped configs tie it to model.seq_len."""
-    val_fraction: float = 0.05
-    """Tail of the corpus held out for evaluation."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class CorpusSource:
     """The corpus as a :class:`plans.workload.DataSource`: windows of ``seq_len + 1`` bytes as

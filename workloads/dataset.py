@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -20,26 +19,6 @@ from hydra.utils import get_object, instantiate
 from plans.errors import Violation
 from plans.workload import move_batch
 from workloads.lineage import samples_digest
-
-
-@dataclass(kw_only=True)
-class DatasetDataConfig:
-    """``data=dataset``: a map-style torch Dataset of the user's."""
-
-    _target_: str = "workloads.dataset.DatasetSource"
-    dataset: dict[str, Any] = field(default_factory=dict)
-    """The training Dataset: {_target_: mypkg.MyDataset, ...its arguments}."""
-    val_dataset: dict[str, Any] | None = None
-    """A held-out Dataset declared the same way; null: the last val_fraction of dataset."""
-    val_fraction: float = 0.1
-    """Share of dataset held out for evaluation when val_dataset is null."""
-    collate: dict[str, Any] | None = None
-    """A function turning a list of samples into a batch: {_target_: mypkg.collate, ...bound arguments};
-    null: torch's default collation."""
-    tokens_per_sample: int | None = None
-    """Tokens in one sample, to report tokens/s; null: samples/s only."""
-    required_outputs: int | None = None
-    """The smallest output size the model needs (classes, vocabulary); null: not checked."""
 
 
 def _cause(error: BaseException) -> BaseException:

@@ -7,21 +7,9 @@ tensor-parallel plan (see :mod:`plans.tp_plan`) and supports ``gradient_checkpoi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-
-@dataclass(kw_only=True)
-class HFCausalLMConfig:
-    """``model=hf_causal_lm``: a transformers causal LM from a config or a local directory."""
-
-    _target_: str = "workloads.hf.hf_causal_lm"
-    config: dict[str, Any] | None = field(default_factory=dict)
-    """A transformers config as a dict: its model_type (llama, gpt2, mistral, ...) and its sizes."""
-    pretrained_path: str | None = None
-    """A local directory written by save_pretrained (weights and config); replaces model.config."""
 
 
 def hf_causal_lm(config: dict[str, Any] | None = None, pretrained_path: str | None = None) -> torch.nn.Module:

@@ -23,23 +23,6 @@ _SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", 
 DIGITS_CLASSES = 10
 
 
-@dataclass(kw_only=True)
-class ImagesDataConfig:
-    """``data=images``: an image folder, or the bundled digits."""
-
-    _target_: str = "workloads.images.ImageSource"
-    path: str | None = None
-    """A directory with one subdirectory of images per class; null: scikit-learn's 8x8 digits (1,797 images)."""
-    image_size: int = 32
-    """Images are resized to image_size x image_size."""
-    channels: int = 3
-    """Channels the model takes (grayscale images are repeated to fill them)."""
-    val_fraction: float = 0.1
-    """Share of the images held out for evaluation (every 1/val_fraction-th image)."""
-    num_classes: int | None = None
-    """Classes the model predicts; null: as many as the folder has."""
-
-
 def _split(n: int, val_fraction: float) -> tuple[list[int], list[int]]:
     """Deterministic held-out split: evenly spread indices go to evaluation, so every class is in both."""
     n_val = int(n * val_fraction)

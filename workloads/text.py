@@ -29,25 +29,6 @@ _FORMATS = {".txt": "text", ".gz": "text", ".jsonl": "json", ".json": "json", ".
 _FIX = "point data.files at local .txt, .jsonl or .parquet files (globs allowed)"
 
 
-@dataclass(kw_only=True)
-class TextDataConfig:
-    """``data=text``: text files tokenized and packed into windows."""
-
-    _target_: str = "workloads.text.TextSource"
-    files: list[str] | None = None
-    """Local .txt, .jsonl/.json or .parquet files or globs; null: the corpus shipped with the project."""
-    text_field: str = "text"
-    """The column holding the text in .jsonl and .parquet files (.txt files are read line by line)."""
-    tokenizer: str | None = None
-    """A local directory written by a Hugging Face tokenizer's save_pretrained; null: UTF-8 bytes (256 tokens)."""
-    seq_len: int = 128
-    """Tokens per sample; the shipped configs tie it to model.seq_len where the model has one."""
-    val_fraction: float = 0.05
-    """Share of the windows held out for evaluation (the last ones)."""
-    cache_dir: str = "~/.cache/orch/text"
-    """Where tokenized windows are kept, one directory per (files, tokenizer, seq_len)."""
-
-
 class _Windows(torch.utils.data.Dataset):
     """Rows of a memory-mapped Arrow table of token windows, as ``(inputs, next-token targets)``."""
 

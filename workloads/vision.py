@@ -6,25 +6,9 @@ state dict instead, read weights-only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-
-@dataclass(kw_only=True)
-class TorchvisionModelConfig:
-    """``model=torchvision``: a ``torchvision.models`` builder and its arguments."""
-
-    _target_: str = "workloads.vision.torchvision_model"
-    name: str = "resnet18"
-    """A builder of torchvision.models: resnet18, resnet50, vit_b_16, convnext_tiny, ..."""
-    num_classes: int = 10
-    """Classes the classifier predicts."""
-    weights_path: str | None = None
-    """A local state dict (.pt or .safetensors) to start from; null: random initialization."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    """Further builder arguments, e.g. {image_size: 32} for a ViT."""
 
 
 def torchvision_model(name: str, num_classes: int, weights_path: str | None = None,
