@@ -58,14 +58,19 @@ def train_app(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from orchestrator.driver import run_training
+    from launchers.lean_startup import collector_paused
+    from orchestrator.early_ray import early_ray
     from orchestrator.sweeps import child_tags, record_job_run
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         typed, model_cfg, yaml = to_typed(cfg)
-        result = run_training(typed, model_cfg, yaml, tags=child_tags())
+        # An embedded Ray starts before the driver, and torch with it, is imported (orchestrator.early_ray).
+        with early_ray(typed) as ray_ready:
+            with collector_paused():  # start-up (launchers.lean_startup)
+                from orchestrator.driver import run_training
+            result = run_training(typed, model_cfg, yaml, tags=child_tags(), ray_ready=ray_ready)
         if sweeping:
             record_job_run(int(HydraConfig.get().job.num), result.run_id)
         return sweep_value(result, typed.train.sweep_metric)

@@ -125,14 +125,17 @@ class FailurePolicy:
 
 def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=None,
                  on_report: Callable[[list[StepReport], list[WorkerFacts]], None] | None = None,
-                 tags: dict[str, str] | None = None, workload: Workload | None = None) -> TrainResult:
+                 tags: dict[str, str] | None = None, workload: Workload | None = None,
+                 ray_ready: Callable[..., bool] | None = None) -> TrainResult:
     """Train one declared run end to end and return its result.
 
     Start-up steps that do not depend on each other overlap. Once the declared values are valid
     (milliseconds), an embedded Ray starts in the background and MLflow is imported while the
     model is checked and the tracking store opened; the MLflow run is created while Ray finishes
-    starting. A value, path or plan arithmetic that is wrong is refused before Ray starts; a
-    refusal from the model check or the tracking store comes without waiting for that Ray, shows
+    starting (`orch train` may have started it already, before importing this module:
+    :mod:`orchestrator.early_ray`). A value or plan arithmetic that is wrong is refused before Ray
+    starts, and so is a wrong path when Ray was not started early; a refusal found while Ray
+    starts (a path, the model check, the tracking store) comes without waiting for that Ray, shows
     nothing of it, and leaves it to be shut down (:func:`launchers.ray_session.ray_session_in_background`).
     Nothing is tracked before every check passes.
 
@@ -140,7 +143,8 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     (tests use it to inject faults at a known step). ``tags`` go onto the new MLflow run
     (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``). ``workload`` is
     one already resolved for this model, objective and data (`orch tune` resolves it once for all
-    its trials, whose model is then built on ``meta`` once).
+    its trials, whose model is then built on ``meta`` once). ``ray_ready`` is that of an embedded
+    Ray the caller started already (:mod:`orchestrator.early_ray`) and shuts down after this returns.
     """
     clock = StartupClock()
     out = stream or sys.stdout
@@ -155,10 +159,11 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         # checked and the tracking store opened; a refusal from those shows nothing of that Ray,
         # which is shut down without the refusal waiting for its start, and nothing is tracked
         # before they pass.
-        ray_ready = held.enter_context(ray_session_in_background(
-            cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
-            data_cpus=data_task_cpus(workload.data), object_store_gib=cfg.cluster.object_store_memory_gib,
-            connect_timeout_s=cfg.cluster.connect_timeout_s, worker_env=job_env(plan.accelerator, cfg.train)))
+        if ray_ready is None:
+            ray_ready = held.enter_context(ray_session_in_background(
+                cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
+                data_cpus=data_task_cpus(workload.data), object_store_gib=cfg.cluster.object_store_memory_gib,
+                connect_timeout_s=cfg.cluster.connect_timeout_s, worker_env=job_env(plan.accelerator, cfg.train)))
         imported = held.enter_context(in_background(importlib.import_module, "orchestrator.train_tracking"))
         prepared = prepare_job(cfg, model_cfg, cluster, workload=workload, plan=plan)
         # Taken once the plan and inputs are known to be valid, so every problem with them is

@@ -10,26 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 from pathlib import Path
 
 from launchers.storage import is_remote, local_path, location_violation
 from orchestrator.config import RunConfig
+from orchestrator.declared import declared_violations
 from orchestrator.workload import build_data_source
 from plans.errors import PlanError, Violation
 from plans.resolve import ResolvedPlan, resolve_plan
 from plans.spec import ClusterSpec, ResumeMode, TrainSpec
-from plans.validate import field_violations
 from plans.workload import DataSource
-
-
-def declared_violations(cfg: RunConfig) -> list[Violation]:
-    """The declared values outside their ranges (:mod:`plans.validate`); nothing is opened."""
-    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                if f.name not in ("model", "data", "objective")}
-    if isinstance(cfg.data, dict):
-        sections["data"] = types.SimpleNamespace(**{k: v for k, v in cfg.data.items() if not k.startswith("_")})
-    return field_violations(sections)
 
 
 def input_violations(cfg: RunConfig, data: DataSource | None = None) -> list[Violation]:

@@ -123,3 +123,47 @@ def test_a_block_that_fails_while_ray_starts_does_not_wait_for_it():
     with ray_session(None, worker_cpus=2, object_store_gib=0.25):
         assert ray.cluster_resources().get("CPU", 0) >= 2
     assert not ray.is_initialized()
+
+
+# --- the embedded Ray started before torch is imported (orchestrator/early_ray.py) -------------------
+
+@pytest.mark.parametrize("override", [
+    "cluster.address=127.0.0.1:1",  # a cluster joined by address: connected to later, as before
+    "data=ray",  # a source with Ray tasks of its own: its CPUs are known only once it is built
+    "plan.tp=3",  # wrong plan arithmetic: refused before any Ray starts
+    "train.steps=0",  # a declared value out of range: the same
+])
+def test_ray_is_not_started_early_for_runs_it_cannot_size_or_that_will_be_refused(override):
+    from helpers.config import compose_config
+    from orchestrator.config import to_typed
+    from orchestrator.early_ray import early_ray
+
+    typed, _, _ = to_typed(compose_config(override))
+    with early_ray(typed) as ready:
+        assert ready is None
+
+
+def test_ray_starts_early_without_torch_imported():
+    """In a fresh interpreter, as `orch train` runs: the default run's Ray comes up, sized by the plan
+    (two workers' CPUs) and with the workers' environment, while torch is still not imported."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys\n"
+            "sys.path.insert(0, 'tests')\n"
+            "from helpers.config import compose_config\n"
+            "from orchestrator.config import to_typed\n"
+            "from orchestrator.early_ray import early_ray\n"
+            "typed, _, _ = to_typed(compose_config('cluster.object_store_memory_gib=0.1'))\n"
+            "with early_ray(typed) as ready:\n"
+            "    assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "    assert ready()\n"
+            "    import ray\n"
+            "    assert ray.cluster_resources()['CPU'] >= 2\n"
+            "    assert os.environ.get('DS_ACCELERATOR') == 'cpu'\n"
+            "assert 'torch' not in sys.modules\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # the session sets it
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -103,3 +103,9 @@ class TorchvisionModelConfig:
     """A local state dict (.pt or .safetensors) to start from; null: random initialization."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Further builder arguments, e.g. {image_size: 32} for a ViT."""
+
+
+SELF_CONTAINED_SOURCES = frozenset(config._target_ for config in (
+    CorpusDataConfig(), DatasetDataConfig(), ImagesDataConfig(), TextDataConfig()))
+"""The shipped data sources that run no Ray tasks of their own: a run reading one needs no CPUs
+besides its workers', which is known before the source is built."""

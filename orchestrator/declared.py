@@ -1,0 +1,23 @@
+"""The declared values checked against their ranges, before anything is built or imported.
+
+Torch-free, like everything it imports: `orch train` runs it before it starts an embedded Ray
+early (:mod:`orchestrator.early_ray`), while torch is still being imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+from orchestrator.config import RunConfig
+from plans.errors import Violation
+from plans.validate import field_violations
+
+
+def declared_violations(cfg: RunConfig) -> list[Violation]:
+    """The declared values outside their ranges (:mod:`plans.validate`); nothing is opened."""
+    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                if f.name not in ("model", "data", "objective")}
+    if isinstance(cfg.data, dict):
+        sections["data"] = types.SimpleNamespace(**{k: v for k, v in cfg.data.items() if not k.startswith("_")})
+    return field_violations(sections)

@@ -1,0 +1,49 @@
+"""`orch train`'s embedded Ray, started before torch is imported when the declared values size it.
+
+Ray's start is mostly a fixed sequence of its own processes (the GCS, its API server, which must
+answer before the raylet starts, the agents) and takes seconds, as importing torch and checking the
+model on ``meta`` do. Started first, Ray comes up beside them instead of after the imports. The
+values it needs are the plan's world size and accelerator, which the declared plan and cluster give
+without building anything, and the CPUs the data's own tasks need, known beforehand only for the
+shipped sources that run none (:data:`workloads.schemas.SELF_CONTAINED_SOURCES`). Any other run,
+one joining a cluster by address, or one whose declared values or plan arithmetic are wrong, starts
+Ray as before, after its inputs are checked: those are refused before any Ray starts. A refusal
+found later (a data path, the model, the tracking store) shows nothing of the Ray started early,
+which is shut down.
+
+Torch-free, like everything it imports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+from launchers.ray_session import ray_session_in_background
+from launchers.worker_group import job_env
+from orchestrator.config import RunConfig
+from orchestrator.declared import declared_violations
+from plans.errors import PlanError
+from plans.resolve import resolve_plan
+from workloads.schemas import SELF_CONTAINED_SOURCES
+
+
+@contextlib.contextmanager
+def early_ray(cfg: RunConfig) -> Iterator[Callable[..., bool] | None]:
+    """Yield the ``ready()`` of an embedded Ray started now (see
+    :func:`launchers.ray_session.ray_session_in_background`), or None when this run starts its Ray
+    later; the Ray is shut down when the block ends."""
+    data_target = cfg.data.get("_target_") if isinstance(cfg.data, dict) else None
+    if cfg.cluster.address is not None or data_target not in SELF_CONTAINED_SOURCES or declared_violations(cfg):
+        yield None
+        return
+    try:
+        plan = resolve_plan(cfg.plan, cfg.cluster, cfg.train)
+    except PlanError:
+        yield None  # reported with every other problem by the run's own checks
+        return
+    with ray_session_in_background(None, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
+                                   object_store_gib=cfg.cluster.object_store_memory_gib,
+                                   connect_timeout_s=cfg.cluster.connect_timeout_s,
+                                   worker_env=job_env(plan.accelerator, cfg.train)) as ready:
+        yield ready
