@@ -6,7 +6,7 @@ import sys
 def main() -> int:
     from launchers.lean_startup import collector_paused
 
-    with collector_paused():  # torch, Hydra and the config schemas: start-up (launchers.lean_startup)
+    with collector_paused():  # Hydra, OmegaConf and the config schemas: start-up (launchers.lean_startup)
         from orchestrator.cli import main as cli_main
     return cli_main()
 

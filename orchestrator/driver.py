@@ -25,7 +25,6 @@ from launchers.ds_config import build_ds_config
 from launchers.job import StepReport, TrainJob, WorkerFacts
 from launchers.lean_startup import collector_paused
 from launchers.placement import placement_strategy
-from launchers.ray_session import ray_session_in_background
 from launchers.universal import convert as convert_to_universal
 from launchers.universal import needs_universal
 from launchers.worker_group import (
@@ -38,6 +37,7 @@ from launchers.worker_group import (
 )
 from orchestrator.checking import checked_run, live_cluster, resolve_inputs
 from orchestrator.config import RunConfig
+from orchestrator.early_ray import run_ray_session
 from orchestrator.inputs import data_fits_plan
 from orchestrator.progress import Progress
 from orchestrator.resume import checkpoint_dir_lock, signature_of
@@ -160,10 +160,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         # which is shut down without the refusal waiting for its start, and nothing is tracked
         # before they pass.
         if ray_ready is None:
-            ray_ready = held.enter_context(ray_session_in_background(
-                cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
-                data_cpus=data_task_cpus(workload.data), object_store_gib=cfg.cluster.object_store_memory_gib,
-                connect_timeout_s=cfg.cluster.connect_timeout_s, worker_env=job_env(plan.accelerator, cfg.train)))
+            ray_ready = held.enter_context(run_ray_session(cfg, plan, data_cpus=data_task_cpus(workload.data)))
         imported = held.enter_context(in_background(importlib.import_module, "orchestrator.train_tracking"))
         prepared = prepare_job(cfg, model_cfg, cluster, workload=workload, plan=plan)
         # Taken once the plan and inputs are known to be valid, so every problem with them is

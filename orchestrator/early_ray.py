@@ -24,7 +24,7 @@ from launchers.worker_group import job_env
 from orchestrator.config import RunConfig
 from orchestrator.declared import declared_violations
 from plans.errors import PlanError
-from plans.resolve import resolve_plan
+from plans.resolve import ResolvedPlan, resolve_plan
 from workloads.schemas import SELF_CONTAINED_SOURCES
 
 
@@ -42,8 +42,15 @@ def early_ray(cfg: RunConfig) -> Iterator[Callable[..., bool] | None]:
     except PlanError:
         yield None  # reported with every other problem by the run's own checks
         return
-    with ray_session_in_background(None, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
-                                   object_store_gib=cfg.cluster.object_store_memory_gib,
-                                   connect_timeout_s=cfg.cluster.connect_timeout_s,
-                                   worker_env=job_env(plan.accelerator, cfg.train)) as ready:
+    with run_ray_session(cfg, plan) as ready:
         yield ready
+
+
+def run_ray_session(cfg: RunConfig, plan: ResolvedPlan, *, data_cpus: float = 0.0):
+    """The run's Ray session, held in the background (:func:`launchers.ray_session.ray_session_in_background`):
+    ``cluster.address``'s, or an embedded Ray sized for the plan's workers and ``data_cpus`` more,
+    whose processes start with the workers' environment."""
+    return ray_session_in_background(cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
+                                     data_cpus=data_cpus, object_store_gib=cfg.cluster.object_store_memory_gib,
+                                     connect_timeout_s=cfg.cluster.connect_timeout_s,
+                                     worker_env=job_env(plan.accelerator, cfg.train))
