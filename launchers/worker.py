@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from launchers.devices import DeviceMapping
-from launchers.ds_config import without_fused_adam
+from launchers.ds_config import describe_optimizer, without_fused_adam
 from launchers.gpu_worker import (
     accelerator_ids,
     cuda_memory_facts,
@@ -93,13 +93,18 @@ def _build_model(job: TrainJob):
     after the submodule is built (torchvision's ViT does) fails there, and is built whole instead.
     """
     if job.plan.zero_stage == 3 and job.plan.pp == 1 and job.plan.tp == 1:
-        import deepspeed
+        from launchers.zero_init import zero3_build
+        from plans.meta import meta_device
 
         # zero.Init patches tensor construction; a library imported for the first time inside it
-        # (torchvision registers tensor subclasses at import) fails, so the model's module comes first.
+        # fails (torchvision registers tensor subclasses at import; transformers imports a model's
+        # module, and through it torch._dynamo, at the model's first construction). So the model's
+        # module comes first, then one build on meta, which imports whatever building it imports.
         _import_module_of(job.workload.model_config.get("_target_", ""))
+        with meta_device():
+            job.workload.model_factory()
         try:
-            with deepspeed.zero.Init(config_dict_or_path=job.ds_config):
+            with zero3_build(job.ds_config):
                 return job.workload.model_factory(), "zero.Init"
         except Exception as error:  # noqa: BLE001 - the model's own code, run under zero.Init
             reason = f"zero.Init failed: {type(error).__name__}: {error}"
@@ -355,7 +360,7 @@ class TrainWorker:
                            tp_rank=coords.tp_rank, pp_rank=coords.pp_rank, start_step=self.start_step,
                            params_on_rank=sum(p.numel() for p in module.parameters()),
                            params_at_build=held_at_build, built=built, data_tensor_bytes=data_tensor_bytes,
-                           optimizer_note=optimizer_note,
+                           optimizer_note=optimizer_note, optimizer=describe_optimizer(self.engine.basic_optimizer),
                            peak_tflops=_matmul_tflops(plan.precision.value, self.engine.device),
                            torch_threads=torch.get_num_threads())
 
