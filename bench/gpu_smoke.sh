@@ -1,46 +1,54 @@
 #!/usr/bin/env bash
 # The GPU smoke test, in one command, on whatever GPUs this machine has:
-#   bench/gpu_smoke.sh [results file, default bench/results/gpu_smoke-<host>.md]
-# Runs the real-GPU tests (tests/test_gpu.py: data parallel, ZeRO-3 with offload, and with 2 or more
-# GPUs tensor and pipeline parallel; predicted against measured peaks) and, with 2 or more GPUs,
-# the planner-accuracy benchmark on GPU workers. What needs more GPUs than there are is skipped
-# and says so. Run it from a checkout installed as the README says.
+#   bench/gpu_smoke.sh [results file, default bench/results/gpu_smoke-<gpu>.md]
+#   bench/gpu_smoke.sh --dry-run     # what it would run (no GPU needed)
+# On any GPU: the one-GPU check (bench/gpu_check.py: ~1B-parameter GPT and Llama under `orch train`,
+# ZeRO 0/2/3, offload, activation checkpointing, predicted against measured peak and step time, MFU,
+# `orch export`), within GPU_CHECK_BUDGET_S seconds (default 330). With 2 or more GPUs also what needs
+# several: tests/test_gpu.py (data parallel over NCCL, tp, pp) and the planner-accuracy benchmark on
+# GPU workers. Run it from a checkout, with orch installed as the README or docs/gpu.md says.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-bench/results/gpu_smoke-$(hostname).md}"
+if [ "${1:-}" = "--dry-run" ]; then
+  exec python -m bench.gpu_check --dry-run
+fi
 gpus=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "$gpus" -eq 0 ]; then
-  echo "no CUDA GPU visible to torch: nothing to run" >&2
+  echo "no CUDA GPU visible to torch: nothing to run (--dry-run shows what would)" >&2
   exit 2
 fi
+gpu=$(python -c "import re, torch; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name(0).lower()).strip('-'))")
+out="${1:-bench/results/gpu_smoke-$gpu.md}"
 memory=$(python -c "import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2))")
-work=$(mktemp -d)
-{
-  echo "# GPU smoke test"
-  echo
-  echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'), host $(hostname)"
-  echo "- GPUs: $gpus x $(python -c "import torch; print(torch.cuda.get_device_name(0))") (${memory} GiB)"
-  echo "- $(python -c "import torch, deepspeed, ray; print(f'torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, Ray {ray.__version__}')")"
-  echo
-  echo "## tests/test_gpu.py"
-  echo
-  echo '```'
-} > "$out"
-python -m pytest -m gpu tests/test_gpu.py -v -rs -p no:cacheprovider 2>&1 | tail -40 >> "$out"
-tests_status=${PIPESTATUS[0]}
-echo '```' >> "$out"
-bench_status=0
+python -m bench.gpu_check --markdown "$out" --budget-s "${GPU_CHECK_BUDGET_S:-330}"
+check_status=$?
+multi_status=0
+echo >> "$out"
 if [ "$gpus" -ge 2 ]; then
+  work=$(mktemp -d)
+  {
+    echo "## tests/test_gpu.py ($gpus GPUs)"
+    echo
+    echo '```'
+  } >> "$out"
+  python -m pytest -m gpu tests/test_gpu.py -v -rs -p no:cacheprovider 2>&1 | tail -40 >> "$out"
+  multi_status=${PIPESTATUS[0]}
+  echo '```' >> "$out"
   echo >> "$out"
   echo "## bench/memory_accuracy.py on GPU workers (4-worker plans with 4 or more GPUs)" >> "$out"
   echo >> "$out"
-  python -m bench.memory_accuracy --markdown "$work/accuracy.md" cluster.accelerator=gpu \
-    "cluster.device_memory_gib=$memory" > "$work/accuracy.log" 2>&1
-  bench_status=$?
-  if [ "$bench_status" -eq 0 ]; then cat "$work/accuracy.md" >> "$out"; else tail -40 "$work/accuracy.log" >> "$out"; fi
+  if python -m bench.memory_accuracy --markdown "$work/accuracy.md" cluster.accelerator=gpu \
+      "cluster.device_memory_gib=$memory" > "$work/accuracy.log" 2>&1; then
+    cat "$work/accuracy.md" >> "$out"
+  else
+    multi_status=1
+    tail -40 "$work/accuracy.log" >> "$out"
+  fi
 else
+  echo "## Needs 2 or more GPUs: skipped on this machine's 1" >> "$out"
   echo >> "$out"
-  echo "The planner-accuracy benchmark needs 2 GPUs (its plans are data parallel): skipped on 1." >> "$out"
+  echo "tests/test_gpu.py (data parallel across ranks over NCCL, tensor parallel tp=2, pipeline pp=2) and" >> "$out"
+  echo "the planner-accuracy benchmark on GPU workers." >> "$out"
 fi
 echo "results written to $out"
-[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ]
+[ "$check_status" -eq 0 ] && [ "$multi_status" -eq 0 ]

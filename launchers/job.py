@@ -59,6 +59,10 @@ class WorkerFacts:
     """Bytes of tensors the data source holds in this process (not the model's)."""
     optimizer_note: str | None
     """Why the optimizer differs from the configured one, if it does."""
+    optimizer: str = ""
+    """The optimizer that steps the parameters, by implementation (``deepspeed.FusedAdam``,
+    ``deepspeed.DeepSpeedCPUAdam``, ``torch.AdamW (fused)``): which kernel a run used is a fact
+    of the node (a CUDA compiler or not), not of the config."""
     peak_tflops: float
     """Measured dense matmul throughput in the training precision."""
     torch_threads: int = 0

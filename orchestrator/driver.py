@@ -362,6 +362,7 @@ def _note_setup(worker_facts: list[WorkerFacts], tracker: RunTracker | None) -> 
         tracker.log_dict({"ranks": [{k: getattr(f, k) for k in _REALIZED_PLACEMENT} for f in worker_facts]},
                          "plan/placement_realized.json")
         tracker.set_tags({"nodes_used": str(len({f.node_id for f in worker_facts})),
+                          "optimizer": worker_facts[0].optimizer,
                           "peak_tflops_per_device": f"{mean_peak_tflops(worker_facts):.4f}"})
 
 

@@ -1,0 +1,498 @@
+"""The one-GPU check: `orch train` on one GPU through the embedded Ray, for ~1B-parameter models.
+
+    python -m bench.gpu_check [--markdown bench/results/gpu_smoke-<gpu>.md] [--budget-s 420] [--dry-run]
+
+For the built-in GPT and a Llama-shaped Hugging Face model, both about 1B parameters, dp=1 in bf16
+under ZeRO 0, 2 and 3, ZeRO-3 with optimizer and parameter offload to the CPU, and ZeRO-2 with
+activation checkpointing. Each case is a real `orch train` command run in a scratch directory,
+tracked in a local MLflow store, from which the check reads what the run recorded:
+
+- whether the loss fell;
+- the planner's predicted peak (less its allocator reserve, which CUDA's counters leave out)
+  against the peak CUDA's allocator measured during the memory-probe step (target +-10%);
+- the step time the tuner's cost model predicts with speeds calibrated on this GPU
+  (``orch tune``'s calibration, run once per model before the cases) against the measured median;
+- the run's TFLOP/s and MFU (against the matmul peak each worker measures);
+- which Adam stepped the parameters (DeepSpeed's FusedAdam built with nvcc, torch's fused AdamW
+  when it cannot be built, DeepSpeed's CPU Adam when offloaded).
+
+The first case also checkpoints, and ends with `orch export` of its run, reloaded and checked
+against the output the engine logged. DeepSpeed's two JIT ops are built in the background while
+the speeds are calibrated. Cases run in order of importance and stop at ``--budget-s``: what did
+not fit is listed as not run. ``--dry-run`` prints the commands and needs no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PEAK_TARGET = 0.10
+LOG_EVERY = 2
+
+# ~1.0B parameters: 20 layers of d_model 2048 (12 * 20 * 2048^2), byte vocabulary.
+GPT_1B = ["model=gpt", "model.n_layer=20", "model.d_model=2048", "model.n_head=16", "model.seq_len=1024"]
+# TinyLlama-1.1B's shape (22 layers, hidden 2048, grouped-query attention with 4 KV heads, 32k vocabulary).
+LLAMA_1B = ["model=hf_causal_lm", "model.config.hidden_size=2048", "model.config.intermediate_size=5632",
+            "model.config.num_hidden_layers=22", "model.config.num_attention_heads=32",
+            "model.config.num_key_value_heads=4", "model.config.vocab_size=32000",
+            "model.config.max_position_embeddings=2048", "model.config.tie_word_embeddings=false",
+            "data.seq_len=1024"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The models and sizes of a check: the GPU's, or the CPU rehearsal's (``--rehearse``: the
+    shipped small models on one CPU worker, to try the check's own plumbing without a GPU)."""
+
+    models: dict[str, list[str]]
+    micro_batch: int
+    seq_len: int
+    steps: int
+
+
+GPU_SETUP = Setup(models={"gpt-1b": GPT_1B, "llama-1b": LLAMA_1B}, micro_batch=8, seq_len=1024, steps=10)
+REHEARSAL = Setup(models={"gpt-1b": ["model=gpt"], "llama-1b": ["model=hf_causal_lm", "data.seq_len=128"]},
+                  micro_batch=4, seq_len=128, steps=6)
+PLANS = {
+    "zero0": ["plan.zero_stage=0"],
+    "zero2": ["plan.zero_stage=2"],
+    "zero3": ["plan.zero_stage=3"],
+    "zero3-offload": ["plan.zero_stage=3", "plan.offload_optimizer=cpu", "plan.offload_param=cpu"],
+    "zero2-ac": ["plan.zero_stage=2", "plan.activation_checkpointing=true"],
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    plan: str
+    export: bool = False
+    """Checkpoint at the end, then `orch export` the run and reload the weights."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-{self.plan}"
+
+    def overrides(self, setup: Setup, machine: Machine, work: Path) -> list[str]:
+        extra = ["train.export=false"]
+        if self.export:  # the run logs its model and the engine's output on a held-out batch, then checkpoints
+            extra = ["train.export=true", f"train.checkpoint_every={setup.steps}",
+                     f"train.checkpoint_dir={work / 'checkpoints' / self.name}"]
+        return [*setup.models[self.model], *PLANS[self.plan], *machine.cluster_overrides(), "plan.dp=1",
+                "plan.precision=bf16", f"plan.micro_batch_size={setup.micro_batch}", f"train.steps={setup.steps}",
+                f"train.log_every={LOG_EVERY}", "train.eval_batches=2",
+                f"tracking.uri=sqlite:///{work / 'mlflow.db'}", "tracking.experiment=gpu-check",
+                f"tracking.run_name={self.name}", *extra]
+
+
+# In order of importance: the run stops adding cases at its time budget.
+CASES = [Case("gpt-1b", "zero2", export=True), Case("llama-1b", "zero2"),
+         *(Case("gpt-1b", p) for p in ("zero0", "zero3", "zero3-offload", "zero2-ac")),
+         *(Case("llama-1b", p) for p in ("zero0", "zero3", "zero3-offload", "zero2-ac"))]
+
+
+@dataclass(frozen=True)
+class Machine:
+    gpu: str
+    gpus: int
+    memory_gib: float
+    host_memory_gib: float
+    cpus: int
+    accelerator: str = "gpu"
+
+    @classmethod
+    def probe(cls, mode: str) -> Machine:
+        """This machine's GPU; or, for a dry run, an 80 GiB one; or, to rehearse, a CPU worker."""
+        import psutil
+
+        cpus = os.cpu_count() or 1
+        host = psutil.virtual_memory().total / 2**30
+        if mode == "dry-run":
+            return cls(gpu="(dry run: an 80 GiB GPU assumed)", gpus=0, memory_gib=80.0, host_memory_gib=host,
+                       cpus=cpus)
+        if mode == "rehearse":
+            return cls(gpu="(rehearsal: one CPU worker)", gpus=0, memory_gib=8.0, host_memory_gib=host, cpus=cpus,
+                       accelerator="cpu")
+        import torch
+
+        if not torch.cuda.is_available():
+            return cls(gpu="none", gpus=0, memory_gib=0.0, host_memory_gib=host, cpus=cpus)
+        props = torch.cuda.get_device_properties(0)
+        return cls(gpu=props.name, gpus=torch.cuda.device_count(), memory_gib=props.total_memory / 2**30,
+                   host_memory_gib=host, cpus=cpus)
+
+    def cluster_overrides(self) -> list[str]:
+        # One worker on one GPU, with the node's cores but two (the driver, Ray) for its CPU work:
+        # the CPU Adam of offloaded plans runs on them.
+        return [f"cluster.accelerator={self.accelerator}", "cluster.nodes=1", "cluster.devices_per_node=1",
+                f"cluster.device_memory_gib={self.memory_gib:.2f}",
+                f"cluster.host_memory_gib={self.host_memory_gib:.0f}",
+                f"cluster.cpus_per_worker={max(1, self.cpus - 2)}", "cluster.object_store_memory_gib=2"]
+
+
+@dataclass
+class Outcome:
+    case: Case
+    status: str = "not run"
+    seconds: float = 0.0
+    error: str = ""
+    run_id: str = ""
+    losses: list[float] = field(default_factory=list)
+    step_time_s: float | None = None
+    predicted_step_s: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    measured_peak: int | None = None
+    predicted_peak: int | None = None
+    optimizer: str = ""
+    export: str = ""
+
+    @property
+    def peak_error(self) -> float | None:
+        if not self.measured_peak or self.predicted_peak is None:
+            return None
+        return (self.predicted_peak - self.measured_peak) / self.measured_peak
+
+
+def orch_command() -> list[str]:
+    """The installed `orch`, as a user runs it (falls back to the module beside this checkout)."""
+    found = shutil.which("orch")
+    return [found] if found else [sys.executable, "-m", "orchestrator"]
+
+
+# ------------------------------------------------------------------------------ predicted times
+
+
+def predicted_step_times(cases: list[Case], setup: Setup, machine: Machine, work: Path, log,
+                         notes: list[str]) -> dict[str, float]:
+    """Each case's step time as the tuner's cost model predicts it with speeds measured on this GPU.
+
+    Per model, the search space is the cases' own plans (dp=1, the micro-batch, ZeRO 0, 2 and 3,
+    offload and activation checkpointing on and off), and the speeds are calibrated on a Ray
+    worker exactly as ``orch tune`` does before its trials; one embedded Ray serves every model.
+    A model whose calibration fails gets no predictions, and a note says why.
+    """
+    import dataclasses
+
+    from hydra import compose, initialize_config_module
+
+    from launchers.ray_session import ray_session
+    from launchers.worker_group import job_env
+    from orchestrator.config import register_configs, to_typed
+    from orchestrator.tuning import measure_speeds, prepare
+    from plans.search_space import search
+
+    register_configs()
+    configs = {}
+    with initialize_config_module("conf", version_base="1.3"):
+        for model in dict.fromkeys(c.model for c in cases):
+            configs[model] = to_typed(compose("config", overrides=[
+                *setup.models[model], *machine.cluster_overrides(), "plan.precision=bf16",
+                f"train.global_batch_size={setup.micro_batch}", "tune.tp=[1]", "tune.pp=[1]",
+                "tune.zero_stages=[0,2,3]", "tune.offload=[none,cpu]", "tune.activation_checkpointing=[false,true]",
+                f"tune.micro_batch_sizes=[{setup.micro_batch}]", f"tune.cache_dir={work / 'calibration'}"]))
+    first = next(iter(configs.values()))[0]
+    times = {}
+    with ray_session(None, worker_cpus=first.cluster.cpus_per_worker, object_store_gib=2.0,
+                     worker_env=job_env(first.cluster.accelerator, first.train)):
+        for model, (typed, model_cfg, _) in configs.items():
+            started = time.perf_counter()
+            try:
+                space, ctx = prepare(typed, model_cfg, typed.cluster)
+                speeds, note = measure_speeds(typed, typed.cluster, space, ctx)
+                found = search(space, dataclasses.replace(ctx, speeds=speeds))
+            except Exception as exc:  # noqa: BLE001 - the runs go on without this model's predictions
+                notes.append(f"{model}: calibrating the cost model FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+                log(notes[-1])
+                continue
+            notes.append(f"{model}: cost model calibrated on this device in {time.perf_counter() - started:.0f} s: "
+                         f"{speeds.matmul_tflops} (rows, TFLOP/s) matmul, device memory "
+                         f"{speeds.device_memory_gb_per_s:.0f} GB/s, host link {speeds.host_link_gbps:.0f} Gb/s")
+            log(f"{model}: speeds {note}: {json.dumps(dataclasses.asdict(speeds))}")
+            for case in cases:
+                if case.model != model:
+                    continue
+                want = plan_key(PLANS[case.plan])
+                for candidate in found.ranked:
+                    p = candidate.plan
+                    if (p.zero_stage, p.offload_optimizer.value, p.offload_param.value,
+                            p.activation_checkpointing) == want:
+                        times[case.name] = candidate.predicted.total_s
+    return times
+
+
+def plan_key(overrides: list[str]) -> tuple[int, str, str, bool]:
+    """(zero stage, optimizer offload, parameter offload, checkpointing) of a case's plan overrides."""
+    values = dict(o.split("=", 1) for o in overrides)
+    return (int(values.get("plan.zero_stage", 0)), values.get("plan.offload_optimizer", "none"),
+            values.get("plan.offload_param", "none"), values.get("plan.activation_checkpointing") == "true")
+
+
+# --------------------------------------------------------------------------------- the runs
+
+
+def read_run(outcome: Outcome, tracking_uri: str) -> None:
+    """Fill ``outcome`` from what its MLflow run recorded."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name("gpu-check")
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mlflow.runName` = '{outcome.case.name}'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    if not runs:
+        return
+    run = runs[0]
+    outcome.run_id = run.info.run_id
+
+    def history(key: str) -> list[float]:
+        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+    outcome.losses = history("loss")
+    # The first interval holds the warm-up and the memory-probe step: the steady state is the rest.
+    steady = history("step_time_s")[1:]
+    outcome.step_time_s = statistics.median(steady) if steady else None
+    tflops, mfu = history("tflops_per_device")[1:], history("mfu")[1:]
+    outcome.tflops = statistics.median(tflops) if tflops else None
+    outcome.mfu = statistics.median(mfu) if mfu else None
+    peaks = history("memory/measured_peak_bytes")
+    outcome.measured_peak = int(max(peaks)) if peaks else None
+    outcome.optimizer = run.data.tags.get("optimizer", "")
+    with tempfile.TemporaryDirectory() as tmp:
+        estimate = json.loads(Path(client.download_artifacts(run.info.run_id, "plan/estimate.json", tmp)).read_text())
+    # CUDA's allocator counts allocated bytes; the planner's reserve is the cache it keeps beyond them.
+    outcome.predicted_peak = max(s["total"] - s["reserve"] for s in estimate["stages"])
+
+
+def run_case(case: Case, setup: Setup, machine: Machine, work: Path, timeout_s: float, log) -> Outcome:
+    outcome = Outcome(case)
+    # --verbose: a failure's whole traceback goes to the case's log.
+    command = [*orch_command(), "train", "--verbose", *case.overrides(setup, machine, work)]
+    log(f"$ {shlex.join(command)}")
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=timeout_s)
+        output = done.stdout + done.stderr
+        outcome.status = "ok" if done.returncode == 0 else f"failed (exit {done.returncode})"
+    except subprocess.TimeoutExpired as exc:
+        output = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
+        outcome.status = f"timed out after {timeout_s:.0f} s"
+    outcome.seconds = time.perf_counter() - started
+    (work / f"{case.name}.log").write_text(output)
+    if outcome.status != "ok":
+        outcome.error = last_error(output)
+    try:
+        read_run(outcome, f"sqlite:///{work / 'mlflow.db'}")
+    except Exception as exc:  # noqa: BLE001 - a run that failed early has nothing to read
+        outcome.error = outcome.error or f"reading its MLflow run: {type(exc).__name__}: {exc}"
+    if case.export and outcome.status == "ok":
+        try:
+            outcome.export = export_and_reload(outcome, setup, work, log)
+        except Exception as exc:  # noqa: BLE001 - reported in the results, the other cases go on
+            outcome.export = f"reloading the export FAILED: {type(exc).__name__}: {str(exc)[:300]}"
+    log(f"{case.name}: {outcome.status} in {outcome.seconds:.0f} s" + (f": {outcome.error}" if outcome.error else ""))
+    return outcome
+
+
+def last_error(output: str) -> str:
+    """The line of a failed command's output that says what went wrong: the innermost exception
+    of a traceback, else the last line that reads like an error."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b.*:", line):
+            return line[:400]
+    for line in reversed(lines):
+        if re.search(r"Error|error:|Exception|refused|out of memory", line):
+            return line[:400]
+    return lines[-1][:400] if lines else "(no output)"
+
+
+def export_and_reload(outcome: Outcome, setup: Setup, work: Path, log) -> str:
+    """`orch export` of the run, the weights loaded into a fresh model and checked against the
+    output the engine logged on a held-out batch at the end of the run."""
+    import torch
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file, load_model
+
+    uri = f"sqlite:///{work / 'mlflow.db'}"
+    out = work / "export" / outcome.case.name
+    command = [*orch_command(), "export", outcome.run_id, "--out", str(out), f"tracking.uri={uri}"]
+    log(f"$ {shlex.join(command)}")
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=work, capture_output=True, text=True)
+    (work / f"{outcome.case.name}-export.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        return f"`orch export` failed (exit {done.returncode}): {last_error(done.stdout + done.stderr)}"
+    seconds = time.perf_counter() - started
+    with tempfile.TemporaryDirectory() as tmp:
+        check = load_file(MlflowClient(uri).download_artifacts(outcome.run_id, "model/check.safetensors", tmp))
+    from workloads.gpt import GPT
+
+    values = dict(o.split("=", 1) for o in setup.models[outcome.case.model] if o.startswith("model."))
+    model = GPT(**{k.removeprefix("model."): int(v) for k, v in values.items() if k != "model"})
+    load_model(model, str(out / "model.safetensors"))
+    with torch.no_grad():
+        output = model.eval()(check["batch.0"])
+    error = ((output - check["output"].float()).norm() / check["output"].float().norm()).item()
+    # The engine's output is bf16; the reloaded model runs in fp32 on the CPU.
+    verdict = "matches" if error < 2e-2 else "DIFFERS from"
+    return (f"`orch export` in {seconds:.0f} s; the reloaded fp32 model {verdict} the engine's bf16 output "
+            f"on the held-out batch (relative error {error:.2e})")
+
+
+# ------------------------------------------------------------------------------ the report
+
+
+def fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def report(setup: Setup, machine: Machine, versions: str, outcomes: list[Outcome], notes: list[str],
+           started_at: str, wall_s: float) -> str:
+    gib = 2**30
+    lines = ["# GPU check: ~1B-parameter models on one GPU", "",
+             f"- date: {started_at}, {wall_s / 60:.1f} minutes; host {platform.node()}",
+             f"- GPU: {machine.gpus} x {machine.gpu} ({machine.memory_gib:.1f} GiB); {machine.cpus} CPU cores, "
+             f"{machine.host_memory_gib:.0f} GiB host memory",
+             f"- {versions}",
+             f"- every case: `orch train` dp=1, bf16, micro-batch {setup.micro_batch} x {setup.seq_len} tokens, "
+             f"{setup.steps} steps "
+             f"(step time and MFU: median of the logged intervals after the first); command: "
+             "`python -m bench.gpu_check` (bench/gpu_smoke.sh)", "",
+             "| case | status | loss first → last | falls | predicted peak GiB | measured peak GiB | error | "
+             "predicted step s | measured step s | ratio | TFLOP/s | MFU | optimizer |",
+             "|---|---|---|:-:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for o in outcomes:
+        falls = "-" if len(o.losses) < 2 else ("yes" if o.losses[-1] < o.losses[0] else "**no**")
+        losses = f"{o.losses[0]:.3f} → {o.losses[-1]:.3f}" if o.losses else "-"
+        err = o.peak_error
+        err_text = "-" if err is None else (f"{err:+.1%}" if abs(err) <= PEAK_TARGET else f"**{err:+.1%}**")
+        ratio = (o.predicted_step_s / o.step_time_s) if o.predicted_step_s and o.step_time_s else None
+        lines.append(
+            f"| {o.case.name} | {o.status} | {losses} | {falls} | "
+            f"{fmt(o.predicted_peak and o.predicted_peak / gib, '.2f')} | "
+            f"{fmt(o.measured_peak and o.measured_peak / gib, '.2f')} | {err_text} | "
+            f"{fmt(o.predicted_step_s, '.3f')} | {fmt(o.step_time_s, '.3f')} | {fmt(ratio, '.2f')} | "
+            f"{fmt(o.tflops, '.0f')} | {fmt(o.mfu, '.1%')} | {o.optimizer or '-'} |")
+    problems = [f"- **{o.case.name}**: {o.error}" for o in outcomes if o.error]
+    exports = [f"- {o.case.name}: {o.export}" for o in outcomes if o.export]
+    if exports:
+        lines += ["", "## Export", "", *exports]
+    if problems:
+        lines += ["", "## Failures", "", *problems]
+    if notes:
+        lines += ["", "## Notes", "", *(f"- {n}" for n in notes)]
+    lines += ["", "Error: (predicted - measured) / measured, target ±10% (the predicted peak less the allocator "
+              "reserve). Ratio: predicted / measured step time. Logs of every command: the `*.log` files "
+              "beside the results when run by bench/gpu_smoke.sh."]
+    return "\n".join(lines) + "\n"
+
+
+def versions_line() -> str:
+    from importlib.metadata import version
+
+    names = ["torch", "deepspeed", "ray", "mlflow", "hydra-core", "transformers"]
+    return ", ".join(f"{n} {version(n)}" for n in names) + f", Python {platform.python_version()}"
+
+
+def prebuild_ops(work: Path) -> list[tuple[str, subprocess.Popen, float]]:
+    """Start building DeepSpeed's FusedAdam (nvcc) and CPU Adam (host compiler) into torch's
+    extension cache, so that the cases load them instead of each building one in its setup."""
+    builds = []
+    for op in ("FusedAdamBuilder", "CPUAdamBuilder"):
+        code = ("from deepspeed.accelerator import get_accelerator; "
+                f"get_accelerator().create_op_builder({op!r}).load()")
+        log = (work / f"build-{op}.log").open("w")
+        builds.append((op, subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT),
+                       time.perf_counter()))
+    return builds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--markdown", type=Path, help="write the results here (and the logs beside it)")
+    parser.add_argument("--budget-s", type=float, default=330.0, help="start no case after this many seconds")
+    parser.add_argument("--case-timeout-s", type=float, default=180.0)
+    parser.add_argument("--only", nargs="*", help="case names to run (default: all)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="print what would run; needs no GPU")
+    mode.add_argument("--rehearse", action="store_true",
+                      help="run the whole check on one CPU worker with the shipped small models (no GPU)")
+    args = parser.parse_args(argv)
+    cases = [c for c in CASES if not args.only or c.name in args.only]
+    setup = REHEARSAL if args.rehearse else GPU_SETUP
+    machine = Machine.probe("dry-run" if args.dry_run else "rehearse" if args.rehearse else "gpu")
+    work = Path(tempfile.mkdtemp(prefix="orch-gpu-check-"))
+    if args.dry_run:
+        print(f"would build DeepSpeed's FusedAdam and CPU Adam, calibrate the cost model's speeds for "
+              f"{', '.join(sorted({c.model for c in cases}))}, then run in {work}, within {args.budget_s:.0f} s:")
+        for case in cases:
+            print(f"  {case.name}: {shlex.join([*orch_command(), 'train', *case.overrides(setup, machine, work)])}")
+            if case.export:
+                print(f"  {case.name}: {shlex.join([*orch_command(), 'export', 'RUN_ID', '--out', 'DIR'])}, "
+                      "then reload the weights and compare with the engine's output")
+        shutil.rmtree(work)
+        return 0
+    if machine.gpus == 0 and not args.rehearse:
+        print("no CUDA GPU visible to torch: nothing to check (--dry-run shows what would run)", file=sys.stderr)
+        return 2
+    started, started_at = time.perf_counter(), datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    transcript: list[str] = []
+
+    def log(line: str) -> None:
+        stamp = f"[{time.perf_counter() - started:6.1f}s] {line}"
+        transcript.append(stamp)
+        print(stamp, file=sys.stderr, flush=True)
+
+    notes: list[str] = []
+    builds = [] if args.rehearse else prebuild_ops(work)
+    try:
+        predicted = predicted_step_times(cases, setup, machine, work, log, notes)
+    except Exception as exc:  # noqa: BLE001 - the runs go on without predictions
+        predicted = {}
+        notes.append(f"calibrating the cost model FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+        log(notes[-1])
+    for op, process, t0 in builds:
+        code = process.wait()
+        notes.append(f"DeepSpeed {op}: " + ("built" if code == 0 else f"build FAILED (exit {code})")
+                     + f" in {time.perf_counter() - t0:.0f} s (see build-{op}.log)")
+        log(notes[-1])
+    outcomes = []
+    for case in cases:
+        elapsed = time.perf_counter() - started
+        if elapsed > args.budget_s:
+            outcomes.append(Outcome(case, status=f"not run (budget {args.budget_s:.0f} s spent)"))
+            continue
+        outcome = run_case(case, setup, machine, work, args.case_timeout_s, log)
+        outcome.predicted_step_s = predicted.get(case.name)
+        outcomes.append(outcome)
+    text = report(setup, machine, versions_line(), outcomes, notes, started_at, time.perf_counter() - started)
+    print(text)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
+        logs = args.markdown.with_suffix(".logs")
+        logs.mkdir(exist_ok=True)
+        for path in work.glob("*.log"):
+            shutil.copy2(path, logs / path.name)
+        (logs / "transcript.log").write_text("\n".join(transcript) + "\n")
+    failed = [o for o in outcomes if o.status != "ok" and not o.status.startswith("not run")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
