@@ -34,7 +34,8 @@ commands:
   config   print the composed config (same overrides as train)
   runs     list recent runs of tracking.experiment
   report   RUN_ID [--out DIR]: summary of a run and its plots (loss, throughput, memory)
-  export   RUN_ID [--out DIR]: the run's newest checkpoint as the model's own weights and an MLflow model
+  export   RUN_ID [--out DIR] [model overrides]: the run's newest checkpoint as the model's own weights and an
+           MLflow model; the model is built from this command's config (as the run's `orch train` declared it)
   submit   [--tune] [--wait] overrides: check here, then run `orch train` (or tune) on a Ray cluster as a
            Ray Job (cluster.address=http://HEAD:8265 or RAY_ADDRESS), shipping the working directory
   jobs     the cluster's Ray Jobs;  logs JOB_ID [--follow];  stop JOB_ID
@@ -193,7 +194,10 @@ def export_app(cfg: DictConfig) -> None:
     protect_config(cfg)
     run_id = _required_run_id("export")
     try:
-        tag = export_run(cfg.tracking.uri, run_id, Path(_OPTIONS["out"]) if _OPTIONS["out"] else None)
+        # The model comes from this command's own config (its --config-dir and overrides), checked
+        # against the checkpoint; nothing the run's tracked artifacts declare is instantiated.
+        _, model_cfg, _ = to_typed(cfg)
+        tag = export_run(cfg.tracking.uri, run_id, model_cfg, Path(_OPTIONS["out"]) if _OPTIONS["out"] else None)
     except OrchError as error:
         _fail(error)
     print(f"exported {tag} of run {run_id}: runs:/{run_id}/model/mlflow_model"

@@ -8,7 +8,10 @@ beside it (``model/check.safetensors``), so a reloaded model can be checked agai
 
 from __future__ import annotations
 
+import contextlib
+import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -18,7 +21,11 @@ from plans.workload import Workload
 
 def build_trained(workload: Workload, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """The model built on CPU with the consolidated weights (in fp32, whatever the training precision)."""
-    model = workload.model_factory()
+    return load_trained(workload.model_factory(), state)
+
+
+def load_trained(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """``model`` with the consolidated weights loaded, in fp32 and in eval mode."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     # A tied weight is listed once in a consolidated state (the embedding) and twice in the model.
     tied = {name for name in missing if name.endswith("lm_head.weight") or "tied" in name}
@@ -80,15 +87,21 @@ def consolidated_from_checkpoint(folder: Path, zero_stage: int) -> dict[str, tor
         return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
 
 
-def export_run(uri: str, run_id: str, out: Path | None = None) -> str:
+def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) -> str:
     """`orch export RUN_ID`: the newest checkpoint of a run, consolidated, written in the model's own
-    format to ``out`` (if given) and logged to the run as weights and an MLflow model."""
-    from omegaconf import OmegaConf
+    format to ``out`` (if given) and logged to the run as weights and an MLflow model.
 
+    The model is built from ``model_cfg``, the exporting command's own config, never from the run's
+    tracked artifacts: whoever can edit those (``config/resolved.yaml`` on a shared tracking server)
+    must not choose what is instantiated here. Before it is built, ``model_cfg`` is compared with the
+    model config the checkpoint's manifest records (the files verified against their digests), and
+    after, its parameters with the manifest's; any difference is refused, naming it.
+    """
     from launchers.checkpoint import latest
+    from launchers.manifest import verify
     from launchers.storage import RemoteDir, is_remote, local_path
+    from orchestrator.models import model_factory, split_model_config
     from orchestrator.tracking import RunTracker, open_existing, reading
-    from orchestrator.workload import resolve_workload
     from plans.errors import PlanError, Violation
 
     client = open_existing(uri)
@@ -105,21 +118,130 @@ def export_run(uri: str, run_id: str, out: Path | None = None) -> str:
                                    f"holds no checkpoint of run {run_id} (run the export where it was trained).",
                                    "export from the directory the run was started in, or train with "
                                    "train.checkpoint_every > 0")])
-    config = OmegaConf.create(Path(client.download_artifacts(run_id, "config/resolved.yaml")).read_text())
-    resolved = OmegaConf.to_container(config, resolve=True)
-    workload = resolve_workload(resolved["model"], resolved["objective"], resolved["data"])
+    constructor_cfg, _ = split_model_config(model_cfg)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(local_path(checkpoint_dir)) / record.tag
         if is_remote(checkpoint_dir):
             folder = Path(tmp) / record.tag
             RemoteDir(checkpoint_dir).download(record.tag, folder)
-        state = consolidated_from_checkpoint(folder, int(params.get("plan.zero_stage", 0)))
-    model = build_trained(workload, state)
+        with _export_fix():
+            manifest = verify(folder)  # every file, byte for byte
+        where = f"{str(checkpoint_dir).rstrip('/')}/{record.tag}"
+        saved = manifest.model or {}
+        check_model_config(where, saved.get("config"), constructor_cfg)
+        model = model_factory(constructor_cfg)()
+        check_model_params(where, saved.get("params"), model)
+        with _export_fix():
+            state = consolidated_from_checkpoint(folder, int(params.get("plan.zero_stage", 0)))
+    model = load_trained(model, state)
     if out is not None:
         save_weights(model, out)
     tracker = RunTracker(client, run_id, run.info.experiment_id, uri)
     _log_model(tracker, model)
     return record.tag
+
+
+# Every checkpoint problem an export finds is fixed by exporting from intact checkpoints, not by
+# anything about resuming (the fix the checkpoint errors carry for `orch train`).
+_EXPORT_FIX = ("Fix: export only checkpoints this orchestrator wrote: run `orch export` where the run's "
+               "train.checkpoint_dir holds them intact (or train again with train.checkpoint_every > 0)")
+
+
+@contextlib.contextmanager
+def _export_fix() -> Iterator[None]:
+    """Checkpoint errors raised in the block, with the fix for an export."""
+    from launchers.manifest import CheckpointIntegrityError
+    from launchers.safe_load import UnsafeCheckpointError
+
+    try:
+        yield
+    except (CheckpointIntegrityError, UnsafeCheckpointError) as error:
+        raise type(error)(f"{str(error).split(' Fix:')[0]} {_EXPORT_FIX}") from None
+
+
+def as_recorded(constructor_cfg: dict) -> dict:
+    """The model config as a checkpoint's manifest records it (:func:`launchers.checkpoint.model_signature`)."""
+    return json.loads(json.dumps(dict(constructor_cfg), default=str))
+
+
+def check_model_config(where: str, saved: dict | None, constructor_cfg: dict) -> None:
+    """Refuse a model config that differs from the one the checkpoint was written with, naming
+    every differing ``model.*`` key; nothing is built. A checkpoint that records no model config
+    (one written before manifests carried it) is checked by its weights alone."""
+    from plans.errors import PlanError, Violation
+
+    if saved is None:
+        return
+    differences = _differences(saved, as_recorded(constructor_cfg), "model")
+    if not differences:
+        return
+    raise PlanError([Violation(key, now, f"the checkpoint {where} was written by a model with {key}={_shown(then)}; "
+                               "the model is built from this command's config, which must declare the model the run "
+                               "was trained with.", _fix_for(key, then))
+                     for key, then, now in differences])
+
+
+def check_model_params(where: str, saved: dict | None, model: torch.nn.Module) -> None:
+    """Refuse a built model whose parameter names and shapes differ from the checkpoint's."""
+    from plans.errors import PlanError, Violation
+
+    if saved is None:
+        return
+    now = {name: list(p.shape) for name, p in model.named_parameters()}
+    if now == saved:
+        return
+    name = next(n for n in sorted(set(saved) | set(now)) if saved.get(n) != now.get(n))
+    raise PlanError([Violation("model", type(model).__name__,
+                               f"its parameters differ from those of the checkpoint {where} ({name}: checkpoint "
+                               f"{saved.get(name)}, model {now.get(name)}).",
+                               "export with the model config and code the run was trained with")])
+
+
+def _differences(saved, now, key: str) -> list[tuple[str, object, object]]:
+    """``(dotted key, checkpoint's value, config's value)`` of each leaf that differs; of a section
+    whose ``_target_`` differs, only that (its other keys are another callable's arguments)."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        if saved.get("_target_") != now.get("_target_"):
+            return [(f"{key}._target_", saved.get("_target_", _ABSENT), now.get("_target_", _ABSENT))]
+        return [difference for name in sorted(set(saved) | set(now), key=str)
+                for difference in _differences(saved.get(name, _ABSENT), now.get(name, _ABSENT), f"{key}.{name}")]
+    return [] if saved == now else [(key, saved, now)]
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(not set)"
+
+
+_ABSENT = _Absent()
+
+
+def _shown(value) -> str:
+    return repr(value) if value is _ABSENT else json.dumps(value)
+
+
+def _fix_for(key: str, then) -> str:
+    """Export with the run's own config; the override that declares the checkpoint's value, when it
+    is a plain one.
+
+    A ``_target_`` or a structured value is never offered as an override to copy: it comes from the
+    checkpoint directory, which is not authenticated, and only the user knows which model code is
+    theirs."""
+    same = "the same --config-dir, model option and model.* overrides as the run's `orch train`"
+    if key.endswith("._target_") or not isinstance(then, (str, int, float, bool, type(None))):
+        return f"export with {same}"
+    return f"set {key}={_override_value(then)} (export with {same})"
+
+
+def _override_value(value) -> str:
+    """``value`` as a Hydra override writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return json.dumps(value) if not value.replace("_", "").replace("-", "").isalnum() else value
+    return str(value)
 
 
 def _log_model(tracker, model: torch.nn.Module) -> None:

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.util
+import os
+import re
 import shlex
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,11 +47,42 @@ TUNED_PLANS_DIR = Path("tuned_plans")
 a config directory Hydra adds to its search path with ``--config-dir tuned_plans``. Never inside the
 installed package (site-packages, or the checkout of an editable install)."""
 
+TUNED_PLAN_HEADER = "# Written by `orch tune`"
+"""How every plan file :func:`write_plan_file` writes begins: what an existing file must begin with to
+be replaced by a new one."""
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+"""A ``tune.name``: one file name, usable as ``plan=<name>``, that no path can be made of."""
+
+_PACKAGES = ("conf", "launchers", "orchestrator", "plans", "workloads")
+"""The top-level packages orch installs, for when its distribution's metadata cannot be read
+(running from a source tree that was never installed)."""
+
+
 def plan_file_path(cfg: RunConfig) -> Path:
     """The local plan file (see :func:`write_plan_file` for ``tune.out`` on object storage)."""
     if cfg.tune.out:
         return Path(cfg.tune.out).expanduser()
     return TUNED_PLANS_DIR / "plan" / f"{cfg.tune.name}.yaml"
+
+
+def is_tuned_plan(text: str) -> bool:
+    """Whether ``text`` is a plan file `orch tune` wrote (and may replace)."""
+    return text.startswith(TUNED_PLAN_HEADER)
+
+
+def package_dirs() -> list[Path]:
+    """The directories of orch's own packages as this process imports them, symlinks resolved."""
+    try:
+        names = (metadata.distribution("orch").read_text("top_level.txt") or "").split()
+    except metadata.PackageNotFoundError:
+        names = []
+    dirs = []
+    for name in names or _PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            dirs += [Path(os.path.realpath(location)) for location in spec.submodule_search_locations]
+    return dirs
 
 
 def _config_dir(plan_file: Path) -> Path | None:
@@ -57,28 +92,85 @@ def _config_dir(plan_file: Path) -> Path | None:
 
 
 def check_plan_file(cfg: RunConfig) -> None:
-    """Refuse a plan file name that a shipped plan would shadow: Hydra looks in the package's
-    conf/ before a ``--config-dir``, so ``plan=<name>`` would compose the shipped plan instead
-    (and the plan schema, which every plan file extends, would extend itself)."""
+    """Refuse, before anything runs, a plan file that would be written where it must not be:
+
+    - a ``tune.name`` that is not a plain name (it would make a path out of ``tuned_plans/``);
+    - a path inside the installed package, whose presets every command composes;
+    - an existing file that is not a tuned plan (or a directory): only a tuned plan is replaced;
+    - a name that a shipped plan would shadow: Hydra looks in the package's conf/ before a
+      ``--config-dir``, so ``plan=<name>`` would compose the shipped plan instead (and the plan
+      schema, which every plan file extends, would extend itself).
+    """
     from hydra.core.config_store import ConfigStore
 
+    if not _PLAIN_NAME.fullmatch(cfg.tune.name):
+        raise PlanError([Violation("tune.name", cfg.tune.name, "is not a plain name: the tuned plan is written to "
+                                   f"{TUNED_PLANS_DIR}/plan/<tune.name>.yaml and selected as plan=<tune.name>.",
+                                   "use letters, digits, '_' and '-' only (tune.name=tuned_v2), or tune.out=PATH "
+                                   "to write the plan file elsewhere")])
     if cfg.tune.out and is_remote(cfg.tune.out):
-        problem = location_violation(_remote_parent(cfg.tune.out)[0])
+        directory, name = _remote_parent(cfg.tune.out)
+        problem = location_violation(directory)
         if problem:
             why, _, fix = problem.partition(" Fix: ")
             raise PlanError([Violation("tune.out", cfg.tune.out, f"its directory {why}", fix)])
+        _check_existing("tune.out", cfg.tune.out, _remote_text(directory, name))
         return
     path = plan_file_path(cfg)
-    shipped = Path(conf.__file__).resolve().parent / "plan" / path.name
-    registered = path.name in ConfigStore.instance().repo.get("plan", {})
-    if _config_dir(path) is None or not (shipped.exists() or registered):
-        return
     if cfg.tune.out:
         field_name, value, fix = "tune.out", cfg.tune.out, "give the file another name"
     else:
         field_name, value, fix = "tune.name", cfg.tune.name, "choose another name (tune.name=...)"
+    _check_local(field_name, value, path)
+    shipped = Path(conf.__file__).resolve().parent / "plan" / path.name
+    registered = path.name in ConfigStore.instance().repo.get("plan", {})
+    if _config_dir(path) is None or not (shipped.exists() or registered):
+        return
     raise PlanError([Violation(field_name, value, f"plan={path.stem} names a plan shipped with orch; the tuned "
                                "plan could not be selected by that name.", fix)])
+
+
+def _check_local(field_name: str, value: str, path: Path) -> None:
+    """Refuse a local plan file inside the package, a directory, or an existing file that is not a
+    tuned plan (a symlink is judged by what it points to)."""
+    real = Path(os.path.realpath(path))
+    for package in package_dirs():
+        if real.is_relative_to(package):
+            raise PlanError([Violation(field_name, value, f"is inside the installed orch package ({package}), whose "
+                                       "files every command reads; orch tune never writes there.",
+                                       "write the plan outside it: leave tune.out unset for "
+                                       f"./{TUNED_PLANS_DIR}/plan/<tune.name>.yaml, or tune.out=DIR/plan/NAME.yaml")])
+    if real.is_dir():
+        raise PlanError([Violation(field_name, value, "is a directory, not a plan file.",
+                                   "name a file: tune.out=DIR/plan/NAME.yaml")])
+    if real.exists():
+        _check_existing(field_name, value, _local_text(real))
+
+
+def _check_existing(field_name: str, value: str, text: str | None) -> None:
+    """Refuse to replace an existing file (``text``; None when there is none) that orch tune did not write."""
+    if text is None or is_tuned_plan(text):
+        return
+    raise PlanError([Violation(field_name, value, f"is an existing file that orch tune did not write (it does not "
+                               f"begin with {TUNED_PLAN_HEADER!r}); it is left as it is.",
+                               "name a new file, or move that one away first if it should be replaced")])
+
+
+def _local_text(path: Path) -> str:
+    """The beginning of an existing file, as far as it can be read ('' when it cannot: not a plan)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(len(TUNED_PLAN_HEADER))
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def _remote_text(directory: str, name: str) -> str | None:
+    """An existing object's text (None when there is none; '' when it is not text)."""
+    try:
+        return RemoteDir(directory).read_text(name)
+    except UnicodeDecodeError:
+        return ""
 
 
 def train_command(result: TuneResult) -> str | None:
@@ -98,15 +190,18 @@ def write_plan_file(plan: ResolvedPlan, cfg: RunConfig, model_cfg: dict, cluster
     working directory)."""
     how = (f"measured {result.winner_trial.tokens_per_s:,.0f} tokens/s in a trial"
            if result.winner_trial else f"predicted {result.winner.predicted.tokens_per_s:,.0f} tokens/s")
-    header = (f"# Written by `orch tune` on {datetime.date.today()} for {model_cfg.get('_target_', 'the model')} "
+    header = (f"{TUNED_PLAN_HEADER} on {datetime.date.today()} for {model_cfg.get('_target_', 'the model')} "
               f"on {cluster.nodes} node(s) x {cluster.devices_per_node} {cluster.accelerator.value} device(s), "
               f"global batch {result.global_batch_size}:\n# {how}.\n")
     body = OmegaConf.to_yaml(OmegaConf.create({"defaults": ["plan_schema", "_self_"], **plan_values(plan)}))
     result.plan_text = header + body
+    # Checked again: trials ran since check_plan_file, and something else may have written the file.
     if cfg.tune.out and is_remote(cfg.tune.out):
         directory, name = _remote_parent(cfg.tune.out)
+        _check_existing("tune.out", cfg.tune.out, _remote_text(directory, name))
         RemoteDir(directory).write_text(name, result.plan_text)
         return cfg.tune.out
+    check_plan_file(cfg)
     path = plan_file_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(result.plan_text)

@@ -95,5 +95,5 @@ def test_resume_at_another_dp_from_s3_continues_the_same_curve(dp_reference, loc
     # `orch export` consolidates the newest checkpoint from the bucket.
     from orchestrator.export import export_run
 
-    assert export_run(sqlite_uri, resumed.run_id, tmp_path / "out") == "step_000000030"
+    assert export_run(sqlite_uri, resumed.run_id, to_typed(compose_config())[1], tmp_path / "out") == "step_000000030"
     assert (tmp_path / "out" / "model.safetensors").stat().st_size > 0

@@ -126,7 +126,7 @@ def test_orch_export_consolidates_a_sharded_checkpoint_into_the_trained_model(lo
     result = train(sqlite_uri, "plan.zero_stage=2", "train.steps=10", "train.log_every=5",
                    "train.checkpoint_every=10", f"train.checkpoint_dir={tmp_path / 'ckpt'}")
     _, check = exported_model(sqlite_uri, result.run_id)  # the engine's output at the end of the run
-    assert export_run(sqlite_uri, result.run_id, tmp_path / "out") == "step_000000010"
+    assert export_run(sqlite_uri, result.run_id, to_typed(compose_config())[1], tmp_path / "out") == "step_000000010"
     model = GPT()
     load_model(model, str(tmp_path / "out" / "model.safetensors"))
     with torch.no_grad():

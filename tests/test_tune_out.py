@@ -1,0 +1,110 @@
+"""Where `orch tune` may write its plan file: never inside the installed package, never out of
+``tuned_plans/`` through ``tune.name``, never over a file it did not write. Each case runs the
+installed `orch` command from a user's directory; each refusal is an exit 2 naming the field, the
+value and the fix, before anything is tuned."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.config import compose_config
+from helpers.processes import worker_env
+from orchestrator.config import to_typed
+from orchestrator.plan_file import check_plan_file
+from plans.errors import PlanError
+
+ORCH = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"
+
+
+def orch_tune(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([ORCH, "tune", "train.global_batch_size=16", "tune.pp=[1]", *overrides], cwd=cwd,
+                          env=worker_env(), capture_output=True, text=True, timeout=300)
+
+
+def refused(done: subprocess.CompletedProcess, field: str, value: str, why: str, fix: str) -> bool:
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"{field}={value!r}: {why}" in done.stderr and f"Fix: {fix}" in done.stderr, done.stderr[-3000:]
+    assert "tune: model probed" not in done.stderr  # refused before any tuning
+    return True
+
+
+def test_a_plan_file_inside_the_installed_package_is_refused_and_its_presets_stay_intact(tmp_path):
+    import conf
+
+    preset = Path(conf.__file__).resolve().parent / "cluster" / "local_cpu.yaml"
+    before = preset.read_bytes()
+    (tmp_path / "preset.yaml").symlink_to(preset)
+    try:
+        direct = orch_tune(tmp_path, f"tune.out={preset}")
+        linked = orch_tune(tmp_path, "tune.out=preset.yaml")
+    finally:
+        if preset.read_bytes() != before:  # the package under test must survive a failing run
+            preset.write_bytes(before)
+            pytest.fail(f"orch tune overwrote {preset}")
+    inside = f"is inside the installed orch package ({preset.parent.parent})"
+    fix = "write the plan outside it: leave tune.out unset for ./tuned_plans/plan/<tune.name>.yaml"
+    assert refused(direct, "tune.out", str(preset), inside, fix)
+    assert refused(linked, "tune.out", "preset.yaml", inside, fix)
+
+
+def test_tune_name_must_be_a_plain_name_that_stays_in_tuned_plans(tmp_path):
+    user = tmp_path / "user"
+    user.mkdir()
+    done = orch_tune(user, "tune.name=../../../x")
+    assert refused(done, "tune.name", "../../../x", "is not a plain name",
+                   "use letters, digits, '_' and '-' only (tune.name=tuned_v2), or tune.out=PATH")
+    assert not (tmp_path / "x.yaml").exists() and not (user / "tuned_plans").exists()
+    for name in ("a/b", ".hidden", "x y", "/abs", "-flag"):
+        with pytest.raises(PlanError, match=r"tune.name='.*': is not a plain name"):
+            check_plan_file(to_typed(compose_config(f"tune.name='{name}'"))[0])
+    check_plan_file(to_typed(compose_config("tune.name=Tuned_v-2"))[0])
+
+
+def test_tune_out_replaces_a_tuned_plan_and_never_a_file_it_did_not_write(tmp_path):
+    notes = tmp_path / "notes.yaml"
+    notes.write_text("my notes: keep them\n")
+    done = orch_tune(tmp_path, "tune.out=notes.yaml")
+    assert refused(done, "tune.out", "notes.yaml", "is an existing file that orch tune did not write",
+                   "name a new file, or move that one away first if it should be replaced")
+    assert notes.read_text() == "my notes: keep them\n"
+    assert refused(orch_tune(tmp_path, f"tune.out={tmp_path}"), "tune.out", str(tmp_path), "is a directory",
+                   "name a file")
+    for _ in range(2):  # written, then replaced: a tuned plan is what a tune writes
+        done = orch_tune(tmp_path, "tune.out=plans/plan/fast.yaml")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert (tmp_path / "plans/plan/fast.yaml").read_text().startswith("# Written by `orch tune` on ")
+
+
+def test_the_package_directories_are_those_this_process_imports():
+    import orchestrator
+    import plans
+    from orchestrator.plan_file import package_dirs
+
+    dirs = package_dirs()
+    assert Path(orchestrator.__file__).resolve().parent in dirs and Path(plans.__file__).resolve().parent in dirs
+
+
+def test_on_object_storage_too_only_a_tuned_plan_is_replaced(tmp_path, s3_store):
+    client, bucket = s3_store["client"], s3_store["bucket"]
+    client.put_object(Bucket=bucket, Key="plans/notes.yaml", Body=b"my notes: keep them\n")
+    env = {**worker_env(), **s3_store["env"]}
+
+    def tune(out: str) -> subprocess.CompletedProcess:
+        return subprocess.run([ORCH, "tune", "train.global_batch_size=16", "tune.pp=[1]", f"tune.out={out}"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    notes = f"s3://{bucket}/plans/notes.yaml"
+    assert refused(tune(notes), "tune.out", notes, "is an existing file that orch tune did not write",
+                   "name a new file, or move that one away first if it should be replaced")
+    assert client.get_object(Bucket=bucket, Key="plans/notes.yaml")["Body"].read() == b"my notes: keep them\n"
+    for _ in range(2):  # written, then replaced
+        done = tune(f"s3://{bucket}/plans/tuned.yaml")
+        assert done.returncode == 0, done.stderr[-3000:]
+    plan = client.get_object(Bucket=bucket, Key="plans/tuned.yaml")["Body"].read().decode()
+    assert plan.startswith("# Written by `orch tune` on ")
