@@ -330,7 +330,9 @@ def export_and_reload(outcome: Outcome, setup: Setup, work: Path, log) -> str:
 
     uri = f"sqlite:///{work / 'mlflow.db'}"
     out = work / "export" / outcome.case.name
-    command = [*orch_command(), "export", outcome.run_id, "--out", str(out), f"tracking.uri={uri}"]
+    # The model comes from the command's own config, as the run's (orch export trusts no tracked config).
+    command = [*orch_command(), "export", outcome.run_id, "--out", str(out), *setup.models[outcome.case.model],
+               f"tracking.uri={uri}"]
     log(f"$ {shlex.join(command)}")
     started = time.perf_counter()
     done = subprocess.run(command, cwd=work, capture_output=True, text=True)

@@ -10,17 +10,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--dry-run" ]; then
-  exec python -m bench.gpu_check --dry-run
+  exec python3 -m bench.gpu_check --dry-run
 fi
-gpus=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "$gpus" -eq 0 ]; then
   echo "no CUDA GPU visible to torch: nothing to run (--dry-run shows what would)" >&2
   exit 2
 fi
-gpu=$(python -c "import re, torch; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name(0).lower()).strip('-'))")
+gpu=$(python3 -c "import re, torch; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name(0).lower()).strip('-'))")
 out="${1:-bench/results/gpu_smoke-$gpu.md}"
-memory=$(python -c "import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2))")
-python -m bench.gpu_check --markdown "$out" --budget-s "${GPU_CHECK_BUDGET_S:-330}"
+memory=$(python3 -c "import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2))")
+python3 -m bench.gpu_check --markdown "$out" --budget-s "${GPU_CHECK_BUDGET_S:-330}"
 check_status=$?
 multi_status=0
 echo >> "$out"
@@ -31,13 +31,13 @@ if [ "$gpus" -ge 2 ]; then
     echo
     echo '```'
   } >> "$out"
-  python -m pytest -m gpu tests/test_gpu.py -v -rs -p no:cacheprovider 2>&1 | tail -40 >> "$out"
+  python3 -m pytest -m gpu tests/test_gpu.py -v -rs -p no:cacheprovider 2>&1 | tail -40 >> "$out"
   multi_status=${PIPESTATUS[0]}
   echo '```' >> "$out"
   echo >> "$out"
   echo "## bench/memory_accuracy.py on GPU workers (4-worker plans with 4 or more GPUs)" >> "$out"
   echo >> "$out"
-  if python -m bench.memory_accuracy --markdown "$work/accuracy.md" cluster.accelerator=gpu \
+  if python3 -m bench.memory_accuracy --markdown "$work/accuracy.md" cluster.accelerator=gpu \
       "cluster.device_memory_gib=$memory" > "$work/accuracy.log" 2>&1; then
     cat "$work/accuracy.md" >> "$out"
   else
