@@ -105,7 +105,10 @@ def build_local_wheels(local: Path) -> None:
     from importlib.metadata import PackageNotFoundError, version
 
     local.mkdir(parents=True, exist_ok=True)
+    leftovers = [path for path in (REPO / "build", REPO / "orch.egg-info") if not path.exists()]
     pip("wheel", "--no-deps", "-w", str(local), str(REPO))
+    for path in leftovers:  # setuptools builds in the checkout; what it left there is not the user's
+        shutil.rmtree(path, ignore_errors=True)
     for name in SOURCE_ONLY:
         try:
             requirement = f"{name}=={version(name)}"

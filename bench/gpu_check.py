@@ -142,7 +142,7 @@ class Machine:
         return [f"cluster.accelerator={self.accelerator}", "cluster.nodes=1", "cluster.devices_per_node=1",
                 f"cluster.device_memory_gib={self.memory_gib:.2f}",
                 f"cluster.host_memory_gib={self.host_memory_gib:.0f}",
-                f"cluster.cpus_per_worker={max(1, self.cpus - 2)}", "cluster.object_store_memory_gib=2"]
+                f"cluster.cpus_per_worker={max(1, self.cpus - 2)}", "cluster.object_store_memory_gib=8"]
 
 
 @dataclass
@@ -414,13 +414,18 @@ def versions_line() -> str:
 def prebuild_ops(work: Path) -> list[tuple[str, subprocess.Popen, float]]:
     """Start building DeepSpeed's FusedAdam (nvcc) and CPU Adam (host compiler) into torch's
     extension cache, so that the cases load them instead of each building one in its setup."""
+    from launchers.gpu_worker import deepspeed_arch_list
+
+    env = dict(os.environ)
+    if env.get("TORCH_CUDA_ARCH_LIST"):  # as the workers give it to DeepSpeed (launchers/gpu_worker.py)
+        env["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(env["TORCH_CUDA_ARCH_LIST"])
     builds = []
     for op in ("FusedAdamBuilder", "CPUAdamBuilder"):
         code = ("from deepspeed.accelerator import get_accelerator; "
                 f"get_accelerator().create_op_builder({op!r}).load()")
         log = (work / f"build-{op}.log").open("w")
-        builds.append((op, subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT),
-                       time.perf_counter()))
+        builds.append((op, subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
+                                            env=env), time.perf_counter()))
     return builds
 
 
@@ -429,13 +434,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, help="write the results here (and the logs beside it)")
     parser.add_argument("--budget-s", type=float, default=330.0, help="start no case after this many seconds")
     parser.add_argument("--case-timeout-s", type=float, default=180.0)
-    parser.add_argument("--only", nargs="*", help="case names to run (default: all)")
+    parser.add_argument("--only", nargs="*", help="case names to run, in this order (default: all)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="print what would run; needs no GPU")
     mode.add_argument("--rehearse", action="store_true",
                       help="run the whole check on one CPU worker with the shipped small models (no GPU)")
     args = parser.parse_args(argv)
-    cases = [c for c in CASES if not args.only or c.name in args.only]
+    by_name = {c.name: c for c in CASES}
+    if unknown := [name for name in args.only or [] if name not in by_name]:
+        parser.error(f"unknown cases {unknown}; the cases: {', '.join(by_name)}")
+    cases = [by_name[name] for name in args.only] if args.only else CASES
     setup = REHEARSAL if args.rehearse else GPU_SETUP
     machine = Machine.probe("dry-run" if args.dry_run else "rehearse" if args.rehearse else "gpu")
     work = Path(tempfile.mkdtemp(prefix="orch-gpu-check-"))
@@ -473,7 +481,25 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"DeepSpeed {op}: " + ("built" if code == 0 else f"build FAILED (exit {code})")
                      + f" in {time.perf_counter() - t0:.0f} s (see build-{op}.log)")
         log(notes[-1])
-    outcomes = []
+    def write(outcomes: list[Outcome]) -> str:
+        """The report so far: written after every case, so a check stopped from outside keeps
+        what it measured."""
+        done = {o.case.name for o in outcomes}
+        pending = [Outcome(c, status="not run") for c in cases if c.name not in done]
+        text = report(setup, machine, versions_line(), outcomes + pending, notes, started_at,
+                      time.perf_counter() - started)
+        if args.markdown:
+            args.markdown.parent.mkdir(parents=True, exist_ok=True)
+            args.markdown.write_text(text)
+            logs = args.markdown.with_suffix(".logs")
+            logs.mkdir(exist_ok=True)
+            for path in work.glob("*.log"):
+                shutil.copy2(path, logs / path.name)
+            (logs / "transcript.log").write_text("\n".join(transcript) + "\n")
+        return text
+
+    outcomes: list[Outcome] = []
+    write(outcomes)
     for case in cases:
         elapsed = time.perf_counter() - started
         if elapsed > args.budget_s:
@@ -482,16 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         outcome = run_case(case, setup, machine, work, args.case_timeout_s, log)
         outcome.predicted_step_s = predicted.get(case.name)
         outcomes.append(outcome)
-    text = report(setup, machine, versions_line(), outcomes, notes, started_at, time.perf_counter() - started)
-    print(text)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
-        logs = args.markdown.with_suffix(".logs")
-        logs.mkdir(exist_ok=True)
-        for path in work.glob("*.log"):
-            shutil.copy2(path, logs / path.name)
-        (logs / "transcript.log").write_text("\n".join(transcript) + "\n")
+        write(outcomes)
+    print(write(outcomes))
     failed = [o for o in outcomes if o.status != "ok" and not o.status.startswith("not run")]
     return 1 if failed else 0
 

@@ -20,7 +20,9 @@ fi
 gpu=$(python3 -c "import re, torch; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name(0).lower()).strip('-'))")
 out="${1:-bench/results/gpu_smoke-$gpu.md}"
 memory=$(python3 -c "import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2))")
-python3 -m bench.gpu_check --markdown "$out" --budget-s "${GPU_CHECK_BUDGET_S:-330}"
+# GPU_CHECK_ARGS: more options for it, e.g. --only CASE... --case-timeout-s S.
+# shellcheck disable=SC2086
+python3 -m bench.gpu_check --markdown "$out" --budget-s "${GPU_CHECK_BUDGET_S:-330}" ${GPU_CHECK_ARGS:-}
 check_status=$?
 multi_status=0
 echo >> "$out"

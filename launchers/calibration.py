@@ -94,7 +94,11 @@ class CalibrationWorker:
 
         deepspeed = import_deepspeed()
 
+        import torch
+
         backend = "gloo" if env.get("DS_ACCELERATOR") == "cpu" else "nccl"
+        # NCCL reduces device tensors only: the probes' tensors live on this worker's GPU.
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         unlink_shared_memory_buffers(*master)
         try:
@@ -103,9 +107,9 @@ class CalibrationWorker:
             leader_group = dist.new_group(leaders) if len(leaders) > 1 else None
             out = {}
             if tuple(local_ranks) in groups:
-                out["intra"] = _allreduce_probe(groups[tuple(local_ranks)], len(local_ranks))
+                out["intra"] = _allreduce_probe(groups[tuple(local_ranks)], len(local_ranks), device)
             if leader_group is not None and rank in leaders:
-                out["inter"] = _allreduce_probe(leader_group, len(leaders))
+                out["inter"] = _allreduce_probe(leader_group, len(leaders), device)
             dist.barrier()
             return out
         finally:
@@ -171,33 +175,45 @@ def _host_link_gbps(device, seconds: float) -> float:
     return host.numel() * 4 * runs * 8 / (time.perf_counter() - started) / 1e9
 
 
-def _allreduce_probe(group, n: int) -> dict:
+def _synchronize(device) -> None:
+    """Wait for the device's queued work: a collective on a GPU returns once it is enqueued."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _allreduce_probe(group, n: int, device) -> dict:
     import deepspeed.comm as dist
     import torch
 
-    small = torch.zeros(1)
-    large = torch.zeros(_BANDWIDTH_ELEMENTS)
+    small = torch.zeros(1, device=device)
+    large = torch.zeros(_BANDWIDTH_ELEMENTS, device=device)
     for _ in range(3):  # warm-up: connections, buffers
         dist.all_reduce(small, group=group)
+    _synchronize(device)
     times = []
     for _ in range(30):
         started = time.perf_counter()
         dist.all_reduce(small, group=group)
+        _synchronize(device)
         times.append(time.perf_counter() - started)
     # The fastest of the calls is the least disturbed; a ring all-reduce takes 2(n-1) steps.
     latency = min(times) / (2 * (n - 1))
     dist.all_reduce(large, group=group)
+    _synchronize(device)
     best = float("inf")
     for _ in range(3):
         started = time.perf_counter()
         dist.all_reduce(large, group=group)
+        _synchronize(device)
         best = min(best, time.perf_counter() - started)
     bus_bytes = 2 * (n - 1) / n * large.numel() * 4
-    return {"latency_s": max(_latency_between_compute(group, n), latency),
+    return {"latency_s": max(_latency_between_compute(group, n, device), latency),
             "gbps": bus_bytes * 8 / max(best - 2 * (n - 1) * latency, 1e-9) / 1e9}
 
 
-def _latency_between_compute(group, n: int, calls: int = 100, windows: int = 3) -> float:
+def _latency_between_compute(group, n: int, device, calls: int = 100, windows: int = 3) -> float:
     """Latency of one ring step of a small all-reduce issued between stretches of compute, as a
     tensor-parallel layer issues it. Back to back, the ranks arrive together and a call costs the
     wire alone; after compute each rank waits for the slowest one, whose compute the others'
@@ -207,17 +223,19 @@ def _latency_between_compute(group, n: int, calls: int = 100, windows: int = 3) 
     import deepspeed.comm as dist
     import torch
 
-    a = torch.randn(256, 256)
+    a = torch.randn(256, 256, device=device)
     a @ a
+    _synchronize(device)
     started = time.perf_counter()
     for _ in range(10):
         a @ a
+    _synchronize(device)
     per_matmul = (time.perf_counter() - started) / 10
     # Every rank runs the same compute between calls (~2 ms, as a layer's matmuls on a small model).
-    reps = torch.tensor([max(1, round(2e-3 / per_matmul))])
+    reps = torch.tensor([max(1, round(2e-3 / per_matmul))], device=device)
     dist.all_reduce(reps, op=dist.ReduceOp.MAX, group=group)
     reps = int(reps.item())
-    small = torch.zeros(1)
+    small = torch.zeros(1, device=device)
 
     def compute() -> None:
         for _ in range(reps):
@@ -229,12 +247,14 @@ def _latency_between_compute(group, n: int, calls: int = 100, windows: int = 3) 
         started = time.perf_counter()
         for _ in range(calls):
             compute()
+        _synchronize(device)
         alone = time.perf_counter() - started
         dist.barrier(group=group)
         started = time.perf_counter()
         for _ in range(calls):
             compute()
             dist.all_reduce(small, group=group)
+        _synchronize(device)
         extra.append((time.perf_counter() - started - alone) / calls)
     return max(statistics.median(extra), 0.0) / (2 * (n - 1))
 

@@ -26,7 +26,7 @@ from launchers.ds_config import describe_optimizer, without_fused_adam
 from launchers.gpu_worker import (
     accelerator_ids,
     cuda_memory_facts,
-    fused_adam_buildable,
+    fused_adam_problem,
     reset_cuda_peak,
     use_device,
 )
@@ -305,10 +305,10 @@ class TrainWorker:
         # (AutoTP) before ZeRO wraps it; the parameter generator is read after that, so the
         # optimizer gets the shards.
         ds_config, optimizer_note = job.ds_config, None
-        if plan.accelerator.value == "gpu" and not fused_adam_buildable():
-            ds_config = without_fused_adam(job.ds_config)
-            if ds_config is not job.ds_config:
-                optimizer_note = "torch's fused AdamW (DeepSpeed's FusedAdam cannot be built on this node)"
+        fallback = without_fused_adam(job.ds_config) if plan.accelerator.value == "gpu" else job.ds_config
+        if fallback is not job.ds_config and (problem := fused_adam_problem()):
+            ds_config = fallback
+            optimizer_note = f"torch's fused AdamW (DeepSpeed's FusedAdam: {problem})"
         self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                                     config=ds_config, mpu=mpu)
         self._dtype = None if plan.precision == Precision.fp32 else plan.precision.dtype
@@ -615,7 +615,8 @@ class TrainWorker:
         import deepspeed.comm as dist
         import torch
 
-        t = torch.tensor(values, dtype=torch.float64)
+        # On the engine's device: NCCL reduces device tensors only.
+        t = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
         dist.all_reduce(t)
         return (t / self.world_size).tolist()
 

@@ -58,3 +58,30 @@ def test_the_fallback_builds_the_optimizer_deepspeed_would_take():
     weight = torch.nn.Parameter(torch.zeros(2, device="meta"))
     optimizer = torch.optim.AdamW([weight], **params, foreach=None)
     assert optimizer.defaults["fused"] is True
+
+
+def test_arch_specific_cuda_arch_lists_are_given_to_deepspeed_in_a_form_it_reads(monkeypatch):
+    """The lent H100 sets TORCH_CUDA_ARCH_LIST=9.0a: DeepSpeed's JIT builder failed to parse it
+    and FusedAdam, then every GPU run, failed with "invalid literal for int() ... '0a'"."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    from launchers.gpu_worker import deepspeed_arch_list
+
+    assert deepspeed_arch_list("9.0a") == "9.0"
+    assert deepspeed_arch_list("8.0 9.0a+PTX;10.0f") == "8.0;9.0+PTX;10.0"
+    assert deepspeed_arch_list("7.5;8.6") == "7.5;8.6"
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", deepspeed_arch_list("8.0 9.0a+PTX"))
+    builder.compute_capability_args()  # DeepSpeed's own parser takes what the workers give it
+
+
+def test_the_optimizer_is_named_by_its_implementation():
+    import torch
+
+    from launchers.ds_config import describe_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert describe_optimizer(torch.optim.AdamW(params, fused=True)) == "torch.AdamW (fused)"
+    assert describe_optimizer(torch.optim.SGD(params, lr=0.1)) == "torch.SGD"
+    assert describe_optimizer(None) == "none"
