@@ -207,43 +207,49 @@ def export_app(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def submit_app(cfg: DictConfig) -> None:
     """`orch submit [--tune] [--wait] overrides`: check here, then run as a Ray Job."""
+    # As written, before protect_config moves a config file's credentials out (an interpolation
+    # such as ${oc.env:NAME} stays unresolved: it resolves on the cluster, from its environment).
+    written_uri = str(OmegaConf.to_container(cfg.tracking, resolve=False).get("uri"))
     protect_config(cfg)
     from orchestrator import submit as jobs
 
     command = "tune" if _OPTIONS["tune"] else "train"
+    overrides = _OPTIONS["overrides"]
     try:
         typed, model_cfg, _ = to_typed(cfg)
         address = jobs.jobs_address(typed)
-        checked_submission(typed, model_cfg, address, command)
-        job = jobs.submission(command, _OPTIONS["overrides"], typed.submit, _OPTIONS["config_dir"], Path.cwd())
+        checked_submission(typed, model_cfg, address, command, overrides, written_uri)
+        job = jobs.submission(command, overrides, typed.submit, _OPTIONS["config_dir"], Path.cwd())
         job_id = jobs.submit(address, job)
     except OrchError as error:
         _fail(error)
-    print(f"submitted job {job_id} to {address}: {job.entrypoint}")
-    follow_up = f" cluster.address={address}" if typed.cluster.address else ""
-    print(f"  follow it: orch logs {job_id} --follow{follow_up}\n  stop it:   orch stop {job_id}{follow_up}\n"
-          f"  all jobs:  orch jobs{follow_up}")
+    print(jobs.submitted_message(job_id, address, job.entrypoint, address_given=bool(typed.cluster.address)))
     if _OPTIONS["wait"]:
         status = jobs.follow(address, job_id)
         print(f"job {job_id} ended {status}")
         sys.exit(jobs.EXIT_OF_STATUS.get(status, 1))
 
 
-def checked_submission(typed, model_cfg: dict, address: str, command: str) -> None:
+def checked_submission(typed, model_cfg: dict, address: str, command: str, overrides: list[str],
+                       written_uri: str) -> None:
     """What `orch train` refuses, refused before submitting: the inputs, the paths a job cannot
-    use, and (for training) a plan the live cluster's nodes cannot hold."""
+    use, credentials the job would carry, and (for training) a plan the live cluster's nodes
+    cannot hold; then the tracking server is checked as `orch train` checks it."""
     from orchestrator import submit as jobs
     from orchestrator.checking import checked_run
     from orchestrator.inputs import input_violations
     from plans.cluster_facts import reconcile
     from plans.errors import PlanError
 
-    problems = input_violations(typed) + jobs.submit_violations(typed)
+    problems = (input_violations(typed) + jobs.submit_violations(typed)
+                + jobs.shipped_credentials(overrides, dict(typed.submit.env), written_uri))
     cluster, violations, notes = reconcile(typed.cluster, jobs.live_nodes(address, typed.cluster))
     if problems or violations:
         raise PlanError(problems + violations)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
+    for line in jobs.check_tracking(typed):
+        print(line, file=sys.stderr)
     if command == "train":
         estimate = checked_run(typed, model_cfg, cluster)[0]
         if not estimate.feasible and not typed.train.force:
@@ -259,6 +265,7 @@ def _job_address(cfg: DictConfig) -> str:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def jobs_app(cfg: DictConfig) -> None:
+    protect_config(cfg)  # Hydra's copies of the overrides may hold cluster.address with a password
     from orchestrator import submit as jobs
 
     try:
@@ -269,6 +276,7 @@ def jobs_app(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def logs_app(cfg: DictConfig) -> None:
+    protect_config(cfg)  # Hydra's copies of the overrides may hold cluster.address with a password
     from orchestrator import submit as jobs
 
     job_id = _required_run_id("logs", "JOB_ID [--follow]")
@@ -284,6 +292,7 @@ def logs_app(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def stop_app(cfg: DictConfig) -> None:
+    protect_config(cfg)  # Hydra's copies of the overrides may hold cluster.address with a password
     from orchestrator import submit as jobs
 
     job_id = _required_run_id("stop", "JOB_ID")
@@ -335,8 +344,6 @@ def main(argv: list[str] | None = None) -> int:
         _OPTIONS[flag[2:]] = flag in rest and command in ("submit", "logs")
         if _OPTIONS[flag[2:]]:
             rest = [a for a in rest if a != flag]
-    if command == "submit":
-        _OPTIONS["overrides"], _OPTIONS["config_dir"] = _submitted_overrides(rest)
     if command in ("report", "export", "logs", "stop"):
         plain = [a for a in rest if "=" not in a and not a.startswith("-")]
         _OPTIONS["run_id"] = plain[0] if plain else None
@@ -350,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     except OrchError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    if command == "submit":  # the job's command line, from the overrides without their credentials
+        _OPTIONS["overrides"], _OPTIONS["config_dir"] = _submitted_overrides(rest)
     sys.argv = [f"orch-{command}", *rest]
     from orchestrator import sweeps
 

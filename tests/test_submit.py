@@ -4,6 +4,7 @@ stopped mid-run, and a plan refused before anything is submitted."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,26 +67,42 @@ class Tiny(torch.nn.Module):
 '''
 
 
-@pytest.fixture(scope="module")
-def jobs_head():
-    """A Ray head with its dashboard (the Jobs server) on loopback, token auth on, started from
-    this environment so the job's `orch` is the one under test."""
-    port, dashboard = free_port(), free_port()
+@contextlib.contextmanager
+def ray_jobs_head(env: dict[str, str]) -> Iterator[dict]:
+    """A Ray head with its dashboard (the Jobs server) on loopback, token auth on, started with
+    ``env`` (plus ``PATH`` to this environment, so the job's `orch` is the one under test): its
+    address, the ``env`` for `orch` commands that reach it, and its temp dir (its logs).
+
+    Every port it listens on is free or its own: the dashboard agent's fixed default (52365)
+    held by another Ray on the machine leaves the head without an agent to run jobs ("No
+    available agent to submit job"), and its client proxy's (10001) without a proxy.
+    """
+    port, dashboard, agent, client_port = free_port(), free_port(), free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")
     token = Path(temp_dir, "auth_token")
     token.write_text(secrets.token_hex(32))
-    env = {**worker_env(), "RAY_AUTH_TOKEN_PATH": str(token),
-           "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {**env, "RAY_AUTH_TOKEN_PATH": str(token),
+           "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}"}
     try:
         subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
                         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                        f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client_port}",
                         f"--temp-dir={temp_dir}", "--num-cpus=2", "--object-store-memory=300000000",
                         "--disable-usage-stats"], env={**env, "RAY_AUTH_MODE": "token"}, check=True,
                        capture_output=True, timeout=180)
-        yield {"address": f"http://127.0.0.1:{dashboard}", "env": env}
+        yield {"address": f"http://127.0.0.1:{dashboard}", "env": env, "temp_dir": temp_dir}
     finally:
-        kill_tree(processes_mentioning(temp_dir))
+        # The client proxy names the GCS port, not the temp dir.
+        client_servers = processes_mentioning("ray.util.client.server") & processes_mentioning(f":{port}")
+        kill_tree(processes_mentioning(temp_dir) | client_servers)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def jobs_head():
+    """A Ray head started from this environment."""
+    with ray_jobs_head(worker_env()) as head:
+        yield head
 
 
 def orch(*args: str, cwd, env) -> subprocess.CompletedProcess:
