@@ -156,12 +156,13 @@ def test_the_dry_run_says_what_it_would_run_without_a_gpu():
 def test_the_report_marks_misses_and_lists_failures():
     setup, machine = gpu_check.GPU_SETUP, gpu_check.Machine(gpu="H100", gpus=1, memory_gib=79.2,
                                                             host_memory_gib=125, cpus=16)
-    good = gpu_check.Outcome(gpu_check.CASES[0], status="ok", losses=[5.6, 3.1], step_time_s=0.2,
+    cases = {c.name: c for c in gpu_check.CASES}
+    good = gpu_check.Outcome(cases["gpt-1b-zero2"], status="ok", losses=[5.6, 3.1], step_time_s=0.2,
                              predicted_step_s=0.25, tflops=300.0, mfu=0.41, measured_peak=20 * 2**30,
                              predicted_peak=21 * 2**30, optimizer="deepspeed.FusedAdam")
-    off = gpu_check.Outcome(gpu_check.CASES[1], status="ok", losses=[5.0, 5.2], measured_peak=10 * 2**30,
+    off = gpu_check.Outcome(cases["llama-1b-zero2"], status="ok", losses=[5.0, 5.2], measured_peak=10 * 2**30,
                             predicted_peak=13 * 2**30)
-    failed = gpu_check.Outcome(gpu_check.CASES[2], status="failed (exit 1)", error="RuntimeError: CUDA error")
+    failed = gpu_check.Outcome(cases["gpt-1b-zero3"], status="failed (exit 1)", error="RuntimeError: CUDA error")
     text = gpu_check.report(setup, machine, "torch 2.11", [good, off, failed], ["a note"], "now", 60.0)
     rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
     assert "+5.0%" in rows["gpt-1b-zero2"] and "1.25" in rows["gpt-1b-zero2"] and "41.0%" in rows["gpt-1b-zero2"]
