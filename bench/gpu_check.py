@@ -206,7 +206,7 @@ def predicted_step_times(cases: list[Case], setup: Setup, machine: Machine, work
 
     register_configs()
     configs = {}
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("orchestrator.conf", version_base="1.3"):
         for model in dict.fromkeys(c.model for c in cases):
             configs[model] = to_typed(compose("config", overrides=[
                 *setup.models[model], *machine.cluster_overrides(), "plan.precision=bf16",

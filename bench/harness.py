@@ -238,5 +238,5 @@ def compose_config(*overrides: str):
     from orchestrator.config import register_configs
 
     register_configs()
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("orchestrator.conf", version_base="1.3"):
         return compose("config", overrides=list(overrides))

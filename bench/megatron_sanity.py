@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     register_configs()
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("orchestrator.conf", version_base="1.3"):
         typed, _, _ = to_typed(compose("config", overrides=["cluster=a100_8x"]))
     speeds = Speeds.declared(typed.cluster)
     rows = []

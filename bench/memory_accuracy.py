@@ -109,7 +109,7 @@ def measure(overrides: list[str], tracking_uri: str) -> list[dict]:
     """One row for the plan, or one per pipeline stage: the most loaded rank of each against
     the planner's prediction for it."""
     register_configs()
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("orchestrator.conf", version_base="1.3"):
         # The built-in GPT's sizes, unless the plan is an experiment with a model of its own.
         model = [] if any(o.startswith("experiment=") for o in overrides) else MODEL
         cfg = compose("config", overrides=[*model, *RUN, f"tracking.uri={tracking_uri}",

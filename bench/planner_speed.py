@@ -47,7 +47,7 @@ BIG = ["model=gpt3_175b", "cluster=a100_8x", "plan.precision=bf16", "plan.micro_
 
 def config(nodes: int):
     register_configs()
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("orchestrator.conf", version_base="1.3"):
         return to_typed(compose("config", overrides=[*BIG, f"cluster.nodes={nodes}"]))
 
 

@@ -23,7 +23,7 @@ from orchestrator.models import split_model_config
 def plain_job(overrides: list[str]) -> dict:
     """Everything the plain loop (:mod:`plain_deepspeed`) needs, as JSON-able data."""
     register_configs()
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("orchestrator.conf", version_base="1.3"):
         cfg, model_cfg, _ = to_typed(compose("config", overrides=overrides))
     estimate, facts = check_run(cfg, model_cfg)
     plan = estimate.plan

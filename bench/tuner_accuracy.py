@@ -62,7 +62,7 @@ GRID = ["train.global_batch_size=16", "tune.tp=null", "tune.pp=null", "tune.zero
 
 def config(workers: int, *extra: str):
     register_configs()
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("orchestrator.conf", version_base="1.3"):
         return to_typed(compose("config", overrides=[*GRID, f"cluster.devices_per_node={workers}",
                                                      f"tune.out=/tmp/orch-bench-tuned-{workers}.yaml", *extra]))
 

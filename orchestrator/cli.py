@@ -24,6 +24,10 @@ from plans.errors import OrchError
 
 register_configs()
 
+# The shipped config tree: inside the package the command runs from, which is imported before the
+# working directory joins sys.path, so a user's own `conf/` can neither shadow it nor be shadowed.
+CONFIGS = "pkg://orchestrator.conf"
+
 USAGE = """usage: orch <command> [overrides...]
 
 commands:
@@ -52,7 +56,7 @@ def _fail(error: OrchError) -> None:
     sys.exit(exit_code(error))
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def train_app(cfg: DictConfig) -> float:
     """Train; return ``train.sweep_metric`` to Hydra (what an optimizing sweeper minimizes)."""
     protect_config(cfg)
@@ -106,7 +110,7 @@ def _stdout_for_json_only() -> contextlib.AbstractContextManager:
     return contextlib.redirect_stdout(sys.stderr) if _OPTIONS["json"] else contextlib.nullcontext()
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def check_app(cfg: DictConfig) -> None:
     protect_config(cfg)
     import json
@@ -127,7 +131,7 @@ def check_app(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def tune_app(cfg: DictConfig) -> None:
     protect_config(cfg)
 
@@ -144,13 +148,13 @@ def tune_app(cfg: DictConfig) -> None:
     print(to_json_text(result, typed.tune.top_k) if _OPTIONS["json"] else render(result, typed.tune.top_k))
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def config_app(cfg: DictConfig) -> None:
     protect_config(cfg)
     print(redact_text(OmegaConf.to_yaml(cfg, resolve=True)))  # cluster.address may hold a password
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def runs_app(cfg: DictConfig) -> None:
     from orchestrator.report import runs_command
 
@@ -172,7 +176,7 @@ def _required_run_id(command: str, usage: str = "RUN_ID [--out DIR] [tracking.ur
     return run_id
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def report_app(cfg: DictConfig) -> None:
     from orchestrator.report import report_command
 
@@ -187,7 +191,7 @@ def report_app(cfg: DictConfig) -> None:
         print(f"wrote {path}")
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def export_app(cfg: DictConfig) -> None:
     from orchestrator.export import export_run
 
@@ -204,7 +208,7 @@ def export_app(cfg: DictConfig) -> None:
           + (f", weights in {_OPTIONS['out']}" if _OPTIONS["out"] else ""))
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def submit_app(cfg: DictConfig) -> None:
     """`orch submit [--tune] [--wait] overrides`: check here, then run as a Ray Job."""
     # As written, before protect_config moves a config file's credentials out (an interpolation
@@ -263,7 +267,7 @@ def _job_address(cfg: DictConfig) -> str:
     return jobs.jobs_address(typed)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def jobs_app(cfg: DictConfig) -> None:
     protect_config(cfg)  # Hydra's copies of the overrides may hold cluster.address with a password
     from orchestrator import submit as jobs
@@ -274,7 +278,7 @@ def jobs_app(cfg: DictConfig) -> None:
         _fail(error)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def logs_app(cfg: DictConfig) -> None:
     protect_config(cfg)  # Hydra's copies of the overrides may hold cluster.address with a password
     from orchestrator import submit as jobs
@@ -290,7 +294,7 @@ def logs_app(cfg: DictConfig) -> None:
         _fail(error)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def stop_app(cfg: DictConfig) -> None:
     protect_config(cfg)  # Hydra's copies of the overrides may hold cluster.address with a password
     from orchestrator import submit as jobs
@@ -323,16 +327,30 @@ def _submitted_overrides(rest: list[str]) -> tuple[list[str], str | None]:
     return overrides, config_dir
 
 
+def _user_code_importable() -> None:
+    """Put the working directory first on ``sys.path``, as `python -m` does and as Ray does in its
+    workers: a model, objective or data class next to the command is importable by its dotted path,
+    and resolves to the same file in the driver and the workers.
+
+    orch's own packages are imported before, so that here a folder of the user's named like one of
+    them (``plans/``, ``workloads/``) is not imported in their place; the shipped configs are inside
+    ``orchestrator``, so a ``conf/`` there (as Hydra's tutorials name a config directory) is the user's.
+    """
+    import importlib
+
+    for package in ("orchestrator.conf", "launchers", "plans", "workloads"):
+        importlib.import_module(package)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     command, rest = args[0], args[1:]
-    # As `python -m` does: a model, objective or data class in the working directory is importable
-    # by its dotted path (local Ray workers inherit the driver's sys.path).
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    _user_code_importable()
     _OPTIONS["json"] = "--json" in rest
     verbose = "--verbose" in rest
     rest = [a for a in rest if a not in ("--json", "--verbose")]

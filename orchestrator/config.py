@@ -1,6 +1,6 @@
 """The root config schema, registered in Hydra's ConfigStore.
 
-The YAML files under ``conf/`` extend these schemas, so a mistyped key or a wrongly typed value
+The YAML files under ``orchestrator/conf/`` extend these schemas, so a mistyped key or a wrongly typed value
 fails when Hydra composes the config, naming the key. The plan, cluster, optimizer, data and
 loop schemas live in :mod:`plans.spec` (pure dataclasses the planner uses directly).
 """

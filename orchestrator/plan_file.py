@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
-import conf
 from launchers.storage import RemoteDir, is_remote, location_violation
+from orchestrator import conf
 from orchestrator.config import RunConfig
 from plans.errors import PlanError, Violation
 from plans.resolve import ResolvedPlan
@@ -54,7 +54,7 @@ be replaced by a new one."""
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 """A ``tune.name``: one file name, usable as ``plan=<name>``, that no path can be made of."""
 
-_PACKAGES = ("conf", "launchers", "orchestrator", "plans", "workloads")
+_PACKAGES = ("launchers", "orchestrator", "plans", "workloads")
 """The top-level packages orch installs, for when its distribution's metadata cannot be read
 (running from a source tree that was never installed)."""
 
@@ -97,7 +97,7 @@ def check_plan_file(cfg: RunConfig) -> None:
     - a ``tune.name`` that is not a plain name (it would make a path out of ``tuned_plans/``);
     - a path inside the installed package, whose presets every command composes;
     - an existing file that is not a tuned plan (or a directory): only a tuned plan is replaced;
-    - a name that a shipped plan would shadow: Hydra looks in the package's conf/ before a
+    - a name that a shipped plan would shadow: Hydra looks in the package's configs before a
       ``--config-dir``, so ``plan=<name>`` would compose the shipped plan instead (and the plan
       schema, which every plan file extends, would extend itself).
     """

@@ -1,7 +1,7 @@
 """`orch train --multirun`: one parent MLflow run per sweep, each job a nested child run.
 
 Hydra runs a sweep's jobs and calls its callbacks around them (``hydra.callbacks`` in
-conf/config.yaml names :class:`SweepTracking`). When the sweep starts, the callback opens the
+orchestrator/conf/config.yaml names :class:`SweepTracking`). When the sweep starts, the callback opens the
 parent run and puts its id in :data:`PARENT_ENV`, which the jobs read to tag their runs with
 ``mlflow.parentRunId``, as `orch tune` does for its trials (a launcher that runs jobs in other
 processes passes the environment on). When the sweep ends, the parent gets the comparison: every

@@ -297,6 +297,6 @@ def search(space: SearchSpace, ctx: SearchContext) -> SearchResult:
 
 
 def plan_spec(plan: ResolvedPlan) -> PlanSpec:
-    """The declarable plan (``conf/plan/*.yaml``, ``orch train`` overrides) of a resolved one."""
+    """The declarable plan (``orchestrator/conf/plan/*.yaml``, ``orch train`` overrides) of a resolved one."""
     fields = {f.name for f in dataclasses.fields(PlanSpec)}
     return PlanSpec(**{k: v for k, v in dataclasses.asdict(plan).items() if k in fields})

@@ -1,4 +1,4 @@
-"""Hydra composition: every config in conf/ composes, converts to the typed schema and
+"""Hydra composition: every config in orchestrator/conf/ composes, converts to the typed schema and
 instantiates; mistakes fail at composition, naming the key."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from orchestrator.workload import resolve_workload
 from plans.resolve import resolve_plan
 from plans.spec import PlanSpec
 
-GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir() and not p.name.startswith("_"))
-OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((REPO / "conf" / group).glob("*.yaml"))]
+CONFS = REPO / "orchestrator" / "conf"
+GROUPS = sorted(p.name for p in CONFS.iterdir() if p.is_dir() and not p.name.startswith("_"))
+OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((CONFS / group).glob("*.yaml"))]
 
 
 def test_every_group_has_options():
@@ -97,10 +98,10 @@ def test_a_bad_enum_value_names_the_choices():
 
 def test_yaml_files_extend_their_schema():
     for group, option in OPTIONS:
-        text = (REPO / "conf" / group / f"{option}.yaml").read_text()
+        text = (CONFS / group / f"{option}.yaml").read_text()
         # Model files of any class may be schema-free; experiments hold overrides only.
         if (group != "model" or option == "gpt") and group != "experiment":
-            assert "_schema" in text, f"conf/{group}/{option}.yaml does not extend a schema"
+            assert "_schema" in text, f"orchestrator/conf/{group}/{option}.yaml does not extend a schema"
 
 
 def test_the_default_run_takes_the_loop_tuner_and_optimizer_defaults_from_their_schemas():
@@ -110,8 +111,8 @@ def test_the_default_run_takes_the_loop_tuner_and_optimizer_defaults_from_their_
 
     typed, _, _ = to_typed(compose_config())
     assert typed.train == TrainSpec() and typed.tune == TuneConfig() and typed.optim == OptimSpec()
-    assert "train:" not in (REPO / "conf" / "config.yaml").read_text()
+    assert "train:" not in (CONFS / "config.yaml").read_text()
 
 
 def test_package_data_ships_the_configs():
-    assert Path(REPO / "conf" / "__init__.py").exists()
+    assert Path(CONFS / "__init__.py").exists()

@@ -35,7 +35,7 @@ def refused(done: subprocess.CompletedProcess, field: str, value: str, why: str,
 
 
 def test_a_plan_file_inside_the_installed_package_is_refused_and_its_presets_stay_intact(tmp_path):
-    import conf
+    from orchestrator import conf
 
     preset = Path(conf.__file__).resolve().parent / "cluster" / "local_cpu.yaml"
     before = preset.read_bytes()
@@ -47,7 +47,7 @@ def test_a_plan_file_inside_the_installed_package_is_refused_and_its_presets_sta
         if preset.read_bytes() != before:  # the package under test must survive a failing run
             preset.write_bytes(before)
             pytest.fail(f"orch tune overwrote {preset}")
-    inside = f"is inside the installed orch package ({preset.parent.parent})"
+    inside = f"is inside the installed orch package ({preset.parents[2]})"
     fix = "write the plan outside it: leave tune.out unset for ./tuned_plans/plan/<tune.name>.yaml"
     assert refused(direct, "tune.out", str(preset), inside, fix)
     assert refused(linked, "tune.out", "preset.yaml", inside, fix)

@@ -371,8 +371,7 @@ def test_tune_writes_the_winner_outside_the_package_and_prints_a_command_that_se
 
     from omegaconf import OmegaConf
 
-    import conf
-    from orchestrator import cli
+    from orchestrator import cli, conf
     from orchestrator.tune_result import render
     from orchestrator.tuning import tune
 

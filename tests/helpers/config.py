@@ -16,7 +16,7 @@ FAST = ["train.steps=30", "train.log_every=5", "train.eval_batches=2", "plan.mic
 
 def compose_config(*overrides: str) -> DictConfig:
     register_configs()
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("orchestrator.conf", version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
 

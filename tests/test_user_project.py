@@ -1,0 +1,140 @@
+"""A user's project as the README and Hydra's tutorials lay it out (their modules and a `conf/`
+directory of their own), run by the installed `orch` command as the user runs it: from that
+directory, with nothing of this repository on PYTHONPATH."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from helpers.config import REPO
+
+ORCH = Path(sys.executable).with_name("orch")
+
+# The README's example names these and nothing else: a model of `features` inputs, a loss, a
+# map-style Dataset of dict samples (the README gives it `samples` only) and a collate function.
+MINE_PY = '''
+import torch
+import torch.nn.functional as F
+
+
+class Net(torch.nn.Module):
+    def __init__(self, features: int, hidden: int):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(),
+                                        torch.nn.Linear(hidden, 1))
+
+    def forward(self, x, y=None):
+        return self.body(x).squeeze(-1)
+
+
+def mse(outputs, batch):
+    return F.mse_loss(outputs, batch["y"])
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, samples: int, features: int = 8):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(samples, features, generator=g)
+        self.y = self.x.sum(-1) / features ** 0.5
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def collate(samples):
+    return {"x": torch.stack([s["x"] for s in samples]), "y": torch.stack([s["y"] for s in samples])}
+'''
+
+
+def user_env() -> dict[str, str]:
+    """The user's environment: the installed package only (a PYTHONPATH naming this repository
+    would put its packages on the path as a plain directory, which a user's install does not)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def orch(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ORCH), *args], cwd=cwd, env=user_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed_from_this_checkout(tmp_path_factory):
+    """These tests mean this checkout's code: the installed `orch` must import it."""
+    done = subprocess.run([sys.executable, "-c", "import orchestrator; print(orchestrator.__file__)"],
+                          cwd=tmp_path_factory.mktemp("empty"), env=user_env(), capture_output=True, text=True)
+    assert Path(done.stdout.strip()).resolve().is_relative_to(REPO.resolve()), (
+        f"the installed orch imports {done.stdout.strip() or done.stderr[-500:]}, not {REPO}: "
+        "run `pip install -e .` in this checkout")
+
+
+def readme_own_workload() -> tuple[dict[str, str], list[str]]:
+    """The README's "Your own workload" example: its YAML files (three columns of one block, each
+    headed by its path) and its commands."""
+    section = (REPO / "README.md").read_text().split("## Your own workload", 1)[1]
+    yaml_block = section.split("```yaml\n", 1)[1].split("```", 1)[0].splitlines()
+    header, rows = yaml_block[0], yaml_block[1:]
+    columns = [(m.start(), m.group(1)) for m in re.finditer(r"# (\S+)", header)]
+    files = {}
+    for i, (start, path) in enumerate(columns):
+        end = columns[i + 1][0] if i + 1 < len(columns) else None
+        lines = [row[start:end].rstrip() for row in rows]
+        files[path] = "".join(line + "\n" for line in lines if line)
+    bash_block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in bash_block.splitlines() if line.startswith("orch ")]
+    return files, commands
+
+
+def user_project(root: Path) -> tuple[Path, list[str]]:
+    """The README's example laid out as a user would: ``mine.py`` and ``conf/`` side by side."""
+    files, commands = readme_own_workload()
+    assert sorted(files) == ["conf/data/mine.yaml", "conf/model/mine.yaml", "conf/objective/mine.yaml"], files
+    assert len(commands) == 2 and commands[0].startswith("orch check ") and commands[1].startswith("orch train ")
+    project = root / "project"
+    for path, text in files.items():
+        (project / path).parent.mkdir(parents=True, exist_ok=True)
+        (project / path).write_text(text)
+    (project / "mine.py").write_text(MINE_PY)
+    return project, commands
+
+
+def test_the_readme_own_workload_check_runs_verbatim_from_a_project_with_a_conf_directory(tmp_path):
+    """The user's ``conf/`` is theirs: the shipped configs are not looked up by that name."""
+    project, commands = user_project(tmp_path)
+    done = orch(*shlex.split(commands[0])[1:], cwd=project)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "FITS" in done.stdout and "Primary config module" not in done.stderr
+
+
+def test_folders_named_like_orchs_packages_do_not_replace_them(tmp_path):
+    """A project may hold folders named as generically as orch's packages (configs, notes, data)."""
+    project, commands = user_project(tmp_path)
+    for name in ("plans", "workloads", "launchers", "orchestrator"):
+        (project / name).mkdir()
+        (project / name / "notes.yaml").write_text("mine: true\n")
+    done = orch(*shlex.split(commands[0])[1:], cwd=project)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "FITS" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_readme_own_workload_trains_verbatim(tmp_path):
+    project, commands = user_project(tmp_path)
+    done = orch(*shlex.split(commands[1])[1:], cwd=project, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["plan.zero_stage"] == "2" and run.data.params["model._target_"] == "mine.Net"
