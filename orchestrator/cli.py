@@ -327,6 +327,35 @@ def _submitted_overrides(rest: list[str]) -> tuple[list[str], str | None]:
     return overrides, config_dir
 
 
+# Hydra's flags that take the next argument as their value (`--info` takes one only from its choices).
+_HYDRA_VALUE_FLAGS = {"--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--cfg", "-c",
+                      "--package", "-p", "--experimental-rerun"}
+_HYDRA_INFO_FLAGS = {"--info", "-i"}
+_HYDRA_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def _flags_and_overrides(args: list[str]) -> tuple[list[str], list[str]]:
+    """Hydra's flags (each with its value) and the other arguments, each in the order given.
+
+    Hydra parses its command line with argparse, whose overrides are one run of positional
+    arguments: a flag after them is "unrecognized". Flags may come anywhere in an `orch` command
+    (`orch check plan.zero_stage=2 --config-dir mine model=mine`), so they are handed to Hydra first.
+    """
+    flags, others = [], []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        takes_value = arg in _HYDRA_VALUE_FLAGS or (
+            arg in _HYDRA_INFO_FLAGS and i + 1 < len(args) and args[i + 1] in _HYDRA_INFO_CHOICES)
+        if takes_value:
+            flags += args[i:i + 2]
+            i += 2
+            continue
+        (flags if arg.startswith("-") else others).append(arg)
+        i += 1
+    return flags, others
+
+
 def _user_code_importable() -> None:
     """Put the working directory first on ``sys.path``, as `python -m` does and as Ray does in its
     workers: a model, objective or data class next to the command is importable by its dotted path,
@@ -362,10 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         _OPTIONS[flag[2:]] = flag in rest and command in ("submit", "logs")
         if _OPTIONS[flag[2:]]:
             rest = [a for a in rest if a != flag]
+    flags, rest = _flags_and_overrides(rest)
     if command in ("report", "export", "logs", "stop"):
-        plain = [a for a in rest if "=" not in a and not a.startswith("-")]
+        plain = [a for a in rest if "=" not in a]
         _OPTIONS["run_id"] = plain[0] if plain else None
         rest = [a for a in rest if a not in plain[:1]]
+    rest = flags + rest
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return EXIT_USAGE

@@ -294,3 +294,14 @@ def test_sigterm_inside_the_block_runs_cleanup_and_exits_143(capsys):
     assert signal.getsignal(signal.SIGTERM) is before
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == "stopped by SIGTERM" and "already stopping" in err
+
+
+def test_hydras_flags_are_handed_to_it_first_each_with_its_value():
+    from orchestrator.cli import _flags_and_overrides
+
+    args = ["plan.zero_stage=2", "--config-dir", "mine", "model=mine", "-m", "optim.lr=1e-3,3e-3", "--cfg", "job",
+            "--info", "defaults", "--info", "~plan.dp", "--config-name=config"]
+    flags, others = _flags_and_overrides(args)
+    assert flags == ["--config-dir", "mine", "-m", "--cfg", "job", "--info", "defaults", "--info",
+                     "--config-name=config"]
+    assert others == ["plan.zero_stage=2", "model=mine", "optim.lr=1e-3,3e-3", "~plan.dp"]

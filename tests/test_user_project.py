@@ -4,6 +4,7 @@ directory, with nothing of this repository on PYTHONPATH."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -127,6 +128,26 @@ def test_folders_named_like_orchs_packages_do_not_replace_them(tmp_path):
     done = orch(*shlex.split(commands[0])[1:], cwd=project)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "FITS" in done.stdout
+
+
+def test_flags_may_come_anywhere_among_the_overrides(tmp_path):
+    """`orch check plan.zero_stage=2 --config-dir mine model=mine`: argparse, under Hydra, took no
+    flag after an override ("unrecognized arguments: model=mine")."""
+    (tmp_path / "mine" / "model").mkdir(parents=True)
+    (tmp_path / "mine" / "model" / "mine.yaml").write_text("defaults: [gpt_schema, _self_]\nn_layer: 1\n")
+    done = orch("check", "plan.zero_stage=2", "--config-dir", "mine", "model=mine", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["plan"]["zero_stage"] == 2
+    composed = orch("config", "plan.zero_stage=2", "--config-dir", "mine", "model=mine", "-cd", "mine",
+                    "--verbose", cwd=tmp_path)
+    assert composed.returncode == 0, composed.stderr[-2000:]
+    assert "n_layer: 1" in composed.stdout and "zero_stage: 2" in composed.stdout
+    # A flag's value is not a run id: the run id is the first argument that is neither.
+    run_id = "0123456789abcdef0123456789abcdef"
+    report = orch("report", "--config-dir", "mine", run_id, f"tracking.uri=sqlite:///{tmp_path / 'm.db'}",
+                  cwd=tmp_path)
+    assert report.returncode == 2 and "config directory" not in report.stderr, report.stderr
+    assert "there is no MLflow store" in report.stderr, report.stderr
 
 
 @pytest.mark.slow
