@@ -153,8 +153,33 @@ class RunConfig:
     submit: SubmitConfig = field(default_factory=SubmitConfig)
 
 
+SCHEMA_SUFFIX = "_schema"
+"""How the name of every registered schema ends: the YAML files extend them, nobody selects them."""
+
+
+def config_groups_help() -> str:
+    """``group: option, ...`` for each config group, as ``--help`` lists them (``hydra.help.template``
+    in config.yaml), without the schemas, which are registered in the groups but are no option."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    if not GlobalHydra.instance().is_initialized():
+        return ""
+    loader = GlobalHydra.instance().config_loader()
+    lines, todo = [], loader.list_groups("")
+    while todo:
+        group = todo.pop()
+        if group == "hydra":
+            continue
+        todo += [f"{group}/{child}" for child in loader.list_groups(group)]
+        options = [o for o in loader.get_group_options(group) if not o.endswith(SCHEMA_SUFFIX)]
+        if options:
+            lines.append(f"{group}: {', '.join(sorted(options))}")
+    return "\n".join(sorted(lines))
+
+
 def register_configs() -> None:
     """Register the schemas; the YAML files list them first in their defaults."""
+    OmegaConf.register_new_resolver("orch_config_groups", config_groups_help, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="model", name="gpt_schema", node=GPTModelConfig)

@@ -150,6 +150,22 @@ def test_flags_may_come_anywhere_among_the_overrides(tmp_path):
     assert "there is no MLflow store" in report.stderr, report.stderr
 
 
+def test_help_lists_the_options_a_user_can_choose_and_no_schema(tmp_path):
+    """The schemas are registered in the config groups (the YAML files extend them), but selecting
+    one is never what a user wants: `--help` listed `corpus_schema`, `gpt_schema`, ... as options."""
+    for group in ("model", "data"):
+        (tmp_path / "configs" / group).mkdir(parents=True)
+    (tmp_path / "configs" / "model" / "mine.yaml").write_text("defaults: [gpt_schema, _self_]\nn_layer: 1\n")
+    (tmp_path / "configs" / "data" / "mine.yaml").write_text("defaults: [corpus_schema, _self_]\nseq_len: 64\n")
+    done = orch("check", "--help", "--config-dir", "configs", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "_schema" not in done.stdout, done.stdout
+    groups = dict(line.split(": ", 1) for line in done.stdout.splitlines() if re.fullmatch(r"[a-z_]+: [\w, -]+", line))
+    assert groups["data"] == "corpus, dataset, images, mine, ray, text"  # the user's options among the shipped ones
+    assert groups["model"].split(", ")[:3] == ["gpt", "gpt3_175b", "hf_causal_lm"] and "mine" in groups["model"]
+    assert groups["plan"] == "ddp, pipeline, zero3_offload" and "hydra" not in groups
+
+
 @pytest.mark.slow
 def test_the_readme_own_workload_trains_verbatim(tmp_path):
     project, commands = user_project(tmp_path)
