@@ -80,7 +80,9 @@ def package_dirs() -> list[Path]:
     dirs = []
     for name in names or _PACKAGES:
         spec = importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations:
+        # orch's packages all have an __init__.py. A folder without one is the user's: an install
+        # made before the configs moved into orchestrator/ still names `conf` in its metadata.
+        if spec is not None and spec.origin and spec.submodule_search_locations:
             dirs += [Path(os.path.realpath(location)) for location in spec.submodule_search_locations]
     return dirs
 

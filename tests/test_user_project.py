@@ -130,6 +130,15 @@ def test_folders_named_like_orchs_packages_do_not_replace_them(tmp_path):
     assert "FITS" in done.stdout
 
 
+def test_a_tuned_plan_may_be_written_into_the_users_own_conf_directory(tmp_path):
+    """The user's ``conf/`` is not orch's package, even for an install whose metadata still names a
+    top-level `conf` (one made before the configs moved into orchestrator/)."""
+    project, _ = user_project(tmp_path)
+    done = orch("tune", "train.global_batch_size=16", "tune.pp=[1]", "tune.out=conf/plan/tuned.yaml", cwd=project)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (project / "conf" / "plan" / "tuned.yaml").is_file()
+
+
 def test_flags_may_come_anywhere_among_the_overrides(tmp_path):
     """`orch check plan.zero_stage=2 --config-dir mine model=mine`: argparse, under Hydra, took no
     flag after an override ("unrecognized arguments: model=mine")."""
