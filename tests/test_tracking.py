@@ -165,3 +165,14 @@ def test_a_run_shorter_than_the_sampling_interval_records_each_nodes_hardware(tm
             # One sample: the one taken as the node's training ended, none before it was due.
             assert [m.step for m in history] == [0], (metric, history)
             assert history[0].value > 0
+
+
+def test_a_sampler_finished_before_it_started_keeps_one_sample():
+    # A run resumed at its last step runs no step, so its sampler never starts; it still records.
+    from launchers.system_metrics import SystemSampler
+
+    sampler = SystemSampler(3600)
+    sampler.finish()
+    sample, = sampler.take()
+    assert sample["system_memory_usage_megabytes"] > 0 and 0 <= sample["cpu_utilization_percentage"] <= 100
+    assert sampler.take() == []
