@@ -59,7 +59,7 @@ DECLARED_LATENCY_S = {"intra": 10e-6, "inter": 25e-6}
 DECLARED_OP_OVERHEAD_S = {"gpu": 0.0, "cpu": 20e-6}
 # The speeds a cluster leaves unset (null), by accelerator. cpu: order of magnitude for one core of
 # a laptop or small server (calibration measures the real ones whenever Ray is used). gpu: an
-# A100 80 GB in a DGX A100, the numbers of conf/cluster/a100_8x.yaml, which says where each comes
+# A100 80 GB in a DGX A100, the numbers of the a100_8x cluster preset, which says where each comes
 # from. A GPU declared over the CPU preset (cluster.accelerator=gpu) thus gets GPU speeds, not a
 # CPU core's memory bandwidth under a GPU's TFLOP/s.
 DECLARED_SPEEDS: dict[str, dict[str, float]] = {
