@@ -40,8 +40,13 @@ class SystemSampler:
     Each sample averages what the monitors collected over the interval (a sample a second, as
     MLflow's monitor aggregates them). :meth:`take` hands the samples gathered so far to the
     caller and forgets them. The monitors are made on the thread: importing MLflow takes a second
-    of CPU, which the caller does not wait for.
+    of CPU, which the caller does not wait for. When the thread stops it keeps one last sample of
+    the time since the previous one, so a run shorter than ``interval_s`` still records one
+    (:meth:`finish`).
     """
+
+    # How long finish() waits for the thread's last sample (it may still be importing MLflow).
+    FINISH_TIMEOUT_S = 60.0
 
     def __init__(self, interval_s: float):
         self.interval_s = interval_s
@@ -55,30 +60,48 @@ class SystemSampler:
         return self
 
     def _run(self) -> None:
+        import psutil
+
+        # psutil's CPU percentage counts from the calling thread's previous call (a thread's first
+        # returns 0.0): every call is made on this thread, the first before the slow MLflow import.
+        psutil.cpu_percent()
         monitors = mlflow_monitors()
-        for monitor in monitors:  # psutil's CPU percentage counts from its previous call
-            monitor.collect_metrics()
-            monitor.clear_metrics()
-        self._monitors = monitors
         tick = min(1.0, self.interval_s)
         next_sample = time.monotonic() + self.interval_s
         while not self._stop.wait(tick):
-            for monitor in self._monitors:
+            for monitor in monitors:
                 monitor.collect_metrics()
             if time.monotonic() < next_sample:
                 continue
             next_sample += self.interval_s
-            sample: dict[str, float] = {}
-            for monitor in self._monitors:
-                sample.update(monitor.aggregate_metrics())
-                monitor.clear_metrics()
-            with self._lock:
-                self._samples.append(sample)
+            self._keep(monitors)
+        for monitor in monitors:
+            monitor.collect_metrics()
+        self._keep(monitors)
+
+    def _keep(self, monitors: list) -> None:
+        sample: dict[str, float] = {}
+        for monitor in monitors:
+            sample.update(monitor.aggregate_metrics())
+            monitor.clear_metrics()
+        with self._lock:
+            self._samples.append(sample)
 
     def take(self) -> list[dict[str, float]]:
         with self._lock:
             samples, self._samples = self._samples, []
         return samples
+
+    def finish(self) -> None:
+        """Stop sampling and wait for the last sample, for the caller's next :meth:`take`.
+
+        Called when the node's training ends, before the driver learns that it has. A sampler
+        never started (a run resumed at its last step runs none) starts now, for that one sample.
+        """
+        self._stop.set()
+        if self._thread.ident is None:
+            self._thread.start()
+        self._thread.join(timeout=self.FINISH_TIMEOUT_S)
 
     def stop(self) -> None:
         self._stop.set()

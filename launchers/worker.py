@@ -757,6 +757,9 @@ class TrainWorker:
                     torch.cuda.set_device(device)  # the current device is per thread
                 for report in self.train():
                     self._reports.append(report)  # list.append is atomic under the GIL
+                if self._sampler is not None:
+                    # Before _done: the poll that tells the driver this rank is done carries it.
+                    self._sampler.finish()
             except BaseException:  # reported to the driver through poll(), never swallowed
                 self._error = traceback.format_exc()
             finally:

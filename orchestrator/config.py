@@ -76,7 +76,8 @@ class TrackingConfig:
     with a warning instead of failing."""
     system_metrics_interval_s: float = 10.0
     """Seconds between samples of every node's CPU, memory, disk, network and GPU use, logged as
-    system/node<i>/<metric> (MLflow's system metrics, one series per node); 0 turns them off."""
+    system/node<i>/<metric> (MLflow's system metrics, one series per node), plus one when a node's
+    training ends; 0 turns them off."""
 
 
 @dataclass(kw_only=True)

@@ -23,7 +23,7 @@ from orchestrator.trials import pick_winner, run_trial
 from orchestrator.tune_result import TuneResult
 from orchestrator.tune_tracking import finish_parent, start_parent
 from orchestrator.workload import resolve_workload
-from plans.cost_model import Speeds
+from plans.cost_model import DECLARED_SPEEDS, Speeds, speed_defaults
 from plans.depth_scaling import SHALLOW_DEPTHS
 from plans.errors import PlanError, Violation
 from plans.meta import meta_device
@@ -136,6 +136,21 @@ def _matmul_shape(probe) -> tuple[int, int]:
     return big.in_features, big.out_features
 
 
+def declared_speeds_note(cluster) -> str:
+    """Where the declared speeds come from: the cluster config, or the accelerator's defaults for
+    those it leaves unset, named with the values used."""
+    defaulted = speed_defaults(cluster)
+    accelerator = cluster.accelerator.value
+    if len(defaulted) == len(DECLARED_SPEEDS[accelerator]):
+        return (f"the {accelerator} defaults of plans/cost_model.py DECLARED_SPEEDS (the cluster config sets "
+                "none; set cluster.device_tflops, ... to declare your own)")
+    note = "declared in the cluster config (cluster.device_tflops, ...)"
+    if defaulted:
+        note += f"; unset, so the {accelerator} defaults: " + ", ".join(
+            f"cluster.{name}={value:g}" for name, value in defaulted.items())
+    return note
+
+
 def measure_speeds(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchContext) -> tuple[Speeds, str]:
     """The cluster's matmul and all-reduce speeds, probed at the search's matmul shapes (or cached)."""
     from launchers.calibration import calibrate
@@ -171,7 +186,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
         print(f"tune: model probed on meta in {time.perf_counter() - started:.1f}s; searching {cluster.world_size} "
               f"{cluster.accelerator.value} devices, global batch {space.global_batch_size}", file=err, flush=True)
         uses_ray = cfg.tune.trials > 0 or cluster.address is not None
-        speeds, note = ctx.speeds, "declared in the cluster config (cluster.device_tflops, ...)"
+        speeds, note = ctx.speeds, declared_speeds_note(cluster)
         if uses_ray:
             from launchers.ray_session import ray_session
             from launchers.worker_group import job_env

@@ -57,6 +57,28 @@ DECLARED_LATENCY_S = {"intra": 10e-6, "inter": 25e-6}
 # Fixed cost per operation when not measured: hidden by asynchronous launches on GPUs; on a CPU
 # worker, torch's dispatch plus autograd bookkeeping take tens of microseconds per op.
 DECLARED_OP_OVERHEAD_S = {"gpu": 0.0, "cpu": 20e-6}
+# The speeds a cluster leaves unset (null), by accelerator. cpu: order of magnitude for one core of
+# a laptop or small server (calibration measures the real ones whenever Ray is used). gpu: an
+# A100 80 GB in a DGX A100, the numbers of the a100_8x cluster preset, which says where each comes
+# from. A GPU declared over the CPU preset (cluster.accelerator=gpu) thus gets GPU speeds, not a
+# CPU core's memory bandwidth under a GPU's TFLOP/s.
+DECLARED_SPEEDS: dict[str, dict[str, float]] = {
+    "cpu": {"device_tflops": 0.1, "intra_node_gbps": 40.0, "inter_node_gbps": 10.0, "host_link_gbps": 80.0,
+            "device_memory_gb_per_s": 5.0, "host_memory_gb_per_s": 10.0},
+    "gpu": {"device_tflops": 312.0, "intra_node_gbps": 2400.0, "inter_node_gbps": 200.0, "host_link_gbps": 256.0,
+            "device_memory_gb_per_s": 2039.0, "host_memory_gb_per_s": 409.0},
+}
+
+
+def speed_defaults(cluster: ClusterSpec) -> dict[str, float]:
+    """The speeds ``cluster`` leaves unset, each with its accelerator's default."""
+    defaults = DECLARED_SPEEDS[cluster.accelerator.value]
+    return {name: value for name, value in defaults.items() if getattr(cluster, name) is None}
+
+
+def declared_speed_values(cluster: ClusterSpec) -> dict[str, float]:
+    """Every declared speed of ``cluster``: as set, or its accelerator's default where unset."""
+    return {name: getattr(cluster, name) for name in DECLARED_SPEEDS["cpu"]} | speed_defaults(cluster)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,11 +111,13 @@ class Speeds:
 
     @classmethod
     def declared(cls, cluster: ClusterSpec) -> Speeds:
-        return cls(matmul_tflops=((1, cluster.device_tflops * DECLARED_MATMUL_EFFICIENCY),),
-                   intra_node_gbps=cluster.intra_node_gbps, inter_node_gbps=cluster.inter_node_gbps,
+        """The cluster's speeds as declared, its accelerator's defaults where it declares none."""
+        speeds = declared_speed_values(cluster)
+        return cls(matmul_tflops=((1, speeds["device_tflops"] * DECLARED_MATMUL_EFFICIENCY),),
+                   intra_node_gbps=speeds["intra_node_gbps"], inter_node_gbps=speeds["inter_node_gbps"],
                    intra_latency_s=DECLARED_LATENCY_S["intra"], inter_latency_s=DECLARED_LATENCY_S["inter"],
-                   host_link_gbps=cluster.host_link_gbps, device_memory_gb_per_s=cluster.device_memory_gb_per_s,
-                   host_memory_gb_per_s=cluster.host_memory_gb_per_s,
+                   host_link_gbps=speeds["host_link_gbps"], device_memory_gb_per_s=speeds["device_memory_gb_per_s"],
+                   host_memory_gb_per_s=speeds["host_memory_gb_per_s"],
                    op_overhead_s=DECLARED_OP_OVERHEAD_S[cluster.accelerator.value])
 
 

@@ -118,18 +118,21 @@ class ClusterSpec:
     discover: bool = True
     """With an address, `orch check` reads nodes and memory from the live cluster instead of
     trusting the declared numbers."""
-    device_tflops: float = 0.1
+    # The speeds below feed only `orch tune`'s cost model. Each one left unset (null) takes the
+    # accelerator's default (plans/cost_model.py DECLARED_SPEEDS: a CPU core's, or an A100's), so
+    # switching cluster.accelerator switches every speed not set; a speed that is set is kept.
+    device_tflops: float | None = None
     """Peak dense matmul TFLOP/s of one device at the plan's precision (A100: 312 bf16, 19.5 fp32).
     `orch tune` predicts compute time from it unless it measured the live cluster."""
-    intra_node_gbps: float = 40.0
+    intra_node_gbps: float | None = None
     """Gbit/s each device can send to the others of its node (NVLink, or shared memory on CPU)."""
-    inter_node_gbps: float = 10.0
+    inter_node_gbps: float | None = None
     """Gbit/s each device can send to other nodes (its share of the node's network)."""
-    host_link_gbps: float = 80.0
+    host_link_gbps: float | None = None
     """Gbit/s between a device and its host's memory (PCIe; offloaded states cross it every step)."""
-    device_memory_gb_per_s: float = 5.0
+    device_memory_gb_per_s: float | None = None
     """Memory bandwidth of one device in GB/s (the optimizer step is bound by it)."""
-    host_memory_gb_per_s: float = 10.0
+    host_memory_gb_per_s: float | None = None
     """Memory bandwidth of one node's host memory in GB/s, shared by its workers' CPU optimizers."""
 
     @property

@@ -314,6 +314,39 @@ def test_declared_speeds_from_the_cluster():
     assert s.source == "declared"
 
 
+def _declared(cluster: ClusterSpec) -> dict[str, float]:
+    s = Speeds.declared(cluster)
+    return {"device_tflops": s.tflops_at(1) / 0.8, "intra_node_gbps": s.intra_node_gbps,
+            "inter_node_gbps": s.inter_node_gbps, "host_link_gbps": s.host_link_gbps,
+            "device_memory_gb_per_s": s.device_memory_gb_per_s, "host_memory_gb_per_s": s.host_memory_gb_per_s}
+
+
+def test_speeds_a_cluster_leaves_unset_are_its_accelerators_and_those_it_sets_are_kept():
+    a100 = {"device_tflops": 312, "intra_node_gbps": 2400, "inter_node_gbps": 200, "host_link_gbps": 256,
+            "device_memory_gb_per_s": 2039, "host_memory_gb_per_s": 409}
+    cpu = {"device_tflops": 0.1, "intra_node_gbps": 40, "inter_node_gbps": 10, "host_link_gbps": 80,
+           "device_memory_gb_per_s": 5, "host_memory_gb_per_s": 10}
+    assert _declared(ClusterSpec()) == pytest.approx(cpu)
+    assert _declared(ClusterSpec(accelerator=Accelerator.gpu)) == pytest.approx(a100)
+    assert _declared(A100) == pytest.approx(a100)
+    # What is set stays as set, on either accelerator, even where it looks like the other's.
+    h100 = ClusterSpec(accelerator=Accelerator.gpu, device_tflops=989, device_memory_gb_per_s=3350)
+    assert _declared(h100) == pytest.approx({**a100, "device_tflops": 989, "device_memory_gb_per_s": 3350})
+    slow_gpu = ClusterSpec(accelerator=Accelerator.gpu, device_memory_gb_per_s=5)
+    assert _declared(slow_gpu)["device_memory_gb_per_s"] == 5
+    assert _declared(dataclasses.replace(A100, accelerator=Accelerator.cpu)) == pytest.approx(a100)
+
+
+def test_a_gpu_declared_over_the_cpu_preset_gets_gpu_speeds_except_those_given():
+    typed, _, _ = to_typed(compose_config("cluster.accelerator=gpu", "cluster.device_tflops=312",
+                                          "cluster.host_memory_gb_per_s=800"))
+    speeds = _declared(typed.cluster)
+    assert speeds["device_memory_gb_per_s"] == 2039 and speeds["intra_node_gbps"] == 2400
+    assert speeds["device_tflops"] == pytest.approx(312) and speeds["host_memory_gb_per_s"] == 800
+    typed, _, _ = to_typed(compose_config())
+    assert _declared(typed.cluster)["device_memory_gb_per_s"] == 5
+
+
 # --- the command line ----------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -342,6 +375,37 @@ def test_orch_tune_json_from_the_command_line(tmp_path):
     assert doc["best"]["plan"] == doc["candidates"][0]["plan"] and doc["best"]["plan_file"] == str(out)
     assert doc["speeds"]["source"] == "declared" and not (tmp_path / "mlflow.db").exists()
     assert "Started a local Ray instance" not in done.stderr  # analytic: no Ray without trials or address
+
+
+@pytest.mark.slow
+def test_orch_tune_prices_a_gpu_declared_over_the_cpu_preset_at_gpu_speeds(tmp_path):
+    """`orch tune cluster.accelerator=gpu cluster.device_tflops=312` for GPT-3 175B at tp=8 pp=8 on
+    64 GPUs: the optimizer step was priced at the CPU preset's 5 GB/s memory bandwidth (16.8 s)."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from helpers.processes import worker_env
+
+    orch = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"
+    done = subprocess.run([orch, "tune", "--json", "model=gpt3_175b", "cluster.accelerator=gpu",
+                           "cluster.device_tflops=312", "cluster.nodes=8", "cluster.devices_per_node=8",
+                           "cluster.device_memory_gib=80", "cluster.host_memory_gib=1024", "plan.precision=bf16",
+                           "tune.tp=[8]", "tune.pp=[8]", "tune.offload=[none]"],
+                          cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    speeds = doc["speeds"]
+    assert speeds["matmul_tflops"] == [[1, pytest.approx(312 * 0.8)]]
+    assert speeds["device_memory_gb_per_s"] == 2039 and speeds["intra_node_gbps"] == 2400
+    for named in ("cluster.device_memory_gb_per_s=2039", "cluster.intra_node_gbps=2400", "gpu defaults"):
+        assert named in speeds["note"] and named in done.stderr
+    assert "cluster.device_tflops=" not in speeds["note"]  # given, so not a default
+    best = doc["candidates"][0]["predicted"]["parts_s"]
+    # 175B / 64 devices of Adam states read and written at 2 TB/s: tens of milliseconds.
+    assert best["optimizer"] < 0.5, best
 
 
 def test_table_names_rejections_and_the_winner(tmp_path):
