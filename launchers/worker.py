@@ -770,7 +770,10 @@ class TrainWorker:
 
     def poll(self, seen: int) -> PollStatus:
         """This rank's reports after the first ``seen`` and the state of its training."""
-        return PollStatus(reports=self._reports[seen:], done=self._done, error=self._error, step=self.progress_step,
+        # Done first: a report the training thread appends after this read comes with the next
+        # poll, where reading the reports first could miss the last one of a rank that is done.
+        done, error = self._done, self._error
+        return PollStatus(reports=self._reports[seen:], done=done, error=error, step=self.progress_step,
                           milestones=self.milestones, since_progress_s=time.monotonic() - self._progress_at,
                           system=self._sampler.take() if self._sampler is not None else [])
 
