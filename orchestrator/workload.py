@@ -73,14 +73,50 @@ def build_objective(cfg: dict) -> Objective:
                                    "fix the objective's arguments")]) from None
 
 
+_DATASET_SOURCE = "workloads.dataset.DatasetSource"
+# What a data source offers the driver and the workers (plans.workload.DataSource).
+_DATA_SOURCE_METHODS = ("violations", "sizes", "example_batch", "prepare", "datasets", "collate")
+
+
 def build_data_source(cfg: dict) -> DataSource:
-    """The data source the config declares (light: paths and settings; workers open the data)."""
-    _target(cfg, "data")
+    """The data source the config declares (light: paths and settings; workers open the data).
+
+    Three ways to declare it: a data source by ``_target_`` (a shipped one, or your own
+    :class:`plans.workload.DataSource`); a map-style torch ``Dataset`` by ``_target_`` (a class
+    or a function returning one), as a model or an objective is declared; or a ``dataset:`` key
+    with the fields of ``data=dataset`` and no ``_target_``. The last two become
+    ``workloads.dataset.DatasetSource``, which builds the dataset in each worker.
+    """
+    if isinstance(cfg, dict) and "_target_" not in cfg and "dataset" in cfg:
+        cfg = {"_target_": _DATASET_SOURCE, **cfg}
+    target = _target(cfg, "data")
+    if inspect.isclass(target) and issubclass(target, torch.utils.data.Dataset):
+        return _dataset_source(cfg, target)
     try:
-        return instantiate(cfg, _convert_="all", _recursive_=False)
+        built = instantiate(cfg, _convert_="all", _recursive_=False)
     except Exception as error:  # noqa: BLE001 - the user's constructor may raise anything
         raise PlanError([Violation("data", cfg["_target_"], f"could not be built: {_cause(error)}.",
                                    "fix the data source's arguments")]) from None
+    if isinstance(built, torch.utils.data.Dataset):  # a function that returns a Dataset
+        return _dataset_source(cfg, type(built))
+    if missing := [m for m in _DATA_SOURCE_METHODS if not callable(getattr(built, m, None))]:
+        raise PlanError([Violation("data._target_", cfg["_target_"],
+                                   f"built a {type(built).__name__}, which is neither a torch Dataset nor a data "
+                                   f"source (it has no {', '.join(missing)}).",
+                                   "name a map-style torch Dataset class or a function returning one, or a data "
+                                   "source (plans.workload.DataSource)")])
+    return built
+
+
+def _dataset_source(cfg: dict, kind: type) -> DataSource:
+    """The user's Dataset, declared by ``data._target_``, as the dataset of a DatasetSource."""
+    if issubclass(kind, torch.utils.data.IterableDataset):
+        raise PlanError([Violation("data._target_", cfg["_target_"],
+                                   f"builds an IterableDataset ({kind.__name__}); the workers shard a map-style "
+                                   "Dataset (len and indexing) over the data-parallel replicas and checkpoint "
+                                   "their position in it.",
+                                   "give it __len__ and __getitem__, or stream files through data=ray")])
+    return instantiate({"_target_": _DATASET_SOURCE, "dataset": cfg}, _convert_="all", _recursive_=False)
 
 
 def declared_tp_specs(model_cfg: dict, constructor_cfg: dict, factory: Callable[[], torch.nn.Module] | None = None,

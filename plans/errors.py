@@ -38,7 +38,10 @@ class PlanError(OrchError):
     """A plan that cannot run, with every problem found."""
 
     def __init__(self, violations: list[Violation]):
-        self.violations = list(violations)
+        # Each distinct problem once: two checks that meet the same problem (the declared values,
+        # then the built workload) would otherwise show it twice.
+        seen: set[str] = set()
+        self.violations = [v for v in violations if not (str(v) in seen or seen.add(str(v)))]
         lines = "\n".join(f"  - {v}" for v in self.violations)
         super().__init__(f"the plan has {len(self.violations)} problem(s):\n{lines}")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -57,7 +56,8 @@ def collate(samples):
 
 def test_a_users_own_model_objective_and_dataset_train_from_their_config_dir(tmp_path):
     """A dict batch reaches the model as keyword arguments (``model(**batch)``), the loss is the
-    user's function, and nothing is installed: the modules are found in the working directory."""
+    user's function, the Dataset is declared by its ``_target_`` like the model, and nothing is
+    installed: the modules are found in the working directory."""
     work = tmp_path / "project"
     (work / "conf" / "model").mkdir(parents=True)
     (work / "conf" / "objective").mkdir()
@@ -65,17 +65,10 @@ def test_a_users_own_model_objective_and_dataset_train_from_their_config_dir(tmp
     (work / "mine.py").write_text(USER_CODE)
     (work / "conf" / "model" / "mine.yaml").write_text("_target_: mine.Net\nfeatures: 8\nhidden: 32\n")
     (work / "conf" / "objective" / "mine.yaml").write_text("_target_: mine.mse\n")
-    (work / "conf" / "data" / "mine.yaml").write_text(textwrap.dedent("""\
-        defaults:
-          - dataset_schema
-          - _self_
-        dataset:
-          _target_: mine.Pairs
-          samples: 512
-          features: 8
-        collate:
-          _target_: mine.collate
-        """))
+    # The data declared as the model and the objective are, by _target_ alone: the Dataset's own
+    # arguments beside it, no schema named (README's form, with data.collate, is tested verbatim
+    # in tests/test_user_project.py). Dict samples are batched by torch's default collate.
+    (work / "conf" / "data" / "mine.yaml").write_text("_target_: mine.Pairs\nsamples: 512\nfeatures: 8\n")
     # The installed `orch` script, run where the user's code is: nothing of theirs is installed.
     command = [str(Path(sys.executable).with_name("orch")), "train", "--config-dir", "conf", "model=mine",
                "objective=mine", "data=mine", "plan.zero_stage=2", "train.steps=30", "train.log_every=10",
