@@ -57,7 +57,7 @@ def _fail(error: OrchError) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
-def train_app(cfg: DictConfig) -> float:
+def train_app(cfg: DictConfig) -> float | None:
     """Train; return ``train.sweep_metric`` to Hydra (what an optimizing sweeper minimizes)."""
     protect_config(cfg)
     from hydra.core.hydra_config import HydraConfig
@@ -65,12 +65,15 @@ def train_app(cfg: DictConfig) -> float:
 
     from launchers.lean_startup import collector_paused
     from orchestrator.early_ray import early_ray
-    from orchestrator.sweeps import child_tags, record_job_run
+    from orchestrator.sweeps import child_tags, record_job_run, sweep_metric_problem
+    from plans.errors import PlanError
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         typed, model_cfg, yaml = to_typed(cfg)
+        if sweeping and (problem := sweep_metric_problem(typed.train.sweep_metric, typed.train.eval_batches)):
+            raise PlanError([problem])  # before any job trains
         # An embedded Ray starts before the driver, and torch with it, is imported (orchestrator.early_ray).
         with early_ray(typed) as ray_ready:
             with collector_paused():  # start-up (launchers.lean_startup)
@@ -78,7 +81,8 @@ def train_app(cfg: DictConfig) -> float:
             result = run_training(typed, model_cfg, yaml, tags=child_tags(), ray_ready=ray_ready)
         if sweeping:
             record_job_run(int(HydraConfig.get().job.num), result.run_id)
-        return sweep_value(result, typed.train.sweep_metric)
+        # Only a sweep's jobs return their metric: a single run is not judged by it.
+        return sweep_value(result, typed.train.sweep_metric) if sweeping else None
     except OrchError as error:
         if sweeping:  # the sweeper records a failed job and goes on (Optuna: a failed trial)
             print(redact_text(f"error: job {HydraConfig.get().job.num} failed: {error}"), file=sys.stderr)

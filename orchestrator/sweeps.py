@@ -32,6 +32,28 @@ command: str | None = None
 """The `orch` command running (set by orchestrator.cli): only `orch train` sweeps are tracked."""
 
 
+# What every run reports at its logged steps (launchers.job.StepReport.named_values); evaluation
+# adds eval_loss and eval_<name> for the objective's own metrics.
+STEP_METRICS = ("loss", "local_loss", "lr", "step_time_s", "samples_per_s", "epoch", "tokens_per_s")
+
+
+def sweep_metric_problem(metric: str, eval_batches: int):
+    """Why ``train.sweep_metric`` cannot be what a sweep's jobs return, found before any of them
+    trains (None if nothing is wrong): a name no run logs, or an evaluation metric of runs that
+    evaluate on no batch."""
+    from plans.errors import Violation
+
+    if metric.startswith("eval_"):
+        if eval_batches > 0:
+            return None
+        return Violation("train.sweep_metric", metric, "is an evaluation metric, and train.eval_batches=0 "
+                         "evaluates on no batch.", "set train.eval_batches > 0, or sweep on loss")
+    if metric in STEP_METRICS:
+        return None
+    return Violation("train.sweep_metric", metric, f"is no metric a run logs: {', '.join(STEP_METRICS)}, "
+                     "eval_loss or eval_<name> (the objective's own evaluation metrics).", "name one of those")
+
+
 def child_tags() -> dict[str, str]:
     """Tags that nest the current job's run under its sweep's parent run (none outside a sweep)."""
     parent = os.environ.get(PARENT_ENV)
