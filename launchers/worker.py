@@ -487,10 +487,13 @@ class TrainWorker:
         self.batches.load_state_dict(data)
         self.val_batches.load_state_dict(val_data)
         torch.set_rng_state(client_state["rng"])
+        self.resumed_loss = float(client_state.get("loss", float("nan")))
         return int(client_state["step"])
 
-    def _save(self, step: int) -> None:
-        """Write this rank's part of the checkpoint; rank 0 publishes it once every rank is done."""
+    def _save(self, step: int, loss: float) -> None:
+        """Write this rank's part of the checkpoint; rank 0 publishes it once every rank is done.
+        ``loss`` is this rank's mean training loss over the steps since its last report: an
+        attempt resumed from the last step's checkpoint has no step left to train, and reports it."""
         import deepspeed.comm as dist
         import torch
 
@@ -501,7 +504,7 @@ class TrainWorker:
         spec = self.job.train
         layout = layout_of(self.job.plan)
         client_state = {"step": step, "data": self.batches.state_dict(), "val_data": self.val_batches.state_dict(),
-                        "rng": torch.get_rng_state(), "layout": layout}
+                        "rng": torch.get_rng_state(), "layout": layout, "loss": loss}
         root, tag = self._checkpoint_root(), tag_for(step)
         remote = is_remote(spec.checkpoint_dir)
         # What an earlier attempt left under this tag (a run resumed from an older checkpoint
@@ -676,6 +679,16 @@ class TrainWorker:
         interval_loss, interval_time, interval_steps = 0.0, 0.0, 0
         measured: dict[str, int] = {}
         on_cuda = getattr(self.engine.device, "type", "cpu") == "cuda"
+        if self.start_step >= spec.steps:
+            # Resumed from the last step's checkpoint (a rank died after writing it): no step is
+            # left, but the run ends as every run does, with its final report and evaluation.
+            # The loss is the one checkpointed with that step; nothing was timed.
+            global_loss, = self._mean_over_ranks([self.resumed_loss])
+            yield StepReport(rank=self.rank, step=spec.steps, loss=global_loss, local_loss=self.resumed_loss,
+                             lr=self.engine.get_lr()[0], step_time_s=float("nan"), samples_per_s=float("nan"),
+                             tokens_per_s=None, epoch=self.batches.state_dict()["epoch"],
+                             first_batch_digest=self.first_batch_digest, evaluation=self.evaluate())
+            return
         self.engine.train()
         for step in range(self.start_step + 1, spec.steps + 1):
             started = time.perf_counter()
@@ -714,7 +727,7 @@ class TrainWorker:
                 # hold up the first step, competing for this rank's CPU and interpreter lock.
                 self._sampler.start()
             if spec.checkpoint_every and (step % spec.checkpoint_every == 0 or last):
-                self._save(step)
+                self._save(step, interval_loss / interval_steps)
             if step % spec.log_every and not last:
                 continue
             local_loss = interval_loss / interval_steps

@@ -344,7 +344,7 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
             tracker.log_metrics(metrics, logged.step)
         tokens_per_s = metrics.get("tokens_per_s")
         progress.update(logged.step, metrics["loss"], tokens_per_s if tokens_per_s is not None
-                        else metrics["samples_per_s"], metrics.get("eval_loss"),
+                        else metrics.get("samples_per_s"), metrics.get("eval_loss"),
                         unit="tok/s" if tokens_per_s is not None else "samples/s")
     if tracker and export:
         _export(group, prepared.workload, tracker, out)

@@ -3,6 +3,8 @@ shows; no MLflow here, so the driver imports MLflow only when a run is tracked).
 
 from __future__ import annotations
 
+import math
+
 from launchers.job import StepReport, WorkerFacts
 from plans.resolve import ResolvedPlan
 
@@ -14,6 +16,10 @@ def step_metrics(reports: list[StepReport], plan: ResolvedPlan, flops_per_sample
     lead = reports[0]
     step_times = [r.step_time_s for r in reports]
     slowest = max(step_times)
+    if not math.isfinite(slowest):
+        # An attempt resumed at the last step trained nothing: its report has a loss and an
+        # evaluation, and no time to make rates of.
+        return {"loss": lead.loss, "lr": lead.lr, "epoch": lead.epoch, **lead.evaluation}
     metrics = {
         "loss": lead.loss, "lr": lead.lr, "step_time_s": slowest,
         "samples_per_s": plan.global_batch_size / slowest,

@@ -108,6 +108,46 @@ def tracked_hang(sqlite_uri: str, run_name: str) -> tuple[str, str, set[str]]:
 
 
 @pytest.mark.slow
+def test_a_worker_lost_after_the_last_checkpoint_still_ends_the_run_with_its_report(local_ray, sqlite_uri,
+                                                                                     tmp_path):
+    """Rank 1 is killed once the last step's checkpoint is published, while the final evaluation
+    runs: the restarted attempt has no step left, and still ends the run with the last step's
+    report (the checkpointed loss) and its evaluation. It used to run nothing and report nothing."""
+    import threading
+    import time
+
+    ckpt, killed, facts_seen = tmp_path / "ckpt", [], []
+
+    def kill_when_the_last_checkpoint_is_published() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            published = latest(ckpt) if ckpt.exists() else None
+            if published is not None and published.step == 10 and facts_seen:
+                os.kill(facts_seen[0][1].pid, signal.SIGKILL)
+                killed.append(facts_seen[0][1].pid)
+            time.sleep(0.005)
+
+    # A long final evaluation keeps rank 1 busy between the checkpoint and the final report.
+    cfg = compose_config("train.steps=10", "train.log_every=5", "train.checkpoint_every=10", "train.eval_batches=40",
+                         "plan.micro_batch_size=4", f"train.checkpoint_dir={ckpt}", "train.max_failures=1",
+                         f"tracking.uri={sqlite_uri}", "tracking.run_name=lost-at-the-end")
+    watcher = threading.Thread(target=kill_when_the_last_checkpoint_is_published, daemon=True)
+    watcher.start()
+    result = run_training(*to_typed(cfg), on_report=lambda reports, facts: facts_seen.append(facts))
+    watcher.join(timeout=1)
+    assert killed, "the last checkpoint was never seen published"
+    assert [r[0].step for r in result.reports] == [5, 10]
+    final = result.reports[-1][0]
+    assert result.worker_facts[0].start_step == 10  # the second attempt had nothing left to train
+    assert final.evaluation["eval_loss"] > 0 and 0 < final.loss < result.reports[0][0].loss
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"
+    assert [m.step for m in client.get_metric_history(result.run_id, "loss")] == [5, 10]
+    assert [m.step for m in client.get_metric_history(result.run_id, "eval_loss")] == [10]
+
+
+@pytest.mark.slow
 def test_a_hung_worker_is_detected_named_and_its_stacks_saved(local_ray, sqlite_uri):
     from launchers.worker_group import WorkerHangError
 
