@@ -67,8 +67,9 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
     assert losses == pytest.approx([r[0].loss for r in result.reports])
     assert [m.step for m in client.get_metric_history(result.run_id, "eval_loss")] == [30]
     assert 0 < run.data.metrics["mfu"] < 1.5  # against a measured matmul peak: near or below 1
+    # Every run samples each node's hardware at least once, at its end: a short one has its plot too.
     assert {a.path for a in client.list_artifacts(result.run_id, "plots")} == {
-        "plots/loss.png", "plots/throughput.png", "plots/memory.png"}
+        "plots/loss.png", "plots/throughput.png", "plots/memory.png", "plots/system.png"}
     assert run.data.metrics["memory/rank1/measured_peak_bytes"] > 0
     # Where the time before the first report went, phase by phase.
     assert list(result.startup) == ["check", "tracking", "ray", "workers", "setup", "first_report"]
