@@ -11,6 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from helpers.processes import worker_env
+from helpers.user_code import PAIRS_DATASET
 
 pytestmark = pytest.mark.slow
 
@@ -35,23 +36,7 @@ class Net(torch.nn.Module):
 def mse(outputs, batch):
     return F.mse_loss(outputs["logits"], batch["y"])
 
-
-class Pairs(torch.utils.data.Dataset):
-    def __init__(self, samples: int, features: int):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(samples, features, generator=g)
-        self.y = self.x.sum(-1) / features ** 0.5
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "y": self.y[i]}
-
-
-def collate(samples):
-    return {"x": torch.stack([s["x"] for s in samples]), "y": torch.stack([s["y"] for s in samples])}
-'''
+''' + PAIRS_DATASET
 
 
 def test_a_users_own_model_objective_and_dataset_train_from_their_config_dir(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from helpers.config import REPO
+from helpers.user_code import PAIRS_DATASET
 
 ORCH = Path(sys.executable).with_name("orch")
 
@@ -39,23 +40,7 @@ class Net(torch.nn.Module):
 def mse(outputs, batch):
     return F.mse_loss(outputs, batch["y"])
 
-
-class Pairs(torch.utils.data.Dataset):
-    def __init__(self, samples: int, features: int = 8):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(samples, features, generator=g)
-        self.y = self.x.sum(-1) / features ** 0.5
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "y": self.y[i]}
-
-
-def collate(samples):
-    return {"x": torch.stack([s["x"] for s in samples]), "y": torch.stack([s["y"] for s in samples])}
-'''
+''' + PAIRS_DATASET
 
 
 def user_env() -> dict[str, str]:
