@@ -125,8 +125,12 @@ class SubmitConfig:
     """The directory shipped to the cluster as the job's working directory (your model, objective
     and data code, a --config-dir inside it); null: the current directory."""
     excludes: list[str] = field(default_factory=lambda: [
-        ".git", ".venv", "__pycache__", "mlflow.db", "mlruns", "outputs", "multirun", "checkpoints", "reports"])
-    """Paths of working_dir not shipped (gitignore-style patterns, as Ray's runtime_env takes them)."""
+        ".git", ".venv", "__pycache__", "mlflow.db", "mlruns", "outputs", "multirun", "checkpoints", "reports",
+        # Secrets a project directory often holds: shipped, they would sit in the cluster's
+        # package store for anyone on it to read.
+        ".env", ".env.*", ".netrc", ".ssh", ".aws", "*.pem", "*.key", "id_rsa*", "id_ed25519*", "id_ecdsa*"])
+    """Paths of working_dir not shipped (gitignore-style patterns, as Ray's runtime_env takes them);
+    the defaults also leave out .env files, private keys and credential directories."""
     pip: list[str] = field(default_factory=list)
     """Extra pip packages installed for the job on every node (orch itself must be installed there)."""
     env: dict[str, str] = field(default_factory=dict)

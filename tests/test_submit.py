@@ -122,6 +122,9 @@ def user_project(tmp_path: Path) -> Path:
 @pytest.mark.cluster
 def test_a_submitted_job_trains_the_users_own_code_and_can_be_stopped(jobs_head, tmp_path):
     project = user_project(tmp_path)
+    # Secrets a project directory often holds stay behind (submit.excludes' defaults).
+    (project / ".env").write_text("MLFLOW_TRACKING_PASSWORD=never-shipped\n")
+    (project / "deploy.pem").write_text("-----BEGIN PRIVATE KEY-----\n")
     address = f"cluster.address={jobs_head['address']}"
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # absolute: the head shares this machine's disk
     common = ["--config-dir", "conf", "model=tiny", address, f"tracking.uri={store}",
@@ -138,6 +141,8 @@ def test_a_submitted_job_trains_the_users_own_code_and_can_be_stopped(jobs_head,
     assert job_id in listed.stdout and "SUCCEEDED" in listed.stdout
     logs = orch("logs", job_id, address, cwd=project, env=jobs_head["env"])
     assert "done: 10 steps" in logs.stdout
+    shipped = list(Path(jobs_head["temp_dir"]).rglob("tiny.py"))
+    assert shipped and not [p for p in Path(jobs_head["temp_dir"]).rglob("*") if p.name in (".env", "deploy.pem")]
 
     # A plan that cannot fit is refused here: nothing reaches the cluster.
     refused = orch("submit", *common, "plan.micro_batch_size=100000", cwd=project, env=jobs_head["env"])
