@@ -283,6 +283,10 @@ def submit(address: str, job: Submission) -> str:
 def follow(address: str, job_id: str, out=sys.stdout) -> str:
     """Print the job's output as it comes until it ends, URI credentials redacted; its final status."""
     jobs = client(address)
+    try:  # an unknown id is refused as `orch logs` without --follow refuses it, not as a crash
+        jobs.get_job_status(job_id)
+    except Exception as error:  # noqa: BLE001 - an unknown id is a RuntimeError with the server's message
+        raise JobError(redact_text(f"no job {job_id!r} at {address}: {error}")) from None
 
     async def tail() -> None:
         async for lines in jobs.tail_job_logs(job_id):

@@ -141,6 +141,9 @@ def test_a_submitted_job_trains_the_users_own_code_and_can_be_stopped(jobs_head,
     assert job_id in listed.stdout and "SUCCEEDED" in listed.stdout
     logs = orch("logs", job_id, address, cwd=project, env=jobs_head["env"])
     assert "done: 10 steps" in logs.stdout
+    for unknown in (["logs", "raysubmit_bogus"], ["logs", "raysubmit_bogus", "--follow"]):
+        refused = orch(*unknown, address, cwd=project, env=jobs_head["env"])
+        assert refused.returncode == 2 and "raysubmit_bogus" in refused.stderr, (unknown, refused.stderr[-1000:])
     shipped = list(Path(jobs_head["temp_dir"]).rglob("tiny.py"))
     assert shipped and not [p for p in Path(jobs_head["temp_dir"]).rglob("*") if p.name in (".env", "deploy.pem")]
 
