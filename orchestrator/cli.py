@@ -180,14 +180,30 @@ def _required_run_id(command: str, usage: str = "RUN_ID [--out DIR] [tracking.ur
     return run_id
 
 
+def _out_directory(command: str) -> Path | None:
+    """``--out DIR``: refused at once (exit 2) when it names something other than a directory,
+    before any run is read or written."""
+    out = _OPTIONS["out"]
+    if out is None:
+        return None
+    if Path(out).exists() and not Path(out).is_dir():
+        from plans.errors import PlanError, Violation
+
+        _fail(PlanError([Violation("--out", out, "is an existing file; orch "
+                                   f"{command} writes a directory of files there.",
+                                   "name a new or an existing directory")]))
+    return Path(out)
+
+
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def report_app(cfg: DictConfig) -> None:
     from orchestrator.report import report_command
 
     protect_config(cfg)
     run_id = _required_run_id("report")
+    out = _out_directory("report")
     try:
-        text, plots = report_command(cfg.tracking.uri, run_id, Path(_OPTIONS["out"] or f"reports/{run_id}"))
+        text, plots = report_command(cfg.tracking.uri, run_id, out or Path(f"reports/{run_id}"))
     except OrchError as error:
         _fail(error)
     print(text)
@@ -201,11 +217,12 @@ def export_app(cfg: DictConfig) -> None:
 
     protect_config(cfg)
     run_id = _required_run_id("export")
+    out = _out_directory("export")
     try:
         # The model comes from this command's own config (its --config-dir and overrides), checked
         # against the checkpoint; nothing the run's tracked artifacts declare is instantiated.
         _, model_cfg, _ = to_typed(cfg)
-        tag = export_run(cfg.tracking.uri, run_id, model_cfg, Path(_OPTIONS["out"]) if _OPTIONS["out"] else None)
+        tag = export_run(cfg.tracking.uri, run_id, model_cfg, out)
     except OrchError as error:
         _fail(error)
     print(f"exported {tag} of run {run_id}: runs:/{run_id}/model/mlflow_model"

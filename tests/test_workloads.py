@@ -244,6 +244,13 @@ def test_orch_export_needs_a_run_and_refuses_an_unknown_one(tmp_path):
     assert missing.returncode == 2 and "orch export needs a run id" in missing.stderr
     unknown = orch("export", "0123456789abcdef", f"tracking.uri=sqlite:///{tmp_path / 'none.db'}")
     assert unknown.returncode == 2 and "Traceback" not in unknown.stderr, unknown.stderr
+    # --out naming a file is refused at once, before any run is read (it used to fail late, inside).
+    (tmp_path / "notes.txt").write_text("mine")
+    for command in ("export", "report"):
+        into_a_file = orch(command, "0123456789abcdef", "--out", "notes.txt")
+        assert into_a_file.returncode == 2, into_a_file.stderr
+        assert "--out='notes.txt': is an existing file" in into_a_file.stderr
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 # Building the model: host memory before the first step.
