@@ -488,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"DeepSpeed {op}: " + ("built" if code == 0 else f"build FAILED (exit {code})")
                      + f" in {time.perf_counter() - t0:.0f} s (see build-{op}.log)")
         log(notes[-1])
+
     def write(outcomes: list[Outcome]) -> str:
         """The report so far: written after every case, so a check stopped from outside keeps
         what it measured."""
