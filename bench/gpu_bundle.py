@@ -85,12 +85,10 @@ class Resolved:
     """Built here (orch, DeepSpeed) rather than downloaded."""
 
 
-def pip(*args: str, quiet: bool = True) -> subprocess.CompletedProcess:
+def pip(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     # --isolated: no user configuration or PIP_* variables change what is resolved.
-    command = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", *args]
-    if quiet:
-        command.append("--quiet")
-    return subprocess.run(command, check=True, text=True)
+    command = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", "--quiet", *args]
+    return subprocess.run(command, check=True, text=True, env=env)
 
 
 # Distributions in orch's closure that PyPI ships as source archives only: built here into wheels,
@@ -116,9 +114,8 @@ def build_local_wheels(local: Path) -> None:
             requirement = name
         # No build isolation: DeepSpeed's setup imports torch to record its version, and an
         # isolated build would download a multi-GB torch for that.
-        subprocess.run([sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", "wheel", "--quiet",
-                        "--no-deps", "--no-build-isolation", "--no-binary", name, "-w", str(local), requirement],
-                       check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
+        pip("wheel", "--no-deps", "--no-build-isolation", "--no-binary", name, "-w", str(local), requirement,
+            env={**os.environ, "DS_BUILD_OPS": "0"})
     for wheel in local.glob("*.whl"):
         if not wheel.name.endswith("-none-any.whl"):
             raise SystemExit(f"{wheel.name} is not pure Python: it would not run on the GPU machine")
