@@ -119,16 +119,13 @@ class CalibrationWorker:
 def _best_time(call, device, seconds: float, windows: int = 3) -> float:
     """Seconds per call, from the fastest of a few timing windows: on a shared machine the
     fastest window is the one least disturbed by other work, i.e. what the hardware does."""
-    import torch
-
     best = float("inf")
     for _ in range(windows):
         runs, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds / windows or runs == 0:
             call()
             runs += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         best = min(best, (time.perf_counter() - started) / runs)
     return best
 
