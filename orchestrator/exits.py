@@ -30,6 +30,8 @@ from plans.errors import OrchError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+# What a shell reports for a command ended by SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + 13
 # What Hydra and OmegaConf raise for a config the user wrote: unknown keys or options, values of
 # the wrong type, malformed YAML in a --config-dir.
 CONFIG_ERRORS = (HydraException, OmegaConfBaseException, YAMLError)
@@ -54,6 +56,12 @@ def run_command(app: Callable[[], None], command: str, *, verbose: bool) -> int:
     try:
         app()
         return 0
+    except BrokenPipeError:
+        # The reader of stdout went away (``orch check | head``): nothing more can be shown. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again (the recipe in
+        # Python's documentation of SIGPIPE), and end as a shell reports a command ended by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except OrchError as error:
         return _report(error, f"error: {error}", exit_code(error), verbose)
     except CONFIG_ERRORS as error:

@@ -106,6 +106,17 @@ def test_an_internal_error_prints_one_line_and_logs_its_traceback_without_creden
     assert "Traceback (most recent call last)" in capsys.readouterr().err
 
 
+def test_a_reader_that_stops_early_ends_orch_quietly_as_sigpipe_would(tmp_path):
+    """`orch check | true`: the pipe's reader is gone before anything is written."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    with os.fdopen(writer, "w") as stdout:
+        done = subprocess.run([sys.executable, "-m", "orchestrator", "check"], cwd=tmp_path, env=worker_env(),
+                              stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 128 + 13, done.stderr
+    assert "BrokenPipe" not in done.stderr and "Traceback" not in done.stderr
+
+
 def test_unknown_command_and_help(tmp_path):
     assert orch("--help", cwd=tmp_path).stdout.startswith("usage: orch <command>")
     done = orch("trian", cwd=tmp_path)
