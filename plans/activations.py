@@ -394,11 +394,11 @@ def _measure_pass(factory_or_module: ModelOrFactory, micro_batch_size: int, inpu
     return ActivationBytes(saved=checkpointed.total, recompute_peak=recompute, **peaks), pass_trace
 
 
-def attention_kernels(module: torch.nn.Module, *, inputs: ModelInputs, dtype: torch.dtype,
+def attention_kernels(factory_or_module: ModelOrFactory, *, inputs: ModelInputs, dtype: torch.dtype,
                       accelerator: Accelerator) -> KernelLog:
-    """The attention kernels a forward of ``module`` (a meta module) runs on ``accelerator``, for
-    ``orch check`` to name: one forward of one sample, on a private copy."""
-    module = _build_on_meta(module, dtype)
+    """The attention kernels a forward of the model runs on ``accelerator``, for ``orch check`` to
+    name: one forward of one sample on ``meta``, on a private copy."""
+    module = _build_on_meta(factory_or_module, dtype)
     log = KernelLog()
     with _MetaRunsAsOn(accelerator, log):
         call_model(module, _example(inputs, 1, module))
