@@ -309,7 +309,7 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInp
             forward_done = True
             forward_end = len(live.trace) if trace else 0
             # The engine is called directly: ``loss.backward()`` and ``torch.autograd.backward`` are
-            # themselves torch functions, so the flash-attention mode would be popped for their
+            # themselves torch functions, so the attention-routing mode would be popped for their
             # whole duration and a checkpointed layer would be recomputed on the math path.
             _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (),
                                  allow_unreachable=True, accumulate_grad=True)
