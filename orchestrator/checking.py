@@ -181,7 +181,7 @@ def checked_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = N
 # The top-level keys of `orch check --json`; tools read these names, so they only ever grow.
 # ``per_device`` and every entry of ``stages`` hold plans.estimate.DEVICE_JSON_KEYS.
 CHECK_JSON_KEYS = ("feasible", "world_size", "plan", "model", "per_device", "per_node_host", "stages",
-                   "pipeline", "phases", "violations", "suggestions", "cluster", "placement")
+                   "pipeline", "phases", "violations", "suggestions", "attention", "cluster", "placement")
 CLUSTER_JSON_KEYS = ("source", "notes", "nodes", "devices_per_node", "device_memory_gib", "host_memory_gib")
 
 
@@ -245,6 +245,7 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
         *[f"         {note}" for note in notes],
         f"model    {m.param_count:,} parameters ({m.trainable_count:,} trainable), "
         f"largest layer {m.largest_layer_params:,}",
+        *([f"attention {estimate.attention}"] if estimate.attention else []),
         "",
         f"per device (most loaded), at its peak in the {d.phase} phase",
     ]

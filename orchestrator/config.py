@@ -182,9 +182,17 @@ def config_groups_help() -> str:
     return "\n".join(sorted(lines))
 
 
+def _shipped_hf_config(name: str) -> str:
+    """``${orch_hf_config:NAME}``: the path of a Hugging Face config.json shipped with the presets."""
+    from workloads.hf_presets import preset_config_path
+
+    return preset_config_path(name)
+
+
 def register_configs() -> None:
     """Register the schemas; the YAML files list them first in their defaults."""
     OmegaConf.register_new_resolver("orch_config_groups", config_groups_help, replace=True)
+    OmegaConf.register_new_resolver("orch_hf_config", _shipped_hf_config, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="model", name="gpt_schema", node=GPTModelConfig)

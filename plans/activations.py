@@ -22,6 +22,7 @@ from torch.autograd.graph import _engine_run_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from plans.attention import KernelLog, SdpaCall, run_on_meta, select_kernel
 from plans.depth_scaling import (
     SHALLOW_DEPTHS,
     PassTrace,
@@ -32,6 +33,7 @@ from plans.depth_scaling import (
     shallow_copy,
 )
 from plans.meta import meta_device
+from plans.spec import Accelerator
 from plans.workload import (
     Batch,
     MetaBranches,
@@ -72,31 +74,46 @@ class ActivationBytes:
         return self.saved + self.recompute_peak
 
 
-class _MetaRunsAsOnCpu(MetaBranches):
-    """Run a model on meta tensors through the code paths it takes on real ones.
+class _MetaRunsAsOn(MetaBranches):
+    """Run a model on meta tensors through the code paths it takes on the plan's accelerator.
 
-    Value branches are taken as :class:`plans.workload.MetaBranches` takes them. And
-    ``scaled_dot_product_attention`` is routed to the CPU flash-attention kernel. With no real
-    device to choose a backend for, SDPA on meta falls back to the math path, which saves the
-    T x T attention matrix. The CPU workers run ``_scaled_dot_product_flash_attention_for_cpu``
-    instead, which saves only q, k, v, the output and a logsumexp (GPU flash and
-    memory-efficient kernels save the same), so measuring the math path would overstate attention
-    memory by a factor that grows with the sequence length.
+    Value branches are taken as :class:`plans.workload.MetaBranches` takes them. And every
+    ``scaled_dot_product_attention`` call is run through the kernel torch would pick for it on
+    ``accelerator`` (:func:`plans.attention.select_kernel`): with no real device to choose a
+    backend for, SDPA on meta falls back to the math path, which saves the T x T attention matrix
+    that the fused kernels on CPU and GPU never keep. The kernels chosen are recorded in ``log``.
 
     A mode is switched off while its handler runs, so SDPA called from inside a Python function
     torch hands the mode whole (``F.multi_head_attention_forward``: torchvision's ViT and every
     ``nn.MultiheadAttention``) would not reach it; while the mode is on, ``torch.nn.functional``'s
-    own name for SDPA routes meta tensors to the same kernel.
+    own name for SDPA routes meta tensors the same way.
     """
+
+    def __init__(self, accelerator: Accelerator = Accelerator.cpu, log: KernelLog | None = None):
+        super().__init__()
+        self.accelerator = accelerator
+        self.log = log if log is not None else KernelLog()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SDPA and args and args[0].device.type == "meta":
-            return _flash_for_cpu(*args, **kwargs)
+            return self._attention(*args, **kwargs)
         return super().__torch_function__(func, types, args, kwargs)
 
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+        kernel = select_kernel(self.accelerator, SdpaCall.of(query, key, value, attn_mask, dropout_p))
+        self.log.record(kernel)
+        return run_on_meta(kernel, query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, sdpa=_SDPA)
+
+    def _routing(self, query, *args, **kwargs):
+        if query.device.type == "meta":
+            return self._attention(query, *args, **kwargs)
+        return _SDPA(query, *args, **kwargs)
+
     def __enter__(self):
-        F.scaled_dot_product_attention = _sdpa_routing_meta
+        F.scaled_dot_product_attention = self._routing
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -104,23 +121,14 @@ class _MetaRunsAsOnCpu(MetaBranches):
         return super().__exit__(*exc)
 
 
+class _MetaRunsAsOnCpu(_MetaRunsAsOn):
+    """:class:`_MetaRunsAsOn` for CPU workers."""
+
+    def __init__(self):
+        super().__init__(Accelerator.cpu)
+
+
 _SDPA = F.scaled_dot_product_attention
-
-
-def _sdpa_routing_meta(query, *args, **kwargs):
-    if query.device.type == "meta":
-        return _flash_for_cpu(query, *args, **kwargs)
-    return _SDPA(query, *args, **kwargs)
-
-
-def _flash_for_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False):
-    if enable_gqa:  # the CPU flash kernel has no grouped-query path; SDPA would not use it either
-        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=True)
-    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-    return out
 
 
 class _SavedTensors:
@@ -179,7 +187,8 @@ def _example(inputs: ModelInputs, micro_batch_size: int, module: torch.nn.Module
     return move_batch(inputs.example_batch(micro_batch_size), "meta", dtype)
 
 
-def _measure(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInputs) -> _SavedTensors:
+def _measure(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInputs,
+             accelerator: Accelerator) -> _SavedTensors:
     saved = _SavedTensors(list(module.parameters()))
     handles = []
     for index, layer in enumerate(checkpoint_units(module)):
@@ -192,7 +201,7 @@ def _measure(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInputs
         handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
     batch = _example(inputs, micro_batch_size, module)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _MetaRunsAsOnCpu():
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _MetaRunsAsOn(accelerator):
             outputs = call_model(module, batch)
             # The loss as the trainer computes it: the declared objective.
             inputs.objective(outputs, batch)
@@ -256,7 +265,7 @@ class _LiveBytes(TorchDispatchMode):
         param.grad = None
 
 
-def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInputs,
+def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInputs, accelerator: Accelerator,
                 trace: bool = False) -> tuple[int, _LiveBytes, PassTrace | None]:
     """Run forward, loss and backward on meta; the forward's peak, the tracker after backward and,
     with ``trace``, the live bytes after every allocation with each repeated layer's part."""
@@ -292,7 +301,7 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInp
             handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
     batch = _example(inputs, micro_batch_size, module)
     try:
-        with live, _MetaRunsAsOnCpu():
+        with live, _MetaRunsAsOn(accelerator):
             outputs = call_model(module, batch)
             loss = inputs.objective(outputs, batch)
             del outputs
@@ -300,7 +309,7 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInp
             forward_done = True
             forward_end = len(live.trace) if trace else 0
             # The engine is called directly: ``loss.backward()`` and ``torch.autograd.backward`` are
-            # themselves torch functions, so the flash-attention mode would be popped for their
+            # themselves torch functions, so the attention-routing mode would be popped for their
             # whole duration and a checkpointed layer would be recomputed on the math path.
             _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (),
                                  allow_unreachable=True, accumulate_grad=True)
@@ -315,7 +324,8 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInp
 
 
 def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: int, inputs: ModelInputs,
-                        dtype: torch.dtype, checkpointing: bool) -> ActivationBytes:
+                        dtype: torch.dtype, checkpointing: bool,
+                        accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes:
     """Bytes autograd saves for one micro-batch of the model's own code, measured on ``meta``.
 
     The forward and backward peaks come from running forward, loss and backward on meta under a
@@ -325,13 +335,15 @@ def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: 
     gives what stays saved (each layer's input, the embedding and the head), and the largest
     layer's saved bytes from an uncheckpointed forward give what one layer's recomputation holds
     during backward. A checkpointing model without ModuleLists is charged its whole difference
-    as recompute, which is an upper bound.
+    as recompute, which is an upper bound. Attention is run through the kernel torch picks on
+    ``accelerator`` (:mod:`plans.attention`).
     """
-    return _measure_pass(factory_or_module, micro_batch_size, inputs, dtype, checkpointing)[0]
+    return _measure_pass(factory_or_module, micro_batch_size, inputs, dtype, checkpointing, accelerator)[0]
 
 
 def measure_activations_depth_scaled(module: torch.nn.Module, *, micro_batch_size: int, inputs: ModelInputs,
-                                     dtype: torch.dtype, checkpointing: bool) -> ActivationBytes:
+                                     dtype: torch.dtype, checkpointing: bool,
+                                     accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes:
     """:func:`measure_activations` of a deep model from copies cut to two shallow depths.
 
     The saved bytes are sums over the layers and extrapolate along a line; the peaks come from
@@ -343,18 +355,19 @@ def measure_activations_depth_scaled(module: torch.nn.Module, *, micro_batch_siz
         shallow = ShallowModels(depth=len(stack), shallow=shallow_copy(module, stack, SHALLOW_DEPTHS[0]),
                                 deeper=shallow_copy(module, stack, SHALLOW_DEPTHS[1]))
         carried = activations_from_shallow(shallow, micro_batch_size=micro_batch_size, inputs=inputs,
-                                           dtype=dtype, checkpointing=checkpointing)
+                                           dtype=dtype, checkpointing=checkpointing, accelerator=accelerator)
         if carried is not None:
             return carried
     return measure_activations(module, micro_batch_size=micro_batch_size, inputs=inputs, dtype=dtype,
-                               checkpointing=checkpointing)
+                               checkpointing=checkpointing, accelerator=accelerator)
 
 
 def activations_from_shallow(shallow: ShallowModels, *, micro_batch_size: int, inputs: ModelInputs, dtype: torch.dtype,
-                             checkpointing: bool) -> ActivationBytes | None:
+                             checkpointing: bool, accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes | None:
     """:func:`measure_activations` at ``shallow.depth`` from the two shallow models' passes; None
     when a trace breaks the pattern :func:`plans.depth_scaling.peaks_at_depth` needs."""
-    (a, a_trace), (b, b_trace) = (_measure_pass(m, micro_batch_size, inputs, dtype, checkpointing, trace=True)
+    (a, a_trace), (b, b_trace) = (_measure_pass(m, micro_batch_size, inputs, dtype, checkpointing, accelerator,
+                                                trace=True)
                                   for m in (shallow.shallow, shallow.deeper))
     peaks = peaks_at_depth(a_trace, b_trace, shallow.depth)
     if peaks is None:
@@ -363,21 +376,33 @@ def activations_from_shallow(shallow: ShallowModels, *, micro_batch_size: int, i
 
 
 def _measure_pass(factory_or_module: ModelOrFactory, micro_batch_size: int, inputs: ModelInputs, dtype: torch.dtype,
-                  checkpointing: bool, trace: bool = False) -> tuple[ActivationBytes, PassTrace | None]:
-    plain = _measure(_build_on_meta(factory_or_module, dtype), micro_batch_size, inputs)
+                  checkpointing: bool, accelerator: Accelerator,
+                  trace: bool = False) -> tuple[ActivationBytes, PassTrace | None]:
+    plain = _measure(_build_on_meta(factory_or_module, dtype), micro_batch_size, inputs, accelerator)
     module = _build_on_meta(factory_or_module, dtype)
     if checkpointing:
         enable_activation_checkpointing(module)
-    forward_peak, live, pass_trace = _live_peaks(module, micro_batch_size, inputs, trace=trace)
+    forward_peak, live, pass_trace = _live_peaks(module, micro_batch_size, inputs, accelerator, trace=trace)
     peaks = dict(forward_peak=forward_peak, backward_peak=live.peak, backward_peak_with_grads=live.peak_with_grads,
                  grads_at_backward_peak=live.grads_at_peak)
     if not checkpointing:
         return ActivationBytes(saved=plain.total, recompute_peak=0, **peaks), pass_trace
     checkpointed_module = _build_on_meta(factory_or_module, dtype)
     enable_activation_checkpointing(checkpointed_module)
-    checkpointed = _measure(checkpointed_module, micro_batch_size, inputs)
+    checkpointed = _measure(checkpointed_module, micro_batch_size, inputs, accelerator)
     recompute = max(plain.by_layer.values(), default=plain.total - checkpointed.total)
     return ActivationBytes(saved=checkpointed.total, recompute_peak=recompute, **peaks), pass_trace
+
+
+def attention_kernels(factory_or_module: ModelOrFactory, *, inputs: ModelInputs, dtype: torch.dtype,
+                      accelerator: Accelerator) -> KernelLog:
+    """The attention kernels a forward of the model runs on ``accelerator``, for ``orch check`` to
+    name: one forward of one sample on ``meta``, on a private copy."""
+    module = _build_on_meta(factory_or_module, dtype)
+    log = KernelLog()
+    with _MetaRunsAsOn(accelerator, log):
+        call_model(module, _example(inputs, 1, module))
+    return log
 
 
 def saved_activation_bytes(factory_or_module: ModelOrFactory, *, micro_batch_size: int, inputs: ModelInputs,

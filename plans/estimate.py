@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plans.activations import ActivationBytes, activations_from_shallow, measure_activations
+from plans.activations import ActivationBytes, activations_from_shallow, attention_kernels, measure_activations
+from plans.attention import KernelLog
 from plans.build_memory import BuildMemory, build_memory, build_violation
 from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.engine import EngineSettings, ZeroStage, engine_settings
@@ -99,6 +100,8 @@ class PlanEstimate:
     violations: list[Violation] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     """Smallest plan changes that would make an infeasible plan fit."""
+    attention: str = ""
+    """The attention kernel the activations were measured with (:meth:`ModelProbe.attention`)."""
 
     @property
     def feasible(self) -> bool:
@@ -137,6 +140,7 @@ class PlanEstimate:
             "phases": phases,
             "violations": [{"field": v.field, "message": f"{v.message} Fix: {v.fix}"} for v in self.violations],
             "suggestions": list(self.suggestions),
+            "attention": self.attention,
         }
 
 
@@ -214,6 +218,7 @@ class ModelProbe:
         self.stats = (model_stats(self.module) if shallow is None else
                       shallow.at_depth(model_stats, keep=("largest_layer_params", "largest_param")))
         self._activations = functools.lru_cache(maxsize=None)(self._measure)
+        self._kernels = functools.lru_cache(maxsize=None)(self._attention_kernels)
 
     @functools.cached_property
     def module(self) -> torch.nn.Module:
@@ -247,9 +252,9 @@ class ModelProbe:
             trainable_count=self.stats.trainable_count - sharded_trainable + -(-sharded_trainable // tp))
 
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
-                 tp: int = 1) -> ActivationBytes:
+                 tp: int = 1, accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes:
         args = dict(micro_batch_size=micro_batch_size, inputs=self.inputs, dtype=precision.dtype,
-                    checkpointing=checkpointing)
+                    checkpointing=checkpointing, accelerator=accelerator)
         if self.shallow is not None:
             shallow = self.shallow if tp <= 1 else self.shallow.map(
                 lambda m: shard_module(copy.deepcopy(m), self.tp_layer_specs, tp))
@@ -260,7 +265,15 @@ class ModelProbe:
         return measure_activations(factory, **args)
 
     def activations(self, plan: ResolvedPlan) -> ActivationBytes:
-        return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing, plan.tp)
+        return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing, plan.tp,
+                                 plan.accelerator)
+
+    def _attention_kernels(self, precision: Precision, accelerator: Accelerator) -> KernelLog:
+        return attention_kernels(self.sample, inputs=self.inputs, dtype=precision.dtype, accelerator=accelerator)
+
+    def attention(self, plan: ResolvedPlan) -> str:
+        """Which attention kernel the activations were measured with, in one line."""
+        return self._kernels(plan.precision, plan.accelerator).describe(plan.accelerator)
 
     def _measure_pipeline(self, micro_batch_size: int, precision: Precision) -> list[PipelineLayer]:
         if self.pipeline_layers is None:
@@ -471,8 +484,9 @@ def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
 
 
 def check_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe) -> PlanEstimate:
-    """Estimate the plan and, when it does not fit, search for the changes that would."""
-    estimate = estimate_plan(plan, cluster, optim, probe)
+    """Estimate the plan, name the attention kernel it assumed and, when it does not fit, search
+    for the changes that would."""
+    estimate = dataclasses.replace(estimate_plan(plan, cluster, optim, probe), attention=probe.attention(plan))
     if estimate.feasible:
         return estimate
     return dataclasses.replace(estimate, suggestions=suggest_fixes(plan, cluster, optim, probe))

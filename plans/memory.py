@@ -283,10 +283,12 @@ def step_phases(engine: EngineSettings, *, states: ModelStateBytes, model: Model
       through a flat bucket of MEMORY_OPT_ALLREDUCE_SIZE elements (``engine.py``); stages 1-2
       keep the bucket and the rank's gradient partition.
     * optimizer step: stage 0 keeps the full gradients (mixed precision adds the fp32 copy its
-      FP16/BF16 optimizer steps on); stages 1-2 flatten the partition to an fp32 ``.grad`` of the
-      master (``step``, line 3118); stage 3 flattens one sub-group (``_prepare_fp32_grad_for_
-      sub_group``); torch Adam then adds two temporaries of the tensor it steps (``engine.torch_adam``:
-      its single-tensor path on CPU makes ``exp_avg_sq.sqrt()`` and the bias-corrected division).
+      FP16/BF16 optimizer steps on); stages 1-2 flatten the partition (a copy, while the partition
+      is still referenced) and cast the copy to an fp32 ``.grad`` of the master (``step``, line
+      3118): 2bΦ/N + 4Φ/N at the cast, 8Φ/N in bf16 as in fp32; stage 3 flattens one sub-group
+      (``_prepare_fp32_grad_for_sub_group``); torch Adam then adds two temporaries of the tensor
+      it steps (``engine.torch_adam``: its single-tensor path on CPU makes ``exp_avg_sq.sqrt()``
+      and the bias-corrected division).
     * ``grad_accum_steps > 1``: the gradients of earlier micro-batches coexist with the next
       micro-batch's forward and backward (full at stages 0-1, the partition at stage 2).
     """
@@ -349,8 +351,14 @@ def step_phases(engine: EngineSettings, *, states: ModelStateBytes, model: Model
         ]
         if not offloaded:
             fp32_partition = _FP32 * part(phi)
-            phases.append(PhaseBytes(phase="optimizer step",
-                                     buffers=fp32_partition * (1 + adam_temporaries)))
+            # step() first flattens the rank's gradient partition (``self.flatten``, a torch.cat
+            # copy) while the partition itself is still referenced, then casts the copy to fp32
+            # (``.to``: a third tensor unless it is fp32 already); the optimizer then steps on the
+            # fp32 gradient alone, with torch Adam's temporaries.
+            cast = PhaseBytes(phase="optimizer step", grads=partition,
+                              buffers=partition + (fp32_partition if b != _FP32 else 0))
+            stepping = PhaseBytes(phase="optimizer step", buffers=fp32_partition * (1 + adam_temporaries))
+            phases.append(max(cast, stepping, key=lambda p: p.total))
         return DevicePhases(held=held, phases=phases, host_buffers=staging)
 
     held = PhaseBytes(phase="held", params=states.params + b * persistent_params, grads=states.grads,

@@ -29,7 +29,7 @@ from plans.errors import PlanError
 from plans.estimate import ModelProbe, PlanEstimate, estimate_plan
 from plans.pipeline import PipelineLayer, PipelineStage, pipeline_stages
 from plans.resolve import PP_ZERO_STAGES, TP_ZERO_STAGES, ResolvedPlan, resolve_plan
-from plans.spec import ClusterSpec, Offload, OptimSpec, PlanSpec, Precision, TrainSpec
+from plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, PlanSpec, Precision, TrainSpec
 
 
 def _divisors(n: int) -> list[int]:
@@ -134,20 +134,20 @@ class BatchScaledProbe(ModelProbe):
         """Measure on copies cut to two shallow depths and extrapolate (plans.depth_scaling)."""
 
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
-                 tp: int = 1) -> ActivationBytes:
+                 tp: int = 1, accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes:
         if tp > 1 and self.exact_up_to == 1:
             # A large model in a hurry: measuring every tensor-parallel shard on meta costs seconds
             # each; the unsharded activations are an upper bound (tp only divides them).
-            return self._activations(micro_batch_size, precision, checkpointing, 1)
+            return self._activations(micro_batch_size, precision, checkpointing, 1, accelerator)
         if micro_batch_size <= self.exact_up_to:
             if tp > 1 or self.shallow is not None:  # a shallow probe carries its counts in any case
-                return super()._measure(micro_batch_size, precision, checkpointing, tp)
+                return super()._measure(micro_batch_size, precision, checkpointing, tp, accelerator)
             measure = measure_activations_depth_scaled if self.depth_scaled else measure_activations
             return measure(self.module, micro_batch_size=micro_batch_size, inputs=self.inputs,
-                           dtype=precision.dtype, checkpointing=checkpointing)
+                           dtype=precision.dtype, checkpointing=checkpointing, accelerator=accelerator)
         m2 = 1 << (self.exact_up_to.bit_length() - 1)  # the largest power of two measured exactly
-        high = self._activations(m2, precision, checkpointing, tp)
-        low = self._activations(m2 // 2, precision, checkpointing, tp) if m2 > 1 else None
+        high = self._activations(m2, precision, checkpointing, tp, accelerator)
+        low = self._activations(m2 // 2, precision, checkpointing, tp, accelerator) if m2 > 1 else None
 
         def scale(name: str) -> int:
             b = getattr(high, name)

@@ -95,11 +95,13 @@ def test_zero2_matches_deepspeed_estimator_without_offload(gpus):
     _, ds_gpu = estimate_zero2_model_states_mem_needs(PSI, num_gpus_per_node=gpus, cpu_offload=False)
     ours = states(psi=PSI, stage=2, dp=gpus)
     # DeepSpeed budgets 2Ψ + 18Ψ/N: its 18 is 2 (bf16 grads) + 4 (fp32 grads) + 4 (master) + 8 (Adam).
-    # We keep the paper's 2Ψ + 14Ψ/N as model states; the fp32 gradient copy that step() casts
-    # (4Ψ/N) is the optimizer step's transient. Together they are DeepSpeed's number to the byte.
+    # We keep the paper's 2Ψ + 14Ψ/N as model states. The optimizer step's transient is what
+    # step() holds at its cast: the bf16 partition (2Ψ/N, still referenced), its flattened copy
+    # (2Ψ/N) and the fp32 gradient cast from it (4Ψ/N): 4Ψ/N above DeepSpeed's estimator, as a
+    # 1B GPT's ZeRO-2 step measured on an H100 (bench/results/gpu_smoke-nvidia-h100-80gb-hbm3.md).
     step = phase(phases(2, gpus), "optimizer step")
-    assert step.total == 4 * PSI // gpus  # FusedAdam on a GPU: no torch Adam temporaries
-    assert ours.device_total + step.total == ds_gpu
+    assert step.total == 8 * PSI // gpus  # FusedAdam on a GPU: no torch Adam temporaries
+    assert ours.device_total + step.total == ds_gpu + 4 * PSI // gpus
 
 
 @pytest.mark.parametrize("gpus", [2, 4])

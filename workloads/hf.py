@@ -1,24 +1,33 @@
-"""Hugging Face causal language models: ``model=hf_causal_lm``.
+"""Hugging Face causal language models: ``model=hf_causal_lm`` and the shape presets (``model=llama3_8b``, ...).
 
-Built from a config given as a dict (its ``model_type`` and sizes) or from a local directory
-written by ``save_pretrained``; never downloaded at run time. The model declares its own
+Built from a config given as a dict (its ``model_type`` and sizes), from a Hugging Face
+``config.json`` (``config_path``: the model that file describes, no weights), or from a local
+directory written by ``save_pretrained``; never downloaded at run time. The model declares its own
 tensor-parallel plan (see :mod:`plans.tp_plan`) and supports ``gradient_checkpointing_enable()``.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
 
 
-def hf_causal_lm(config: dict[str, Any] | None = None, pretrained_path: str | None = None) -> torch.nn.Module:
+def hf_causal_lm(config: dict[str, Any] | None = None, pretrained_path: str | None = None,
+                 config_path: str | None = None) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    sources = [name for name, value in (("model.config", config), ("model.pretrained_path", pretrained_path),
+                                        ("model.config_path", config_path)) if value]
+    if len(sources) > 1:
+        raise ValueError(f"{' and '.join(sources)} are {'both' if len(sources) == 2 else 'all'} set; the model is "
+                         "built from one of them: set the others to null (model.config=null drops the small example "
+                         "model=hf_causal_lm fills it with)")
+    if config_path:
+        return AutoModelForCausalLM.from_config(config_from_file(config_path))
     if pretrained_path:
-        if config:
-            raise ValueError("model.config and model.pretrained_path are both set; set model.config=null to load "
-                             f"{pretrained_path}, or model.pretrained_path=null to build from the config")
         if torch.get_default_device().type == "meta":
             # The planner builds on meta, where there are no weights to load (transformers refuses
             # from_pretrained there): the saved config gives the same architecture.
@@ -27,10 +36,41 @@ def hf_causal_lm(config: dict[str, Any] | None = None, pretrained_path: str | No
         return AutoModelForCausalLM.from_pretrained(pretrained_path, local_files_only=True)
     if not config or "model_type" not in config:
         raise ValueError("model.config needs a model_type (e.g. llama, gpt2) and the model's sizes, or set "
-                         "model.pretrained_path to a local save_pretrained directory")
+                         "model.config_path to a Hugging Face config.json, or model.pretrained_path to a local "
+                         "save_pretrained directory")
     arguments = {k: v for k, v in config.items() if k != "model_type"}
     try:
         hf_config = AutoConfig.for_model(config["model_type"], **arguments)
     except ValueError as error:
         raise ValueError(f"model.config.model_type={config['model_type']!r}: {error}") from None
     return AutoModelForCausalLM.from_config(hf_config)
+
+
+def config_from_file(config_path: str):
+    """The transformers config a ``config.json`` (or a directory holding one) describes.
+
+    Read by ``AutoConfig.from_pretrained``, so every key the file leaves out takes its model
+    type's own default, as when the model is loaded from the Hub. Local files only: a path that
+    does not exist is refused here instead of being taken for a Hub repository id.
+    """
+    from transformers import AutoConfig
+
+    path = Path(config_path).expanduser()
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        where = f"{path} holds no config.json" if path.is_dir() else f"{path} does not exist"
+        raise ValueError(f"model.config_path={config_path!r}: {where}; give a Hugging Face config.json (or the "
+                         "directory holding it)")
+    try:
+        declared = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"model.config_path={config_path!r} is not a readable JSON file ({error}); give a "
+                         "Hugging Face config.json") from None
+    if not isinstance(declared, dict) or not isinstance(declared.get("model_type"), str):
+        raise ValueError(f"model.config_path={config_path!r} has no \"model_type\" key (llama, qwen2, mistral, ...): "
+                         "a Hugging Face config.json names the architecture it describes")
+    try:
+        return AutoConfig.from_pretrained(str(file), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ValueError(f"model.config_path={config_path!r}: transformers cannot read it as a config "
+                         f"({error})") from None

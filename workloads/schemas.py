@@ -52,6 +52,9 @@ class HFCausalLMConfig:
     """A transformers config as a dict: its model_type (llama, gpt2, mistral, ...) and its sizes."""
     pretrained_path: str | None = None
     """A local directory written by save_pretrained (weights and config); replaces model.config."""
+    config_path: str | None = None
+    """A Hugging Face config.json (or its directory), no weights: the model it describes, keys it leaves
+    out at their model type's defaults; replaces model.config."""
 
 
 @dataclass(kw_only=True)
