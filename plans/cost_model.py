@@ -3,15 +3,21 @@
 Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans. The model:
 
 - **compute**: the model's training FLOPs, *counted* on ``meta`` (:mod:`plans.flops`, recomputation
-  included under activation checkpointing), split evenly over ``tp * pp`` devices, at the device's
-  sustained matmul throughput for the micro-batch's matmul height; plus a fixed cost per
+  included under activation checkpointing), split over ``tp`` and over the pipeline stages as
+  DeepSpeed splits whole layers (the busiest stage runs ``ceil(layers / pp)`` of them), at the
+  device's sustained matmul throughput for the micro-batch's matmul height; plus a fixed cost per
   operation (counted on ``meta`` too) times the operations of each micro-batch, which is why many
   small micro-batches are slower than few large ones where ops run synchronously (CPU workers).
-- **pipeline bubble**: 1F1B with ``m = grad_accum_steps`` micro-batches idles a fraction
-  ``(pp - 1) / m`` of the compute time, on devices of their own. Workers that time-share a CPU
-  node's cores (``Speeds.core_share`` < 1) lose less: a stage idle in the fill or drain gives its
-  cores to the busy ones, and cores sit idle only while fewer stages are busy than the cores can
-  serve (:func:`bubble_micro_batches`).
+- **memory-bound kernels**: the bytes the kernels between the matmuls read and write (norms,
+  softmax, activations, dropout, residual adds, casts, the loss; :mod:`plans.memory_traffic`),
+  counted on ``meta`` at tp=1 and on a 2-way shard, so the part tensor parallelism divides is
+  known, at the device's sustained memory bandwidth.
+- **pipeline bubble**: 1F1B with ``m = grad_accum_steps`` micro-batches idles ``pp - 1`` whole
+  micro-batch times (compute, memory-bound kernels, tensor-parallel all-reduces and the blocking
+  transfers of DeepSpeed's pipeline engine), on devices of their own. Workers that time-share a
+  CPU node's cores (``Speeds.core_share`` < 1) lose less: a stage idle in the fill or drain gives
+  its cores to the busy ones, and cores sit idle only while fewer stages are busy than the cores
+  can serve (:func:`bubble_micro_batches`).
 - **tensor parallelism**: one all-reduce of a row-parallel layer's output in forward and one of a
   column-parallel layer's input gradient in backward (DeepSpeed AutoTP's ``RowParallel`` /
   ``ColumnParallel``), again in the recomputed forward; sizes read off the model on ``meta``.
@@ -30,9 +36,11 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
   parameter over the host link for each gather. Without offload the optimizer step is bound by the
   device's memory bandwidth.
 
-Every collective is an alpha-beta cost: a latency per call plus bytes over the bandwidth of the
-link it crosses, intra-node or inter-node, from the rank layout (tp innermost, then pp, then dp:
-:func:`launchers.placement.parallel_coords`). Communication does not overlap compute (tensor
+Every collective is an alpha-beta cost: a latency per ring step plus bytes over the bus bandwidth
+NCCL reaches on the link it crosses, intra-node or inter-node, from the rank layout (tp innermost,
+then pp, then dp: :func:`launchers.placement.parallel_coords`); a ring across nodes with several
+members on each node runs one channel per network adapter (:meth:`Speeds.bus_gbps`). The optimizer
+step is bound by memory bandwidth, DeepSpeed's mixed-precision casts and the clipping norm included. Communication does not overlap compute (tensor
 parallel all-reduces are synchronous, and CPU plans run with ``overlap_comm`` off), so the parts
 add up. GPU plans overlap the gradient reduction with backward (``EngineSettings.overlap_comm``),
 which this model does not credit: their data-parallel time is an upper bound.
@@ -298,6 +306,17 @@ def _members_per_node(stride: int, size: int, devices_per_node: int) -> int:
     return max(1, min(size, devices_per_node // stride)) if stride <= devices_per_node else 1
 
 
+def stage_share(n_layers: int, pp: int) -> float:
+    """The share of the model's repeated layers the busiest pipeline stage runs: ``1 / pp`` when
+    they split evenly, ``ceil(n_layers / pp) / n_layers`` when they do not (a model without
+    repeated layers is taken as evenly split)."""
+    if pp <= 1:
+        return 1.0
+    if n_layers < pp:
+        return 1 / pp
+    return math.ceil(n_layers / pp) / n_layers
+
+
 def bubble_micro_batches(pp: int, core_share: float) -> float:
     """Micro-batch times a step loses to the pipeline's fill and drain.
 
@@ -324,13 +343,16 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     ckpt = plan.activation_checkpointing
     flops = model.flops_per_sample_checkpointed if ckpt else model.flops_per_sample
     ops = model.ops_per_micro_batch_checkpointed if ckpt else model.ops_per_micro_batch
-    per_micro_s = (flops * mb / (tp * pp) / (speeds.tflops_at(mb * model.seq_len) * 1e12)
-                   + ops / pp * speeds.op_overhead_s)
+    # DeepSpeed splits whole layers between stages, and the 1F1B schedule runs at the pace of the
+    # stage with the most: ceil(layers / pp) of them, not layers / pp.
+    stage = stage_share(model.n_layers, pp)
+    per_micro_s = (flops * mb * stage / tp / (speeds.tflops_at(mb * model.seq_len) * 1e12)
+                   + ops * stage * speeds.op_overhead_s)
     whole = model.memory_bytes_per_sample_checkpointed if ckpt else model.memory_bytes_per_sample
     sharded = (model.memory_bytes_sharded_per_sample_checkpointed if ckpt
                else model.memory_bytes_sharded_per_sample)
     # Counted with 16-bit activations: fp32 plans move twice the bytes.
-    memory_per_micro_s = ((whole - sharded + sharded / tp) * mb / pp * act_bytes / 2
+    memory_per_micro_s = ((whole - sharded + sharded / tp) * mb * stage * act_bytes / 2
                           / (speeds.sustained_memory_gb_per_s * 1e9))
 
     tp_per_micro_s = 0.0
@@ -339,10 +361,10 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         # recomputation) and backward ones.
         forward_passes = 2 if ckpt else 1
         tp_bw = speeds.bus_gbps(links.tp)
-        fwd = _allreduce_s(model.row_parallel_out_per_sample * mb * act_bytes / pp, tp, tp_bw, lat[links.tp],
-                           calls=math.ceil(model.row_parallel_layers / pp))
-        bwd = _allreduce_s(model.column_parallel_in_per_sample * mb * act_bytes / pp, tp, tp_bw,
-                           lat[links.tp], calls=math.ceil(model.column_parallel_layers / pp))
+        fwd = _allreduce_s(model.row_parallel_out_per_sample * mb * act_bytes * stage, tp, tp_bw, lat[links.tp],
+                           calls=math.ceil(model.row_parallel_layers * stage))
+        bwd = _allreduce_s(model.column_parallel_in_per_sample * mb * act_bytes * stage, tp, tp_bw,
+                           lat[links.tp], calls=math.ceil(model.column_parallel_layers * stage))
         tp_per_micro_s = forward_passes * fwd + bwd
 
     pp_per_micro_s = 0.0
