@@ -40,10 +40,11 @@ Every collective is an alpha-beta cost: a latency per ring step plus bytes over 
 NCCL reaches on the link it crosses, intra-node or inter-node, from the rank layout (tp innermost,
 then pp, then dp: :func:`launchers.placement.parallel_coords`); a ring across nodes with several
 members on each node runs one channel per network adapter (:meth:`Speeds.bus_gbps`). The optimizer
-step is bound by memory bandwidth, DeepSpeed's mixed-precision casts and the clipping norm included. Communication does not overlap compute (tensor
-parallel all-reduces are synchronous, and CPU plans run with ``overlap_comm`` off), so the parts
-add up. GPU plans overlap the gradient reduction with backward (``EngineSettings.overlap_comm``),
-which this model does not credit: their data-parallel time is an upper bound.
+step is bound by memory bandwidth, DeepSpeed's mixed-precision casts and the clipping norm included.
+Communication does not overlap compute (tensor parallel all-reduces are synchronous, and CPU plans
+run with ``overlap_comm`` off), so the parts add up. GPU plans overlap the gradient reduction with
+backward (``EngineSettings.overlap_comm``), which this model does not credit: their data-parallel
+time is an upper bound.
 """
 
 from __future__ import annotations
