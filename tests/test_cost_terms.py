@@ -153,3 +153,17 @@ def test_orch_tune_prints_mfu_time_to_train_and_cost(tmp_path):
                                              "tune.offload=[none]"))
     table = render(tune(unpriced, model_cfg), top_k=3)
     assert "set cluster.device_hour_usd to price it" in table and " cost" not in table.splitlines()[4]
+
+
+def test_the_gpts_unfused_attention_computes_what_the_fused_one_does():
+    """``model.fused_attention=false`` changes the kernels (and what they cost), not the model."""
+    from workloads.gpt import GPT
+
+    torch.manual_seed(0)
+    fused = GPT(n_layer=2, d_model=32, n_head=4, seq_len=16, vocab_size=64)
+    torch.manual_seed(0)
+    unfused = GPT(n_layer=2, d_model=32, n_head=4, seq_len=16, vocab_size=64, fused_attention=False)
+    ids = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(unfused(ids), fused(ids), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"model.dropout\(1.0\) must be in \[0, 1\)"):
+        GPT(dropout=1.0)
