@@ -167,3 +167,13 @@ def test_the_gpts_unfused_attention_computes_what_the_fused_one_does():
     torch.testing.assert_close(unfused(ids), fused(ids), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match=r"model.dropout\(1.0\) must be in \[0, 1\)"):
         GPT(dropout=1.0)
+
+
+@pytest.mark.slow
+def test_published_megatron_runs_are_predicted_within_fifteen_percent():
+    """Two rows of bench/megatron_sanity.py (the whole table takes minutes): one without tensor
+    parallelism, where the memory-bound kernels weigh most, and one at tp=8."""
+    from bench.megatron_sanity import TABLE_1, predict
+
+    for run in (TABLE_1[0], TABLE_1[3]):
+        assert abs(predict(run)["error"]) <= 0.15, run.name
