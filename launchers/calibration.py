@@ -328,6 +328,9 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         inter_node_gbps=min((c["gbps"] for c in inter), default=declared.inter_node_gbps),
         intra_latency_s=max((c["latency_s"] for c in intra), default=declared.intra_latency_s),
         inter_latency_s=max((c["latency_s"] for c in inter), default=declared.inter_latency_s),
+        # A link measured here is used as measured; one left as declared keeps its derating.
+        intra_bus_efficiency=1.0 if intra else declared.intra_bus_efficiency,
+        inter_bus_efficiency=1.0 if inter else declared.inter_bus_efficiency,
         # On CPU workers "device" and host memory are the same RAM: a copy is also what the host link costs.
         host_link_gbps=min(c["host_link_gbps"] for c in compute) if gpu else device_gb * 8,
         device_memory_gb_per_s=device_gb,

@@ -45,6 +45,12 @@ class GPTModelConfig:
     """Vocabulary; the byte-level corpus needs at least 256."""
     tie_embeddings: bool = True
     """Share the input embedding and the output head."""
+    dropout: float = 0.0
+    """Dropout on the attention probabilities and on each sublayer's output (GPT-3 and Megatron-LM
+    trained with 0.1)."""
+    fused_attention: bool = True
+    """Attention through scaled_dot_product_attention's fused kernels; false writes the scores and
+    runs softmax and dropout over them, as Megatron-LM did before fused attention kernels."""
     tp: int = II("plan.tp")
     """Tensor-parallel degree the model is sharded over; follows plan.tp (the model checks that
     model.n_head divides by it, so a bad plan.tp fails in the planner, naming both)."""

@@ -10,11 +10,58 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.plan_file import train_command
-from plans.cost_model import Speeds
+from plans.cost_model import Speeds, StepTime, declared_speed_values
 from plans.estimate import GIB
 from plans.resolve import ResolvedPlan
 from plans.search_space import Candidate, SearchResult
-from plans.spec import Offload
+from plans.spec import Accelerator, ClusterSpec, Offload, TrainSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainBudget:
+    """The whole training a plan's predicted speed is priced against: its time, cost and MFU."""
+
+    tokens: int
+    source: str
+    """Where ``tokens`` comes from: ``train.tokens``, or steps x global batch x sequence."""
+    devices: int
+    peak_tflops: float | None
+    """Dense peak TFLOP/s of one device as declared (``cluster.device_tflops`` or the GPU default);
+    None on CPU workers, whose declared number is an order of magnitude, not a peak."""
+    device_hour_usd: float | None = None
+
+    @classmethod
+    def declared(cls, train: TrainSpec, cluster: ClusterSpec, global_batch_size: int, seq_len: int) -> TrainBudget:
+        if train.tokens:
+            tokens, source = train.tokens, "train.tokens"
+        else:
+            tokens = train.steps * global_batch_size * seq_len
+            source = f"train.steps {train.steps} x global batch {global_batch_size} x sequence {seq_len}"
+        peak = declared_speed_values(cluster)["device_tflops"] if cluster.accelerator == Accelerator.gpu else None
+        return cls(tokens=tokens, source=source, devices=cluster.world_size, peak_tflops=peak,
+                   device_hour_usd=cluster.device_hour_usd)
+
+    def time_s(self, step: StepTime) -> float:
+        """Predicted seconds to train ``tokens`` at the plan's predicted throughput."""
+        return self.tokens / step.tokens_per_s
+
+    def cost_usd(self, step: StepTime) -> float | None:
+        """What those device-hours cost at ``cluster.device_hour_usd`` (None when it is not set)."""
+        if self.device_hour_usd is None:
+            return None
+        return self.time_s(step) / 3600 * self.devices * self.device_hour_usd
+
+    def mfu(self, step: StepTime) -> float | None:
+        """Model FLOPs utilization: the model's FLOPs (recomputation not counted) per second and
+        device over the device's declared peak."""
+        return None if not self.peak_tflops else step.model_tflops_per_device / self.peak_tflops
+
+    def as_json(self) -> dict:
+        return {"tokens": self.tokens, "source": self.source, "devices": self.devices,
+                "peak_tflops": self.peak_tflops, "device_hour_usd": self.device_hour_usd}
+
+    def predicted_json(self, step: StepTime) -> dict:
+        return {"mfu": self.mfu(step), "time_to_train_s": self.time_s(step), "cost_usd": self.cost_usd(step)}
 
 
 @dataclass(kw_only=True)
@@ -46,6 +93,8 @@ class TuneResult:
     speeds: Speeds
     speeds_note: str
     global_batch_size: int
+    budget: TrainBudget | None = None
+    """The token budget each plan's time to train, cost and MFU are predicted for."""
     trials: list[Trial] = field(default_factory=list)
     winner: Candidate | None = None
     winner_trial: Trial | None = None
@@ -59,10 +108,10 @@ class TuneResult:
         tried = {id(t.candidate): t for t in self.trials}
         shown = self.search.ranked[:top_k] + [t.candidate for t in self.trials if t.candidate not in
                                               self.search.ranked[:top_k]]
-        candidates = [candidate_json(c, tried.get(id(c))) for c in shown]
+        candidates = [candidate_json(c, tried.get(id(c)), self.budget) for c in shown]
         best = None
         if self.winner:
-            best = {**candidate_json(self.winner, self.winner_trial),
+            best = {**candidate_json(self.winner, self.winner_trial, self.budget),
                     "chosen_by": "measured" if self.winner_trial else "predicted",
                     "plan_file": str(self.plan_file) if self.plan_file else None, "overrides": self.overrides,
                     "train_command": train_command(self)}
@@ -70,12 +119,14 @@ class TuneResult:
                 "feasible": len(self.search.ranked), "search_s": self.search.seconds,
                 "rejected": dict(self.search.rejected.most_common()),
                 "speeds": {**dataclasses.asdict(self.speeds), "note": self.speeds_note},
+                "budget": self.budget.as_json() if self.budget else None,
                 "candidates": candidates, "best": best, "parent_run_id": self.parent_run_id}
 
 
-def candidate_json(c: Candidate, trial: Trial | None) -> dict:
+def candidate_json(c: Candidate, trial: Trial | None, budget: TrainBudget | None = None) -> dict:
     doc = {"plan": c.plan.as_dict(), "feasible": c.feasible,
-           "predicted": {**c.predicted.as_dict(), "peak_bytes": c.estimate.per_device.total}}
+           "predicted": {**c.predicted.as_dict(), "peak_bytes": c.estimate.per_device.total,
+                         **(budget.predicted_json(c.predicted) if budget else {})}}
     if trial is not None:
         doc["measured"] = trial.measured()
     return doc
@@ -94,12 +145,44 @@ def _mem(n: int | None) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / 1024**2:.1f} MiB"
 
 
+def duration(seconds: float) -> str:
+    """A time to train in the unit it reads best in."""
+    for unit, size, limit in (("s", 1, 120), ("min", 60, 120 * 60), ("h", 3600, 72 * 3600)):
+        if seconds < limit:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds / 86400:,.1f} d"
+
+
+def _usd(amount: float) -> str:
+    return f"${amount:,.0f}" if amount >= 100 else f"${amount:,.2f}"
+
+
+def _budget_columns(budget: TrainBudget | None, step: StepTime | None) -> str:
+    """MFU, time to train and (with a price) cost, for the table; the header when ``step`` is None."""
+    if budget is None:
+        return ""
+    priced = budget.device_hour_usd is not None
+    if step is None:
+        return f" {'MFU':>6} {'to train':>10}" + (f" {'cost':>12}" if priced else "")
+    mfu = budget.mfu(step)
+    text = f" {f'{mfu:.1%}' if mfu is not None else '-':>6} {duration(budget.time_s(step)):>10}"
+    return text + (f" {_usd(budget.cost_usd(step)):>12}" if priced else "")
+
+
 def render(result: TuneResult, top_k: int) -> str:
     s = result.search
+    budget = result.budget
     lines = [f"searched {s.enumerated} plans in {s.seconds:.2f}s: {len(s.ranked)} fit, "
              f"{s.enumerated - len(s.ranked)} rejected; global batch {result.global_batch_size}",
-             f"speeds: {result.speeds_note}", "",
-             f"{'#':>3}  {'plan':<66} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'peak mem':>10}  measured"]
+             f"speeds: {result.speeds_note}"]
+    if budget:
+        lines.append(f"time to train {budget.tokens:,} tokens ({budget.source}) on {budget.devices} devices"
+                     + (f" at ${budget.device_hour_usd:g} per device-hour" if budget.device_hour_usd is not None
+                        else "; set cluster.device_hour_usd to price it")
+                     + ("; MFU: the model's FLOPs (no recomputation) over the declared peak "
+                        f"{budget.peak_tflops:g} TFLOP/s" if budget.peak_tflops else ""))
+    lines += ["", f"{'#':>3}  {'plan':<66} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8}"
+              f"{_budget_columns(budget, None)} {'peak mem':>10}  measured"]
     tried = {id(t.candidate): t for t in result.trials}
     shown = s.ranked[:top_k] + [t.candidate for t in result.trials if t.candidate not in s.ranked[:top_k]]
     for c in shown:
@@ -112,7 +195,8 @@ def render(result: TuneResult, top_k: int) -> str:
         elif trial:
             measured = f"{trial.status}: {trial.error}"
         lines.append(f"{rank:>3}  {describe(c.plan):<66} {p.total_s:>9.3g} {p.tokens_per_s:>11,.0f} "
-                     f"{p.tflops_per_device:>8.3g} {_mem(c.estimate.per_device.total):>10}  {measured}")
+                     f"{p.tflops_per_device:>8.3g}{_budget_columns(budget, p)} {_mem(c.estimate.per_device.total):>10}"
+                     f"  {measured}")
     if len(s.ranked) > len(shown):
         lines.append(f"     ... {len(s.ranked) - len(shown)} more that fit (tune.top_k={top_k})")
     lines += ["", "rejected, by reason:"]
@@ -120,6 +204,11 @@ def render(result: TuneResult, top_k: int) -> str:
     if result.winner:
         chosen = "best measured" if result.winner_trial else "best predicted"
         lines += ["", f"winner ({chosen}): {describe(result.winner.plan)}"]
+        if budget:
+            step = result.winner.predicted
+            cost = budget.cost_usd(step)
+            lines.append(f"  predicted to train {budget.tokens:,} tokens in {duration(budget.time_s(step))}"
+                         + (f" for {_usd(cost)}" if cost is not None else ""))
         if result.plan_file:
             lines.append(f"  written to {result.plan_file}")
             command = train_command(result)

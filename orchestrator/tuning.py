@@ -20,7 +20,7 @@ from orchestrator.inputs import check_inputs, declared_violations
 from orchestrator.models import DEPTH_KEY, build_model, inspect_declared_model
 from orchestrator.plan_file import check_plan_file, plan_overrides, write_plan_file
 from orchestrator.trials import pick_winner, run_trial
-from orchestrator.tune_result import TuneResult
+from orchestrator.tune_result import TrainBudget, TuneResult
 from orchestrator.tune_tracking import finish_parent, start_parent
 from orchestrator.workload import resolve_workload
 from plans.cost_model import DECLARED_SPEEDS, Speeds, speed_defaults
@@ -203,7 +203,9 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
                 ctx = dataclasses.replace(ctx, speeds=speeds)
         print(f"tune: speeds {note}", file=err, flush=True)
         result = TuneResult(search=search(space, ctx), speeds=speeds, speeds_note=note,
-                            global_batch_size=space.global_batch_size)
+                            global_batch_size=space.global_batch_size,
+                            budget=TrainBudget.declared(cfg.train, cluster, space.global_batch_size,
+                                                        ctx.model_cost.seq_len))
         if not result.search.ranked:
             raise PlanError([Violation("plan", "any", f"none of the {result.search.enumerated} plans of the search "
                                        f"space fits: {dict(result.search.rejected.most_common(5))}.",

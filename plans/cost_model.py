@@ -3,15 +3,21 @@
 Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans. The model:
 
 - **compute**: the model's training FLOPs, *counted* on ``meta`` (:mod:`plans.flops`, recomputation
-  included under activation checkpointing), split evenly over ``tp * pp`` devices, at the device's
-  sustained matmul throughput for the micro-batch's matmul height; plus a fixed cost per
+  included under activation checkpointing), split over ``tp`` and over the pipeline stages as
+  DeepSpeed splits whole layers (the busiest stage runs ``ceil(layers / pp)`` of them), at the
+  device's sustained matmul throughput for the micro-batch's matmul height; plus a fixed cost per
   operation (counted on ``meta`` too) times the operations of each micro-batch, which is why many
   small micro-batches are slower than few large ones where ops run synchronously (CPU workers).
-- **pipeline bubble**: 1F1B with ``m = grad_accum_steps`` micro-batches idles a fraction
-  ``(pp - 1) / m`` of the compute time, on devices of their own. Workers that time-share a CPU
-  node's cores (``Speeds.core_share`` < 1) lose less: a stage idle in the fill or drain gives its
-  cores to the busy ones, and cores sit idle only while fewer stages are busy than the cores can
-  serve (:func:`bubble_micro_batches`).
+- **memory-bound kernels**: the bytes the kernels between the matmuls read and write (norms,
+  softmax, activations, dropout, residual adds, casts, the loss; :mod:`plans.memory_traffic`),
+  counted on ``meta`` at tp=1 and on a 2-way shard, so the part tensor parallelism divides is
+  known, at the device's sustained memory bandwidth.
+- **pipeline bubble**: 1F1B with ``m = grad_accum_steps`` micro-batches idles ``pp - 1`` whole
+  micro-batch times (compute, memory-bound kernels, tensor-parallel all-reduces and the blocking
+  transfers of DeepSpeed's pipeline engine), on devices of their own. Workers that time-share a
+  CPU node's cores (``Speeds.core_share`` < 1) lose less: a stage idle in the fill or drain gives
+  its cores to the busy ones, and cores sit idle only while fewer stages are busy than the cores
+  can serve (:func:`bubble_micro_batches`).
 - **tensor parallelism**: one all-reduce of a row-parallel layer's output in forward and one of a
   column-parallel layer's input gradient in backward (DeepSpeed AutoTP's ``RowParallel`` /
   ``ColumnParallel``), again in the recomputed forward; sizes read off the model on ``meta``.
@@ -30,30 +36,44 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
   parameter over the host link for each gather. Without offload the optimizer step is bound by the
   device's memory bandwidth.
 
-Every collective is an alpha-beta cost: a latency per call plus bytes over the bandwidth of the
-link it crosses, intra-node or inter-node, from the rank layout (tp innermost, then pp, then dp:
-:func:`launchers.placement.parallel_coords`). Communication does not overlap compute (tensor
-parallel all-reduces are synchronous, and CPU plans run with ``overlap_comm`` off), so the parts
-add up. GPU plans overlap the gradient reduction with backward (``EngineSettings.overlap_comm``),
-which this model does not credit: their data-parallel time is an upper bound.
+Every collective is an alpha-beta cost: a latency per ring step plus bytes over the bus bandwidth
+NCCL reaches on the link it crosses, intra-node or inter-node, from the rank layout (tp innermost,
+then pp, then dp: :func:`launchers.placement.parallel_coords`); a ring across nodes with several
+members on each node runs one channel per network adapter (:meth:`Speeds.bus_gbps`). The optimizer
+step is bound by memory bandwidth, DeepSpeed's mixed-precision casts and the clipping norm included.
+Communication does not overlap compute (tensor parallel all-reduces are synchronous, and CPU plans
+run with ``overlap_comm`` off), so the parts add up. GPU plans overlap the gradient reduction with
+backward (``EngineSettings.overlap_comm``), which this model does not credit: their data-parallel
+time is an upper bound.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from plans.engine import ZeroStage, engine_settings
 from plans.resolve import ResolvedPlan
-from plans.spec import ClusterSpec, Offload, OptimizerName, OptimSpec, Precision
+from plans.spec import Accelerator, ClusterSpec, Offload, OptimizerName, OptimSpec, Precision
 
 # A large dense GEMM sustains about 80% of the datasheet peak on A100s (cuBLAS bf16 at
 # 8192^3 reaches 250-270 of 312 TFLOP/s); declared peaks are derated by this, measured ones not.
 DECLARED_MATMUL_EFFICIENCY = 0.8
-# Latency of one collective call when it is not measured: NCCL's small-message all-reduce is
-# ~10 us inside a node and ~20-30 us across InfiniBand nodes.
-DECLARED_LATENCY_S = {"intra": 10e-6, "inter": 25e-6}
+# Memory-bound kernels (and a large copy) sustain about 84% of the datasheet bandwidth: 2.81 of an
+# H100's 3.35 TB/s in this project's calibration copy (bench/results/gpu_smoke-*.md), 1.7 of an
+# A100 80 GB's 2.04 TB/s in STREAM-like copies. Declared bandwidths are derated by this, measured ones not.
+DECLARED_MEMORY_EFFICIENCY = 0.84
+# The bus bandwidth NCCL's large all-reduces reach, as a share of the link's datasheet rate
+# (nccl-tests' busbw = algbw x 2(n-1)/n): about 230 of NVLink 3's 300 GB/s per direction on 8
+# A100s behind NVSwitch, and about 23 of an HDR InfiniBand adapter's 25 GB/s across nodes.
+# Declared link speeds are derated by these, measured ones (calibration times all-reduces) not.
+DECLARED_BUS_EFFICIENCY = {"intra": 0.78, "inter": 0.93}
+# Latency of one step of a ring collective (an all-reduce takes 2(n-1) of them) when it is not
+# measured: NCCL's own cost model (src/graph/tuning.cc, hwLat of the ring's Simple protocol, the
+# one large messages use) charges 3.4 us per step over NVLink and 9.6 us across the network.
+DECLARED_LATENCY_S = {"intra": 3.4e-6, "inter": 9.6e-6}
 # Fixed cost per operation when not measured: hidden by asynchronous launches on GPUs; on a CPU
 # worker, torch's dispatch plus autograd bookkeeping take tens of microseconds per op.
 DECLARED_OP_OVERHEAD_S = {"gpu": 0.0, "cpu": 20e-6}
@@ -101,6 +121,14 @@ class Speeds:
     core_share: float = 1.0
     """The share of a core each worker gets while all of its node's workers compute: 1 for GPUs and
     for CPU nodes with a core per worker thread, 0.5 for 4 one-thread workers on 2 cores."""
+    memory_efficiency: float = 1.0
+    """Share of ``device_memory_gb_per_s`` that memory-bound kernels sustain: 1 when it was measured
+    (the calibration's copy is such a kernel), DECLARED_MEMORY_EFFICIENCY of a datasheet number."""
+    intra_bus_efficiency: float = 1.0
+    """Share of ``intra_node_gbps`` an all-reduce reaches as bus bandwidth: 1 when measured (the
+    calibration's all-reduce gives the bus bandwidth), DECLARED_BUS_EFFICIENCY of a datasheet rate."""
+    inter_bus_efficiency: float = 1.0
+    """The same for ``inter_node_gbps``."""
     source: str = "declared"
     """'declared' (from the cluster config) or 'measured' (calibrated on the live cluster)."""
 
@@ -118,7 +146,29 @@ class Speeds:
                    intra_latency_s=DECLARED_LATENCY_S["intra"], inter_latency_s=DECLARED_LATENCY_S["inter"],
                    host_link_gbps=speeds["host_link_gbps"], device_memory_gb_per_s=speeds["device_memory_gb_per_s"],
                    host_memory_gb_per_s=speeds["host_memory_gb_per_s"],
-                   op_overhead_s=DECLARED_OP_OVERHEAD_S[cluster.accelerator.value])
+                   op_overhead_s=DECLARED_OP_OVERHEAD_S[cluster.accelerator.value],
+                   **({"memory_efficiency": DECLARED_MEMORY_EFFICIENCY,
+                       "intra_bus_efficiency": DECLARED_BUS_EFFICIENCY["intra"],
+                       "inter_bus_efficiency": DECLARED_BUS_EFFICIENCY["inter"]}
+                      if cluster.accelerator == Accelerator.gpu else {}))
+
+    def bus_gbps(self, link: str, members_per_node: int = 1) -> float:
+        """Bus bandwidth (Gbit/s per rank) of a ring collective over ``link``.
+
+        Inside a node: the NVLink (or shared-memory) rate NCCL reaches. Across nodes a ring
+        passes every node once per channel, and NCCL runs one channel per network adapter, so a
+        group with ``members_per_node`` ranks on each node moves that many adapters' worth
+        (each rank's share of the node's network, ``inter_node_gbps``), never more than the
+        links inside the node carry.
+        """
+        intra = self.intra_node_gbps * self.intra_bus_efficiency
+        if link == "intra":
+            return intra
+        return min(intra, members_per_node * self.inter_node_gbps * self.inter_bus_efficiency)
+
+    @property
+    def sustained_memory_gb_per_s(self) -> float:
+        return self.device_memory_gb_per_s * self.memory_efficiency
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,6 +201,16 @@ class ModelCost:
     """Operations (kernels) one micro-batch's forward, loss and backward dispatch; their number
     does not depend on the micro-batch size."""
     ops_per_micro_batch_checkpointed: int = 0
+    memory_bytes_per_sample: int = 0
+    """Bytes the memory-bound kernels (norms, activations, softmax, residual adds, casts, the loss;
+    not matmuls or attention) read and write in one sample's forward, loss and backward, with
+    16-bit activations (:mod:`plans.memory_traffic`)."""
+    memory_bytes_sharded_per_sample: int = 0
+    """The part of ``memory_bytes_per_sample`` that tensor parallelism divides by tp (the kernels
+    between a column- and a row-parallel layer); the rest runs whole on every rank."""
+    memory_bytes_per_sample_checkpointed: int = 0
+    """``memory_bytes_per_sample`` with activation checkpointing (the recomputed forward included)."""
+    memory_bytes_sharded_per_sample_checkpointed: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +218,8 @@ class StepTime:
     """Predicted seconds of one optimizer step, by part, and the rates that follow."""
 
     compute_s: float
+    memory_s: float
+    """Memory-bound kernels between the matmuls, at the device's sustained memory bandwidth."""
     bubble_s: float
     tp_comm_s: float
     dp_comm_s: float
@@ -166,17 +228,20 @@ class StepTime:
     optimizer_s: float
     tokens_per_s: float
     tflops_per_device: float
+    """Counted FLOPs (recomputation included: the work the devices do) per second and device."""
+    model_tflops_per_device: float = 0.0
+    """The model's FLOPs without recomputation per second and device: what MFU divides by the peak."""
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s
+        return (self.compute_s + self.memory_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s
                 + self.offload_s + self.optimizer_s)
 
     def as_dict(self) -> dict[str, float]:
         return {"step_time_s": self.total_s, "tokens_per_s": self.tokens_per_s,
-                "tflops_per_device": self.tflops_per_device,
-                "parts_s": {"compute": self.compute_s, "bubble": self.bubble_s, "tp": self.tp_comm_s,
-                            "dp": self.dp_comm_s, "pp": self.pp_comm_s, "offload": self.offload_s,
+                "tflops_per_device": self.tflops_per_device, "model_tflops_per_device": self.model_tflops_per_device,
+                "parts_s": {"compute": self.compute_s, "memory": self.memory_s, "bubble": self.bubble_s,
+                            "tp": self.tp_comm_s, "dp": self.dp_comm_s, "pp": self.pp_comm_s, "offload": self.offload_s,
                             "optimizer": self.optimizer_s}}
 
 
@@ -224,14 +289,33 @@ def _half_ring_s(nbytes: float, n: int, gbps: float, latency_s: float, calls: in
 def _optimizer_bytes_per_param(optim: OptimSpec, precision: Precision) -> int:
     """Bytes the optimizer step reads and writes per parameter (it is bound by memory bandwidth).
 
-    Adam: read and write the fp32 weight, both moments (3 x 8), read the fp32 gradient (4), and in
-    mixed precision write the low-precision copy of the weight. SGD: the weight, the gradient and
-    the momentum buffer if any.
+    Adam: read and write the fp32 weight and both moments (3 x 8), read the fp32 gradient (4).
+    SGD: the weight, the gradient and the momentum buffer if any. Gradient clipping reads the
+    gradients once more for their norm. In mixed precision DeepSpeed's optimizers also copy the
+    16-bit gradient into its fp32 one (read 2, write 4) and the updated fp32 weight into the
+    16-bit one the model uses (read 4, write 2), each a kernel of its own.
     """
-    low = precision.element_bytes if precision != Precision.fp32 else 0
-    if optim.name == OptimizerName.sgd:
-        return 8 + 4 + (8 if optim.momentum else 0) + low
-    return 24 + 4 + low
+    step = (8 + 4 + (8 if optim.momentum else 0)) if optim.name == OptimizerName.sgd else 24 + 4
+    clip = 4 if optim.grad_clip > 0 else 0
+    low = precision.element_bytes
+    casts = (low + 4) * 2 if precision != Precision.fp32 else 0
+    return step + clip + casts
+
+
+def _members_per_node(stride: int, size: int, devices_per_node: int) -> int:
+    """Ranks of one group (members ``0, stride, 2 * stride, ...``) that share a node."""
+    return max(1, min(size, devices_per_node // stride)) if stride <= devices_per_node else 1
+
+
+def stage_share(n_layers: int, pp: int) -> float:
+    """The share of the model's repeated layers the busiest pipeline stage runs: ``1 / pp`` when
+    they split evenly, ``ceil(n_layers / pp) / n_layers`` when they do not (a model without
+    repeated layers is taken as evenly split)."""
+    if pp <= 1:
+        return 1.0
+    if n_layers < pp:
+        return 1 / pp
+    return math.ceil(n_layers / pp) / n_layers
 
 
 def bubble_micro_batches(pp: int, core_share: float) -> float:
@@ -253,33 +337,61 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     """Seconds of one optimizer step of ``plan`` on the slowest device (see the module docstring)."""
     dp, tp, pp, m, mb = plan.dp, plan.tp, plan.pp, plan.grad_accum_steps, plan.micro_batch_size
     links = group_links(plan.world_size, devices_per_node, tp, pp)
-    bw = {"intra": speeds.intra_node_gbps, "inter": speeds.inter_node_gbps}
     lat = {"intra": speeds.intra_latency_s, "inter": speeds.inter_latency_s}
     act_bytes = plan.precision.element_bytes
     engine = engine_settings(plan, optim)
 
-    flops = model.flops_per_sample_checkpointed if plan.activation_checkpointing else model.flops_per_sample
-    ops = model.ops_per_micro_batch_checkpointed if plan.activation_checkpointing else model.ops_per_micro_batch
-    per_micro_s = (flops * mb / (tp * pp) / (speeds.tflops_at(mb * model.seq_len) * 1e12)
-                   + ops / pp * speeds.op_overhead_s)
-    compute_s = m * per_micro_s
-    bubble_s = bubble_micro_batches(pp, speeds.core_share) * per_micro_s
+    ckpt = plan.activation_checkpointing
+    flops = model.flops_per_sample_checkpointed if ckpt else model.flops_per_sample
+    ops = model.ops_per_micro_batch_checkpointed if ckpt else model.ops_per_micro_batch
+    # DeepSpeed splits whole layers between stages, and the 1F1B schedule runs at the pace of the
+    # stage with the most: ceil(layers / pp) of them, not layers / pp.
+    stage = stage_share(model.n_layers, pp)
+    per_micro_s = (flops * mb * stage / tp / (speeds.tflops_at(mb * model.seq_len) * 1e12)
+                   + ops * stage * speeds.op_overhead_s)
+    whole = model.memory_bytes_per_sample_checkpointed if ckpt else model.memory_bytes_per_sample
+    sharded = (model.memory_bytes_sharded_per_sample_checkpointed if ckpt
+               else model.memory_bytes_sharded_per_sample)
+    # Counted with 16-bit activations: fp32 plans move twice the bytes.
+    memory_per_micro_s = ((whole - sharded + sharded / tp) * mb * stage * act_bytes / 2
+                          / (speeds.sustained_memory_gb_per_s * 1e9))
 
-    tp_comm_s = 0.0
+    tp_per_micro_s = 0.0
     if tp > 1:
         # Per micro-batch, this stage's share of the layers: forward all-reduces (twice with
         # recomputation) and backward ones.
-        forward_passes = 2 if plan.activation_checkpointing else 1
-        fwd = _allreduce_s(model.row_parallel_out_per_sample * mb * act_bytes / pp, tp, bw[links.tp], lat[links.tp],
-                           calls=math.ceil(model.row_parallel_layers / pp))
-        bwd = _allreduce_s(model.column_parallel_in_per_sample * mb * act_bytes / pp, tp, bw[links.tp],
-                           lat[links.tp], calls=math.ceil(model.column_parallel_layers / pp))
-        tp_comm_s = m * (forward_passes * fwd + bwd)
+        forward_passes = 2 if ckpt else 1
+        tp_bw = speeds.bus_gbps(links.tp)
+        fwd = _allreduce_s(model.row_parallel_out_per_sample * mb * act_bytes * stage, tp, tp_bw, lat[links.tp],
+                           calls=math.ceil(model.row_parallel_layers * stage))
+        bwd = _allreduce_s(model.column_parallel_in_per_sample * mb * act_bytes * stage, tp, tp_bw,
+                           lat[links.tp], calls=math.ceil(model.column_parallel_layers * stage))
+        tp_per_micro_s = forward_passes * fwd + bwd
+
+    pp_per_micro_s = 0.0
+    if pp > 1:
+        # DeepSpeed's pipeline engine sends each boundary activation forward and its gradient back
+        # as blocking point-to-point transfers (a broadcast in a 2-rank group) from every
+        # tensor-parallel rank: nothing overlaps them with compute.
+        p2p_bytes = model.boundary_per_sample * mb * act_bytes
+        pp_per_micro_s = 2 * (p2p_bytes / _bytes_per_s(speeds.bus_gbps(links.pp)) + lat[links.pp])
+
+    compute_s = m * per_micro_s
+    memory_s = m * memory_per_micro_s
+    tp_comm_s = m * tp_per_micro_s
+    pp_comm_s = m * pp_per_micro_s
+    # 1F1B: in the fill and the drain a stage waits for whole micro-batch times of the stages
+    # before and after it, each its compute, memory-bound kernels, all-reduces and transfers.
+    bubble_s = bubble_micro_batches(pp, speeds.core_share) * (per_micro_s + memory_per_micro_s + tp_per_micro_s
+                                                              + pp_per_micro_s)
 
     # Parameters of this device: its tensor-parallel shard of its stage's layers.
     params = model.tp_param_count.get(tp, model.param_count / tp) / pp
     grad_bytes = params * plan.precision.element_bytes
-    dp_bw, dp_lat = bw[links.dp], lat[links.dp]
+    # A data-parallel group's members are tp * pp ranks apart: with fewer, several share a node
+    # and its network adapters.
+    dp_bw = speeds.bus_gbps(links.dp, _members_per_node(tp * pp, dp, devices_per_node))
+    dp_lat = lat[links.dp]
     dp_comm_s = 0.0
     if dp > 1:
         gather_params = _half_ring_s(grad_bytes, dp, dp_bw, dp_lat)
@@ -290,15 +402,10 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         elif engine.zero_stage == ZeroStage.gradients:
             dp_comm_s = m * _allreduce_s(grad_bytes, dp, dp_bw, dp_lat) + gather_params
         else:
-            gathers = 3 if plan.activation_checkpointing else 2
+            gathers = 3 if ckpt else 2
             modules = max(math.ceil(model.param_modules / pp), 1)
             dp_comm_s = m * (gathers * _half_ring_s(grad_bytes, dp, dp_bw, dp_lat, calls=modules)
                              + _half_ring_s(grad_bytes, dp, dp_bw, dp_lat))
-
-    pp_comm_s = 0.0
-    if pp > 1:
-        p2p_bytes = model.boundary_per_sample * mb * act_bytes
-        pp_comm_s = m * 2 * (p2p_bytes / _bytes_per_s(bw[links.pp]) + lat[links.pp])
 
     # The optimizer updates this rank's partition: all of its parameters below ZeRO-1.
     part = params / dp if engine.zero_stage >= ZeroStage.optimizer_states else params
@@ -310,15 +417,17 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         offload_s = 2 * part * plan.precision.element_bytes / link
         optimizer_s = opt_bytes / (speeds.host_memory_gb_per_s * 1e9 / devices_per_node)
     else:
-        optimizer_s = opt_bytes / (speeds.device_memory_gb_per_s * 1e9)
+        optimizer_s = opt_bytes / (speeds.sustained_memory_gb_per_s * 1e9)
     if engine.offload_param != Offload.none:
-        gathers = 3 if plan.activation_checkpointing else 2
+        gathers = 3 if ckpt else 2
         offload_s += m * gathers * (params / dp) * plan.precision.element_bytes / _bytes_per_s(speeds.host_link_gbps)
 
-    parts = StepTime(compute_s=compute_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s, dp_comm_s=dp_comm_s,
-                     pp_comm_s=pp_comm_s, offload_s=offload_s, optimizer_s=optimizer_s,
+    parts = StepTime(compute_s=compute_s, memory_s=memory_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,
+                     dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, offload_s=offload_s, optimizer_s=optimizer_s,
                      tokens_per_s=0.0, tflops_per_device=0.0)
     total = parts.total_s
     samples = plan.global_batch_size
-    return StepTime(**{**parts.__dict__, "tokens_per_s": samples * model.seq_len / total,
-                       "tflops_per_device": flops * samples / total / plan.world_size / 1e12})
+    return dataclasses.replace(parts, tokens_per_s=samples * model.seq_len / total,
+                               tflops_per_device=flops * samples / total / plan.world_size / 1e12,
+                               model_tflops_per_device=model.flops_per_sample * samples / total / plan.world_size
+                               / 1e12)

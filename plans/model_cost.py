@@ -22,7 +22,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from plans.cost_model import ModelCost
 from plans.depth_scaling import SHALLOW_DEPTHS, extrapolate, repeated_stack, shallow_copy
-from plans.estimate import ModelProbe
+from plans.estimate import ModelProbe, shard_module
+from plans.memory_traffic import MemoryTraffic, fused_attention
 from plans.workload import (
     PROBE_SAMPLES,
     MetaBranches,
@@ -73,6 +74,41 @@ def _checkpointed_pass(module: torch.nn.Module, inputs: ModelInputs) -> tuple[in
         loss = inputs.objective(call_model(module, batch), batch)
         loss.backward()
     return int(counter.get_total_flops()) // PROBE_SAMPLES, ops.ops
+
+
+def _traffic(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: bool) -> int:
+    """Bytes the memory-bound kernels of one sample's forward, loss and backward move
+    (:mod:`plans.memory_traffic`), with the model in a 16-bit precision as mixed-precision
+    training runs it (the loss's own fp32 casts stay fp32)."""
+    module = copy.deepcopy(module).to(torch.bfloat16)
+    for param in module.parameters():
+        param.grad = None  # a fresh step: no accumulation into the gradients of an earlier pass
+    if checkpointing:
+        enable_activation_checkpointing(module)
+    batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta", torch.bfloat16)
+    with fused_attention(), MemoryTraffic() as traffic, MetaBranches():
+        loss = inputs.objective(call_model(module, batch), batch)
+        loss.backward()
+    return traffic.bytes // PROBE_SAMPLES
+
+
+def _traffic_by_tp(probe: ModelProbe, module: torch.nn.Module, *, checkpointing: bool) -> tuple[int, int]:
+    """(bytes at tp=1, the part of them tensor parallelism divides by tp).
+
+    The kernels between a column- and a row-parallel layer (activation functions, attention) work
+    on a shard under tp; layer norms, residual adds and the loss stay whole on every rank, as with
+    DeepSpeed AutoTP and Megatron-LM without sequence parallelism. Counted on the model and on its
+    2-way shard: bytes(tp) = whole + sharded / tp, so the two give both parts.
+    """
+    whole = _traffic(module, probe.inputs, checkpointing=checkpointing)
+    if not probe.tp_layer_specs:
+        return whole, 0
+    try:
+        half = _traffic(shard_module(copy.deepcopy(module), probe.tp_layer_specs, 2), probe.inputs,
+                        checkpointing=checkpointing)
+    except (RuntimeError, ValueError):  # a model whose shapes do not split 2 ways: count it all as whole
+        return whole, 0
+    return whole, min(max(2 * (whole - half), 0), whole)
 
 
 def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled: bool = False) -> ModelCost:
@@ -132,6 +168,9 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
     if fresh is not None:
         checkpointed, checkpointed_ops = _checkpointed_pass(fresh, probe.inputs)
     hidden = boundary[0] if boundary else 0
+    checkpointable = fresh is not None
+    traffic = _traffic_by_tp(probe, module, checkpointing=False)
+    traffic_ckpt = _traffic_by_tp(probe, module, checkpointing=True) if checkpointable else traffic
     return ModelCost(
         seq_len=probe.inputs.tokens_per_sample or 1, flops_per_sample=flops,
         flops_per_sample_checkpointed=checkpointed,
@@ -143,5 +182,8 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
         column_parallel_layers=sum(k == "column" for k in kinds.values()),
         boundary_per_sample=hidden, n_layers=len(layers),
         ops_per_micro_batch=op_counter.ops, ops_per_micro_batch_checkpointed=checkpointed_ops,
+        memory_bytes_per_sample=traffic[0], memory_bytes_sharded_per_sample=traffic[1],
+        memory_bytes_per_sample_checkpointed=traffic_ckpt[0],
+        memory_bytes_sharded_per_sample_checkpointed=traffic_ckpt[1],
         param_modules=sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False))),
     )

@@ -134,6 +134,9 @@ class ClusterSpec:
     """Memory bandwidth of one device in GB/s (the optimizer step is bound by it)."""
     host_memory_gb_per_s: float | None = None
     """Memory bandwidth of one node's host memory in GB/s, shared by its workers' CPU optimizers."""
+    device_hour_usd: float | None = None
+    """Price of one device for one hour; `orch tune` then prices each plan's time to train
+    (null: no cost column)."""
 
     @property
     def world_size(self) -> int:
@@ -174,6 +177,9 @@ class TrainSpec:
     seed: int = 1234
     global_batch_size: int | None = None
     """Samples per optimizer step; null means micro_batch_size * grad_accum_steps * dp."""
+    tokens: int | None = None
+    """The token budget of the whole training, for `orch tune`'s predicted time to train and its
+    cost; null: steps * global batch * sequence. A run still stops after `steps`."""
     memory_probe_step: int = 2
     """Measure every worker's real peak tensor memory during this step (0 disables); later
     steps run unobserved, at full speed."""

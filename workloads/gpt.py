@@ -80,11 +80,13 @@ def _gathered(module: nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_head: int):
+    def __init__(self, d_model: int, n_head: int, *, dropout: float = 0.0, fused: bool = True):
         super().__init__()
         self.head_dim = d_model // n_head
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -94,8 +96,24 @@ class CausalSelfAttention(nn.Module):
         width = q.shape[-1]
         heads = width // self.head_dim
         q, k, v = (y.reshape(b, t, heads, self.head_dim).transpose(1, 2) for y in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        dropout = self.dropout if self.training else 0.0
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:
+            y = _explicit_attention(q, k, v, dropout)
         return self.proj(y.transpose(1, 2).reshape(b, t, width))
+
+
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+    """Causal attention with its scores written out: one batched matmul that scales them and adds
+    the causal mask, softmax, dropout, and the matmul with the values (Megatron-LM's kernels
+    before fused attention, its mask and scale applied in the matmul here instead of the softmax)."""
+    b, h, t, d = q.shape
+    mask = torch.full((t, t), float("-inf"), dtype=q.dtype, device=q.device).triu(1).unsqueeze(0)
+    scores = torch.baddbmm(mask, q.reshape(b * h, t, d), k.reshape(b * h, t, d).transpose(1, 2),
+                           alpha=d ** -0.5)
+    probs = F.dropout(torch.softmax(scores, dim=-1), dropout, training=dropout > 0)
+    return torch.bmm(probs, v.reshape(b * h, t, d)).reshape(b, h, t, d)
 
 
 class MLP(nn.Module):
@@ -109,17 +127,22 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_head: int, init_seed: int | None = None):
+    def __init__(self, d_model: int, n_head: int, init_seed: int | None = None, *, dropout: float = 0.0,
+                 fused_attention: bool = True):
         super().__init__()
         self.ln_1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_head)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout=dropout, fused=fused_attention)
         self.ln_2 = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model)
+        self.dropout = dropout
         _initialize(self, init_seed)
 
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.dropout, training=self.training) if self.dropout else x
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self._drop(self.attn(self.ln_1(x)))
+        return x + self._drop(self.mlp(self.ln_2(x)))
 
 
 class Embedding(nn.Module):
@@ -169,24 +192,28 @@ class GPT(nn.Module):
     """How AutoTP shards this model (read by the orchestrator; never applied to another model)."""
 
     def __init__(self, *, n_layer: int = 2, d_model: int = 128, n_head: int = 4, seq_len: int = 128,
-                 vocab_size: int = 256, tie_embeddings: bool = True, tp: int = 1):
+                 vocab_size: int = 256, tie_embeddings: bool = True, dropout: float = 0.0,
+                 fused_attention: bool = True, tp: int = 1):
         """``tp`` is the tensor-parallel degree the model will be sharded over (the config ties it
         to ``plan.tp``); the model only checks that its heads split evenly, AutoTP does the rest."""
         super().__init__()
         _check_arguments(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
-                         tp=tp)
+                         tp=tp, dropout=dropout)
         base = torch.initial_seed()
+        block = {"dropout": dropout, "fused_attention": fused_attention}
         self.seq_len = seq_len
         self.vocab_size = vocab_size
         self.embed = Embedding(vocab_size, seq_len, d_model, init_seed=layer_seed(base, 0))
-        self.blocks = nn.ModuleList(Block(d_model, n_head, init_seed=layer_seed(base, 1 + i)) for i in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, init_seed=layer_seed(base, 1 + i), **block)
+                                    for i in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = None if tie_embeddings else LMHead(d_model, vocab_size, init_seed=layer_seed(base, n_layer + 2))
         self.activation_checkpointing = False
 
     @classmethod
     def pipeline_layers(cls, *, n_layer: int = 2, d_model: int = 128, n_head: int = 4, seq_len: int = 128,
-                        vocab_size: int = 256, tie_embeddings: bool = True, tp: int = 1) -> list:
+                        vocab_size: int = 256, tie_embeddings: bool = True, dropout: float = 0.0,
+                        fused_attention: bool = True, tp: int = 1) -> list:
         """The model as DeepSpeed pipeline layers, built lazily by the stage that owns each.
 
         Embedding, the blocks, the final norm and the head: the same modules, weights and
@@ -196,11 +223,12 @@ class GPT(nn.Module):
         from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
         _check_arguments(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
-                         tp=tp)
+                         tp=tp, dropout=dropout)
         base = torch.initial_seed()
         embed = ("embed", Embedding, vocab_size, seq_len, d_model)
         layers: list = [TiedLayerSpec(*embed, init_seed=layer_seed(base, 0), tied_weight_attr="wte.weight")]
-        layers += [LayerSpec(Block, d_model, n_head, init_seed=layer_seed(base, 1 + i)) for i in range(n_layer)]
+        layers += [LayerSpec(Block, d_model, n_head, init_seed=layer_seed(base, 1 + i), dropout=dropout,
+                             fused_attention=fused_attention) for i in range(n_layer)]
         layers.append(LayerSpec(nn.LayerNorm, d_model))
         if tie_embeddings:
             layers.append(TiedLayerSpec(*embed, init_seed=layer_seed(base, 0), forward_fn=tied_logits,
@@ -229,7 +257,8 @@ class GPT(nn.Module):
         return tied_logits(self.embed, x) if self.lm_head is None else self.lm_head(x)
 
 
-def _check_arguments(*, n_layer: int, d_model: int, n_head: int, seq_len: int, vocab_size: int, tp: int) -> None:
+def _check_arguments(*, n_layer: int, d_model: int, n_head: int, seq_len: int, vocab_size: int, tp: int,
+                     dropout: float = 0.0) -> None:
     """Refuse arguments no GPT can be built from, naming the config key (the planner builds the
     model on meta before anything starts and reports this message as the config's problem)."""
     sizes = {"model.n_layer": n_layer, "model.d_model": d_model, "model.n_head": n_head, "model.seq_len": seq_len,
@@ -237,6 +266,8 @@ def _check_arguments(*, n_layer: int, d_model: int, n_head: int, seq_len: int, v
     for key, value in sizes.items():
         if value < 1:
             raise ValueError(f"{key}({value}) must be at least 1")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"model.dropout({dropout}) must be in [0, 1): the probability of zeroing an element")
     if d_model % n_head:
         raise ValueError(f"model.d_model({d_model}) must be divisible by model.n_head({n_head})")
     if tp >= 1 and n_head % tp:
