@@ -3,6 +3,9 @@
 Built from a config given as a dict (its ``model_type`` and sizes) or from a local directory
 written by ``save_pretrained``; never downloaded at run time. The model declares its own
 tensor-parallel plan (see :mod:`plans.tp_plan`) and supports ``gradient_checkpointing_enable()``.
+A decoder of the usual structure is split into pipeline stages by
+:func:`workloads.hf_pipeline.pipeline_layers` (``hf_causal_lm.pipeline_layers``, where the
+orchestrator looks for it).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from workloads.hf_pipeline import pipeline_layers, seed_parts
 
 
 def hf_causal_lm(config: dict[str, Any] | None = None, pretrained_path: str | None = None) -> torch.nn.Module:
@@ -33,4 +38,8 @@ def hf_causal_lm(config: dict[str, Any] | None = None, pretrained_path: str | No
         hf_config = AutoConfig.for_model(config["model_type"], **arguments)
     except ValueError as error:
         raise ValueError(f"model.config.model_type={config['model_type']!r}: {error}") from None
-    return AutoModelForCausalLM.from_config(hf_config)
+    # Each part initialized from a seed of its own, as its pipeline layer is (equal losses at any plan.pp).
+    return seed_parts(AutoModelForCausalLM.from_config(hf_config))
+
+
+hf_causal_lm.pipeline_layers = pipeline_layers
