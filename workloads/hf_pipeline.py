@@ -112,31 +112,32 @@ def detect_structure(model: nn.Module) -> DecoderStructure:
                             head=head_name, depth=len(layers), tied=tied)
 
 
-# --- the model on meta, built once per config ------------------------------------------------------
+# --- the model on meta, built once per set of arguments --------------------------------------------
 
 
-def _config_key(config: dict[str, Any]) -> str:
-    return json.dumps(config, sort_keys=True, default=str)
+def _arguments_key(arguments: dict[str, Any]) -> str:
+    return json.dumps(arguments, sort_keys=True, default=str)
 
 
 @functools.lru_cache(maxsize=4)
 def _meta_model(key: str, dtype: torch.dtype) -> tuple[nn.Module, DecoderStructure]:
-    """The whole model on ``meta`` and its structure: what every pipeline layer copies its part of
-    (a deep model's layers are built one by one, each from this one build)."""
+    """The whole model on ``meta`` (``hf_causal_lm``'s arguments as JSON) and its structure: what
+    every pipeline layer copies its part of (a deep model's layers are built one by one, each from
+    this one build)."""
     from workloads.hf import hf_causal_lm
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with meta_device():
-            model = hf_causal_lm(config=json.loads(key))
+            model = hf_causal_lm(**json.loads(key))
     finally:
         torch.set_default_dtype(previous)
     return model, detect_structure(model)
 
 
-def _model(config: dict[str, Any]) -> tuple[nn.Module, DecoderStructure]:
-    return _meta_model(_config_key(config), torch.get_default_dtype())
+def _model(arguments: dict[str, Any]) -> tuple[nn.Module, DecoderStructure]:
+    return _meta_model(_arguments_key(arguments), torch.get_default_dtype())
 
 
 def _on_meta() -> bool:
@@ -288,9 +289,9 @@ class InputEmbedding(nn.Module):
     its own forward. With tied embeddings it also holds the output head (sharing the weight), for
     the copy the last stage computes the logits with (:func:`tied_logits`)."""
 
-    def __init__(self, config: dict[str, Any], init_seed: int | None = None):
+    def __init__(self, arguments: dict[str, Any], init_seed: int | None = None):
         super().__init__()
-        model, s = _model(config)
+        model, s = _model(arguments)
         base = getattr(model, s.base)
         prelude = _without(base, {getattr(base, s.layers): nn.ModuleList(), getattr(base, s.norm): nn.Identity()})
         self.base = _materialize(prelude, model, init_seed, parts=lambda m: list(m.children()))
@@ -317,14 +318,14 @@ class DecoderLayer(nn.Module):
     shards it.
     """
 
-    def __init__(self, config: dict[str, Any], index: int, init_seed: int | None = None):
+    def __init__(self, arguments: dict[str, Any], index: int, init_seed: int | None = None):
         super().__init__()
-        model, s = _model(config)
+        model, s = _model(arguments)
         self.index = index
         self.path = (s.base, s.layers, str(index))
         layer = _materialize(copy.deepcopy(getattr(getattr(model, s.base), s.layers)[index]), model, init_seed)
         setattr(self, s.base, nn.ModuleDict({s.layers: nn.ModuleDict({str(index): layer})}))
-        self.arguments = _layer_arguments(_config_key(config), torch.get_default_dtype())
+        self.layer_arguments = _layer_arguments(_arguments_key(arguments), torch.get_default_dtype())
 
     @property
     def layer(self) -> nn.Module:
@@ -332,7 +333,7 @@ class DecoderLayer(nn.Module):
         return getattr(self, base)[layers][index]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        args, kwargs = self.arguments(hidden, self.index)
+        args, kwargs = self.layer_arguments(hidden, self.index)
         out = self.layer(hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
@@ -340,9 +341,9 @@ class DecoderLayer(nn.Module):
 class FinalNorm(nn.Module):
     """The base model's final norm."""
 
-    def __init__(self, config: dict[str, Any], init_seed: int | None = None):
+    def __init__(self, arguments: dict[str, Any], init_seed: int | None = None):
         super().__init__()
-        model, s = _model(config)
+        model, s = _model(arguments)
         self.norm = _materialize(copy.deepcopy(getattr(getattr(model, s.base), s.norm)), model, init_seed)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -352,9 +353,9 @@ class FinalNorm(nn.Module):
 class OutputHead(nn.Module):
     """Hidden states -> logits by the causal LM's own forward, its base model left out (untied head)."""
 
-    def __init__(self, config: dict[str, Any], init_seed: int | None = None):
+    def __init__(self, arguments: dict[str, Any], init_seed: int | None = None):
         super().__init__()
-        model, s = _model(config)
+        model, s = _model(arguments)
         head = _output_head(model, s)
         stub = getattr(head, s.base)
         self.lm = _materialize(head, model, init_seed, parts=lambda m: [c for c in m.children() if c is not stub])
@@ -363,26 +364,24 @@ class OutputHead(nn.Module):
         return _logits(self.lm, hidden)
 
 
-def pipeline_layers(config: dict[str, Any] | None = None, pretrained_path: str | None = None) -> list:
-    """``hf_causal_lm``'s model as DeepSpeed pipeline layers (the arguments are ``hf_causal_lm``'s);
-    :class:`PipelineRefused` if it does not fit *embeddings -> decoder layers -> norm -> head*."""
+def pipeline_layers(**arguments: Any) -> list:
+    """``hf_causal_lm(**arguments)`` as DeepSpeed pipeline layers; :class:`PipelineRefused` if the
+    model does not fit *embeddings -> decoder layers -> final norm -> head*."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    if pretrained_path:
-        raise PipelineRefused(f"model.pretrained_path={pretrained_path!r}: pipeline stages are built from "
-                              "model.config only (each stage would load the whole checkpoint)")
-    if not config or "model_type" not in config:
-        raise ValueError("model.config needs a model_type (e.g. llama, gpt2) and the model's sizes")
-    _, s = _model(config)
+    if arguments.get("pretrained_path"):
+        raise PipelineRefused(f"model.pretrained_path={arguments['pretrained_path']!r}: pipeline stages are built "
+                              "from model.config only (each stage would load the whole checkpoint)")
+    _, s = _model(arguments)
     base = torch.initial_seed()
-    embedding = ("embedding", InputEmbedding, config)
+    embedding = ("embedding", InputEmbedding, arguments)
     tied_attr = f"base.{s.embedding}.weight"
     layers: list = [TiedLayerSpec(*embedding, init_seed=layer_seed(base, 0), tied_weight_attr=tied_attr)]
-    layers += [LayerSpec(DecoderLayer, config, i, init_seed=layer_seed(base, 1 + i)) for i in range(s.depth)]
-    layers.append(LayerSpec(FinalNorm, config, init_seed=layer_seed(base, s.depth + 1)))
+    layers += [LayerSpec(DecoderLayer, arguments, i, init_seed=layer_seed(base, 1 + i)) for i in range(s.depth)]
+    layers.append(LayerSpec(FinalNorm, arguments, init_seed=layer_seed(base, s.depth + 1)))
     if s.tied:
         layers.append(TiedLayerSpec(*embedding, init_seed=layer_seed(base, 0), forward_fn=tied_logits,
                                     tied_weight_attr=tied_attr))
     else:
-        layers.append(LayerSpec(OutputHead, config, init_seed=layer_seed(base, s.depth + 2)))
+        layers.append(LayerSpec(OutputHead, arguments, init_seed=layer_seed(base, s.depth + 2)))
     return layers
