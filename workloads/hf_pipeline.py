@@ -247,6 +247,8 @@ class LayerArguments:
         self._layers = s.layers
         self._meta = _without(base, {getattr(base, s.layers): nn.ModuleList(_Recorder() for _ in range(s.depth)),
                                      getattr(base, s.embedding): nn.Identity(), getattr(base, s.norm): nn.Identity()})
+        # In eval mode: its dropout (GPT-2's after the positions) would draw from the training RNG.
+        self._meta.eval()
         self._built: dict[torch.device, nn.Module] = {}
         self._last: tuple[tuple, list] | None = None
 
@@ -257,7 +259,7 @@ class LayerArguments:
             skeleton = copy.deepcopy(self._meta).to_empty(device=device)
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 skeleton.apply(self._model._init_weights)
-            self._built[device] = skeleton.train(self._meta.training)
+            self._built[device] = skeleton
         return self._built[device]
 
     def __call__(self, hidden: torch.Tensor, index: int) -> tuple[tuple, dict]:
