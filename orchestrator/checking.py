@@ -15,7 +15,7 @@ from orchestrator.inputs import declared_violations, validated_plan
 from orchestrator.models import inspect_declared_model
 from orchestrator.workload import resolve_workload
 from plans.cluster_facts import reconcile
-from plans.errors import PlanError, Violation
+from plans.errors import PipelineRefused, PlanError, Violation
 from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
@@ -81,7 +81,13 @@ def check_pipeline(probe: ModelProbe, plan: ResolvedPlan, model_cfg: dict,
         raise PlanError([Violation("plan.pp", plan.pp, f"{reason}.",
                                    "set plan.pp=1, or give the model a pipeline_layers() classmethod "
                                    "(see workloads/gpt.py)")])
-    layers = probe.pipeline_layer_facts(plan)
+    try:
+        layers = probe.pipeline_layer_facts(plan)
+    except PipelineRefused as error:
+        raise PlanError([Violation("plan.pp", plan.pp,
+                                   f"{target} cannot be split into pipeline stages by its pipeline_layers(): {error}.",
+                                   "set plan.pp=1, or use a model whose pipeline_layers() accepts it "
+                                   "(see docs/workloads.md)")]) from None
     empty = [stage.index for stage in probe.stages(plan) if stage.trainable == 0]
     if empty:
         weighted = sum(1 for layer in layers if layer.trainable)

@@ -48,3 +48,7 @@ class PlanError(OrchError):
     def __reduce__(self):
         # Keep the violations when the error crosses a process boundary (Ray pickles it).
         return (type(self), (self.violations,))
+
+
+class PipelineRefused(ValueError):
+    """A model's ``pipeline_layers()`` cannot split this model into pipeline stages; the message says why."""

@@ -94,11 +94,6 @@ def test_a_llama_models_own_plan_becomes_autotp_specs_for_every_projection():
     assert kinds["model.embed_tokens.weight"] is None and kinds["model.norm.weight"] is None
 
 
-def test_pipeline_stages_are_refused_for_a_model_without_pipeline_layers():
-    message = refusal("model=hf_causal_lm", "plan.pp=2")
-    assert "plan.pp=2" in message and "pipeline_layers()" in message and "set plan.pp=1" in message
-
-
 def test_tensor_parallelism_is_refused_for_a_model_without_a_plan():
     message = refusal("model=mlp", "data=dataset", "objective=classification", "plan.tp=2")
     assert "plan.tp=2" in message and "declares no tensor-parallel plan" in message

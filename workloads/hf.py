@@ -4,6 +4,9 @@ Built from a config given as a dict (its ``model_type`` and sizes), from a Huggi
 ``config.json`` (``config_path``: the model that file describes, no weights), or from a local
 directory written by ``save_pretrained``; never downloaded at run time. The model declares its own
 tensor-parallel plan (see :mod:`plans.tp_plan`) and supports ``gradient_checkpointing_enable()``.
+A decoder of the usual structure is split into pipeline stages by
+:func:`workloads.hf_pipeline.pipeline_layers` (``hf_causal_lm.pipeline_layers``, where the
+orchestrator looks for it).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from workloads.hf_pipeline import pipeline_layers, seed_parts
 
 
 def hf_causal_lm(config: dict[str, Any] | None = None, pretrained_path: str | None = None,
@@ -26,7 +31,7 @@ def hf_causal_lm(config: dict[str, Any] | None = None, pretrained_path: str | No
                          "built from one of them: set the others to null (model.config=null drops the small example "
                          "model=hf_causal_lm fills it with)")
     if config_path:
-        return AutoModelForCausalLM.from_config(config_from_file(config_path))
+        return seed_parts(AutoModelForCausalLM.from_config(config_from_file(config_path)))
     if pretrained_path:
         if torch.get_default_device().type == "meta":
             # The planner builds on meta, where there are no weights to load (transformers refuses
@@ -43,7 +48,8 @@ def hf_causal_lm(config: dict[str, Any] | None = None, pretrained_path: str | No
         hf_config = AutoConfig.for_model(config["model_type"], **arguments)
     except ValueError as error:
         raise ValueError(f"model.config.model_type={config['model_type']!r}: {error}") from None
-    return AutoModelForCausalLM.from_config(hf_config)
+    # Each part initialized from a seed of its own, as its pipeline layer is (equal losses at any plan.pp).
+    return seed_parts(AutoModelForCausalLM.from_config(hf_config))
 
 
 def config_from_file(config_path: str):
@@ -74,3 +80,6 @@ def config_from_file(config_path: str):
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ValueError(f"model.config_path={config_path!r}: transformers cannot read it as a config "
                          f"({error})") from None
+
+
+hf_causal_lm.pipeline_layers = pipeline_layers
