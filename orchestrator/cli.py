@@ -229,8 +229,9 @@ def export_app(cfg: DictConfig) -> None:
     try:
         # The model comes from this command's own config (its --config-dir and overrides), checked
         # against the checkpoint; nothing the run's tracked artifacts declare is instantiated.
-        _, model_cfg, _ = to_typed(cfg)
-        tag = export_run(cfg.tracking.uri, run_id, model_cfg, out)
+        typed, model_cfg, _ = to_typed(cfg)
+        with storage_checks_bounded(typed):
+            tag = export_run(cfg.tracking.uri, run_id, model_cfg, out)
     except OrchError as error:
         _fail(error)
     print(f"exported {tag} of run {run_id}: runs:/{run_id}/model/mlflow_model"

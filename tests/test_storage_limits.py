@@ -99,6 +99,21 @@ def test_tune_out_on_a_silent_store_times_out(silent_s3):
     assert "timed out after 1 s (cluster.connect_timeout_s)" in violation.message
 
 
+def test_export_of_a_run_whose_checkpoints_are_on_a_silent_store_times_out(silent_s3, sqlite_uri):
+    from mlflow import MlflowClient
+
+    from orchestrator.export import export_run
+
+    client = MlflowClient(sqlite_uri)
+    run_id = client.create_run(client.create_experiment("orch")).info.run_id
+    client.log_param(run_id, "train.checkpoint_dir", "s3://orch/run")
+    with probe_limit(1), pytest.raises(PlanError) as info:
+        export_run(sqlite_uri, run_id, to_typed(compose_config())[1])
+    [violation] = info.value.violations
+    assert (violation.field, violation.value) == ("train.checkpoint_dir", "s3://orch/run")
+    assert violation.message.startswith("timed out after 1 s (cluster.connect_timeout_s)"), violation
+
+
 def test_a_gs_location_is_answered_or_given_up_within_the_limit():
     """With no network GCS would retry for 15 minutes; with one (and no credentials) it refuses."""
     with probe_limit(2):
