@@ -198,6 +198,20 @@ def publish_remote(uri: str, step: int, run_id: str | None, keep: int, files: di
     return record
 
 
+def download_verified(uri: str, tag: str, folder: str | os.PathLike) -> None:
+    """Download the remote ``tag`` into ``folder`` and check every file against its manifest.
+
+    A copy that fails (cut short, or a file changed or added in the store) is removed: nothing
+    unverified stays on the node for a later load to pick up.
+    """
+    try:
+        RemoteDir(uri).download(tag, folder)
+        verify_manifest(folder)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
 def _next_record(previous: Published | None, step: int, run_id: str | None, keep: int,
                  layout: dict[str, int] | None) -> tuple[Published, list[str]]:
     """The record naming ``step`` the latest, and the tags it no longer keeps."""

@@ -557,12 +557,11 @@ class TrainWorker:
         and checks every file against the manifest before any rank loads it)."""
         import torch
 
-        from launchers.manifest import verify
+        from launchers.checkpoint import download_verified
 
         folder = os.path.join(self._checkpoint_root(), tag)
         if self.local_rank == 0:
-            RemoteDir(self.job.train.checkpoint_dir).download(tag, folder)
-            verify(folder)
+            download_verified(self.job.train.checkpoint_dir, tag, folder)
         torch.distributed.barrier()
 
     def _streamed_batches(self, data, streams: tuple[Any, Any] | None, coords: ParallelCoords):

@@ -75,7 +75,7 @@ def train_app(cfg: DictConfig) -> float | None:
         if sweeping and (problem := sweep_metric_problem(typed.train.sweep_metric, typed.train.eval_batches)):
             raise PlanError([problem])  # before any job trains
         # An embedded Ray starts before the driver, and torch with it, is imported (orchestrator.early_ray).
-        with early_ray(typed) as ray_ready:
+        with storage_checks_bounded(typed), early_ray(typed) as ray_ready:
             with collector_paused():  # start-up (launchers.lean_startup)
                 from orchestrator.driver import run_training
             result = run_training(typed, model_cfg, yaml, tags=child_tags(), ray_ready=ray_ready)
@@ -102,6 +102,14 @@ def sweep_value(result, metric: str) -> float:
     return float(last[metric])
 
 
+def storage_checks_bounded(typed) -> contextlib.AbstractContextManager:
+    """Every check of a storage location the command makes (train.checkpoint_dir, tune.out,
+    data.paths) given up after ``cluster.connect_timeout_s`` (:mod:`launchers.storage`)."""
+    from launchers.storage import probe_limit
+
+    return probe_limit(typed.cluster.connect_timeout_s)
+
+
 # Set by main() from `--json`, which Hydra itself would reject.
 _OPTIONS: dict = {"json": False, "run_id": None, "out": None, "tune": False, "wait": False, "follow": False,
                   "overrides": [], "config_dir": None}
@@ -123,7 +131,7 @@ def check_app(cfg: DictConfig) -> None:
 
     try:
         typed, model_cfg, _ = to_typed(cfg)
-        with _stdout_for_json_only(), live_cluster(typed) as (cluster, notes):
+        with storage_checks_bounded(typed), _stdout_for_json_only(), live_cluster(typed) as (cluster, notes):
             estimate, _ = check_run(typed, model_cfg, cluster)
     except OrchError as error:
         _fail(error)
@@ -145,7 +153,7 @@ def tune_app(cfg: DictConfig) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     try:
         typed, model_cfg, _ = to_typed(cfg)
-        with _stdout_for_json_only():
+        with storage_checks_bounded(typed), _stdout_for_json_only():
             result = tune(typed, model_cfg)
     except OrchError as error:
         _fail(error)
@@ -221,8 +229,9 @@ def export_app(cfg: DictConfig) -> None:
     try:
         # The model comes from this command's own config (its --config-dir and overrides), checked
         # against the checkpoint; nothing the run's tracked artifacts declare is instantiated.
-        _, model_cfg, _ = to_typed(cfg)
-        tag = export_run(cfg.tracking.uri, run_id, model_cfg, out)
+        typed, model_cfg, _ = to_typed(cfg)
+        with storage_checks_bounded(typed):
+            tag = export_run(cfg.tracking.uri, run_id, model_cfg, out)
     except OrchError as error:
         _fail(error)
     print(f"exported {tag} of run {run_id}: runs:/{run_id}/model/mlflow_model"
@@ -243,7 +252,8 @@ def submit_app(cfg: DictConfig) -> None:
     try:
         typed, model_cfg, _ = to_typed(cfg)
         address = jobs.jobs_address(typed)
-        checked_submission(typed, model_cfg, address, command, overrides, written_uri)
+        with storage_checks_bounded(typed):
+            checked_submission(typed, model_cfg, address, command, overrides, written_uri)
         job = jobs.submission(command, overrides, typed.submit, _OPTIONS["config_dir"], Path.cwd())
         job_id = jobs.submit(address, job)
     except OrchError as error:
@@ -433,5 +443,13 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator import sweeps
 
     sweeps.command = command
-    with stopped_by_signals():
-        return run_command(COMMANDS[command], command, verbose=verbose)
+    from launchers.storage import exit_past_abandoned_checks
+
+    try:
+        with stopped_by_signals():
+            code = run_command(COMMANDS[command], command, verbose=verbose)
+    except SystemExit as exiting:
+        exit_past_abandoned_checks(exiting.code)
+        raise
+    exit_past_abandoned_checks(code)
+    return code

@@ -99,7 +99,7 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
     """
     from launchers.checkpoint import latest
     from launchers.manifest import verify
-    from launchers.storage import RemoteDir, is_remote, local_path
+    from launchers.storage import RemoteDir, is_remote, local_path, location_violation
     from orchestrator.models import model_factory, split_model_config
     from orchestrator.tracking import RunTracker, open_existing, reading
     from plans.errors import PlanError, Violation
@@ -112,6 +112,9 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
                                    f"pp={params.get('plan.pp')}; only data-parallel checkpoints are consolidated.",
                                    "load the checkpoint with the same plan to use it")])
     checkpoint_dir = params.get("train.checkpoint_dir", "checkpoints")
+    if is_remote(checkpoint_dir) and (problem := location_violation(checkpoint_dir)):
+        why, _, fix = problem.partition(" Fix: ")  # an unreachable store within cluster.connect_timeout_s
+        raise PlanError([Violation("train.checkpoint_dir", checkpoint_dir, why, fix)])
     record = latest(checkpoint_dir)
     if record is None or record.run_id != run_id:
         raise PlanError([Violation("train.checkpoint_dir", str(checkpoint_dir),

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
-from launchers.storage import RemoteDir, is_remote, location_violation
+from launchers.storage import RemoteDir, StorageTimeout, bounded, is_remote, location_violation, probe_limit_s
 from orchestrator import conf
 from orchestrator.config import RunConfig
 from plans.errors import PlanError, Violation
@@ -111,12 +111,12 @@ def check_plan_file(cfg: RunConfig) -> None:
                                    "use letters, digits, '_' and '-' only (tune.name=tuned_v2), or tune.out=PATH "
                                    "to write the plan file elsewhere")])
     if cfg.tune.out and is_remote(cfg.tune.out):
-        directory, name = _remote_parent(cfg.tune.out)
+        directory, _ = _remote_parent(cfg.tune.out)
         problem = location_violation(directory)
         if problem:
             why, _, fix = problem.partition(" Fix: ")
             raise PlanError([Violation("tune.out", cfg.tune.out, f"its directory {why}", fix)])
-        _check_existing("tune.out", cfg.tune.out, _remote_text(directory, name))
+        _check_existing("tune.out", cfg.tune.out, _remote_text(cfg.tune.out))
         return
     path = plan_file_path(cfg)
     if cfg.tune.out:
@@ -167,12 +167,25 @@ def _local_text(path: Path) -> str:
         return ""
 
 
-def _remote_text(directory: str, name: str) -> str | None:
-    """An existing object's text (None when there is none; '' when it is not text)."""
+def _remote_text(uri: str) -> str | None:
+    """The existing object's text at ``tune.out=uri`` (None when there is none; '' when it is not
+    text), read within ``cluster.connect_timeout_s``."""
+    directory, name = _remote_parent(uri)
     try:
-        return RemoteDir(directory).read_text(name)
+        return bounded(lambda: RemoteDir(directory, timeout_s=probe_limit_s()).read_text(name))
     except UnicodeDecodeError:
         return ""
+    except StorageTimeout as error:
+        raise PlanError([Violation("tune.out", uri, error.reason(), error.fix())]) from None
+
+
+def _write_remote(uri: str, text: str) -> None:
+    """Write the plan file at ``tune.out=uri`` within ``cluster.connect_timeout_s`` (a few hundred bytes)."""
+    directory, name = _remote_parent(uri)
+    try:
+        bounded(lambda: RemoteDir(directory, timeout_s=probe_limit_s()).write_text(name, text))
+    except StorageTimeout as error:
+        raise PlanError([Violation("tune.out", uri, error.reason(), error.fix())]) from None
 
 
 def train_command(result: TuneResult) -> str | None:
@@ -199,9 +212,8 @@ def write_plan_file(plan: ResolvedPlan, cfg: RunConfig, model_cfg: dict, cluster
     result.plan_text = header + body
     # Checked again: trials ran since check_plan_file, and something else may have written the file.
     if cfg.tune.out and is_remote(cfg.tune.out):
-        directory, name = _remote_parent(cfg.tune.out)
-        _check_existing("tune.out", cfg.tune.out, _remote_text(directory, name))
-        RemoteDir(directory).write_text(name, result.plan_text)
+        _check_existing("tune.out", cfg.tune.out, _remote_text(cfg.tune.out))
+        _write_remote(cfg.tune.out, result.plan_text)
         return cfg.tune.out
     check_plan_file(cfg)
     path = plan_file_path(cfg)

@@ -15,7 +15,7 @@ import torch
 from helpers.config import compose_config
 from launchers.checkpoint import CheckpointRecordError, latest, publish_remote, resumable, tag_for
 from launchers.manifest import file_digests
-from launchers.storage import RemoteDir, is_remote, local_path, location_violation
+from launchers.storage import RemoteDir, StagingDirError, is_remote, local_path, location_violation, staging_dir
 from orchestrator.config import to_typed
 from orchestrator.inputs import validated_plan
 from plans.errors import PlanError
@@ -116,3 +116,58 @@ def test_a_tuned_plan_is_written_to_object_storage(s3_env):
     assert result.plan_file == uri and train_command(result) is None
     written = OmegaConf.create(RemoteDir(f"s3://{s3_env['bucket']}/plans").read_text("tuned.yaml"))
     assert written.defaults == ["plan_schema", "_self_"] and written.dp == result.winner.plan.dp
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """A temporary directory of this test as the node's TMPDIR (``tempfile`` caches the one it found)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def test_checkpoints_are_staged_in_a_directory_only_this_user_can_enter(private_tmp):
+    import os
+    import stat
+
+    folder = staging_dir("s3://orch/run", "node-1")
+    root = private_tmp / f"orch-staging-{os.getuid()}"
+    assert folder.is_relative_to(root) and folder != staging_dir("s3://orch/other", "node-1")
+    info = root.lstat()
+    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+    assert staging_dir("s3://orch/run", "node-1") == folder  # every local rank finds the same one
+
+
+@pytest.mark.parametrize("planted", ["open", "link"])
+def test_a_staging_directory_others_could_enter_or_a_link_is_refused(private_tmp, planted):
+    import os
+
+    root = private_tmp / f"orch-staging-{os.getuid()}"
+    if planted == "open":
+        root.mkdir(mode=0o755)
+        root.chmod(0o755)
+    else:
+        (private_tmp / "elsewhere").mkdir(mode=0o700)
+        root.symlink_to(private_tmp / "elsewhere")
+    with pytest.raises(StagingDirError, match=r"must be this user's .* with mode 0700.* Fix: remove"):
+        staging_dir("s3://orch/run", "node-1")
+
+
+def test_a_download_that_fails_verification_is_removed_from_the_staging_directory(s3_env, tmp_path, private_tmp):
+    from launchers.checkpoint import download_verified
+    from launchers.manifest import CheckpointIntegrityError
+
+    uri = f"s3://{s3_env['bucket']}/tampered"
+    files, sizes = _upload(RemoteDir(uri), tmp_path, 2, 1.0)
+    publish_remote(uri, 2, "run1", keep=2, files=files, sizes=sizes, layout={"dp": 1, "tp": 1, "pp": 1})
+    folder = staging_dir(uri, "node-1") / tag_for(2)
+    download_verified(uri, tag_for(2), folder)  # intact: kept for the ranks to load
+    assert (folder / "mp_rank_00_model_states.pt").is_file()
+
+    # The same size, other bytes: only the digest tells.
+    name = f"{tag_for(2)}/mp_rank_00_model_states.pt"
+    RemoteDir(uri).write_text(name, "x" * sizes["mp_rank_00_model_states.pt"])
+    with pytest.raises(CheckpointIntegrityError, match="does not match its digest"):
+        download_verified(uri, tag_for(2), folder)
+    assert not folder.exists()

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
+from launchers.storage import StorageTimeout, bounded, is_remote, open_location, probe_limit_s
 from plans.errors import Violation
 from plans.uris import CREDENTIALS_FIX, carries_credentials
 
@@ -255,19 +256,28 @@ class RayDataSource:
     @cached_property
     def listing(self) -> list[tuple[str, int]]:
         """Every file to read with its size, through ``pyarrow.fs`` (local paths and URIs alike)."""
-        return _list_files(self.path_list, images=self.sample == "images")
+        return _probed(self.path_list, lambda: _list_files(self.path_list, images=self.sample == "images"))
 
     @cached_property
     def val_listing(self) -> list[tuple[str, int]]:
         """The files of ``val_paths`` with their sizes (empty without them)."""
-        return _list_files(self.val_path_list, images=self.sample == "images") if self.val_path_list else []
+        if not self.val_path_list:
+            return []
+        return _probed(self.val_path_list, lambda: _list_files(self.val_path_list, images=self.sample == "images"))
 
     @cached_property
     def classes(self) -> tuple[str, ...]:
         """sample=images: the class names, the subdirectories of the (first) path, in sorted order."""
-        return _subdirectories(self.path_list[0]) if self.path_list else ()
+        return _probed(self.path_list[:1], lambda: _subdirectories(self.path_list[0])) if self.path_list else ()
 
     def violations(self, samples_per_step: int = 1) -> list[Violation]:
+        """What cannot work; a store that does not answer within ``cluster.connect_timeout_s`` is one."""
+        try:
+            return self._violations(samples_per_step)
+        except StorageTimeout as error:
+            return [Violation("data.paths", self.paths, error.reason(), error.fix())]
+
+    def _violations(self, samples_per_step: int) -> list[Violation]:
         if self.sample not in SAMPLES:
             return [Violation("data.sample", self.sample, "is not a kind of sample data=ray makes.",
                               f"set data.sample to one of {', '.join(SAMPLES)}")]
@@ -285,6 +295,8 @@ class RayDataSource:
             listing = self.listing
             if self.val_path_list and not self.val_listing:
                 return [Violation("data.val_paths", self.val_paths, "matches no file.", _FIX)]
+        except StorageTimeout:
+            raise
         except (OSError, ValueError) as error:
             return [Violation("data.paths", self.paths, f"cannot be listed: {type(error).__name__}: "
                               f"{str(error).splitlines()[0][:300]}.", _FIX + "; check the store's endpoint and "
@@ -347,9 +359,13 @@ class RayDataSource:
         import pyarrow.dataset as pads
 
         path, _ = self.listing[0]
-        fs, inner = _filesystem(path)
-        dataset = pads.dataset(inner, format="parquet" if self.read_format == "parquet" else "json", filesystem=fs)
-        return dataset.head(2)
+        kind = "parquet" if self.read_format == "parquet" else "json"
+
+        def head():
+            fs, inner = _filesystem(path)
+            return pads.dataset(inner, format=kind, filesystem=fs).head(2)
+
+        return _probed([path], head)
 
     @property
     def schema_names(self) -> list[str]:
@@ -378,12 +394,12 @@ class RayDataSource:
         if self.read_format == "parquet":
             import pyarrow.parquet as pq
 
-            total = 0
-            for path, _ in listing:
+            def rows(path: str) -> int:
                 fs, inner = _filesystem(path)
                 with fs.open_input_file(inner) as handle:
-                    total += pq.ParquetFile(handle).metadata.num_rows
-            return total
+                    return pq.ParquetFile(handle).metadata.num_rows
+
+            return sum(_probed([path], lambda path=path: rows(path)) for path, _ in listing)
         row_bytes = max(len(json.dumps(self._first_rows.slice(0, 1).to_pylist()[0])), 1)
         return sum(size for _, size in listing) // row_bytes
 
@@ -493,13 +509,20 @@ def _format_of(path: str) -> str | None:
 
 
 def _filesystem(location: str):
-    """The ``pyarrow.fs`` filesystem of a path or URI, and the path inside it."""
+    """The ``pyarrow.fs`` filesystem of a path or URI, and the path inside it (a store with its own
+    time limits at ``cluster.connect_timeout_s``: only the driver's checks open one here)."""
     import pyarrow.fs as pafs
 
-    if "://" in location and not location.lower().startswith("file://"):
-        return pafs.FileSystem.from_uri(location)
+    if is_remote(location):
+        return open_location(location, probe_limit_s())
     path = location[len("file://"):] if location.lower().startswith("file://") else location
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+
+
+def _probed(locations: list[str], call: Callable[[], Any]) -> Any:
+    """``call()``, given up after ``cluster.connect_timeout_s`` when it reaches a store
+    (:func:`launchers.storage.bounded`); local files are read without a limit."""
+    return bounded(call) if any(is_remote(location) for location in locations) else call()
 
 
 def _list_files(locations: list[str], *, images: bool) -> list[tuple[str, int]]:
