@@ -1,4 +1,5 @@
-"""Shared fixtures: a module-scoped Ray, MLflow stores, a loopback S3 server, the reference run.
+"""Shared fixtures: a module-scoped Ray, MLflow stores and servers, a loopback S3 server, the
+reference run.
 
 Plain helpers (composing configs, starting Ray, watching processes) are in ``tests/helpers/``.
 """
@@ -13,6 +14,7 @@ import ray
 from helpers.config import FAST, compose_config
 from helpers.processes import free_port
 from helpers.ray_cluster import start_test_ray
+from helpers.tracking_server import auth_server
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +67,16 @@ def s3_store():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def mlflow_auth_server(tmp_path_factory):
+    """An `mlflow server` behind MLflow's basic authentication, with one admin user
+    (``helpers.tracking_server.ADMIN``): its ``url``, ``password``, ``store`` and the URL
+    ``with_password``. One for the session: the cluster tests and the submit tests share it."""
+    with auth_server(tmp_path_factory.mktemp("mlflow-auth-server"),
+                     tmp_path_factory.mktemp("mlflow-auth-config")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -19,19 +19,6 @@ class ExplodingGPT(GPT):
         return super().forward(input_ids)
 
 
-class HangingGPT(GPT):
-    """Rank 1 stops forever in its fourth real forward pass, like a stuck collective or kernel."""
-
-    calls = 0
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.device.type != "meta" and os.environ.get("RANK") == "1":
-            HangingGPT.calls += 1
-            if HangingGPT.calls == 4:
-                time.sleep(3600)
-        return super().forward(input_ids)
-
-
 class SetupHangingGPT(GPT):
     """Rank 1 never finishes building the model (a stuck download, a lock never released)."""
 

@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from bench.tracking_overhead import launch_mlflow_server, stop, wait_healthy
 from helpers.processes import free_port, kill_tree, processes_mentioning, worker_env
+from helpers.tracking_server import ADMIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -70,17 +71,29 @@ def two_node_ray(s3_store):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_workers_land_on_both_nodes_of_a_real_cluster(two_node_ray, tmp_path):
-    """Both nodes train, and each reports its own hardware use as MLflow system metrics."""
-    done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2", "cluster.devices_per_node=1",
-                      "train.steps=40", "tracking.system_metrics_interval_s=0.5", cwd=tmp_path, env=two_node_ray["env"])
+def test_a_3d_plan_trains_on_both_nodes_with_tensor_parallel_groups_inside_nodes(two_node_ray, tmp_path):
+    """Both nodes train, each reports its own hardware use as MLflow system metrics, and where the
+    ranks really ran is logged next to the planned layout.
+
+    4 workers on 2 one-CPU nodes: tp=2 groups fill a node each, the two pipeline stages talk
+    across nodes."""
+    done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2", "cluster.devices_per_node=2",
+                      "cluster.cpus_per_worker=0.5", "plan.dp=1", "plan.tp=2", "plan.pp=2", "plan.grad_accum_steps=2",
+                      "tracking.system_metrics_interval_s=0.5", cwd=tmp_path, env=two_node_ray["env"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Started a local Ray instance" not in done.stderr
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
+    assert run.info.status == "FINISHED"
     assert run.data.tags["nodes_used"] == "2"
     assert run.data.params["cluster.address"] == two_node_ray["gcs"]
-    assert run.info.status == "FINISHED"
+    artifacts = client.download_artifacts(run.info.run_id, "plan", str(tmp_path))
+    planned = json.loads(Path(artifacts, "placement.json").read_text())["placement"]
+    realized = json.loads(Path(artifacts, "placement_realized.json").read_text())["ranks"]
+    assert [(r["node"], r["pp_rank"], r["tp_rank"]) for r in planned] == [(0, 0, 0), (0, 0, 1), (1, 1, 0), (1, 1, 1)]
+    nodes = [r["node_id"] for r in realized]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3]  # each tp group on one node, as planned
+    assert [(r["pp_rank"], r["tp_rank"]) for r in realized] == [(r["pp_rank"], r["tp_rank"]) for r in planned]
     for node in ("node0", "node1"):
         assert run.data.tags[f"system.{node}"]
         cpu = client.get_metric_history(run.info.run_id, f"system/{node}/cpu_utilization_percentage")
@@ -90,25 +103,6 @@ def test_workers_land_on_both_nodes_of_a_real_cluster(two_node_ray, tmp_path):
     report = subprocess.run([sys.executable, "-m", "orchestrator", "report", run.info.run_id, "--out", "rep"],
                             cwd=tmp_path, env=two_node_ray["env"], capture_output=True, text=True, timeout=300)
     assert report.returncode == 0 and (tmp_path / "rep" / "system.png").exists(), report.stderr[-2000:]
-
-
-def test_a_3d_plan_keeps_tensor_parallel_groups_inside_nodes(two_node_ray, tmp_path):
-    # 4 workers on 2 one-CPU nodes: tp=2 groups fill a node each, the two pipeline stages talk
-    # across nodes. Where the ranks really ran is logged next to the planned layout.
-    done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2", "cluster.devices_per_node=2",
-                      "cluster.cpus_per_worker=0.5", "plan.dp=1", "plan.tp=2", "plan.pp=2", "plan.grad_accum_steps=2",
-                      cwd=tmp_path, env=two_node_ray["env"])
-    assert done.returncode == 0, done.stderr[-3000:]
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
-    artifacts = client.download_artifacts(run.info.run_id, "plan", str(tmp_path))
-    planned = json.loads(Path(artifacts, "placement.json").read_text())["placement"]
-    realized = json.loads(Path(artifacts, "placement_realized.json").read_text())["ranks"]
-    assert [(r["node"], r["pp_rank"], r["tp_rank"]) for r in planned] == [(0, 0, 0), (0, 0, 1), (1, 1, 0), (1, 1, 1)]
-    nodes = [r["node_id"] for r in realized]
-    assert nodes[0] == nodes[1] != nodes[2] == nodes[3]  # each tp group on one node, as planned
-    assert [(r["pp_rank"], r["tp_rank"]) for r in realized] == [(r["pp_rank"], r["tp_rank"]) for r in planned]
-    assert run.info.status == "FINISHED"
 
 
 def test_a_plan_larger_than_the_cluster_fails_clearly(two_node_ray, tmp_path):
@@ -132,65 +126,6 @@ def test_a_plan_larger_than_the_cluster_fails_clearly(two_node_ray, tmp_path):
     assert done.returncode == 2, done.stderr[-3000:]
     assert ("data.cpus_per_task=1.0: the data's tasks take 1 CPU(s) beside the workers' 2, but the cluster has 2 "
             "CPU(s) in all") in done.stderr, done.stderr[-3000:]
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    proc = launch_mlflow_server(root, port)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
-        yield url
-    finally:
-        stop(proc)
-
-
-def test_a_run_tracked_on_a_real_mlflow_server(mlflow_server, tmp_path):
-    done = orch_train(f"tracking.uri={mlflow_server}", "tracking.experiment=server", "plan.zero_stage=1",
-                      cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"{mlflow_server}/#/experiments/" in done.stdout
-    client = MlflowClient(tracking_uri=mlflow_server)
-    run = client.search_runs([client.get_experiment_by_name("server").experiment_id])[0]
-    assert run.info.status == "FINISHED"
-    assert run.data.params["plan.zero_stage"] == "1"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10]
-    assert {a.path for a in client.list_artifacts(run.info.run_id, "config")} == {
-        "config/resolved.yaml", "config/deepspeed.json"}
-    assert not (tmp_path / "mlflow.db").exists()
-
-
-ADMIN = "admin"
-
-
-@pytest.fixture(scope="module")
-def mlflow_auth_server(tmp_path_factory):
-    """An `mlflow server` behind MLflow's basic authentication, with one admin user.
-
-    The admin password is bootstrapped from the auth app's ini file, which sits apart from the
-    server's store so that the store can be searched for the password a run must not leak.
-    """
-    root = tmp_path_factory.mktemp("mlflow-auth-server")
-    config = tmp_path_factory.mktemp("mlflow-auth-config")
-    password = f"Pw-{secrets.token_hex(8)}"
-    (config / "auth.ini").write_text(
-        "[mlflow]\ndefault_permission = READ\n"
-        f"database_uri = sqlite:///{config / 'users.db'}\n"
-        f"admin_username = {ADMIN}\nadmin_password = {password}\n"
-        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-    port = free_port()
-    proc = launch_mlflow_server(root, port, app_name="basic-auth",
-                                env={"MLFLOW_AUTH_CONFIG_PATH": str(config / "auth.ini"),
-                                     "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
-        yield {"url": url, "password": password, "store": root,
-               "with_password": f"http://{ADMIN}:{password}@127.0.0.1:{port}"}
-    finally:
-        stop(proc)
 
 
 def env_without_mlflow_credentials() -> dict[str, str]:
@@ -297,25 +232,6 @@ def client_session_logs(temp_dir: str) -> set[str]:
     return {p.name for p in Path(temp_dir, "session_latest", "logs").glob("ray_client_server_*.out")}
 
 
-def test_ray_client_address(two_node_ray, tmp_path):
-    # The head's first session server for this client dies as it starts; the driver tries again.
-    Path(two_node_ray["fail_next_client_session"]).touch()
-    sessions_before = client_session_logs(two_node_ray["temp_dir"])
-    done = orch_train(f"cluster.address={two_node_ray['client']}", "cluster.nodes=2", "cluster.devices_per_node=1",
-                      cwd=tmp_path, env=two_node_ray["env"])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert not Path(two_node_ray["fail_next_client_session"]).exists()
-    assert "could not start a client session (attempt 1 of 3" in done.stderr, done.stderr[-3000:]
-    # One session per failed attempt and one more: reading the live cluster and training share a
-    # connection. A healthy session server can also miss the head's 15 s start-up limit on a loaded
-    # machine (CI saw a second retry); the driver retries that too, and it shows in stderr.
-    failed = done.stderr.count("could not start a client session")
-    assert len(client_session_logs(two_node_ray["temp_dir"]) - sessions_before) == failed + 1, done.stderr[-3000:]
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
-    assert run.data.tags["nodes_used"] == "2" and run.info.status == "FINISHED"
-
-
 def test_check_reads_the_live_cluster(two_node_ray, tmp_path):
     import json
 
@@ -334,7 +250,11 @@ def test_check_reads_the_live_cluster(two_node_ray, tmp_path):
     assert too_many.returncode == 2 and "the live cluster has room for 2" in too_many.stderr
 
 
-def test_metrics_survive_a_tracking_server_restart_mid_run(tmp_path, monkeypatch):
+def test_a_run_tracked_on_a_real_mlflow_server_survives_its_restart_mid_run(tmp_path, monkeypatch):
+    """Params, metrics and artifacts reach a real `mlflow server`, nothing lands in a local store,
+    and the metrics of the steps that ran while the server was away arrive once it is back."""
+    import io
+
     from helpers.config import compose_config
     from orchestrator.config import to_typed
     from orchestrator.driver import run_training
@@ -346,21 +266,32 @@ def test_metrics_survive_a_tracking_server_restart_mid_run(tmp_path, monkeypatch
     servers = [launch_mlflow_server(root, port)]
     wait_healthy(url, servers[0])
 
-    def restart_server_at_step_10(reports, facts):
+    def restart_server_at_step_10_and_wait_for_it_at_20(reports, facts):
         if reports[0].step == 10 and len(servers) == 1:
             stop(servers[0])  # the server goes away mid-run ...
             servers.append(launch_mlflow_server(root, port))  # ... and comes back some seconds later
+        elif reports[0].step == 20:
+            # Steps 10 and 15 were tracked while it was away. The model uploaded at the run's end is
+            # an artifact, not a buffered metric: it needs the server back, which took 46 s on a
+            # loaded machine. The workers train on meanwhile; only the driver waits here.
+            wait_healthy(url, servers[-1])
 
     try:
-        cfg = compose_config("train.steps=150", "train.log_every=5", "train.eval_batches=1",
-                             "plan.micro_batch_size=4", f"tracking.uri={url}", "tracking.experiment=outage")
-        result = run_training(*to_typed(cfg), on_report=restart_server_at_step_10)
-        from mlflow.tracking import MlflowClient
-
+        cfg = compose_config("train.steps=30", "train.log_every=5", "train.eval_batches=1",
+                             "plan.micro_batch_size=4", "plan.zero_stage=1", f"tracking.uri={url}",
+                             "tracking.experiment=outage")
+        out = io.StringIO()
+        result = run_training(*to_typed(cfg), on_report=restart_server_at_step_10_and_wait_for_it_at_20, stream=out)
+        assert f"{url}/#/experiments/" in out.getvalue()
         client = MlflowClient(tracking_uri=url)
-        assert [m.step for m in client.get_metric_history(result.run_id, "loss")] == list(range(5, 151, 5))
-        assert client.get_run(result.run_id).info.status == "FINISHED"
+        run = client.get_run(result.run_id)
+        assert run.info.status == "FINISHED"
+        assert run.data.params["plan.zero_stage"] == "1"
+        assert [m.step for m in client.get_metric_history(result.run_id, "loss")] == list(range(5, 31, 5))
+        assert {a.path for a in client.list_artifacts(result.run_id, "config")} == {
+            "config/resolved.yaml", "config/deepspeed.json"}
         assert not list(tmp_path.glob("mlflow-unsent-*.json"))
+        assert not (tmp_path / "mlflow.db").exists()
     finally:
         for proc in servers:
             stop(proc)
@@ -383,7 +314,11 @@ def train_worker_pids(temp_dir: str) -> set[int]:
 
 
 def test_a_killed_worker_restarts_from_checkpoints_on_s3_through_ray_client(two_node_ray, s3_store, tmp_path):
-    """Each node uploads its ranks' part of every checkpoint; the restarted workers download it."""
+    """Each node uploads its ranks' part of every checkpoint; the restarted workers download it.
+
+    The head's first session server for this client dies as it starts; the driver tries again."""
+    Path(two_node_ray["fail_next_client_session"]).touch()
+    sessions_before = client_session_logs(two_node_ray["temp_dir"])
     ckpt = f"s3://{s3_store['bucket']}/killed"
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "train.steps=60", "train.log_every=5",
                              "train.eval_batches=1", "train.checkpoint_every=20", f"train.checkpoint_dir={ckpt}",
@@ -409,10 +344,19 @@ def test_a_killed_worker_restarts_from_checkpoints_on_s3_through_ray_client(two_
             kill_tree({proc.pid})
     output = "".join(lines)
     assert proc.returncode == 0 and killed, output[-3000:]
+    assert not Path(two_node_ray["fail_next_client_session"]).exists()
+    assert "could not start a client session (attempt 1 of 3" in output, output[-3000:]
+    # One session per failed attempt and one more: reading the live cluster, training and the
+    # restarted workers share a connection. A healthy session server can also miss the head's 15 s
+    # start-up limit on a loaded machine (CI saw a second retry); the driver retries that too, and
+    # it shows in the output.
+    failed = output.count("could not start a client session")
+    assert len(client_session_logs(two_node_ray["temp_dir"]) - sessions_before) == failed + 1, output[-3000:]
     assert "restart 1/1: " in output and "resuming from step 20" in output, output[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
     assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"
+    assert run.data.tags["nodes_used"] == "2"
     assert run.data.tags["restart.1.resumed_from_step"] == "20"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(5, 61, 5))
     # In the bucket: the two newest tags, each with its manifest, and the record naming the last.

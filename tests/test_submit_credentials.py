@@ -14,18 +14,16 @@ import subprocess
 import sys
 
 import pytest
-import test_cluster
 from mlflow.tracking import MlflowClient
-from test_cluster import ADMIN, env_without_mlflow_credentials, files_holding
+from test_cluster import env_without_mlflow_credentials, files_holding
 from test_submit import orch, ray_jobs_head, user_project
 
 from helpers.config import compose_config
 from helpers.processes import free_port
+from helpers.tracking_server import ADMIN
 from orchestrator.config import to_typed
 from orchestrator.submit import check_tracking, shipped_credentials, submission, submitted_message
 from plans.errors import PlanError
-
-mlflow_auth_server = test_cluster.mlflow_auth_server  # the module-scoped fixture, under its own name
 
 SECRET = "Pw-not-to-be-seen-1234"
 CLUSTER_FIX = ("keep the credentials in the cluster's own environment (where `ray start` runs on the head node) "

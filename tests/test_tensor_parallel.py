@@ -124,22 +124,8 @@ def train(sqlite_uri: str, *overrides: str):
 
 
 @pytest.mark.slow
-def test_tp2_trains_with_both_ranks_on_the_same_batch(local_ray, sqlite_uri):
-    result = train(sqlite_uri, "plan.dp=1", "plan.tp=2")
-    assert [(f.dp_rank, f.tp_rank) for f in result.worker_facts] == [(0, 0), (0, 1)]
-    first, last = result.reports[0], result.reports[-1]
-    assert last[0].loss < first[0].loss - 0.5, (first[0].loss, last[0].loss)
-    # One replica split in two: both ranks read the same batch and, since the output head is
-    # replicated and the row-parallel all-reduce gives both the same sum, compute the same loss.
-    assert first[0].first_batch_digest == first[1].first_batch_digest
-    for reports in result.reports:
-        assert reports[0].local_loss == reports[1].local_loss
-        assert reports[0].loss == reports[1].loss
-    assert last[0].evaluation["eval_loss"] == last[1].evaluation["eval_loss"]
-
-
-@pytest.mark.slow
-def test_tp2_follows_the_data_parallel_loss_curve(dp_reference, local_ray, sqlite_uri):
+def test_tp2_trains_both_ranks_on_the_same_batch_and_follows_the_data_parallel_loss_curve(dp_reference, local_ray,
+                                                                                           sqlite_uri):
     # Same global batch (8) and seed: dp=2 with 4 samples per rank, tp=2 with all 8 on one replica.
     # DistributedSampler draws one permutation per epoch for every replica and deals it out
     # round-robin, so dp=2's two micro-batches are exactly the 8 samples dp=1 reads at that step:
@@ -149,6 +135,16 @@ def test_tp2_follows_the_data_parallel_loss_curve(dp_reference, local_ray, sqlit
     # than the loss falls between two logged steps.
     dp = dp_reference  # ZeRO-1: the same Adam steps as ZeRO-0, on a flat fp32 partition
     tp = train(sqlite_uri, "plan.dp=1", "plan.tp=2", "plan.micro_batch_size=8")
+    assert [(f.dp_rank, f.tp_rank) for f in tp.worker_facts] == [(0, 0), (0, 1)]
+    first, last = tp.reports[0], tp.reports[-1]
+    assert last[0].loss < first[0].loss - 0.5, (first[0].loss, last[0].loss)
+    # One replica split in two: both ranks read the same batch and, since the output head is
+    # replicated and the row-parallel all-reduce gives both the same sum, compute the same loss.
+    assert first[0].first_batch_digest == first[1].first_batch_digest
+    for reports in tp.reports:
+        assert reports[0].local_loss == reports[1].local_loss
+        assert reports[0].loss == reports[1].loss
+    assert last[0].evaluation["eval_loss"] == last[1].evaluation["eval_loss"]
     assert dp.plan.global_batch_size == tp.plan.global_batch_size == 8
     assert [r[0].loss for r in tp.reports] == pytest.approx([r[0].loss for r in dp.reports], abs=1e-3)
     assert tp.eval_loss == pytest.approx(dp.eval_loss, abs=1e-3)

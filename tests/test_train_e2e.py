@@ -15,7 +15,8 @@ MATRIX = [
     # (overrides, why this combination)
     (["plan.zero_stage=0"], "plain data parallel, fp32"),
     (["plan.zero_stage=1", "plan.precision=bf16"], "sharded optimizer states, bf16"),
-    (["plan.zero_stage=2", "plan.offload_optimizer=cpu"], "sharded grads, CPU Adam offload"),
+    # ZeRO-2 with CPU Adam offload trains in test_mlflow_run_holds_params_metrics_and_artifacts,
+    # which makes these assertions on its run too.
     (["plan.zero_stage=3", "plan.activation_checkpointing=true"], "sharded params, recompute"),
     (["plan=zero3_offload"], "ZeRO-3 + CPU offload + checkpointing + bf16 (shipped plan)"),
     (["plan.zero_stage=1", "plan.activation_checkpointing=true", "plan.grad_accum_steps=2",
@@ -28,9 +29,7 @@ def train(sqlite_uri: str, *overrides: str):
     return run_training(*to_typed(cfg))
 
 
-@pytest.mark.parametrize("overrides", [m[0] for m in MATRIX], ids=[m[1] for m in MATRIX])
-def test_training_matrix(local_ray, sqlite_uri, overrides):
-    result = train(sqlite_uri, *overrides)
+def assert_trains_as_data_parallel(result, overrides) -> None:
     assert [r[0].step for r in result.reports] == [5, 10, 15, 20, 25, 30]
     first, last = result.reports[0], result.reports[-1]
     # The loss falls: from ~ln(256)=5.5 at the start to well below after 30 steps.
@@ -47,8 +46,19 @@ def test_training_matrix(local_ray, sqlite_uri, overrides):
         assert all(0 < f.params_at_build < result.model.param_count for f in result.worker_facts)
 
 
+@pytest.mark.parametrize("overrides", [m[0] for m in MATRIX], ids=[m[1] for m in MATRIX])
+def test_training_matrix(local_ray, sqlite_uri, overrides):
+    assert_trains_as_data_parallel(train(sqlite_uri, *overrides), overrides)
+
+
 def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
-    result = train(sqlite_uri, "plan.zero_stage=2", "tracking.experiment=readback", "tracking.run_name=rb")
+    """What a run leaves in MLflow; its run is also the matrix's ZeRO-2 + CPU Adam offload case, and
+    one shorter than the hardware sampling interval (set far above any run's length, so that the
+    case holds on a machine of any speed)."""
+    plan = ("plan.zero_stage=2", "plan.offload_optimizer=cpu")
+    result = train(sqlite_uri, *plan, "tracking.experiment=readback", "tracking.run_name=rb",
+                   "tracking.system_metrics_interval_s=3600")
+    assert_trains_as_data_parallel(result, plan)
     client = MlflowClient(tracking_uri=sqlite_uri)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "rb"
@@ -71,6 +81,13 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
     assert {a.path for a in client.list_artifacts(result.run_id, "plots")} == {
         "plots/loss.png", "plots/throughput.png", "plots/memory.png", "plots/system.png"}
     assert run.data.metrics["memory/rank1/measured_peak_bytes"] > 0
+    nodes = sorted(tag.removeprefix("system.") for tag in run.data.tags if tag.startswith("system.node"))
+    assert nodes == ["node0"], run.data.tags
+    for metric in ("cpu_utilization_percentage", "system_memory_usage_megabytes"):
+        history = client.get_metric_history(result.run_id, f"system/node0/{metric}")
+        # One sample: the one taken as the node's training ended, none before it was due.
+        assert [m.step for m in history] == [0], (metric, history)
+        assert history[0].value > 0
     # Where the time before the first report went, phase by phase.
     assert list(result.startup) == ["check", "tracking", "ray", "workers", "setup", "first_report"]
     assert {k: v for k, v in run.data.metrics.items() if k.startswith("startup/")} == pytest.approx(

@@ -85,6 +85,12 @@ def test_resume_at_another_dp_from_s3_continues_the_same_curve(dp_reference, loc
     assert "written with dp=2; converting it to a universal checkpoint for dp=1" in out.getvalue()
     assert resumed.run_id == first.run_id
     assert resumed.worker_facts[0].start_step == 10
+    # One MLflow run holds both commands' steps, finished by the second.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    assert [m.step for m in client.get_metric_history(first.run_id, "loss")] == [5, 10, 15, 20, 25, 30]
+    assert client.get_run(first.run_id).info.status == "FINISHED"
     # Pruning step 10 (keep_checkpoints=2 after steps 20 and 30) removed its conversion too.
     listed = s3_store["client"].list_objects_v2(Bucket=s3_store["bucket"], Prefix="universal/")["Contents"]
     # (pyarrow marks the directories it creates with empty objects named like them: "universal/".)
