@@ -362,16 +362,30 @@ def _probe_gcs(address: str, gcs: str, timeout_s: float) -> None:
 
 
 def _probe_client_server(address: str, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for the Ray client server at ``ray://host:port`` to accept a channel."""
+    """Wait up to ``timeout_s`` for the Ray client server at ``ray://host:port`` to answer a ping.
+
+    A channel that opens proves little: a firewall, a load balancer or a proxy in front of the
+    port accepts it, and Ray's client then retries its own ping for about 30 seconds whatever
+    the timeout. The probe sends that ping (the one Ray's client sends first, answered by the
+    head's proxy before any session starts), bounded by ``timeout_s``.
+    """
     import grpc
     from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import ray_client_pb2, ray_client_pb2_grpc
 
-    target = address.removeprefix("ray://")
-    channel = init_grpc_channel(target)
+    channel = init_grpc_channel(address.removeprefix("ray://"))
     try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_s)
-    except grpc.FutureTimeoutError:
-        raise RayConnectError(_unreachable(address, target, timeout_s, "no gRPC server accepted a channel")) from None
+        ping = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
+        ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(ping, timeout=timeout_s, wait_for_ready=True)
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise RayConnectError(
+                f"cluster.address={address}: a server answered there, but not as Ray's client server does "
+                f"({error.code().name}: {error.details()}); the port may be the head's GCS port (write it without "
+                "ray://) or a proxy's. Fix: cluster.address=ray://HOST:10001 (the head's "
+                "--ray-client-server-port), or HOST:PORT of the GCS (6379 unless `ray start --port` chose another)"
+            ) from None
+        raise RayConnectError(_unreachable(address, address, timeout_s, error.code().name)) from None
     finally:
         channel.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.server
 import json
 import os
@@ -221,6 +222,30 @@ def test_an_unreachable_cluster_fails_within_connect_timeout(tmp_path, command, 
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # no Ray warnings
     assert not (tmp_path / "mlflow.db").exists(), "nothing is tracked for a cluster that is not there"
     assert processes_mentioning(str(tmp_path)) == set()
+
+
+def test_a_ray_address_whose_port_is_not_a_ray_client_server_fails_within_connect_timeout(tmp_path):
+    """A gRPC server that is not Ray's client server (the head's GCS port written after ray://, a
+    proxy): Ray's client would retry its ping for ~30 s whatever cluster.connect_timeout_s says."""
+    import grpc
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=1))  # serves no service at all
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        started = time.monotonic()
+        done = orch("train", f"cluster.address=ray://127.0.0.1:{port}", "cluster.connect_timeout_s=3",
+                    cwd=tmp_path, timeout=120)
+        took_s = time.monotonic() - started
+    finally:
+        server.stop(grace=None)
+    print(f"exit {done.returncode} after {took_s:.1f}s")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert took_s < 25
+    assert done.stderr.startswith(f"error: cluster.address=ray://127.0.0.1:{port}: a server answered there, but not "
+                                  "as Ray's client server does (UNIMPLEMENTED"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # no Ray warnings
+    assert not (tmp_path / "mlflow.db").exists()
 
 
 def test_an_unreachable_tracking_server_is_a_clear_error_before_anything_is_tracked(tmp_path):
