@@ -180,6 +180,55 @@ def test_a_signal_stops_training_cleanly_on_a_loopback_only_ray(tmp_path, stop, 
         time.sleep(1)
 
 
+SLOW_TO_BUILD = """
+import pathlib
+import time
+
+import torch
+
+
+class Net(torch.nn.Module):
+    \"\"\"A model whose workers take long to build it (as one loading big weights does): it marks
+    ``started`` once a worker, past its process-group setup, begins to build it.\"\"\"
+
+    def __init__(self, started: str):
+        super().__init__()
+        self.body = torch.nn.Linear(16, 4)
+        if torch.distributed.is_initialized():  # a worker, not the driver's check
+            pathlib.Path(started).touch()
+            time.sleep(120)
+
+    def forward(self, x):
+        return self.body(x)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_workers_set_up_exits_143(tmp_path):
+    """The driver then waits in ``ray.get``, whose native wait turns the handler's exception into
+    a plain KeyboardInterrupt: the command must still name SIGTERM and exit 143, not 130."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "slow.py").write_text(SLOW_TO_BUILD)
+    started = tmp_path / "building"
+    (tmp_path / "conf" / "model" / "slow.yaml").write_text(f"_target_: slow.Net\nstarted: {started}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "--config-dir", "conf", "model=slow",
+                             "data=dataset", "objective=classification", "train.steps=5"], cwd=tmp_path,
+                            env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not started.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    spawned = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=300)
+    assert proc.returncode == 143, rest[-3000:]
+    assert rest.strip().splitlines()[-1] == "stopped by SIGTERM", rest[-3000:]
+    deadline = time.monotonic() + 30
+    while alive(spawned):
+        assert time.monotonic() < deadline, f"left behind: {alive(spawned)}"
+        time.sleep(1)
+
+
 def _gcs_answers_without_a_token(port: int) -> str:
     """The status of a GCS call that carries no auth token (OK would mean anyone may call it)."""
     import grpc
