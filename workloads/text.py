@@ -24,6 +24,7 @@ import torch
 from plans.errors import Violation
 from workloads.corpus import BYTE_VOCAB, SHIPPED_CORPUS
 from workloads.lineage import files_digest
+from workloads.text_rows import first_bad_row
 
 _FORMATS = {".txt": "text", ".gz": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _FIX = "point data.files at local .txt, .jsonl or .parquet files (globs allowed)"
@@ -102,6 +103,11 @@ class TextSource:
             missing = self._missing_field(path)
             if missing:
                 return [missing]
+        for path in self.paths:
+            kind = self._format(path)
+            bad = first_bad_row(str(path), kind, self.text_field) if kind in ("text", "json") else None
+            if bad:
+                return [Violation("data.files", str(path), f"line {bad.line} {bad.problem}", bad.fix)]
         if self.tokenizer is not None:
             try:
                 vocabulary = len(self._tokenizer)
