@@ -198,11 +198,13 @@ def _out_directory(command: str) -> Path | None:
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def report_app(cfg: DictConfig) -> None:
     from orchestrator.report import report_command
+    from orchestrator.tracking import resolve_run_id
 
     protect_config(cfg)
     run_id = _required_run_id("report")
     out = _out_directory("report")
     try:
+        run_id = resolve_run_id(cfg.tracking.uri, run_id)
         text, plots = report_command(cfg.tracking.uri, run_id, out or Path(f"reports/{run_id}"))
     except OrchError as error:
         _fail(error)
@@ -214,6 +216,7 @@ def report_app(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def export_app(cfg: DictConfig) -> None:
     from orchestrator.export import export_run
+    from orchestrator.tracking import resolve_run_id
 
     protect_config(cfg)
     run_id = _required_run_id("export")
@@ -222,6 +225,7 @@ def export_app(cfg: DictConfig) -> None:
         # The model comes from this command's own config (its --config-dir and overrides), checked
         # against the checkpoint; nothing the run's tracked artifacts declare is instantiated.
         _, model_cfg, _ = to_typed(cfg)
+        run_id = resolve_run_id(cfg.tracking.uri, run_id)
         tag = export_run(cfg.tracking.uri, run_id, model_cfg, out)
     except OrchError as error:
         _fail(error)
