@@ -229,6 +229,50 @@ def test_sigterm_while_the_workers_set_up_exits_143(tmp_path):
         time.sleep(1)
 
 
+ENV_RECORDING = """
+import json
+import os
+import pathlib
+
+import torch
+
+
+class Net(torch.nn.Module):
+    \"\"\"Writes which of ``names`` its worker's environment holds, as any code a run imports could read them.\"\"\"
+
+    def __init__(self, record: str, names: list):
+        super().__init__()
+        self.body = torch.nn.Linear(16, 4)
+        if torch.distributed.is_initialized():  # a worker, not the driver's check
+            pathlib.Path(record).write_text(json.dumps({name: name in os.environ for name in names}))
+
+    def forward(self, x):
+        return self.body(x)
+"""
+
+
+@pytest.mark.slow
+def test_the_embedded_rays_workers_do_not_inherit_the_commands_credentials(tmp_path):
+    """The tracking password and a cloud key stay in the command (which uses the former to track
+    the run); its workers, which talk to no tracking server and here to no object store, start
+    without them, and with the rest of the environment."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "recording.py").write_text(ENV_RECORDING)
+    names = ["MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "ORCH_TEST_PLAIN"]
+    record = tmp_path / "worker-env.json"
+    (tmp_path / "conf" / "model" / "recording.yaml").write_text(
+        f"_target_: recording.Net\nrecord: {record}\nnames: {json.dumps(names)}\n")
+    env = {**worker_env(), "MLFLOW_TRACKING_PASSWORD": "pw-123", "AWS_SECRET_ACCESS_KEY": "key-456",
+           "GITHUB_TOKEN": "tok-789", "ORCH_TEST_PLAIN": "1"}
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "train", "--config-dir", "conf", "model=recording",
+                           "data=dataset", "objective=classification", "train.steps=2", "train.log_every=1",
+                           "train.eval_batches=1"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(record.read_text()) == {"MLFLOW_TRACKING_PASSWORD": False, "AWS_SECRET_ACCESS_KEY": False,
+                                              "GITHUB_TOKEN": False, "ORCH_TEST_PLAIN": True}
+
+
 def _gcs_answers_without_a_token(port: int) -> str:
     """The status of a GCS call that carries no auth token (OK would mean anyone may call it)."""
     import grpc
