@@ -204,6 +204,14 @@ def test_text_is_tokenized_once_into_a_shared_cache_and_windows_cover_it(tmp_pat
     assert inputs.shape == targets.shape == (16,) and torch.equal(inputs[1:], targets[:-1])
     assert len(train) > len(val) > 0
     assert again.describe()["digest"] == source.describe()["digest"]
+    assert not list((tmp_path / "cache").glob("*.lock"))
+    # A tokenization that fails (here its file went away after the check) leaves nothing behind.
+    gone = TextSource(files=[str(rows)], seq_len=8, cache_dir=str(tmp_path / "failed"))
+    assert gone.violations() == [] and gone._cache_path
+    rows.unlink()
+    with pytest.raises(FileNotFoundError):
+        gone.prepare()
+    assert list((tmp_path / "failed").iterdir()) == []
     # Two data-parallel replicas read disjoint shards that cover the training windows.
     seen = [set(torch.utils.data.DistributedSampler(train, num_replicas=2, rank=r, shuffle=True, seed=1,
                                                     drop_last=True)) for r in (0, 1)]
