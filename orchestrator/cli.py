@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from launchers.ray_auth import use_token_auth_if_available
 from orchestrator.config import register_configs, to_typed
 from orchestrator.credentials import move_argv_credentials, protect_config, redact_text
-from orchestrator.exits import EXIT_USAGE, exit_code, run_command
+from orchestrator.exits import EXIT_USAGE, Reported, exit_code, print_json_error, run_command
 from orchestrator.signals import stopped_by_signals
 from plans.errors import OrchError
 
@@ -53,6 +53,8 @@ Overrides are Hydra's: key=value, group=option, --multirun a=1,2. See README.md.
 
 def _fail(error: OrchError) -> None:
     print(redact_text(f"error: {error}"), file=sys.stderr)
+    if _OPTIONS["json"]:
+        print_json_error(error, str(error), exit_code(error))
     sys.exit(exit_code(error))
 
 
@@ -86,7 +88,7 @@ def train_app(cfg: DictConfig) -> float | None:
     except OrchError as error:
         if sweeping:  # the sweeper records a failed job and goes on (Optuna: a failed trial)
             print(redact_text(f"error: job {HydraConfig.get().job.num} failed: {error}"), file=sys.stderr)
-            raise
+            raise Reported(error) from error
         _fail(error)
 
 
@@ -438,4 +440,4 @@ def main(argv: list[str] | None = None) -> int:
 
     sweeps.command = command
     with stopped_by_signals():
-        return run_command(COMMANDS[command], command, verbose=verbose)
+        return run_command(COMMANDS[command], command, verbose=verbose, json_errors=_OPTIONS["json"])

@@ -111,8 +111,9 @@ def _check_probe_status(uri: str, status: int) -> None:
         return
     if status == 401:
         given = f"refused the credentials of user {user!r}" if user else "needs credentials and none were given"
-        raise TrackingError(f"{_named(uri)}: the MLflow server {given} (HTTP 401). Fix: {_CREDENTIALS_FIX}, "
-                            "or write them into the URI as http://user:password@host:port")
+        raise TrackingError(f"{_named(uri)}: the MLflow server {given} (HTTP 401). Fix: {_CREDENTIALS_FIX} "
+                            "(MLflow's own variables, rather than user:password@ in the URI, which shell history "
+                            "keeps)")
     if status == 403:
         raise TrackingError(f"{_named(uri)}: the MLflow server accepted user {user!r} but lets it read no "
                             f"experiments (HTTP 403). Fix: ask its admin for permission, or {_CREDENTIALS_FIX}")

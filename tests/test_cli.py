@@ -353,10 +353,10 @@ def test_an_unreachable_tracking_server_is_a_clear_error_before_anything_is_trac
 
 
 class _NotFound(http.server.BaseHTTPRequestHandler):
-    """A web server that is not MLflow: every path is 404."""
+    """A web server that is not MLflow: every path is 404, but under /auth/, which asks for credentials (401)."""
 
     def do_GET(self):  # noqa: N802 (the name http.server calls)
-        self.send_error(404)
+        self.send_error(401 if self.path.startswith("/auth/") else 404)
 
     def log_message(self, *args):
         pass
@@ -377,19 +377,79 @@ def not_mlflow():
     ("runs", "ftp://x", "tracking.uri=ftp://x: MLflow cannot track there"),
     ("train", "NOT_MLFLOW", "has no MLflow tracking API (HTTP 404 for /api/2.0/mlflow/experiments/search)"),
     ("runs", "NOT_MLFLOW", "has no MLflow tracking API (HTTP 404"),
+    # The fix names MLflow's variables, never credentials written into the URI.
+    ("runs", "NEEDS_AUTH", "needs credentials and none were given (HTTP 401). Fix: set MLFLOW_TRACKING_USERNAME "
+                           "and MLFLOW_TRACKING_PASSWORD to a user of that server (MLflow's own variables, rather "
+                           "than user:password@ in the URI, which shell history keeps)"),
     ("report", "UNREACHABLE", "no MLflow server answers there (Connection refused)"),
     ("runs", "sqlite:///mlflow.db", "there is no MLflow store at"),
 ])
 def test_a_tracking_uri_mlflow_cannot_use_is_a_short_error(command, uri, message, not_mlflow, tmp_path):
     from helpers.processes import free_port
 
-    uri = {"NOT_MLFLOW": not_mlflow, "UNREACHABLE": f"http://127.0.0.1:{free_port()}"}.get(uri, uri)
+    uri = {"NOT_MLFLOW": not_mlflow, "NEEDS_AUTH": not_mlflow.replace("/mlflow", "/auth"),
+           "UNREACHABLE": f"http://127.0.0.1:{free_port()}"}.get(uri, uri)
     args = {"train": ["train", "train.steps=1"], "runs": ["runs"], "report": ["report", "0123abcd"]}[command]
     done = orch(*args, f"tracking.uri={uri}", cwd=tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
     assert message in done.stderr and "Fix:" in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) <= 2, done.stderr
     assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    # A symbolic link loop, and a link to nothing, are not "no such file".
+    (["data=text", "data.files=[loop.txt]"], "data.files='loop.txt': is a symbolic link loop (loop.txt -> loop.txt"),
+    (["train.checkpoint_dir=dangling", "train.checkpoint_every=5"],
+     "train.checkpoint_dir='dangling': is a symbolic link to nowhere, which does "
+                                        "not exist."),
+    # A missing pretrained directory is the field's problem, not the model's _target_'s.
+    (["model=hf_causal_lm", "model.config=null", "model.pretrained_path=no-such-dir"],
+     "model.pretrained_path='no-such-dir': workloads.hf.hf_causal_lm refused its arguments: ValueError: "
+     "model.pretrained_path='no-such-dir' no such file or directory"),
+    # A model no plan could hold on this cluster is refused as input (exit 2), not "does not fit" (exit 1).
+    (["model=gpt", "model.d_model=1000000"], "GiB in fp32 for the parameters alone, more than the 40.0 GiB of the "
+                                             "whole cluster"),
+])
+def test_check_names_what_is_wrong_and_exits_2(tmp_path, args, expected):
+    (tmp_path / "loop.txt").symlink_to("loop.txt")
+    (tmp_path / "dangling").symlink_to("nowhere")
+    done = orch("check", *args, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert expected in done.stderr, done.stderr
+
+
+def test_check_json_prints_a_json_error_on_stdout(tmp_path):
+    done = orch("check", "--json", "plan.zero_stage=5", cwd=tmp_path, timeout=300)
+    assert done.returncode == 2
+    error = json.loads(done.stdout)["error"]
+    assert error["exit_code"] == 2 and error["violations"] == [{
+        "field": "plan.zero_stage", "value": "5", "message": "ZeRO stages are 0, 1, 2 and 3.",
+        "fix": "set plan.zero_stage to 0, 1, 2 or 3"}]
+    assert "plan.zero_stage=5: ZeRO stages" in done.stderr  # the message, as without --json
+    composing = orch("check", "--json", "plan.bogus=1", cwd=tmp_path, timeout=300)
+    assert composing.returncode == 2 and "Key 'bogus' not in 'PlanSpec'" in json.loads(composing.stdout)["error"][
+        "message"]
+
+
+def test_a_failed_sweep_job_is_reported_once(tmp_path):
+    done = orch("train", "--multirun", "plan.zero_stage=5,6", "train.steps=2", cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    for stage in (5, 6):
+        assert done.stderr.count(f"plan.zero_stage={stage}: ZeRO stages are 0, 1, 2 and 3.") == 1, done.stderr
+
+
+def test_an_export_from_a_broken_checkpoint_record_is_told_how_to_export(tmp_path):
+    """A malformed latest.json: the fix is about exporting, not about resuming a run."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("orch"))
+    client.log_param(run.info.run_id, "train.checkpoint_dir", "ckpt")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest.json").write_text("{not json")
+    done = orch("export", run.info.run_id, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "latest.json is malformed" in done.stderr and "Fix: export only checkpoints this orchestrator wrote" \
+        in done.stderr and "resume" not in done.stderr, done.stderr
 
 
 def test_sigterm_inside_the_block_runs_cleanup_and_exits_143(capsys):

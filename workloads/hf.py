@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from workloads.local_files import missing_reason
+
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 """Suffixes of weight files written by ``torch.save`` (pickles)."""
 
@@ -51,7 +53,7 @@ def _require_safetensors(pretrained_path: str) -> None:
     """Refuse a ``pretrained_path`` that is not a directory of safetensors weights, naming the field."""
     directory = Path(pretrained_path).expanduser()
     if not directory.is_dir():
-        what = "is not a directory" if directory.exists() else "does not exist"
+        what = (missing_reason(directory) or "is not a directory.").rstrip(".")
         raise ValueError(f"model.pretrained_path={pretrained_path!r} {what}: give the directory save_pretrained "
                          "wrote (config.json and model.safetensors)")
     names = sorted(p.name for p in directory.iterdir())

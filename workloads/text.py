@@ -26,6 +26,7 @@ import torch
 from plans.errors import Violation
 from workloads.corpus import BYTE_VOCAB, SHIPPED_CORPUS
 from workloads.lineage import files_digest
+from workloads.local_files import missing_reason
 from workloads.text_rows import first_bad_row
 
 _FORMATS = {".txt": "text", ".gz": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -116,8 +117,7 @@ class TextSource:
             return [Violation("data.files", self.files, "matches no file.", _FIX)]
         for path in self.paths:
             if not path.is_file():
-                return [Violation("data.files", str(path), "no such file." if not path.exists()
-                                  else "is not a regular file.", _FIX)]
+                return [Violation("data.files", str(path), missing_reason(path) or "is not a regular file.", _FIX)]
             if self._format(path) is None:
                 return [Violation("data.files", str(path), f"has a suffix data=text does not read ({path.suffix}).",
                                   _FIX)]
