@@ -17,10 +17,27 @@ from collections.abc import Mapping
 PASSED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "CUDA_", "UCX_", "FI_", "AWS_")
 NEVER_PASSED = frozenset({"CUDA_VISIBLE_DEVICES"})
 CREDENTIAL_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
+OBJECT_STORE_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_")
+"""Where the object stores' clients (pyarrow, boto, fsspec) read their credentials from the environment."""
+
+
+def is_credential(name: str) -> bool:
+    """Whether an environment variable's name looks like it holds a secret."""
+    return any(word in name.upper() for word in CREDENTIAL_WORDS)
+
+
+def withheld_from_workers(name: str, *, object_store: bool) -> bool:
+    """Whether the embedded Ray's processes start without the driver's variable ``name``: every
+    credential but Ray's own (its auth token, which its servers need), and the object stores'
+    when the run reads or writes no object store (``object_store``). The workers never talk to
+    the tracking server: their metrics reach it through the driver."""
+    if not is_credential(name) or name.startswith("RAY_"):
+        return False
+    return not (object_store and name.upper().startswith(OBJECT_STORE_PREFIXES))
 
 
 def passthrough_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The communication- and storage-tuning subset of ``environ`` to set in every worker."""
     return {name: value for name, value in environ.items()
             if name.startswith(PASSED_PREFIXES) and name not in NEVER_PASSED
-            and not any(word in name.upper() for word in CREDENTIAL_WORDS)}
+            and not is_credential(name)}

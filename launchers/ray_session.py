@@ -37,7 +37,8 @@ class RayConnectError(OrchError):
 
 @contextlib.contextmanager
 def ray_session(address: str | None, *, worker_cpus: float = 0, data_cpus: float = 0, object_store_gib: float = 1.0,
-                connect_timeout_s: float = 30.0, worker_env: dict[str, str] | None = None) -> Iterator[None]:
+                connect_timeout_s: float = 30.0, worker_env: dict[str, str] | None = None,
+                object_store: bool = False) -> Iterator[None]:
     """Yield with Ray connected; shut down only what this call started.
 
     An already-initialized Ray (a test fixture, a notebook) is used as it is. With no address an
@@ -50,7 +51,9 @@ def ray_session(address: str | None, *, worker_cpus: float = 0, data_cpus: float
 
     An embedded Ray's worker processes inherit this process's environment, plus ``worker_env``:
     actors then need no environment of their own (:func:`environment_to_ship`), and Ray gives
-    them the workers it started beside its raylet instead of booting new ones.
+    them the workers it started beside its raylet instead of booting new ones. Credentials are
+    not inherited (:func:`_credentials_withheld`), but for the object stores' when
+    ``object_store`` says the run reads or writes one.
     """
     _wait_for_abandoned_sessions()
     if ray.is_initialized():
@@ -61,8 +64,9 @@ def ray_session(address: str | None, *, worker_cpus: float = 0, data_cpus: float
         try:  # a start interrupted half-way (Ctrl-C, SIGTERM) is shut down too
             if address is None:
                 environment.enter_context(_inherited_by_workers(worker_env or {}))
-                start_local_ray(num_cpus=max(os.cpu_count() or 1, int(worker_cpus + data_cpus + 0.999)),
-                                object_store_memory=int(object_store_gib * GIB))
+                with _credentials_withheld(object_store):
+                    start_local_ray(num_cpus=max(os.cpu_count() or 1, int(worker_cpus + data_cpus + 0.999)),
+                                    object_store_memory=int(object_store_gib * GIB))
             else:
                 try:
                     connect(address, connect_timeout_s)
@@ -99,6 +103,43 @@ def _inherited_by_workers(worker_env: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _credentials_withheld(object_store: bool) -> Iterator[None]:
+    """Ray's processes started in the block get this process's environment less its credentials
+    (:func:`launchers.passthrough.withheld_from_workers`).
+
+    The embedded Ray's servers, and through its raylet every worker process, take a copy of
+    this process's environment when they start (the servers while ``ray.init`` runs); the
+    command's own credentials (the tracking server's password, a cloud key) would otherwise sit
+    in each worker, readable by any code the run imports and by whoever reads those processes'
+    environments. Ray has no setting to leave variables out (a runtime_env only adds them), and
+    the command's other thread goes on using them meanwhile (opening the tracking store), so they
+    stay in this process and are left out where Ray starts a process: its ``services.ConsolePopen``.
+    """
+    from ray._private import services
+
+    from launchers.passthrough import withheld_from_workers
+
+    started_with = services.ConsolePopen
+
+    class WithoutCredentials(started_with):
+        def __init__(self, *args, env: dict[str, str] | None = None, **kwargs):
+            if env is not None:
+                env = {name: value for name, value in env.items()
+                       if not withheld_from_workers(name, object_store=object_store)}
+            super().__init__(*args, env=env, **kwargs)
+
+    global _embedded_environment
+    if _embedded_environment is not None:  # what the workers will have, for environment_to_ship
+        _embedded_environment = {name: value for name, value in _embedded_environment.items()
+                                 if not withheld_from_workers(name, object_store=object_store)}
+    services.ConsolePopen = WithoutCredentials
+    try:
+        yield
+    finally:
+        services.ConsolePopen = started_with
 
 
 def environment_to_ship(env: dict[str, str]) -> dict[str, str]:
@@ -362,16 +403,30 @@ def _probe_gcs(address: str, gcs: str, timeout_s: float) -> None:
 
 
 def _probe_client_server(address: str, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for the Ray client server at ``ray://host:port`` to accept a channel."""
+    """Wait up to ``timeout_s`` for the Ray client server at ``ray://host:port`` to answer a ping.
+
+    A channel that opens proves little: a firewall, a load balancer or a proxy in front of the
+    port accepts it, and Ray's client then retries its own ping for about 30 seconds whatever
+    the timeout. The probe sends that ping (the one Ray's client sends first, answered by the
+    head's proxy before any session starts), bounded by ``timeout_s``.
+    """
     import grpc
     from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import ray_client_pb2, ray_client_pb2_grpc
 
-    target = address.removeprefix("ray://")
-    channel = init_grpc_channel(target)
+    channel = init_grpc_channel(address.removeprefix("ray://"))
     try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_s)
-    except grpc.FutureTimeoutError:
-        raise RayConnectError(_unreachable(address, target, timeout_s, "no gRPC server accepted a channel")) from None
+        ping = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
+        ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(ping, timeout=timeout_s, wait_for_ready=True)
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise RayConnectError(
+                f"cluster.address={address}: a server answered there, but not as Ray's client server does "
+                f"({error.code().name}: {error.details()}); the port may be the head's GCS port (write it without "
+                "ray://) or a proxy's. Fix: cluster.address=ray://HOST:10001 (the head's "
+                "--ray-client-server-port), or HOST:PORT of the GCS (6379 unless `ray start --port` chose another)"
+            ) from None
+        raise RayConnectError(_unreachable(address, address, timeout_s, error.code().name)) from None
     finally:
         channel.close()
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from launchers.ray_auth import use_token_auth_if_available
 from orchestrator.config import register_configs, to_typed
 from orchestrator.credentials import move_argv_credentials, protect_config, redact_text
-from orchestrator.exits import EXIT_USAGE, exit_code, run_command
+from orchestrator.exits import EXIT_USAGE, Reported, exit_code, print_json_error, run_command
 from orchestrator.signals import stopped_by_signals
 from plans.errors import OrchError
 
@@ -53,6 +53,8 @@ Overrides are Hydra's: key=value, group=option, --multirun a=1,2. See README.md.
 
 def _fail(error: OrchError) -> None:
     print(redact_text(f"error: {error}"), file=sys.stderr)
+    if _OPTIONS["json"]:
+        print_json_error(error, str(error), exit_code(error))
     sys.exit(exit_code(error))
 
 
@@ -86,7 +88,7 @@ def train_app(cfg: DictConfig) -> float | None:
     except OrchError as error:
         if sweeping:  # the sweeper records a failed job and goes on (Optuna: a failed trial)
             print(redact_text(f"error: job {HydraConfig.get().job.num} failed: {error}"), file=sys.stderr)
-            raise
+            raise Reported(error) from error
         _fail(error)
 
 
@@ -206,11 +208,13 @@ def _out_directory(command: str) -> Path | None:
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def report_app(cfg: DictConfig) -> None:
     from orchestrator.report import report_command
+    from orchestrator.tracking import resolve_run_id
 
     protect_config(cfg)
     run_id = _required_run_id("report")
     out = _out_directory("report")
     try:
+        run_id = resolve_run_id(cfg.tracking.uri, run_id)
         text, plots = report_command(cfg.tracking.uri, run_id, out or Path(f"reports/{run_id}"))
     except OrchError as error:
         _fail(error)
@@ -222,6 +226,7 @@ def report_app(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def export_app(cfg: DictConfig) -> None:
     from orchestrator.export import export_run
+    from orchestrator.tracking import resolve_run_id
 
     protect_config(cfg)
     run_id = _required_run_id("export")
@@ -231,6 +236,7 @@ def export_app(cfg: DictConfig) -> None:
         # against the checkpoint; nothing the run's tracked artifacts declare is instantiated.
         typed, model_cfg, _ = to_typed(cfg)
         with storage_checks_bounded(typed):
+            run_id = resolve_run_id(cfg.tracking.uri, run_id)
             tag = export_run(cfg.tracking.uri, run_id, model_cfg, out)
     except OrchError as error:
         _fail(error)
@@ -447,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with stopped_by_signals():
-            code = run_command(COMMANDS[command], command, verbose=verbose)
+            code = run_command(COMMANDS[command], command, verbose=verbose, json_errors=_OPTIONS["json"])
     except SystemExit as exiting:
         exit_past_abandoned_checks(exiting.code)
         raise

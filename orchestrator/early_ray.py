@@ -20,6 +20,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from launchers.ray_session import ray_session_in_background
+from launchers.storage import is_remote
 from launchers.worker_group import job_env
 from orchestrator.config import RunConfig
 from orchestrator.declared import declared_violations
@@ -53,4 +54,16 @@ def run_ray_session(cfg: RunConfig, plan: ResolvedPlan, *, data_cpus: float = 0.
     return ray_session_in_background(cfg.cluster.address, worker_cpus=plan.world_size * cfg.cluster.cpus_per_worker,
                                      data_cpus=data_cpus, object_store_gib=cfg.cluster.object_store_memory_gib,
                                      connect_timeout_s=cfg.cluster.connect_timeout_s,
-                                     worker_env=job_env(plan.accelerator, cfg.train))
+                                     worker_env=job_env(plan.accelerator, cfg.train),
+                                     object_store=uses_object_store(cfg))
+
+
+def uses_object_store(cfg: RunConfig) -> bool:
+    """Whether the run's checkpoints or data lie in an object store (s3://, gs://, ...): its
+    workers then need the store's credentials (:func:`launchers.passthrough.withheld_from_workers`)."""
+    data = cfg.data if isinstance(cfg.data, dict) else {}
+    locations = [cfg.train.checkpoint_dir]
+    for key in ("paths", "val_paths", "files"):
+        value = data.get(key)
+        locations += [value] if isinstance(value, str) else list(value or [])
+    return any(is_remote(str(location)) for location in locations if location)

@@ -13,6 +13,7 @@ it re-raises instead, which is how :func:`run_command` gets the exception to cla
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -41,15 +42,32 @@ MAX_MESSAGE_LINES = 4
 LOG_DIR = Path(tempfile.gettempdir()) / "orch-errors"
 
 
+class Reported(OrchError):
+    """``error``, already shown to the user where it happened (a sweep's job, as it failed): it
+    ends the command with its exit code without being shown again when Hydra re-raises it after
+    the sweep."""
+
+    def __init__(self, error: OrchError):
+        super().__init__(str(error))
+        self.error = error
+
+    def __reduce__(self):
+        return (type(self), (self.error,))
+
+
 def exit_code(error: OrchError) -> int:
     """1 for a failure inside training (not the user's input, as a crashed script), 2 for the rest."""
     from launchers.worker_group import WorkerDiedError, WorkerFailedError, WorkerHangError
 
+    if isinstance(error, Reported):
+        return exit_code(error.error)
     return EXIT_FAILED if isinstance(error, (WorkerFailedError, WorkerHangError, WorkerDiedError)) else EXIT_USAGE
 
 
-def run_command(app: Callable[[], None], command: str, *, verbose: bool) -> int:
-    """Run a Hydra app and turn whatever it raises into a message and an exit code."""
+def run_command(app: Callable[[], None], command: str, *, verbose: bool, json_errors: bool = False) -> int:
+    """Run a Hydra app and turn whatever it raises into a message and an exit code; with
+    ``json_errors`` (``--json``), the message also goes to stdout as a JSON document
+    (:func:`print_json_error`), where the command's result would have been."""
     verbose = verbose or os.environ.get("HYDRA_FULL_ERROR") == "1"
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -62,15 +80,28 @@ def run_command(app: Callable[[], None], command: str, *, verbose: bool) -> int:
         # Python's documentation of SIGPIPE), and end as a shell reports a command ended by SIGPIPE.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except Reported as error:
+        if json_errors:
+            print_json_error(error.error, str(error), exit_code(error))
+        return exit_code(error)
     except OrchError as error:
-        return _report(error, f"error: {error}", exit_code(error), verbose)
+        code = _report(error, f"error: {error}", exit_code(error), verbose)
+        if json_errors:
+            print_json_error(error, str(error), code)
+        return code
     except CONFIG_ERRORS as error:
-        return _report(error, f"error: {config_message(error)}", EXIT_USAGE, verbose)
+        code = _report(error, f"error: {config_message(error)}", EXIT_USAGE, verbose)
+        if json_errors:
+            print_json_error(error, config_message(error), code)
+        return code
     except Exception as error:  # an internal failure: one line here, the traceback in a file
+        message = f"{type(error).__name__}: {_first_line(error)}"
+        if json_errors:
+            print_json_error(error, f"orch {command} failed: {message}", EXIT_FAILED)
         if verbose:
-            return _report(error, f"error: {type(error).__name__}: {_first_line(error)}", EXIT_FAILED, verbose)
+            return _report(error, f"error: {message}", EXIT_FAILED, verbose)
         log = write_traceback(error, command)
-        print(redact_text(f"error: orch {command} failed: {type(error).__name__}: {_first_line(error)}\n"
+        print(redact_text(f"error: orch {command} failed: {message}\n"
                      f"  traceback in {log} (or run with --verbose)"), file=sys.stderr)
         return EXIT_FAILED
     finally:
@@ -78,6 +109,17 @@ def run_command(app: Callable[[], None], command: str, *, verbose: bool) -> int:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = previous
+
+
+def print_json_error(error: BaseException, message: str, code: int) -> None:
+    """``{"error": {"message", "exit_code", "violations"}}`` on stdout, credentials redacted: a
+    program reading ``--json`` output gets a document for a refusal too, each problem a field."""
+    from plans.errors import PlanError
+
+    document = {"message": message, "exit_code": code}
+    if isinstance(error, PlanError):
+        document["violations"] = [v.as_dict() for v in error.violations]
+    print(redact_text(json.dumps({"error": document}, indent=2)), flush=True)
 
 
 def _report(error: BaseException, message: str, code: int, verbose: bool) -> int:

@@ -115,7 +115,8 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
     if is_remote(checkpoint_dir) and (problem := location_violation(checkpoint_dir)):
         why, _, fix = problem.partition(" Fix: ")  # an unreachable store within cluster.connect_timeout_s
         raise PlanError([Violation("train.checkpoint_dir", checkpoint_dir, why, fix)])
-    record = latest(checkpoint_dir)
+    with _export_fix():
+        record = latest(checkpoint_dir)
     if record is None or record.run_id != run_id:
         raise PlanError([Violation("train.checkpoint_dir", str(checkpoint_dir),
                                    f"holds no checkpoint of run {run_id} (run the export where it was trained).",
@@ -153,12 +154,13 @@ _EXPORT_FIX = ("Fix: export only checkpoints this orchestrator wrote: run `orch 
 @contextlib.contextmanager
 def _export_fix() -> Iterator[None]:
     """Checkpoint errors raised in the block, with the fix for an export."""
+    from launchers.checkpoint import CheckpointRecordError
     from launchers.manifest import CheckpointIntegrityError
     from launchers.safe_load import UnsafeCheckpointError
 
     try:
         yield
-    except (CheckpointIntegrityError, UnsafeCheckpointError) as error:
+    except (CheckpointRecordError, CheckpointIntegrityError, UnsafeCheckpointError) as error:
         raise type(error)(f"{str(error).split(' Fix:')[0]} {_EXPORT_FIX}") from None
 
 

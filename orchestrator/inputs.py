@@ -20,6 +20,7 @@ from plans.errors import PlanError, Violation
 from plans.resolve import ResolvedPlan, resolve_plan
 from plans.spec import ClusterSpec, ResumeMode, TrainSpec
 from plans.workload import DataSource
+from workloads.local_files import missing_reason
 
 
 def input_violations(cfg: RunConfig, data: DataSource | None = None) -> list[Violation]:
@@ -102,6 +103,10 @@ def checkpoint_dir_violations(train: TrainSpec) -> list[Violation]:
         why, _, fix = problem.partition(" Fix: ")
         return [Violation("train.checkpoint_dir", train.checkpoint_dir, why, fix)]
     path = Path(local_path(train.checkpoint_dir))
+    if path.is_symlink() and (why := missing_reason(path)):
+        return [Violation("train.checkpoint_dir", train.checkpoint_dir, why,
+                          "point train.checkpoint_dir at a directory, or remove the link (the directory is created "
+                          "if missing)")]
     if path.exists() and not path.is_dir():
         return [Violation("train.checkpoint_dir", train.checkpoint_dir, "is a file, not a directory.",
                           "point train.checkpoint_dir at a directory (it is created if missing)")]

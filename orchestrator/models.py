@@ -12,7 +12,7 @@ from hydra.utils import get_object, instantiate
 
 from plans.depth_scaling import DEPTH_SCALED_FROM, ShallowModels
 from plans.errors import PlanError
-from plans.model_facts import ModelFacts, inspect_model, inspect_shallow, refuse_unbuildable
+from plans.model_facts import ModelFacts, inspect_model, inspect_shallow, refuse_oversized, refuse_unbuildable
 from plans.spec import ClusterSpec, Offload, Precision
 from plans.workload import ModelInputs
 
@@ -149,4 +149,6 @@ def inspect_declared_model(model_cfg: dict, inputs: ModelInputs, cluster: Cluste
         refuse_unbuildable(facts, shallow, f"model.{DEPTH_KEY}", cluster, precision, offload_param)
         if shallow.exact:
             return facts, shallow
-    return inspect_model(factory or model_factory(model_cfg), inputs, arguments=model_cfg), None
+    facts = inspect_model(factory or model_factory(model_cfg), inputs, arguments=model_cfg)
+    refuse_oversized(facts, model_cfg, cluster, precision, offload_param)
+    return facts, None

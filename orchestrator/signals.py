@@ -4,6 +4,11 @@ Schedulers and ``kill`` send SIGTERM; a terminal sends SIGINT. Both raise :class
 KeyboardInterrupt, so ``except KeyboardInterrupt`` cleanup, such as ending the MLflow run
 KILLED, handles both) in the main thread, wherever it waits. A second signal during that
 cleanup is noted and otherwise ignored, so the cleanup finishes (SIGKILL still ends it).
+
+Native code that waits with the GIL released (Ray's ``ray.get``, which the driver is in while
+the workers set up) runs the handler from its own signal check and turns whatever it raised into
+a plain ``KeyboardInterrupt`` of its own: the signal that stopped the command is therefore noted
+where it is received, not read from the exception.
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ class Stopped(KeyboardInterrupt):
         return 128 + self.signum
 
 
+_received: list[int] = []
+"""The signal :func:`_stop` took in the current :func:`stopped_by_signals` block, if any."""
+
+
 def _stop(signum: int, frame) -> None:
+    _received.append(signum)
     for handled in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(handled) is _stop:
             signal.signal(handled, _already_stopping)
@@ -50,10 +60,12 @@ def stopped_by_signals() -> Iterator[None]:
     signal.signal(signal.SIGTERM, _stop)
     if previous[signal.SIGINT] is signal.default_int_handler:
         signal.signal(signal.SIGINT, _stop)
+    _received.clear()
     try:
         yield
-    except KeyboardInterrupt as interrupt:
-        stopped = interrupt if isinstance(interrupt, Stopped) else Stopped(signal.SIGINT)
+    except KeyboardInterrupt:
+        # No signal taken: a KeyboardInterrupt Python raised itself, from a SIGINT it handled.
+        stopped = Stopped(_received[0] if _received else signal.SIGINT)
         print(f"stopped by {signal.Signals(stopped.signum).name}", file=sys.stderr, flush=True)
         raise SystemExit(stopped.exit_code) from None
     finally:

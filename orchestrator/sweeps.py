@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from orchestrator.exits import Reported
 
 PARENT_ENV = "ORCH_SWEEP_PARENT_RUN_ID"
 """The parent run of the sweep the current job belongs to."""
@@ -108,10 +111,14 @@ class SweepTracking(Callback):
         status = job_return.status.name
         job = _Job(number=int(config.hydra.job.num), overrides=list(config.hydra.overrides.task), status=status,
                    run_id=job_runs.pop(int(config.hydra.job.num), None))
-        try:
-            job.value = job_return.return_value  # raises the job's exception when it failed
-        except Exception as error:  # noqa: BLE001 - whatever the job raised
+        # JobReturn.return_value logs "Error executing job" each time it is read for a failed job,
+        # and Hydra reads it again after the sweep: the failure is taken from its field instead.
+        if job_return.status == JobStatus.FAILED:
+            error = job_return._return_value
+            error = error.error if isinstance(error, Reported) else error
             job.error = f"{type(error).__name__}: {error}"
+        else:
+            job.value = job_return.return_value
         self._sweep.jobs.append(job)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

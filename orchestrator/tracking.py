@@ -111,8 +111,9 @@ def _check_probe_status(uri: str, status: int) -> None:
         return
     if status == 401:
         given = f"refused the credentials of user {user!r}" if user else "needs credentials and none were given"
-        raise TrackingError(f"{_named(uri)}: the MLflow server {given} (HTTP 401). Fix: {_CREDENTIALS_FIX}, "
-                            "or write them into the URI as http://user:password@host:port")
+        raise TrackingError(f"{_named(uri)}: the MLflow server {given} (HTTP 401). Fix: {_CREDENTIALS_FIX} "
+                            "(MLflow's own variables, rather than user:password@ in the URI, which shell history "
+                            "keeps)")
     if status == 403:
         raise TrackingError(f"{_named(uri)}: the MLflow server accepted user {user!r} but lets it read no "
                             f"experiments (HTTP 403). Fix: ask its admin for permission, or {_CREDENTIALS_FIX}")
@@ -192,6 +193,39 @@ def reading(uri: str, what: str, read: Callable[[], T]) -> T:
     except MlflowException as exc:
         raise TrackingError(f"{_named(uri)}: cannot read {what} ({_first_sentence(exc.message)})"
                             ". Fix: check tracking.uri and the name or id given") from exc
+
+
+RUN_ID_LENGTH = 32
+"""Characters of an MLflow run id (hex); `orch runs` shows the first 12."""
+
+
+def resolve_run_id(uri: str, given: str) -> str:
+    """The full id of the one run whose id starts with ``given`` (what `orch runs` shows), in any
+    experiment of the store; ``given`` as it is when it is not a shorter hex prefix.
+
+    A prefix that matches no run, or several, is refused (exit 2), the latter listing them.
+    """
+    if len(given) >= RUN_ID_LENGTH or not re.fullmatch(r"[0-9a-f]+", given):
+        return given
+    from mlflow.entities import ViewType
+
+    client = open_existing(uri)
+
+    def matching() -> list:
+        experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+        return client.search_runs(experiments, filter_string=f"attributes.run_id LIKE '{given}%'",
+                                  run_view_type=ViewType.ALL, max_results=10) if experiments else []
+
+    runs = reading(uri, f"the runs whose id starts with {given!r}", matching)
+    if len(runs) == 1:
+        return runs[0].info.run_id
+    if not runs:
+        raise TrackingError(f"run id {given!r}: no run in {_named(uri)} has an id that starts with it. Fix: copy "
+                            "the id from `orch runs` run with the same tracking.uri")
+    count = f"{len(runs)}" if len(runs) < 10 else "10 or more"
+    listed = ", ".join(f"{r.info.run_id} ({r.info.run_name})" for r in runs[:5])
+    raise TrackingError(f"run id {given!r}: the ids of {count} runs start with it: {listed}"
+                        f"{', ...' if len(runs) > 5 else ''}. Fix: give more of the id")
 
 
 def _sqlite_path(uri: str) -> Path | None:

@@ -190,13 +190,15 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
         if uses_ray:
             from launchers.ray_session import ray_session
             from launchers.worker_group import job_env
+            from orchestrator.early_ray import uses_object_store
 
             stack.enter_context(ray_session(cfg.cluster.address,
                                             worker_cpus=cluster.world_size * cluster.cpus_per_worker,
                                             data_cpus=data_task_cpus(workload.data),
                                             object_store_gib=cfg.cluster.object_store_memory_gib,
                                             connect_timeout_s=cfg.cluster.connect_timeout_s,
-                                            worker_env=job_env(cluster.accelerator, cfg.train)))
+                                            worker_env=job_env(cluster.accelerator, cfg.train),
+                                            object_store=uses_object_store(cfg)))
             if cfg.tune.calibrate:
                 print("tune: measuring the cluster's speeds on the Ray workers", file=err, flush=True)
                 speeds, note = measure_speeds(cfg, cluster, space, ctx)

@@ -167,8 +167,7 @@ def refuse_unbuildable(facts: ModelFacts, shallow: ShallowModels, depth_field: s
             f"{MAX_MODULES:,}: building them (even on the meta device) would exhaust a host's memory.",
             f"use fewer layers ({depth_field})"))
     param_bytes = facts.param_count * precision.element_bytes
-    per_device = cluster.devices_per_node * cluster.device_memory_gib
-    capacity = int(cluster.nodes * (per_device + cluster.host_memory_gib) * GIB)
+    capacity = _cluster_capacity(cluster)
     if offload_param != Offload.nvme and param_bytes > capacity:
         per_layer = (_param_count(shallow.deeper) - _param_count(shallow.shallow)) // step
         outside = facts.param_count - depth * per_layer
@@ -177,13 +176,41 @@ def refuse_unbuildable(facts: ModelFacts, shallow: ShallowModels, depth_field: s
             depth_field, depth,
             f"{depth:,} layers of {per_layer:,} parameters each make {facts.param_count:,} parameters: "
             f"{param_bytes / GIB:,.1f} GiB in {precision.value} for the parameters alone, more than the "
-            f"{capacity / GIB:,.1f} GiB of the whole cluster ({cluster.nodes} node(s) x ({cluster.devices_per_node} "
-            f"x {cluster.device_memory_gib:g} GiB devices + {cluster.host_memory_gib:g} GiB host memory)), "
-            "even with every state sharded and offloaded.",
+            f"{_capacity_arithmetic(cluster)}, even with every state sharded and offloaded.",
             f"use at most {fitting:,} layers ({depth_field}={fitting}), or more or larger nodes (cluster.nodes, "
             "cluster.device_memory_gib, cluster.host_memory_gib)"))
     if problems:
         raise PlanError(problems)
+
+
+def refuse_oversized(facts: ModelFacts, arguments: Mapping[str, object], cluster: ClusterSpec, precision: Precision,
+                     offload_param: Offload) -> None:
+    """Refuse a model whose parameters alone, in the training precision, exceed the memory of every
+    device and host of the cluster together: no plan could hold it (the bound of
+    :func:`refuse_unbuildable`, for a model inspected whole)."""
+    param_bytes = facts.param_count * precision.element_bytes
+    capacity = _cluster_capacity(cluster)
+    if offload_param == Offload.nvme or param_bytes <= capacity:
+        return
+    target = str(arguments.get("_target_", "the model"))
+    raise PlanError([Violation(
+        "model._target_", target,
+        f"{target} has {facts.param_count:,} parameters with these arguments: {param_bytes / GIB:,.1f} GiB in "
+        f"{precision.value} for the parameters alone, more than the {_capacity_arithmetic(cluster)}, even with "
+        "every state sharded and offloaded.",
+        "make the model smaller (its size arguments, model.<name>=...), or use more or larger nodes "
+        "(cluster.nodes, cluster.device_memory_gib, cluster.host_memory_gib)")])
+
+
+def _cluster_capacity(cluster: ClusterSpec) -> int:
+    """Bytes of every device and host of the cluster together."""
+    return int(cluster.nodes * (cluster.devices_per_node * cluster.device_memory_gib + cluster.host_memory_gib) * GIB)
+
+
+def _capacity_arithmetic(cluster: ClusterSpec) -> str:
+    return (f"{_cluster_capacity(cluster) / GIB:,.1f} GiB of the whole cluster ({cluster.nodes} node(s) x "
+            f"({cluster.devices_per_node} x {cluster.device_memory_gib:g} GiB devices + "
+            f"{cluster.host_memory_gib:g} GiB host memory))")
 
 
 def _module_count(module: torch.nn.Module) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.server
 import json
 import os
@@ -190,6 +191,99 @@ def test_a_signal_stops_training_cleanly_on_a_loopback_only_ray(tmp_path, stop, 
         time.sleep(1)
 
 
+SLOW_TO_BUILD = """
+import pathlib
+import time
+
+import torch
+
+
+class Net(torch.nn.Module):
+    \"\"\"A model whose workers take long to build it (as one loading big weights does): it marks
+    ``started`` once a worker, past its process-group setup, begins to build it.\"\"\"
+
+    def __init__(self, started: str):
+        super().__init__()
+        self.body = torch.nn.Linear(16, 4)
+        if torch.distributed.is_initialized():  # a worker, not the driver's check
+            pathlib.Path(started).touch()
+            time.sleep(120)
+
+    def forward(self, x):
+        return self.body(x)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_workers_set_up_exits_143(tmp_path):
+    """The driver then waits in ``ray.get``, whose native wait turns the handler's exception into
+    a plain KeyboardInterrupt: the command must still name SIGTERM and exit 143, not 130."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "slow.py").write_text(SLOW_TO_BUILD)
+    started = tmp_path / "building"
+    (tmp_path / "conf" / "model" / "slow.yaml").write_text(f"_target_: slow.Net\nstarted: {started}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "--config-dir", "conf", "model=slow",
+                             "data=dataset", "objective=classification", "train.steps=5"], cwd=tmp_path,
+                            env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not started.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    spawned = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=300)
+    assert proc.returncode == 143, rest[-3000:]
+    assert rest.strip().splitlines()[-1] == "stopped by SIGTERM", rest[-3000:]
+    deadline = time.monotonic() + 30
+    while alive(spawned):
+        assert time.monotonic() < deadline, f"left behind: {alive(spawned)}"
+        time.sleep(1)
+
+
+ENV_RECORDING = """
+import json
+import os
+import pathlib
+
+import torch
+
+
+class Net(torch.nn.Module):
+    \"\"\"Writes which of ``names`` its worker's environment holds, as any code a run imports could read them.\"\"\"
+
+    def __init__(self, record: str, names: list):
+        super().__init__()
+        self.body = torch.nn.Linear(16, 4)
+        if torch.distributed.is_initialized():  # a worker, not the driver's check
+            pathlib.Path(record).write_text(json.dumps({name: name in os.environ for name in names}))
+
+    def forward(self, x):
+        return self.body(x)
+"""
+
+
+@pytest.mark.slow
+def test_the_embedded_rays_workers_do_not_inherit_the_commands_credentials(tmp_path):
+    """The tracking password and a cloud key stay in the command (which uses the former to track
+    the run); its workers, which talk to no tracking server and here to no object store, start
+    without them, and with the rest of the environment."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "recording.py").write_text(ENV_RECORDING)
+    names = ["MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "ORCH_TEST_PLAIN"]
+    record = tmp_path / "worker-env.json"
+    (tmp_path / "conf" / "model" / "recording.yaml").write_text(
+        f"_target_: recording.Net\nrecord: {record}\nnames: {json.dumps(names)}\n")
+    env = {**worker_env(), "MLFLOW_TRACKING_PASSWORD": "pw-123", "AWS_SECRET_ACCESS_KEY": "key-456",
+           "GITHUB_TOKEN": "tok-789", "ORCH_TEST_PLAIN": "1"}
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "train", "--config-dir", "conf", "model=recording",
+                           "data=dataset", "objective=classification", "train.steps=2", "train.log_every=1",
+                           "train.eval_batches=1"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(record.read_text()) == {"MLFLOW_TRACKING_PASSWORD": False, "AWS_SECRET_ACCESS_KEY": False,
+                                              "GITHUB_TOKEN": False, "ORCH_TEST_PLAIN": True}
+
+
 def _gcs_answers_without_a_token(port: int) -> str:
     """The status of a GCS call that carries no auth token (OK would mean anyone may call it)."""
     import grpc
@@ -234,6 +328,30 @@ def test_an_unreachable_cluster_fails_within_connect_timeout(tmp_path, command, 
     assert processes_mentioning(str(tmp_path)) == set()
 
 
+def test_a_ray_address_whose_port_is_not_a_ray_client_server_fails_within_connect_timeout(tmp_path):
+    """A gRPC server that is not Ray's client server (the head's GCS port written after ray://, a
+    proxy): Ray's client would retry its ping for ~30 s whatever cluster.connect_timeout_s says."""
+    import grpc
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=1))  # serves no service at all
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        started = time.monotonic()
+        done = orch("train", f"cluster.address=ray://127.0.0.1:{port}", "cluster.connect_timeout_s=3",
+                    cwd=tmp_path, timeout=120)
+        took_s = time.monotonic() - started
+    finally:
+        server.stop(grace=None)
+    print(f"exit {done.returncode} after {took_s:.1f}s")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert took_s < 25
+    assert done.stderr.startswith(f"error: cluster.address=ray://127.0.0.1:{port}: a server answered there, but not "
+                                  "as Ray's client server does (UNIMPLEMENTED"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # no Ray warnings
+    assert not (tmp_path / "mlflow.db").exists()
+
+
 def test_an_unreachable_tracking_server_is_a_clear_error_before_anything_is_tracked(tmp_path):
     from helpers.processes import free_port
 
@@ -246,10 +364,10 @@ def test_an_unreachable_tracking_server_is_a_clear_error_before_anything_is_trac
 
 
 class _NotFound(http.server.BaseHTTPRequestHandler):
-    """A web server that is not MLflow: every path is 404."""
+    """A web server that is not MLflow: every path is 404, but under /auth/, which asks for credentials (401)."""
 
     def do_GET(self):  # noqa: N802 (the name http.server calls)
-        self.send_error(404)
+        self.send_error(401 if self.path.startswith("/auth/") else 404)
 
     def log_message(self, *args):
         pass
@@ -270,19 +388,79 @@ def not_mlflow():
     ("runs", "ftp://x", "tracking.uri=ftp://x: MLflow cannot track there"),
     ("train", "NOT_MLFLOW", "has no MLflow tracking API (HTTP 404 for /api/2.0/mlflow/experiments/search)"),
     ("runs", "NOT_MLFLOW", "has no MLflow tracking API (HTTP 404"),
+    # The fix names MLflow's variables, never credentials written into the URI.
+    ("runs", "NEEDS_AUTH", "needs credentials and none were given (HTTP 401). Fix: set MLFLOW_TRACKING_USERNAME "
+                           "and MLFLOW_TRACKING_PASSWORD to a user of that server (MLflow's own variables, rather "
+                           "than user:password@ in the URI, which shell history keeps)"),
     ("report", "UNREACHABLE", "no MLflow server answers there (Connection refused)"),
     ("runs", "sqlite:///mlflow.db", "there is no MLflow store at"),
 ])
 def test_a_tracking_uri_mlflow_cannot_use_is_a_short_error(command, uri, message, not_mlflow, tmp_path):
     from helpers.processes import free_port
 
-    uri = {"NOT_MLFLOW": not_mlflow, "UNREACHABLE": f"http://127.0.0.1:{free_port()}"}.get(uri, uri)
+    uri = {"NOT_MLFLOW": not_mlflow, "NEEDS_AUTH": not_mlflow.replace("/mlflow", "/auth"),
+           "UNREACHABLE": f"http://127.0.0.1:{free_port()}"}.get(uri, uri)
     args = {"train": ["train", "train.steps=1"], "runs": ["runs"], "report": ["report", "0123abcd"]}[command]
     done = orch(*args, f"tracking.uri={uri}", cwd=tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
     assert message in done.stderr and "Fix:" in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) <= 2, done.stderr
     assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    # A symbolic link loop, and a link to nothing, are not "no such file".
+    (["data=text", "data.files=[loop.txt]"], "data.files='loop.txt': is a symbolic link loop (loop.txt -> loop.txt"),
+    (["train.checkpoint_dir=dangling", "train.checkpoint_every=5"],
+     "train.checkpoint_dir='dangling': is a symbolic link to nowhere, which does "
+                                        "not exist."),
+    # A missing pretrained directory is the field's problem, not the model's _target_'s.
+    (["model=hf_causal_lm", "model.config=null", "model.pretrained_path=no-such-dir"],
+     "model.pretrained_path='no-such-dir': workloads.hf.hf_causal_lm refused its arguments: ValueError: "
+     "model.pretrained_path='no-such-dir' no such file or directory"),
+    # A model no plan could hold on this cluster is refused as input (exit 2), not "does not fit" (exit 1).
+    (["model=gpt", "model.d_model=1000000"], "GiB in fp32 for the parameters alone, more than the 40.0 GiB of the "
+                                             "whole cluster"),
+])
+def test_check_names_what_is_wrong_and_exits_2(tmp_path, args, expected):
+    (tmp_path / "loop.txt").symlink_to("loop.txt")
+    (tmp_path / "dangling").symlink_to("nowhere")
+    done = orch("check", *args, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert expected in done.stderr, done.stderr
+
+
+def test_check_json_prints_a_json_error_on_stdout(tmp_path):
+    done = orch("check", "--json", "plan.zero_stage=5", cwd=tmp_path, timeout=300)
+    assert done.returncode == 2
+    error = json.loads(done.stdout)["error"]
+    assert error["exit_code"] == 2 and error["violations"] == [{
+        "field": "plan.zero_stage", "value": "5", "message": "ZeRO stages are 0, 1, 2 and 3.",
+        "fix": "set plan.zero_stage to 0, 1, 2 or 3"}]
+    assert "plan.zero_stage=5: ZeRO stages" in done.stderr  # the message, as without --json
+    composing = orch("check", "--json", "plan.bogus=1", cwd=tmp_path, timeout=300)
+    assert composing.returncode == 2 and "Key 'bogus' not in 'PlanSpec'" in json.loads(composing.stdout)["error"][
+        "message"]
+
+
+def test_a_failed_sweep_job_is_reported_once(tmp_path):
+    done = orch("train", "--multirun", "plan.zero_stage=5,6", "train.steps=2", cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    for stage in (5, 6):
+        assert done.stderr.count(f"plan.zero_stage={stage}: ZeRO stages are 0, 1, 2 and 3.") == 1, done.stderr
+
+
+def test_an_export_from_a_broken_checkpoint_record_is_told_how_to_export(tmp_path):
+    """A malformed latest.json: the fix is about exporting, not about resuming a run."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("orch"))
+    client.log_param(run.info.run_id, "train.checkpoint_dir", "ckpt")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest.json").write_text("{not json")
+    done = orch("export", run.info.run_id, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "latest.json is malformed" in done.stderr and "Fix: export only checkpoints this orchestrator wrote" \
+        in done.stderr and "resume" not in done.stderr, done.stderr
 
 
 def test_sigterm_inside_the_block_runs_cleanup_and_exits_143(capsys):

@@ -110,6 +110,37 @@ def test_runs_started_at_once_on_a_fresh_sqlite_store_all_succeed(tmp_path):
     assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["mlflow.db"]  # no lock file left behind
 
 
+def test_report_takes_the_short_run_ids_orch_runs_shows_and_refuses_an_ambiguous_one(tmp_path):
+    """`orch runs` shows 12 characters of each id; `orch report` takes them, or any prefix naming
+    one run, and refuses a prefix shared by several runs, listing them."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = experiment_id_for(client, "orch")
+    runs: dict[str, list[str]] = {}
+    while not any(len(ids) > 1 for ids in runs.values()):  # two ids that start alike (a few runs at most)
+        run = client.create_run(experiment)
+        client.log_metric(run.info.run_id, "loss", 1.0, step=1)
+        client.set_terminated(run.info.run_id)
+        runs.setdefault(run.info.run_id[0], []).append(run.info.run_id)
+    shared, alike = next((first, ids) for first, ids in runs.items() if len(ids) > 1)
+
+    def orch(*args):
+        return subprocess.run([ORCH, *args], cwd=tmp_path, env=worker_env(), capture_output=True, text=True,
+                              timeout=300)
+
+    listed = orch("runs")
+    assert listed.returncode == 0 and alike[0][:12] in listed.stdout and alike[0] not in listed.stdout, listed.stdout
+    report = orch("report", alike[0][:12])
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert f"run        {alike[0]} " in report.stdout and (tmp_path / "reports" / alike[0] / "loss.png").exists()
+    ambiguous = orch("report", shared)
+    assert ambiguous.returncode == 2, ambiguous.stderr
+    assert f"error: run id {shared!r}: the ids of {len(alike)} runs start with it: " in ambiguous.stderr
+    assert all(run_id in ambiguous.stderr for run_id in alike) and "Fix: give more of the id" in ambiguous.stderr
+    unknown = orch("export", "0000000000ab")
+    assert unknown.returncode == 2 and "run id '0000000000ab': no run in tracking.uri=" in unknown.stderr, \
+        unknown.stderr
+
+
 def test_no_written_or_printed_copy_of_the_config_holds_a_password(tmp_path):
     # Hydra writes the overrides and the composed config to outputs/*/.hydra/ before any of
     # orch's code runs; a Ray address with userinfo stays usable in memory but is scrubbed there.

@@ -141,6 +141,46 @@ def test_text_files_that_cannot_work_are_refused_naming_the_field(tmp_path):
     bad_tokenizer = TextSource(tokenizer=str(tmp_path / "no-tokenizer")).violations()[0]
     assert bad_tokenizer.field == "data.tokenizer" and "cannot be loaded" in bad_tokenizer.message
     assert "too little text" in TextSource(files=[str(rows)], text_field="body", seq_len=64).violations()[0].message
+    rows.write_text(json.dumps({"text": "hello"}) + "\n\n" + json.dumps({"text": 5}) + "\n[1]\n")
+    not_text = TextSource(files=[str(rows)]).violations()[0]
+    assert not_text.message == "line 3 holds int '5', not text, in its 'text' field."
+    rows.write_text(json.dumps({"text": "hello"}) + "\n[1]\n")
+    assert TextSource(files=[str(rows)]).violations()[0].message == "line 2 is a JSON list, not an object."
+
+
+def test_files_that_fail_far_in_are_refused_before_any_worker_naming_the_file_and_line(tmp_path):
+    """Files whose first rows are fine: the tokenizer would fail in the workers (exit 1, a
+    traceback); pickled weights would be unpickled there. `orch` refuses each up front, exit 2."""
+    import subprocess
+    import sys
+
+    from helpers.processes import worker_env
+
+    def orch(*args):
+        return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=worker_env(),
+                              capture_output=True, text=True, timeout=300)
+
+    lines = ["ASCII only, as far as the first rows go\n"] * 3000
+    (tmp_path / "notes.txt").write_bytes("".join(lines).encode() + "caf\xe9 au lait\n".encode("latin-1"))
+    rows = [json.dumps({"text": "a row with text " * 4})] * 3000 + [json.dumps({"body": "no text"})]
+    (tmp_path / "rows.jsonl").write_text("\n".join(rows) + "\n")
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=4, vocab_size=256)
+    (tmp_path / "pretrained").mkdir()
+    config.save_pretrained(tmp_path / "pretrained")
+    torch.save(AutoModelForCausalLM.from_config(config).state_dict(), tmp_path / "pretrained" / "pytorch_model.bin")
+    # `orch check` runs the checks `orch train` runs before it starts any worker.
+    latin = orch("check", "data=text", "data.files=[notes.txt]")
+    assert latin.returncode == 2, latin.stderr[-3000:]
+    assert "data.files='notes.txt': line 3001 is not UTF-8 (byte 0xe9 at column 4" in latin.stderr, latin.stderr
+    for data in (["data=text", "data.files=[rows.jsonl]"], ["data=ray", "data.paths=[rows.jsonl]"]):
+        done = orch("check", *data)
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert "='rows.jsonl': line 3001 has no 'text' field (data.text_field; it has: body)" in done.stderr, data
+    pickled = orch("check", "model=hf_causal_lm", "model.config=null", "model.pretrained_path=pretrained")
+    assert pickled.returncode == 2, pickled.stderr[-3000:]
+    assert ("model.pretrained_path='pretrained': " in pickled.stderr
+            and "holds pickled weights (pytorch_model.bin), which are never loaded" in pickled.stderr), pickled.stderr
 
 
 def test_text_is_tokenized_once_into_a_shared_cache_and_windows_cover_it(tmp_path):
@@ -159,6 +199,14 @@ def test_text_is_tokenized_once_into_a_shared_cache_and_windows_cover_it(tmp_pat
     assert inputs.shape == targets.shape == (16,) and torch.equal(inputs[1:], targets[:-1])
     assert len(train) > len(val) > 0
     assert again.describe()["digest"] == source.describe()["digest"]
+    assert not list((tmp_path / "cache").glob("*.lock"))
+    # A tokenization that fails (here its file went away after the check) leaves nothing behind.
+    gone = TextSource(files=[str(rows)], seq_len=8, cache_dir=str(tmp_path / "failed"))
+    assert gone.violations() == [] and gone._cache_path
+    rows.unlink()
+    with pytest.raises(FileNotFoundError):
+        gone.prepare()
+    assert list((tmp_path / "failed").iterdir()) == []
     # Two data-parallel replicas read disjoint shards that cover the training windows.
     seen = [set(torch.utils.data.DistributedSampler(train, num_replicas=2, rank=r, shuffle=True, seed=1,
                                                     drop_last=True)) for r in (0, 1)]

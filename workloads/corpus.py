@@ -20,6 +20,7 @@ import torch
 
 from plans.errors import Violation
 from workloads.lineage import files_digest
+from workloads.local_files import missing_reason
 
 SHIPPED_CORPUS = Path(__file__).with_name("corpus.txt.gz")
 BYTE_VOCAB = 256
@@ -110,8 +111,8 @@ class CorpusSource:
         shown = self.path if self.path else "the shipped corpus"
         if self.path:
             path = Path(self.path)
-            if not path.exists():
-                return [Violation("data.path", self.path, "no such file.", _CORPUS_FIX)]
+            if why := missing_reason(path):
+                return [Violation("data.path", self.path, why, _CORPUS_FIX)]
             if not path.is_file():
                 return [Violation("data.path", self.path, "is not a regular file (a directory?).", _CORPUS_FIX)]
         if windows < 1 or self.seq_len < 1 or not 0 < self.val_fraction < 1:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from launchers.storage import StorageTimeout, bounded, is_remote, open_location, probe_limit_s
 from plans.errors import Violation
 from plans.uris import CREDENTIALS_FIX, carries_credentials
+from workloads.text_rows import first_bad_row
 
 if TYPE_CHECKING:
     import torch
@@ -338,6 +339,9 @@ class RayDataSource:
                 return [Violation("data.text_field", self.text_field, f"is not a column of {self.listing[0][0]} "
                                   f"(it has: {', '.join(self.schema_names[:20])}).",
                                   "set data.text_field to the column holding the text")]
+            bad = self._first_bad_row()
+            if bad:
+                return [bad]
             train, val = self.sizes()
             if min(train, val) < samples_per_step:
                 return [Violation("data.paths", self.paths, f"too little text: about {train} training and {val} "
@@ -352,6 +356,17 @@ class RayDataSource:
                               missing[0], f"is not a column of {self.listing[0][0]} (it has: "
                               f"{', '.join(self.schema_names[:20])}).", "name columns the data has")]
         return []
+
+    def _first_bad_row(self) -> Violation | None:
+        """The first line of text or JSON rows the tokenizer could not read, in any file of either split."""
+        if self.read_format not in ("text", "json"):
+            return None
+        for name, listing in (("data.paths", self.listing), ("data.val_paths", self.val_listing)):
+            for location, _ in listing:
+                bad = first_bad_row(location, self.read_format, self.text_field)
+                if bad:
+                    return Violation(name, location, f"line {bad.line} {bad.problem}", bad.fix)
+        return None
 
     @cached_property
     def _first_rows(self):

@@ -8,12 +8,14 @@ later runs) open it memory-mapped, so no worker holds the corpus in its own heap
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import hashlib
 import json
 import os
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -24,6 +26,8 @@ import torch
 from plans.errors import Violation
 from workloads.corpus import BYTE_VOCAB, SHIPPED_CORPUS
 from workloads.lineage import files_digest
+from workloads.local_files import missing_reason
+from workloads.text_rows import first_bad_row
 
 _FORMATS = {".txt": "text", ".gz": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _FIX = "point data.files at local .txt, .jsonl or .parquet files (globs allowed)"
@@ -41,6 +45,29 @@ class _Windows(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         window = torch.tensor(self.table[self.start + i]["ids"], dtype=torch.long)
         return window[:-1], window[1:]
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path``, which its holder may delete before it lets go.
+
+    A waiter that gets the lock of a file deleted meanwhile holds a lock nobody else sees: it
+    opens the path again (a new file) and locks that instead.
+    """
+    while True:
+        handle = open(path, "a")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            current = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        handle.close()
+    try:
+        yield
+    finally:
+        handle.close()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,8 +117,7 @@ class TextSource:
             return [Violation("data.files", self.files, "matches no file.", _FIX)]
         for path in self.paths:
             if not path.is_file():
-                return [Violation("data.files", str(path), "no such file." if not path.exists()
-                                  else "is not a regular file.", _FIX)]
+                return [Violation("data.files", str(path), missing_reason(path) or "is not a regular file.", _FIX)]
             if self._format(path) is None:
                 return [Violation("data.files", str(path), f"has a suffix data=text does not read ({path.suffix}).",
                                   _FIX)]
@@ -102,6 +128,11 @@ class TextSource:
             missing = self._missing_field(path)
             if missing:
                 return [missing]
+        for path in self.paths:
+            kind = self._format(path)
+            bad = first_bad_row(str(path), kind, self.text_field) if kind in ("text", "json") else None
+            if bad:
+                return [Violation("data.files", str(path), f"line {bad.line} {bad.problem}", bad.fix)]
         if self.tokenizer is not None:
             try:
                 vocabulary = len(self._tokenizer)
@@ -169,15 +200,23 @@ class TextSource:
         return Path(os.path.expanduser(self.cache_dir)) / digest.hexdigest()[:24]
 
     def prepare(self) -> None:
-        """Tokenize and pack once: the first caller builds the cache under a lock, the rest wait for it."""
+        """Tokenize and pack once: the first caller builds the cache under a lock, the rest wait for it.
+
+        The lock file goes once the build ends, built or failed, and so does a half-written
+        dataset: a failed tokenization leaves nothing in ``cache_dir``.
+        """
         target = self._cache_path
         if (target / "done").exists():
             return
         target.parent.mkdir(parents=True, exist_ok=True)
-        with open(f"{target}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (target / "done").exists():
-                self._build(target)
+        lock_path = Path(f"{target}.lock")
+        with _exclusive(lock_path):
+            try:
+                if not (target / "done").exists():
+                    self._build(target)
+            finally:
+                shutil.rmtree(target.with_name(target.name + ".building"), ignore_errors=True)
+                lock_path.unlink(missing_ok=True)
 
     def _build(self, target: Path) -> None:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never ask a hub
