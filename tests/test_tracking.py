@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,6 +21,8 @@ from orchestrator.credentials import (
     split_credentials,
 )
 from orchestrator.tracking import RunTracker, TrackingError, experiment_id_for, open_client
+
+ORCH = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"
 
 
 @pytest.fixture
