@@ -30,7 +30,7 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
   arrive). Stage 3 reduce-scatters every micro-batch and gathers every parameter module in forward
   and in backward of every micro-batch.
 - **pipeline point to point**: each micro-batch sends one boundary activation forward and its
-  gradient back.
+  gradient back, split over the tensor-parallel ranks and all-gathered by the receiving stage.
 - **offload**: gradients down and parameters up over the host link, and the CPU optimizer bound by
   the node's memory bandwidth shared by its workers; ZeRO-3 parameter offload fetches every
   parameter over the host link for each gather. Without offload the optimizer step is bound by the
@@ -371,10 +371,13 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     pp_per_micro_s = 0.0
     if pp > 1:
         # DeepSpeed's pipeline engine sends each boundary activation forward and its gradient back
-        # as blocking point-to-point transfers (a broadcast in a 2-rank group) from every
-        # tensor-parallel rank: nothing overlaps them with compute.
+        # as blocking point-to-point transfers (a broadcast in a 2-rank group): nothing overlaps
+        # them with compute. With tp > 1 it splits both over the tensor-parallel ranks
+        # (``pipe_partitioned`` / ``grad_partitioned``, on by default when the topology has a
+        # ``model`` axis): each rank sends 1/tp and the receiving stage all-gathers the whole.
         p2p_bytes = model.boundary_per_sample * mb * act_bytes
-        pp_per_micro_s = 2 * (p2p_bytes / _bytes_per_s(speeds.bus_gbps(links.pp)) + lat[links.pp])
+        gather_s = (_half_ring_s(p2p_bytes, tp, speeds.bus_gbps(links.tp), lat[links.tp]) if tp > 1 else 0.0)
+        pp_per_micro_s = 2 * (p2p_bytes / tp / _bytes_per_s(speeds.bus_gbps(links.pp)) + lat[links.pp] + gather_s)
 
     compute_s = m * per_micro_s
     memory_s = m * memory_per_micro_s

@@ -221,23 +221,30 @@ def peaks_at_depth(shallow: PassTrace, deeper: PassTrace, depth: int) -> Peaks |
     layer k holds what the k layers before it saved; a backward event of layer k holds what the
     layers below it saved and the gradients of those above it. Over the layers the maximum is
     then at the first or the last one; those, like the parts before and after the layers, move
-    along a line as the model deepens. None when a trace breaks that pattern (then the caller
-    counts the full depth).
+    along a line as the model deepens. The first layer may differ from the others by what only
+    it holds: a Hugging Face decoder's first layer, for one, creates tensors the later layers
+    reuse, so the line is checked and carried from the second layer on and the first taken as
+    measured. None when a trace breaks that pattern (then the caller counts the full depth).
     """
     d1, d2 = SHALLOW_DEPTHS
     a, b = _segments(shallow), _segments(deeper)
     if a is None or b is None or any(len(a[p]) != len(b[p]) for p in
                                      ("before", "head forward", "head backward", "after", "forward 0", "backward 0")):
         return None
-    forward_layers = [b[f"forward {k}"] for k in range(d2)]
-    backward_layers = [b[f"backward {k}"] for k in range(d2)]
+    # Layers 1 .. d2-1 of the deeper pass (three of them) must lie on one line.
+    forward_layers = [b[f"forward {k}"] for k in range(1, d2)]
+    backward_layers = [b[f"backward {k}"] for k in range(1, d2)]
     if not (_follows_line(forward_layers) and _follows_line(backward_layers)):
         return None
     deepen = (depth - d2) / (d2 - d1)
-    forward = [*b["before"], *forward_layers[0], *_line(forward_layers[0], forward_layers[1], depth - 2),
+    # Over layers 1 .. depth-1 an affine event peaks at the second layer or the last one.
+    # (forward_layers[0] is layer 1: the last layer, depth - 1, lies depth - 3 steps past layer 2.)
+    forward = [*b["before"], *b["forward 0"], *forward_layers[0],
+               *_line(forward_layers[0], forward_layers[1], depth - 3),
                *_line(a["head forward"], b["head forward"], deepen)]
     backward = [*_line(a["head backward"], b["head backward"], deepen),
                 *_line(a[f"backward {d1 - 1}"], b[f"backward {d2 - 1}"], deepen),
+                *_line(a["backward 1"], b["backward 1"], deepen),
                 *_line(a["backward 0"], b["backward 0"], deepen),
                 *_line(a["after"], b["after"], deepen)]
     events = forward + backward

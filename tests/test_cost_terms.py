@@ -102,6 +102,26 @@ def test_a_data_parallel_ring_with_all_of_a_nodes_devices_uses_all_its_adapters(
                                            + 2 * 31 * speeds.inter_latency_s)
 
 
+def test_pipeline_transfers_are_split_over_the_tensor_parallel_ranks_and_gathered():
+    """DeepSpeed's pipeline engine (pipe_partitioned / grad_partitioned) sends 1/tp of a boundary
+    from each tensor-parallel rank and all-gathers it on the receiving stage, forward and back."""
+    boundary = 2048 * 8192  # one sample's hidden states at sequence 2048, width 8192
+    model = ModelCost(seq_len=2048, flops_per_sample=10**12, flops_per_sample_checkpointed=10**12,
+                      param_count=10**9, tp_param_count={1: 10**9, 8: 10**9 // 8}, row_parallel_out_per_sample=0,
+                      row_parallel_layers=0, column_parallel_in_per_sample=0, column_parallel_layers=0,
+                      boundary_per_sample=boundary, n_layers=8, param_modules=10)
+    speeds = Speeds.declared(A100)
+    nbytes = boundary * 2  # bf16, micro-batch 1
+    inter, intra = speeds.bus_gbps("inter") * 1e9 / 8, speeds.bus_gbps("intra") * 1e9 / 8
+    # tp=1: the four stages share a node and each sends the whole boundary over NVLink.
+    whole = predict_step(_plan(dp=1, pp=4), model, speeds, devices_per_node=8, optim=OptimSpec())
+    assert whole.pp_comm_s == pytest.approx(2 * (nbytes / intra + speeds.intra_latency_s))
+    # tp=8: a stage per node; each rank sends an eighth across nodes, the next stage gathers it.
+    split = predict_step(_plan(dp=1, tp=8, pp=4), model, speeds, devices_per_node=8, optim=OptimSpec())
+    gather = 7 / 8 * nbytes / intra + 7 * speeds.intra_latency_s
+    assert split.pp_comm_s == pytest.approx(2 * (nbytes / 8 / inter + speeds.inter_latency_s + gather))
+
+
 def test_the_optimizer_step_counts_deepspeeds_casts_and_the_clipping_norm():
     adam = OptimSpec()
     assert _optimizer_bytes_per_param(adam, Precision.fp32) == 28 + 4

@@ -179,3 +179,35 @@ def test_the_vectorized_balanced_partition_is_deepspeeds(weights, parts):
     from deepspeed.runtime.utils import partition_balanced as deepspeeds
 
     assert partition_balanced(weights, parts) == [int(p) for p in deepspeeds(weights, parts)]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_a_hugging_face_decoders_activations_are_carried_from_shallow_copies(checkpointing, tmp_path):
+    """A Llama-shaped decoder's first layer holds tensors the later ones reuse, so its trace is not
+    one line from layer 0: the peaks are still carried from the shallow copies (not counted at the
+    full depth) and equal the full count, for the GPU's attention kernels and the CPU's."""
+    import json
+
+    from orchestrator.workload import resolve_workload
+    from plans.activations import activations_from_shallow, measure_activations
+    from plans.depth_scaling import ShallowModels, repeated_stack, shallow_copy
+    from plans.meta import meta_device
+    from plans.spec import Accelerator
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 9,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500}))
+    typed, model_cfg, _ = to_typed(compose_config("model=hf_causal_lm", "model.config=null",
+                                                  f"model.config_path={tmp_path}", "data.seq_len=32"))
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
+    with meta_device():
+        model = workload.model_factory()
+    stack = repeated_stack(model)
+    shallow = ShallowModels(depth=len(stack), shallow=shallow_copy(model, stack, SHALLOW_DEPTHS[0]),
+                            deeper=shallow_copy(model, stack, SHALLOW_DEPTHS[1]))
+    for accelerator in (Accelerator.gpu, Accelerator.cpu):
+        args = dict(micro_batch_size=2, inputs=workload, dtype=torch.bfloat16, checkpointing=checkpointing,
+                    accelerator=accelerator)
+        carried = activations_from_shallow(shallow, **args)
+        assert carried is not None
+        assert carried == measure_activations(model, **args)
