@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers.config import compose_config, lm_inputs
+from helpers.config import compose_config, gpu_plan, lm_inputs
 from orchestrator.config import to_typed
 from orchestrator.models import model_factory
 from orchestrator.tune_result import TrainBudget, duration, render
@@ -24,8 +24,7 @@ from plans.cost_model import (
 from plans.estimate import ModelProbe
 from plans.memory_traffic import MemoryTraffic, fused_attention
 from plans.model_cost import measure_model_cost
-from plans.resolve import ResolvedPlan
-from plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision, TrainSpec
+from plans.spec import Accelerator, ClusterSpec, OptimSpec, Precision, TrainSpec
 from workloads.gpt import TP_LAYER_SPECS
 
 A100 = ClusterSpec(nodes=4, devices_per_node=8, accelerator=Accelerator.gpu, device_memory_gib=80,
@@ -69,13 +68,8 @@ def test_tensor_parallelism_divides_only_the_kernels_between_its_layers():
     assert cost.memory_bytes_per_sample_checkpointed > cost.memory_bytes_per_sample  # the forward again
 
 
-def _plan(**kw) -> ResolvedPlan:
-    base = dict(dp=32, tp=1, pp=1, world_size=32, zero_stage=0, offload_optimizer=Offload.none,
-                offload_param=Offload.none, nvme_path=None, activation_checkpointing=False, micro_batch_size=1,
-                grad_accum_steps=1, precision=Precision.bf16, accelerator=Accelerator.gpu)
-    base.update(kw)
-    base["world_size"] = base["dp"] * base["tp"] * base["pp"]
-    return ResolvedPlan(**base)
+def _plan(**kw):
+    return gpu_plan(**({"dp": 32} | kw))
 
 
 def test_declared_gpu_speeds_are_derated_to_what_kernels_and_nccl_reach():

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers.config import compose_config, lm_inputs
+from helpers.config import compose_config, gpu_plan, lm_inputs
 from launchers.placement import rank_layout
 from orchestrator.config import to_typed
 from orchestrator.models import model_factory
@@ -26,13 +26,8 @@ SMALL = {"_target_": "workloads.gpt.GPT", "n_layer": 2, "d_model": 128, "n_head"
          "vocab_size": 256, "tp": 1}
 
 
-def _plan(**kw) -> ResolvedPlan:
-    base = dict(dp=8, tp=1, pp=1, world_size=8, zero_stage=0, offload_optimizer=Offload.none,
-                offload_param=Offload.none, nvme_path=None, activation_checkpointing=False, micro_batch_size=1,
-                grad_accum_steps=8, precision=Precision.bf16, accelerator=Accelerator.gpu)
-    base.update(kw)
-    base["world_size"] = base["dp"] * base["tp"] * base["pp"]
-    return ResolvedPlan(**base)
+def _plan(**kw):
+    return gpu_plan(**({"grad_accum_steps": 8} | kw))
 
 
 def _model(**kw) -> ModelCost:

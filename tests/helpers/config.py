@@ -28,3 +28,15 @@ def lm_inputs(seq_len: int):
     from workloads.objectives import CausalLM
 
     return Workload(model_factory=lambda: None, objective=CausalLM(), data=CorpusSource(seq_len=seq_len))
+
+
+def gpu_plan(**declared):
+    """A resolved bf16 GPU plan, data-parallel by default, with ``world_size`` made to agree with
+    the degrees given (the cost model's tests declare only what they vary)."""
+    from plans.resolve import ResolvedPlan
+    from plans.spec import Accelerator, Offload, Precision
+
+    fields = dict(dp=8, tp=1, pp=1, zero_stage=0, offload_optimizer=Offload.none, offload_param=Offload.none,
+                  nvme_path=None, activation_checkpointing=False, micro_batch_size=1, grad_accum_steps=1,
+                  precision=Precision.bf16, accelerator=Accelerator.gpu) | declared
+    return ResolvedPlan(**fields, world_size=fields["dp"] * fields["tp"] * fields["pp"])
