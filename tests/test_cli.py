@@ -24,6 +24,14 @@ def orch(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _assert_all_exit(spawned, within_s: float = 30) -> None:
+    """Every process the command started (Ray's, the workers) is gone within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while alive(spawned):
+        assert time.monotonic() < deadline, f"left behind: {alive(spawned)}"
+        time.sleep(1)
+
+
 def test_bad_plan_is_refused_before_anything_starts(tmp_path):
     done = orch("train", "plan.zero_stage=5", "plan.dp=3", "plan.tp=3", cwd=tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr
@@ -185,10 +193,7 @@ def test_a_signal_stops_training_cleanly_on_a_loopback_only_ray(tmp_path, stop, 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
     assert run.info.status == "KILLED"
-    deadline = time.monotonic() + 30
-    while alive(spawned):
-        assert time.monotonic() < deadline, f"left behind: {alive(spawned)}"
-        time.sleep(1)
+    _assert_all_exit(spawned)
 
 
 SLOW_TO_BUILD = """
@@ -234,10 +239,7 @@ def test_sigterm_while_the_workers_set_up_exits_143(tmp_path):
     _, rest = proc.communicate(timeout=300)
     assert proc.returncode == 143, rest[-3000:]
     assert rest.strip().splitlines()[-1] == "stopped by SIGTERM", rest[-3000:]
-    deadline = time.monotonic() + 30
-    while alive(spawned):
-        assert time.monotonic() < deadline, f"left behind: {alive(spawned)}"
-        time.sleep(1)
+    _assert_all_exit(spawned)
 
 
 ENV_RECORDING = """
