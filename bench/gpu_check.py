@@ -180,7 +180,7 @@ class Outcome:
 
 def orch_command() -> list[str]:
     """The installed `orch`, as a user runs it (falls back to the module beside this checkout)."""
-    found = shutil.which("orch")
+    found = shutil.which("orch", path=os.path.dirname(sys.executable)) or shutil.which("orch")
     return [found] if found else [sys.executable, "-m", "orchestrator"]
 
 
