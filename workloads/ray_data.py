@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
-from launchers.storage import StorageTimeout, bounded, is_remote, open_location, probe_limit_s
 from plans.errors import Violation
+from plans.locations import StorageTimeout, bounded, is_remote, open_location, probe_limit_s
 from plans.uris import CREDENTIALS_FIX, carries_credentials
 from workloads.text_rows import first_bad_row
 
@@ -536,7 +536,7 @@ def _filesystem(location: str):
 
 def _probed(locations: list[str], call: Callable[[], Any]) -> Any:
     """``call()``, given up after ``cluster.connect_timeout_s`` when it reaches a store
-    (:func:`launchers.storage.bounded`); local files are read without a limit."""
+    (:func:`plans.locations.bounded`); local files are read without a limit."""
     return bounded(call) if any(is_remote(location) for location in locations) else call()
 
 
