@@ -397,11 +397,13 @@ def _measure_pass(factory_or_module: ModelOrFactory, micro_batch_size: int, inpu
 def attention_kernels(factory_or_module: ModelOrFactory, *, inputs: ModelInputs, dtype: torch.dtype,
                       accelerator: Accelerator) -> KernelLog:
     """The attention kernels a forward of the model runs on ``accelerator``, for ``orch check`` to
-    name: one forward of one sample on ``meta``, on a private copy."""
+    name: one forward of two samples on ``meta``, on a private copy (the kernel does not depend on
+    the batch size, and a training-mode BatchNorm refuses a batch of one sample once a ResNet has
+    pooled it to 1 x 1)."""
     module = _build_on_meta(factory_or_module, dtype)
     log = KernelLog()
     with _MetaRunsAsOn(accelerator, log):
-        call_model(module, _example(inputs, 1, module))
+        call_model(module, _example(inputs, 2, module))
     return log
 
 

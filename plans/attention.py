@@ -154,8 +154,8 @@ class KernelLog:
     def describe(self, accelerator: Accelerator) -> str:
         """One line for ``orch check``: the kernels assumed, and what that means for memory."""
         if not self.calls:
-            return ("no scaled_dot_product_attention call: the model's own attention code is measured as it runs "
-                    "(an eager softmax keeps its sequence x sequence scores)")
+            return ("no scaled_dot_product_attention call: whatever attention the model computes itself is "
+                    "measured as it runs (an eager softmax keeps its sequence x sequence scores)")
         names = ", ".join(f"{k.value}" + (f" ({n} calls)" if len(self.calls) > 1 else "")
                           for k, n in self.calls.most_common())
         scores = ("sequence x sequence scores saved" if any(k.keeps_scores for k in self.calls)
