@@ -43,8 +43,9 @@ from launchers.manifest import (
     write_manifest,
 )
 from launchers.manifest import verify as verify_manifest
-from launchers.storage import RemoteDir, is_remote, local_path
+from launchers.storage import RemoteDir
 from plans.errors import OrchError, PlanError, Violation
+from plans.locations import is_remote, local_path
 
 LATEST = "latest.json"
 LOCK = ".orch.lock"

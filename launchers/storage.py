@@ -9,12 +9,10 @@ the endpoint and the credentials the way each store's own tools do (for S3: ``AW
 role). Nothing here holds a credential, and a URI that carries one is refused
 (:func:`location_violation`).
 
-Every check that opens a store (:func:`location_violation`, :func:`bounded` around a read) waits
-at most ``cluster.connect_timeout_s`` (:func:`probe_limit`): pyarrow's own limits are set first
-(GCS ``retry_limit_seconds``, S3 connect and request timeouts), and the call runs in a daemon
-thread the command stops waiting for at the deadline, so a store that never answers (GCS
-retries for about 15 minutes with no network) ends in an error, and Ctrl-C ends the wait at once.
-Transfers of whole checkpoints are not bounded this way: they take as long as their size needs.
+Every check that opens a store (:func:`location_violation`) waits at most
+``cluster.connect_timeout_s``, through :mod:`plans.locations` (which also bounds the data
+sources' checks). Transfers of whole checkpoints are not bounded this way: they take as long as
+their size needs.
 
 ``file://`` URIs are plain local paths (:func:`local_path`).
 """
@@ -31,18 +29,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from plans.locations import (  # noqa: F401 - the storage checks, re-exported for the checkpoint code's callers
-    STORE_FIX,
-    TIMEOUT_FIELD,
-    StorageTimeout,
-    bounded,
-    exit_past_abandoned_checks,
-    is_remote,
-    local_path,
-    open_location,
-    probe_limit,
-    probe_limit_s,
-)
+from plans.locations import STORE_FIX, StorageTimeout, bounded, is_remote, open_location, probe_limit_s
 from plans.uris import CREDENTIALS_FIX, carries_credentials
 
 

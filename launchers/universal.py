@@ -25,8 +25,9 @@ from pathlib import Path
 
 from launchers.checkpoint import UNIVERSAL_SUFFIX
 from launchers.manifest import CheckpointIntegrityError, verify, write_manifest
-from launchers.storage import RemoteDir, is_remote, local_path, staging_dir
+from launchers.storage import RemoteDir, staging_dir
 from plans.errors import OrchError, PlanError, Violation
+from plans.locations import is_remote, local_path
 
 # The layout keys whose change needs a universal checkpoint, and those that may not change at all.
 ELASTIC = ("dp",)

@@ -34,7 +34,8 @@ from launchers.job import PollStatus, StepReport, TrainJob, WorkerFacts
 from launchers.lean_startup import collector_paused, import_deepspeed
 from launchers.placement import GRID_AXES, ParallelCoords, RankSlot, parallel_coords
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
-from launchers.storage import RemoteDir, is_remote, local_path, staging_dir
+from launchers.storage import RemoteDir, staging_dir
+from plans.locations import is_remote, local_path
 from plans.spec import Precision
 
 

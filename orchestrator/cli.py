@@ -106,8 +106,8 @@ def sweep_value(result, metric: str) -> float:
 
 def storage_checks_bounded(typed) -> contextlib.AbstractContextManager:
     """Every check of a storage location the command makes (train.checkpoint_dir, tune.out,
-    data.paths) given up after ``cluster.connect_timeout_s`` (:mod:`launchers.storage`)."""
-    from launchers.storage import probe_limit
+    data.paths) given up after ``cluster.connect_timeout_s`` (:mod:`plans.locations`)."""
+    from plans.locations import probe_limit
 
     return probe_limit(typed.cluster.connect_timeout_s)
 
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator import sweeps
 
     sweeps.command = command
-    from launchers.storage import exit_past_abandoned_checks
+    from plans.locations import exit_past_abandoned_checks
 
     try:
         with stopped_by_signals():

@@ -20,11 +20,11 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from launchers.ray_session import ray_session_in_background
-from launchers.storage import is_remote
 from launchers.worker_group import job_env
 from orchestrator.config import RunConfig
 from orchestrator.declared import declared_violations
 from plans.errors import PlanError
+from plans.locations import is_remote
 from plans.resolve import ResolvedPlan, resolve_plan
 from workloads.schemas import SELF_CONTAINED_SOURCES
 

@@ -99,10 +99,11 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
     """
     from launchers.checkpoint import latest
     from launchers.manifest import verify
-    from launchers.storage import RemoteDir, is_remote, local_path, location_violation
+    from launchers.storage import RemoteDir, location_violation
     from orchestrator.models import model_factory, split_model_config
     from orchestrator.tracking import RunTracker, open_existing, reading
     from plans.errors import PlanError, Violation
+    from plans.locations import is_remote, local_path
 
     client = open_existing(uri)
     run = reading(uri, f"run {run_id}", lambda: client.get_run(run_id))

@@ -12,11 +12,12 @@ import dataclasses
 import os
 from pathlib import Path
 
-from launchers.storage import is_remote, local_path, location_violation
+from launchers.storage import location_violation
 from orchestrator.config import RunConfig
 from orchestrator.declared import declared_violations
 from orchestrator.workload import build_data_source
 from plans.errors import PlanError, Violation
+from plans.locations import is_remote, local_path
 from plans.resolve import ResolvedPlan, resolve_plan
 from plans.spec import ClusterSpec, ResumeMode, TrainSpec
 from plans.workload import DataSource

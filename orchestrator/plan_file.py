@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
-from launchers.storage import RemoteDir, StorageTimeout, bounded, is_remote, location_violation, probe_limit_s
+from launchers.storage import RemoteDir, location_violation
 from orchestrator import conf
 from orchestrator.config import RunConfig
 from plans.errors import PlanError, Violation
+from plans.locations import StorageTimeout, bounded, is_remote, probe_limit_s
 from plans.resolve import ResolvedPlan
 from plans.search_space import plan_spec
 

@@ -15,10 +15,11 @@ import torch
 from helpers.config import compose_config
 from launchers.checkpoint import CheckpointRecordError, latest, publish_remote, resumable, tag_for
 from launchers.manifest import file_digests
-from launchers.storage import RemoteDir, StagingDirError, is_remote, local_path, location_violation, staging_dir
+from launchers.storage import RemoteDir, StagingDirError, location_violation, staging_dir
 from orchestrator.config import to_typed
 from orchestrator.inputs import validated_plan
 from plans.errors import PlanError
+from plans.locations import is_remote, local_path
 
 
 @pytest.fixture

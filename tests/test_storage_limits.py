@@ -19,12 +19,13 @@ import pytest
 
 from helpers.config import compose_config
 from helpers.processes import worker_env
-from launchers.storage import location_violation, open_location, probe_limit
+from launchers.storage import location_violation
 from orchestrator.cli import storage_checks_bounded
 from orchestrator.config import to_typed
 from orchestrator.inputs import input_violations
 from orchestrator.plan_file import check_plan_file
 from plans.errors import PlanError
+from plans.locations import open_location, probe_limit
 
 ORCH = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"
 # Time a loaded 2-core machine may add to a limit before the answer arrives.
