@@ -6,10 +6,10 @@ touches Ray, DeepSpeed or a device, so every rule is testable in milliseconds.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from plans.errors import PlanError, Violation
-from plans.spec import Accelerator, ClusterSpec, Offload, PlanSpec, Precision, TrainSpec
+from plans.spec import Accelerator, ClusterSpec, EngineName, FSDPSpec, Offload, PlanSpec, Precision, TrainSpec
 
 # ZeRO stages DeepSpeed's pipeline engine trains with: it asserts stage < 2
 # (deepspeed/runtime/pipe/engine.py, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism").
@@ -42,6 +42,8 @@ class ResolvedPlan:
     grad_accum_steps: int
     precision: Precision
     accelerator: Accelerator
+    engine: EngineName = EngineName.deepspeed
+    fsdp: FSDPSpec = field(default_factory=FSDPSpec)
 
     @property
     def global_batch_size(self) -> int:
@@ -152,7 +154,7 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
         offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param,
         nvme_path=plan.nvme_path, activation_checkpointing=plan.activation_checkpointing,
         pp_partition=plan.pp_partition, micro_batch_size=plan.micro_batch_size, grad_accum_steps=plan.grad_accum_steps,
-        precision=plan.precision, accelerator=cluster.accelerator,
+        precision=plan.precision, accelerator=cluster.accelerator, engine=plan.engine, fsdp=plan.fsdp,
     )
 
 

@@ -20,6 +20,25 @@ class Offload(str, Enum):
     nvme = "nvme"
 
 
+class EngineName(str, Enum):
+    """Which library trains the model (:mod:`launchers.engines`)."""
+
+    deepspeed = "deepspeed"
+    fsdp2 = "fsdp2"
+
+
+@dataclass(kw_only=True)
+class FSDPSpec:
+    """PyTorch FSDP2's settings (``plan.engine=fsdp2``); parameters, gradients and optimizer
+    states are always sharded over the data-parallel ranks, as under ZeRO-3."""
+
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward and gather them again for its
+    backward; false keeps them until the backward (one all-gather fewer, more memory held)."""
+    hybrid: bool = False
+    """Shard within a node and replicate across nodes (HSDP): the all-gathers stay on the node's links."""
+
+
 class Precision(str, Enum):
     """Training precision; bf16/fp16 keep fp32 master weights in the optimizer."""
 
@@ -62,6 +81,10 @@ class OptimizerName(str, Enum):
 class PlanSpec:
     """The parallelism plan: how the model and batch are split over the workers."""
 
+    engine: EngineName = EngineName.deepspeed
+    """The training engine: deepspeed (ZeRO stages, pipelines) or fsdp2 (PyTorch's fully_shard)."""
+    fsdp: FSDPSpec = field(default_factory=FSDPSpec)
+    """FSDP2's settings; read only when engine is fsdp2."""
     dp: int | None = None
     """Data-parallel degree; null takes what the cluster leaves: world_size / (tp * pp)."""
     tp: int = 1
