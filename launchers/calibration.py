@@ -89,8 +89,8 @@ class CalibrationWorker:
                            **AGENT_STORE_ENV})
         import deepspeed.comm as dist
 
+        from launchers.engines.deepspeed.building import unlink_shared_memory_buffers
         from launchers.lean_startup import import_deepspeed
-        from launchers.worker import unlink_shared_memory_buffers
 
         deepspeed = import_deepspeed()
 

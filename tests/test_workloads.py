@@ -370,15 +370,15 @@ def test_a_worker_refuses_to_build_whole_what_zero_init_could_not_build_when_mem
     """The planner counted a zero.Init share; the whole model must fit the worker's share of free memory."""
     from types import SimpleNamespace
 
-    from launchers.worker import _refuse_whole_build_beyond_memory
+    from launchers.engines.deepspeed.building import refuse_whole_build_beyond_memory
 
     job = SimpleNamespace(workload=SimpleNamespace(
         model_factory=lambda: torch.nn.Linear(4096, 4096), model_config={"_target_": "torch.nn.Linear"}))
-    _refuse_whole_build_beyond_memory(job, "zero.Init failed: TypeError")  # 64 MiB: fits
+    refuse_whole_build_beyond_memory(job, "zero.Init failed: TypeError")  # 64 MiB: fits
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2**40))  # a share of a few bytes
     with pytest.raises(RuntimeError, match=r"torch.nn.Linear cannot be built under deepspeed.zero.Init "
                                            r"\(zero.Init failed: TypeError\), and building it whole takes 0.06 GiB"):
-        _refuse_whole_build_beyond_memory(job, "zero.Init failed: TypeError")
+        refuse_whole_build_beyond_memory(job, "zero.Init failed: TypeError")
 
 
 # Lineage: what a run records of its data.

@@ -46,6 +46,9 @@ class Engine(ABC):
     device: torch.device
     """Where this rank's batches go (set by :meth:`start`)."""
 
+    dtype: torch.dtype | None = None
+    """What floating-point inputs are cast to (the training precision; None: as they come)."""
+
     @abstractmethod
     def start(self, job: TrainJob, master_addr: str, master_port: int) -> None:
         """Join the run's process group (the rendezvous variables are already in the environment)."""
