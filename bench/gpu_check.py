@@ -423,7 +423,7 @@ def versions_line() -> str:
 def prebuild_ops(work: Path) -> list[tuple[str, subprocess.Popen, float]]:
     """Start building DeepSpeed's FusedAdam (nvcc) and CPU Adam (host compiler) into torch's
     extension cache, so that the cases load them instead of each building one in its setup."""
-    from launchers.gpu_worker import deepspeed_arch_list
+    from launchers.engines.deepspeed.config import deepspeed_arch_list
 
     env = dict(os.environ)
     if env.get("TORCH_CUDA_ARCH_LIST"):  # as the workers give it to DeepSpeed (launchers/gpu_worker.py)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_module
 
-from launchers.ds_config import build_ds_config
+from launchers.engines.deepspeed.config import build_ds_config
 from orchestrator.checking import check_run
 from orchestrator.config import register_configs, to_typed
 from orchestrator.models import split_model_config

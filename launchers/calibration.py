@@ -12,7 +12,7 @@ on a CPU node one worker measures and the rates are scaled to the node's cores p
   the host link (pinned host-to-device copies);
 - all-reduce latency (a one-element all-reduce, back to back and between stretches of compute as
   tensor-parallel layers issue it; the larger counts) and bus bandwidth (a 16 MB one) inside a
-  node and, with several nodes, across them, through ``deepspeed.comm`` as training uses it.
+  node and, with several nodes, across them, through ``torch.distributed`` as training uses it.
 
 The result is cached per cluster (the workers' hostnames, shape and the probe's parameters) in a
 JSON file, so a second ``orch tune`` on the same cluster starts at once.
@@ -87,20 +87,15 @@ class CalibrationWorker:
                            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_ranks.index(rank)),
                            "LOCAL_SIZE": str(len(local_ranks)), "LOCAL_WORLD_SIZE": str(len(local_ranks)),
                            **AGENT_STORE_ENV})
-        import deepspeed.comm as dist
-
-        from launchers.engines.deepspeed.building import unlink_shared_memory_buffers
-        from launchers.lean_startup import import_deepspeed
-
-        deepspeed = import_deepspeed()
-
         import torch
+        import torch.distributed as dist
 
         backend = "gloo" if env.get("DS_ACCELERATOR") == "cpu" else "nccl"
         # NCCL reduces device tensors only: the probes' tensors live on this worker's GPU.
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-        unlink_shared_memory_buffers(*master)
+        # torch's process group, as every engine's collectives are (DeepSpeed's training all-reduce
+        # is torch.distributed.all_reduce on this group).
+        dist.init_process_group(backend=backend)
         try:
             # Every rank creates every group (collective), then measures the ones it belongs to.
             groups = {tuple(members): dist.new_group(members) for members in node_groups if len(members) > 1}
@@ -181,8 +176,8 @@ def _synchronize(device) -> None:
 
 
 def _allreduce_probe(group, n: int, device) -> dict:
-    import deepspeed.comm as dist
     import torch
+    import torch.distributed as dist
 
     small = torch.zeros(1, device=device)
     large = torch.zeros(_BANDWIDTH_ELEMENTS, device=device)
@@ -217,8 +212,8 @@ def _latency_between_compute(group, n: int, device, calls: int = 100, windows: i
     threads, the OS and a shared core delay by a varying amount. That wait is what training pays:
     the extra time per call of compute followed by an all-reduce over compute alone (the median
     of a few windows), spread over the 2(n-1) steps the cost model charges a call."""
-    import deepspeed.comm as dist
     import torch
+    import torch.distributed as dist
 
     a = torch.randn(256, 256, device=device)
     a @ a

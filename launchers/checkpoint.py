@@ -46,6 +46,7 @@ from launchers.manifest import verify as verify_manifest
 from launchers.storage import RemoteDir
 from plans.errors import OrchError, PlanError, Violation
 from plans.locations import is_remote, local_path
+from plans.spec import EngineName
 
 LATEST = "latest.json"
 LOCK = ".orch.lock"
@@ -82,9 +83,9 @@ class Published:
     run_id: str | None
     tags: list[str] = field(default_factory=list)
     """Every kept tag, oldest first."""
-    layout: dict[str, int] | None = None
+    layout: dict[str, int | str] | None = None
     """The plan that wrote it (dp, tp, pp, zero_stage, micro_batch_size, grad_accum_steps): a resume
-    with another dp goes through a universal checkpoint (:mod:`launchers.universal`)."""
+    with another dp goes through a universal checkpoint (:mod:`launchers.engines.deepspeed.universal`)."""
 
 
 def tag_for(step: int) -> str:
@@ -124,13 +125,20 @@ def _parse_record(text: str, where: str) -> Published:
                 and (layout is None or isinstance(layout, dict))):
             raise TypeError("step must be an integer, tags a list, layout an object")
         return Published(tag=data["tag"], step=data["step"], run_id=data.get("run_id"), tags=list(data["tags"]),
-                         layout={k: int(v) for k, v in layout.items()} if layout else None)
+                         layout={k: _layout_value(k, v) for k, v in layout.items()} if layout else None)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         what = f"missing key {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
         raise CheckpointRecordError(
             f"{where} is malformed ({what}); it is the record of the latest checkpoint and this orchestrator writes "
             "it whole. Fix: delete it to start fresh (or set train.resume=never), or point train.checkpoint_dir at a "
             "directory this orchestrator wrote") from None
+
+
+def _layout_value(key: str, value) -> int | str:
+    """A layout entry: the engine's name (:class:`plans.spec.EngineName`), else a whole number."""
+    if key == "engine":
+        return EngineName(value).value
+    return int(value)
 
 
 def _check_record(record: Published, path: str) -> None:
@@ -259,8 +267,8 @@ def resumable(checkpoint_dir: str | os.PathLike, model: dict | None,
         _check_model(f"{where}/{tag}", manifest.model, model)
         if refused:
             print(f"warning: resuming from the newest intact checkpoint, {where}/{tag}", file=warn, flush=True)
-        return dataclasses.replace(record, tag=tag, step=int(tag.removeprefix("step_")),
-                                   layout={k: int(v) for k, v in manifest.layout.items()} if manifest.layout else None)
+        layout = {k: _layout_value(k, v) for k, v in manifest.layout.items()} if manifest.layout else None
+        return dataclasses.replace(record, tag=tag, step=int(tag.removeprefix("step_")), layout=layout)
     raise NoIntactCheckpointError(
         f"train.resume=auto: no checkpoint kept in train.checkpoint_dir={where} verifies ({'; '.join(refused)}). "
         "Fix: set train.resume=never to start fresh, or point train.checkpoint_dir at intact checkpoints")
@@ -342,3 +350,21 @@ def directory_lock(checkpoint_dir: str | os.PathLike) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def layout_of(plan) -> dict[str, int | str]:
+    """What a checkpoint records of the plan that wrote it."""
+    return {"engine": plan.engine.value, "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage,
+            "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps}
+
+
+def resumed_position(position: int, saved: dict[str, int], micro_batch_size: int, dp: int) -> int:
+    """The batch position in the current epoch a rank continues from after a change of layout.
+
+    Every rank reads its own stride of one shuffled order (DistributedSampler), so after
+    ``position`` batches of ``micro x dp`` samples the whole layout has consumed the order's first
+    ``position * micro * dp`` samples; the new layout continues after the same ones (rounded
+    down to a whole batch: a few samples may be read twice, none skipped).
+    """
+    consumed = position * saved["micro_batch_size"] * saved["dp"]
+    return consumed // (micro_batch_size * dp)

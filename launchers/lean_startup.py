@@ -1,12 +1,12 @@
-"""Start-up work a training process can leave out: collector passes during imports, and the MLflow
-import DeepSpeed makes for its autotuner. On a node with few cores per rank, start-up is bound by
-CPU time, so each second of it left out is nearly a second sooner to the first step."""
+"""Start-up work a training process can leave out: collector passes during imports. (The MLflow
+import DeepSpeed makes for its autotuner is left out by its engine's ``import_deepspeed``.) On a
+node with few cores per rank, start-up is bound by CPU time, so each second of it left out is
+nearly a second sooner to the first step."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 from collections.abc import Iterator
 
 
@@ -34,25 +34,3 @@ def collector_paused() -> Iterator[None]:
     finally:
         gc.freeze()
         gc.enable()
-
-
-def import_deepspeed():
-    """``import deepspeed``, leaving out the MLflow import its autotuner makes on the way.
-
-    ``import deepspeed`` imports ``deepspeed.autotuning``, which imports MLflow whenever it is
-    installed (it always is with orch) to log autotuning experiments. Training ranks never run
-    DeepSpeed's autotuner, and MLflow's import is most of ``import deepspeed``'s time. A ``None`` in
-    ``sys.modules`` makes that one import fail, which DeepSpeed expects (MLflow is optional to it);
-    the entry is removed again, so the model's or the objective's own ``import mlflow`` works.
-    """
-    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
-        import deepspeed
-
-        return deepspeed
-    sys.modules["mlflow"] = None  # the import system's documented way to make an import fail
-    try:
-        import deepspeed
-    finally:
-        if sys.modules.get("mlflow", False) is None:
-            del sys.modules["mlflow"]
-    return deepspeed

@@ -40,11 +40,11 @@ class Manifest:
     folder: Path
     files: dict[str, str]
     """Path relative to the tag directory → SHA-256 hex digest."""
-    layout: dict[str, int] | None = None
+    layout: dict[str, int | str] | None = None
     model: dict | None = None
     """``{"config": {...}, "params": {name: shape}}`` of the model that wrote it (see
     :func:`launchers.checkpoint.model_signature`)."""
-    sizes: dict[str, int] | None = None
+    sizes: dict[str, int | str] | None = None
     """Path → size in bytes: what a remote copy is checked against without downloading it."""
 
     def digest_of(self, path: str | os.PathLike) -> str:
@@ -78,13 +78,13 @@ def file_digests(folder: str | os.PathLike) -> tuple[dict[str, str], dict[str, i
     return {name: sha256_of(root / name) for name in names}, {name: (root / name).stat().st_size for name in names}
 
 
-def manifest_text(files: dict[str, str], sizes: dict[str, int], layout: dict[str, int] | None = None,
+def manifest_text(files: dict[str, str], sizes: dict[str, int], layout: dict[str, int | str] | None = None,
                   model: dict | None = None) -> str:
     """The manifest's JSON, for a checkpoint whose files were digested where they were written."""
     return json.dumps({"format": _FORMAT, "files": files, "sizes": sizes, "layout": layout, "model": model})
 
 
-def write_manifest(folder: str | os.PathLike, layout: dict[str, int] | None = None,
+def write_manifest(folder: str | os.PathLike, layout: dict[str, int | str] | None = None,
                    model: dict | None = None) -> Manifest:
     """Digest every file under ``folder`` and write the manifest atomically (temp file, fsync, rename)."""
     root = Path(folder)

@@ -1,11 +1,11 @@
-"""Resume without running code from the checkpoint: DeepSpeed's files loaded with ``weights_only=True``.
+"""Resume without running code from the checkpoint: files loaded with ``weights_only=True``,
+each checked against the checkpoint's manifest first.
 
-DeepSpeed reads every checkpoint file through ``engine.checkpoint_engine.load``, and its
-``TorchCheckpointEngine`` calls ``torch.load(..., weights_only=False)``: plain unpickling, so a
-file in a shared checkpoint directory could run any code in every worker. Here the engine's
-``load`` is replaced, for the duration of one ``load_checkpoint``, by one that unpickles with
-``weights_only=True`` and lets through only the few DeepSpeed classes its checkpoints hold.
-Saving is untouched.
+``torch.load(..., weights_only=False)`` is plain unpickling, so a file in a shared checkpoint
+directory could run any code in every worker. :func:`load_weights_only` unpickles with
+``weights_only=True`` and lets through only an allow-list of plain-data classes (by default the
+few DeepSpeed's checkpoints hold, :mod:`launchers.engines.deepspeed.checkpoint_files`, which also
+routes DeepSpeed's engine's own loads here).
 
 DeepSpeed's universal checkpoints and its converter call ``torch.load(weights_only=False)``
 directly, past the engine; :func:`verified_loading` replaces ``torch.load`` itself for the
@@ -28,24 +28,7 @@ class UnsafeCheckpointError(OrchError):
     """A checkpoint file holds pickled objects outside the allow-list; it was not loaded."""
 
 
-def deepspeed_checkpoint_globals() -> list[type]:
-    """The classes DeepSpeed 0.19 pickles into checkpoints, beyond tensors and builtins.
-
-    Found with ``torch.serialization.get_unsafe_globals_in_checkpoint`` over checkpoints of
-    ZeRO 0-3, fp32 and bf16, Adam and SGD, with and without CPU offload; and read from the
-    ZeRO optimizers' ``state_dict`` (``runtime/zero/stage_1_and_2.py`` and ``stage3.py``).
-    Each is plain data: an enum, a two-int dataclass, and the loss scalers (floats and ints;
-    ``DynamicLossScaler`` is what fp16 on GPUs saves). The model file holds only tensors,
-    ``torch.Size``, OrderedDicts and our client state (ints and a tensor).
-    """
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
-
-
-def load_weights_only(path: str, map_location=None):
+def load_weights_only(path: str, map_location=None, allowed: list[type] | None = None):
     """``torch.load`` of one checkpoint file that refuses anything but data.
 
     Raises :class:`UnsafeCheckpointError` naming the file and the refused globals; the
@@ -53,7 +36,10 @@ def load_weights_only(path: str, map_location=None):
     """
     import torch
 
-    allowed = deepspeed_checkpoint_globals()
+    if allowed is None:  # the checkpoints orch reads this way are DeepSpeed's (its engine, export, conversion)
+        from launchers.engines.deepspeed.checkpoint_files import deepspeed_checkpoint_globals
+
+        allowed = deepspeed_checkpoint_globals()
     try:
         with torch.serialization.safe_globals(allowed):
             # torch.serialization.load, not torch.load: within verified_loading torch.load is ours.
@@ -66,7 +52,7 @@ def load_weights_only(path: str, map_location=None):
             f"checkpoint file {path} {what}. It was not loaded. Fix: resume only from checkpoints this "
             "orchestrator wrote (train.checkpoint_dir, or train.resume=never to start fresh); if a "
             "DeepSpeed upgrade saves a new class, review it and add it to "
-            "launchers.safe_load.deepspeed_checkpoint_globals") from None
+            "launchers.engines.deepspeed.checkpoint_files.deepspeed_checkpoint_globals") from None
 
 
 def refused_globals(path: str, allowed: list[type]) -> list[str] | None:
@@ -144,36 +130,3 @@ def verified_loading(folder: str | os.PathLike, *, strict: bool = True) -> Itera
         yield
     finally:
         torch.load = original
-
-
-@contextlib.contextmanager
-def weights_only_loading(engine, folder: str | os.PathLike) -> Iterator[None]:
-    """Within the block, ``engine`` loads checkpoint files with :func:`load_weights_only`, each
-    checked against ``folder``'s manifest (:func:`verified_loading`, which also covers the
-    universal checkpoints DeepSpeed reads past the engine).
-
-    The engine DeepSpeed configured stays in place for everything else (it decides writers,
-    directories and commits), and is restored afterwards, so saves are exactly DeepSpeed's.
-    """
-    configured = engine.checkpoint_engine
-    engine.checkpoint_engine = _WeightsOnlyEngine(configured)
-    try:
-        with verified_loading(folder):
-            yield
-    finally:
-        engine.checkpoint_engine = configured
-
-
-class _WeightsOnlyEngine:
-    """The configured checkpoint engine with its ``load`` replaced; every other call goes through."""
-
-    def __init__(self, configured):
-        self._configured = configured
-
-    def load(self, path: str, map_location=None):
-        import torch
-
-        return torch.load(path, map_location=map_location)  # verified_loading's, inside the block
-
-    def __getattr__(self, name: str):
-        return getattr(self._configured, name)

@@ -147,7 +147,7 @@ class TrainWorker:
         saved = client_state.get("layout")
         plan = self.job.plan
         if saved and (saved["dp"], saved["micro_batch_size"]) != (plan.dp, plan.micro_batch_size):
-            from launchers.universal import resumed_position
+            from launchers.checkpoint import resumed_position
 
             data = {**data, "position": resumed_position(data["position"], saved, plan.micro_batch_size, plan.dp)}
             val_data = {**val_data, "position": resumed_position(val_data["position"], saved,
@@ -164,7 +164,7 @@ class TrainWorker:
         and reports it."""
         import torch
 
-        from launchers.universal import layout_of
+        from launchers.checkpoint import layout_of
 
         self.checkpoints.save(self.engine, step, {
             "step": step, "data": self.batches.state_dict(), "val_data": self.val_batches.state_dict(),

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 from ray.exceptions import RayActorError
 
 from launchers.checkpoint import Published, resumable
-from launchers.ds_config import build_ds_config
+from launchers.engines.deepspeed.config import build_ds_config
+from launchers.engines.deepspeed.universal import convert as convert_to_universal
+from launchers.engines.deepspeed.universal import needs_universal
 from launchers.job import StepReport, TrainJob, WorkerFacts
 from launchers.lean_startup import collector_paused
 from launchers.placement import placement_strategy
-from launchers.universal import convert as convert_to_universal
-from launchers.universal import needs_universal
 from launchers.worker_group import (
     WorkerDiedError,
     WorkerFailedError,
@@ -49,7 +49,7 @@ from plans.estimate import PlanEstimate
 from plans.flops import training_flops_per_sample
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
-from plans.spec import Accelerator, ClusterSpec, ResumeMode
+from plans.spec import Accelerator, ClusterSpec, EngineName, ResumeMode
 from plans.workload import StreamingSource, Workload, data_task_cpus
 
 if TYPE_CHECKING:
@@ -402,7 +402,16 @@ def _prepare_restart(job: TrainJob, cfg: RunConfig, error: Exception, failures: 
 
 def _resume_from(job: TrainJob, cfg: RunConfig, published: Published, out) -> TrainJob:
     """The job pointed at ``published``: as written, or converted to a universal checkpoint when
-    it was written at another dp degree (raises PlanError for changes nothing can bridge)."""
+    it was written at another dp degree (raises PlanError for changes nothing can bridge).
+    FSDP2 checkpoints (torch.distributed.checkpoint) reshard as they load: any dp and tp."""
+    saved_engine = (published.layout or {}).get("engine", EngineName.deepspeed.value)
+    if saved_engine != job.plan.engine.value:
+        raise PlanError([Violation(
+            "plan.engine", job.plan.engine.value,
+            f"the checkpoint to resume (step {published.step}) was written by the {saved_engine} engine, whose "
+            "files this engine cannot read.", f"set plan.engine={saved_engine}, or train.resume=never to start fresh")])
+    if job.plan.engine is EngineName.fsdp2:
+        return dataclasses.replace(job, resume_tag=published.tag)
     config = {k: v for k, v in job.ds_config.items() if k != "checkpoint"}
     if not needs_universal(published.layout, job.plan):
         return dataclasses.replace(job, resume_tag=published.tag, ds_config=config)

@@ -1,7 +1,7 @@
 """The DeepSpeed engine settings a plan implies, as one typed object.
 
 The memory model, the estimate and the DeepSpeed config all start from :class:`EngineSettings`:
-``launchers/ds_config.py`` only serializes it to DeepSpeed's JSON, so the planner reasons about
+``launchers/engines/deepspeed/config.py`` only serializes it to DeepSpeed's JSON, so the planner reasons about
 exactly the buckets, thresholds and offload targets the workers will run with. Every limit is
 written out (at DeepSpeed's defaults where the plan does not decide it) instead of being left to
 DeepSpeed's implicit values.

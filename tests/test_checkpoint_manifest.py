@@ -28,8 +28,9 @@ from launchers.checkpoint import (
     resumable,
     tag_for,
 )
+from launchers.engines.deepspeed.checkpoint_files import deepspeed_checkpoint_globals
 from launchers.manifest import MANIFEST, CheckpointIntegrityError, read_manifest, verify, write_manifest
-from launchers.safe_load import UnsafeCheckpointError, check_data_only, deepspeed_checkpoint_globals, refused_globals
+from launchers.safe_load import UnsafeCheckpointError, check_data_only, refused_globals
 from plans.errors import PlanError
 
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -145,7 +146,7 @@ def test_a_file_that_cannot_be_inspected_is_never_clean(tmp_path):
 def test_a_dp_change_never_converts_a_planted_pickle(two_tags, legacy):
     """The universal conversion (a resume at another dp) refuses the file before DeepSpeed's
     converter unpickles anything, whether or not the manifest was rewritten to match it."""
-    from launchers.universal import convert
+    from launchers.engines.deepspeed.universal import convert
 
     root, _, newest = two_tags
     marker = root / "code-ran"

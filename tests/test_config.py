@@ -11,7 +11,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from helpers.config import REPO, compose_config
-from launchers.ds_config import build_ds_config
+from launchers.engines.deepspeed.config import build_ds_config
 from orchestrator.config import ConfigError, RunConfig, to_typed
 from orchestrator.models import build_model
 from orchestrator.workload import resolve_workload

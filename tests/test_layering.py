@@ -39,3 +39,12 @@ def test_a_package_imports_nothing_above_or_beside_its_layer(package):
                 for path in sorted((REPO / package).rglob("*.py"))
                 for root, line in sorted(imported_roots(path)) if root in FORBIDDEN[package]]
     assert offences == []
+
+
+def test_only_the_deepspeed_engine_imports_deepspeed_in_launchers():
+    """The worker's loop and the other engines know DeepSpeed only through its engine package."""
+    engine = REPO / "launchers" / "engines" / "deepspeed"
+    offences = [f"{path.relative_to(REPO)}:{line}"
+                for path in sorted((REPO / "launchers").rglob("*.py")) if engine not in path.parents
+                for root, line in sorted(imported_roots(path)) if root == "deepspeed"]
+    assert offences == []

@@ -72,7 +72,7 @@ def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
     """In a fresh interpreter, as in a worker: MLflow is not imported, and importing it afterwards
     works (DeepSpeed only lost its autotuner's logging)."""
     code = ("import sys\n"
-            "from launchers.lean_startup import import_deepspeed\n"
+            "from launchers.engines.deepspeed.building import import_deepspeed\n"
             "deepspeed = import_deepspeed()\n"
             "assert 'mlflow' not in sys.modules, 'mlflow was imported'\n"
             "import deepspeed.autotuning.autotuner as autotuner\n"

@@ -334,9 +334,9 @@ def test_a_resume_verifies_its_checkpoint_and_falls_back(local_ray, sqlite_uri, 
     import torch
 
     from launchers.checkpoint import CheckpointDirBusyError, NoIntactCheckpointError, directory_lock
+    from launchers.engines.deepspeed.universal import convert
     from launchers.manifest import CheckpointIntegrityError, read_manifest, verify, write_manifest
     from launchers.safe_load import UnsafeCheckpointError
-    from launchers.universal import convert
     from plans.errors import PlanError
 
     ckpt = tmp_path / "ckpt"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers.config import FAST, compose_config
-from launchers.ds_config import build_ds_config, tensor_parallel_section
+from launchers.engines.deepspeed.config import build_ds_config, tensor_parallel_section
 from launchers.placement import ParallelCoords, parallel_coords
 from orchestrator.config import to_typed
 from plans.errors import PlanError

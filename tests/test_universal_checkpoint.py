@@ -10,8 +10,8 @@ import pytest
 
 from helpers.config import FAST, compose_config
 from helpers.ray_cluster import ray_with_env
-from launchers.checkpoint import latest, publish, tag_for
-from launchers.universal import layout_of, needs_universal, resumed_position
+from launchers.checkpoint import latest, layout_of, publish, resumed_position, tag_for
+from launchers.engines.deepspeed.universal import needs_universal
 from orchestrator.config import to_typed
 from plans.errors import PlanError
 from plans.resolve import resolve_plan

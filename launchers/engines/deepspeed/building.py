@@ -5,9 +5,32 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 from launchers.job import TrainJob
 from launchers.placement import GRID_AXES, ParallelCoords
+
+
+def import_deepspeed():
+    """``import deepspeed``, leaving out the MLflow import its autotuner makes on the way.
+
+    ``import deepspeed`` imports ``deepspeed.autotuning``, which imports MLflow whenever it is
+    installed (it always is with orch) to log autotuning experiments. Training ranks never run
+    DeepSpeed's autotuner, and MLflow's import is most of ``import deepspeed``'s time. A ``None`` in
+    ``sys.modules`` makes that one import fail, which DeepSpeed expects (MLflow is optional to it);
+    the entry is removed again, so the model's or the objective's own ``import mlflow`` works.
+    """
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+
+        return deepspeed
+    sys.modules["mlflow"] = None  # the import system's documented way to make an import fail
+    try:
+        import deepspeed
+    finally:
+        if sys.modules.get("mlflow", False) is None:
+            del sys.modules["mlflow"]
+    return deepspeed
 
 
 def unlink_shared_memory_buffers(master_addr: str, master_port: int) -> None:
@@ -52,7 +75,7 @@ def build_model(job: TrainJob):
     after the submodule is built (torchvision's ViT does) fails there, and is built whole instead.
     """
     if job.plan.zero_stage == 3 and job.plan.pp == 1 and job.plan.tp == 1:
-        from launchers.zero_init import zero3_build
+        from launchers.engines.deepspeed.zero_init import zero3_build
         from plans.meta import meta_device
 
         # zero.Init patches tensor construction; a library imported for the first time inside it

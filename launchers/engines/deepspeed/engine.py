@@ -12,6 +12,7 @@ from launchers.engines.base import BuiltModel, Engine
 from launchers.engines.deepspeed.building import (
     PipelineTensorGrid,
     build_model,
+    import_deepspeed,
     mark_stage_parameters,
     pipeline_module,
     share_pipeline_groups_with_autotp,
@@ -27,8 +28,6 @@ class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
     def start(self, job: TrainJob, master_addr: str, master_port: int) -> None:
-        from launchers.lean_startup import import_deepspeed
-
         deepspeed = import_deepspeed()
         from deepspeed.utils import logger as ds_logger
 
@@ -51,8 +50,7 @@ class DeepSpeedEngine(Engine):
         import deepspeed
         import torch.distributed as dist
 
-        from launchers.ds_config import describe_optimizer, without_fused_adam
-        from launchers.gpu_worker import fused_adam_problem
+        from launchers.engines.deepspeed.config import describe_optimizer, fused_adam_problem, without_fused_adam
 
         plan = self.plan
         built = "stages"
@@ -178,7 +176,8 @@ class DeepSpeedEngine(Engine):
     def load(self, root: str, tag: str) -> dict[str, Any]:
         import os
 
-        from launchers.safe_load import verified_loading, weights_only_loading
+        from launchers.engines.deepspeed.checkpoint_files import weights_only_loading
+        from launchers.safe_load import verified_loading
 
         # A checkpoint file must not be able to run code, and must be the one its manifest lists.
         folder = os.path.join(root, tag)

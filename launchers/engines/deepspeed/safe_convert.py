@@ -1,7 +1,7 @@
 """DeepSpeed's ``ds_to_universal`` converter, with every ``torch.load`` it makes weights-only.
 
 The converter reads checkpoint files with ``torch.load(weights_only=False)``. Run as
-``python -m launchers.safe_convert`` with the converter's own arguments, it does the same work
+``python -m launchers.engines.deepspeed.safe_convert`` with the converter's own arguments, it does the same work
 with ``torch.load`` replaced (:func:`launchers.safe_load.verified_loading`): files of the input
 folder must match its manifest, and nothing is unpickled beyond tensors, plain data and the
 DeepSpeed classes of the allow-list. Its pool workers, if any, are forked and inherit this.

@@ -6,6 +6,9 @@ this module only writes them out as DeepSpeed's JSON, every bucket and ZeRO-3 li
 
 from __future__ import annotations
 
+import os
+import re
+
 from plans.engine import EngineSettings, engine_settings
 from plans.resolve import ResolvedPlan
 from plans.spec import Offload, OptimizerName, OptimSpec, Precision
@@ -153,3 +156,45 @@ def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int, *,
         # DeepSpeed only whitelists Adam-family optimizers under ZeRO; torch's SGD partitions fine.
         config["zero_allow_untested_optimizer"] = True
     return config
+
+
+def deepspeed_arch_list(value: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's JIT builder can read it.
+
+    torch accepts architecture-specific entries (``9.0a`` for Hopper's wgmma, ``10.0f``), and
+    machines built for one GPU generation set them; DeepSpeed 0.19 parses every part of an entry
+    as an integer and fails on them (``invalid literal for int() with base 10: '0a'``). Its
+    kernels use no architecture-specific instructions, so the plain entry builds the same code
+    for the same GPU.
+    """
+    entries = [entry for entry in value.replace(" ", ";").split(";") if entry]
+    return ";".join(re.sub(r"^(\d+\.\d+)[af]", r"\1", entry) for entry in entries)
+
+
+def fused_adam_problem() -> str | None:
+    """Why DeepSpeed's FusedAdam cannot run on this node, or None once it is loaded (prebuilt,
+    or built now by the CUDA compiler into torch's extension cache).
+
+    Building it here, rather than inside ``deepspeed.initialize``, turns a failed build into a
+    fallback to torch's fused AdamW instead of a failed run.
+    """
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if arch_list and deepspeed_arch_list(arch_list) != arch_list:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(arch_list)
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if installed_ops.get("fused_adam"):
+            return None
+        builder = get_accelerator().create_op_builder("FusedAdamBuilder")
+        if CUDA_HOME is None or builder is None:
+            return "no CUDA compiler on this node and no prebuilt op"
+        if not builder.is_compatible(verbose=False):
+            return "DeepSpeed finds it incompatible with this node"
+        builder.load(verbose=False)
+        return None
+    except Exception as error:  # noqa: BLE001 - any failure to build means it cannot be relied on
+        lines = str(error).strip().splitlines()
+        return f"building it failed: {type(error).__name__}: {lines[-1][:200] if lines else ''}"

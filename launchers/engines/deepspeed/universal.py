@@ -11,7 +11,7 @@ merges tensor-parallel slices, but pipeline layer files are loaded per stage).
 The converter and the universal loader unpickle without ``weights_only``. So the input is first
 checked against its manifest and read whole by the weights-only unpickler (a file that cannot be
 read that way is refused); the converter runs with ``torch.load`` made weights-only
-(:mod:`launchers.safe_convert`); and its output is read the same way, then given a manifest of
+(:mod:`launchers.engines.deepspeed.safe_convert`); and its output is read the same way, then given a manifest of
 its own, which the workers check before they load it (:mod:`launchers.safe_load`).
 """
 
@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launchers.checkpoint import UNIVERSAL_SUFFIX
+from launchers.checkpoint import UNIVERSAL_SUFFIX, layout_of
 from launchers.manifest import CheckpointIntegrityError, verify, write_manifest
 from launchers.storage import RemoteDir, staging_dir
 from plans.errors import OrchError, PlanError, Violation
@@ -36,12 +36,6 @@ FIXED = ("tp", "pp")
 
 class UniversalCheckpointError(OrchError):
     """The conversion to a universal checkpoint failed."""
-
-
-def layout_of(plan) -> dict[str, int]:
-    """What a checkpoint records of the plan that wrote it."""
-    return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage,
-            "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps}
 
 
 def needs_universal(saved: dict[str, int] | None, plan) -> bool:
@@ -93,7 +87,7 @@ def _converted(target: Path) -> bool:
 def convert(checkpoint_dir: str | os.PathLike, tag: str, env: dict[str, str] | None = None) -> str:
     """Convert the published ``tag`` into ``<tag>_universal`` (once) and return the new tag.
 
-    Runs DeepSpeed's own converter (through :mod:`launchers.safe_convert`) in a child process:
+    Runs DeepSpeed's own converter (through :mod:`launchers.engines.deepspeed.safe_convert`) in a child process:
     it forks worker pools and prints progress, neither of which belongs in the driver. Raises
     :class:`CheckpointIntegrityError` or ``UnsafeCheckpointError`` naming a file that fails the
     checks, before anything of it is unpickled without ``weights_only``.
@@ -108,7 +102,7 @@ def convert(checkpoint_dir: str | os.PathLike, tag: str, env: dict[str, str] | N
     verify(source)
     _check_files(source)
     done = subprocess.run(
-        [sys.executable, "-m", "launchers.safe_convert", "--input_folder", str(source),
+        [sys.executable, "-m", "launchers.engines.deepspeed.safe_convert", "--input_folder", str(source),
          "--output_folder", str(target), "--num_extract_workers", "1", "--num_merge_workers", "1",
          # Without AutoTP nothing needs merging, and the model records no universal-checkpoint
          # info; the converter then adds the minimal one (its version) itself.
@@ -135,15 +129,3 @@ def _convert_remote(uri: str, tag: str, env: dict[str, str] | None) -> str:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return converted
-
-
-def resumed_position(position: int, saved: dict[str, int], micro_batch_size: int, dp: int) -> int:
-    """The batch position in the current epoch a rank continues from after a change of layout.
-
-    Every rank reads its own stride of one shuffled order (DistributedSampler), so after
-    ``position`` batches of ``micro x dp`` samples the whole layout has consumed the order's first
-    ``position * micro * dp`` samples; the new layout continues after the same ones (rounded
-    down to a whole batch: a few samples may be read twice, none skipped).
-    """
-    consumed = position * saved["micro_batch_size"] * saved["dp"]
-    return consumed // (micro_batch_size * dp)
