@@ -95,6 +95,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         return found
 
 
+def read_metadata(path: str | os.PathLike) -> Any:
+    """DCP's metadata file unpickled by :class:`_MetadataUnpickler`; refused (naming the file) if it
+    names anything else."""
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(io.BytesIO(f.read())).load()
+    except UnsafeCheckpointError as error:
+        raise UnsafeCheckpointError(f"checkpoint file {path}: {error}. Fix: resume only from checkpoints this "
+                                    "orchestrator wrote, or train.resume=never to start fresh") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:
+        raise UnsafeCheckpointError(f"checkpoint file {path} is not DCP metadata ({type(error).__name__}: "
+                                    f"{str(error)[:200]}); it was not loaded") from None
+
+
 def verified_reader(folder: str | os.PathLike):
     """A DCP reader of ``folder`` whose metadata is read by :class:`_MetadataUnpickler`."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -102,13 +116,7 @@ def verified_reader(folder: str | os.PathLike):
 
     class VerifiedReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
-            path = self._get_metadata_path(kwargs.get("rank"))
-            try:
-                with open(path, "rb") as f:
-                    metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-            except UnsafeCheckpointError as error:
-                raise UnsafeCheckpointError(f"checkpoint file {path}: {error}. Fix: resume only from checkpoints "
-                                            "this orchestrator wrote, or train.resume=never") from None
+            metadata = read_metadata(self._get_metadata_path(kwargs.get("rank")))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

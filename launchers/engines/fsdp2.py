@@ -179,11 +179,17 @@ class FSDP2Engine(Engine):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        from launchers.engines.dcp_files import read_client_state, verified_reader, weights_only_planner
+        from launchers.engines.dcp_files import (
+            read_client_state,
+            read_metadata,
+            verified_reader,
+            weights_only_planner,
+        )
         from launchers.manifest import verify
 
         folder = os.path.join(root, tag)
         verify(folder)
+        read_metadata(os.path.join(folder, ".metadata"))  # refused here, by every rank, before DCP reads it
         state = self._state()
         dcp.load(state, storage_reader=verified_reader(folder), planner=weights_only_planner())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
