@@ -65,9 +65,15 @@ def _decode(obj: dict[str, Any]) -> Any:
     return torch.tensor(obj["tensor"], dtype=dtype).reshape(obj["shape"])
 
 
+_PLAIN = {("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+          ("torch.serialization", "_get_layout")}
+"""Other globals DCP's metadata holds, each a constructor of plain data: the checkpoint's path
+(``StorageMeta.checkpoint_id``) and torch's lookup of a layout by name."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds DCP's metadata and nothing else: DCP's dataclasses and enums, ``torch.Size``, the
-    dtypes, layouts and memory formats torch pickles by name, and ``OrderedDict``."""
+    dtypes, layouts and memory formats torch pickles by name, and :data:`_PLAIN`."""
 
     def find_class(self, module: str, name: str) -> Any:
         import dataclasses
@@ -85,10 +91,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             found = getattr(torch, name, None)
             if not (found is torch.Size or isinstance(found, (torch.dtype, torch.layout, torch.memory_format))):
                 found = None
-        elif (module, name) == ("collections", "OrderedDict"):
-            from collections import OrderedDict
-
-            found = OrderedDict
+        elif (module, name) in _PLAIN:
+            found = getattr(importlib.import_module(module), name)
         if found is None:
             raise UnsafeCheckpointError(f"DCP metadata names {module}.{name}, which a checkpoint's metadata never "
                                         "holds; it was not loaded")

@@ -100,8 +100,6 @@ class FSDP2Engine(Engine):
         """Forward and backward over ``plan.grad_accum_steps`` micro-batches, each loss scaled by
         their number (as DeepSpeed scales it), gradients reduced on the last only; then clipping,
         the optimizer step and the schedule's step."""
-        import torch
-
         micro = self.job.plan.grad_accum_steps
         total = 0.0
         for index in range(micro):
@@ -112,7 +110,7 @@ class FSDP2Engine(Engine):
             milestone()
             total += loss.item()
         if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            clip_grad_norm(self.model.parameters(), self.clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -205,6 +203,34 @@ class FSDP2Engine(Engine):
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.rank == 0 else None
+
+
+def clip_grad_norm(parameters: Iterator[torch.nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm``; returns the norm.
+
+    ``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms into one tensor, which fails
+    when the parameters live on different meshes: with tensor parallelism the sharded layers are on
+    the (dp, tp) mesh and the replicated ones (norms, embeddings) on the dp mesh alone. Each mesh's
+    norm is reduced over its own ranks (``full_tensor``), then the squares are summed.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    squares = 0.0
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares += float(norm) ** 2
+    total = squares ** 0.5
+    scale = max_norm / (total + 1e-6)
+    if scale < 1.0:
+        for grad in grads:
+            grad.mul_(scale)
+    return total
 
 
 def _local_numel(model: torch.nn.Module) -> int:

@@ -110,11 +110,12 @@ def _shapes(state: dict) -> dict[str, list[int]]:
 
 
 def train_and_save(rank: int, world: int, out: Path, *, model: str, tp: int = 1, steps: int = 6,
-                   checkpointing: bool = False, accum: int = 2) -> dict:
+                   checkpointing: bool = False, accum: int = 2, precision: str = "bf16") -> dict:
     """Train ``steps`` steps, save and publish a checkpoint, and consolidate the weights."""
     from launchers.checkpoint import publish, tag_for
 
-    job = make_job(model, world=world, tp=tp, accum=accum, steps=steps + 4, checkpointing=checkpointing)
+    job = make_job(model, world=world, tp=tp, accum=accum, steps=steps + 4, checkpointing=checkpointing,
+                   precision=precision)
     engine, built = _engine(job, rank, world)
     source = batches(model)
     losses, lrs = [], []
@@ -135,10 +136,11 @@ def train_and_save(rank: int, world: int, out: Path, *, model: str, tp: int = 1,
         torch.manual_seed(job.train.seed)
         whole = MODELS[model]()
         found["whole_shapes"], found["consolidated_shapes"] = _shapes(whole.state_dict()), _shapes(full)
-        # One forward of the unsharded model, built from the same seed, on the first batch: the
+        # The unsharded model, built from the same seed, on the first step's micro-batches: the
         # sharded run's first loss must be the same model's.
         with torch.no_grad():
-            found["whole_first_loss"] = float(job.workload.loss(whole, batch(model, 0)))
+            found["whole_first_loss"] = sum(float(job.workload.loss(whole, batch(model, i)))
+                                            for i in range(accum)) / accum
         torch.save(full, out / "consolidated.pt")
         torch.save(torch.get_rng_state(), out / "rng.pt")
     engine.shutdown()
