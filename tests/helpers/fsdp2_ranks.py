@@ -167,15 +167,17 @@ def resume(rank: int, world: int, out: Path, *, model: str, steps: int = 6) -> d
     return found
 
 
-def refuse(rank: int, world: int, out: Path, *, model: str, tag: str) -> dict:
-    """Try to load a tampered copy of a checkpoint; report the refusal."""
+def refuse(rank: int, world: int, out: Path, *, model: str, tag: str, roots: list[str]) -> dict:
+    """Try to load tag ``tag`` from each of ``roots`` (tampered copies); report each refusal."""
     job = make_job(model, world=world)
     engine, _ = _engine(job, rank, world)
-    try:
-        engine.load(str(out / "tampered"), tag)
-        found = {"refused": None}
-    except Exception as error:  # the test checks which error, and its message
-        found = {"refused": type(error).__name__, "message": str(error)}
+    found = {}
+    for root in roots:
+        try:
+            engine.load(root, tag)
+            found[root] = {"refused": None}
+        except Exception as error:  # the test checks which error, and its message
+            found[root] = {"refused": type(error).__name__, "message": str(error)}
     engine.shutdown()
     return found
 
