@@ -174,8 +174,9 @@ def test_tampered_checkpoint_is_refused_before_dcp_reads_it(gpt_run, tmp_path):
 
 @pytest.mark.slow
 def test_hf_llama_at_tp2_uses_its_own_tp_plan(tmp_path):
-    """dp=1 x tp=2 in fp32: the sharded model's first loss is the unsharded one's, to fp32 rounding."""
-    found = _spawn("train_and_save", 2, tmp_path, model="llama", tp=2, precision="fp32")
+    """dp=1 x tp=2 in fp32, blocks kept gathered after forward: the sharded model's first loss is
+    the unsharded one's, to fp32 rounding."""
+    found = _spawn("train_and_save", 2, tmp_path, model="llama", tp=2, precision="fp32", reshard=False)
     assert found["params_on_rank"] < found["params_at_build"]
     assert found["losses"][0] == pytest.approx(found["whole_first_loss"], rel=1e-5)
     assert found["losses"][-1] < found["losses"][0] - 0.5
@@ -184,8 +185,12 @@ def test_hf_llama_at_tp2_uses_its_own_tp_plan(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchvision_vit_trains_in_bf16_with_checkpointed_blocks(tmp_path):
-    found = _spawn("train_and_save", 2, tmp_path, model="vit", checkpointing=True)
+def test_torchvision_vit_trains_in_bf16_with_checkpointed_blocks_hybrid_and_offloaded(tmp_path):
+    """Two one-worker "nodes" (LOCAL_WORLD_SIZE=1): hybrid sharding shards over one rank and
+    replicates over two, so each rank holds every parameter; parameters offloaded to the host."""
+    found = _spawn("train_and_save", 2, tmp_path, model="vit", checkpointing=True, hybrid=True, offload=True,
+                   node_size=1)
+    assert found["params_on_rank"] == found["params_at_build"]
     assert found["losses"][0] == pytest.approx(found["whole_first_loss"], rel=5e-3)
     assert found["losses"][-1] < found["losses"][0] - 0.3
     assert found["consolidated_shapes"] == found["whole_shapes"]

@@ -102,7 +102,8 @@ def fsdp_options(plan: ResolvedPlan, dp_mesh: DeviceMesh) -> dict[str, Any]:
     if plan.precision.value != "fp32":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=plan.precision.dtype, reduce_dtype=torch.float32)
     if plan.offload_param.value == "cpu":
-        options["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory makes the copies to a GPU asynchronous; CPU workers have no GPU to pin for.
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=plan.accelerator.value == "gpu")
     elif plan.offload_param.value != "none":
         raise RuntimeError(f"plan.offload_param={plan.offload_param.value}: FSDP2 offloads to cpu only; set "
                            "plan.offload_param=cpu or none, or plan.engine=deepspeed")

@@ -39,7 +39,7 @@ MODELS = {"gpt": gpt, "llama": llama, "vit": vit}
 
 
 def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", accum: int = 1, steps: int = 8,
-             checkpointing: bool = False):
+             checkpointing: bool = False, hybrid: bool = False, reshard: bool = True, offload: bool = False):
     """A :class:`TrainJob` as the driver builds one, for ``plan.engine=fsdp2`` on CPU workers."""
     from launchers.ds_config import build_ds_config
     from launchers.job import TrainJob
@@ -50,10 +50,12 @@ def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", ac
     from workloads.corpus import CorpusSource
     from workloads.objectives import CausalLM, Classification
 
-    plan = ResolvedPlan(dp=world // tp, tp=tp, pp=1, world_size=world, zero_stage=3, offload_optimizer=Offload.none,
-                        offload_param=Offload.none, nvme_path=None, activation_checkpointing=checkpointing,
+    offloaded = Offload.cpu if offload else Offload.none
+    plan = ResolvedPlan(dp=world // tp, tp=tp, pp=1, world_size=world, zero_stage=3, offload_optimizer=offloaded,
+                        offload_param=offloaded, nvme_path=None, activation_checkpointing=checkpointing,
                         micro_batch_size=2, grad_accum_steps=accum, precision=Precision(precision),
-                        accelerator=Accelerator.cpu, engine=EngineName.fsdp2, fsdp=FSDPSpec())
+                        accelerator=Accelerator.cpu, engine=EngineName.fsdp2,
+                        fsdp=FSDPSpec(hybrid=hybrid, reshard_after_forward=reshard))
     specs = specs_from_tp_plan(MODELS[model]()) if model == "llama" else None
     optim = OptimSpec(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1)
     ds_config = build_ds_config(plan, optim, steps, tp_layer_specs=specs)
@@ -87,8 +89,10 @@ def spawn(scenario: str, world: int, out: Path, port: int, **kwargs) -> None:
 
 
 def _rank(rank: int, scenario: str, world: int, out: str, port: int, kwargs: dict) -> None:
+    # ``node_size``: workers per node the run is told it has (hybrid sharding's shard dimension).
+    local = kwargs.pop("node_size", world)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % local), "LOCAL_WORLD_SIZE": str(local)})
     torch.set_num_threads(1)
     found = SCENARIOS[scenario](rank, world, Path(out), **kwargs)
     if rank == 0:
@@ -110,12 +114,13 @@ def _shapes(state: dict) -> dict[str, list[int]]:
 
 
 def train_and_save(rank: int, world: int, out: Path, *, model: str, tp: int = 1, steps: int = 6,
-                   checkpointing: bool = False, accum: int = 2, precision: str = "bf16") -> dict:
-    """Train ``steps`` steps, save and publish a checkpoint, and consolidate the weights."""
+                   checkpointing: bool = False, accum: int = 2, precision: str = "bf16", **plan: bool) -> dict:
+    """Train ``steps`` steps, save and publish a checkpoint, and consolidate the weights (``plan``:
+    :func:`make_job`'s hybrid, reshard and offload)."""
     from launchers.checkpoint import publish, tag_for
 
     job = make_job(model, world=world, tp=tp, accum=accum, steps=steps + 4, checkpointing=checkpointing,
-                   precision=precision)
+                   precision=precision, **plan)
     engine, built = _engine(job, rank, world)
     source = batches(model)
     losses, lrs = [], []
