@@ -52,7 +52,7 @@ class FSDP2Engine(Engine):
         from torch.distributed.fsdp import fully_shard
 
         from launchers.engines.fsdp2_layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
-        from launchers.engines.torch_optim import build_optimizer, describe, gradient_clip, lr_schedule
+        from launchers.engines.torch_optim import build_optimizer, describe, gradient_clip, loss_scaler, lr_schedule
 
         plan = job.plan
         if plan.pp > 1:
@@ -83,9 +83,12 @@ class FSDP2Engine(Engine):
             fully_shard(block, **options)
         fully_shard(model, **options)
         self.model = model
-        self.optimizer = build_optimizer(model.parameters(), job.ds_config["optimizer"], self.device.type)
+        fp16 = plan.precision.value == "fp16"
+        self.optimizer = build_optimizer(model.parameters(), job.ds_config["optimizer"], self.device.type,
+                                         fused=not fp16)
         self.scheduler = lr_schedule(self.optimizer, job.ds_config["scheduler"])
         self.clip = gradient_clip(job.ds_config)
+        self.scaler = loss_scaler(job.ds_config, self.device.type) if fp16 else None
         model.train()
         return BuiltModel(built=f"whole, then fully_shard on {len(blocks)} blocks and the root",
                           params_at_build=params_at_build, params_on_rank=_local_numel(model),
@@ -99,20 +102,35 @@ class FSDP2Engine(Engine):
     def train_step(self, batches: Iterator[Any], milestone: Callable[[], None]) -> float:
         """Forward and backward over ``plan.grad_accum_steps`` micro-batches, each loss scaled by
         their number (as DeepSpeed scales it), gradients reduced on the last only; then clipping,
-        the optimizer step and the schedule's step."""
+        the optimizer step and the schedule's step.
+
+        In fp16 the loss is scaled dynamically; a step whose gradients overflowed is skipped on
+        every rank, and the schedule does not advance, as in DeepSpeed.
+        """
         micro = self.job.plan.grad_accum_steps
         total = 0.0
         for index in range(micro):
             self.model.set_requires_gradient_sync(index == micro - 1)
             loss = self.job.workload.loss(self.model, self._batch(next(batches)))
             milestone()
-            (loss / micro).backward()
+            scaled = loss / micro
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             milestone()
             total += loss.item()
+        applied = True
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         if self.clip > 0:
             clip_grad_norm(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        self.scheduler.step()
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            applied = self.scaler.get_scale() >= scale
+        else:
+            self.optimizer.step()
+        if applied:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         milestone()
         return total / micro
@@ -159,7 +177,8 @@ class FSDP2Engine(Engine):
 
     def save(self, root: str, tag: str, client_state: dict[str, Any]) -> None:
         """DCP's files of model and optimizer (each rank its shards) and, from rank 0, the loop's
-        state with the schedule's as JSON (:func:`launchers.engines.dcp_files.write_client_state`)."""
+        state with the schedule's (and fp16's loss scale) as JSON
+        (:func:`launchers.engines.dcp_files.write_client_state`)."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
@@ -168,7 +187,8 @@ class FSDP2Engine(Engine):
         folder = os.path.join(root, tag)
         dcp.save(self._state(), checkpoint_id=folder)
         if self.rank == 0:
-            write_client_state(folder, {**client_state, "scheduler": self.scheduler.state_dict()})
+            scaler = {"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+            write_client_state(folder, {**client_state, "scheduler": self.scheduler.state_dict(), **scaler})
         dist.barrier()
 
     def load(self, root: str, tag: str) -> dict[str, Any]:
@@ -194,6 +214,9 @@ class FSDP2Engine(Engine):
                        optim_state_dict=state["optimizer"])
         client_state = read_client_state(folder)
         self.scheduler.load_state_dict(client_state.pop("scheduler"))
+        scaler = client_state.pop("grad_scaler", None)
+        if self.scaler is not None and scaler is not None:
+            self.scaler.load_state_dict(scaler)
         return client_state
 
     def consolidated_state(self) -> dict[str, torch.Tensor] | None:

@@ -76,10 +76,31 @@ def gradient_clip(ds_config: dict[str, Any]) -> float:
     return float(ds_config.get("gradient_clipping", 0.0) or 0.0)
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], section: dict[str, Any],
-                    device_type: str) -> torch.optim.Optimizer:
+def loss_scaler(ds_config: dict[str, Any], device_type: str):
+    """fp16's dynamic loss scaling, from DeepSpeed's ``fp16`` section: the same initial scale
+    (``2 ** initial_scale_power``) and window of overflow-free steps before it doubles
+    (``loss_scale_window``, 1000 by default). DeepSpeed's ``hysteresis`` (overflows tolerated
+    before the scale halves) has no counterpart: torch halves at the first.
+
+    FSDP2's ``ShardedGradScaler`` agrees on an overflow over every rank, each of which sees only
+    its shards of the gradients, so all of them skip the same steps.
+    """
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    section = ds_config.get("fp16", {})
+    if section.get("loss_scale", 0):
+        return ShardedGradScaler(device=device_type, init_scale=float(section["loss_scale"]), growth_factor=1.0,
+                                 backoff_factor=1.0)
+    return ShardedGradScaler(device=device_type, init_scale=2.0 ** section.get("initial_scale_power", 16),
+                             growth_interval=int(section.get("loss_scale_window", 1000)))
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], section: dict[str, Any], device_type: str, *,
+                    fused: bool = True) -> torch.optim.Optimizer:
     """torch's optimizer for a DeepSpeed ``optimizer`` section, with its fused kernel where the
-    device has one (CUDA, and CPU for Adam/AdamW) and its multi-tensor one otherwise.
+    device has one (CUDA, and CPU for Adam/AdamW) and its multi-tensor one otherwise or when
+    ``fused`` is false (a loss scaler's step hands the fused kernel a scale it cannot take from
+    sharded gradients).
 
     DeepSpeed's ``Adam`` decouples weight decay unless ``adam_w_mode`` is false (its
     ``ADAM_W_MODE_DEFAULT``), so it is torch's ``AdamW`` here too. Sharded (DTensor) parameters
@@ -96,7 +117,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], section: dict[str, Any
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         options = {"lr": given["lr"], "betas": tuple(given.get("betas", (0.9, 0.999))),
                    "eps": given.get("eps", 1e-8), "weight_decay": given.get("weight_decay", 0.0)}
-        kernel = {"fused": True} if device_type in ("cuda", "cpu") else {"foreach": True}
+        kernel = {"fused": True} if fused and device_type in ("cuda", "cpu") else {"foreach": True}
         return cls(params, **options, **kernel)
     if kind == "SGD":
         return torch.optim.SGD(params, lr=given["lr"], momentum=given.get("momentum", 0.0),
