@@ -173,10 +173,13 @@ def test_tampered_checkpoint_is_refused_before_dcp_reads_it(gpt_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_llama_at_tp2_uses_its_own_tp_plan(tmp_path):
+def test_hf_llama_at_tp2_uses_its_own_tp_plan_and_resumes_at_tp1(tmp_path):
     """dp=1 x tp=2 in fp32, blocks kept gathered after forward: the sharded model's first loss is
-    the unsharded one's, to fp32 rounding."""
+    the unsharded one's, to fp32 rounding; its checkpoint loads into one unsharded rank."""
     found = _spawn("train_and_save", 2, tmp_path, model="llama", tp=2, precision="fp32", reshard=False)
+    resumed = _spawn("resume", 1, tmp_path, model="llama", precision="fp32")
+    assert resumed["weights_equal"] and resumed["step"] == 6
+    assert resumed["eval"]["loss"] == pytest.approx(found["eval"]["loss"], rel=1e-5)
     assert found["params_on_rank"] < found["params_at_build"]
     assert found["losses"][0] == pytest.approx(found["whole_first_loss"], rel=1e-5)
     assert found["losses"][-1] < found["losses"][0] - 0.5

@@ -152,11 +152,11 @@ def train_and_save(rank: int, world: int, out: Path, *, model: str, tp: int = 1,
     return found
 
 
-def resume(rank: int, world: int, out: Path, *, model: str, steps: int = 6) -> dict:
-    """Load the checkpoint ``train_and_save`` wrote (at another dp), then train one step more."""
+def resume(rank: int, world: int, out: Path, *, model: str, steps: int = 6, precision: str = "bf16") -> dict:
+    """Load the checkpoint ``train_and_save`` wrote (at another dp or tp), then train one step more."""
     from launchers.checkpoint import tag_for
 
-    job = make_job(model, world=world, accum=2, steps=steps + 4)
+    job = make_job(model, world=world, accum=2, steps=steps + 4, precision=precision)
     engine, _ = _engine(job, rank, world)
     state = engine.load(str(out / "checkpoints"), tag_for(steps))
     evaluation = engine.evaluate(iter([batch(model, 0)]), 1)
