@@ -3,7 +3,8 @@
 Pure parts first (the schedule against DeepSpeed's, the optimizer, the blocks found, the
 metadata unpickler); then ranks started with ``torch.multiprocessing`` on gloo (marked slow):
 the built-in GPT in bf16 with activation checkpointing at dp=2, saved and resumed at dp=1, a
-tampered checkpoint refused, an HF Llama shape at tp=2, and a torchvision ViT in bf16.
+tampered checkpoint refused, an HF Llama shape at tp=2 resumed at tp=1, and a torchvision ViT in
+fp16, hybrid-sharded and offloaded.
 """
 
 from __future__ import annotations
@@ -174,9 +175,11 @@ def test_tampered_checkpoint_is_refused_before_dcp_reads_it(gpt_run, tmp_path):
 
 @pytest.mark.slow
 def test_hf_llama_at_tp2_uses_its_own_tp_plan_and_resumes_at_tp1(tmp_path):
-    """dp=1 x tp=2 in fp32, blocks kept gathered after forward: the sharded model's first loss is
-    the unsharded one's, to fp32 rounding; its checkpoint loads into one unsharded rank."""
-    found = _spawn("train_and_save", 2, tmp_path, model="llama", tp=2, precision="fp32", reshard=False)
+    """dp=1 x tp=2 in fp32, blocks kept gathered after forward and checkpointed through the model's
+    own switch: the sharded model's first loss is the unsharded one's, to fp32 rounding; its
+    checkpoint loads into one unsharded rank."""
+    found = _spawn("train_and_save", 2, tmp_path, model="llama", tp=2, precision="fp32", reshard=False,
+                   checkpointing=True)
     resumed = _spawn("resume", 1, tmp_path, model="llama", precision="fp32")
     assert resumed["weights_equal"] and resumed["step"] == 6
     assert resumed["eval"]["loss"] == pytest.approx(found["eval"]["loss"], rel=1e-5)
