@@ -51,8 +51,9 @@ class FSDP2Engine(Engine):
         import torch
         from torch.distributed.fsdp import fully_shard
 
+        from launchers.ds_config import describe_optimizer
         from launchers.engines.fsdp2_layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
-        from launchers.engines.torch_optim import build_optimizer, describe, gradient_clip, loss_scaler, lr_schedule
+        from launchers.engines.torch_optim import build_optimizer, gradient_clip, loss_scaler, lr_schedule
 
         plan = job.plan
         if plan.pp > 1:
@@ -92,7 +93,7 @@ class FSDP2Engine(Engine):
         model.train()
         return BuiltModel(built=f"whole, then fully_shard on {len(blocks)} blocks and the root",
                           params_at_build=params_at_build, params_on_rank=_local_numel(model),
-                          optimizer=describe(self.optimizer))
+                          optimizer=describe_optimizer(self.optimizer))
 
     def _batch(self, batch: Any) -> Any:
         from plans.workload import move_batch

@@ -125,10 +125,3 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], section: dict[str, Any
     raise ValueError(f"optimizer type {kind!r}: the torch engines know Adam, AdamW and SGD "
                      "(set optim.name to adam, adamw or sgd)")
 
-
-def describe(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer by implementation and kernel: ``torch.AdamW (fused)``, ``torch.SGD (foreach)``."""
-    kind = type(optimizer)
-    kernel = next((name for name in ("fused", "foreach") if optimizer.defaults.get(name)), None)
-    name = f"{kind.__module__.split('.')[0]}.{kind.__name__}"
-    return f"{name} ({kernel})" if kernel else name
