@@ -1,0 +1,148 @@
+"""``torch.distributed.checkpoint`` files read and written without trusting a pickle.
+
+DCP writes one ``.distcp`` file per rank and a ``.metadata`` file that it reads back with plain
+``pickle.load``; its default planner reads non-tensor values (an optimizer's hyper-parameters)
+with ``torch.load(weights_only=False)``. Both could run code from a changed checkpoint. Here:
+
+- every file of the tag is compared with the published manifest (:func:`launchers.manifest.verify`)
+  before DCP opens any of them;
+- ``.metadata`` is unpickled by :class:`_MetadataUnpickler`, which builds only DCP's own metadata
+  dataclasses and enums, ``torch.Size`` and torch's dtypes, layouts and memory formats;
+- non-tensor values are read with ``weights_only=True`` (:class:`WeightsOnlyLoadPlanner`);
+- the loop's own state is JSON beside the DCP files (:func:`write_client_state`), tensors in it
+  (the RNG state) as lists of numbers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+from launchers.safe_load import UnsafeCheckpointError
+
+CLIENT_STATE = "client_state.json"
+"""The loop's state (step, data positions, RNG, layout, loss), written by rank 0."""
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner")
+
+
+def write_client_state(folder: str | os.PathLike, state: dict[str, Any]) -> None:
+    """``state`` as JSON in ``folder``; a tensor becomes ``{"tensor": [...], "dtype": ...}``."""
+    path = Path(folder) / CLIENT_STATE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, default=_encode))
+    os.replace(tmp, path)
+
+
+def read_client_state(folder: str | os.PathLike) -> dict[str, Any]:
+    """The state :func:`write_client_state` wrote, tensors rebuilt (the caller verified the folder)."""
+    return json.loads((Path(folder) / CLIENT_STATE).read_text(), object_hook=_decode)
+
+
+def _encode(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {"tensor": value.detach().cpu().reshape(-1).tolist(), "dtype": str(value.dtype).removeprefix("torch."),
+                "shape": list(value.shape)}
+    raise TypeError(f"the loop's checkpoint state holds a {type(value).__name__}, which is stored as JSON only "
+                    "(numbers, strings, lists, dicts, tensors)")
+
+
+def _decode(obj: dict[str, Any]) -> Any:
+    if set(obj) != {"tensor", "dtype", "shape"}:
+        return obj
+    import torch
+
+    dtype = getattr(torch, obj["dtype"], None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsafeCheckpointError(f"{CLIENT_STATE} names {obj['dtype']!r}, which is not a torch dtype")
+    return torch.tensor(obj["tensor"], dtype=dtype).reshape(obj["shape"])
+
+
+_PLAIN = {("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+          ("torch.serialization", "_get_layout")}
+"""Other globals DCP's metadata holds, each a constructor of plain data: the checkpoint's path
+(``StorageMeta.checkpoint_id``) and torch's lookup of a layout by name."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata and nothing else: DCP's dataclasses and enums, ``torch.Size``, the
+    dtypes, layouts and memory formats torch pickles by name, and :data:`_PLAIN`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import dataclasses
+        import enum
+        import importlib
+
+        import torch
+
+        found = None
+        if module in _DCP_MODULES:
+            found = getattr(importlib.import_module(module), name, None)
+            if not (isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))):
+                found = None
+        elif module == "torch":
+            found = getattr(torch, name, None)
+            if not (found is torch.Size or isinstance(found, (torch.dtype, torch.layout, torch.memory_format))):
+                found = None
+        elif (module, name) in _PLAIN:
+            found = getattr(importlib.import_module(module), name)
+        if found is None:
+            raise UnsafeCheckpointError(f"DCP metadata names {module}.{name}, which a checkpoint's metadata never "
+                                        "holds; it was not loaded")
+        return found
+
+
+def read_metadata(path: str | os.PathLike) -> Any:
+    """DCP's metadata file unpickled by :class:`_MetadataUnpickler`; refused (naming the file) if it
+    names anything else."""
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(io.BytesIO(f.read())).load()
+    except UnsafeCheckpointError as error:
+        raise UnsafeCheckpointError(f"checkpoint file {path}: {error}. Fix: resume only from checkpoints this "
+                                    "orchestrator wrote, or train.resume=never to start fresh") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:
+        raise UnsafeCheckpointError(f"checkpoint file {path} is not DCP metadata ({type(error).__name__}: "
+                                    f"{str(error)[:200]}); it was not loaded") from None
+
+
+def verified_reader(folder: str | os.PathLike):
+    """A DCP reader of ``folder`` whose metadata is read by :class:`_MetadataUnpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class VerifiedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            metadata = read_metadata(self._get_metadata_path(kwargs.get("rank")))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return VerifiedReader(str(folder))
+
+
+def weights_only_planner():
+    """DCP's default load planner, reading non-tensor values with ``weights_only=True``."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            from torch.distributed.checkpoint._traverse import set_element  # where DCP's planner takes it
+
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return WeightsOnlyLoadPlanner()

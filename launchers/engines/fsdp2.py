@@ -1,0 +1,264 @@
+"""PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) behind the engine seam, ``plan.engine=fsdp2``.
+
+The model is built whole on every rank from the same seed, activation checkpointing is switched
+on (:func:`plans.workload.enable_activation_checkpointing`, which keeps parameter names), tensor
+parallelism applied through DTensor (:mod:`launchers.engines.fsdp2_layout`) and then each
+repeated block and the root are sharded over the data-parallel ranks. The optimizer and
+schedule are torch's, equal to a DeepSpeed run's (:mod:`launchers.engines.torch_optim`);
+checkpoints go through ``torch.distributed.checkpoint``, which reshards on load, so a run
+resumes at another dp or tp. Nothing unverified is unpickled (:mod:`launchers.engines.dcp_files`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from launchers.engines.base import BuiltModel, Engine
+
+if TYPE_CHECKING:
+    import torch
+
+    from launchers.job import TrainJob
+    from launchers.placement import ParallelCoords
+
+
+class FSDP2Engine(Engine):
+    """One rank of an FSDP2 run (with DTensor tensor parallelism when ``plan.tp > 1``)."""
+
+    name = "fsdp2"
+
+    def start(self, job: TrainJob, master_addr: str, master_port: int) -> None:
+        """Join the process group: gloo for CPU workers, NCCL on this rank's current CUDA device
+        (the worker selected it before, :func:`launchers.gpu_worker.use_device`)."""
+        import torch
+        import torch.distributed as dist
+
+        self.job = job
+        if job.plan.accelerator.value == "gpu":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            dist.init_process_group("nccl", device_id=self.device)
+        else:
+            self.device = torch.device("cpu")
+            dist.init_process_group("gloo")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def build(self, job: TrainJob, coords: ParallelCoords) -> BuiltModel:
+        """Build the model from ``train.seed`` (every rank the same weights, then each keeps its
+        shard), apply activation checkpointing, tensor parallelism and FSDP2, then the optimizer
+        and schedule."""
+        import torch
+        from torch.distributed.fsdp import fully_shard
+
+        from launchers.ds_config import describe_optimizer
+        from launchers.engines.fsdp2_layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
+        from launchers.engines.torch_optim import build_optimizer, gradient_clip, loss_scaler, lr_schedule
+
+        plan = job.plan
+        if plan.pp > 1:
+            raise RuntimeError(f"plan.pp={plan.pp}: pipeline parallelism runs on DeepSpeed only; set "
+                               "plan.engine=deepspeed, or plan.pp=1")
+        self.job = job
+        torch.manual_seed(job.train.seed)
+        model = job.workload.model_factory()
+        params_at_build = sum(p.numel() for p in model.parameters())
+        self._dtype = None if plan.precision.value == "fp32" else plan.precision.dtype
+        if self._dtype is not None:
+            # FSDP2 casts parameters for compute; floating buffers (BatchNorm's running statistics)
+            # it leaves alone, and the layers refuse to mix them with the cast weights. DeepSpeed
+            # runs cast them the same way.
+            for buffer in model.buffers():
+                if buffer.is_floating_point():
+                    buffer.data = buffer.data.to(self._dtype)
+        if plan.activation_checkpointing:
+            from plans.workload import enable_activation_checkpointing
+
+            enable_activation_checkpointing(model)
+        dp_mesh, tp_mesh = meshes(plan, self.device.type, coords)
+        if tp_mesh is not None:
+            apply_tensor_parallel(model, tp_mesh, job.workload.tp_layer_specs)
+        options = fsdp_options(plan, dp_mesh)
+        blocks = repeated_blocks(model)
+        for block in blocks:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        self.model = model
+        fp16 = plan.precision.value == "fp16"
+        self.optimizer = build_optimizer(model.parameters(), job.ds_config["optimizer"], self.device.type,
+                                         fused=not fp16)
+        self.scheduler = lr_schedule(self.optimizer, job.ds_config["scheduler"])
+        self.clip = gradient_clip(job.ds_config)
+        self.scaler = loss_scaler(job.ds_config, self.device.type) if fp16 else None
+        model.train()
+        return BuiltModel(built=f"whole, then fully_shard on {len(blocks)} blocks and the root",
+                          params_at_build=params_at_build, params_on_rank=_local_numel(model),
+                          optimizer=describe_optimizer(self.optimizer))
+
+    def _batch(self, batch: Any) -> Any:
+        from plans.workload import move_batch
+
+        return move_batch(batch, self.device, self._dtype)
+
+    def train_step(self, batches: Iterator[Any], milestone: Callable[[], None]) -> float:
+        """Forward and backward over ``plan.grad_accum_steps`` micro-batches, each loss scaled by
+        their number (as DeepSpeed scales it), gradients reduced on the last only; then clipping,
+        the optimizer step and the schedule's step.
+
+        In fp16 the loss is scaled dynamically; a step whose gradients overflowed is skipped on
+        every rank, and the schedule does not advance, as in DeepSpeed.
+        """
+        micro = self.job.plan.grad_accum_steps
+        total = 0.0
+        for index in range(micro):
+            self.model.set_requires_gradient_sync(index == micro - 1)
+            loss = self.job.workload.loss(self.model, self._batch(next(batches)))
+            milestone()
+            scaled = loss / micro
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            milestone()
+            total += loss.item()
+        applied = True
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.clip > 0:
+            clip_grad_norm(self.model.parameters(), self.clip)
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            applied = self.scaler.get_scale() >= scale
+        else:
+            self.optimizer.step()
+        if applied:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        milestone()
+        return total / micro
+
+    def evaluate(self, val_batches: Iterator[Any], batches: int) -> dict[str, float]:
+        import torch
+
+        from plans.workload import call_model
+
+        objective = self.job.workload.objective
+        metrics = getattr(objective, "metrics", None)
+        totals: dict[str, float] = {}
+        self.model.eval()
+        with torch.no_grad():
+            for _ in range(batches):
+                batch = self._batch(next(val_batches))
+                outputs = call_model(self.model, batch)
+                found = {"loss": objective(outputs, batch), **(metrics(outputs, batch) if metrics else {})}
+                for name, value in found.items():
+                    totals[name] = totals.get(name, 0.0) + float(value)
+        self.model.train()
+        return {name: total / batches for name, total in totals.items()}
+
+    def outputs(self, batch: Any) -> Any:
+        import torch
+
+        from plans.workload import call_model
+
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return call_model(self.model, self._batch(batch))
+        finally:
+            self.model.train()
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def save(self, root: str, tag: str, client_state: dict[str, Any]) -> None:
+        """DCP's files of model and optimizer (each rank its shards) and, from rank 0, the loop's
+        state with the schedule's (and fp16's loss scale) as JSON
+        (:func:`launchers.engines.dcp_files.write_client_state`)."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        from launchers.engines.dcp_files import write_client_state
+
+        folder = os.path.join(root, tag)
+        dcp.save(self._state(), checkpoint_id=folder)
+        if self.rank == 0:
+            scaler = {"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+            write_client_state(folder, {**client_state, "scheduler": self.scheduler.state_dict(), **scaler})
+        dist.barrier()
+
+    def load(self, root: str, tag: str) -> dict[str, Any]:
+        """Every file of the tag checked against its manifest first, then DCP's load, resharded to
+        this run's layout; returns the loop's state (its tensors rebuilt from JSON)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from launchers.engines.dcp_files import (
+            read_client_state,
+            read_metadata,
+            verified_reader,
+            weights_only_planner,
+        )
+        from launchers.manifest import verify
+
+        folder = os.path.join(root, tag)
+        verify(folder)
+        read_metadata(os.path.join(folder, ".metadata"))  # refused here, by every rank, before DCP reads it
+        state = self._state()
+        dcp.load(state, storage_reader=verified_reader(folder), planner=weights_only_planner())
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        client_state = read_client_state(folder)
+        self.scheduler.load_state_dict(client_state.pop("scheduler"))
+        scaler = client_state.pop("grad_scaler", None)
+        if self.scaler is not None and scaler is not None:
+            self.scaler.load_state_dict(scaler)
+        return client_state
+
+    def consolidated_state(self) -> dict[str, torch.Tensor] | None:
+        """Every shard (FSDP and tensor-parallel) gathered into the model's own state dict, on CPU
+        on rank 0; the names are the unwrapped model's (FSDP2 and the checkpointing keep them)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.rank == 0 else None
+
+
+def clip_grad_norm(parameters: Iterator[torch.nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm``; returns the norm.
+
+    ``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms into one tensor, which fails
+    when the parameters live on different meshes: with tensor parallelism the sharded layers are on
+    the (dp, tp) mesh and the replicated ones (norms, embeddings) on the dp mesh alone. Each mesh's
+    norm is reduced over its own ranks (``full_tensor``), then the squares are summed.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    squares = 0.0
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares += float(norm) ** 2
+    total = squares ** 0.5
+    scale = max_norm / (total + 1e-6)
+    if scale < 1.0:
+        for grad in grads:
+            grad.mul_(scale)
+    return total
+
+
+def _local_numel(model: torch.nn.Module) -> int:
+    """Parameters this rank holds: the local shards of its DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())

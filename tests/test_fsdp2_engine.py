@@ -1,0 +1,203 @@
+"""The FSDP2 engine (:mod:`launchers.engines.fsdp2`) on its own, without the worker loop.
+
+Pure parts first (the schedule against DeepSpeed's, the optimizer, the blocks found, the
+metadata unpickler); then ranks started with ``torch.multiprocessing`` on gloo (marked slow):
+the built-in GPT in bf16 with activation checkpointing at dp=2, saved and resumed at dp=1, a
+tampered checkpoint refused, an HF Llama shape at tp=2 resumed at tp=1, and a torchvision ViT in
+fp16, hybrid-sharded and offloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from helpers.processes import free_port
+from launchers.engines.dcp_files import read_client_state, read_metadata, write_client_state
+from launchers.engines.fsdp2_layout import repeated_blocks
+from launchers.engines.torch_optim import build_optimizer, lr_schedule
+from launchers.safe_load import UnsafeCheckpointError
+
+
+def _ds_config(steps: int, warmup: int, name: str = "adamw"):
+    from launchers.ds_config import build_ds_config
+    from plans.resolve import ResolvedPlan
+    from plans.spec import Accelerator, EngineName, Offload, OptimizerName, OptimSpec, Precision
+
+    plan = ResolvedPlan(dp=1, tp=1, pp=1, world_size=1, zero_stage=3, offload_optimizer=Offload.none,
+                        offload_param=Offload.none, nvme_path=None, activation_checkpointing=False,
+                        micro_batch_size=1, grad_accum_steps=1, precision=Precision.bf16,
+                        accelerator=Accelerator.cpu, engine=EngineName.fsdp2)
+    optim = OptimSpec(name=OptimizerName(name), lr=0.1, warmup_steps=warmup, min_lr_ratio=0.1, momentum=0.9)
+    return build_ds_config(plan, optim, steps)
+
+
+@pytest.mark.parametrize(("steps", "warmup"), [(20, 5), (10, 1), (5, 10)])
+def test_schedule_gives_the_lr_deepspeed_gives_at_every_step(steps, warmup):
+    """DeepSpeed builds ``WarmupCosineLR`` before the first step and steps it after each optimizer
+    step; the torch schedule must give every step the same lr."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    config = _ds_config(steps, warmup)
+    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    schedule = lr_schedule(ours, config["scheduler"])
+    reference = WarmupCosineLR(theirs, **config["scheduler"]["params"])
+    for _ in range(steps + 3):
+        assert ours.param_groups[0]["lr"] == pytest.approx(theirs.param_groups[0]["lr"], abs=1e-12)
+        ours.step()  # no gradients: the step changes nothing, but comes before the schedule's, as in training
+        schedule.step()
+        reference.step()
+
+
+def test_optimizer_is_the_one_deepspeed_would_run():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    adamw = build_optimizer(params, _ds_config(10, 2)["optimizer"], "cpu")
+    assert type(adamw) is torch.optim.AdamW and adamw.defaults["fused"]
+    assert adamw.defaults["betas"] == (0.9, 0.95) and adamw.defaults["weight_decay"] == 0.01
+    # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false.
+    assert type(build_optimizer(params, {"type": "Adam", "params": {"lr": 0.1}}, "cpu")) is torch.optim.AdamW
+    coupled = {"type": "Adam", "params": {"lr": 0.1, "adam_w_mode": False}}
+    assert type(build_optimizer(params, coupled, "cpu")) is torch.optim.Adam
+    sgd = build_optimizer(params, _ds_config(10, 2, "sgd")["optimizer"], "cpu")
+    assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9
+    with pytest.raises(ValueError, match="optimizer type 'Lamb'"):
+        build_optimizer(params, {"type": "Lamb", "params": {"lr": 0.1}}, "cpu")
+
+
+def test_blocks_are_the_repeated_layers_of_each_kind_of_model():
+    from torchvision.models import resnet18
+
+    from helpers.fsdp2_ranks import gpt, llama, vit
+
+    model = gpt()
+    assert repeated_blocks(model) == list(model.blocks)
+    model = llama()
+    assert repeated_blocks(model) == list(model.model.layers)
+    model = vit()
+    assert repeated_blocks(model) == list(model.encoder.layers)
+    model = resnet18(num_classes=10)
+    assert repeated_blocks(model) == [*model.layer1, *model.layer2, *model.layer3, *model.layer4]
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    assert repeated_blocks(mlp) == []
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_metadata_naming_anything_but_dcp_data_is_refused(tmp_path):
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: DCP metadata names posix\.system"):
+        read_metadata(path)
+
+
+def test_client_state_is_json_with_the_rng_as_numbers(tmp_path):
+    rng = torch.get_rng_state()
+    write_client_state(tmp_path, {"step": 3, "rng": rng, "data": {"position": 5}, "loss": 1.5})
+    assert json.loads((tmp_path / "client_state.json").read_text())["rng"]["dtype"] == "uint8"
+    state = read_client_state(tmp_path)
+    assert torch.equal(state["rng"], rng) and state["step"] == 3 and state["data"] == {"position": 5}
+    with pytest.raises(TypeError, match="holds a object"):
+        write_client_state(tmp_path, {"odd": object()})
+
+
+def _spawn(scenario: str, world: int, out, **kwargs) -> dict:
+    from helpers.fsdp2_ranks import spawn
+
+    spawn(scenario, world, out, free_port(), **kwargs)
+    return json.loads((out / f"{scenario}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+    """The GPT at dp=2 in bf16 with activation checkpointing and 2 micro-batches a step: 6 steps,
+    saved and published at step 6."""
+    out = tmp_path_factory.mktemp("fsdp2-gpt")
+    return out, _spawn("train_and_save", 2, out, model="gpt", checkpointing=True)
+
+
+@pytest.mark.slow
+def test_gpt_trains_in_bf16_and_consolidates_to_the_models_own_keys(gpt_run):
+    _, found = gpt_run
+    losses = found["losses"]
+    # DeepSpeed's schedule (and so ours) gives lr 0 to the first two steps, then the loss falls.
+    assert losses[0] == losses[1] == losses[2]
+    assert losses[3] < losses[2] and losses[-1] < losses[0] - 0.5
+    assert found["losses"][0] == pytest.approx(found["whole_first_loss"], rel=5e-3)  # bf16 against fp32
+    assert found["params_on_rank"] == found["params_at_build"] // 2
+    assert found["consolidated_shapes"] == found["whole_shapes"]
+    assert found["built"] == "whole, then fully_shard on 2 blocks and the root"
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_dp2_resumes_at_dp1(gpt_run):
+    out, saved = gpt_run
+    resumed = _spawn("resume", 1, out, model="gpt")
+    assert resumed["step"] == 6 and resumed["layout"] == {"dp": 2} and resumed["rng_equal"]
+    assert resumed["weights_equal"]
+    assert resumed["eval"]["loss"] == pytest.approx(saved["eval"]["loss"], rel=1e-6)
+    assert resumed["lr"] == pytest.approx(saved["lrs"][-1])
+    assert resumed["next_loss"] < saved["losses"][-1]
+
+
+@pytest.mark.slow
+def test_tampered_checkpoint_is_refused_before_dcp_reads_it(gpt_run, tmp_path):
+    from launchers.manifest import write_manifest
+
+    out, _ = gpt_run
+    tag = "step_000000006"
+    changed, planted = tmp_path / "changed", tmp_path / "planted"
+    for root in (changed, planted):
+        shutil.copytree(out / "checkpoints" / tag, root / tag)
+    shard = changed / tag / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    # A metadata file that would run code, with a manifest rewritten to match it: the digests pass,
+    # the unpickler does not.
+    (planted / tag / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    write_manifest(planted / tag)
+    found = _spawn("refuse", 1, out, model="gpt", tag=tag, roots=[str(changed), str(planted)])
+    assert found[str(changed)]["refused"] == "CheckpointIntegrityError"
+    assert f"{shard} does not match its digest" in found[str(changed)]["message"]
+    assert found[str(planted)]["refused"] == "UnsafeCheckpointError"
+    assert "names posix.system" in found[str(planted)]["message"]
+
+
+@pytest.mark.slow
+def test_hf_llama_at_tp2_uses_its_own_tp_plan_and_resumes_at_tp1(tmp_path):
+    """dp=1 x tp=2 in fp32, blocks kept gathered after forward and checkpointed through the model's
+    own switch: the sharded model's first loss is the unsharded one's, to fp32 rounding; its
+    checkpoint loads into one unsharded rank."""
+    found = _spawn("train_and_save", 2, tmp_path, model="llama", tp=2, precision="fp32", reshard=False,
+                   checkpointing=True)
+    resumed = _spawn("resume", 1, tmp_path, model="llama", precision="fp32")
+    assert resumed["weights_equal"] and resumed["step"] == 6
+    assert resumed["eval"]["loss"] == pytest.approx(found["eval"]["loss"], rel=1e-5)
+    assert found["params_on_rank"] < found["params_at_build"]
+    assert found["losses"][0] == pytest.approx(found["whole_first_loss"], rel=1e-5)
+    assert found["losses"][-1] < found["losses"][0] - 0.5
+    assert found["consolidated_shapes"] == found["whole_shapes"]
+    assert all(math.isfinite(loss) for loss in found["losses"])
+
+
+@pytest.mark.slow
+def test_torchvision_vit_trains_in_fp16_with_checkpointed_blocks_hybrid_and_offloaded(tmp_path):
+    """Two one-worker "nodes" (LOCAL_WORLD_SIZE=1): hybrid sharding shards over one rank and
+    replicates over two, so each rank holds every parameter; parameters offloaded to the host;
+    fp16 with dynamic loss scaling (bf16 is the GPT's test)."""
+    found = _spawn("train_and_save", 2, tmp_path, model="vit", checkpointing=True, hybrid=True, offload=True,
+                   node_size=1, precision="fp16")
+    assert found["params_on_rank"] == found["params_at_build"]
+    assert found["losses"][0] == pytest.approx(found["whole_first_loss"], rel=5e-3)
+    assert found["losses"][-1] < found["losses"][0] - 0.3
+    assert found["consolidated_shapes"] == found["whole_shapes"]
