@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from helpers.processes import free_port
-from launchers.engines.dcp_files import read_client_state, read_metadata, write_client_state
-from launchers.engines.fsdp2_layout import repeated_blocks
-from launchers.engines.torch_optim import build_optimizer, lr_schedule
+from launchers.engines.fsdp2.dcp_files import read_client_state, read_metadata, write_client_state
+from launchers.engines.fsdp2.layout import repeated_blocks
+from launchers.engines.fsdp2.torch_optim import build_optimizer, lr_schedule
 from launchers.safe_load import UnsafeCheckpointError
 
 
 def _ds_config(steps: int, warmup: int, name: str = "adamw"):
-    from launchers.ds_config import build_ds_config
+    from launchers.engines.deepspeed.config import build_ds_config
     from plans.resolve import ResolvedPlan
     from plans.spec import Accelerator, EngineName, Offload, OptimizerName, OptimSpec, Precision
 

@@ -79,7 +79,7 @@ def test_arch_specific_cuda_arch_lists_are_given_to_deepspeed_in_a_form_it_reads
 def test_the_optimizer_is_named_by_its_implementation():
     import torch
 
-    from launchers.engines.deepspeed.config import describe_optimizer
+    from launchers.engines.base import describe_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(2))]
     assert describe_optimizer(torch.optim.AdamW(params, fused=True)) == "torch.AdamW (fused)"

@@ -36,6 +36,23 @@ class BuiltModel:
     """Why the optimizer is not the one the plan asked for, if it is not."""
 
 
+def describe_optimizer(optimizer) -> str:
+    """The optimizer that steps the parameters, named by its implementation: ``deepspeed.FusedAdam``,
+    ``deepspeed.DeepSpeedCPUAdam``, ``torch.AdamW (fused)``. An engine may pick the kernel from
+    its config and what the node can build (DeepSpeed does, at ``initialize``), so the run records
+    what it got."""
+    if optimizer is None:
+        return "none"
+    kind = type(optimizer)
+    name = f"{kind.__module__.split('.')[0]}.{kind.__name__}"
+    defaults = getattr(optimizer, "defaults", {}) or {}
+    if defaults.get("fused"):
+        return f"{name} (fused)"
+    if defaults.get("foreach"):
+        return f"{name} (foreach)"
+    return name
+
+
 class Engine(ABC):
     """One rank's training engine. Created empty; :meth:`start` joins the process group,
     :meth:`build` wraps the model, and the loop then calls the rest."""

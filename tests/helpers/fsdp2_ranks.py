@@ -41,7 +41,7 @@ MODELS = {"gpt": gpt, "llama": llama, "vit": vit}
 def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", accum: int = 1, steps: int = 8,
              checkpointing: bool = False, hybrid: bool = False, reshard: bool = True, offload: bool = False):
     """A :class:`TrainJob` as the driver builds one, for ``plan.engine=fsdp2`` on CPU workers."""
-    from launchers.ds_config import build_ds_config
+    from launchers.engines.deepspeed.config import build_ds_config
     from launchers.job import TrainJob
     from plans.resolve import ResolvedPlan
     from plans.spec import Accelerator, EngineName, FSDPSpec, Offload, OptimSpec, Precision, TrainSpec

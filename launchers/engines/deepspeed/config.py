@@ -77,22 +77,6 @@ def without_fused_adam(config: dict) -> dict:
     return {**config, "optimizer": {**optimizer, "params": {**params, "torch_adam": True, "fused": True}}}
 
 
-def describe_optimizer(optimizer) -> str:
-    """The optimizer that steps the parameters, named by its implementation: ``deepspeed.FusedAdam``,
-    ``deepspeed.DeepSpeedCPUAdam``, ``torch.AdamW (fused)``. DeepSpeed picks the kernel at
-    ``initialize`` from the config and what the node can build, so the run records what it got."""
-    if optimizer is None:
-        return "none"
-    kind = type(optimizer)
-    name = f"{kind.__module__.split('.')[0]}.{kind.__name__}"
-    defaults = getattr(optimizer, "defaults", {}) or {}
-    if defaults.get("fused"):
-        return f"{name} (fused)"
-    if defaults.get("foreach"):
-        return f"{name} (foreach)"
-    return name
-
-
 def tensor_parallel_section(tp: int, layer_specs: list[dict]) -> dict:
     """DeepSpeed's AutoTP training section: shard the layers ``layer_specs`` name over ``tp`` ranks.
 

@@ -50,7 +50,8 @@ class DeepSpeedEngine(Engine):
         import deepspeed
         import torch.distributed as dist
 
-        from launchers.engines.deepspeed.config import describe_optimizer, fused_adam_problem, without_fused_adam
+        from launchers.engines.base import describe_optimizer
+        from launchers.engines.deepspeed.config import fused_adam_problem, without_fused_adam
 
         plan = self.plan
         built = "stages"

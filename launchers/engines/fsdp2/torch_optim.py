@@ -2,7 +2,7 @@
 
 An engine other than DeepSpeed trains with the same optimizer and schedule a DeepSpeed run of the
 plan would: both are read from the run's DeepSpeed config sections (``optimizer``,
-``scheduler``, ``gradient_clipping``, written by :func:`launchers.ds_config.build_ds_config` from
+``scheduler``, ``gradient_clipping``, written by :func:`launchers.engines.deepspeed.config.build_ds_config` from
 the run's optim settings), so one set of facts decides them for every engine. DeepSpeed's own
 classes are not imported here: only its arithmetic is repeated, and a test holds the two equal.
 """
@@ -32,10 +32,10 @@ class WarmupCosine:
     @classmethod
     def from_section(cls, section: dict[str, Any]) -> WarmupCosine:
         """From a DeepSpeed config's ``scheduler`` section; only ``WarmupCosineLR`` is written by
-        :func:`launchers.ds_config.build_ds_config`, so any other type is refused."""
+        :func:`launchers.engines.deepspeed.config.build_ds_config`, so any other type is refused."""
         if section.get("type") != "WarmupCosineLR":
             raise ValueError(f"scheduler type {section.get('type')!r}: only WarmupCosineLR has a torch counterpart "
-                             "here (launchers.engines.torch_optim)")
+                             "here (launchers.engines.fsdp2.torch_optim)")
         params = section.get("params", {})
         return cls(total_num_steps=int(params["total_num_steps"]),
                    warmup_num_steps=int(params.get("warmup_num_steps", 1000)),

@@ -2,11 +2,11 @@
 
 The model is built whole on every rank from the same seed, activation checkpointing is switched
 on (:func:`plans.workload.enable_activation_checkpointing`, which keeps parameter names), tensor
-parallelism applied through DTensor (:mod:`launchers.engines.fsdp2_layout`) and then each
+parallelism applied through DTensor (:mod:`launchers.engines.fsdp2.layout`) and then each
 repeated block and the root are sharded over the data-parallel ranks. The optimizer and
-schedule are torch's, equal to a DeepSpeed run's (:mod:`launchers.engines.torch_optim`);
+schedule are torch's, equal to a DeepSpeed run's (:mod:`launchers.engines.fsdp2.torch_optim`);
 checkpoints go through ``torch.distributed.checkpoint``, which reshards on load, so a run
-resumes at another dp or tp. Nothing unverified is unpickled (:mod:`launchers.engines.dcp_files`).
+resumes at another dp or tp. Nothing unverified is unpickled (:mod:`launchers.engines.fsdp2.dcp_files`).
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ class FSDP2Engine(Engine):
         import torch
         from torch.distributed.fsdp import fully_shard
 
-        from launchers.ds_config import describe_optimizer
-        from launchers.engines.fsdp2_layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
-        from launchers.engines.torch_optim import build_optimizer, gradient_clip, loss_scaler, lr_schedule
+        from launchers.engines.base import describe_optimizer
+        from launchers.engines.fsdp2.layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
+        from launchers.engines.fsdp2.torch_optim import build_optimizer, gradient_clip, loss_scaler, lr_schedule
 
         plan = job.plan
         if plan.pp > 1:
@@ -63,14 +63,14 @@ class FSDP2Engine(Engine):
         torch.manual_seed(job.train.seed)
         model = job.workload.model_factory()
         params_at_build = sum(p.numel() for p in model.parameters())
-        self._dtype = None if plan.precision.value == "fp32" else plan.precision.dtype
-        if self._dtype is not None:
+        self.dtype = None if plan.precision.value == "fp32" else plan.precision.dtype
+        if self.dtype is not None:
             # FSDP2 casts parameters for compute; floating buffers (BatchNorm's running statistics)
             # it leaves alone, and the layers refuse to mix them with the cast weights. DeepSpeed
             # runs cast them the same way.
             for buffer in model.buffers():
                 if buffer.is_floating_point():
-                    buffer.data = buffer.data.to(self._dtype)
+                    buffer.data = buffer.data.to(self.dtype)
         if plan.activation_checkpointing:
             from plans.workload import enable_activation_checkpointing
 
@@ -98,7 +98,7 @@ class FSDP2Engine(Engine):
     def _batch(self, batch: Any) -> Any:
         from plans.workload import move_batch
 
-        return move_batch(batch, self.device, self._dtype)
+        return move_batch(batch, self.device, self.dtype)
 
     def train_step(self, batches: Iterator[Any], milestone: Callable[[], None]) -> float:
         """Forward and backward over ``plan.grad_accum_steps`` micro-batches, each loss scaled by
@@ -179,11 +179,11 @@ class FSDP2Engine(Engine):
     def save(self, root: str, tag: str, client_state: dict[str, Any]) -> None:
         """DCP's files of model and optimizer (each rank its shards) and, from rank 0, the loop's
         state with the schedule's (and fp16's loss scale) as JSON
-        (:func:`launchers.engines.dcp_files.write_client_state`)."""
+        (:func:`launchers.engines.fsdp2.dcp_files.write_client_state`)."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        from launchers.engines.dcp_files import write_client_state
+        from launchers.engines.fsdp2.dcp_files import write_client_state
 
         folder = os.path.join(root, tag)
         dcp.save(self._state(), checkpoint_id=folder)
@@ -198,7 +198,7 @@ class FSDP2Engine(Engine):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        from launchers.engines.dcp_files import (
+        from launchers.engines.fsdp2.dcp_files import (
             read_client_state,
             read_metadata,
             verified_reader,
