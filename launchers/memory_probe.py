@@ -29,14 +29,20 @@ from torch.utils._pytree import tree_flatten
 def _storage_of(obj) -> torch.UntypedStorage | None:
     """The storage behind a tensor, or None for tensors that own no countable memory.
 
-    Meta tensors have sizes but no memory. Sparse, nested and wrapper-subclass tensors have no
-    single untyped storage (``untyped_storage()`` raises); they are not counted (a blind spot
-    that the dense models trained here never hit).
+    Meta tensors have sizes but no memory. A DTensor's memory is its local shard's. Sparse,
+    nested and other wrapper-subclass tensors have no single untyped storage (``untyped_storage()``
+    raises, or returns one that is invalid to read); they are not counted (a blind spot that the
+    dense models trained here never hit).
     """
     if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
         return None
+    local = getattr(obj, "_local_tensor", None)  # a DTensor (FSDP2's shards): its local shard's memory
+    if isinstance(local, torch.Tensor):
+        obj = local
     try:
-        return obj.untyped_storage()
+        storage = obj.untyped_storage()
+        storage.data_ptr()  # a wrapper subclass's storage can exist but be invalid to read
+        return storage
     except (RuntimeError, NotImplementedError):
         return None
 
