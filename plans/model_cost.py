@@ -14,14 +14,15 @@ allocated; the model built once on meta is copied, not rebuilt.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from plans.cost_model import ModelCost
-from plans.depth_scaling import SHALLOW_DEPTHS, extrapolate, repeated_stack, shallow_copy
+from plans.cost_model import Gemm, ModelCost
+from plans.depth_scaling import SHALLOW_DEPTHS, affine, extrapolate, repeated_stack, shallow_copy
 from plans.estimate import ModelProbe, shard_module
 from plans.memory_traffic import MemoryTraffic, fused_attention
 from plans.workload import (
@@ -63,6 +64,79 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         return func(*args, **(kwargs or {}))
+
+
+aten = torch.ops.aten
+# (batch, m, n, k) of each GEMM kernel from its operands' shapes.
+_GEMM_SHAPES = {
+    aten.mm.default: lambda a, b: (1, a.shape[0], b.shape[1], a.shape[1]),
+    aten.addmm.default: lambda _c, a, b: (1, a.shape[0], b.shape[1], a.shape[1]),
+    aten.bmm.default: lambda a, b: (a.shape[0], a.shape[1], b.shape[2], a.shape[2]),
+    aten.baddbmm.default: lambda _c, a, b: (a.shape[0], a.shape[1], b.shape[2], a.shape[2]),
+}
+
+
+class GemmRecorder(TorchDispatchMode):
+    """The shapes of the GEMM kernels a pass dispatches, in order (cuBLAS runs each as one kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, int, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shape = _GEMM_SHAPES.get(func)
+        if shape is not None:
+            self.shapes.append(tuple(int(d) for d in shape(*args[:3])))
+        return func(*args, **(kwargs or {}))
+
+
+def _gemm_pass(module: torch.nn.Module, inputs: ModelInputs, samples: int) -> list[tuple[int, int, int, int]]:
+    """GEMM shapes of one forward, loss and backward of ``samples`` samples, attention through the
+    fused kernels a GPU runs (not GEMMs of their own)."""
+    for param in module.parameters():
+        param.grad = None
+    batch = move_batch(inputs.example_batch(samples), "meta")
+    with fused_attention(), GemmRecorder() as recorder, MetaBranches():
+        loss = inputs.objective(call_model(module, batch), batch)
+        loss.backward()
+    return recorder.shapes
+
+
+def _gemms(module: torch.nn.Module, inputs: ModelInputs) -> tuple[tuple[Gemm, int], ...]:
+    """The distinct GEMMs of one sample's pass and how often each runs, with the dimension the
+    micro-batch multiplies: read off the same pass at one and at two samples, GEMM by GEMM."""
+    one, two = _gemm_pass(module, inputs, 1), _gemm_pass(module, inputs, 2)
+    if len(one) != len(two):  # a pass whose kernels depend on the batch: no dimension is known to grow
+        two = one
+    counts: dict[Gemm, int] = {}
+    for a, b in zip(one, two, strict=True):
+        grows = next((name for name, x, y in zip(("batch", "m", "n", "k"), a, b, strict=True) if y != x), "")
+        gemm = Gemm(*a, grows=grows)
+        counts[gemm] = counts.get(gemm, 0) + 1
+    return tuple(counts.items())
+
+
+def _gemms_by_tp(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) -> dict[int, tuple]:
+    """:func:`_gemms` of one rank at each tensor-parallel degree (its shard on ``meta``)."""
+    found = {1: _gemms(copy.deepcopy(module), probe.inputs)}
+    for tp in tp_degrees:
+        if tp <= 1 or not probe.tp_layer_specs:
+            continue
+        try:
+            found[tp] = _gemms(shard_module(copy.deepcopy(module), probe.tp_layer_specs, tp), probe.inputs)
+        except (RuntimeError, ValueError):  # shapes that do not split tp ways: the search refuses that tp
+            continue
+    return found
+
+
+def _carry_gemms(shallow: ModelCost, deeper: ModelCost, depth: int) -> dict[int, tuple]:
+    """GEMM counts at two shallow depths carried to ``depth`` (:func:`plans.depth_scaling.affine`):
+    a repeated layer's GEMMs grow with depth, the embedding's and the head's stay."""
+    carried = {}
+    for tp, gemms in deeper.gemms.items():
+        before = dict(shallow.gemms.get(tp, ()))
+        carried[tp] = tuple((gemm, affine(before.get(gemm, 0), count, depth)) for gemm, count in gemms)
+    return carried
 
 
 def _checkpointed_pass(module: torch.nn.Module, inputs: ModelInputs) -> tuple[int, int]:
@@ -121,12 +195,17 @@ def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled
     """
     keep = ("seq_len", "param_count", "boundary_per_sample")
     if depth_scaled and probe.shallow is not None:  # the model was never built at its full depth
-        return probe.shallow.at_depth(lambda module: _count(probe, copy.deepcopy(module), tp_degrees), keep=keep)
-    stack = repeated_stack(probe.module) if depth_scaled else None
-    if stack is None:
-        return _count(probe, copy.deepcopy(probe.module), tp_degrees)
-    shallow, deeper = (_count(probe, shallow_copy(probe.module, stack, d), tp_degrees) for d in SHALLOW_DEPTHS)
-    return extrapolate(shallow, deeper, len(stack), keep=keep)
+        cut = probe.shallow
+        shallow, deeper = (_count(probe, copy.deepcopy(module), tp_degrees) for module in (cut.shallow, cut.deeper))
+        depth = cut.depth
+    else:
+        stack = repeated_stack(probe.module) if depth_scaled else None
+        if stack is None:
+            return _count(probe, copy.deepcopy(probe.module), tp_degrees)
+        shallow, deeper = (_count(probe, shallow_copy(probe.module, stack, d), tp_degrees) for d in SHALLOW_DEPTHS)
+        depth = len(stack)
+    return dataclasses.replace(extrapolate(shallow, deeper, depth, keep=keep),
+                               gemms=_carry_gemms(shallow, deeper, depth))
 
 
 def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) -> ModelCost:
@@ -186,4 +265,5 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
         memory_bytes_per_sample_checkpointed=traffic_ckpt[0],
         memory_bytes_sharded_per_sample_checkpointed=traffic_ckpt[1],
         param_modules=sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False))),
+        gemms=_gemms_by_tp(probe, module, tp_degrees),
     )
