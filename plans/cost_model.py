@@ -8,6 +8,8 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
   device's sustained matmul throughput for the micro-batch's matmul height; plus a fixed cost per
   operation (counted on ``meta`` too) times the operations of each micro-batch, which is why many
   small micro-batches are slower than few large ones where ops run synchronously (CPU workers).
+  On GPUs with a known SM count each GEMM is priced at its shape (:func:`matmul_efficiency`):
+  waves of output tiles over the SMs, and a roofline against memory bandwidth for thin ones.
 - **memory-bound kernels**: the bytes the kernels between the matmuls read and write (norms,
   softmax, activations, dropout, residual adds, casts, the loss; :mod:`plans.memory_traffic`),
   counted on ``meta`` at tp=1 and on a 2-way shard, so the part tensor parallelism divides is
@@ -293,6 +295,14 @@ class ModelCost:
     memory_bytes_per_sample_checkpointed: int = 0
     """``memory_bytes_per_sample`` with activation checkpointing (the recomputed forward included)."""
     memory_bytes_sharded_per_sample_checkpointed: int = 0
+    flops_outside_layers_per_sample: int = 0
+    """The part of the FLOPs outside the repeated layers (the head and the loss, never recomputed):
+    one pipeline stage runs it, not a share of it on every stage."""
+    memory_bytes_first_stage_per_sample: int = 0
+    """The memory-bound bytes outside the repeated layers before the first and after the last
+    (the embedding's lookup and its backward): the first pipeline stage's, whole on every tp rank."""
+    memory_bytes_last_stage_per_sample: int = 0
+    """Those between (the head, the loss and their backward): the last pipeline stage's."""
     gemms: dict[int, tuple[tuple[Gemm, int], ...]] = dataclasses.field(default_factory=dict)
     """By tensor-parallel degree: the GEMMs one rank runs in one sample's forward, loss and backward
     (shape at micro-batch 1, and how many times), for :func:`matmul_efficiency`."""
@@ -403,6 +413,32 @@ def stage_share(n_layers: int, pp: int) -> float:
     return math.ceil(n_layers / pp) / n_layers
 
 
+def _busiest_stage(model: ModelCost, flops: int, whole: int, sharded: int, *, stage: float, tp: int, pp: int,
+                   flops_per_s: float, bytes_per_s: float, core_share: float = 1.0) -> tuple[float, float]:
+    """(FLOPs, memory-bound bytes) per sample of one tensor-parallel rank of the stage that paces
+    the 1F1B schedule.
+
+    Each stage runs its share ``stage`` of the repeated layers; the work outside them is not
+    shared: the first stage runs the embedding, the last the head and the loss (the larger, in
+    time, paces the schedule). Without a pipeline the one stage runs all of it. FLOPs are divided
+    by tp as the layers' are; the bytes outside the layers run whole on every rank. Workers that
+    time-share a node's cores (``core_share`` < 1) run the end stage's surplus on a whole core
+    while the others wait, as in the bubble (:func:`bubble_micro_batches`): it costs
+    ``core_share`` of its time over the even split.
+    """
+    if pp <= 1:
+        return flops / tp, whole - sharded + sharded / tp
+    outside_flops = min(model.flops_outside_layers_per_sample, flops)
+    first = model.memory_bytes_first_stage_per_sample
+    last = model.memory_bytes_last_stage_per_sample
+    inner_whole = max(whole - sharded - first - last, 0)
+    ends = {"first": (0.0, first), "last": (outside_flops / tp, last)}
+    end_flops, end_bytes = max(ends.values(), key=lambda fb: fb[0] / flops_per_s + fb[1] / bytes_per_s)
+    busiest = ((flops - outside_flops) / tp * stage + end_flops, (inner_whole + sharded / tp) * stage + end_bytes)
+    even = (flops / tp * stage, (whole - sharded + sharded / tp) * stage)
+    return tuple(e + core_share * max(b - e, 0.0) for b, e in zip(busiest, even, strict=True))
+
+
 def bubble_micro_batches(pp: int, core_share: float) -> float:
     """Micro-batch times a step loses to the pipeline's fill and drain.
 
@@ -436,14 +472,16 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     # recomputed forward at the forward's mix; CPUs: the calibrated rate for the matmul height.
     rate = speeds.tflops_at(mb * model.seq_len) * 1e12
     efficiency = matmul_efficiency(model.gemms.get(tp, ()), mb, speeds, flops_per_s=rate, element_bytes=act_bytes)
-    per_micro_s = (flops * mb * stage / tp / (rate * efficiency)
-                   + ops * stage * speeds.op_overhead_s)
     whole = model.memory_bytes_per_sample_checkpointed if ckpt else model.memory_bytes_per_sample
     sharded = (model.memory_bytes_sharded_per_sample_checkpointed if ckpt
                else model.memory_bytes_sharded_per_sample)
     # Counted with 16-bit activations: fp32 plans move twice the bytes.
-    memory_per_micro_s = ((whole - sharded + sharded / tp) * mb * stage * act_bytes / 2
-                          / (speeds.sustained_memory_gb_per_s * 1e9))
+    bytes_per_s = speeds.sustained_memory_gb_per_s * 1e9 * 2 / act_bytes
+    stage_flops, stage_bytes = _busiest_stage(model, flops, whole, sharded, stage=stage, tp=tp, pp=pp,
+                                              flops_per_s=rate * efficiency, bytes_per_s=bytes_per_s,
+                                              core_share=speeds.core_share)
+    per_micro_s = stage_flops * mb / (rate * efficiency) + ops * stage * speeds.op_overhead_s
+    memory_per_micro_s = stage_bytes * mb / bytes_per_s
 
     tp_per_micro_s = 0.0
     if tp > 1:

@@ -13,6 +13,7 @@ allocated; the model built once on meta is copied, not rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import re
@@ -20,6 +21,7 @@ import re
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.module_tracker import ModuleTracker
 
 from plans.cost_model import Gemm, ModelCost
 from plans.depth_scaling import SHALLOW_DEPTHS, affine, extrapolate, repeated_stack, shallow_copy
@@ -91,42 +93,90 @@ class GemmRecorder(TorchDispatchMode):
 
 
 def _gemm_pass(module: torch.nn.Module, inputs: ModelInputs, samples: int) -> list[tuple[int, int, int, int]]:
-    """GEMM shapes of one forward, loss and backward of ``samples`` samples, attention through the
-    fused kernels a GPU runs (not GEMMs of their own)."""
-    for param in module.parameters():
-        param.grad = None
+    """GEMM shapes of one forward and loss of ``samples`` samples, attention through the fused
+    kernels a GPU runs (not GEMMs of their own). Backward is not run: each forward GEMM
+    ``C = A B`` has two backward ones of its FLOPs, ``dA = dC B^T`` and ``dB = A^T dC``
+    (:func:`_with_backward`), and the forward alone takes a third of the time to trace."""
     batch = move_batch(inputs.example_batch(samples), "meta")
-    with fused_attention(), GemmRecorder() as recorder, MetaBranches():
-        loss = inputs.objective(call_model(module, batch), batch)
-        loss.backward()
+    with torch.no_grad(), fused_attention(), GemmRecorder() as recorder, MetaBranches():
+        inputs.objective(call_model(module, batch), batch)
     return recorder.shapes
 
 
-def _gemms(module: torch.nn.Module, inputs: ModelInputs) -> tuple[tuple[Gemm, int], ...]:
-    """The distinct GEMMs of one sample's pass and how often each runs, with the dimension the
-    micro-batch multiplies: read off the same pass at one and at two samples, GEMM by GEMM."""
-    one, two = _gemm_pass(module, inputs, 1), _gemm_pass(module, inputs, 2)
-    if len(one) != len(two):  # a pass whose kernels depend on the batch: no dimension is known to grow
-        two = one
+# Where a forward GEMM's (batch, m, n, k) go in its two backward GEMMs: dA is (batch, m, k, n),
+# dB is (batch, k, n, m); a dimension the micro-batch grows keeps growing under its new name.
+_BACKWARD = ({"batch": "batch", "m": "m", "n": "k", "k": "n"}, {"batch": "batch", "m": "k", "n": "n", "k": "m"})
+
+
+def _with_backward(gemm: Gemm) -> list[Gemm]:
+    """A forward GEMM and the two GEMMs of its backward (every operand of a training pass's
+    matmuls takes a gradient: weights, activations, attention's queries, keys and values)."""
+    dims = {"batch": gemm.batch, "m": gemm.m, "n": gemm.n, "k": gemm.k}
+    out = [gemm]
+    for moved in _BACKWARD:
+        new = {moved[name]: size for name, size in dims.items()}
+        out.append(Gemm(new["batch"], new["m"], new["n"], new["k"], grows=moved.get(gemm.grows, "")))
+    return out
+
+
+def _growing(one: list[tuple[int, ...]], two: list[tuple[int, ...]]) -> list[str]:
+    """For each GEMM of a pass at one sample, the dimension that is larger at two samples ('' for
+    none, or for every GEMM of a pass whose kernels change with the batch)."""
+    if len(one) != len(two):
+        return [""] * len(one)
+    return [next((name for name, x, y in zip(("batch", "m", "n", "k"), a, b, strict=True) if y != x), "")
+            for a, b in zip(one, two, strict=True)]
+
+
+def _gemms(shapes: list[tuple[int, ...]], growing: list[str]) -> tuple[tuple[Gemm, int], ...]:
+    """The distinct GEMMs of one sample's forward and backward and how often each runs."""
     counts: dict[Gemm, int] = {}
-    for a, b in zip(one, two, strict=True):
-        grows = next((name for name, x, y in zip(("batch", "m", "n", "k"), a, b, strict=True) if y != x), "")
-        gemm = Gemm(*a, grows=grows)
-        counts[gemm] = counts.get(gemm, 0) + 1
+    for shape, grows in zip(shapes, growing, strict=True):
+        for gemm in _with_backward(Gemm(*shape, grows=grows)):
+            counts[gemm] = counts.get(gemm, 0) + 1
     return tuple(counts.items())
 
 
 def _gemms_by_tp(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) -> dict[int, tuple]:
-    """:func:`_gemms` of one rank at each tensor-parallel degree (its shard on ``meta``)."""
-    found = {1: _gemms(copy.deepcopy(module), probe.inputs)}
-    for tp in tp_degrees:
-        if tp <= 1 or not probe.tp_layer_specs:
+    """The GEMMs one rank runs at each tensor-parallel degree (its shard on ``meta``), with the
+    dimension the micro-batch multiplies: read off the model's pass at one and at two samples,
+    GEMM by GEMM. A shard runs the same GEMMs in the same order, narrower, so its pass at one
+    sample takes the unsharded model's dimensions (when it runs as many GEMMs)."""
+    one = _gemm_pass(copy.deepcopy(module), probe.inputs, 1)
+    growing = _growing(one, _gemm_pass(copy.deepcopy(module), probe.inputs, 2))
+    found = {1: _gemms(one, growing)}
+    if not probe.tp_layer_specs:
+        return found
+    halves = _shard_pass(probe, module, 2)
+    for tp in (t for t in tp_degrees if t > 1):
+        shapes = _divided(one, halves, tp) if halves is not None else None
+        if shapes is None:
+            shapes = _shard_pass(probe, module, tp)
+        if shapes is None:  # shapes that do not split tp ways: the search refuses that tp
             continue
-        try:
-            found[tp] = _gemms(shard_module(copy.deepcopy(module), probe.tp_layer_specs, tp), probe.inputs)
-        except (RuntimeError, ValueError):  # shapes that do not split tp ways: the search refuses that tp
-            continue
+        found[tp] = _gemms(shapes, growing if len(shapes) == len(one) else [""] * len(shapes))
     return found
+
+
+def _shard_pass(probe: ModelProbe, module: torch.nn.Module, tp: int) -> list[tuple[int, ...]] | None:
+    """:func:`_gemm_pass` of the model's tp-way shard at one sample (None: it does not split so)."""
+    try:
+        return _gemm_pass(shard_module(copy.deepcopy(module), probe.tp_layer_specs, tp), probe.inputs, 1)
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _divided(whole: list[tuple[int, ...]], halves: list[tuple[int, ...]], tp: int) -> list[tuple[int, ...]] | None:
+    """The tp-way shard's GEMMs from the 2-way shard's: the dimensions that halved are divided by
+    tp (None when the two passes do not line up, or a dimension does not divide)."""
+    if len(whole) != len(halves):
+        return None
+    shapes = []
+    for a, b in zip(whole, halves, strict=True):
+        if any(x != y and (2 * y != x or x % tp) for x, y in zip(a, b, strict=True)):
+            return None
+        shapes.append(tuple(x if x == y else x // tp for x, y in zip(a, b, strict=True)))
+    return shapes
 
 
 def _carry_gemms(shallow: ModelCost, deeper: ModelCost, depth: int) -> dict[int, tuple]:
@@ -150,31 +200,66 @@ def _checkpointed_pass(module: torch.nn.Module, inputs: ModelInputs) -> tuple[in
     return int(counter.get_total_flops()) // PROBE_SAMPLES, ops.ops
 
 
+def _layer_names(module: torch.nn.Module) -> frozenset[str]:
+    """The repeated layers' names as torch's module trackers (and ``FlopCounterMode``) spell them."""
+    units = {id(unit) for unit in checkpoint_units(module)}
+    root = type(module).__name__
+    return frozenset(f"{root}.{name}" for name, sub in module.named_modules() if id(sub) in units)
+
+
 def _traffic(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: bool) -> int:
     """Bytes the memory-bound kernels of one sample's forward, loss and backward move
     (:mod:`plans.memory_traffic`), with the model in a 16-bit precision as mixed-precision
     training runs it (the loss's own fp32 casts stay fp32)."""
+    return _traffic_pass(module, inputs, checkpointing=checkpointing).bytes // PROBE_SAMPLES
+
+
+def _traffic_pass(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: bool,
+                  tracked: bool = False) -> MemoryTraffic:
+    """:func:`_traffic`'s pass; ``tracked``: with the bytes outside the repeated layers split off."""
     module = copy.deepcopy(module).to(torch.bfloat16)
     for param in module.parameters():
         param.grad = None  # a fresh step: no accumulation into the gradients of an earlier pass
     if checkpointing:
         enable_activation_checkpointing(module)
     batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta", torch.bfloat16)
-    with fused_attention(), MemoryTraffic() as traffic, MetaBranches():
+    with contextlib.ExitStack() as stack:
+        tracker = stack.enter_context(ModuleTracker()) if tracked else None
+        traffic = stack.enter_context(MemoryTraffic(tracker, _layer_names(module) if tracked else frozenset()))
+        stack.enter_context(fused_attention())
+        stack.enter_context(MetaBranches())
         loss = inputs.objective(call_model(module, batch), batch)
         loss.backward()
-    return traffic.bytes // PROBE_SAMPLES
+    return traffic
 
 
-def _traffic_by_tp(probe: ModelProbe, module: torch.nn.Module, *, checkpointing: bool) -> tuple[int, int]:
+def _outside_layers(module: torch.nn.Module, traffic: MemoryTraffic, flop_counts: dict) -> tuple[int, int, int]:
+    """(FLOPs, first-stage bytes, last-stage bytes) of one sample outside the repeated layers.
+
+    The embedding runs before the first layer (forward) and after the last (backward): a pipeline's
+    first stage; the head and the loss between the two: its last stage. A model whose layers
+    the trackers do not see is taken as all layers (0, 0, 0), the even split over stages."""
+    names = _layer_names(module)
+    if not names or not any(name in flop_counts for name in names):
+        return 0, 0, 0
+    inside = sum(sum(flop_counts.get(name, {}).values()) for name in names)
+    total = sum(flop_counts.get("Global", {}).values())
+    first, last = traffic.outside_layers
+    return max(total - inside, 0) // PROBE_SAMPLES, first // PROBE_SAMPLES, last // PROBE_SAMPLES
+
+
+def _traffic_by_tp(probe: ModelProbe, module: torch.nn.Module, *, checkpointing: bool,
+                   whole: int | None = None) -> tuple[int, int]:
     """(bytes at tp=1, the part of them tensor parallelism divides by tp).
 
     The kernels between a column- and a row-parallel layer (activation functions, attention) work
     on a shard under tp; layer norms, residual adds and the loss stay whole on every rank, as with
     DeepSpeed AutoTP and Megatron-LM without sequence parallelism. Counted on the model and on its
-    2-way shard: bytes(tp) = whole + sharded / tp, so the two give both parts.
+    2-way shard: bytes(tp) = whole + sharded / tp, so the two give both parts. ``whole``: the
+    model's own bytes when already counted.
     """
-    whole = _traffic(module, probe.inputs, checkpointing=checkpointing)
+    if whole is None:
+        whole = _traffic(module, probe.inputs, checkpointing=checkpointing)
     if not probe.tp_layer_specs:
         return whole, 0
     try:
@@ -243,12 +328,14 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
         for handle in handles:
             handle.remove()
     flops = int(counter.get_total_flops()) // PROBE_SAMPLES
+    tracked = _traffic_pass(module, probe.inputs, checkpointing=False, tracked=True)
+    outside_flops, first_bytes, last_bytes = _outside_layers(module, tracked, counter.get_flop_counts())
     checkpointed, checkpointed_ops = flops, op_counter.ops
     if fresh is not None:
         checkpointed, checkpointed_ops = _checkpointed_pass(fresh, probe.inputs)
     hidden = boundary[0] if boundary else 0
     checkpointable = fresh is not None
-    traffic = _traffic_by_tp(probe, module, checkpointing=False)
+    traffic = _traffic_by_tp(probe, module, checkpointing=False, whole=tracked.bytes // PROBE_SAMPLES)
     traffic_ckpt = _traffic_by_tp(probe, module, checkpointing=True) if checkpointable else traffic
     return ModelCost(
         seq_len=probe.inputs.tokens_per_sample or 1, flops_per_sample=flops,
@@ -266,4 +353,6 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
         memory_bytes_sharded_per_sample_checkpointed=traffic_ckpt[1],
         param_modules=sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False))),
         gemms=_gemms_by_tp(probe, module, tp_degrees),
+        flops_outside_layers_per_sample=outside_flops, memory_bytes_first_stage_per_sample=first_bytes,
+        memory_bytes_last_stage_per_sample=last_bytes,
     )

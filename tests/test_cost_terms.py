@@ -176,6 +176,28 @@ def test_gemms_are_recorded_per_tensor_parallel_shard_with_the_dimension_the_bat
     assert flops[2] < flops[1]
 
 
+def test_the_head_and_the_loss_run_on_the_last_stage_only():
+    """The work outside the repeated layers is counted once, and a pipeline's last stage runs all of it."""
+    costs = {n: _cost(n_layer=n) for n in (2, 4)}
+    head = 6 * 128 * 64 * 256  # forward and backward of a 64 -> 256 head over 128 tokens
+    assert costs[2].flops_outside_layers_per_sample == costs[4].flops_outside_layers_per_sample == head
+    assert costs[2].memory_bytes_last_stage_per_sample == costs[4].memory_bytes_last_stage_per_sample > 0
+    assert costs[4].memory_bytes_first_stage_per_sample > 0  # the embedding's lookup and its backward
+    model = ModelCost(seq_len=2048, flops_per_sample=10**12, flops_per_sample_checkpointed=10**12,
+                      param_count=10**9, tp_param_count={1: 10**9}, row_parallel_out_per_sample=0,
+                      row_parallel_layers=0, column_parallel_in_per_sample=0, column_parallel_layers=0,
+                      boundary_per_sample=0, n_layers=8, param_modules=10, flops_outside_layers_per_sample=2 * 10**11)
+    speeds = Speeds.declared(A100)
+    rate = speeds.tflops_at(2048) * 1e12
+    one = predict_step(_plan(dp=1), model, speeds, devices_per_node=8, optim=OptimSpec())
+    assert one.compute_s == pytest.approx(10**12 / rate)
+    four = predict_step(_plan(dp=1, pp=4), model, speeds, devices_per_node=8, optim=OptimSpec())
+    assert four.compute_s == pytest.approx((8 * 10**11 / 4 + 2 * 10**11) / rate)  # 2 layers and the head
+    shared = dataclasses.replace(speeds, core_share=0.5)  # CPU workers on shared cores: half the surplus
+    assert predict_step(_plan(dp=1, pp=4), model, shared, devices_per_node=8, optim=OptimSpec()).compute_s == (
+        pytest.approx((10**12 / 4 + 0.5 * (2 * 10**11 - 2 * 10**11 / 4)) / rate))
+
+
 def test_the_optimizer_step_counts_deepspeeds_casts_and_the_clipping_norm():
     adam = OptimSpec()
     assert _optimizer_bytes_per_param(adam, Precision.fp32) == 28 + 4
