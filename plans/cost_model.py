@@ -14,6 +14,9 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
   softmax, activations, dropout, residual adds, casts, the loss; :mod:`plans.memory_traffic`),
   counted on ``meta`` at tp=1 and on a 2-way shard, so the part tensor parallelism divides is
   known, at the device's sustained memory bandwidth.
+- **end stages**: the work outside the repeated layers is not split over the stages: the last
+  stage runs the head and the loss, the first the embedding, and the busier of the two paces the
+  schedule (:func:`_busiest_stage`).
 - **pipeline bubble**: 1F1B with ``m = grad_accum_steps`` micro-batches idles ``pp - 1`` whole
   micro-batch times (compute, memory-bound kernels, tensor-parallel all-reduces and the blocking
   transfers of DeepSpeed's pipeline engine), on devices of their own. Workers that time-share a
