@@ -171,6 +171,15 @@ def test_gemms_are_recorded_per_tensor_parallel_shard_with_the_dimension_the_bat
     # At tp=2 the column-parallel layer's output is half as wide; attention runs half the heads.
     assert Gemm(1, 128, 128, 64, grows="m") in ones[2]
     assert Gemm(4, 128, 128, 16, grows="batch") in ones[1] and Gemm(2, 128, 128, 16, grows="batch") in ones[2]
+    # A 4-way shard's GEMMs, derived from the 2-way shard's (the dimensions that halved, quartered),
+    # are what the 4-way shard itself runs.
+    from plans.model_cost import _divided, _gemm_pass, _shard_pass
+
+    cfg = {"_target_": "workloads.gpt.GPT", "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 128,
+           "vocab_size": 256, "tp": 1, "fused_attention": False}
+    probe = ModelProbe(model_factory(cfg), lm_inputs(128), tp_layer_specs=TP_LAYER_SPECS)
+    one = _gemm_pass(probe.module, probe.inputs, 1)
+    assert _divided(one, _shard_pass(probe, probe.module, 2), 4) == _shard_pass(probe, probe.module, 4)
     flops = {tp: sum(2 * g.batch * g.m * g.n * g.k * c for g, c in gemms.items()) for tp, gemms in ones.items()}
     assert flops[1] <= cost.flops_per_sample  # the GEMMs are the counted FLOPs' matmuls
     assert flops[2] < flops[1]
