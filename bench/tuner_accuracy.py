@@ -14,6 +14,7 @@ parameter offload to the CPU, activation checkpointing on and off; micro-batches
 a global batch of 16 (each size adds a full copy of the grid, and these two span the range).
 
     python -m bench.tuner_accuracy [--workers 2 4] [--markdown bench/results/tuner_accuracy.md] [overrides]
+    python -m bench.tuner_accuracy --workers 2 4 --repredict bench/results/tuner_accuracy.json
 
 Config overrides after the options narrow the grid where a whole one would take too long (each
 section records the command that made it).
@@ -44,7 +45,10 @@ from orchestrator.config import register_configs, to_typed
 from orchestrator.trials import run_trial
 from orchestrator.tune_result import TuneResult, describe
 from orchestrator.tuning import measure_speeds, prepare, tune
+from plans.cost_model import Speeds, predict_step
+from plans.resolve import ResolvedPlan
 from plans.search_space import search
+from plans.spec import Accelerator, Offload, Precision
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -230,12 +234,50 @@ def measurements(r: dict) -> dict:
                         "tokens_per_s": t.tokens_per_s} for t in r["grid"]]}
 
 
+def repredict(path: Path, workers: int) -> dict:
+    """A stored grid's measured step times against today's cost model, without training: the same
+    model probed on ``meta``, each stored plan predicted with the speeds stored beside it.
+
+    Returns the Spearman correlation over the plans that ran, and the measured throughput of the
+    plan the model now ranks first as a share of the grid's best (one trial each, so noisier than
+    the rematch of a full run).
+    """
+    stored = json.loads(path.read_text())[f"{workers} workers"]
+    typed, model_cfg, _ = config(workers)
+    _, ctx = prepare(typed, model_cfg, typed.cluster)
+    doc = dict(stored["speeds"], matmul_tflops=tuple(tuple(p) for p in stored["speeds"]["matmul_tflops"]))
+    speeds = Speeds(**doc)
+    ok = [t for t in stored["trials"] if t["status"] == "ok"]
+    predicted = []
+    for trial in ok:
+        fields = {k: v for k, v in trial["plan"].items() if k in ResolvedPlan.__dataclass_fields__}
+        plan = ResolvedPlan(**{**fields, "offload_optimizer": Offload(trial["plan"]["offload_optimizer"]),
+                               "offload_param": Offload(trial["plan"]["offload_param"]),
+                               "precision": Precision(trial["plan"]["precision"]),
+                               "accelerator": Accelerator(trial["plan"]["accelerator"])})
+        step = predict_step(plan, ctx.model_cost, speeds, devices_per_node=workers, optim=typed.optim)
+        predicted.append(step.total_s)
+    measured = [t["step_time_s"] for t in ok]
+    first = min(range(len(ok)), key=lambda i: predicted[i])
+    return {"spearman": spearman(predicted, measured), "pick": ok[first]["plan"],
+            "share_in_grid": min(measured) / measured[first], "plans": len(ok)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2])
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--repredict", type=Path, metavar="JSON",
+                        help="no training: re-rank a stored grid (e.g. bench/results/tuner_accuracy.json) with "
+                             "today's cost model and the speeds stored with it")
     parser.add_argument("overrides", nargs="*", help="config overrides narrowing the grid, e.g. tune.offload=[none]")
     args = parser.parse_args()
+    if args.repredict:
+        for workers in args.workers:
+            r = repredict(args.repredict, workers)
+            print(f"{workers} workers: Spearman {r['spearman']:.3f} over {r['plans']} plans; the model's first "
+                  f"plan ran at {r['share_in_grid']:.0%} of the grid's best in its grid trial")
+        return
     results = [run(w, args.overrides) for w in args.workers]
     print("\n".join(line for r in results for line in section(r)))
     if args.markdown:

@@ -8,10 +8,15 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
   device's sustained matmul throughput for the micro-batch's matmul height; plus a fixed cost per
   operation (counted on ``meta`` too) times the operations of each micro-batch, which is why many
   small micro-batches are slower than few large ones where ops run synchronously (CPU workers).
+  On GPUs with a known SM count each GEMM is priced at its shape (:func:`matmul_efficiency`):
+  waves of output tiles over the SMs, and a roofline against memory bandwidth for thin ones.
 - **memory-bound kernels**: the bytes the kernels between the matmuls read and write (norms,
   softmax, activations, dropout, residual adds, casts, the loss; :mod:`plans.memory_traffic`),
   counted on ``meta`` at tp=1 and on a 2-way shard, so the part tensor parallelism divides is
   known, at the device's sustained memory bandwidth.
+- **end stages**: the work outside the repeated layers is not split over the stages: the last
+  stage runs the head and the loss, the first the embedding, and the busier of the two paces the
+  schedule (:func:`_busiest_stage`).
 - **pipeline bubble**: 1F1B with ``m = grad_accum_steps`` micro-batches idles ``pp - 1`` whole
   micro-batch times (compute, memory-bound kernels, tensor-parallel all-reduces and the blocking
   transfers of DeepSpeed's pipeline engine), on devices of their own. Workers that time-share a
@@ -88,6 +93,16 @@ DECLARED_SPEEDS: dict[str, dict[str, float]] = {
     "gpu": {"device_tflops": 312.0, "intra_node_gbps": 2400.0, "inter_node_gbps": 200.0, "host_link_gbps": 256.0,
             "device_memory_gb_per_s": 2039.0, "host_memory_gb_per_s": 409.0},
 }
+# Streaming multiprocessors of one device when the cluster leaves ``device_sm_count`` unset: an
+# A100's 108 (NVIDIA A100 Tensor Core GPU Architecture whitepaper, 2020; an H100 SXM has 132).
+# A CPU has none: its matmuls keep the flat rate by height that calibration measures.
+DECLARED_SM_COUNT = {"cpu": 0, "gpu": 108}
+# The output tiles one thread block of a bf16/fp16 tensor-core GEMM computes, among which cuBLAS's
+# heuristic picks per shape: its A100 kernels are named ``ampere_bf16_s16816gemm_bf16_{128x128,
+# 128x256, 256x128}_...`` and its H100 ones ``sm90_xmma_gemm_..._tilesize{128x128, 128x256,
+# 256x128}x64``, CUTLASS's defaults for sm80/sm90 the same. Each SM runs one such tile at a time,
+# so a GEMM runs in waves of ``sm_count`` tiles (CUTLASS's and NVIDIA's "wave quantization").
+DECLARED_MATMUL_TILES = ((128, 256), (256, 128), (128, 128))
 
 
 def speed_defaults(cluster: ClusterSpec) -> dict[str, float]:
@@ -129,6 +144,11 @@ class Speeds:
     calibration's all-reduce gives the bus bandwidth), DECLARED_BUS_EFFICIENCY of a datasheet rate."""
     inter_bus_efficiency: float = 1.0
     """The same for ``inter_node_gbps``."""
+    sm_count: int = 0
+    """Streaming multiprocessors of one device: the tiles a GEMM runs at once. 0 (CPUs, and speeds
+    measured without it) prices every matmul at ``matmul_tflops`` whatever its shape."""
+    matmul_tiles: tuple[tuple[int, int], ...] = DECLARED_MATMUL_TILES
+    """Output tiles (rows, columns) a GEMM kernel may use, one per SM at a time (:func:`gemm_seconds`)."""
     source: str = "declared"
     """'declared' (from the cluster config) or 'measured' (calibrated on the live cluster)."""
 
@@ -147,6 +167,8 @@ class Speeds:
                    host_link_gbps=speeds["host_link_gbps"], device_memory_gb_per_s=speeds["device_memory_gb_per_s"],
                    host_memory_gb_per_s=speeds["host_memory_gb_per_s"],
                    op_overhead_s=DECLARED_OP_OVERHEAD_S[cluster.accelerator.value],
+                   sm_count=(cluster.device_sm_count if cluster.device_sm_count is not None
+                             else DECLARED_SM_COUNT[cluster.accelerator.value]),
                    **({"memory_efficiency": DECLARED_MEMORY_EFFICIENCY,
                        "intra_bus_efficiency": DECLARED_BUS_EFFICIENCY["intra"],
                        "inter_bus_efficiency": DECLARED_BUS_EFFICIENCY["inter"]}
@@ -169,6 +191,71 @@ class Speeds:
     @property
     def sustained_memory_gb_per_s(self) -> float:
         return self.device_memory_gb_per_s * self.memory_efficiency
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One matmul shape of a training pass at micro-batch 1: ``batch`` products of an (m x k) by
+    a (k x n) matrix. ``grows`` names the dimension that the micro-batch multiplies ('batch',
+    'm', 'n', 'k'; '' for none): the tokens of a linear layer's input, or the samples of a
+    batched attention product."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    grows: str = ""
+
+    def at(self, micro_batch: int) -> tuple[int, int, int, int]:
+        """(batch, m, n, k) at ``micro_batch`` samples."""
+        dims = {"batch": self.batch, "m": self.m, "n": self.n, "k": self.k}
+        if self.grows:
+            dims[self.grows] *= micro_batch
+        return dims["batch"], dims["m"], dims["n"], dims["k"]
+
+
+def wave_efficiency(batch: int, m: int, n: int, sm_count: int, tile: tuple[int, int]) -> float:
+    """Share of the SMs' tile slots a GEMM's output keeps busy: its tiles over the waves they take.
+
+    ``batch * ceil(m / rows) * ceil(n / cols)`` tiles run ``sm_count`` at a time; the last wave
+    leaves the rest idle (partial tiles at the edges compute a whole tile's time too).
+    """
+    tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
+    return tiles / (math.ceil(tiles / sm_count) * sm_count)
+
+
+def gemm_seconds(batch: int, m: int, n: int, k: int, *, flops_per_s: float, bytes_per_s: float, sm_count: int,
+                 tiles: tuple[tuple[int, int], ...], element_bytes: int) -> float:
+    """Time of one GEMM: the slower of its FLOPs and its bytes (a roofline).
+
+    Compute: ``2 b m n k`` FLOPs at ``flops_per_s`` (the sustained rate a large GEMM reaches) times
+    the wave efficiency of the best tile, as cuBLAS's heuristic picks the kernel per shape.
+    Memory: both operands read and the output written once, ``b (m k + k n + m n)`` elements at
+    the device's sustained bandwidth, which a thin GEMM (few rows, or a short reduction) cannot hide.
+    """
+    waves = max(wave_efficiency(batch, m, n, sm_count, tile) for tile in tiles)
+    compute = 2 * batch * m * n * k / (flops_per_s * waves)
+    memory = element_bytes * batch * (m * k + k * n + m * n) / bytes_per_s
+    return max(compute, memory)
+
+
+def matmul_efficiency(gemms: tuple[tuple[Gemm, int], ...], micro_batch: int, speeds: Speeds, *,
+                      flops_per_s: float, element_bytes: int) -> float:
+    """The FLOP-weighted share of the sustained matmul rate a pass's GEMMs reach at ``micro_batch``
+    (1 when the device has no SM count or the pass recorded no GEMM): their FLOPs over the time
+    :func:`gemm_seconds` gives them, divided by the sustained rate ``flops_per_s``."""
+    if speeds.sm_count <= 0 or not gemms:
+        return 1.0
+    rate = flops_per_s
+    bandwidth = speeds.sustained_memory_gb_per_s * 1e9
+    flops = seconds = 0.0
+    for gemm, count in gemms:
+        b, m, n, k = gemm.at(micro_batch)
+        flops += count * 2 * b * m * n * k
+        seconds += count * gemm_seconds(b, m, n, k, flops_per_s=rate, bytes_per_s=bandwidth,
+                                        sm_count=speeds.sm_count, tiles=speeds.matmul_tiles,
+                                        element_bytes=element_bytes)
+    return flops / (seconds * rate) if seconds > 0 else 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,6 +298,17 @@ class ModelCost:
     memory_bytes_per_sample_checkpointed: int = 0
     """``memory_bytes_per_sample`` with activation checkpointing (the recomputed forward included)."""
     memory_bytes_sharded_per_sample_checkpointed: int = 0
+    flops_outside_layers_per_sample: int = 0
+    """The part of the FLOPs outside the repeated layers (the head and the loss, never recomputed):
+    one pipeline stage runs it, not a share of it on every stage."""
+    memory_bytes_first_stage_per_sample: int = 0
+    """The memory-bound bytes outside the repeated layers before the first and after the last
+    (the embedding's lookup and its backward): the first pipeline stage's, whole on every tp rank."""
+    memory_bytes_last_stage_per_sample: int = 0
+    """Those between (the head, the loss and their backward): the last pipeline stage's."""
+    gemms: dict[int, tuple[tuple[Gemm, int], ...]] = dataclasses.field(default_factory=dict)
+    """By tensor-parallel degree: the GEMMs one rank runs in one sample's forward, loss and backward
+    (shape at micro-batch 1, and how many times), for :func:`matmul_efficiency`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,6 +416,32 @@ def stage_share(n_layers: int, pp: int) -> float:
     return math.ceil(n_layers / pp) / n_layers
 
 
+def _busiest_stage(model: ModelCost, flops: int, whole: int, sharded: int, *, stage: float, tp: int, pp: int,
+                   flops_per_s: float, bytes_per_s: float, core_share: float = 1.0) -> tuple[float, float]:
+    """(FLOPs, memory-bound bytes) per sample of one tensor-parallel rank of the stage that paces
+    the 1F1B schedule.
+
+    Each stage runs its share ``stage`` of the repeated layers; the work outside them is not
+    shared: the first stage runs the embedding, the last the head and the loss (the larger, in
+    time, paces the schedule). Without a pipeline the one stage runs all of it. FLOPs are divided
+    by tp as the layers' are; the bytes outside the layers run whole on every rank. Workers that
+    time-share a node's cores (``core_share`` < 1) run the end stage's surplus on a whole core
+    while the others wait, as in the bubble (:func:`bubble_micro_batches`): it costs
+    ``core_share`` of its time over the even split.
+    """
+    if pp <= 1:
+        return flops / tp, whole - sharded + sharded / tp
+    outside_flops = min(model.flops_outside_layers_per_sample, flops)
+    first = model.memory_bytes_first_stage_per_sample
+    last = model.memory_bytes_last_stage_per_sample
+    inner_whole = max(whole - sharded - first - last, 0)
+    ends = {"first": (0.0, first), "last": (outside_flops / tp, last)}
+    end_flops, end_bytes = max(ends.values(), key=lambda fb: fb[0] / flops_per_s + fb[1] / bytes_per_s)
+    busiest = ((flops - outside_flops) / tp * stage + end_flops, (inner_whole + sharded / tp) * stage + end_bytes)
+    even = (flops / tp * stage, (whole - sharded + sharded / tp) * stage)
+    return tuple(e + core_share * max(b - e, 0.0) for b, e in zip(busiest, even, strict=True))
+
+
 def bubble_micro_batches(pp: int, core_share: float) -> float:
     """Micro-batch times a step loses to the pipeline's fill and drain.
 
@@ -347,14 +471,20 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     # DeepSpeed splits whole layers between stages, and the 1F1B schedule runs at the pace of the
     # stage with the most: ceil(layers / pp) of them, not layers / pp.
     stage = stage_share(model.n_layers, pp)
-    per_micro_s = (flops * mb * stage / tp / (speeds.tflops_at(mb * model.seq_len) * 1e12)
-                   + ops * stage * speeds.op_overhead_s)
+    # GPUs: each GEMM at its shape (waves of tiles over the SMs, memory-bound when thin), the
+    # recomputed forward at the forward's mix; CPUs: the calibrated rate for the matmul height.
+    rate = speeds.tflops_at(mb * model.seq_len) * 1e12
+    efficiency = matmul_efficiency(model.gemms.get(tp, ()), mb, speeds, flops_per_s=rate, element_bytes=act_bytes)
     whole = model.memory_bytes_per_sample_checkpointed if ckpt else model.memory_bytes_per_sample
     sharded = (model.memory_bytes_sharded_per_sample_checkpointed if ckpt
                else model.memory_bytes_sharded_per_sample)
     # Counted with 16-bit activations: fp32 plans move twice the bytes.
-    memory_per_micro_s = ((whole - sharded + sharded / tp) * mb * stage * act_bytes / 2
-                          / (speeds.sustained_memory_gb_per_s * 1e9))
+    bytes_per_s = speeds.sustained_memory_gb_per_s * 1e9 * 2 / act_bytes
+    stage_flops, stage_bytes = _busiest_stage(model, flops, whole, sharded, stage=stage, tp=tp, pp=pp,
+                                              flops_per_s=rate * efficiency, bytes_per_s=bytes_per_s,
+                                              core_share=speeds.core_share)
+    per_micro_s = stage_flops * mb / (rate * efficiency) + ops * stage * speeds.op_overhead_s
+    memory_per_micro_s = stage_bytes * mb / bytes_per_s
 
     tp_per_micro_s = 0.0
     if tp > 1:

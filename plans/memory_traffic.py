@@ -64,11 +64,41 @@ def _bytes(values) -> int:
 
 
 class MemoryTraffic(TorchDispatchMode):
-    """Adds up the bytes the memory-bound kernels of a pass read and write (see the module docstring)."""
+    """Adds up the bytes the memory-bound kernels of a pass read and write (see the module docstring).
 
-    def __init__(self):
+    Given a :class:`torch.utils.module_tracker.ModuleTracker` and the tracker's names of the
+    model's repeated layers, it also splits off the bytes of the kernels outside those layers: the
+    ones before the first layer's first kernel or after the last layer's last one (the embedding,
+    forward and backward: a pipeline's first stage) and the ones in between (the head and the loss,
+    forward and backward: its last stage).
+    """
+
+    def __init__(self, tracker=None, layers: frozenset[str] = frozenset()):
         super().__init__()
         self.bytes = 0
+        self._tracker, self._layers = tracker, layers
+        self._segments: list[list] = []  # [inside a layer?, bytes] in the order the kernels run
+
+    def _add(self, nbytes: int) -> None:
+        self.bytes += nbytes
+        if self._tracker is None:
+            return
+        inside = bool(self._layers & self._tracker.parents)
+        if self._segments and self._segments[-1][0] == inside:
+            self._segments[-1][1] += nbytes
+        else:
+            self._segments.append([inside, nbytes])
+
+    @property
+    def outside_layers(self) -> tuple[int, int]:
+        """(bytes before the first and after the last layer kernel, bytes between them outside any layer)."""
+        inside = [i for i, (is_inside, _) in enumerate(self._segments) if is_inside]
+        if not inside:
+            return 0, 0
+        edges = sum(n for i, (is_inside, n) in enumerate(self._segments) if i < inside[0] or i > inside[-1])
+        between = sum(n for i, (is_inside, n) in enumerate(self._segments)
+                      if inside[0] < i < inside[-1] and not is_inside)
+        return edges, between
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -76,13 +106,13 @@ class MemoryTraffic(TorchDispatchMode):
         if func in COMPUTE_OPS or func in FREE_OPS or func.is_view:
             return out
         if func in CREATE_OPS:
-            self.bytes += _bytes(out)
+            self._add(_bytes(out))
         elif func in GATHER_OPS:
             indices = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
                        and not t.is_floating_point()]
-            self.bytes += _bytes(out) + _bytes(indices)
+            self._add(_bytes(out) + _bytes(indices))
         else:
-            self.bytes += _bytes((args, kwargs)) + _bytes(out)
+            self._add(_bytes((args, kwargs)) + _bytes(out))
         return out
 
 

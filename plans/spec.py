@@ -158,6 +158,9 @@ class ClusterSpec:
     """Memory bandwidth of one device in GB/s (the optimizer step is bound by it)."""
     host_memory_gb_per_s: float | None = None
     """Memory bandwidth of one node's host memory in GB/s, shared by its workers' CPU optimizers."""
+    device_sm_count: int | None = None
+    """Streaming multiprocessors of one GPU (A100 108, H100 SXM 132): `orch tune` prices each
+    matmul by the waves of output tiles they run (null: an A100's on gpu; none on cpu)."""
     device_hour_usd: float | None = None
     """Price of one device for one hour; `orch tune` then prices each plan's time to train
     (null: no cost column)."""

@@ -78,6 +78,7 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("cluster.host_link_gbps", 0, low_open=True),
     Bound("cluster.device_memory_gb_per_s", 0, low_open=True),
     Bound("cluster.host_memory_gb_per_s", 0, low_open=True),
+    Bound("cluster.device_sm_count", 1, meaning="streaming multiprocessors of one GPU"),
     Bound("cluster.device_hour_usd", 0, meaning="the price of one device for one hour"),
     Bound("train.tokens", 1, meaning="the token budget `orch tune` prices; null: steps x global batch x sequence"),
     Bound("optim.lr", 0, low_open=True),

@@ -15,11 +15,15 @@ from orchestrator.tune_result import TrainBudget, duration, render
 from plans.cost_model import (
     DECLARED_BUS_EFFICIENCY,
     DECLARED_MEMORY_EFFICIENCY,
+    Gemm,
     ModelCost,
     Speeds,
     StepTime,
     _optimizer_bytes_per_param,
+    gemm_seconds,
+    matmul_efficiency,
     predict_step,
+    wave_efficiency,
 )
 from plans.estimate import ModelProbe
 from plans.memory_traffic import MemoryTraffic, fused_attention
@@ -114,6 +118,93 @@ def test_pipeline_transfers_are_split_over_the_tensor_parallel_ranks_and_gathere
     split = predict_step(_plan(dp=1, tp=8, pp=4), model, speeds, devices_per_node=8, optim=OptimSpec())
     gather = 7 / 8 * nbytes / intra + 7 * speeds.intra_latency_s
     assert split.pp_comm_s == pytest.approx(2 * (nbytes / 8 / inter + speeds.inter_latency_s + gather))
+
+
+def test_a_gemms_output_tiles_run_in_waves_over_the_sms():
+    """2048 x 2304 in 128 x 256 tiles: 16 x 9 = 144 tiles, two waves on an A100's 108 SMs, the
+    second one a third full; 128 x 128 tiles make 288, three waves of which the last is two-thirds full."""
+    assert wave_efficiency(1, 2048, 2304, 108, (128, 256)) == pytest.approx(144 / 216)
+    assert wave_efficiency(1, 2048, 2304, 108, (128, 128)) == pytest.approx(288 / 324)
+    assert wave_efficiency(1, 8192, 8192, 108, (128, 128)) == pytest.approx(4096 / 4104)  # a big GEMM: whole waves
+    # An edge tile counts whole: 2049 rows take a 17th row of tiles (17 x 6 = 102 of one wave's 108).
+    assert wave_efficiency(1, 2049, 1536, 108, (128, 256)) == pytest.approx(102 / 108)
+
+
+def test_a_thin_gemm_is_bound_by_memory_and_a_large_one_by_the_sustained_rate():
+    rate, bandwidth = 312e12 * 0.8, 2039e9 * DECLARED_MEMORY_EFFICIENCY
+    args = {"flops_per_s": rate, "bytes_per_s": bandwidth, "sm_count": 108, "element_bytes": 2,
+            "tiles": ((128, 256), (256, 128), (128, 128))}
+    # 8192^3: 4096 tiles of 128 x 128, 38 waves; 1.1 TFLOP against 400 MB.
+    big = gemm_seconds(1, 8192, 8192, 8192, **args)
+    assert big == pytest.approx(2 * 8192**3 / (rate * 4096 / 4104))
+    # 16 rows (a decode-sized batch) by a 12288 x 12288 weight: reading the weight dominates.
+    thin = gemm_seconds(1, 16, 12288, 12288, **args)
+    weight_read = 2 * 12288 * 12288 / bandwidth
+    assert thin >= weight_read > 2 * 16 * 12288 * 12288 / rate
+    # Attention scores at head width 96: writing 2048 x 2048 per head costs more than its FLOPs.
+    scores = gemm_seconds(24, 2048, 2048, 96, **args)
+    assert scores == pytest.approx(2 * 24 * (2 * 2048 * 96 + 2048 * 2048) / bandwidth)
+
+
+def test_matmul_efficiency_weighs_gemms_by_flops_and_leaves_cpus_at_their_measured_rate():
+    speeds = Speeds.declared(A100)
+    rate = speeds.tflops_at(1) * 1e12
+    whole = ((Gemm(1, 8192, 8192, 8192), 1),)
+    assert matmul_efficiency(whole, 1, speeds, flops_per_s=rate, element_bytes=2) == pytest.approx(4096 / 4104)
+    # The rows a linear layer's input has grow with the micro-batch, and so do its tiles.
+    linear = ((Gemm(1, 2048, 2304, 2304, grows="m"), 1),)
+    at = {mb: matmul_efficiency(linear, mb, speeds, flops_per_s=rate, element_bytes=2) for mb in (1, 3)}
+    assert at[1] == pytest.approx(288 / 324) and at[3] == pytest.approx(1.0)
+    cpu = Speeds.declared(ClusterSpec())
+    assert cpu.sm_count == 0
+    assert matmul_efficiency(linear, 1, cpu, flops_per_s=cpu.tflops_at(1) * 1e12, element_bytes=4) == 1.0
+    assert Speeds.declared(dataclasses.replace(A100, device_sm_count=132)).sm_count == 132
+
+
+def test_gemms_are_recorded_per_tensor_parallel_shard_with_the_dimension_the_batch_grows():
+    cost = _cost(fused_attention=False)
+    ones = {tp: {g: c for g, c in gemms} for tp, gemms in cost.gemms.items()}
+    # The MLP's first linear (64 -> 256 at width 64, 128 tokens): forward, and its two backward GEMMs.
+    assert ones[1][Gemm(1, 128, 256, 64, grows="m")] >= 2
+    assert Gemm(1, 128, 64, 256, grows="m") in ones[1]  # input gradient: tokens x in, reduced over out
+    assert Gemm(1, 256, 64, 128, grows="k") in ones[1]  # weight gradient: reduced over the tokens
+    # At tp=2 the column-parallel layer's output is half as wide; attention runs half the heads.
+    assert Gemm(1, 128, 128, 64, grows="m") in ones[2]
+    assert Gemm(4, 128, 128, 16, grows="batch") in ones[1] and Gemm(2, 128, 128, 16, grows="batch") in ones[2]
+    # A 4-way shard's GEMMs, derived from the 2-way shard's (the dimensions that halved, quartered),
+    # are what the 4-way shard itself runs.
+    from plans.model_cost import _divided, _gemm_pass, _shard_pass
+
+    cfg = {"_target_": "workloads.gpt.GPT", "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 128,
+           "vocab_size": 256, "tp": 1, "fused_attention": False}
+    probe = ModelProbe(model_factory(cfg), lm_inputs(128), tp_layer_specs=TP_LAYER_SPECS)
+    one = _gemm_pass(probe.module, probe.inputs, 1)
+    assert _divided(one, _shard_pass(probe, probe.module, 2), 4) == _shard_pass(probe, probe.module, 4)
+    flops = {tp: sum(2 * g.batch * g.m * g.n * g.k * c for g, c in gemms.items()) for tp, gemms in ones.items()}
+    assert flops[1] <= cost.flops_per_sample  # the GEMMs are the counted FLOPs' matmuls
+    assert flops[2] < flops[1]
+
+
+def test_the_head_and_the_loss_run_on_the_last_stage_only():
+    """The work outside the repeated layers is counted once, and a pipeline's last stage runs all of it."""
+    costs = {n: _cost(n_layer=n) for n in (2, 4)}
+    head = 6 * 128 * 64 * 256  # forward and backward of a 64 -> 256 head over 128 tokens
+    assert costs[2].flops_outside_layers_per_sample == costs[4].flops_outside_layers_per_sample == head
+    assert costs[2].memory_bytes_last_stage_per_sample == costs[4].memory_bytes_last_stage_per_sample > 0
+    assert costs[4].memory_bytes_first_stage_per_sample > 0  # the embedding's lookup and its backward
+    model = ModelCost(seq_len=2048, flops_per_sample=10**12, flops_per_sample_checkpointed=10**12,
+                      param_count=10**9, tp_param_count={1: 10**9}, row_parallel_out_per_sample=0,
+                      row_parallel_layers=0, column_parallel_in_per_sample=0, column_parallel_layers=0,
+                      boundary_per_sample=0, n_layers=8, param_modules=10, flops_outside_layers_per_sample=2 * 10**11)
+    speeds = Speeds.declared(A100)
+    rate = speeds.tflops_at(2048) * 1e12
+    one = predict_step(_plan(dp=1), model, speeds, devices_per_node=8, optim=OptimSpec())
+    assert one.compute_s == pytest.approx(10**12 / rate)
+    four = predict_step(_plan(dp=1, pp=4), model, speeds, devices_per_node=8, optim=OptimSpec())
+    assert four.compute_s == pytest.approx((8 * 10**11 / 4 + 2 * 10**11) / rate)  # 2 layers and the head
+    shared = dataclasses.replace(speeds, core_share=0.5)  # CPU workers on shared cores: half the surplus
+    assert predict_step(_plan(dp=1, pp=4), model, shared, devices_per_node=8, optim=OptimSpec()).compute_s == (
+        pytest.approx((10**12 / 4 + 0.5 * (2 * 10**11 - 2 * 10**11 / 4)) / rate))
 
 
 def test_the_optimizer_step_counts_deepspeeds_casts_and_the_clipping_norm():
