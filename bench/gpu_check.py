@@ -68,7 +68,17 @@ class Setup:
 # The optimizer preset's learning rate (3e-3) suits the shipped small models; at 1B parameters it
 # made the loss jump on an H100 (5.8 -> 11.6 -> 5.5): the check uses a 1B model's. At 3e-4 the
 # Llama trained smoothly there but the 2048-wide GPT still jumped inside a 2-step warm-up (5.8 ->
-# 9.2 -> 5.5, the same under every ZeRO stage), so the warm-up takes half of the 10 steps.
+# 9.2 -> 5.5, the same under every ZeRO stage), so the warm-up takes half of the 10 steps; it still
+# rises there (ZeRO-2: 5.8 -> 8.2 -> 5.9). Not the GPT's initialization: on CPU (fp32, one process,
+# this optimizer and schedule, 8 x 128 corpus bytes) a 4-layer GPT of width 2048 jumps right after
+# its first step with a non-zero learning rate (6e-5: 6.0 -> 9.2; not at width 1024 with 8 layers).
+# Each weight matrix's update alone lowers the loss; all of them together overshoot, since Adam's
+# first updates move every weight by about the learning rate, a matrix's output by that times its
+# width. GPT-2's scaled init of the residual projections (5.9 -> 9.8), GPT-NeoX's small init (5.8
+# -> 6.9) and an untied head (5.7 -> 8.5) all still jump, as does an HF Llama of that width on bytes
+# (5.8 -> 6.5); a warm-up of 50 steps does not (6.0 -> 5.1 -> 4.3). So this warm-up is short for
+# the width; the Llama's 32k-vocabulary loss on the GPU may hide the same overshoot. None of this
+# has run on a GPU.
 ONE_BILLION_OPTIM = ["optim.lr=3e-4", "optim.warmup_steps=5"]
 GPU_SETUP = Setup(models={"gpt-1b": [*GPT_1B, *ONE_BILLION_OPTIM], "llama-1b": [*LLAMA_1B, *ONE_BILLION_OPTIM]},
                   micro_batch=8, seq_len=1024, steps=10)
