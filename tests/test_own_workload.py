@@ -42,7 +42,9 @@ def mse(outputs, batch):
 def test_a_users_own_model_objective_and_dataset_train_from_their_config_dir(tmp_path):
     """A dict batch reaches the model as keyword arguments (``model(**batch)``), the loss is the
     user's function, the Dataset is declared by its ``_target_`` like the model, and nothing is
-    installed: the modules are found in the working directory."""
+    installed: the modules are found in the working directory. It trains under FSDP2 (a model with
+    no repeated blocks: the root is sharded whole); tests/test_user_project.py trains the README's
+    own-workload example under DeepSpeed."""
     work = tmp_path / "project"
     (work / "conf" / "model").mkdir(parents=True)
     (work / "conf" / "objective").mkdir()
@@ -56,7 +58,7 @@ def test_a_users_own_model_objective_and_dataset_train_from_their_config_dir(tmp
     (work / "conf" / "data" / "mine.yaml").write_text("_target_: mine.Pairs\nsamples: 512\nfeatures: 8\n")
     # The installed `orch` script, run where the user's code is: nothing of theirs is installed.
     command = [str(Path(sys.executable).with_name("orch")), "train", "--config-dir", "conf", "model=mine",
-               "objective=mine", "data=mine", "plan.zero_stage=2", "train.steps=30", "train.log_every=10",
+               "objective=mine", "data=mine", "plan.engine=fsdp2", "train.steps=30", "train.log_every=10",
                "cluster.object_store_memory_gib=0.3", f"tracking.uri=sqlite:///{work / 'mlflow.db'}"]
     done = subprocess.run(command, cwd=work, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -66,7 +68,7 @@ def test_a_users_own_model_objective_and_dataset_train_from_their_config_dir(tmp
     client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
     assert run.info.status == "FINISHED"
-    assert run.data.params["plan.zero_stage"] == "2" and run.data.params["objective._target_"] == "mine.mse"
+    assert run.data.params["plan.engine"] == "fsdp2" and run.data.params["objective._target_"] == "mine.mse"
 
 
 def test_a_plan_too_big_for_a_model_without_checkpointing_gets_fixes_it_can_take():
