@@ -16,6 +16,7 @@ counted by reason, so a user sees why a plan they expected is not there.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import time
@@ -298,5 +299,6 @@ def search(space: SearchSpace, ctx: SearchContext) -> SearchResult:
 
 def plan_spec(plan: ResolvedPlan) -> PlanSpec:
     """The declarable plan (``orchestrator/conf/plan/*.yaml``, ``orch train`` overrides) of a resolved one."""
-    fields = {f.name for f in dataclasses.fields(PlanSpec)}
-    return PlanSpec(**{k: v for k, v in dataclasses.asdict(plan).items() if k in fields})
+    resolved = {f.name for f in dataclasses.fields(plan)}
+    return PlanSpec(**{f.name: copy.copy(getattr(plan, f.name)) for f in dataclasses.fields(PlanSpec)
+                       if f.name in resolved})
