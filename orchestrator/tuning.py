@@ -37,7 +37,7 @@ from plans.search_space import (
     search,
     trial_candidates,
 )
-from plans.spec import Accelerator, Offload
+from plans.spec import Accelerator, EngineName, Offload
 from plans.workload import Workload, data_task_cpus
 
 # Models above this many parameters get their activations measured at one micro-batch size and
@@ -61,12 +61,19 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool) -> Sea
     if bad:
         raise PlanError([Violation("tune.offload", bad, "the tuner offloads to none or cpu only.",
                                    "set tune.offload=[none,cpu] or a subset")])
+    known = [e.value for e in EngineName]
+    unknown = [e for e in t.engines if e not in known]
+    if unknown or not t.engines:
+        raise PlanError([Violation("tune.engines", list(t.engines), f"the tuner knows the engines {', '.join(known)}.",
+                                   f"set tune.engines=[{','.join(known)}] or a subset")])
     ckpt = tuple(t.activation_checkpointing) if supports_checkpointing else (False,)
     return SearchSpace(world_size=world_size, global_batch_size=declared_global_batch(cfg, world_size),
                        precision=cfg.plan.precision, tp=tuple(t.tp) if t.tp else None,
                        pp=tuple(t.pp) if t.pp else None, zero_stages=tuple(t.zero_stages),
                        offload=tuple(Offload(o) for o in t.offload), activation_checkpointing=ckpt,
-                       micro_batch_sizes=tuple(t.micro_batch_sizes) if t.micro_batch_sizes else None)
+                       micro_batch_sizes=tuple(t.micro_batch_sizes) if t.micro_batch_sizes else None,
+                       engines=tuple(EngineName(e) for e in t.engines),
+                       reshard_after_forward=tuple(t.reshard_after_forward))
 
 
 def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None = None,

@@ -53,7 +53,8 @@ def fsdp_dp_comm_s(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devi
                    root_params: float = 0.0, exposed_compute_s: float = 0.0) -> float:
     """Seconds of FSDP2's all-gathers, reduce-scatters and (HSDP) all-reduces in one optimizer step.
 
-    ``root_params`` are the parameters outside every block (gathered once per micro-batch);
+    ``root_params`` are the parameters outside every block one tensor-parallel rank holds
+    (gathered once per micro-batch);
     ``exposed_compute_s`` the step's compute that prefetching can hide communication behind (0:
     no overlap, as on CPU workers).
     """
@@ -62,7 +63,7 @@ def fsdp_dp_comm_s(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devi
         return 0.0
     tp, m = plan.tp, plan.grad_accum_steps
     params = model.tp_param_count.get(tp, model.param_count / tp)
-    root = min(root_params / tp, params)
+    root = min(root_params, params)
     blocks = params - root
     units = max(model.n_layers, 1) + (1 if root else 0)
     b = plan.precision.element_bytes
