@@ -7,7 +7,6 @@ does not fit unless ``train.force=true``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 
 from launchers.placement import rank_layout
@@ -238,14 +237,6 @@ def _layer_names(names: list[str]) -> str:
     return ", ".join(name if count == 1 else f"{name} x {count}" for name, count in runs)
 
 
-def _engine_text(plan: ResolvedPlan) -> str:
-    """``engine=fsdp2 fsdp.reshard_after_forward=true fsdp.hybrid=false``, or ``engine=deepspeed zero_stage=2``."""
-    if plan.engine == EngineName.fsdp2:
-        return f"engine={plan.engine.value} " + " ".join(
-            f"fsdp.{k}={str(v).lower()}" for k, v in dataclasses.asdict(plan.fsdp).items())
-    return f"engine={plan.engine.value} zero_stage={plan.zero_stage}"
-
-
 def _fsdp_lines(fsdp: FSDPMemory, phase: str) -> list[str]:
     """The FSDP2 rank's parts at its peak, by name, and what offload keeps on the host."""
     mesh = f"shards over {fsdp.mesh.shard} rank(s)" + (f", {fsdp.mesh.replicate} replicas (hybrid)"
@@ -263,7 +254,7 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
     p, d, h, m = estimate.plan, estimate.per_device, estimate.per_node_host, estimate.model
     fsdp2 = p.engine == EngineName.fsdp2
     lines = [
-        f"plan     {_engine_text(p)} dp={p.dp} tp={p.tp} pp={p.pp} "
+        f"plan     {p.engine_text()} dp={p.dp} tp={p.tp} pp={p.pp} "
         f"offload_optimizer={p.offload_optimizer.value} offload_param={p.offload_param.value} "
         f"activation_checkpointing={str(p.activation_checkpointing).lower()} precision={p.precision.value} "
         f"micro_batch_size={p.micro_batch_size} grad_accum_steps={p.grad_accum_steps} "

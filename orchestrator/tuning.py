@@ -61,11 +61,6 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool) -> Sea
     if bad:
         raise PlanError([Violation("tune.offload", bad, "the tuner offloads to none or cpu only.",
                                    "set tune.offload=[none,cpu] or a subset")])
-    known = [e.value for e in EngineName]
-    unknown = [e for e in t.engines if e not in known]
-    if unknown or not t.engines:
-        raise PlanError([Violation("tune.engines", list(t.engines), f"the tuner knows the engines {', '.join(known)}.",
-                                   f"set tune.engines=[{','.join(known)}] or a subset")])
     ckpt = tuple(t.activation_checkpointing) if supports_checkpointing else (False,)
     return SearchSpace(world_size=world_size, global_batch_size=declared_global_batch(cfg, world_size),
                        precision=cfg.plan.precision, tp=tuple(t.tp) if t.tp else None,

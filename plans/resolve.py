@@ -50,6 +50,14 @@ class ResolvedPlan:
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.grad_accum_steps * self.dp
 
+    def engine_text(self) -> str:
+        """How the data-parallel ranks share the model, as overrides would say it:
+        ``engine=deepspeed zero_stage=2``, or ``engine=fsdp2 fsdp.reshard_after_forward=true fsdp.hybrid=false``."""
+        if self.engine == EngineName.fsdp2:
+            return f"engine={self.engine.value} " + " ".join(
+                f"fsdp.{k}={str(v).lower()}" for k, v in dataclasses.asdict(self.fsdp).items())
+        return f"engine={self.engine.value} zero_stage={self.zero_stage}"
+
     def as_dict(self) -> dict[str, object]:
         """Plain values (enums as strings), for tracking and JSON output, flat: an FSDP2 plan's
         settings are ``fsdp.reshard_after_forward`` and ``fsdp.hybrid``, the names its overrides

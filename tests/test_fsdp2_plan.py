@@ -241,3 +241,12 @@ def test_the_search_space_adds_fsdp2_without_pipelines_or_zero_stages():
     assert len(fsdp) == 2 * 2 * 2
     for spec in fsdp:
         resolve_plan(spec, ClusterSpec(devices_per_node=4), TrainSpec(global_batch_size=8))
+
+
+def test_an_unknown_engine_in_the_search_space_is_refused_before_anything_runs():
+    from orchestrator.declared import declared_violations
+
+    typed, _, _ = to_typed(compose_config("tune.engines=[deepspeed,fsdp]"))
+    (violation,) = [v for v in declared_violations(typed) if v.field == "tune.engines"]
+    assert str(violation) == ("tune.engines=['deepspeed', 'fsdp']: the tuner searches the engines deepspeed, fsdp2. "
+                              "Fix: set tune.engines=[deepspeed,fsdp2] or a subset of it")
