@@ -126,7 +126,7 @@ def predict(run: PublishedRun) -> dict:
 
 
 def free_search(run: PublishedRun) -> dict:
-    typed, model_cfg, _ = config(run, "tune.tp=null", "tune.pp=null")
+    typed, model_cfg, _ = config(run, "tune.tp=null", "tune.pp=null", "tune.engines=[deepspeed]")
     started = time.perf_counter()
     space, ctx = prepare(typed, model_cfg, typed.cluster)
     found = search(space, ctx)

@@ -58,7 +58,8 @@ TRIAL_STEPS = 12
 # Trials of each plan when the pick and the grid's fastest plan are re-run against each other.
 REMATCH_ROUNDS = 3
 SHUFFLE_SEED = 0
-GRID = ["train.global_batch_size=16", "tune.tp=null", "tune.pp=null", "tune.zero_stages=[0,1,2,3]",
+GRID = ["train.global_batch_size=16", "tune.tp=null", "tune.pp=null", "tune.engines=[deepspeed]",
+        "tune.zero_stages=[0,1,2,3]",
         "tune.offload=[none,cpu]", "tune.activation_checkpointing=[false,true]", "tune.micro_batch_sizes=[2,8]",
         f"tune.trial_steps={TRIAL_STEPS}", "tracking.enabled=false", "model.n_layer=4", "model.d_model=256",
         "model.n_head=8"]

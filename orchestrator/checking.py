@@ -17,9 +17,10 @@ from orchestrator.workload import resolve_workload
 from plans.cluster_facts import reconcile
 from plans.errors import PipelineRefused, PlanError, Violation
 from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
+from plans.fsdp_memory import FSDPMemory
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
-from plans.spec import ClusterSpec
+from plans.spec import ClusterSpec, EngineName
 from plans.workload import Workload
 
 
@@ -187,7 +188,7 @@ def checked_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = N
 # The top-level keys of `orch check --json`; tools read these names, so they only ever grow.
 # ``per_device`` and every entry of ``stages`` hold plans.estimate.DEVICE_JSON_KEYS.
 CHECK_JSON_KEYS = ("feasible", "world_size", "plan", "model", "per_device", "per_node_host", "stages",
-                   "pipeline", "phases", "violations", "suggestions", "attention", "cluster", "placement")
+                   "pipeline", "phases", "violations", "suggestions", "attention", "fsdp", "cluster", "placement")
 CLUSTER_JSON_KEYS = ("source", "notes", "nodes", "devices_per_node", "device_memory_gib", "host_memory_gib")
 
 
@@ -236,11 +237,24 @@ def _layer_names(names: list[str]) -> str:
     return ", ".join(name if count == 1 else f"{name} x {count}" for name, count in runs)
 
 
+def _fsdp_lines(fsdp: FSDPMemory, phase: str) -> list[str]:
+    """The FSDP2 rank's parts at its peak, by name, and what offload keeps on the host."""
+    mesh = f"shards over {fsdp.mesh.shard} rank(s)" + (f", {fsdp.mesh.replicate} replicas (hybrid)"
+                                                         if fsdp.mesh.replicate > 1 else "")
+    lines = ["", f"FSDP2 per device at the peak ({phase} phase), by part; {mesh}"]
+    lines += [f"  {part.name:<44}{_fmt(part.bytes)}" for part in fsdp.at_peak()]
+    if fsdp.host:
+        lines.append("  in host memory (CPUOffloadPolicy)")
+        lines += [f"    {part.name:<42}{_fmt(part.bytes)}" for part in fsdp.host]
+    return lines
+
+
 def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) -> str:
     """The human-readable report: breakdown, host side, verdict and fixes."""
     p, d, h, m = estimate.plan, estimate.per_device, estimate.per_node_host, estimate.model
+    fsdp2 = p.engine == EngineName.fsdp2
     lines = [
-        f"plan     dp={p.dp} tp={p.tp} pp={p.pp} zero_stage={p.zero_stage} "
+        f"plan     {p.engine_text()} dp={p.dp} tp={p.tp} pp={p.pp} "
         f"offload_optimizer={p.offload_optimizer.value} offload_param={p.offload_param.value} "
         f"activation_checkpointing={str(p.activation_checkpointing).lower()} precision={p.precision.value} "
         f"micro_batch_size={p.micro_batch_size} grad_accum_steps={p.grad_accum_steps} "
@@ -256,11 +270,14 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
         f"per device (most loaded), at its peak in the {d.phase} phase",
     ]
     rows = [("parameters", d.params), ("gradients", d.grads), ("optimizer states", d.optimizer_states),
-            ("activations", d.activations), ("DeepSpeed buffers", d.buffers), ("allocator reserve", d.reserve)]
+            ("activations", d.activations), ("FSDP2 buffers" if fsdp2 else "DeepSpeed buffers", d.buffers),
+            ("allocator reserve", d.reserve)]
     lines += [f"  {name:<20}{_fmt(value)}" for name, value in rows]
     lines += [f"  {'total':<20}{_fmt(d.total)}", f"  {'  held between steps':<20}{_fmt(d.held)}",
               f"  {'capacity':<20}{_fmt(d.capacity)}",
               f"  {'headroom':<20}{_fmt(d.headroom) if d.headroom >= 0 else '-' + _fmt(-d.headroom).strip():>14}"]
+    if estimate.fsdp is not None:
+        lines += _fsdp_lines(estimate.fsdp, d.phase)
     if estimate.pipeline:
         lines += ["", f"pipeline stages ({p.pp_partition} partition; {p.grad_accum_steps} micro-batches per step)"]
         for stage, memory in zip(estimate.pipeline, estimate.stages, strict=True):
@@ -284,9 +301,10 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
     lines.append("")
     lines += _placement_lines(rank_layout(p.world_size, cluster.devices_per_node, p.tp, p.pp)) + [""]
     if estimate.feasible:
-        lines.append(f"verdict  FITS: {_fmt(d.total).strip()} of {_fmt(d.capacity).strip()} per device")
+        lines.append(f"verdict  FITS with {p.engine.value}: {_fmt(d.total).strip()} of {_fmt(d.capacity).strip()} "
+                     "per device")
     else:
-        lines.append("verdict  DOES NOT FIT")
+        lines.append(f"verdict  DOES NOT FIT with {p.engine.value}")
         lines += [f"  - {v.field}: {v.message}" for v in estimate.violations]
         if estimate.suggestions:
             lines.append("  smallest changes that fit:")

@@ -121,6 +121,10 @@ class TuneConfig:
     activation_checkpointing: list[bool] = field(default_factory=lambda: [False, True])
     micro_batch_sizes: list[int] | None = None
     """Micro-batches to try; null: every power of two dividing the per-replica batch."""
+    engines: list[str] = field(default_factory=lambda: ["deepspeed", "fsdp2"])
+    """Training engines to try: deepspeed (its ZeRO stages, pipelines) and fsdp2 (plan.engine)."""
+    reshard_after_forward: list[bool] = field(default_factory=lambda: [True, False])
+    """FSDP2's plan.fsdp.reshard_after_forward values to try (fsdp2 plans only)."""
 
 
 @dataclass(kw_only=True)

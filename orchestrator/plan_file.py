@@ -33,10 +33,18 @@ def plan_values(plan: ResolvedPlan) -> dict:
     return {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(spec).items()}
 
 
+def _flat(values: dict, prefix: str) -> dict:
+    """``{"fsdp": {"hybrid": False}}`` → ``{"plan.fsdp.hybrid": False}``: nested settings as one override each."""
+    out = {}
+    for key, value in values.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
 def plan_overrides(plan: ResolvedPlan, cfg: RunConfig) -> list[str]:
     """The winner as `orch train` overrides (every field, so no default can differ)."""
-    values = plan_values(plan)
-    out = [f"plan.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
+    values = _flat(plan_values(plan), "plan.")
+    out = [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
            for k, v in values.items()]
     if cfg.train.global_batch_size:
         out.append(f"train.global_batch_size={cfg.train.global_batch_size}")

@@ -166,7 +166,9 @@ def summary(client: MlflowClient, run_id: str) -> str:
     """Plan, outcome, throughput, memory and restarts of one run, as text."""
     run = client.get_run(run_id)
     p, m, t = run.data.params, run.data.metrics, run.data.tags
-    plan = " ".join(f"{k}={p[f'plan.{k}']}" for k in ("dp", "tp", "pp", "zero_stage", "offload_optimizer",
+    # An FSDP2 run has no ZeRO stage but its own settings (runs before plan.engine existed: DeepSpeed).
+    sharding = ("fsdp.reshard_after_forward", "fsdp.hybrid") if p.get("plan.engine") == "fsdp2" else ("zero_stage",)
+    plan = " ".join(f"{k}={p[f'plan.{k}']}" for k in ("engine", "dp", "tp", "pp", *sharding, "offload_optimizer",
                                                      "activation_checkpointing", "precision", "micro_batch_size",
                                                      "grad_accum_steps") if f"plan.{k}" in p)
     lines = [f"run        {run_id} ({run.info.run_name}), {run.info.status}",
@@ -212,8 +214,8 @@ def _run_row(run, indent: str) -> tuple[str, ...]:
     if command in ("sweep", "tune"):
         plan = f"{command}, {t['sweep.jobs']} jobs" if "sweep.jobs" in t else command
     else:
-        plan = f"dp{p.get('plan.dp', '?')} tp{p.get('plan.tp', '?')} pp{p.get('plan.pp', '?')} " \
-               f"z{p.get('plan.zero_stage', '?')}"
+        sharding = "fsdp2" if p.get("plan.engine") == "fsdp2" else f"z{p.get('plan.zero_stage', '?')}"
+        plan = f"dp{p.get('plan.dp', '?')} tp{p.get('plan.tp', '?')} pp{p.get('plan.pp', '?')} {sharding}"
     loss = next((f"{m[k]:.4f}" for k in ("loss", "best_eval_loss") if k in m), "-")
     return (indent + run.info.run_id[:12], run.info.run_name or "", run.info.status, plan, loss,
             f"{m['tokens_per_s']:,.0f}" if "tokens_per_s" in m else "-")

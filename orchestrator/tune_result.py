@@ -14,7 +14,7 @@ from plans.cost_model import Speeds, StepTime, declared_speed_values
 from plans.estimate import GIB
 from plans.resolve import ResolvedPlan
 from plans.search_space import Candidate, SearchResult
-from plans.spec import Accelerator, ClusterSpec, Offload, TrainSpec
+from plans.spec import Accelerator, ClusterSpec, EngineName, Offload, TrainSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,8 +133,21 @@ def candidate_json(c: Candidate, trial: Trial | None, budget: TrainBudget | None
 
 
 def describe(plan: ResolvedPlan) -> str:
-    off = plan.offload_optimizer.value + ("+param" if plan.offload_param != Offload.none else "")
-    return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} zero={plan.zero_stage} offload={off} "
+    """The plan in one line, its engine first."""
+    return f"{plan.engine.value} {_layout_text(plan)}"
+
+
+def _layout_text(plan: ResolvedPlan) -> str:
+    """The plan but its engine: an FSDP2 plan has no ZeRO stage; it reshards after forward or not,
+    and offloads everything or nothing."""
+    if plan.engine == EngineName.fsdp2:
+        sharding = f"reshard={'on' if plan.fsdp.reshard_after_forward else 'off'}" + (
+            " hybrid" if plan.fsdp.hybrid else "")
+        off = plan.offload_optimizer.value
+    else:
+        sharding = f"zero={plan.zero_stage}"
+        off = plan.offload_optimizer.value + ("+param" if plan.offload_param != Offload.none else "")
+    return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} {sharding} offload={off} "
             f"ckpt={'on' if plan.activation_checkpointing else 'off'} micro={plan.micro_batch_size} "
             f"accum={plan.grad_accum_steps}")
 
@@ -181,7 +194,7 @@ def render(result: TuneResult, top_k: int) -> str:
                         else "; set cluster.device_hour_usd to price it")
                      + ("; MFU: the model's FLOPs (no recomputation) over the declared peak "
                         f"{budget.peak_tflops:g} TFLOP/s" if budget.peak_tflops else ""))
-    lines += ["", f"{'#':>3}  {'plan':<66} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8}"
+    lines += ["", f"{'#':>3}  {'engine':<9} {'plan':<66} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8}"
               f"{_budget_columns(budget, None)} {'peak mem':>10}  measured"]
     tried = {id(t.candidate): t for t in result.trials}
     shown = s.ranked[:top_k] + [t.candidate for t in result.trials if t.candidate not in s.ranked[:top_k]]
@@ -194,7 +207,8 @@ def render(result: TuneResult, top_k: int) -> str:
             measured = f"{trial.step_time_s:.3g} s, {trial.tokens_per_s:,.0f} tok/s, {_mem(trial.peak_bytes)}"
         elif trial:
             measured = f"{trial.status}: {trial.error}"
-        lines.append(f"{rank:>3}  {describe(c.plan):<66} {p.total_s:>9.3g} {p.tokens_per_s:>11,.0f} "
+        lines.append(f"{rank:>3}  {c.plan.engine.value:<9} {_layout_text(c.plan):<66} "
+                     f"{p.total_s:>9.3g} {p.tokens_per_s:>11,.0f} "
                      f"{p.tflops_per_device:>8.3g}{_budget_columns(budget, p)} {_mem(c.estimate.per_device.total):>10}"
                      f"  {measured}")
     if len(s.ranked) > len(shown):

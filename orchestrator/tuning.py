@@ -37,7 +37,7 @@ from plans.search_space import (
     search,
     trial_candidates,
 )
-from plans.spec import Accelerator, Offload
+from plans.spec import Accelerator, EngineName, Offload
 from plans.workload import Workload, data_task_cpus
 
 # Models above this many parameters get their activations measured at one micro-batch size and
@@ -66,7 +66,9 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool) -> Sea
                        precision=cfg.plan.precision, tp=tuple(t.tp) if t.tp else None,
                        pp=tuple(t.pp) if t.pp else None, zero_stages=tuple(t.zero_stages),
                        offload=tuple(Offload(o) for o in t.offload), activation_checkpointing=ckpt,
-                       micro_batch_sizes=tuple(t.micro_batch_sizes) if t.micro_batch_sizes else None)
+                       micro_batch_sizes=tuple(t.micro_batch_sizes) if t.micro_batch_sizes else None,
+                       engines=tuple(EngineName(e) for e in t.engines),
+                       reshard_after_forward=tuple(t.reshard_after_forward))
 
 
 def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None = None,

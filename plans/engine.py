@@ -1,10 +1,15 @@
-"""The DeepSpeed engine settings a plan implies, as one typed object.
+"""The engine settings a plan implies, as one typed object.
 
-The memory model, the estimate and the DeepSpeed config all start from :class:`EngineSettings`:
-``launchers/engines/deepspeed/config.py`` only serializes it to DeepSpeed's JSON, so the planner reasons about
-exactly the buckets, thresholds and offload targets the workers will run with. Every limit is
-written out (at DeepSpeed's defaults where the plan does not decide it) instead of being left to
-DeepSpeed's implicit values.
+The memory model, the estimate, the cost model and the DeepSpeed config all start from
+:class:`EngineSettings`: ``launchers/engines/deepspeed/config.py`` only serializes it to DeepSpeed's JSON, so the
+planner reasons about exactly the buckets, thresholds and offload targets the workers will run
+with. Every limit is written out (at DeepSpeed's defaults where the plan does not decide it)
+instead of being left to DeepSpeed's implicit values.
+
+An FSDP2 plan (``plan.engine=fsdp2``) maps onto the same object as what it shards: parameters,
+gradients and optimizer states, like ZeRO stage 3, so the cost model prices its all-gathers and
+reduce-scatters as ZeRO-3's; its own settings (``reshard_after_forward``, ``hybrid``) ride along,
+and :func:`fsdp_mesh` says which ranks share one parameter's shards.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from plans.resolve import ResolvedPlan
-from plans.spec import Accelerator, Offload, OptimizerName, OptimSpec
+from plans.spec import Accelerator, EngineName, Offload, OptimizerName, OptimSpec
 
 # DeepSpeed's defaults (its runtime/zero/config.py), in elements.
 REDUCE_BUCKET_SIZE = 500_000_000
@@ -39,9 +44,15 @@ class ZeroStage(IntEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class EngineSettings:
-    """The ZeRO and optimizer settings of one plan, before they become DeepSpeed JSON."""
+    """The sharding and optimizer settings of one plan (before they become DeepSpeed JSON)."""
 
     zero_stage: ZeroStage
+    """What is sharded over the data-parallel ranks; ``parameters`` for every FSDP2 plan."""
+    engine: EngineName = EngineName.deepspeed
+    reshard_after_forward: bool = True
+    """FSDP2: free each block's gathered parameters after its forward (gather again for backward)."""
+    hybrid: bool = False
+    """FSDP2: shard within a node and replicate across nodes (:func:`fsdp_mesh`)."""
     reduce_bucket_size: int = REDUCE_BUCKET_SIZE
     """Elements of the gradient reduction bucket (stages 1-3)."""
     allgather_bucket_size: int = ALLGATHER_BUCKET_SIZE
@@ -83,6 +94,15 @@ def engine_settings(plan: ResolvedPlan, optim: OptimSpec, param_count: int | Non
     """
     cap = -(-param_count // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT if param_count else REDUCE_BUCKET_SIZE
     gpu = plan.accelerator == Accelerator.gpu
+    if plan.engine == EngineName.fsdp2:
+        # FSDP2 has no buckets: it all-gathers and reduce-scatters one block's parameters at a time
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_all_gather and
+        # foreach_reduce); its optimizer is torch's own, stepping the sharded fp32 parameters.
+        return EngineSettings(
+            zero_stage=ZeroStage.parameters, engine=EngineName.fsdp2,
+            reshard_after_forward=plan.fsdp.reshard_after_forward, hybrid=plan.fsdp.hybrid,
+            overlap_comm=gpu, offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param,
+            pin_memory=gpu, torch_adam=optim.name in (OptimizerName.adam, OptimizerName.adamw))
     return EngineSettings(
         zero_stage=ZeroStage(plan.zero_stage),
         reduce_bucket_size=min(REDUCE_BUCKET_SIZE, cap),
@@ -98,3 +118,23 @@ def engine_settings(plan: ResolvedPlan, optim: OptimSpec, param_count: int | Non
         torch_adam=(optim.name in (OptimizerName.adam, OptimizerName.adamw) and not gpu
                     and plan.offload_optimizer == Offload.none),
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPMesh:
+    """How FSDP2 lays the data-parallel ranks out: ``shard`` ranks split each parameter, and
+    ``replicate`` groups of them hold the same shards (HSDP; 1 without ``plan.fsdp.hybrid``)."""
+
+    shard: int
+    replicate: int = 1
+
+
+def fsdp_mesh(plan: ResolvedPlan, devices_per_node: int) -> FSDPMesh:
+    """The data-parallel mesh of an FSDP2 plan. Hybrid sharding shards over the data-parallel
+    ranks of one node (``devices_per_node / tp`` of them; a tensor-parallel group stays in a node)
+    and replicates across nodes; otherwise every data-parallel rank holds one shard."""
+    if not plan.fsdp.hybrid:
+        return FSDPMesh(shard=plan.dp)
+    per_node = max(devices_per_node // max(plan.tp * plan.pp, 1), 1)
+    shard = min(plan.dp, per_node)
+    return FSDPMesh(shard=shard, replicate=max(plan.dp // shard, 1))

@@ -23,8 +23,9 @@ from plans.activations import ActivationBytes, activations_from_shallow, attenti
 from plans.attention import KernelLog
 from plans.build_memory import BuildMemory, build_memory, build_violation
 from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
-from plans.engine import EngineSettings, ZeroStage, engine_settings
+from plans.engine import EngineSettings, ZeroStage, engine_settings, fsdp_mesh
 from plans.errors import Violation
+from plans.fsdp_memory import FSDPMemory, FSDPUnits, fsdp_memory, fsdp_units
 from plans.memory import (
     DevicePhases,
     MemoryBreakdown,
@@ -47,7 +48,7 @@ from plans.pipeline import (
     stage_activations,
 )
 from plans.resolve import ResolvedPlan
-from plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision
+from plans.spec import Accelerator, ClusterSpec, EngineName, Offload, OptimSpec, Precision
 from plans.workload import ModelInputs, batch_bytes, supports_activation_checkpointing
 
 GIB = 1024**3
@@ -102,6 +103,8 @@ class PlanEstimate:
     """Smallest plan changes that would make an infeasible plan fit."""
     attention: str = ""
     """The attention kernel the activations were measured with (:meth:`ModelProbe.attention`)."""
+    fsdp: FSDPMemory | None = None
+    """An FSDP2 plan's rank part by part (sharded states, gathered blocks, reduce-scatter buffers)."""
 
     @property
     def feasible(self) -> bool:
@@ -141,6 +144,11 @@ class PlanEstimate:
             "violations": [{"field": v.field, "message": f"{v.message} Fix: {v.fix}"} for v in self.violations],
             "suggestions": list(self.suggestions),
             "attention": self.attention,
+            "fsdp": None if self.fsdp is None else {
+                "shard_group": self.fsdp.mesh.shard, "replicas": self.fsdp.mesh.replicate,
+                "phase": self.per_device.phase,
+                "at_peak": {p.name: p.bytes for p in self.fsdp.at_peak()},
+                "on_host": {p.name: p.bytes for p in self.fsdp.host}},
         }
 
 
@@ -219,6 +227,7 @@ class ModelProbe:
                       shallow.at_depth(model_stats, keep=("largest_layer_params", "largest_param")))
         self._activations = functools.lru_cache(maxsize=None)(self._measure)
         self._kernels = functools.lru_cache(maxsize=None)(self._attention_kernels)
+        self._fsdp_units: dict[int, FSDPUnits] = {}
 
     @functools.cached_property
     def module(self) -> torch.nn.Module:
@@ -303,6 +312,17 @@ class ModelProbe:
         return pipeline_stages(self._pipeline(micro_batch_size, precision), pp=pp, method=method,
                                micro_batches=micro_batches, input_bytes=batch)
 
+    def fsdp_units(self, tp: int = 1) -> FSDPUnits:
+        """The model's FSDP2 units (blocks and root) as one tensor-parallel rank holds them: the
+        root and the largest block read off the model (a shallow copy's are the full depth's), the
+        blocks together whatever the rank's parameters leave beside the root."""
+        if tp not in self._fsdp_units:
+            sample = self.sample if tp <= 1 else shard_module(copy.deepcopy(self.sample), self.tp_layer_specs, tp)
+            units = fsdp_units(sample)
+            stats = self.stats_for(tp)
+            self._fsdp_units[tp] = dataclasses.replace(units, blocks=max(stats.param_count - units.root, 0))
+        return self._fsdp_units[tp]
+
     def persistent_params(self, engine: EngineSettings) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (under the persistence threshold)."""
         if engine.zero_stage != ZeroStage.parameters:
@@ -362,7 +382,8 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
     """Predict the peak bytes of every device and node for ``plan``; no fix search.
 
     The engine's buffers and limits are the plan's :func:`plans.engine.engine_settings`, the
-    same object the workers' DeepSpeed config is written from.
+    same object the workers' DeepSpeed config is written from. An FSDP2 plan is counted part by
+    part as ``fully_shard`` lays it out (:mod:`plans.fsdp_memory`).
 
     With pipeline stages every stage is estimated on its own (its layers' parameters, its share
     of the activations times the micro-batches it holds in flight) and the most loaded one
@@ -373,7 +394,14 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
     engine = engine_settings(plan, optim, probe.stats.param_count)
     whole_activations = probe.activations(plan)
     pipeline: list[PipelineStage] = []
-    if plan.pp > 1:
+    fsdp = None
+    if plan.engine == EngineName.fsdp2:
+        fsdp = fsdp_memory(engine, mesh=fsdp_mesh(plan, cluster.devices_per_node), model=probe.stats_for(plan.tp),
+                           units=probe.fsdp_units(plan.tp), activations=whole_activations, precision=plan.precision,
+                           optimizer=optim.name, momentum=optim.momentum, grad_accum_steps=plan.grad_accum_steps,
+                           accelerator=plan.accelerator)
+        per_stage = [(fsdp.states, fsdp.device_phases())]
+    elif plan.pp > 1:
         pipeline = probe.stages(plan)
         total_saved = sum(layer.saved_bytes for layer in probe.pipeline_layer_facts(plan))
         per_stage = []
@@ -421,7 +449,7 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
         violations.append(refusal)
     return PlanEstimate(plan=plan, model=probe.stats, per_device=device, stages=stages, pipeline=pipeline,
                         per_node_host=host, build=build, states=states, host_per_device=host_per_device, phases=phases,
-                        violations=violations)
+                        violations=violations, fsdp=fsdp)
 
 
 def _gib(n: int) -> str:
@@ -434,7 +462,10 @@ def _parts(b: MemoryBreakdown) -> str:
 
 
 # Plan changes tried, cheapest first, when a plan does not fit: (what to tell the user, change).
+# A change names plan fields; ``fsdp.<name>`` names one of the FSDP2 settings.
 def _candidate_changes(plan: ResolvedPlan) -> list[tuple[str, dict]]:
+    if plan.engine == EngineName.fsdp2:
+        return _fsdp2_changes(plan)
     changes: list[tuple[str, dict]] = []
     if not plan.activation_checkpointing:
         changes.append(("turn on plan.activation_checkpointing", {"activation_checkpointing": True}))
@@ -456,6 +487,35 @@ def _candidate_changes(plan: ResolvedPlan) -> list[tuple[str, dict]]:
     return changes
 
 
+def _fsdp2_changes(plan: ResolvedPlan) -> list[tuple[str, dict]]:
+    """An FSDP2 plan's fixes: it has no ZeRO stage to raise, and offloads everything or nothing."""
+    changes: list[tuple[str, dict]] = []
+    if not plan.activation_checkpointing:
+        changes.append(("turn on plan.activation_checkpointing", {"activation_checkpointing": True}))
+    if not plan.fsdp.reshard_after_forward:
+        changes.append(("set plan.fsdp.reshard_after_forward=true", {"fsdp.reshard_after_forward": True}))
+    if plan.fsdp.hybrid:
+        changes.append(("set plan.fsdp.hybrid=false (shard over every node)", {"fsdp.hybrid": False}))
+    if plan.micro_batch_size > 1:
+        half = plan.micro_batch_size // 2
+        changes.append((f"halve plan.micro_batch_size to {half} (and double plan.grad_accum_steps to "
+                        f"{plan.grad_accum_steps * 2} to keep the global batch)",
+                        {"micro_batch_size": half, "grad_accum_steps": plan.grad_accum_steps * 2}))
+    if plan.offload_param == Offload.none:
+        changes.append(("set plan.offload_param=cpu and plan.offload_optimizer=cpu",
+                        {"offload_param": Offload.cpu, "offload_optimizer": Offload.cpu}))
+    return changes
+
+
+def _changed(plan: ResolvedPlan, change: dict) -> ResolvedPlan:
+    """``plan`` with ``change`` applied (``fsdp.<name>`` keys to its FSDP2 settings)."""
+    fsdp = {key.split(".", 1)[1]: value for key, value in change.items() if key.startswith("fsdp.")}
+    fields = {key: value for key, value in change.items() if not key.startswith("fsdp.")}
+    if fsdp:
+        fields["fsdp"] = dataclasses.replace(plan.fsdp, **fsdp)
+    return dataclasses.replace(plan, **fields)
+
+
 def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe,
                   limit: int = 3) -> list[str]:
     """Single changes (then pairs) that make the plan fit, cheapest first; never one the model
@@ -465,7 +525,7 @@ def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
         singles = [(what, change) for what, change in singles if "activation_checkpointing" not in change]
     found: list[str] = []
     for what, change in singles:
-        candidate = dataclasses.replace(plan, **change)
+        candidate = _changed(plan, change)
         if estimate_plan(candidate, cluster, optim, probe).feasible:
             found.append(what)
     if found:
@@ -475,7 +535,7 @@ def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
             merged = {**change_a, **change_b}
             if "zero_stage" in change_a and "zero_stage" in change_b:
                 merged["zero_stage"] = max(change_a["zero_stage"], change_b["zero_stage"])
-            candidate = dataclasses.replace(plan, **merged)
+            candidate = _changed(plan, merged)
             if estimate_plan(candidate, cluster, optim, probe).feasible:
                 found.append(f"{what_a}, and {what_b}")
                 if len(found) >= limit:

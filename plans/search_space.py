@@ -1,8 +1,11 @@
 """The tuner's search: every plan of a world size and global batch, pruned and ranked.
 
-Pure (no Ray, no Hydra). The space is every factorization ``dp * tp * pp`` of the world size, ZeRO
-stages, optimizer and parameter offload, activation checkpointing and power-of-two micro-batches
-with the gradient accumulation that reaches the global batch. Pruning runs cheapest first:
+Pure (no Ray, no Hydra). The space is every factorization ``dp * tp * pp`` of the world size, the
+training engine (DeepSpeed's ZeRO stages, or FSDP2 with and without ``reshard_after_forward``),
+optimizer and parameter offload, activation checkpointing and power-of-two micro-batches with the
+gradient accumulation that reaches the global batch. FSDP2 plans are enumerated only where FSDP2
+runs them: without pipeline stages, at the one ZeRO stage it has (it always shards everything),
+offloading everything to the CPU or nothing. Pruning runs cheapest first:
 
 1. structural rules, by arithmetic on the plan (tp within a node and dividing the model's heads,
    pp at most the model's layers, what the pipeline and AutoTP engines train with);
@@ -10,12 +13,14 @@ with the gradient accumulation that reaches the global batch. Pruning runs cheap
    refuses is counted under its own message, so rules added there prune here without changes);
 3. the memory estimate (:func:`plans.estimate.estimate_plan`) against one :class:`ModelProbe`.
 
-Survivors are ranked by the predicted step time (:mod:`plans.cost_model`). Every rejection is
+Survivors are ranked by the predicted step time (:mod:`plans.cost_model`; FSDP2's data-parallel
+term from :mod:`plans.fsdp_cost`). Every rejection is
 counted by reason, so a user sees why a plan they expected is not there.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import time
@@ -24,12 +29,23 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from plans.activations import ActivationBytes, measure_activations, measure_activations_depth_scaled
-from plans.cost_model import ModelCost, Speeds, StepTime, predict_step
+from plans.cost_model import ModelCost, Speeds, StepTime
 from plans.errors import PlanError
 from plans.estimate import ModelProbe, PlanEstimate, estimate_plan
+from plans.fsdp_cost import predict
 from plans.pipeline import PipelineLayer, PipelineStage, pipeline_stages
 from plans.resolve import PP_ZERO_STAGES, TP_ZERO_STAGES, ResolvedPlan, resolve_plan
-from plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, PlanSpec, Precision, TrainSpec
+from plans.spec import (
+    Accelerator,
+    ClusterSpec,
+    EngineName,
+    FSDPSpec,
+    Offload,
+    OptimSpec,
+    PlanSpec,
+    Precision,
+    TrainSpec,
+)
 
 
 def _divisors(n: int) -> list[int]:
@@ -53,10 +69,14 @@ class SearchSpace:
     activation_checkpointing: tuple[bool, ...] = (False, True)
     micro_batch_sizes: tuple[int, ...] | None = None
     """Micro-batches to try; None: the powers of two that divide the batch each replica gets."""
+    engines: tuple[EngineName, ...] = (EngineName.deepspeed,)
+    """Training engines to try."""
+    reshard_after_forward: tuple[bool, ...] = (True, False)
+    """FSDP2's ``plan.fsdp.reshard_after_forward`` values to try."""
 
     def plans(self) -> Iterator[PlanSpec]:
-        """Every candidate, offload combinations limited to what ZeRO can express (parameter
-        offload only at stage 3, optimizer offload from stage 1)."""
+        """Every candidate, offload combinations limited to what each engine can express (ZeRO:
+        parameter offload only at stage 3, optimizer offload from stage 1; FSDP2: both or none)."""
         for tp in self.tp or _divisors(self.world_size):
             for pp in self.pp or _divisors(self.world_size):
                 if self.world_size % (tp * pp):
@@ -64,13 +84,26 @@ class SearchSpace:
                 dp = self.world_size // (tp * pp)
                 for micro in self._micro_batches(dp):
                     accum = self.global_batch_size // (micro * dp)
-                    for stage in self.zero_stages:
-                        for off_opt, off_param in self._offloads(stage):
+                    for engine, stage, fsdp in self._engine_settings(pp):
+                        for off_opt, off_param in self._offloads(engine, stage):
                             for ckpt in self.activation_checkpointing:
-                                yield PlanSpec(dp=dp, tp=tp, pp=pp, zero_stage=stage, offload_optimizer=off_opt,
+                                yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp,
+                                               zero_stage=stage, offload_optimizer=off_opt,
                                                offload_param=off_param, activation_checkpointing=ckpt,
                                                micro_batch_size=micro, grad_accum_steps=accum,
                                                precision=self.precision)
+
+    def _engine_settings(self, pp: int) -> list[tuple[EngineName, int, FSDPSpec]]:
+        """(engine, ZeRO stage, FSDP2 settings) to try at pipeline degree ``pp``: DeepSpeed at each
+        stage; FSDP2 (never pipelined) at the schema's stage, with and without resharding."""
+        found = []
+        for engine in self.engines:
+            if engine == EngineName.deepspeed:
+                found += [(engine, stage, FSDPSpec()) for stage in self.zero_stages]
+            elif pp == 1:
+                stage = PlanSpec().zero_stage
+                found += [(engine, stage, FSDPSpec(reshard_after_forward=r)) for r in self.reshard_after_forward]
+        return found
 
     def _micro_batches(self, dp: int) -> list[int]:
         if self.global_batch_size % dp:
@@ -79,7 +112,9 @@ class SearchSpace:
         sizes = self.micro_batch_sizes or [2**i for i in range(per_replica.bit_length()) if 2**i <= per_replica]
         return [m for m in sizes if per_replica % m == 0]
 
-    def _offloads(self, stage: int) -> list[tuple[Offload, Offload]]:
+    def _offloads(self, engine: EngineName, stage: int) -> list[tuple[Offload, Offload]]:
+        if engine == EngineName.fsdp2:
+            return [(where, where) for where in self.offload]
         pairs = []
         for off_opt in self.offload if stage >= 1 else (Offload.none,):
             for off_param in self.offload if stage == 3 else (Offload.none,):
@@ -215,10 +250,12 @@ class SearchResult:
 
 
 def plan_layout(plan: ResolvedPlan) -> tuple:
-    """Everything of a plan but its ZeRO stage: degrees, micro-batch, accumulation, checkpointing
-    and offload. Plans of one layout differ only in how the data-parallel ranks share state."""
-    return (plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.grad_accum_steps, plan.activation_checkpointing,
-            plan.offload_optimizer, plan.offload_param)
+    """Everything of a plan but its ZeRO stage (or FSDP2's resharding): engine, degrees,
+    micro-batch, accumulation, checkpointing and offload. Plans of one layout differ only in how
+    the data-parallel ranks share state; two engines are two layouts, since the cost model's error
+    differs between their implementations more than between their stages."""
+    return (plan.engine, plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.grad_accum_steps,
+            plan.activation_checkpointing, plan.offload_optimizer, plan.offload_param)
 
 
 def trial_candidates(ranked: list[Candidate], n: int) -> list[Candidate]:
@@ -277,8 +314,9 @@ def search(space: SearchSpace, ctx: SearchContext) -> SearchResult:
             result.rejected[problem] += 1
             continue
         estimate = estimate_plan(plan, ctx.cluster, ctx.optim, ctx.probe)
-        predicted = predict_step(plan, ctx.model_cost, ctx.speeds, devices_per_node=ctx.cluster.devices_per_node,
-                                 optim=ctx.optim)
+        root = ctx.probe.fsdp_units(plan.tp).root if plan.engine == EngineName.fsdp2 else 0
+        predicted = predict(plan, ctx.model_cost, ctx.speeds, devices_per_node=ctx.cluster.devices_per_node,
+                            optim=ctx.optim, root_params=root)
         candidate = Candidate(plan=plan, estimate=estimate, predicted=predicted)
         if estimate.feasible:
             result.ranked.append(candidate)
@@ -298,5 +336,6 @@ def search(space: SearchSpace, ctx: SearchContext) -> SearchResult:
 
 def plan_spec(plan: ResolvedPlan) -> PlanSpec:
     """The declarable plan (``orchestrator/conf/plan/*.yaml``, ``orch train`` overrides) of a resolved one."""
-    fields = {f.name for f in dataclasses.fields(PlanSpec)}
-    return PlanSpec(**{k: v for k, v in dataclasses.asdict(plan).items() if k in fields})
+    resolved = {f.name for f in dataclasses.fields(plan)}
+    return PlanSpec(**{f.name: copy.copy(getattr(plan, f.name)) for f in dataclasses.fields(PlanSpec)
+                       if f.name in resolved})

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from plans.errors import Violation
+from plans.spec import EngineName
 
 # Ray refuses an object store smaller than this (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
 RAY_MIN_OBJECT_STORE_GIB = 75 / 1024
@@ -158,6 +159,12 @@ def _shape_violations(sections: Mapping[str, object]) -> list[Violation]:
             value = getattr(sections[section], name)
             found.append(Violation(key, value, f"must hold {length} values, not {len(value)}.",
                                    f"set {key}={_override(_default(sections[section], name))}"))
+    tune = sections.get("tune")
+    engines = getattr(tune, "engines", None)
+    known = [engine.value for engine in EngineName]
+    if engines is not None and (not engines or any(e not in known for e in engines)):
+        found.append(Violation("tune.engines", list(engines), f"the tuner searches the engines {', '.join(known)}.",
+                               f"set tune.engines=[{','.join(known)}] or a subset of it"))
     tracking = sections.get("tracking")
     if tracking is not None:
         if tracking.fallback not in TRACKING_FALLBACKS:

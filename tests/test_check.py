@@ -227,3 +227,21 @@ def test_check_json_of_the_pipeline_plan_through_the_command_line(tmp_path):
     assert done.returncode in (0, 1), done.stderr
     doc = json.loads(done.stdout)
     assert doc["plan"]["pp"] > 1 and [type(s["start"]) for s in doc["pipeline"]["stages"]] == [int] * doc["plan"]["pp"]
+
+
+def test_check_an_fsdp2_plan_names_its_parts_and_engine(tmp_path):
+    done = orch("check", "plan.engine=fsdp2", "plan.precision=bf16", "plan.fsdp.reshard_after_forward=false",
+                cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "plan     engine=fsdp2 fsdp.reshard_after_forward=false fsdp.hybrid=false dp=2" in out
+    assert "FSDP2 per device at the peak (backward phase), by part; shards over 2 rank(s)" in out
+    for part in ("sharded parameters (fp32)", "optimizer states (sharded)", "root parameters, gathered (bf16)",
+                 "gathered blocks kept to backward (bf16)", "one block's gradients, unsharded (bf16)",
+                 "reduce-scatter input, one block (fp32)", "sharded gradients (fp32)", "FSDP2 buffers"):
+        assert part in out, part
+    assert "verdict  FITS with fsdp2:" in out
+    refused = orch("check", "plan.engine=fsdp2", "plan.pp=2", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "plan.pp=2: pipeline plans are DeepSpeed's" in refused.stderr
+    assert "Fix: set plan.engine=deepspeed or plan.pp=1" in refused.stderr

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 # Two candidates only: micro-batch 4 (one micro-step, ranked first) and micro-batch 2 (two).
 # OutOfMemoryAboveTwo fails on a real micro-batch of more than 2 samples, so the first trial fails
 # the way an out-of-memory plan does, and the second must still run and win.
-SPACE = ["train.global_batch_size=8", "tune.micro_batch_sizes=[2,4]", "tune.zero_stages=[1]", "tune.offload=[none]",
+SPACE = ["train.global_batch_size=8", "tune.micro_batch_sizes=[2,4]", "tune.engines=[deepspeed]",
+         "tune.zero_stages=[1]", "tune.offload=[none]",
          "tune.activation_checkpointing=[false]", "tune.tp=[1]", "tune.pp=[1]", "tune.trials=2",
          "tune.trial_steps=4", "tune.calibrate=false", "model._target_=faulty_models.OutOfMemoryAboveTwo"]
 

@@ -416,7 +416,7 @@ def test_table_names_rejections_and_the_winner(tmp_path):
                                                   "cluster.devices_per_node=1", "tune.pp=[1]"))
     table = render(tune(typed, model_cfg), top_k=5)
     assert "rejected, by reason:" in table and "tp does not divide cluster.devices_per_node" in table
-    assert f"written to {out}" in table and "or: orch train plan.dp=" in table
+    assert f"written to {out}" in table and "or: orch train plan.engine=" in table and " plan.dp=" in table
     assert "winner (best predicted)" in table and out.exists()
 
 

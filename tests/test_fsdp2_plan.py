@@ -1,0 +1,252 @@
+"""FSDP2 plans in the planner: validation, per-part memory with hand-checked arithmetic, the
+data-parallel time and the tuner's engine dimension. All pure: no Ray, no torch.distributed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from helpers.config import compose_config, gpu_plan
+from orchestrator.config import to_typed
+from orchestrator.plan_file import plan_overrides, plan_values
+from plans.activations import ActivationBytes
+from plans.cost_model import ModelCost, Speeds, _half_ring_s, predict_step
+from plans.engine import EngineSettings, FSDPMesh, ZeroStage, engine_settings, fsdp_mesh
+from plans.errors import PlanError
+from plans.fsdp_cost import fsdp_dp_comm_s, predict
+from plans.fsdp_memory import FSDPUnits, fsdp_memory, fsdp_units
+from plans.memory import ModelStats
+from plans.resolve import resolve_plan
+from plans.search_space import SearchSpace, plan_spec
+from plans.spec import (
+    Accelerator,
+    ClusterSpec,
+    EngineName,
+    FSDPSpec,
+    Offload,
+    OptimizerName,
+    OptimSpec,
+    PlanSpec,
+    Precision,
+    TrainSpec,
+)
+
+FSDP2 = EngineName.fsdp2
+
+
+def refusal(plan: PlanSpec, cluster: ClusterSpec | None = None) -> PlanError:
+    with pytest.raises(PlanError) as info:
+        resolve_plan(plan, cluster or ClusterSpec(nodes=2, devices_per_node=4), TrainSpec())
+    return info.value
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+def test_fsdp2_refuses_every_deepspeed_only_setting_at_once_naming_field_and_fix():
+    error = refusal(PlanSpec(engine=FSDP2, pp=2, zero_stage=3, offload_param=Offload.cpu, precision=Precision.fp16))
+    assert [v.field for v in error.violations] == ["plan.pp", "plan.zero_stage", "plan.offload_param",
+                                                   "plan.precision"]
+    pp, stage, offload, fp16 = error.violations
+    assert pp.message.startswith("pipeline plans are DeepSpeed's")
+    assert pp.fix == "set plan.engine=deepspeed or plan.pp=1"
+    assert "always shards parameters, gradients and optimizer states" in stage.message
+    assert "plan.zero_stage at its default (0)" in stage.fix
+    assert "(plan.offload_optimizer=none)" in offload.message
+    assert offload.fix.startswith("set plan.offload_optimizer=cpu")
+    assert "GradScaler" in fp16.message and "plan.precision=bf16" in fp16.fix
+    # The DeepSpeed rules these settings would break are not reported beside them.
+    assert "DeepSpeed's pipeline engine" not in str(error) and "ZeRO stage 3" not in str(error)
+
+
+def test_fsdp2_offloads_to_cpu_only():
+    error = refusal(PlanSpec(engine=FSDP2, offload_optimizer=Offload.nvme, offload_param=Offload.nvme,
+                             nvme_path="/nvme"))
+    assert [v.field for v in error.violations] == ["plan.offload_optimizer", "plan.offload_param"]
+    assert all("no NVMe offload" in v.message for v in error.violations)
+    plan = resolve_plan(PlanSpec(engine=FSDP2, offload_optimizer=Offload.cpu, offload_param=Offload.cpu),
+                        ClusterSpec(), TrainSpec())
+    assert (plan.engine, plan.zero_stage, plan.offload_param) == (FSDP2, 0, Offload.cpu)
+
+
+def test_fsdp_settings_under_deepspeed_are_refused_by_name():
+    error = refusal(PlanSpec(fsdp=FSDPSpec(reshard_after_forward=False, hybrid=True)))
+    assert [v.field for v in error.violations] == ["plan.fsdp.reshard_after_forward", "plan.fsdp.hybrid"]
+    assert str(error.violations[1]) == ("plan.fsdp.hybrid=True: is an FSDP2 setting, which plan.engine=deepspeed "
+                                        "ignores. Fix: set plan.engine=fsdp2 to use it, or leave plan.fsdp.hybrid "
+                                        "at its default (false)")
+
+
+def test_the_resolved_plan_is_flat_and_round_trips_through_overrides_and_plan_files():
+    plan = resolve_plan(PlanSpec(engine=FSDP2, fsdp=FSDPSpec(reshard_after_forward=False), precision=Precision.bf16),
+                        ClusterSpec(), TrainSpec())
+    flat = plan.as_dict()
+    assert flat["engine"] == "fsdp2" and flat["fsdp.reshard_after_forward"] is False and flat["fsdp.hybrid"] is False
+    assert "fsdp" not in flat
+    assert not any(k.startswith("fsdp") for k in resolve_plan(PlanSpec(), ClusterSpec(), TrainSpec()).as_dict())
+    typed, _, _ = to_typed(compose_config())
+    overrides = plan_overrides(plan, typed)
+    assert "plan.engine=fsdp2" in overrides and "plan.fsdp.reshard_after_forward=false" in overrides
+    again, _, _ = to_typed(compose_config(*overrides))
+    assert again.plan == plan_spec(plan)
+    assert plan_values(plan)["fsdp"] == {"reshard_after_forward": False, "hybrid": False}
+
+
+# --- memory, by hand -----------------------------------------------------------------------------
+
+# 1000 parameters: a root of 200 (embeddings, head) and 8 blocks of 100; all trainable.
+STATS = ModelStats(param_count=1000, trainable_count=1000, largest_layer_params=100, largest_param=100)
+UNITS = FSDPUnits(root=200, root_trainable=200, largest_block=100, largest_block_trainable=100, blocks=800)
+ACTS = ActivationBytes(saved=0, recompute_peak=0, forward_peak=10_000, backward_peak=12_000)
+
+
+def memory(*, shard: int = 4, reshard: bool = True, offload: Offload = Offload.none, accum: int = 1):
+    engine = EngineSettings(zero_stage=ZeroStage.parameters, engine=FSDP2, reshard_after_forward=reshard,
+                            offload_optimizer=offload, offload_param=offload, torch_adam=True)
+    return fsdp_memory(engine, mesh=FSDPMesh(shard=shard), model=STATS, units=UNITS, activations=ACTS,
+                       precision=Precision.bf16, optimizer=OptimizerName.adamw, momentum=0.0,
+                       grad_accum_steps=accum, accelerator=Accelerator.cpu)
+
+
+def parts(phase) -> dict[str, int]:
+    return {p.name: p.bytes for p in phase.parts if p.bytes}
+
+
+def test_fsdp2_rank_part_by_part():
+    m = memory()
+    # Sharded over 4 ranks: fp32 parameters 4 x 250 (the optimizer's master, no second copy), and
+    # Adam's two fp32 moments 8 x 250.
+    assert parts(m.held) == {"sharded parameters (fp32)": 1000, "optimizer states (sharded)": 2000}
+    forward, backward, reduction, step = m.phases
+    # Forward: activations, the root gathered in bf16 (2 x 200), the current block (2 x 100) and
+    # one more block-sized all-gather buffer.
+    assert parts(forward) == {"activations": 10_000, "root parameters, gathered (bf16)": 400,
+                              "gathered block (bf16)": 200, "all-gather buffer, one block (bf16)": 200}
+    # Backward adds the root's unsharded bf16 gradients (2 x 200), one block's (2 x 100), that
+    # block's fp32 reduce-scatter input (4 x 100) and the sharded fp32 gradients (4 x 250).
+    assert backward.total == 12_000 + 400 + 200 + 200 + 400 + 200 + 400 + 1000 == 14_800
+    assert reduction.total == 400 + 400 + 800 + 1000
+    # torch Adam on CPU: two temporaries of the largest parameter's shard (2 x 4 x 25).
+    assert step.total == 1000 + 200
+    device = m.device_phases()
+    assert device.held.total == 3000 and device.binding.phase == "backward"
+    assert m.binding.phase == "backward" and sum(p.bytes for p in m.at_peak()) == 3000 + 14_800
+    assert (m.states.params, m.states.grads, m.states.optimizer_states) == (1000, 1000, 2000)
+
+
+def test_without_reshard_after_forward_every_block_stays_gathered():
+    m = memory(reshard=False)
+    forward, backward = m.phases[:2]
+    assert parts(forward)["gathered blocks kept to backward (bf16)"] == 2 * 800
+    assert forward.total == 10_000 + 400 + 1600 + 200
+    assert backward.total == 12_000 + 400 + 1600 + 400 + 200 + 400 + 1000
+    assert m.device_phases().held.total + backward.total > 3000 + memory().phases[1].total
+
+
+def test_cpu_offload_moves_the_sharded_states_to_the_host():
+    m = memory(offload=Offload.cpu)
+    assert m.held.total == 0 and len(m.phases) == 3  # the optimizer steps on the host
+    assert {p.name: p.bytes for p in m.host} == {"sharded parameters (fp32), on host": 1000,
+                                                 "sharded gradients (fp32), on host": 1000,
+                                                 "optimizer states, on host": 2000}
+    assert m.states.host_total == 4000 and m.states.device_total == 0
+    assert m.phases[1].total == 14_800 - 1000
+
+
+def test_one_rank_copies_without_a_flat_buffer_and_accumulation_keeps_gradients():
+    single = memory(shard=1)
+    assert "all-gather buffer, one block (bf16)" not in parts(single.phases[0])
+    assert parts(single.held)["sharded parameters (fp32)"] == 4000
+    accumulating = memory(accum=2)
+    assert parts(accumulating.phases[0])["sharded gradients (fp32)"] == 1000
+
+
+def test_hybrid_shards_within_a_node_and_replicates_across():
+    cluster = ClusterSpec(nodes=2, devices_per_node=4)
+    plan = resolve_plan(PlanSpec(engine=FSDP2, fsdp=FSDPSpec(hybrid=True)), cluster, TrainSpec())
+    assert fsdp_mesh(plan, 4) == FSDPMesh(shard=4, replicate=2)
+    with_tp = dataclasses.replace(plan, dp=4, tp=2)
+    assert fsdp_mesh(with_tp, 4) == FSDPMesh(shard=2, replicate=2)
+    assert fsdp_mesh(dataclasses.replace(plan, fsdp=FSDPSpec()), 4) == FSDPMesh(shard=8)
+
+
+def test_units_are_the_blocks_and_the_root_of_the_model():
+    from plans.meta import meta_device
+    from workloads.gpt import GPT
+
+    with meta_device():
+        model = GPT(d_model=64, n_head=4, n_layer=3, seq_len=32)
+    units = fsdp_units(model)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    assert units.largest_block == block and units.blocks == 3 * block
+    assert units.root == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) - 3 * block
+
+
+def test_fsdp2_plans_map_onto_zero3_for_the_cost_model():
+    plan = gpu_plan(engine=FSDP2, fsdp=FSDPSpec(reshard_after_forward=False))
+    settings = engine_settings(plan, OptimSpec())
+    assert settings.zero_stage == ZeroStage.parameters and settings.engine == FSDP2
+    assert settings.reshard_after_forward is False and settings.torch_adam
+
+
+# --- time ----------------------------------------------------------------------------------------
+
+COST = ModelCost(seq_len=128, flops_per_sample=10**12, flops_per_sample_checkpointed=13 * 10**11, param_count=10**9,
+                 tp_param_count={1: 10**9}, row_parallel_out_per_sample=0, row_parallel_layers=0,
+                 column_parallel_in_per_sample=0, column_parallel_layers=0, boundary_per_sample=0, n_layers=10,
+                 param_modules=60)
+
+
+def test_fsdp2_gathers_and_reduce_scatters_by_hand():
+    speeds = Speeds.declared(ClusterSpec(accelerator=Accelerator.gpu, devices_per_node=2))
+    speeds = dataclasses.replace(speeds, intra_latency_s=0.0)
+    bw = speeds.bus_gbps("intra")
+    root = 10**8
+    for reshard, gathers in ((True, 2), (False, 1)):
+        plan = gpu_plan(dp=2, engine=FSDP2, fsdp=FSDPSpec(reshard_after_forward=reshard))
+        got = fsdp_dp_comm_s(plan, COST, speeds, devices_per_node=2, root_params=root)
+        # bf16 blocks gathered once or twice and the root once; gradients reduce-scattered in fp32.
+        gathered = 2 * ((10**9 - root) * gathers + root)
+        assert got == pytest.approx(_half_ring_s(gathered, 2, bw, 0.0) + _half_ring_s(4 * 10**9, 2, bw, 0.0))
+    one_rank = gpu_plan(dp=1, engine=FSDP2)
+    assert fsdp_dp_comm_s(one_rank, COST, speeds, devices_per_node=2) == 0.0
+
+
+def test_prediction_picks_the_engine_and_credits_prefetch_on_gpus():
+    speeds = Speeds.declared(ClusterSpec(accelerator=Accelerator.gpu, devices_per_node=8))
+    ds = gpu_plan(zero_stage=3)
+    assert predict(ds, COST, speeds, devices_per_node=8, optim=OptimSpec()) == predict_step(
+        ds, COST, speeds, devices_per_node=8, optim=OptimSpec())
+    fsdp = gpu_plan(engine=FSDP2)
+    step = predict(fsdp, COST, speeds, devices_per_node=8, optim=OptimSpec())
+    unhidden = fsdp_dp_comm_s(fsdp, COST, speeds, devices_per_node=8)
+    assert step.dp_comm_s < unhidden
+    assert step.tokens_per_s == pytest.approx(fsdp.global_batch_size * COST.seq_len / step.total_s)
+
+
+# --- the tuner's search space --------------------------------------------------------------------
+
+def test_the_search_space_adds_fsdp2_without_pipelines_or_zero_stages():
+    space = SearchSpace(world_size=4, global_batch_size=8, tp=(1,), pp=(1, 2), zero_stages=(0, 1, 2, 3),
+                        engines=(EngineName.deepspeed, FSDP2), micro_batch_sizes=(2,))
+    plans = list(space.plans())
+    fsdp = [p for p in plans if p.engine == FSDP2]
+    deepspeed = [p for p in plans if p.engine == EngineName.deepspeed]
+    assert deepspeed == list(dataclasses.replace(space, engines=(EngineName.deepspeed,)).plans())
+    assert {p.pp for p in fsdp} == {1} and {p.zero_stage for p in fsdp} == {0}
+    assert {(p.offload_optimizer, p.offload_param) for p in fsdp} == {(Offload.none, Offload.none),
+                                                                      (Offload.cpu, Offload.cpu)}
+    assert {p.fsdp.reshard_after_forward for p in fsdp} == {True, False}
+    # reshard x offload x checkpointing at the one layout without pipelines.
+    assert len(fsdp) == 2 * 2 * 2
+    for spec in fsdp:
+        resolve_plan(spec, ClusterSpec(devices_per_node=4), TrainSpec(global_batch_size=8))
+
+
+def test_an_unknown_engine_in_the_search_space_is_refused_before_anything_runs():
+    from orchestrator.declared import declared_violations
+
+    typed, _, _ = to_typed(compose_config("tune.engines=[deepspeed,fsdp]"))
+    (violation,) = [v for v in declared_violations(typed) if v.field == "tune.engines"]
+    assert str(violation) == ("tune.engines=['deepspeed', 'fsdp']: the tuner searches the engines deepspeed, fsdp2. "
+                              "Fix: set tune.engines=[deepspeed,fsdp2] or a subset of it")
