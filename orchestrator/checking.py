@@ -71,6 +71,23 @@ def check_tensor_parallel(probe: ModelProbe, plan: ResolvedPlan, workload: Workl
                                    f"the tensor-parallel layer specs ({workload.tp_specs_source}) match no layer of "
                                    f"{target}: every rank would hold and compute the whole model.",
                                    "set plan.tp=1, or fix the specs' patterns (regexes of parameter names)")])
+    if plan.engine is EngineName.fsdp2 and (fused := fused_tp_layers(workload)):
+        raise PlanError([Violation("plan.tp", plan.tp,
+                                   f"the tensor-parallel layer specs ({workload.tp_specs_source}) split fused layers "
+                                   f"({', '.join(map(str, fused))}), which plan.engine=fsdp2 cannot shard: DTensor's "
+                                   "column- and row-wise styles split a weight evenly and would mix the fused parts.",
+                                   "set plan.engine=deepspeed (AutoTP splits fused layers), or plan.tp=1")])
+
+
+def fused_tp_layers(workload: Workload) -> list[list[str]]:
+    """The patterns of the layer specs that split a fused weight (q, k and v stacked: ``shape`` or
+    ``partition_dim``), which FSDP2's tensor parallelism cannot: DTensor's column- and row-wise
+    styles split a weight evenly along one dimension. A Hugging Face model's own plan is used by
+    the FSDP2 engine instead of specs, and splits no fused weight."""
+    if (workload.tp_specs_source or "").endswith("own tensor-parallel plan"):
+        return []
+    return [spec["patterns"] for spec in workload.tp_layer_specs or []
+            if spec.get("partition_type") != "skip" and ("shape" in spec or "partition_dim" in spec)]
 
 
 def check_pipeline(probe: ModelProbe, plan: ResolvedPlan, model_cfg: dict,

@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import ExitStack
 
-from orchestrator.checking import check_model, check_pipeline, live_cluster
+from orchestrator.checking import check_model, check_pipeline, fused_tp_layers, live_cluster
 from orchestrator.config import RunConfig
 from orchestrator.inputs import check_inputs, declared_violations
 from orchestrator.models import DEPTH_KEY, build_model, inspect_declared_model
@@ -104,6 +104,8 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
         return None
 
     def plan_problem(plan: ResolvedPlan) -> str | None:
+        if plan.engine is EngineName.fsdp2 and plan.tp > 1 and fused_tp_layers(workload):
+            return "fsdp2 cannot split the model's fused tensor-parallel layers"
         if plan.pp <= 1:
             return None
         try:

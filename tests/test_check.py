@@ -245,3 +245,8 @@ def test_check_an_fsdp2_plan_names_its_parts_and_engine(tmp_path):
     assert refused.returncode == 2
     assert "plan.pp=2: pipeline plans are DeepSpeed's" in refused.stderr
     assert "Fix: set plan.engine=deepspeed or plan.pp=1" in refused.stderr
+    # The built-in GPT's fused qkv cannot be split by DTensor's styles: refused before any worker.
+    fused = orch("check", "plan.engine=fsdp2", "plan.tp=2", cwd=tmp_path)
+    assert fused.returncode == 2
+    assert "plan.tp=2: the tensor-parallel layer specs" in fused.stderr and "split fused layers" in fused.stderr
+    assert "Fix: set plan.engine=deepspeed (AutoTP splits fused layers), or plan.tp=1" in fused.stderr
