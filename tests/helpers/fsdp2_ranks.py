@@ -148,6 +148,7 @@ def train_and_save(rank: int, world: int, out: Path, *, model: str, tp: int = 1,
                                             for i in range(accum)) / accum
         torch.save(full, out / "consolidated.pt")
         torch.save(torch.get_rng_state(), out / "rng.pt")
+    torch.distributed.barrier()  # no rank leaves the group while another still works in it
     engine.shutdown()
     return found
 
@@ -168,6 +169,7 @@ def resume(rank: int, world: int, out: Path, *, model: str, steps: int = 6, prec
         found["weights_equal"] = sorted(full) == sorted(saved) and all(
             torch.equal(full[name], saved[name]) for name in saved)
     found["next_loss"] = engine.train_step(batches(model), lambda: None)
+    torch.distributed.barrier()  # no rank leaves the group while another still works in it
     engine.shutdown()
     return found
 
@@ -183,6 +185,7 @@ def refuse(rank: int, world: int, out: Path, *, model: str, tag: str, roots: lis
             found[root] = {"refused": None}
         except Exception as error:  # the test checks which error, and its message
             found[root] = {"refused": type(error).__name__, "message": str(error)}
+    torch.distributed.barrier()  # no rank leaves the group while another still works in it
     engine.shutdown()
     return found
 
