@@ -70,14 +70,22 @@ def log_trained_model(tracker, workload: Workload, exported: dict) -> None:
         tracker.client.log_artifact(tracker.run_id, str(Path(tmp) / "check.safetensors"), "model")
 
 
-def consolidated_from_checkpoint(folder: Path, zero_stage: int) -> dict[str, torch.Tensor]:
-    """The whole model's fp32 weights from one DeepSpeed checkpoint folder (a data-parallel plan's).
+def consolidated_from_checkpoint(folder: Path, zero_stage: int, engine: str = "deepspeed") -> dict[str, torch.Tensor]:
+    """The whole model's fp32 weights from one checkpoint folder: DeepSpeed's (a data-parallel
+    plan's) or FSDP2's (any dp and tp: torch.distributed.checkpoint joins the shards).
 
     Every file is checked against the checkpoint's manifest and unpickled weights-only
     (:func:`launchers.safe_load.verified_loading`): DeepSpeed's own converter reads them with
-    ``torch.load``, which that context makes safe.
+    ``torch.load``, which that context makes safe; FSDP2's metadata is read with an allow-list.
     """
     from launchers.safe_load import load_weights_only, verified_loading
+
+    if engine == "fsdp2":
+        from launchers.engines.fsdp2.dcp_files import full_model_state
+        from launchers.manifest import verify
+
+        verify(folder)
+        return {name: tensor.float() for name, tensor in full_model_state(folder).items()}
 
     with verified_loading(folder):
         if zero_stage == 0:
@@ -108,7 +116,8 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
     client = open_existing(uri)
     run = reading(uri, f"run {run_id}", lambda: client.get_run(run_id))
     params = run.data.params
-    if params.get("plan.tp", "1") != "1" or params.get("plan.pp", "1") != "1":
+    engine = params.get("plan.engine", "deepspeed")
+    if engine != "fsdp2" and (params.get("plan.tp", "1") != "1" or params.get("plan.pp", "1") != "1"):
         raise PlanError([Violation("run", run_id, f"was trained with tp={params.get('plan.tp')} and "
                                    f"pp={params.get('plan.pp')}; only data-parallel checkpoints are consolidated.",
                                    "load the checkpoint with the same plan to use it")])
@@ -137,7 +146,7 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
         model = model_factory(constructor_cfg)()
         check_model_params(where, saved.get("params"), model)
         with _export_fix():
-            state = consolidated_from_checkpoint(folder, int(params.get("plan.zero_stage", 0)))
+            state = consolidated_from_checkpoint(folder, int(params.get("plan.zero_stage", 0)), engine)
     model = load_trained(model, state)
     if out is not None:
         save_weights(model, out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from helpers.config import FAST, compose_config
@@ -49,6 +50,15 @@ def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_referenc
     assert run.info.status == "FINISHED" and run.data.params["plan.engine"] == "fsdp2"
     # Measured against predicted memory, logged as for DeepSpeed runs.
     assert any(name.startswith("memory") for name in run.data.metrics), sorted(run.data.metrics)
+    # `orch export` joins the newest checkpoint's shards (DCP, in one process) into the model's weights,
+    # the ones the run itself logged at its end.
+    from safetensors.torch import load_file
+
+    from orchestrator.export import export_run
+
+    assert export_run(sqlite_uri, resumed.run_id, to_typed(compose_config())[1], tmp_path / "out") == "step_000000030"
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert exported and all(t.dtype == torch.float32 for t in exported.values())
     # A DeepSpeed run cannot take the FSDP2 checkpoint: refused before any worker starts.
     from plans.errors import PlanError
 

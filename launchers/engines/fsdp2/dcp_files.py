@@ -146,3 +146,25 @@ def weights_only_planner():
                 self.state_dict[read_item.dest_index.fqn] = loaded
 
     return WeightsOnlyLoadPlanner()
+
+
+def full_model_state(folder: str | os.PathLike) -> dict[str, Any]:
+    """The whole model's weights from an FSDP2 checkpoint folder, in one process, without a process
+    group (``orch export``): every shard of every rank put back together by DCP itself.
+
+    The caller has verified every file against the manifest; the metadata is read by
+    :func:`read_metadata` (refused if it names anything but DCP's data), and the tensors are read
+    into empty ones of the sizes and dtypes it records, under the model's own names.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_metadata(os.path.join(folder, ".metadata"))
+    prefix = "model."
+    model = {key[len(prefix):]: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+             for key, entry in metadata.state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    state = {"model": model}
+    dcp.load(state, storage_reader=verified_reader(folder), planner=weights_only_planner(), no_dist=True)
+    return state["model"]
