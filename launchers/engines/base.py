@@ -53,6 +53,32 @@ def describe_optimizer(optimizer) -> str:
     return name
 
 
+def mean_objective(model, objective, val_batches: Iterator[Any], batches: int,
+                   to_device: Callable[[Any], Any]) -> dict[str, float]:
+    """The objective's loss and its own metrics (its optional ``metrics(outputs, batch)``) on
+    ``batches`` held-out batches, each a mean over them; ``model`` is put in evaluation mode for
+    it and back in training mode after. What every engine's :meth:`Engine.evaluate` computes when
+    one rank holds the whole forward (not a pipeline stage)."""
+    import torch
+
+    from plans.workload import call_model
+
+    metrics = getattr(objective, "metrics", None)
+    totals: dict[str, float] = {}
+    model.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(batches):
+                batch = to_device(next(val_batches))
+                outputs = call_model(model, batch)
+                found = {"loss": objective(outputs, batch), **(metrics(outputs, batch) if metrics else {})}
+                for name, value in found.items():
+                    totals[name] = totals.get(name, 0.0) + float(value)
+    finally:
+        model.train()
+    return {name: total / batches for name, total in totals.items()}
+
+
 class Engine(ABC):
     """One rank's training engine. Created empty; :meth:`start` joins the process group,
     :meth:`build` wraps the model, and the loop then calls the rest."""

@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from launchers.engines.base import BuiltModel, Engine
+from launchers.engines.base import BuiltModel, Engine, mean_objective
 from launchers.engines.deepspeed.building import (
     PipelineTensorGrid,
     build_model,
@@ -133,29 +133,13 @@ class DeepSpeedEngine(Engine):
         return total / self.plan.grad_accum_steps
 
     def evaluate(self, val_batches: Iterator[Any], batches: int) -> dict[str, float]:
-        import torch
-
-        from plans.workload import call_model
-
         if self.plan.pp > 1:
             # The last stage computes the loss; DeepSpeed averages it over the micro-batches and
             # the data-parallel replicas and broadcasts it to every stage.
             loss = self.engine.eval_batch(val_batches, num_micro_batches=batches)
             self.engine.train()
             return {"loss": loss.item()}
-        objective = self.job.workload.objective
-        metrics = getattr(objective, "metrics", None)
-        self.engine.eval()
-        totals: dict[str, float] = {}
-        with torch.no_grad():
-            for _ in range(batches):
-                batch = self._batch(next(val_batches))
-                outputs = call_model(self.engine, batch)
-                found = {"loss": objective(outputs, batch), **(metrics(outputs, batch) if metrics else {})}
-                for name, value in found.items():
-                    totals[name] = totals.get(name, 0.0) + float(value)
-        self.engine.train()
-        return {name: total / batches for name, total in totals.items()}
+        return mean_objective(self.engine, self.job.workload.objective, val_batches, batches, self._batch)
 
     def outputs(self, batch: Any) -> Any:
         import torch

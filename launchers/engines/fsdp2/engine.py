@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from launchers.engines.base import BuiltModel, Engine
+from launchers.engines.base import BuiltModel, Engine, mean_objective
 
 if TYPE_CHECKING:
     import torch
@@ -137,23 +137,7 @@ class FSDP2Engine(Engine):
         return total / micro
 
     def evaluate(self, val_batches: Iterator[Any], batches: int) -> dict[str, float]:
-        import torch
-
-        from plans.workload import call_model
-
-        objective = self.job.workload.objective
-        metrics = getattr(objective, "metrics", None)
-        totals: dict[str, float] = {}
-        self.model.eval()
-        with torch.no_grad():
-            for _ in range(batches):
-                batch = self._batch(next(val_batches))
-                outputs = call_model(self.model, batch)
-                found = {"loss": objective(outputs, batch), **(metrics(outputs, batch) if metrics else {})}
-                for name, value in found.items():
-                    totals[name] = totals.get(name, 0.0) + float(value)
-        self.model.train()
-        return {name: total / batches for name, total in totals.items()}
+        return mean_objective(self.model, self.job.workload.objective, val_batches, batches, self._batch)
 
     def outputs(self, batch: Any) -> Any:
         import torch
