@@ -149,8 +149,8 @@ def check_app(cfg: DictConfig) -> None:
 def tune_app(cfg: DictConfig) -> None:
     protect_config(cfg)
 
-    from orchestrator.tune_result import render, to_json_text
-    from orchestrator.tuning import tune
+    from orchestrator.tune.result import render, to_json_text
+    from orchestrator.tune.search import tune
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     try:

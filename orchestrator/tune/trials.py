@@ -10,8 +10,8 @@ import time
 from omegaconf import OmegaConf
 
 from orchestrator.config import RunConfig
-from orchestrator.plan_file import plan_values
-from orchestrator.tune_result import Trial, TuneResult, describe
+from orchestrator.tune.plan_file import plan_values
+from orchestrator.tune.result import Trial, TuneResult, describe
 from plans.errors import OrchError
 from plans.resolve import ResolvedPlan
 from plans.search_space import Candidate, SearchContext, plan_spec

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from orchestrator.config import RunConfig
-from orchestrator.tune_result import TuneResult, describe, render
+from orchestrator.tune.result import TuneResult, describe, render
 
 
 def start_parent(cfg: RunConfig, model_cfg: dict, cluster, result: TuneResult):
