@@ -213,7 +213,7 @@ def predicted_step_times(cases: list[Case], setup: Setup, machine: Machine, work
     from launchers.ray_session import ray_session
     from launchers.worker_group import job_env
     from orchestrator.config import register_configs, to_typed
-    from orchestrator.tuning import measure_speeds, prepare
+    from orchestrator.tune.search import measure_speeds, prepare
     from plans.search_space import search
 
     register_configs()

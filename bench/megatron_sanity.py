@@ -8,7 +8,7 @@ precision, full activation recomputation. Black et al., "GPT-NeoX-20B" (2022): 4
 micro-batch 4, 117 TFLOP/s per GPU.
 
 Each row is predicted by ``orch tune``'s own path (the model probed on ``meta`` through
-``orchestrator.tuning.prepare``, :func:`plans.cost_model.predict_step`) with ``cluster=a100_8x`` as
+``orchestrator.tune.search.prepare``, :func:`plans.cost_model.predict_step`) with ``cluster=a100_8x`` as
 declared (no calibration; each GEMM priced at its shape on the A100's 108 SMs), on the built-in GPT at
 the published shape and with the kernels those
 runs had: attention scores written out, softmax and dropout over them (``model.fused_attention=false``;
@@ -46,8 +46,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 
 from orchestrator.config import register_configs, to_typed
-from orchestrator.tune_result import describe
-from orchestrator.tuning import prepare
+from orchestrator.tune.result import describe
+from orchestrator.tune.search import prepare
 from plans.cost_model import Speeds, predict_step
 from plans.resolve import resolve_plan
 from plans.search_space import search

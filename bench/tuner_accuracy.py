@@ -42,9 +42,9 @@ from hydra import compose, initialize_config_module
 from bench.harness import format_load, machine
 from launchers.ray_session import ray_session
 from orchestrator.config import register_configs, to_typed
-from orchestrator.trials import run_trial
-from orchestrator.tune_result import TuneResult, describe
-from orchestrator.tuning import measure_speeds, prepare, tune
+from orchestrator.tune.result import TuneResult, describe
+from orchestrator.tune.search import measure_speeds, prepare, tune
+from orchestrator.tune.trials import run_trial
 from plans.cost_model import Speeds, predict_step
 from plans.resolve import ResolvedPlan
 from plans.search_space import search

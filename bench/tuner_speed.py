@@ -24,7 +24,7 @@ import torch
 
 from bench.harness import compose_config, header, publish
 from orchestrator.config import to_typed
-from orchestrator.tuning import prepare
+from orchestrator.tune.search import prepare
 from plans.activations import measure_activations, measure_activations_depth_scaled
 from plans.model_cost import measure_model_cost
 from plans.search_space import search

@@ -1,1 +1,1 @@
-"""The orchestrator: CLI, driver and tracking glue over plans/ and launchers/."""
+"""The orchestrator: CLI, config, driver and their sub-packages (tune/, tracking/) over plans/ and launchers/."""

@@ -149,8 +149,8 @@ def check_app(cfg: DictConfig) -> None:
 def tune_app(cfg: DictConfig) -> None:
     protect_config(cfg)
 
-    from orchestrator.tune_result import render, to_json_text
-    from orchestrator.tuning import tune
+    from orchestrator.tune.result import render, to_json_text
+    from orchestrator.tune.search import tune
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     try:
@@ -170,7 +170,7 @@ def config_app(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def runs_app(cfg: DictConfig) -> None:
-    from orchestrator.report import runs_command
+    from orchestrator.tracking.report import runs_command
 
     protect_config(cfg)
     try:
@@ -207,8 +207,8 @@ def _out_directory(command: str) -> Path | None:
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def report_app(cfg: DictConfig) -> None:
-    from orchestrator.report import report_command
-    from orchestrator.tracking import resolve_run_id
+    from orchestrator.tracking.report import report_command
+    from orchestrator.tracking.store import resolve_run_id
 
     protect_config(cfg)
     run_id = _required_run_id("report")
@@ -226,7 +226,7 @@ def report_app(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def export_app(cfg: DictConfig) -> None:
     from orchestrator.export import export_run
-    from orchestrator.tracking import resolve_run_id
+    from orchestrator.tracking.store import resolve_run_id
 
     protect_config(cfg)
     run_id = _required_run_id("export")

@@ -43,7 +43,7 @@ from orchestrator.progress import Progress
 from orchestrator.resume import checkpoint_dir_lock, signature_of
 from orchestrator.startup import StartupClock, in_background
 from orchestrator.startup import describe as describe_startup
-from orchestrator.step_metrics import mean_peak_tflops, step_metrics
+from orchestrator.tracking.step_metrics import mean_peak_tflops, step_metrics
 from plans.errors import PlanError, Violation
 from plans.estimate import PlanEstimate
 from plans.flops import training_flops_per_sample
@@ -53,7 +53,7 @@ from plans.spec import Accelerator, ClusterSpec, EngineName, ResumeMode
 from plans.workload import StreamingSource, Workload, data_task_cpus
 
 if TYPE_CHECKING:
-    from orchestrator.tracking import RunTracker
+    from orchestrator.tracking.store import RunTracker
 
 
 @dataclass
@@ -161,7 +161,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         # before they pass.
         if ray_ready is None:
             ray_ready = held.enter_context(run_ray_session(cfg, plan, data_cpus=data_task_cpus(workload.data)))
-        imported = held.enter_context(in_background(importlib.import_module, "orchestrator.train_tracking"))
+        imported = held.enter_context(in_background(importlib.import_module, "orchestrator.tracking.train_run"))
         prepared = prepare_job(cfg, model_cfg, cluster, workload=workload, plan=plan)
         # Taken once the plan and inputs are known to be valid, so every problem with them is
         # reported together; held until the run ends.
@@ -196,7 +196,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
         finally:
             progress.close()
             if tracker:
-                from orchestrator.train_tracking import log_plots
+                from orchestrator.tracking.train_run import log_plots
 
                 tracker.finish(status)
                 log_plots(tracker)
@@ -248,9 +248,9 @@ def open_tracking(cfg: RunConfig, model_cfg: dict, prepared: PreparedJob, publis
                   config_yaml: str, tags: dict[str, str]) -> RunTracker:
     """The run's MLflow run: the one a resumed checkpoint belongs to, or a new one with the
     config, the estimate and the dataset. ``cfg`` holds the tracking URI that answered
-    (:func:`orchestrator.train_tracking.opened_tracking`)."""
-    from orchestrator.tracking import RunTracker
-    from orchestrator.train_tracking import start_tracking
+    (:func:`orchestrator.tracking.train_run.opened_tracking`)."""
+    from orchestrator.tracking.store import RunTracker
+    from orchestrator.tracking.train_run import start_tracking
 
     if published and published.run_id:
         return RunTracker.resume(uri=cfg.tracking.uri, run_id=published.run_id)
@@ -292,7 +292,7 @@ def _train(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: RunTra
             if isinstance(error, WorkerHangError):
                 print(f"hang: {error}", file=out, flush=True)
                 if tracker:
-                    from orchestrator.train_tracking import record_hang
+                    from orchestrator.tracking.train_run import record_hang
 
                     record_hang(tracker, error, failures + 1)
             failures += 1
@@ -323,7 +323,7 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
     _note_setup(result.worker_facts, tracker)
     on_system = None
     if tracker:
-        from orchestrator.train_tracking import SystemMetricsLog
+        from orchestrator.tracking.train_run import SystemMetricsLog
 
         on_system = SystemMetricsLog(tracker, result.worker_facts)
     peak_tflops = mean_peak_tflops(result.worker_facts)
@@ -437,7 +437,7 @@ def _print_summary(result: TrainResult, tracker: RunTracker | None, out) -> None
         lines.append(f"final loss {last.loss:.4f}" + (f", eval loss {result.eval_loss:.4f}"
                                                        if result.eval_loss is not None else ""))
     if tracker:
-        from orchestrator.tracking import redact_uri
+        from orchestrator.tracking.store import redact_uri
 
         lines.append(f"MLflow run {tracker.run_id} in experiment {tracker.experiment_id} "
                      f"({redact_uri(tracker.uri)})")

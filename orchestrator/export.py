@@ -109,7 +109,7 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
     from launchers.manifest import verify
     from launchers.storage import RemoteDir, location_violation
     from orchestrator.models import model_factory, split_model_config
-    from orchestrator.tracking import RunTracker, open_existing, reading
+    from orchestrator.tracking.store import RunTracker, open_existing, reading
     from plans.errors import PlanError, Violation
     from plans.locations import is_remote, local_path
 

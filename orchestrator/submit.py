@@ -133,7 +133,7 @@ def check_tracking(cfg: RunConfig) -> list[str]:
     cluster reaches (a dashboard reached through a port forward). Credentials from here are never
     sent with the job, so whenever the server wants some the note says where the job finds them.
     """
-    from orchestrator.tracking import TrackingError, TrackingUnreachable, check_reachable
+    from orchestrator.tracking.store import TrackingError, TrackingUnreachable, check_reachable
 
     uri = cfg.tracking.uri
     if not cfg.tracking.enabled or not uri.startswith(("http://", "https://")):

@@ -90,7 +90,7 @@ class SweepTracking(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if command != "train" or not config.tracking.enabled:
             return
-        from orchestrator.tracking import RunTracker, git_commit
+        from orchestrator.tracking.store import RunTracker, git_commit
 
         sweep_dir = str(config.hydra.sweep.dir)
         params = {"sweep.dir": sweep_dir, "sweep.sweeper": str(config.hydra.sweeper.get("_target_", "")),

@@ -226,7 +226,7 @@ def test_one_run_at_a_time_holds_a_checkpoint_dir(tmp_path):
 def test_resuming_a_finished_run_never_changes_its_status(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.tracking import RunTracker
+    from orchestrator.tracking.store import RunTracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     finished = RunTracker.start(uri=uri, experiment="orch", run_name="done", params={}, tags={})

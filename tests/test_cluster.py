@@ -185,7 +185,7 @@ def test_credentials_in_the_uri_reach_an_auth_server_and_are_written_nowhere(mlf
 
 
 def test_refused_credentials_are_a_clear_error(mlflow_auth_server, tmp_path, monkeypatch):
-    from orchestrator.tracking import TrackingError, check_reachable
+    from orchestrator.tracking.store import TrackingError, check_reachable
 
     url = mlflow_auth_server["url"]
     wrong = f"http://{ADMIN}:Wrong-pw@{url.removeprefix('http://')}"
@@ -207,7 +207,7 @@ def test_refused_credentials_are_a_clear_error(mlflow_auth_server, tmp_path, mon
     # tracking.fallback=local is for a server that is down, not one that refuses the user.
     from helpers.config import compose_config
     from orchestrator.config import to_typed
-    from orchestrator.train_tracking import reachable_tracking
+    from orchestrator.tracking.train_run import reachable_tracking
 
     typed, _, _ = to_typed(compose_config(f"tracking.uri={url}", "tracking.fallback=local"))
     with pytest.raises(TrackingError, match="HTTP 401"):
@@ -215,7 +215,7 @@ def test_refused_credentials_are_a_clear_error(mlflow_auth_server, tmp_path, mon
     # A user the server lets read but not write an experiment: refused when the run starts, not later.
     from mlflow.server.auth.client import AuthServiceClient
 
-    from orchestrator.tracking import RunTracker
+    from orchestrator.tracking.store import RunTracker
 
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", mlflow_auth_server["password"])

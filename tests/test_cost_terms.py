@@ -11,7 +11,7 @@ import torch
 from helpers.config import compose_config, gpu_plan, lm_inputs
 from orchestrator.config import to_typed
 from orchestrator.models import model_factory
-from orchestrator.tune_result import TrainBudget, duration, render
+from orchestrator.tune.result import TrainBudget, duration, render
 from plans.cost_model import (
     DECLARED_BUS_EFFICIENCY,
     DECLARED_MEMORY_EFFICIENCY,
@@ -235,7 +235,7 @@ def test_time_to_train_cost_and_mfu_follow_from_the_predicted_speed():
 
 
 def test_orch_tune_prints_mfu_time_to_train_and_cost(tmp_path):
-    from orchestrator.tuning import tune
+    from orchestrator.tune.search import tune
 
     typed, model_cfg, _ = to_typed(compose_config(
         f"tune.out={tmp_path / 'w.yaml'}", "train.global_batch_size=16", "tune.pp=[1]", "tune.tp=[1]",

@@ -19,7 +19,7 @@ from helpers.processes import worker_env
 from orchestrator import models
 from orchestrator.checking import check_run
 from orchestrator.config import to_typed
-from orchestrator.tuning import prepare
+from orchestrator.tune.search import prepare
 from plans.depth_scaling import SHALLOW_DEPTHS
 from plans.errors import PlanError
 from plans.partition import partition_balanced

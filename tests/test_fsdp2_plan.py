@@ -9,7 +9,7 @@ import pytest
 
 from helpers.config import compose_config, gpu_plan
 from orchestrator.config import to_typed
-from orchestrator.plan_file import plan_overrides, plan_values
+from orchestrator.tune.plan_file import plan_overrides, plan_values
 from plans.activations import ActivationBytes
 from plans.cost_model import ModelCost, Speeds, _half_ring_s, predict_step
 from plans.engine import EngineSettings, FSDPMesh, ZeroStage, engine_settings, fsdp_mesh

@@ -100,9 +100,9 @@ def test_a_planted_remote_record_cannot_point_outside_the_directory(s3_env):
 def test_a_tuned_plan_is_written_to_object_storage(s3_env):
     from omegaconf import OmegaConf
 
-    from orchestrator.plan_file import check_plan_file, train_command, write_plan_file
-    from orchestrator.tune_result import TuneResult
-    from orchestrator.tuning import prepare
+    from orchestrator.tune.plan_file import check_plan_file, train_command, write_plan_file
+    from orchestrator.tune.result import TuneResult
+    from orchestrator.tune.search import prepare
     from plans.search_space import search
 
     with pytest.raises(PlanError, match=r"tune.out='s3://missing/plans/tuned.yaml': its directory names the bucket"):

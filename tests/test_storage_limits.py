@@ -23,7 +23,7 @@ from launchers.storage import location_violation
 from orchestrator.cli import storage_checks_bounded
 from orchestrator.config import to_typed
 from orchestrator.inputs import input_violations
-from orchestrator.plan_file import check_plan_file
+from orchestrator.tune.plan_file import check_plan_file
 from plans.errors import PlanError
 from plans.locations import open_location, probe_limit
 

@@ -20,7 +20,7 @@ from orchestrator.credentials import (
     redact_text,
     split_credentials,
 )
-from orchestrator.tracking import RunTracker, TrackingError, experiment_id_for, open_client
+from orchestrator.tracking.store import RunTracker, TrackingError, experiment_id_for, open_client
 
 ORCH = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"
 

@@ -9,8 +9,8 @@ from mlflow.tracking import MlflowClient
 
 from helpers.config import compose_config
 from orchestrator.config import to_typed
-from orchestrator.tune_result import render
-from orchestrator.tuning import tune
+from orchestrator.tune.result import render
+from orchestrator.tune.search import tune
 
 pytestmark = pytest.mark.slow
 

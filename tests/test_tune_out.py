@@ -16,7 +16,7 @@ import pytest
 from helpers.config import compose_config
 from helpers.processes import worker_env
 from orchestrator.config import to_typed
-from orchestrator.plan_file import check_plan_file
+from orchestrator.tune.plan_file import check_plan_file
 from plans.errors import PlanError
 
 ORCH = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"
@@ -84,7 +84,7 @@ def test_tune_out_replaces_a_tuned_plan_and_never_a_file_it_did_not_write(tmp_pa
 def test_the_package_directories_are_those_this_process_imports():
     import orchestrator
     import plans
-    from orchestrator.plan_file import package_dirs
+    from orchestrator.tune.plan_file import package_dirs
 
     dirs = package_dirs()
     assert Path(orchestrator.__file__).resolve().parent in dirs and Path(plans.__file__).resolve().parent in dirs

@@ -11,8 +11,8 @@ from helpers.config import compose_config, gpu_plan, lm_inputs
 from launchers.placement import rank_layout
 from orchestrator.config import to_typed
 from orchestrator.models import model_factory
-from orchestrator.plan_file import plan_overrides, write_plan_file
-from orchestrator.tuning import prepare
+from orchestrator.tune.plan_file import plan_overrides, write_plan_file
+from orchestrator.tune.search import prepare
 from plans.activations import measure_activations
 from plans.cost_model import ModelCost, Speeds, group_links, predict_step
 from plans.flops import training_flops_per_sample
@@ -117,7 +117,7 @@ def test_memory_prunes_plans_that_do_not_fit():
 def test_winner_file_is_a_valid_plan_and_overrides_round_trip(tmp_path):
     typed, model_cfg, _ = to_typed(compose_config("train.global_batch_size=16", f"tune.out={tmp_path}/p.yaml"))
     space, ctx = prepare(typed, model_cfg, typed.cluster)
-    from orchestrator.tune_result import TuneResult
+    from orchestrator.tune.result import TuneResult
 
     result = TuneResult(search=search(space, ctx), speeds=ctx.speeds, speeds_note="declared", global_batch_size=16)
     result.winner = result.search.best
@@ -408,8 +408,8 @@ def test_orch_tune_prices_a_gpu_declared_over_the_cpu_preset_at_gpu_speeds(tmp_p
 
 
 def test_table_names_rejections_and_the_winner(tmp_path):
-    from orchestrator.tune_result import render
-    from orchestrator.tuning import tune
+    from orchestrator.tune.result import render
+    from orchestrator.tune.search import tune
 
     out = tmp_path / "winner.yaml"
     typed, model_cfg, _ = to_typed(compose_config(f"tune.out={out}", "train.global_batch_size=16", "cluster.nodes=2",
@@ -435,8 +435,8 @@ def test_tune_writes_the_winner_outside_the_package_and_prints_a_command_that_se
     from omegaconf import OmegaConf
 
     from orchestrator import cli, conf
-    from orchestrator.tune_result import render
-    from orchestrator.tuning import tune
+    from orchestrator.tune.result import render
+    from orchestrator.tune.search import tune
 
     monkeypatch.chdir(tmp_path)
     package_conf = Path(conf.__file__).resolve().parent
@@ -460,7 +460,7 @@ def test_tune_writes_the_winner_outside_the_package_and_prints_a_command_that_se
 
 
 def test_a_tuned_plan_may_not_take_the_name_of_a_shipped_plan(tmp_path, monkeypatch):
-    from orchestrator.tuning import tune
+    from orchestrator.tune.search import tune
     from plans.errors import PlanError
 
     monkeypatch.chdir(tmp_path)
@@ -518,7 +518,7 @@ def test_trials_try_each_layout_before_another_zero_stage_of_one():
 
 
 def test_a_trial_is_bounded_by_the_trial_timeout_in_setup_and_in_training():
-    from orchestrator.trials import trial_config
+    from orchestrator.tune.trials import trial_config
 
     typed, _, _ = to_typed(compose_config("tune.trial_timeout_s=120"))
     plan = resolve_plan(typed.plan, typed.cluster, typed.train)

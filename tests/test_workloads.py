@@ -408,7 +408,7 @@ def test_the_same_data_gives_the_same_digest_wherever_it_lies(tmp_path, monkeypa
 
 
 def test_a_description_becomes_an_mlflow_dataset_with_its_source_kind():
-    from orchestrator.tracking import dataset_entity
+    from orchestrator.tracking.store import dataset_entity
 
     local = dataset_entity({"name": "corpus", "source": "/data/corpus.txt", "size": 10, "unit": "bytes",
                             "digest": "ab" * 32})

@@ -1,1 +1,2 @@
-"""Built-in training workloads: a small GPT and a byte-level text corpus."""
+"""Built-in training workloads: models (a small GPT, Hugging Face causal LMs, torchvision
+models), data sources (text, image, corpus and Ray Data) and objectives."""

@@ -17,7 +17,7 @@ matplotlib.use("Agg")  # files only: no display on training nodes or CI
 import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from orchestrator.tracking import open_existing, reading  # noqa: E402
+from orchestrator.tracking.store import open_existing, reading  # noqa: E402
 
 MIB = 1024**2
 _COMPONENTS = ("params", "grads", "optimizer_states", "activations", "buffers", "reserve")

@@ -2,8 +2,8 @@
 
 The pure work (enumeration, pruning, cost model) is :mod:`plans.search_space` and
 :mod:`plans.cost_model`; this module prepares the search (the model probed once), measures the
-cluster's speeds on Ray, and runs the search, the trials (:mod:`orchestrator.trials`), the plan
-file (:mod:`orchestrator.plan_file`) and the tuning run (:mod:`orchestrator.tune_tracking`) in order.
+cluster's speeds on Ray, and runs the search, the trials (:mod:`orchestrator.tune.trials`), the plan
+file (:mod:`orchestrator.tune.plan_file`) and the tuning run (:mod:`orchestrator.tune.tracking`) in order.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from orchestrator.checking import check_model, check_pipeline, fused_tp_layers, 
 from orchestrator.config import RunConfig
 from orchestrator.inputs import check_inputs, declared_violations
 from orchestrator.models import DEPTH_KEY, build_model, inspect_declared_model
-from orchestrator.plan_file import check_plan_file, plan_overrides, write_plan_file
-from orchestrator.trials import pick_winner, run_trial
-from orchestrator.tune_result import TrainBudget, TuneResult
-from orchestrator.tune_tracking import finish_parent, start_parent
+from orchestrator.tune.plan_file import check_plan_file, plan_overrides, write_plan_file
+from orchestrator.tune.result import TrainBudget, TuneResult
+from orchestrator.tune.tracking import finish_parent, start_parent
+from orchestrator.tune.trials import pick_winner, run_trial
 from orchestrator.workload import resolve_workload
 from plans.cost_model import DECLARED_SPEEDS, Speeds, speed_defaults
 from plans.depth_scaling import SHALLOW_DEPTHS

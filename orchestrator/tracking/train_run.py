@@ -2,7 +2,7 @@
 metrics, the nodes' hardware samples, hang evidence and the plots at the end.
 
 The client-side mechanics (reaching a store, buffering metrics, credentials) are
-:mod:`orchestrator.tracking`; this module decides what a run of `orch train` records.
+:mod:`orchestrator.tracking.store`; this module decides what a run of `orch train` records.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from launchers.placement import rank_layout
 from launchers.worker_group import WorkerHangError
 from orchestrator.config import RunConfig
 from orchestrator.credentials import redact_text
-from orchestrator.tracking import (
+from orchestrator.tracking.store import (
     RunTracker,
     TrackingUnreachable,
     check_reachable,
@@ -117,7 +117,7 @@ def record_hang(tracker: RunTracker, error: WorkerHangError, attempt: int) -> No
 
 def log_plots(tracker: RunTracker) -> None:
     """Loss, throughput and memory pictures into the run's ``plots/`` (best effort)."""
-    from orchestrator.report import write_plots
+    from orchestrator.tracking.report import write_plots
 
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -25,7 +25,7 @@ from plans.resolve import ResolvedPlan
 from plans.search_space import plan_spec
 
 if TYPE_CHECKING:
-    from orchestrator.tune_result import TuneResult
+    from orchestrator.tune.result import TuneResult
 
 
 def plan_values(plan: ResolvedPlan) -> dict:

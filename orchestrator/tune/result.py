@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.plan_file import train_command
+from orchestrator.tune.plan_file import train_command
 from plans.cost_model import Speeds, StepTime, declared_speed_values
 from plans.estimate import GIB
 from plans.resolve import ResolvedPlan

@@ -10,8 +10,8 @@ import time
 from omegaconf import OmegaConf
 
 from orchestrator.config import RunConfig
-from orchestrator.plan_file import plan_values
-from orchestrator.tune_result import Trial, TuneResult, describe
+from orchestrator.tune.plan_file import plan_values
+from orchestrator.tune.result import Trial, TuneResult, describe
 from plans.errors import OrchError
 from plans.resolve import ResolvedPlan
 from plans.search_space import Candidate, SearchContext, plan_spec
@@ -104,7 +104,7 @@ def _trial_run_id(cfg: RunConfig, parent_id: str | None, index: int) -> str | No
     """The MLflow run a failed trial left behind (run_training raised before returning it)."""
     if not parent_id:
         return None
-    from orchestrator.tracking import open_client
+    from orchestrator.tracking.store import open_client
 
     client = open_client(cfg.tracking.uri)
     parent = client.get_run(parent_id)

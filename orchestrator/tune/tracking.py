@@ -9,12 +9,12 @@ import tempfile
 from pathlib import Path
 
 from orchestrator.config import RunConfig
-from orchestrator.tune_result import TuneResult, describe, render
+from orchestrator.tune.result import TuneResult, describe, render
 
 
 def start_parent(cfg: RunConfig, model_cfg: dict, cluster, result: TuneResult):
-    from orchestrator.tracking import RunTracker, flatten, git_commit
-    from orchestrator.train_tracking import address_param, reachable_tracking
+    from orchestrator.tracking.store import RunTracker, flatten, git_commit
+    from orchestrator.tracking.train_run import address_param, reachable_tracking
 
     cfg = reachable_tracking(cfg)
     params = flatten({"tune": dataclasses.asdict(cfg.tune), "model": dict(model_cfg),
