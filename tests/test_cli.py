@@ -82,7 +82,7 @@ def _malformed_config_dir(root) -> str:
 @pytest.mark.parametrize(("args", "named"), [
     (["plan.dp=abc"], "full_key: plan.dp"),
     (["no_such_key=1"], "Key 'no_such_key' not in 'RunConfig'"),
-    (["plan=no_such_plan"], "Available options in 'plan': ddp, pipeline"),
+    (["plan=no_such_plan"], "Available options in 'plan': ddp, fsdp2, pipeline"),
     (["--config-dir", "{conf}", "plan=broken"], "malformed YAML"),
     (["--config-dir", "/no/such/dir"], "'/no/such/dir' not found"),
 ])
