@@ -291,7 +291,10 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         path = _cache_file(cache_dir, key)
         if path.exists():
             doc = json.loads(path.read_text())
-            doc["matmul_tflops"] = tuple(tuple(point) for point in doc["matmul_tflops"])
+            # JSON has no tuples: the pairs come back as lists.
+            for pairs in ("matmul_tflops", "matmul_tiles"):
+                if pairs in doc:
+                    doc[pairs] = tuple(tuple(pair) for pair in doc[pairs])
             return Speeds(**doc, source="measured"), f"measured speeds from the cache {path}"
         by_node: dict[str, list[int]] = {}
         for slot in slots:

@@ -157,7 +157,7 @@ def test_help_lists_the_options_a_user_can_choose_and_no_schema(tmp_path):
     groups = dict(line.split(": ", 1) for line in done.stdout.splitlines() if re.fullmatch(r"[a-z_]+: [\w, -]+", line))
     assert groups["data"] == "corpus, dataset, images, mine, ray, text"  # the user's options among the shipped ones
     assert groups["model"].split(", ")[:3] == ["gpt", "gpt3_175b", "hf_causal_lm"] and "mine" in groups["model"]
-    assert groups["plan"] == "ddp, pipeline, zero3_offload" and "hydra" not in groups
+    assert groups["plan"] == "ddp, fsdp2, pipeline, zero3_offload" and "hydra" not in groups
 
 
 @pytest.mark.slow
