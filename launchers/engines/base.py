@@ -79,6 +79,16 @@ def mean_objective(model, objective, val_batches: Iterator[Any], batches: int,
     return {name: total / batches for name, total in totals.items()}
 
 
+def cast_float_buffers(module, dtype) -> None:
+    """Cast ``module``'s floating-point buffers (BatchNorm's running statistics) to ``dtype``.
+
+    Both engines cast the parameters to the training precision (or compute in it) but leave
+    floating-point buffers in fp32, which the layers then refuse to mix with the cast weights."""
+    for buffer in module.buffers():
+        if buffer.is_floating_point():
+            buffer.data = buffer.data.to(dtype)
+
+
 class Engine(ABC):
     """One rank's training engine. Created empty; :meth:`start` joins the process group,
     :meth:`build` wraps the model, and the loop then calls the rest."""
@@ -91,6 +101,12 @@ class Engine(ABC):
 
     dtype: torch.dtype | None = None
     """What floating-point inputs are cast to (the training precision; None: as they come)."""
+
+    def to_device(self, batch: Any) -> Any:
+        """``batch`` on this rank's device, its floating-point tensors in :attr:`dtype`."""
+        from plans.workload import move_batch
+
+        return move_batch(batch, self.device, self.dtype)
 
     @abstractmethod
     def start(self, job: TrainJob, master_addr: str, master_port: int) -> None:

@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from launchers.engines.base import BuiltModel, Engine, mean_objective
+from launchers.engines.base import BuiltModel, Engine, cast_float_buffers, mean_objective
 from launchers.engines.deepspeed.building import (
     PipelineTensorGrid,
     build_model,
@@ -84,11 +84,7 @@ class DeepSpeedEngine(Engine):
         self.device = self.engine.device
         self.dtype = None if plan.precision == Precision.fp32 else plan.precision.dtype
         if self.dtype is not None:
-            # DeepSpeed casts the parameters to the training precision but leaves floating-point
-            # buffers (BatchNorm's running statistics) in fp32, which the layers then refuse.
-            for buffer in module.buffers():
-                if buffer.is_floating_point():
-                    buffer.data = buffer.data.to(self.dtype)
+            cast_float_buffers(module, self.dtype)
         if plan.pp > 1:
             mark_stage_parameters(module, coords)
         if plan.pp > 1 and plan.tp > 1:
@@ -108,11 +104,6 @@ class DeepSpeedEngine(Engine):
         return BuiltModel(built=built, params_at_build=held_at_build, params_on_rank=on_rank,
                           optimizer=describe_optimizer(self.engine.basic_optimizer), optimizer_note=optimizer_note)
 
-    def _batch(self, batch):
-        from plans.workload import move_batch
-
-        return move_batch(batch, self.device, self.dtype)
-
     def train_step(self, batches: Iterator[Any], milestone: Callable[[], None]) -> float:
         if self.plan.pp > 1:
             # One call runs every micro-batch through the stages (DeepSpeed's 1F1B schedule) and
@@ -123,7 +114,7 @@ class DeepSpeedEngine(Engine):
             return loss
         total = 0.0
         for _ in range(self.plan.grad_accum_steps):
-            loss = self.job.workload.loss(self.engine, self._batch(next(batches)))
+            loss = self.job.workload.loss(self.engine, self.to_device(next(batches)))
             milestone()
             self.engine.backward(loss)
             milestone()
@@ -139,7 +130,7 @@ class DeepSpeedEngine(Engine):
             loss = self.engine.eval_batch(val_batches, num_micro_batches=batches)
             self.engine.train()
             return {"loss": loss.item()}
-        return mean_objective(self.engine, self.job.workload.objective, val_batches, batches, self._batch)
+        return mean_objective(self.engine, self.job.workload.objective, val_batches, batches, self.to_device)
 
     def outputs(self, batch: Any) -> Any:
         import torch
@@ -148,7 +139,7 @@ class DeepSpeedEngine(Engine):
 
         self.engine.eval()
         with torch.no_grad():
-            outputs = call_model(self.engine, self._batch(batch))
+            outputs = call_model(self.engine, self.to_device(batch))
         self.engine.train()
         return outputs
 

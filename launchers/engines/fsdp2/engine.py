@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from launchers.engines.base import BuiltModel, Engine, mean_objective
+from launchers.engines.base import BuiltModel, Engine, cast_float_buffers, mean_objective
 
 if TYPE_CHECKING:
     import torch
@@ -59,18 +59,12 @@ class FSDP2Engine(Engine):
         if plan.pp > 1:
             raise RuntimeError(f"plan.pp={plan.pp}: pipeline parallelism runs on DeepSpeed only; set "
                                "plan.engine=deepspeed, or plan.pp=1")
-        self.job = job
         torch.manual_seed(job.train.seed)
         model = job.workload.model_factory()
         params_at_build = sum(p.numel() for p in model.parameters())
         self.dtype = None if plan.precision.value == "fp32" else plan.precision.dtype
         if self.dtype is not None:
-            # FSDP2 casts parameters for compute; floating buffers (BatchNorm's running statistics)
-            # it leaves alone, and the layers refuse to mix them with the cast weights. DeepSpeed
-            # runs cast them the same way.
-            for buffer in model.buffers():
-                if buffer.is_floating_point():
-                    buffer.data = buffer.data.to(self.dtype)
+            cast_float_buffers(model, self.dtype)
         if plan.activation_checkpointing:
             from plans.workload import enable_activation_checkpointing
 
@@ -95,11 +89,6 @@ class FSDP2Engine(Engine):
                           params_at_build=params_at_build, params_on_rank=_local_numel(model),
                           optimizer=describe_optimizer(self.optimizer))
 
-    def _batch(self, batch: Any) -> Any:
-        from plans.workload import move_batch
-
-        return move_batch(batch, self.device, self.dtype)
-
     def train_step(self, batches: Iterator[Any], milestone: Callable[[], None]) -> float:
         """Forward and backward over ``plan.grad_accum_steps`` micro-batches, each loss scaled by
         their number (as DeepSpeed scales it), gradients reduced on the last only; then clipping,
@@ -112,7 +101,7 @@ class FSDP2Engine(Engine):
         total = 0.0
         for index in range(micro):
             self.model.set_requires_gradient_sync(index == micro - 1)
-            loss = self.job.workload.loss(self.model, self._batch(next(batches)))
+            loss = self.job.workload.loss(self.model, self.to_device(next(batches)))
             milestone()
             scaled = loss / micro
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -137,7 +126,7 @@ class FSDP2Engine(Engine):
         return total / micro
 
     def evaluate(self, val_batches: Iterator[Any], batches: int) -> dict[str, float]:
-        return mean_objective(self.model, self.job.workload.objective, val_batches, batches, self._batch)
+        return mean_objective(self.model, self.job.workload.objective, val_batches, batches, self.to_device)
 
     def outputs(self, batch: Any) -> Any:
         import torch
@@ -147,7 +136,7 @@ class FSDP2Engine(Engine):
         self.model.eval()
         try:
             with torch.no_grad():
-                return call_model(self.model, self._batch(batch))
+                return call_model(self.model, self.to_device(batch))
         finally:
             self.model.train()
 
