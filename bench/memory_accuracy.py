@@ -6,8 +6,9 @@ in Ray actors, in fp32; a few bf16 plans follow, then tensor- and pipeline-paral
 (tp=2, pp=2, and tp=2 x pp=2 on 4 workers), compared rank by rank: every pipeline stage
 against the planner's row for that stage. Last, the shipped experiments' workloads other than the
 built-in GPT: a Llama-shaped Hugging Face causal LM on tokenized text, a torchvision ViT under
-ZeRO-3 and ResNet-50, in bf16, each also with activation checkpointing. Each worker measures its real peak tensor bytes
-during ``train.memory_probe_step`` and the tensor bytes it holds after that step
+ZeRO-3 and ResNet-50, in bf16, each also with activation checkpointing; and the FSDP2 engine on
+the built-in GPT, an HF Llama shape and the ViT recipe (``--plans fsdp2``). Each worker measures
+its real peak tensor bytes during ``train.memory_probe_step`` and the tensor bytes it holds after that step
 (launchers/memory_probe.py). The MLflow run of each plan holds both next to the prediction. The
 table compares the most loaded rank against the planner's prediction for it.
 
@@ -84,18 +85,36 @@ WORKLOAD_PLANS = [
 ]
 
 
+# The FSDP2 engine (plan.engine=fsdp2): the built-in GPT, an HF Llama shape and the ViT recipe,
+# with and without resharding after forward, checkpointing and accumulation.
+FSDP2 = ["plan.engine=fsdp2", "plan.zero_stage=0"]
+FSDP2_PLANS = [
+    [*FSDP2, "plan.precision=bf16"],
+    [*FSDP2, "plan.precision=fp32"],
+    [*FSDP2, "plan.precision=bf16", "plan.activation_checkpointing=true"],
+    [*FSDP2, "plan.precision=bf16", "plan.fsdp.reshard_after_forward=false"],
+    [*FSDP2, "plan.precision=bf16", "plan.grad_accum_steps=2"],
+    ["model=hf_causal_lm", *FSDP2, "plan.precision=bf16"],
+    ["model=hf_causal_lm", *FSDP2, "plan.precision=bf16", "plan.activation_checkpointing=true"],
+    ["experiment=vit_fsdp_bf16"],
+    ["experiment=vit_fsdp_bf16", "plan.activation_checkpointing=true"],
+]
+
+
 def plans(which: str = "all") -> list[list[str]]:
     if which == "parallel":
         return PARALLEL_PLANS
     if which == "workloads":
         return WORKLOAD_PLANS
+    if which == "fsdp2":
+        return FSDP2_PLANS
     matrix = []
     for stage, offload, ckpt in itertools.product(range(4), ("none", "cpu"), (False, True)):
         if stage == 0 and offload != "none":
             continue
         matrix.append([f"plan.zero_stage={stage}", f"plan.offload_optimizer={offload}",
                        f"plan.activation_checkpointing={str(ckpt).lower()}"])
-    return matrix + BF16_PLANS + PARALLEL_PLANS + WORKLOAD_PLANS
+    return matrix + BF16_PLANS + PARALLEL_PLANS + WORKLOAD_PLANS + FSDP2_PLANS
 
 
 def micro_batch_bytes(workload, micro_batch_size: int, precision: str) -> int:
@@ -111,7 +130,7 @@ def measure(overrides: list[str], tracking_uri: str) -> list[dict]:
     register_configs()
     with initialize_config_module("orchestrator.conf", version_base="1.3"):
         # The built-in GPT's sizes, unless the plan is an experiment with a model of its own.
-        model = [] if any(o.startswith("experiment=") for o in overrides) else MODEL
+        model = [] if any(o.startswith(("experiment=", "model=")) for o in overrides) else MODEL
         cfg = compose("config", overrides=[*model, *RUN, f"tracking.uri={tracking_uri}",
                                            "tracking.experiment=memory-accuracy", *overrides])
     run_cfg, model_cfg, config_yaml = to_typed(cfg)
@@ -194,8 +213,9 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", type=Path, help="also write the table here")
-    parser.add_argument("--plans", choices=("all", "parallel", "workloads"), default="all",
-                        help="all plans, only the tensor- and pipeline-parallel ones, or only the experiments'")
+    parser.add_argument("--plans", choices=("all", "parallel", "workloads", "fsdp2"), default="all",
+                        help="all plans, only the tensor- and pipeline-parallel ones, only the experiments', "
+                             "or only the FSDP2 engine's")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every plan")
     args = parser.parse_args()
     store = tempfile.mkdtemp(prefix="orch-bench-")
@@ -212,7 +232,7 @@ def main() -> None:
         ray.shutdown()
     hits = sum(within_target(r) for r in rows)
     models = ("the shipped experiments' models and data" if args.plans == "workloads"
-              else f"model {' '.join(MODEL)}")
+              else f"model {' '.join(MODEL)} unless the plan names another")
     command = " ".join(["python -m bench.memory_accuracy", *(["--plans", args.plans] if args.plans != "all" else [])])
     text = (f"Planner accuracy, {datetime.date.today()}, {platform.machine()} {platform.processor() or ''}"
             f" 2 CPU workers, {models}, {' '.join(RUN[-1:])}; `{command}`\n\n"

@@ -147,7 +147,10 @@ class PeakMemoryTracker(TorchDispatchMode):
     a different size (``resize_``, ZeRO-3's ``set_``) changes the total by the difference. A
     finalizer fires when the storage is freed and takes its bytes off the total, which is how
     ``param.data = torch.empty(0)`` (ZeRO-3 releasing a gathered parameter) and activations
-    released in backward come off. :attr:`peak` is the largest total after any operator.
+    released in backward come off. ``UntypedStorage.resize_`` is no operator: FSDP2 frees a
+    gathered block's parameters by resizing their storages to 0 and gathers them again by
+    resizing them back, so while the block runs the method is wrapped to count the new size at
+    once. :attr:`peak` is the largest total after any operator or resize.
 
     It sees: forward, autograd's backward (on CPU the engine runs the ops on the calling thread,
     and it carries the dispatch mode to its threads anyway), recomputation of checkpointed
@@ -160,8 +163,6 @@ class PeakMemoryTracker(TorchDispatchMode):
     * memory a kernel allocates and frees inside one operator (scratch buffers, the per-thread
       workspaces of oneDNN and flash attention): never a tensor that an operator returns;
     * operators run on other threads, which do not carry the mode;
-    * storage resized through ``UntypedStorage.resize_`` directly: the new size is seen only when
-      an operator next touches a tensor on that storage;
     * a storage that existed on entry but only C++ held (so the baseline scan missed it) counts
       from the first operator that uses it, not from the start.
     """
@@ -181,12 +182,25 @@ class PeakMemoryTracker(TorchDispatchMode):
         for storage in _live_storages(_tracked_objects()).values():
             self._see(storage)
         self.baseline = self.peak = self.current
+        self._own_resize = vars(torch.UntypedStorage).get("resize_")  # None: inherited from the C base
+        resize = torch.UntypedStorage.resize_
+
+        def resized(storage: torch.UntypedStorage, size: int):
+            out = resize(storage, size)
+            self._see(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resized
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            if self._own_resize is None:
+                del torch.UntypedStorage.resize_
+            else:
+                torch.UntypedStorage.resize_ = self._own_resize
             # Finalizers left registered would keep this tracker alive and keep counting after the
             # step; the numbers are final once the block ends.
             for tracked in self._tracked.values():

@@ -67,6 +67,13 @@ class ActivationBytes:
     gradients included."""
     grads_at_backward_peak: int = 0
     """Bytes of parameter gradients in ``.grad`` at the moment of ``backward_peak_with_grads``."""
+    blocks_backward_peak: int = 0
+    """``backward_peak`` while backward runs through the repeated layers only (not the loss, the
+    head or the embedding): what FSDP2's per-block gathers meet. 0 when the model has no repeated
+    layers."""
+    blocks_backward_end: int = 0
+    """The bytes alive when backward leaves the first repeated layer (its last): what FSDP2's
+    last block reduce-scatter meets, with every other block's gradients sharded by then."""
 
     @property
     def peak(self) -> int:
@@ -265,40 +272,39 @@ class _LiveBytes(TorchDispatchMode):
         param.grad = None
 
 
-def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInputs, accelerator: Accelerator,
-                trace: bool = False) -> tuple[int, _LiveBytes, PassTrace | None]:
-    """Run forward, loss and backward on meta; the forward's peak, the tracker after backward and,
-    with ``trace``, the live bytes after every allocation with each repeated layer's part."""
+def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInputs,
+                accelerator: Accelerator) -> tuple[int, _LiveBytes, PassTrace]:
+    """Run forward, loss and backward on meta; the forward's peak, the tracker after backward and
+    the live bytes after every allocation with each repeated layer's part."""
     parameters = [p for p in module.parameters() if p.requires_grad]
     live = _LiveBytes(list(module.parameters()))
+    live.trace = []
     handles = [p.register_post_accumulate_grad_hook(live.grad_ready) for p in parameters]
     layers = checkpoint_units(module)
     forward_marks = [[0, 0] for _ in layers]
     backward_marks = [[0, 0] for _ in layers]
     forward_done = False
-    if trace:
-        live.trace = []
 
-        def mark(marks: list[int], at: int):
-            def hook(_grad):
-                marks[at] = len(live.trace)
-            return hook
+    def mark(marks: list[int], at: int):
+        def hook(_grad):
+            marks[at] = len(live.trace)
+        return hook
 
-        for k, layer in enumerate(layers):
-            def enter(_mod, args, k=k):
-                # Also called when a checkpointed layer is recomputed in backward: marked once.
-                if not forward_done:
-                    forward_marks[k][0] = len(live.trace)
-                    if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                        args[0].register_hook(mark(backward_marks[k], 1))
+    for k, layer in enumerate(layers):
+        def enter(_mod, args, k=k):
+            # Also called when a checkpointed layer is recomputed in backward: marked once.
+            if not forward_done:
+                forward_marks[k][0] = len(live.trace)
+                if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                    args[0].register_hook(mark(backward_marks[k], 1))
 
-            def leave(_mod, _args, output, k=k):
-                if not forward_done:
-                    forward_marks[k][1] = len(live.trace)
-                    if isinstance(output, torch.Tensor) and output.requires_grad:
-                        output.register_hook(mark(backward_marks[k], 0))
+        def leave(_mod, _args, output, k=k):
+            if not forward_done:
+                forward_marks[k][1] = len(live.trace)
+                if isinstance(output, torch.Tensor) and output.requires_grad:
+                    output.register_hook(mark(backward_marks[k], 0))
 
-            handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
+        handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
     batch = _example(inputs, micro_batch_size, module)
     try:
         with live, _MetaRunsAsOn(accelerator):
@@ -307,7 +313,7 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInp
             del outputs
             forward_peak = live.peak
             forward_done = True
-            forward_end = len(live.trace) if trace else 0
+            forward_end = len(live.trace)
             # The engine is called directly: ``loss.backward()`` and ``torch.autograd.backward`` are
             # themselves torch functions, so the attention-routing mode would be popped for their
             # whole duration and a checkpointed layer would be recomputed on the math path.
@@ -316,11 +322,20 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInp
     finally:
         for handle in handles:
             handle.remove()
-    if not trace:
-        return forward_peak, live, None
     return forward_peak, live, PassTrace(values=live.trace, forward_end=forward_end,
                                          forward=[tuple(m) for m in forward_marks],
                                          backward=[tuple(m) for m in backward_marks])
+
+
+def _blocks_backward(trace: PassTrace) -> dict[str, int]:
+    """The most activation bytes alive while backward is inside one of the repeated layers, and
+    the bytes at the first allocation after it leaves them (0 and 0 without repeated layers)."""
+    values, inside = trace.values, [i for start, stop in trace.backward for i in range(start, stop)]
+    if not inside:
+        return {"blocks_backward_peak": 0, "blocks_backward_end": 0}
+    end = trace.backward[0][1]
+    return {"blocks_backward_peak": max(values[i][0] for i in inside),
+            "blocks_backward_end": values[min(end, len(values) - 1)][0]}
 
 
 def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: int, inputs: ModelInputs,
@@ -366,8 +381,7 @@ def activations_from_shallow(shallow: ShallowModels, *, micro_batch_size: int, i
                              checkpointing: bool, accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes | None:
     """:func:`measure_activations` at ``shallow.depth`` from the two shallow models' passes; None
     when a trace breaks the pattern :func:`plans.depth_scaling.peaks_at_depth` needs."""
-    (a, a_trace), (b, b_trace) = (_measure_pass(m, micro_batch_size, inputs, dtype, checkpointing, accelerator,
-                                                trace=True)
+    (a, a_trace), (b, b_trace) = (_measure_pass(m, micro_batch_size, inputs, dtype, checkpointing, accelerator)
                                   for m in (shallow.shallow, shallow.deeper))
     peaks = peaks_at_depth(a_trace, b_trace, shallow.depth)
     if peaks is None:
@@ -376,15 +390,14 @@ def activations_from_shallow(shallow: ShallowModels, *, micro_batch_size: int, i
 
 
 def _measure_pass(factory_or_module: ModelOrFactory, micro_batch_size: int, inputs: ModelInputs, dtype: torch.dtype,
-                  checkpointing: bool, accelerator: Accelerator,
-                  trace: bool = False) -> tuple[ActivationBytes, PassTrace | None]:
+                  checkpointing: bool, accelerator: Accelerator) -> tuple[ActivationBytes, PassTrace]:
     plain = _measure(_build_on_meta(factory_or_module, dtype), micro_batch_size, inputs, accelerator)
     module = _build_on_meta(factory_or_module, dtype)
     if checkpointing:
         enable_activation_checkpointing(module)
-    forward_peak, live, pass_trace = _live_peaks(module, micro_batch_size, inputs, accelerator, trace=trace)
+    forward_peak, live, pass_trace = _live_peaks(module, micro_batch_size, inputs, accelerator)
     peaks = dict(forward_peak=forward_peak, backward_peak=live.peak, backward_peak_with_grads=live.peak_with_grads,
-                 grads_at_backward_peak=live.grads_at_peak)
+                 grads_at_backward_peak=live.grads_at_peak, **_blocks_backward(pass_trace))
     if not checkpointing:
         return ActivationBytes(saved=plain.total, recompute_peak=0, **peaks), pass_trace
     checkpointed_module = _build_on_meta(factory_or_module, dtype)

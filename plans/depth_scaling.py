@@ -184,6 +184,8 @@ class Peaks:
     backward_peak: int
     backward_peak_with_grads: int
     grads_at_backward_peak: int
+    blocks_backward_peak: int
+    blocks_backward_end: int
 
 
 def _segments(trace: PassTrace) -> dict[str, list[tuple[int, int]]] | None:
@@ -242,12 +244,14 @@ def peaks_at_depth(shallow: PassTrace, deeper: PassTrace, depth: int) -> Peaks |
     forward = [*b["before"], *b["forward 0"], *forward_layers[0],
                *_line(forward_layers[0], forward_layers[1], depth - 3),
                *_line(a["head forward"], b["head forward"], deepen)]
-    backward = [*_line(a["head backward"], b["head backward"], deepen),
-                *_line(a[f"backward {d1 - 1}"], b[f"backward {d2 - 1}"], deepen),
-                *_line(a["backward 1"], b["backward 1"], deepen),
-                *_line(a["backward 0"], b["backward 0"], deepen),
-                *_line(a["after"], b["after"], deepen)]
+    in_blocks = [*_line(a[f"backward {d1 - 1}"], b[f"backward {d2 - 1}"], deepen),
+                 *_line(a["backward 1"], b["backward 1"], deepen),
+                 *_line(a["backward 0"], b["backward 0"], deepen)]
+    after = _line(a["after"], b["after"], deepen)
+    backward = [*_line(a["head backward"], b["head backward"], deepen), *in_blocks, *after]
     events = forward + backward
     with_grads = max(events, key=lambda e: e[0] + e[1])
     return Peaks(forward_peak=max(c for c, _ in forward), backward_peak=max(c for c, _ in events),
-                 backward_peak_with_grads=with_grads[0] + with_grads[1], grads_at_backward_peak=with_grads[1])
+                 backward_peak_with_grads=with_grads[0] + with_grads[1], grads_at_backward_peak=with_grads[1],
+                 blocks_backward_peak=max((c for c, _ in in_blocks), default=0),
+                 blocks_backward_end=after[0][0] if after else max(in_blocks[-1:] or [(0, 0)])[0])

@@ -34,14 +34,21 @@ torch/distributed/fsdp/_fully_shard/ (torch 2.14):
 * **one block's gradients before its reduce-scatter**: autograd leaves the block's unsharded
   gradients in the compute dtype; ``foreach_reduce`` copies them into a ``reduce_dtype`` (fp32)
   reduce-scatter input of the whole block before freeing them, so both coexist at the copy-in;
-  the previous block's input is released first (``reduce_scatter_states``, at most one kept).
+  the previous block's input and output stay alive until the next reduce-scatter
+  (``reduce_scatter_states``, at most one kept).
+* **gradient accumulation**: the engine reduce-scatters every micro-batch (no
+  ``set_requires_gradient_sync(False)``), so what earlier micro-batches leave is the sharded fp32
+  gradients, not the unsharded ones.
 * **CPU offload** (``CPUOffloadPolicy``): the sharded parameters, gradients and optimizer states
   live in host memory; the device keeps only what is gathered for compute.
 * **HSDP** (``plan.fsdp.hybrid``): the shard group is the data-parallel ranks of one node
   (:func:`plans.engine.fsdp_mesh`); nodes hold replicas.
 
-Activations are measured on ``meta`` exactly as for DeepSpeed (:mod:`plans.activations`). The
-peak is what is held plus the worst phase, as :func:`plans.memory.step_phases` counts DeepSpeed's.
+Activations are measured on ``meta`` exactly as for DeepSpeed (:mod:`plans.activations`), with
+the trace cut where backward enters and leaves the repeated layers: these parts are alive at
+different moments, and each phase below pairs them with the activations of its moment (head
+backward, blocks' backward, the last block's reduce-scatter). The peak is what is held plus the
+worst phase, as :func:`plans.memory.step_phases` counts DeepSpeed's.
 Notation: Ψ parameters, Φ trainable ones, N the shard group, b the compute dtype's bytes, B the
 largest block, R the root.
 """
@@ -184,23 +191,44 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
     earlier = Part(name="sharded gradients (fp32)", kind="grads", bytes=device_grads if accumulating else 0)
     forward = FSDPPhase(phase="forward", parts=(
         Part(name="activations", kind="activations", bytes=activations.forward_peak), root, *gathered, earlier))
-    # In backward the blocks kept from forward are still all gathered at its start; with resharding
-    # the current block and the prefetched previous one are.
+    # Backward starts in the loss and the head, which the root owns: the activations are at their
+    # backward peak, and besides the root the last block's parameters are in flight (its flat
+    # all-gather output from forward, freed at the next copy-out, or the root's pre-backward
+    # prefetch of it); without resharding every block is still gathered.
     backward_gathered = gathered if engine.reshard_after_forward else gathered[:1]
+    root_grads = Part(name=f"root gradients, unsharded ({dtype})", kind="grads", bytes=b * units.root_trainable)
+    head = FSDPPhase(phase="head backward", parts=(
+        Part(name="activations", kind="activations", bytes=activations.backward_peak), root,
+        *(gathered[1:] if engine.reshard_after_forward else gathered[:1]), root_grads, earlier))
+    # Inside the blocks the activations peak in the first block backward reaches (the last
+    # layer): that block and the prefetched previous one are gathered and its gradients are being
+    # made. From the second block on, the previous block's reduce-scatter input and output stay
+    # alive until the next reduce-scatter (``reduce_scatter_states``, kept for overlap), so they
+    # are counted with the activations' peak: an upper bound by those few block-sized buffers.
+    block_grads = Part(name=f"one block's gradients, unsharded ({dtype})", kind="grads",
+                       bytes=b * units.largest_block_trainable)
+    reduce_input = Part(name="reduce-scatter input, one block (fp32)", kind="buffers",
+                        bytes=_FP32 * units.largest_block_trainable)
+    blocks = activations.blocks_backward_peak or activations.backward_peak
     backward = FSDPPhase(phase="backward", parts=(
-        Part(name="activations", kind="activations", bytes=activations.backward_peak), root, *backward_gathered,
-        Part(name=f"root gradients, unsharded ({dtype})", kind="grads", bytes=b * units.root_trainable),
-        Part(name=f"one block's gradients, unsharded ({dtype})", kind="grads",
-             bytes=b * units.largest_block_trainable),
-        Part(name="reduce-scatter input, one block (fp32)", kind="buffers",
-             bytes=_FP32 * units.largest_block_trainable),
+        Part(name="activations", kind="activations", bytes=blocks), root, *backward_gathered, root_grads,
+        block_grads, reduce_input,
+        Part(name="sharded gradients (fp32)", kind="grads",
+             bytes=device_grads if accumulating else part(_FP32 * units.largest_block_trainable))))
+    # Leaving the blocks: the first block's gradients are copied into the fp32 reduce-scatter
+    # input while every other block's are sharded already; the activations are down to what the
+    # embedding's backward needs. The activation peak and the gradients' growth meet at these two
+    # ends (both move along a line over the blocks).
+    reduce_block = FSDPPhase(phase="last block reduce-scatter", parts=(
+        Part(name="activations", kind="activations", bytes=activations.blocks_backward_end or blocks),
+        root, root_grads, block_grads, reduce_input,
         Part(name="sharded gradients (fp32)", kind="grads", bytes=device_grads)))
     # The root reduce-scatters last, once autograd is done: its gradients and their fp32 copy.
     reduction = FSDPPhase(phase="reduction", parts=(
         root, Part(name=f"root gradients, unsharded ({dtype})", kind="grads", bytes=b * units.root_trainable),
         Part(name="reduce-scatter input, root (fp32)", kind="buffers", bytes=_FP32 * units.root_trainable),
         Part(name="sharded gradients (fp32)", kind="grads", bytes=device_grads)))
-    phases = [forward, backward, reduction]
+    phases = [forward, head, backward, reduce_block, reduction]
     if not offloaded:
         largest_param = model.largest_param or model.largest_layer_params
         # torch's Adam on CPU tensors takes its single-tensor path: two temporaries of the tensor

@@ -215,13 +215,6 @@ def _fsdp2_violations(plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
                                "FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer states to the host "
                                f"together, so it cannot offload one without the other ({other}=none).",
                                f"set {other}=cpu as well, or {cpu[0]}=none"))
-    if plan.precision == Precision.fp16:
-        found.append(Violation("plan.precision", Precision.fp16.value,
-                               "fp16 training needs a gradient scaler (torch.amp's GradScaler) against underflowing "
-                               "gradients, which the FSDP2 engine does not run.",
-                               "set plan.precision=bf16 (FSDP2 computes in bf16 and reduces gradients in fp32), "
-                               "or plan.engine=deepspeed for fp16"
-                               + (" on a GPU cluster" if cluster.accelerator == Accelerator.cpu else "")))
     return found
 
 

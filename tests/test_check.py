@@ -230,8 +230,9 @@ def test_check_json_of_the_pipeline_plan_through_the_command_line(tmp_path):
 
 
 def test_check_an_fsdp2_plan_names_its_parts_and_engine(tmp_path):
+    # With checkpointing the blocks' backward is the binding phase, where every kind of part is alive.
     done = orch("check", "plan.engine=fsdp2", "plan.precision=bf16", "plan.fsdp.reshard_after_forward=false",
-                cwd=tmp_path)
+                "plan.activation_checkpointing=true", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "plan     engine=fsdp2 fsdp.reshard_after_forward=false fsdp.hybrid=false dp=2" in out

@@ -44,19 +44,26 @@ def refusal(plan: PlanSpec, cluster: ClusterSpec | None = None) -> PlanError:
 # --- validation ----------------------------------------------------------------------------------
 
 def test_fsdp2_refuses_every_deepspeed_only_setting_at_once_naming_field_and_fix():
-    error = refusal(PlanSpec(engine=FSDP2, pp=2, zero_stage=3, offload_param=Offload.cpu, precision=Precision.fp16))
-    assert [v.field for v in error.violations] == ["plan.pp", "plan.zero_stage", "plan.offload_param",
-                                                   "plan.precision"]
-    pp, stage, offload, fp16 = error.violations
+    error = refusal(PlanSpec(engine=FSDP2, pp=2, zero_stage=3, offload_param=Offload.cpu))
+    assert [v.field for v in error.violations] == ["plan.pp", "plan.zero_stage", "plan.offload_param"]
+    pp, stage, offload = error.violations
     assert pp.message.startswith("pipeline plans are DeepSpeed's")
     assert pp.fix == "set plan.engine=deepspeed or plan.pp=1"
     assert "always shards parameters, gradients and optimizer states" in stage.message
     assert "plan.zero_stage at its default (0)" in stage.fix
     assert "(plan.offload_optimizer=none)" in offload.message
     assert offload.fix.startswith("set plan.offload_optimizer=cpu")
-    assert "GradScaler" in fp16.message and "plan.precision=bf16" in fp16.fix
     # The DeepSpeed rules these settings would break are not reported beside them.
     assert "DeepSpeed's pipeline engine" not in str(error) and "ZeRO stage 3" not in str(error)
+
+
+def test_fsdp2_takes_fp16_on_any_accelerator():
+    """The engine scales fp16 losses with FSDP2's ``ShardedGradScaler`` (tests/test_fsdp2_engine.py
+    trains a ViT in fp16 on CPU); DeepSpeed's fp16 needs a GPU."""
+    for accelerator in (Accelerator.cpu, Accelerator.gpu):
+        plan = resolve_plan(PlanSpec(engine=FSDP2, precision=Precision.fp16), ClusterSpec(accelerator=accelerator),
+                            TrainSpec())
+        assert (plan.engine, plan.precision) == (FSDP2, Precision.fp16)
 
 
 def test_fsdp2_offloads_to_cpu_only():
@@ -97,7 +104,8 @@ def test_the_resolved_plan_is_flat_and_round_trips_through_overrides_and_plan_fi
 # 1000 parameters: a root of 200 (embeddings, head) and 8 blocks of 100; all trainable.
 STATS = ModelStats(param_count=1000, trainable_count=1000, largest_layer_params=100, largest_param=100)
 UNITS = FSDPUnits(root=200, root_trainable=200, largest_block=100, largest_block_trainable=100, blocks=800)
-ACTS = ActivationBytes(saved=0, recompute_peak=0, forward_peak=10_000, backward_peak=12_000)
+ACTS = ActivationBytes(saved=0, recompute_peak=0, forward_peak=10_000, backward_peak=12_000,
+                       blocks_backward_peak=11_000, blocks_backward_end=3_000)
 
 
 def memory(*, shard: int = 4, reshard: bool = True, offload: Offload = Offload.none, accum: int = 1):
@@ -117,48 +125,58 @@ def test_fsdp2_rank_part_by_part():
     # Sharded over 4 ranks: fp32 parameters 4 x 250 (the optimizer's master, no second copy), and
     # Adam's two fp32 moments 8 x 250.
     assert parts(m.held) == {"sharded parameters (fp32)": 1000, "optimizer states (sharded)": 2000}
-    forward, backward, reduction, step = m.phases
+    forward, head, backward, leaving, reduction, step = m.phases
     # Forward: activations, the root gathered in bf16 (2 x 200), the current block (2 x 100) and
     # one more block-sized all-gather buffer.
     assert parts(forward) == {"activations": 10_000, "root parameters, gathered (bf16)": 400,
                               "gathered block (bf16)": 200, "all-gather buffer, one block (bf16)": 200}
-    # Backward adds the root's unsharded bf16 gradients (2 x 200), one block's (2 x 100), that
-    # block's fp32 reduce-scatter input (4 x 100) and the sharded fp32 gradients (4 x 250).
-    assert backward.total == 12_000 + 400 + 200 + 200 + 400 + 200 + 400 + 1000 == 14_800
+    # Backward through the loss and the head: the activations' backward peak, the root and its
+    # unsharded bf16 gradients (2 x 200), the last block's all-gather in flight; no block's
+    # gradients yet.
+    assert parts(head) == {"activations": 12_000, "root parameters, gathered (bf16)": 400,
+                           "all-gather buffer, one block (bf16)": 200, "root gradients, unsharded (bf16)": 400}
+    # Inside the blocks: their activation peak, two blocks gathered, one block's bf16 gradients
+    # (2 x 100), the previous block's fp32 reduce-scatter input (4 x 100) and output (4 x 100 / 4).
+    assert backward.total == 11_000 + 400 + 200 + 200 + 400 + 200 + 400 + 100 == 12_900
+    # Leaving the blocks: what the embedding's backward holds, the last block's reduce-scatter,
+    # and every sharded fp32 gradient (4 x 250).
+    assert leaving.total == 3_000 + 400 + 400 + 200 + 400 + 1000
     assert reduction.total == 400 + 400 + 800 + 1000
     # torch Adam on CPU: two temporaries of the largest parameter's shard (2 x 4 x 25).
     assert step.total == 1000 + 200
     device = m.device_phases()
-    assert device.held.total == 3000 and device.binding.phase == "backward"
-    assert m.binding.phase == "backward" and sum(p.bytes for p in m.at_peak()) == 3000 + 14_800
+    assert device.held.total == 3000 and device.binding.phase == "head backward"
+    assert m.binding.phase == "head backward" and sum(p.bytes for p in m.at_peak()) == 3000 + 13_000
     assert (m.states.params, m.states.grads, m.states.optimizer_states) == (1000, 1000, 2000)
 
 
 def test_without_reshard_after_forward_every_block_stays_gathered():
     m = memory(reshard=False)
-    forward, backward = m.phases[:2]
+    forward, head, backward = m.phases[:3]
     assert parts(forward)["gathered blocks kept to backward (bf16)"] == 2 * 800
     assert forward.total == 10_000 + 400 + 1600 + 200
-    assert backward.total == 12_000 + 400 + 1600 + 400 + 200 + 400 + 1000
-    assert m.device_phases().held.total + backward.total > 3000 + memory().phases[1].total
+    assert head.total == 12_000 + 400 + 1600 + 400
+    assert backward.total == 11_000 + 400 + 1600 + 400 + 200 + 400 + 100
+    assert m.binding.total > memory().binding.total
 
 
 def test_cpu_offload_moves_the_sharded_states_to_the_host():
     m = memory(offload=Offload.cpu)
-    assert m.held.total == 0 and len(m.phases) == 3  # the optimizer steps on the host
+    assert m.held.total == 0 and len(m.phases) == 5  # the optimizer steps on the host
     assert {p.name: p.bytes for p in m.host} == {"sharded parameters (fp32), on host": 1000,
                                                  "sharded gradients (fp32), on host": 1000,
                                                  "optimizer states, on host": 2000}
     assert m.states.host_total == 4000 and m.states.device_total == 0
-    assert m.phases[1].total == 14_800 - 1000
+    assert [p.total for p in m.phases[1:4]] == [13_000, 12_900, 5_400 - 1000]
 
 
 def test_one_rank_copies_without_a_flat_buffer_and_accumulation_keeps_gradients():
     single = memory(shard=1)
     assert "all-gather buffer, one block (bf16)" not in parts(single.phases[0])
     assert parts(single.held)["sharded parameters (fp32)"] == 4000
+    # Each micro-batch reduce-scatters into the sharded gradients, which the next one meets.
     accumulating = memory(accum=2)
-    assert parts(accumulating.phases[0])["sharded gradients (fp32)"] == 1000
+    assert [parts(p)["sharded gradients (fp32)"] for p in accumulating.phases[:4]] == [1000] * 4
 
 
 def test_hybrid_shards_within_a_node_and_replicates_across():

@@ -91,16 +91,17 @@ class FSDP2Engine(Engine):
 
     def train_step(self, batches: Iterator[Any], milestone: Callable[[], None]) -> float:
         """Forward and backward over ``plan.grad_accum_steps`` micro-batches, each loss scaled by
-        their number (as DeepSpeed scales it), gradients reduced on the last only; then clipping,
-        the optimizer step and the schedule's step.
+        their number (as DeepSpeed scales it); then clipping, the optimizer step and the schedule's
+        step. Every micro-batch reduce-scatters its gradients into the sharded ones, as ZeRO-2/3
+        do: skipping the sync (``set_requires_gradient_sync(False)``) would keep the whole
+        model's unsharded fp32 gradients on every rank between micro-batches.
 
         In fp16 the loss is scaled dynamically; a step whose gradients overflowed is skipped on
         every rank, and the schedule does not advance, as in DeepSpeed.
         """
         micro = self.job.plan.grad_accum_steps
         total = 0.0
-        for index in range(micro):
-            self.model.set_requires_gradient_sync(index == micro - 1)
+        for _ in range(micro):
             loss = self.job.workload.loss(self.model, self.to_device(next(batches)))
             milestone()
             scaled = loss / micro
