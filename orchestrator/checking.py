@@ -313,7 +313,9 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
     if h.nvme:
         lines.append(f"  {'on NVMe':<20}{_fmt(h.nvme)}  (plan.nvme_path={p.nvme_path})")
     if (b := estimate.build) is not None:
-        lines.append(f"  {'building the model':<20}{_fmt(b.total)}  ({b.workers} worker(s) x {b.how}"
+        builders = f"{b.workers} worker(s) x {b.how}" if b.builders is None else \
+            f"{b.builders} of {b.workers} worker(s) x {b.how}, the others on meta"
+        lines.append(f"  {'building the model':<20}{_fmt(b.total)}  ({builders}"
                      + (f" + {_fmt(b.weights).strip()} of weight files" if b.weights else "") + ")")
     lines.append("")
     lines += _placement_lines(rank_layout(p.world_size, cluster.devices_per_node, p.tp, p.pp)) + [""]

@@ -10,6 +10,8 @@ worker of whatever each worker builds:
   ``1/dp`` share (the worker falls back to building whole when the model's code cannot run
   under ``zero.Init``, and says so);
 * with pipeline parallelism each stage builds only its own layers (DeepSpeed's ``LayerSpec``);
+* the FSDP2 engine builds on ``meta`` on every rank and fills the shards from the whole model
+  that the run's first worker alone builds, so the node that hosts it holds one whole copy;
 * otherwise, tensor parallelism included (AutoTP shards a model that was built whole), every
   worker builds the whole model.
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from plans.errors import Violation
 from plans.pipeline import PipelineStage
 from plans.resolve import ResolvedPlan
-from plans.spec import ClusterSpec
+from plans.spec import ClusterSpec, EngineName
 
 GIB = 1024**3
 
@@ -42,14 +44,18 @@ class BuildMemory:
     how: str
     """How a worker builds: ``whole``, ``zero.Init share`` or ``pipeline stage``."""
     capacity: int
+    builders: int | None = None
+    """Workers of the node that build ``model``; None: every one of them."""
 
     @property
     def per_worker(self) -> int:
+        """What a worker that builds the model holds while it does."""
         return self.model + self.weights
 
     @property
     def total(self) -> int:
-        return self.per_worker * self.workers
+        builders = self.workers if self.builders is None else self.builders
+        return self.model * builders + self.weights * self.workers
 
     @property
     def fits(self) -> bool:
@@ -64,6 +70,10 @@ def build_memory(plan: ResolvedPlan, cluster: ClusterSpec, *, built_bytes: int, 
     ``stages`` the pipeline split (one stage without pipeline parallelism); ``weight_file_bytes``
     the weight files the constructor reads.
     """
+    workers = min(cluster.devices_per_node, plan.world_size)
+    if plan.engine == EngineName.fsdp2 and plan.world_size > 1:
+        return BuildMemory(model=built_bytes, weights=weight_file_bytes, workers=workers, builders=1,
+                           how="whole", capacity=int(cluster.host_memory_gib * GIB))
     if plan.pp > 1:
         per_param = built_bytes / param_count if param_count else 0
         model, how = round(max(stage.params for stage in stages) * per_param), "pipeline stage"
@@ -71,8 +81,8 @@ def build_memory(plan: ResolvedPlan, cluster: ClusterSpec, *, built_bytes: int, 
         model, how = -(-built_bytes // plan.dp), "zero.Init share"
     else:
         model, how = built_bytes, "whole"
-    return BuildMemory(model=model, weights=weight_file_bytes, workers=min(cluster.devices_per_node, plan.world_size),
-                       how=how, capacity=int(cluster.host_memory_gib * GIB))
+    return BuildMemory(model=model, weights=weight_file_bytes, workers=workers, how=how,
+                       capacity=int(cluster.host_memory_gib * GIB))
 
 
 def build_violation(build: BuildMemory) -> Violation | None:
@@ -81,14 +91,21 @@ def build_violation(build: BuildMemory) -> Violation | None:
         return None
     read = f" + {_gib(build.weights)} of weight files read" if build.weights else ""
     fix = "use fewer workers per node (cluster.devices_per_node) or hosts with more memory"
-    if build.how == "whole":
-        fix = "use plan.zero_stage=3 (each worker then builds only its share, inside deepspeed.zero.Init), " + fix
+    if build.how == "whole" and build.builders is None:
+        fix = ("use plan.zero_stage=3 (each worker then builds only its share, inside deepspeed.zero.Init) or "
+               "plan.engine=fsdp2 (one worker builds it whole, the others on meta), " + fix)
     return Violation(
         "cluster.host_memory_gib", round(build.capacity / GIB, 2),
-        f"building the model needs {_gib(build.total)} of host memory per node: {build.workers} worker(s) each "
-        f"hold the model as built ({build.how}: {_gib(build.model)}){read}, "
+        f"building the model needs {_gib(build.total)} of host memory per node: {_builders(build)} "
+        f"the model as built ({build.how}: {_gib(build.model)}){read}, "
         f"but a node has {_gib(build.capacity)}.",
         fix)
+
+
+def _builders(build: BuildMemory) -> str:
+    if build.builders is None:
+        return f"{build.workers} worker(s) each hold"
+    return f"{build.builders} of {build.workers} worker(s) holds (the others build on meta)"
 
 
 def _gib(n: int) -> str:

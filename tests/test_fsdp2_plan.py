@@ -268,3 +268,23 @@ def test_an_unknown_engine_in_the_search_space_is_refused_before_anything_runs()
     (violation,) = [v for v in declared_violations(typed) if v.field == "tune.engines"]
     assert str(violation) == ("tune.engines=['deepspeed', 'fsdp']: the tuner searches the engines deepspeed, fsdp2. "
                               "Fix: set tune.engines=[deepspeed,fsdp2] or a subset of it")
+
+
+def test_fsdp2_builds_the_model_whole_on_one_worker_of_a_node():
+    """The FSDP2 engine builds on meta and fills the shards from rank 0's whole build: a node holds
+    the model once (plus the weight files every worker reads), where DeepSpeed's tp plans hold it
+    once per worker."""
+    from plans.build_memory import build_memory, build_violation
+    cluster = ClusterSpec(nodes=1, devices_per_node=4, host_memory_gib=1)
+    stages = []  # no pipeline: not read
+    fsdp = resolve_plan(PlanSpec(engine=FSDP2), cluster, TrainSpec())
+    build = build_memory(fsdp, cluster, built_bytes=600 * 2**20, param_count=1000, stages=stages,
+                         weight_file_bytes=2**20)
+    assert (build.builders, build.total) == (1, 600 * 2**20 + 4 * 2**20) and build.fits
+    deepspeed = resolve_plan(PlanSpec(tp=2), cluster, TrainSpec())
+    whole = build_memory(deepspeed, cluster, built_bytes=600 * 2**20, param_count=1000, stages=stages)
+    assert whole.total == 4 * 600 * 2**20
+    refused = build_violation(whole)
+    assert "plan.engine=fsdp2 (one worker builds it whole, the others on meta)" in refused.fix
+    too_big = build_memory(fsdp, cluster, built_bytes=3 * 2**29, param_count=1000, stages=stages)
+    assert "1 of 4 worker(s) holds (the others build on meta)" in build_violation(too_big).message

@@ -11,6 +11,7 @@ resumes at another dp or tp. Nothing unverified is unpickled (:mod:`launchers.en
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -45,24 +46,32 @@ class FSDP2Engine(Engine):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def build(self, job: TrainJob, coords: ParallelCoords) -> BuiltModel:
-        """Build the model from ``train.seed`` (every rank the same weights, then each keeps its
-        shard), apply activation checkpointing, tensor parallelism and FSDP2, then the optimizer
-        and schedule."""
+        """Build the model on ``meta`` on every rank, apply activation checkpointing, tensor
+        parallelism and FSDP2 there, then allocate each rank's shards and fill them from the
+        whole model that rank 0 alone builds from ``train.seed`` (:meth:`_whole_on_rank0`); then
+        the optimizer and schedule. A node's host therefore holds the whole model once, not once
+        per worker. A single rank builds whole and shards in place."""
         import torch
         from torch.distributed.fsdp import fully_shard
 
         from launchers.engines.base import describe_optimizer
         from launchers.engines.fsdp2.layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
         from launchers.engines.fsdp2.torch_optim import build_optimizer, gradient_clip, loss_scaler, lr_schedule
+        from plans.meta import meta_device
 
         plan = job.plan
         if plan.pp > 1:
             raise RuntimeError(f"plan.pp={plan.pp}: pipeline parallelism runs on DeepSpeed only; set "
                                "plan.engine=deepspeed, or plan.pp=1")
-        torch.manual_seed(job.train.seed)
-        model = job.workload.model_factory()
-        params_at_build = sum(p.numel() for p in model.parameters())
         self.dtype = None if plan.precision.value == "fp32" else plan.precision.dtype
+        on_meta = self.world_size > 1
+        torch.manual_seed(job.train.seed)
+        if on_meta:
+            with meta_device():
+                model = job.workload.model_factory()
+        else:
+            model = job.workload.model_factory()
+        params_at_build = sum(p.numel() for p in model.parameters())
         if self.dtype is not None:
             cast_float_buffers(model, self.dtype)
         if plan.activation_checkpointing:
@@ -77,6 +86,12 @@ class FSDP2Engine(Engine):
         for block in blocks:
             fully_shard(block, **options)
         fully_shard(model, **options)
+        if on_meta:
+            self._fill_from_rank0(model, job)
+        # The parameters fully_shard replaced are left in reference cycles (through their tensors'
+        # C++ side); the worker builds with the collector paused and then freezes what survived
+        # (launchers.lean_startup), which would keep them for the whole run. One collection frees them.
+        gc.collect()
         self.model = model
         fp16 = plan.precision.value == "fp16"
         self.optimizer = build_optimizer(model.parameters(), job.ds_config["optimizer"], self.device.type,
@@ -85,9 +100,45 @@ class FSDP2Engine(Engine):
         self.clip = gradient_clip(job.ds_config)
         self.scaler = loss_scaler(job.ds_config, self.device.type) if fp16 else None
         model.train()
-        return BuiltModel(built=f"whole, then fully_shard on {len(blocks)} blocks and the root",
-                          params_at_build=params_at_build, params_on_rank=_local_numel(model),
+        built = (f"on meta, fully_shard on {len(blocks)} blocks and the root, then filled from rank 0's whole build"
+                 if on_meta else f"whole, then fully_shard on {len(blocks)} blocks and the root")
+        return BuiltModel(built=built, params_at_build=params_at_build, params_on_rank=_local_numel(model),
                           optimizer=describe_optimizer(self.optimizer))
+
+    def _fill_from_rank0(self, model: Any, job: TrainJob) -> None:
+        """Allocate the sharded model built on ``meta`` and give it rank 0's weights.
+
+        Rank 0 builds the whole model as a single rank would, from ``train.seed``;
+        ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends each tensor to the other
+        ranks, which keep their shard of it. Buffers the state dict leaves out (non-persistent:
+        rotary frequencies, causal masks) are broadcast the same way, and so is rank 0's RNG state
+        after its build, so that every rank goes on with the random stream a whole build leaves
+        (dropout, sampling) as before.
+        """
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        whole = None
+        if self.rank == 0:
+            torch.manual_seed(job.train.seed)
+            whole = job.workload.model_factory()
+            if self.dtype is not None:
+                cast_float_buffers(whole, self.dtype)
+        model.to_empty(device=self.device)
+        full = whole.state_dict() if whole is not None else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # The same buffers are left out on every rank (the module structure is the same);
+        # checkpointing adds no wrapper module, so the names match the whole model's.
+        whole_buffers = dict(whole.named_buffers()) if whole is not None else {}
+        for name, buffer in _non_persistent_buffers(model):
+            if self.rank == 0:
+                buffer.copy_(whole_buffers[name])
+            dist.broadcast(buffer.view(torch.uint8) if buffer.dtype == torch.bool else buffer, src=0)
+        rng = torch.get_rng_state().to(self.device)
+        dist.broadcast(rng, src=0)
+        torch.set_rng_state(rng.cpu())
+        del whole, full
 
     def train_step(self, batches: Iterator[Any], milestone: Callable[[], None]) -> float:
         """Forward and backward over ``plan.grad_accum_steps`` micro-batches, each loss scaled by
@@ -229,6 +280,13 @@ def clip_grad_norm(parameters: Iterator[torch.nn.Parameter], max_norm: float) ->
         for grad in grads:
             grad.mul_(scale)
     return total
+
+
+def _non_persistent_buffers(model: Any) -> list[tuple[str, Any]]:
+    """The buffers a state dict leaves out (``register_buffer(..., persistent=False)``), by name."""
+    return [(f"{prefix}.{name}" if prefix else name, buffer)
+            for prefix, module in model.named_modules() for name, buffer in module.named_buffers(recurse=False)
+            if name in module._non_persistent_buffers_set]
 
 
 def _local_numel(model: torch.nn.Module) -> int:
