@@ -71,6 +71,9 @@ class ActivationBytes:
     """``backward_peak`` while backward runs through the repeated layers only (not the loss, the
     head or the embedding): what FSDP2's per-block gathers meet. 0 when the model has no repeated
     layers."""
+    later_blocks_backward_peak: int = 0
+    """``blocks_backward_peak`` over every repeated layer but the last, the first backward reaches:
+    what meets the buffers a block's reduce-scatter leaves to the next block. 0 with one layer."""
     blocks_backward_end: int = 0
     """The bytes alive when backward leaves the first repeated layer (its last): what FSDP2's
     last block reduce-scatter meets, with every other block's gradients sharded by then."""
@@ -328,13 +331,16 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInp
 
 
 def _blocks_backward(trace: PassTrace) -> dict[str, int]:
-    """The most activation bytes alive while backward is inside one of the repeated layers, and
-    the bytes at the first allocation after it leaves them (0 and 0 without repeated layers)."""
+    """The most activation bytes alive while backward is inside one of the repeated layers, the
+    same over all of them but the last, and the bytes at the first allocation after backward
+    leaves them (all 0 without repeated layers)."""
     values, inside = trace.values, [i for start, stop in trace.backward for i in range(start, stop)]
     if not inside:
-        return {"blocks_backward_peak": 0, "blocks_backward_end": 0}
+        return {"blocks_backward_peak": 0, "later_blocks_backward_peak": 0, "blocks_backward_end": 0}
+    later = [i for start, stop in trace.backward[:-1] for i in range(start, stop)]
     end = trace.backward[0][1]
     return {"blocks_backward_peak": max(values[i][0] for i in inside),
+            "later_blocks_backward_peak": max((values[i][0] for i in later), default=0),
             "blocks_backward_end": values[min(end, len(values) - 1)][0]}
 
 

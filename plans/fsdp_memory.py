@@ -47,7 +47,7 @@ torch/distributed/fsdp/_fully_shard/ (torch 2.14):
 Activations are measured on ``meta`` exactly as for DeepSpeed (:mod:`plans.activations`), with
 the trace cut where backward enters and leaves the repeated layers: these parts are alive at
 different moments, and each phase below pairs them with the activations of its moment (head
-backward, blocks' backward, the last block's reduce-scatter). The peak is what is held plus the
+backward, the first block backward reaches, the blocks after it, the last block's reduce-scatter). The peak is what is held plus the
 worst phase, as :func:`plans.memory.step_phases` counts DeepSpeed's.
 Notation: Ψ parameters, Φ trainable ones, N the shard group, b the compute dtype's bytes, B the
 largest block, R the root.
@@ -202,16 +202,20 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
         *(gathered[1:] if engine.reshard_after_forward else gathered[:1]), root_grads, earlier))
     # Inside the blocks the activations peak in the first block backward reaches (the last
     # layer): that block and the prefetched previous one are gathered and its gradients are being
-    # made. From the second block on, the previous block's reduce-scatter input and output stay
-    # alive until the next reduce-scatter (``reduce_scatter_states``, kept for overlap), so they
-    # are counted with the activations' peak: an upper bound by those few block-sized buffers.
+    # made. From the next block on, the previous block's reduce-scatter input and output stay
+    # alive until the next reduce-scatter (``reduce_scatter_states``, kept for overlap): they meet
+    # the activations' peak over the other blocks.
     block_grads = Part(name=f"one block's gradients, unsharded ({dtype})", kind="grads",
                        bytes=b * units.largest_block_trainable)
     reduce_input = Part(name="reduce-scatter input, one block (fp32)", kind="buffers",
                         bytes=_FP32 * units.largest_block_trainable)
     blocks = activations.blocks_backward_peak or activations.backward_peak
-    backward = FSDPPhase(phase="backward", parts=(
+    backward = FSDPPhase(phase="first block backward", parts=(
         Part(name="activations", kind="activations", bytes=blocks), root, *backward_gathered, root_grads,
+        block_grads, earlier))
+    later = activations.later_blocks_backward_peak if activations.blocks_backward_peak else blocks
+    later_blocks = FSDPPhase(phase="later blocks backward", parts=(
+        Part(name="activations", kind="activations", bytes=later), root, *backward_gathered, root_grads,
         block_grads, reduce_input,
         Part(name="sharded gradients (fp32)", kind="grads",
              bytes=device_grads if accumulating else part(_FP32 * units.largest_block_trainable))))
@@ -228,7 +232,7 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
         root, Part(name=f"root gradients, unsharded ({dtype})", kind="grads", bytes=b * units.root_trainable),
         Part(name="reduce-scatter input, root (fp32)", kind="buffers", bytes=_FP32 * units.root_trainable),
         Part(name="sharded gradients (fp32)", kind="grads", bytes=device_grads)))
-    phases = [forward, head, backward, reduce_block, reduction]
+    phases = [forward, head, backward, later_blocks, reduce_block, reduction]
     if not offloaded:
         largest_param = model.largest_param or model.largest_layer_params
         # torch's Adam on CPU tensors takes its single-tensor path: two temporaries of the tensor

@@ -236,7 +236,7 @@ def test_check_an_fsdp2_plan_names_its_parts_and_engine(tmp_path):
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "plan     engine=fsdp2 fsdp.reshard_after_forward=false fsdp.hybrid=false dp=2" in out
-    assert "FSDP2 per device at the peak (backward phase), by part; shards over 2 rank(s)" in out
+    assert "FSDP2 per device at the peak (later blocks backward phase), by part; shards over 2 rank(s)" in out
     for part in ("sharded parameters (fp32)", "optimizer states (sharded)", "root parameters, gathered (bf16)",
                  "gathered blocks kept to backward (bf16)", "one block's gradients, unsharded (bf16)",
                  "reduce-scatter input, one block (fp32)", "sharded gradients (fp32)", "FSDP2 buffers"):

@@ -105,7 +105,7 @@ def test_the_resolved_plan_is_flat_and_round_trips_through_overrides_and_plan_fi
 STATS = ModelStats(param_count=1000, trainable_count=1000, largest_layer_params=100, largest_param=100)
 UNITS = FSDPUnits(root=200, root_trainable=200, largest_block=100, largest_block_trainable=100, blocks=800)
 ACTS = ActivationBytes(saved=0, recompute_peak=0, forward_peak=10_000, backward_peak=12_000,
-                       blocks_backward_peak=11_000, blocks_backward_end=3_000)
+                       blocks_backward_peak=11_000, later_blocks_backward_peak=9_000, blocks_backward_end=3_000)
 
 
 def memory(*, shard: int = 4, reshard: bool = True, offload: Offload = Offload.none, accum: int = 1):
@@ -125,7 +125,7 @@ def test_fsdp2_rank_part_by_part():
     # Sharded over 4 ranks: fp32 parameters 4 x 250 (the optimizer's master, no second copy), and
     # Adam's two fp32 moments 8 x 250.
     assert parts(m.held) == {"sharded parameters (fp32)": 1000, "optimizer states (sharded)": 2000}
-    forward, head, backward, leaving, reduction, step = m.phases
+    forward, head, backward, later, leaving, reduction, step = m.phases
     # Forward: activations, the root gathered in bf16 (2 x 200), the current block (2 x 100) and
     # one more block-sized all-gather buffer.
     assert parts(forward) == {"activations": 10_000, "root parameters, gathered (bf16)": 400,
@@ -135,9 +135,12 @@ def test_fsdp2_rank_part_by_part():
     # gradients yet.
     assert parts(head) == {"activations": 12_000, "root parameters, gathered (bf16)": 400,
                            "all-gather buffer, one block (bf16)": 200, "root gradients, unsharded (bf16)": 400}
-    # Inside the blocks: their activation peak, two blocks gathered, one block's bf16 gradients
-    # (2 x 100), the previous block's fp32 reduce-scatter input (4 x 100) and output (4 x 100 / 4).
-    assert backward.total == 11_000 + 400 + 200 + 200 + 400 + 200 + 400 + 100 == 12_900
+    # Inside the first block backward reaches: the blocks' activation peak, two blocks gathered,
+    # the root's gradients and one block's bf16 gradients (2 x 100).
+    assert backward.total == 11_000 + 400 + 200 + 200 + 400 + 200 == 12_400
+    # The blocks after it: their activation peak, and the previous block's fp32 reduce-scatter
+    # input (4 x 100) and output (4 x 100 / 4) beside the same.
+    assert later.total == 9_000 + 400 + 200 + 200 + 400 + 200 + 400 + 100 == 10_900
     # Leaving the blocks: what the embedding's backward holds, the last block's reduce-scatter,
     # and every sharded fp32 gradient (4 x 250).
     assert leaving.total == 3_000 + 400 + 400 + 200 + 400 + 1000
@@ -156,18 +159,18 @@ def test_without_reshard_after_forward_every_block_stays_gathered():
     assert parts(forward)["gathered blocks kept to backward (bf16)"] == 2 * 800
     assert forward.total == 10_000 + 400 + 1600 + 200
     assert head.total == 12_000 + 400 + 1600 + 400
-    assert backward.total == 11_000 + 400 + 1600 + 400 + 200 + 400 + 100
+    assert backward.total == 11_000 + 400 + 1600 + 400 + 200
     assert m.binding.total > memory().binding.total
 
 
 def test_cpu_offload_moves_the_sharded_states_to_the_host():
     m = memory(offload=Offload.cpu)
-    assert m.held.total == 0 and len(m.phases) == 5  # the optimizer steps on the host
+    assert m.held.total == 0 and len(m.phases) == 6  # the optimizer steps on the host
     assert {p.name: p.bytes for p in m.host} == {"sharded parameters (fp32), on host": 1000,
                                                  "sharded gradients (fp32), on host": 1000,
                                                  "optimizer states, on host": 2000}
     assert m.states.host_total == 4000 and m.states.device_total == 0
-    assert [p.total for p in m.phases[1:4]] == [13_000, 12_900, 5_400 - 1000]
+    assert [p.total for p in m.phases[1:5]] == [13_000, 12_400, 10_900, 5_400 - 1000]
 
 
 def test_one_rank_copies_without_a_flat_buffer_and_accumulation_keeps_gradients():
@@ -176,7 +179,7 @@ def test_one_rank_copies_without_a_flat_buffer_and_accumulation_keeps_gradients(
     assert parts(single.held)["sharded parameters (fp32)"] == 4000
     # Each micro-batch reduce-scatters into the sharded gradients, which the next one meets.
     accumulating = memory(accum=2)
-    assert [parts(p)["sharded gradients (fp32)"] for p in accumulating.phases[:4]] == [1000] * 4
+    assert [parts(p)["sharded gradients (fp32)"] for p in accumulating.phases[:5]] == [1000] * 5
 
 
 def test_hybrid_shards_within_a_node_and_replicates_across():
