@@ -37,12 +37,12 @@ from launchers.worker_group import (
 )
 from orchestrator.checking import checked_run, live_cluster, resolve_inputs
 from orchestrator.config import RunConfig
-from orchestrator.early_ray import run_ray_session
 from orchestrator.inputs import data_fits_plan
-from orchestrator.progress import Progress
-from orchestrator.resume import checkpoint_dir_lock, signature_of
-from orchestrator.startup import StartupClock, in_background
-from orchestrator.startup import describe as describe_startup
+from orchestrator.run.early_ray import run_ray_session
+from orchestrator.run.progress import Progress
+from orchestrator.run.resume import checkpoint_dir_lock, signature_of
+from orchestrator.run.startup import StartupClock, in_background
+from orchestrator.run.startup import describe as describe_startup
 from orchestrator.tracking.step_metrics import mean_peak_tflops, step_metrics
 from plans.errors import PlanError, Violation
 from plans.estimate import PlanEstimate
@@ -69,7 +69,7 @@ class TrainResult:
     worker_facts: list[WorkerFacts] = field(default_factory=list)
     wall_s: float = 0.0
     startup: dict[str, float] = field(default_factory=dict)
-    """Seconds of each start-up phase (orchestrator/startup.py), in the order they ran."""
+    """Seconds of each start-up phase (orchestrator/run/startup.py), in the order they ran."""
 
     @property
     def time_to_first_report_s(self) -> float:
@@ -133,7 +133,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     (milliseconds), an embedded Ray starts in the background and MLflow is imported while the
     model is checked and the tracking store opened; the MLflow run is created while Ray finishes
     starting (`orch train` may have started it already, before importing this module:
-    :mod:`orchestrator.early_ray`). A value or plan arithmetic that is wrong is refused before Ray
+    :mod:`orchestrator.run.early_ray`). A value or plan arithmetic that is wrong is refused before Ray
     starts, and so is a wrong path when Ray was not started early; a refusal found while Ray
     starts (a path, the model check, the tracking store) comes without waiting for that Ray, shows
     nothing of it, and leaves it to be shut down (:func:`launchers.ray_session.ray_session_in_background`).
@@ -144,7 +144,7 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``). ``workload`` is
     one already resolved for this model, objective and data (`orch tune` resolves it once for all
     its trials, whose model is then built on ``meta`` once). ``ray_ready`` is that of an embedded
-    Ray the caller started already (:mod:`orchestrator.early_ray`) and shuts down after this returns.
+    Ray the caller started already (:mod:`orchestrator.run.early_ray`) and shuts down after this returns.
     """
     clock = StartupClock()
     out = stream or sys.stdout
