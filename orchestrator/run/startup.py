@@ -79,6 +79,13 @@ def in_background(work: Callable[..., T], *args) -> Iterator[Callable[[], T]]:
         yield pool.submit(work, *args).result
 
 
+def import_driver() -> ModuleType:
+    """:mod:`orchestrator.run.driver`, imported with the collector paused: it imports torch and
+    DeepSpeed (`orch train` imports it once its early Ray is starting, :mod:`orchestrator.run.early_ray`)."""
+    with collector_paused():
+        return importlib.import_module("orchestrator.run.driver")
+
+
 TRACKING_MODULE = "orchestrator.tracking.train_run"
 """The module that creates a tracked run: it imports MLflow, which takes seconds."""
 
@@ -101,7 +108,9 @@ class Startup:
     6. :meth:`ray_up`: waits for the rest of Ray's start; start-up's imports are over, so the
        collector runs again (what survived them is frozen).
 
-    The driver marks the workers' phases on :attr:`clock` itself. Leaving the block waits for the
+    Before these, `orch train` may have started Ray before importing torch (:mod:`orchestrator.run.early_ray`),
+    then imported the driver with the collector paused (:func:`import_driver`). The driver marks
+    the workers' phases on :attr:`clock` itself. Leaving the block waits for the
     background import and shuts down a Ray started here; a refusal raised in the block comes without
     waiting for that Ray's start (:func:`launchers.ray_session.ray_session_in_background`).
     """
