@@ -6,6 +6,7 @@ and :func:`train` runs attempts of the worker group until one finishes or the
 :class:`FailurePolicy` gives up; the start-up work that overlaps them is :class:`Startup`'s. The
 MLflow run is ended (FINISHED, FAILED or KILLED) whatever happens after it started.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -81,7 +81,8 @@ def in_background(work: Callable[..., T], *args) -> Iterator[Callable[[], T]]:
 
 def import_driver() -> ModuleType:
     """:mod:`orchestrator.run.driver`, imported with the collector paused: it imports torch and
-    DeepSpeed (`orch train` imports it once its early Ray is starting, :mod:`orchestrator.run.early_ray`)."""
+    DeepSpeed (`orch train` imports it after starting Ray where the declared values size it:
+    :mod:`orchestrator.run.early_ray`)."""
     with collector_paused():
         return importlib.import_module("orchestrator.run.driver")
 
