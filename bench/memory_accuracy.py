@@ -45,7 +45,7 @@ from hydra import compose, initialize_config_module
 from bench.harness import publish
 from launchers.ray_session import start_local_ray
 from orchestrator.config import register_configs, to_typed
-from orchestrator.driver import run_training
+from orchestrator.run.driver import run_training
 from orchestrator.workload import resolve_workload
 from plans.workload import batch_bytes, move_batch
 

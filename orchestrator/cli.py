@@ -65,8 +65,8 @@ def train_app(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from launchers.lean_startup import collector_paused
-    from orchestrator.early_ray import early_ray
+    from orchestrator.run.early_ray import early_ray
+    from orchestrator.run.startup import import_driver
     from orchestrator.sweeps import child_tags, record_job_run, sweep_metric_problem
     from plans.errors import PlanError
 
@@ -76,11 +76,9 @@ def train_app(cfg: DictConfig) -> float | None:
         typed, model_cfg, yaml = to_typed(cfg)
         if sweeping and (problem := sweep_metric_problem(typed.train.sweep_metric, typed.train.eval_batches)):
             raise PlanError([problem])  # before any job trains
-        # An embedded Ray starts before the driver, and torch with it, is imported (orchestrator.early_ray).
+        # An embedded Ray starts before the driver, and torch with it, is imported (orchestrator.run.early_ray).
         with storage_checks_bounded(typed), early_ray(typed) as ray_ready:
-            with collector_paused():  # start-up (launchers.lean_startup)
-                from orchestrator.driver import run_training
-            result = run_training(typed, model_cfg, yaml, tags=child_tags(), ray_ready=ray_ready)
+            result = import_driver().run_training(typed, model_cfg, yaml, tags=child_tags(), ray_ready=ray_ready)
         if sweeping:
             record_job_run(int(HydraConfig.get().job.num), result.run_id)
         # Only a sweep's jobs return their metric: a single run is not judged by it.

@@ -1,7 +1,7 @@
 """The declared values checked against their ranges, before anything is built or imported.
 
 Torch-free, like everything it imports: `orch train` runs it before it starts an embedded Ray
-early (:mod:`orchestrator.early_ray`), while torch is still being imported.
+early (:mod:`orchestrator.run.early_ray`), while torch is still being imported.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def dp_reference(tmp_path_factory):
     tolerance.
     """
     from orchestrator.config import to_typed
-    from orchestrator.driver import run_training
+    from orchestrator.run.driver import run_training
 
     store = tmp_path_factory.mktemp("dp-reference")
     cfg = compose_config(*FAST, f"tracking.uri=sqlite:///{store}/mlflow.db", "plan.dp=2", "plan.zero_stage=1")

@@ -257,7 +257,7 @@ def test_a_run_tracked_on_a_real_mlflow_server_survives_its_restart_mid_run(tmp_
 
     from helpers.config import compose_config
     from orchestrator.config import to_typed
-    from orchestrator.driver import run_training
+    from orchestrator.run.driver import run_training
 
     monkeypatch.chdir(tmp_path)
     root, port = tmp_path / "server", free_port()

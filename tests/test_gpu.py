@@ -18,7 +18,7 @@ import torch
 
 from helpers.config import compose_config
 from orchestrator.config import to_typed
-from orchestrator.driver import run_training
+from orchestrator.run.driver import run_training
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,

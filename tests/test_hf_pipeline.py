@@ -133,7 +133,7 @@ def test_check_sizes_a_hugging_face_pipeline_stage_by_stage():
 
 
 def train(sqlite_uri: str, *overrides: str):
-    from orchestrator.driver import run_training
+    from orchestrator.run.driver import run_training
 
     cfg = compose_config(*FAST, f"tracking.uri={sqlite_uri}", "train.steps=20", *overrides)
     return run_training(*to_typed(cfg))

@@ -133,7 +133,7 @@ def test_tracker_releases_its_finalizers_on_exit():
 
 def _train_with_probe(sqlite_uri: str, *overrides: str):
     from orchestrator.config import to_typed
-    from orchestrator.driver import run_training
+    from orchestrator.run.driver import run_training
 
     cfg = compose_config(*FAST, "train.steps=5", f"tracking.uri={sqlite_uri}", "train.memory_probe_step=2",
                          *overrides)

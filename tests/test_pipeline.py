@@ -101,7 +101,7 @@ def test_a_model_without_pipeline_layers_is_refused_with_the_reason():
 
 
 def train(sqlite_uri: str, *overrides: str):
-    from orchestrator.driver import run_training
+    from orchestrator.run.driver import run_training
 
     cfg = compose_config(*FAST, f"tracking.uri={sqlite_uri}", *overrides)
     return run_training(*to_typed(cfg))

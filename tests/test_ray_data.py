@@ -179,7 +179,7 @@ def test_epochs_count_passes_and_a_resume_restarts_the_saved_epoch(data_ray, tmp
 
 
 def train(sqlite_uri: str, *overrides: str):
-    from orchestrator.driver import run_training
+    from orchestrator.run.driver import run_training
 
     cfg = compose_config("train.log_every=2", "train.eval_batches=1", "plan.micro_batch_size=4",
                          f"tracking.uri={sqlite_uri}", *overrides)

@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from helpers.config import compose_config
 from launchers.checkpoint import LATEST, latest, publish, tag_for
 from orchestrator.config import to_typed
-from orchestrator.driver import run_training
+from orchestrator.run.driver import run_training
 
 RUN = ["train.steps=30", "train.log_every=5", "train.eval_batches=1", "plan.micro_batch_size=4",
        "plan.zero_stage=1", "train.checkpoint_every=10"]

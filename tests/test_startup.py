@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from orchestrator.startup import PHASES, StartupClock, describe
+from orchestrator.run.startup import PHASES, StartupClock, describe
 
 
 def test_each_phase_counts_from_the_end_of_the_last_and_only_once():
@@ -42,7 +42,7 @@ def test_describe_lists_the_phases_in_the_order_they_ran():
 
 
 def test_background_work_hands_back_its_result_or_its_error():
-    from orchestrator.startup import in_background
+    from orchestrator.run.startup import in_background
 
     with in_background(sum, [1, 2]) as result:
         assert result() == 3
@@ -125,7 +125,7 @@ def test_a_block_that_fails_while_ray_starts_does_not_wait_for_it():
     assert not ray.is_initialized()
 
 
-# --- the embedded Ray started before torch is imported (orchestrator/early_ray.py) -------------------
+# --- the embedded Ray started before torch is imported (orchestrator/run/early_ray.py) -------------------
 
 @pytest.mark.parametrize("override", [
     "cluster.address=127.0.0.1:1",  # a cluster joined by address: connected to later, as before
@@ -136,7 +136,7 @@ def test_a_block_that_fails_while_ray_starts_does_not_wait_for_it():
 def test_ray_is_not_started_early_for_runs_it_cannot_size_or_that_will_be_refused(override):
     from helpers.config import compose_config
     from orchestrator.config import to_typed
-    from orchestrator.early_ray import early_ray
+    from orchestrator.run.early_ray import early_ray
 
     typed, _, _ = to_typed(compose_config(override))
     with early_ray(typed) as ready:
@@ -153,7 +153,7 @@ def test_ray_starts_early_without_torch_imported():
             "sys.path.insert(0, 'tests')\n"
             "from helpers.config import compose_config\n"
             "from orchestrator.config import to_typed\n"
-            "from orchestrator.early_ray import early_ray\n"
+            "from orchestrator.run.early_ray import early_ray\n"
             "typed, _, _ = to_typed(compose_config('cluster.object_store_memory_gib=0.1'))\n"
             "with early_ray(typed) as ready:\n"
             "    assert 'torch' not in sys.modules, 'torch was imported'\n"

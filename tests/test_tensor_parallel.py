@@ -117,7 +117,7 @@ def test_gpt_attention_runs_on_a_head_shard():
 
 
 def train(sqlite_uri: str, *overrides: str):
-    from orchestrator.driver import run_training
+    from orchestrator.run.driver import run_training
 
     cfg = compose_config(*FAST, f"tracking.uri={sqlite_uri}", *overrides)
     return run_training(*to_typed(cfg))

@@ -7,7 +7,7 @@ from mlflow.tracking import MlflowClient
 
 from helpers.config import FAST, compose_config
 from orchestrator.config import to_typed
-from orchestrator.driver import run_training
+from orchestrator.run.driver import run_training
 
 pytestmark = pytest.mark.slow
 

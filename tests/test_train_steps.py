@@ -10,7 +10,7 @@ from ray.exceptions import RayActorError
 
 from launchers.job import PollStatus, StepReport
 from launchers.worker_group import WorkerFailedError, WorkerHangError, hang_culprits
-from orchestrator.driver import FailurePolicy
+from orchestrator.run.driver import FailurePolicy
 from orchestrator.tracking.step_metrics import step_metrics
 from plans.errors import PlanError
 from plans.resolve import resolve_plan

@@ -66,7 +66,7 @@ def test_latest_json_records_the_layout(tmp_path):
 
 @pytest.mark.slow
 def test_resume_at_another_dp_from_s3_continues_the_same_curve(dp_reference, local_ray, s3_store, sqlite_uri, tmp_path):
-    from orchestrator.driver import run_training
+    from orchestrator.run.driver import run_training
 
     def train(*overrides, stream=None):
         return run_training(*to_typed(compose_config(*FAST, f"tracking.uri={sqlite_uri}", "plan.zero_stage=1",

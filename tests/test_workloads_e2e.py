@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from helpers.config import compose_config
 from orchestrator.config import to_typed
-from orchestrator.driver import run_training
+from orchestrator.run.driver import run_training
 from orchestrator.workload import build_data_source
 from plans.workload import output_tensor
 

@@ -194,7 +194,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
         if uses_ray:
             from launchers.ray_session import ray_session
             from launchers.worker_group import job_env
-            from orchestrator.early_ray import uses_object_store
+            from orchestrator.run.early_ray import uses_object_store
 
             stack.enter_context(ray_session(cfg.cluster.address,
                                             worker_cpus=cluster.world_size * cluster.cpus_per_worker,

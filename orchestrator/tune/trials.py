@@ -52,7 +52,7 @@ def run_trial(cfg: RunConfig, model_cfg: dict, candidate: Candidate, index: int,
               result: TuneResult, err, workload: Workload | None = None) -> Trial:
     """One candidate as a short real run; any failure is caught, reported and recorded.
     ``workload`` is the tuner's, reused unless the trial's model takes the plan's tp."""
-    from orchestrator.driver import run_training
+    from orchestrator.run.driver import run_training
 
     plan = candidate.plan
     trial = Trial(index=index, candidate=candidate)

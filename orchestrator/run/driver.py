@@ -1,17 +1,16 @@
-"""`orch train`: validate the plan, launch the worker group, show progress, track the run.
+"""`orch train`: check the run, track it, train it.
 
-A run goes through three steps, each a function here: :func:`prepare_job` checks everything the
-user declared and builds the job (no worker exists yet), :func:`open_tracking` opens or
-resumes the MLflow run, and :func:`_train` runs attempts of the worker group until one finishes
-or the :class:`FailurePolicy` gives up. The MLflow run is ended (FINISHED, FAILED or KILLED)
-whatever happens after it started.
+:func:`run_training` reads as those three steps. :func:`check` checks everything the user
+declared and builds the job (no worker exists yet), :func:`track` opens or resumes the MLflow run,
+and :func:`train` runs attempts of the worker group until one finishes or the
+:class:`FailurePolicy` gives up; the start-up work that overlaps them is :class:`Startup`'s. The
+MLflow run is ended (FINISHED, FAILED or KILLED) whatever happens after it started.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +24,6 @@ from launchers.engines.deepspeed.config import build_ds_config
 from launchers.engines.deepspeed.universal import convert as convert_to_universal
 from launchers.engines.deepspeed.universal import needs_universal
 from launchers.job import StepReport, TrainJob, WorkerFacts
-from launchers.lean_startup import collector_paused
 from launchers.placement import placement_strategy
 from launchers.worker_group import (
     WorkerDiedError,
@@ -37,12 +35,11 @@ from launchers.worker_group import (
 )
 from orchestrator.checking import checked_run, live_cluster, resolve_inputs
 from orchestrator.config import RunConfig
-from orchestrator.early_ray import run_ray_session
 from orchestrator.inputs import data_fits_plan
-from orchestrator.progress import Progress
-from orchestrator.resume import checkpoint_dir_lock, signature_of
-from orchestrator.startup import StartupClock, in_background
-from orchestrator.startup import describe as describe_startup
+from orchestrator.run.progress import Progress
+from orchestrator.run.resume import checkpoint_dir_lock, signature_of
+from orchestrator.run.startup import Startup, StartupClock
+from orchestrator.run.startup import describe as describe_startup
 from orchestrator.tracking.step_metrics import mean_peak_tflops, step_metrics
 from plans.errors import PlanError, Violation
 from plans.estimate import PlanEstimate
@@ -69,7 +66,7 @@ class TrainResult:
     worker_facts: list[WorkerFacts] = field(default_factory=list)
     wall_s: float = 0.0
     startup: dict[str, float] = field(default_factory=dict)
-    """Seconds of each start-up phase (orchestrator/startup.py), in the order they ran."""
+    """Seconds of each start-up phase (orchestrator/run/startup.py), in the order they ran."""
 
     @property
     def time_to_first_report_s(self) -> float:
@@ -127,81 +124,100 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
                  on_report: Callable[[list[StepReport], list[WorkerFacts]], None] | None = None,
                  tags: dict[str, str] | None = None, workload: Workload | None = None,
                  ray_ready: Callable[..., bool] | None = None) -> TrainResult:
-    """Train one declared run end to end and return its result.
+    """Train one declared run end to end and return its result: check it, track it, train it.
 
-    Start-up steps that do not depend on each other overlap. Once the declared values are valid
-    (milliseconds), an embedded Ray starts in the background and MLflow is imported while the
-    model is checked and the tracking store opened; the MLflow run is created while Ray finishes
-    starting (`orch train` may have started it already, before importing this module:
-    :mod:`orchestrator.early_ray`). A value or plan arithmetic that is wrong is refused before Ray
-    starts, and so is a wrong path when Ray was not started early; a refusal found while Ray
-    starts (a path, the model check, the tracking store) comes without waiting for that Ray, shows
-    nothing of it, and leaves it to be shut down (:func:`launchers.ray_session.ray_session_in_background`).
-    Nothing is tracked before every check passes.
+    Start-up steps that do not depend on each other overlap (:class:`Startup`). A value or plan
+    arithmetic that is wrong is refused before Ray starts, and so is a wrong path when Ray was not
+    started early; a refusal found while Ray starts (a path, the model check, the tracking store)
+    comes without waiting for that Ray, shows nothing of it, and leaves it to be shut down
+    (:func:`launchers.ray_session.ray_session_in_background`). Nothing is tracked before every
+    check passes.
 
     ``on_report(reports, worker_facts)`` is called for every logged step, replays included
     (tests use it to inject faults at a known step). ``tags`` go onto the new MLflow run
     (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``). ``workload`` is
     one already resolved for this model, objective and data (`orch tune` resolves it once for all
     its trials, whose model is then built on ``meta`` once). ``ray_ready`` is that of an embedded
-    Ray the caller started already (:mod:`orchestrator.early_ray`) and shuts down after this returns.
+    Ray the caller started already (:mod:`orchestrator.run.early_ray`) and shuts down after this returns.
     """
-    clock = StartupClock()
     out = stream or sys.stdout
+    startup = Startup(cfg, ray_ready=ray_ready)
     with contextlib.ExitStack() as held, live_cluster(cfg, connect=True) as (cluster, notes):
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
-        # Start-up runs with the garbage collector paused, until Ray is ready (launchers.lean_startup).
-        startup = held.enter_context(contextlib.ExitStack())
-        startup.enter_context(collector_paused())
-        workload, plan = resolve_inputs(cfg, model_cfg, cluster, workload)
-        # The declared values are valid. Ray starts, and MLflow is imported, while the model is
-        # checked and the tracking store opened; a refusal from those shows nothing of that Ray,
-        # which is shut down without the refusal waiting for its start, and nothing is tracked
-        # before they pass.
-        if ray_ready is None:
-            ray_ready = held.enter_context(run_ray_session(cfg, plan, data_cpus=data_task_cpus(workload.data)))
-        imported = held.enter_context(in_background(importlib.import_module, "orchestrator.tracking.train_run"))
-        prepared = prepare_job(cfg, model_cfg, cluster, workload=workload, plan=plan)
-        # Taken once the plan and inputs are known to be valid, so every problem with them is
-        # reported together; held until the run ends.
-        held.enter_context(checkpoint_dir_lock(cfg.train))
-        result = TrainResult(run_id=None, plan=prepared.plan, model=prepared.facts, estimate=prepared.estimate)
-        job, published = _resume_point(prepared.job, cfg, out)
-        if cfg.tracking.enabled:
-            cfg = imported().opened_tracking(cfg)  # a tracking URI that cannot be used is refused here too
-        clock.mark("check")
-        # Ray is usually up by now: taking it here puts the program's SIGTERM handler back (Ray's
-        # core worker replaced it with one that aborts) before the MLflow run is created.
-        ray_ready(wait=False)
-        tracker = None
-        if cfg.tracking.enabled:
-            tracker = open_tracking(cfg, model_cfg, prepared, published, config_yaml, tags or {})
-            result.run_id = tracker.run_id
-            job = dataclasses.replace(job, run_id=tracker.run_id)
-        clock.mark("tracking")
-        _print_plan(prepared, out)
-        status = "FAILED"
-        progress = Progress(cfg.train.steps)
-        try:
-            ray_ready()
-            clock.mark("ray")
-            startup.close()
-            _train(prepared, job, cfg, tracker, result, progress, clock, on_report=on_report,
-                   logged_step=published.step if published else 0, out=out)
-            status = "FINISHED"
-        except KeyboardInterrupt:
-            status = "KILLED"
-            raise
-        finally:
-            progress.close()
-            if tracker:
-                from orchestrator.tracking.train_run import log_plots
-
-                tracker.finish(status)
-                log_plots(tracker)
-            result.wall_s = time.perf_counter() - clock.started
+        held.enter_context(startup)
+        checked = check(cfg, model_cfg, cluster, workload, startup, held, out)
+        tracker = track(checked, model_cfg, config_yaml, tags or {}, startup)
+        result = train(checked, tracker, startup, on_report=on_report, out=out)
     _print_summary(result, tracker, out)
+    return result
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckedRun:
+    """A run every check passed: its job, pointed at the checkpoint it resumes from if any."""
+
+    cfg: RunConfig
+    """The run's config, with the tracking URI that answered
+    (:func:`orchestrator.tracking.train_run.opened_tracking`)."""
+    prepared: PreparedJob
+    job: TrainJob
+    published: Published | None
+    """The checkpoint resumed (train.resume=auto), or None."""
+
+
+def check(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, workload: Workload | None, startup: Startup,
+          held: contextlib.ExitStack, out) -> CheckedRun:
+    """Every check of the run, Ray's start and MLflow's import overlapping them once the declared
+    values are valid. The checkpoint directory is taken into ``held`` once the plan and inputs are
+    known to be valid, so every problem with them is reported together; it is held until the run ends."""
+    workload, plan = resolve_inputs(cfg, model_cfg, cluster, workload)
+    startup.inputs_valid(plan, data_cpus=data_task_cpus(workload.data))
+    prepared = prepare_job(cfg, model_cfg, cluster, workload=workload, plan=plan)
+    held.enter_context(checkpoint_dir_lock(cfg.train))
+    job, published = _resume_point(prepared.job, cfg, out)
+    if cfg.tracking.enabled:
+        cfg = startup.tracking_module().opened_tracking(cfg)  # a tracking URI that cannot be used is refused here too
+    startup.checked()
+    return CheckedRun(cfg=cfg, prepared=prepared, job=job, published=published)
+
+
+def track(checked: CheckedRun, model_cfg: dict, config_yaml: str, tags: dict[str, str],
+          startup: Startup) -> RunTracker | None:
+    """The run's MLflow run (:func:`open_tracking`), or None when tracking is off."""
+    tracker = None
+    if checked.cfg.tracking.enabled:
+        tracker = open_tracking(checked.cfg, model_cfg, checked.prepared, checked.published, config_yaml, tags)
+    startup.tracked()
+    return tracker
+
+
+def train(checked: CheckedRun, tracker: RunTracker | None, startup: Startup, *, on_report, out) -> TrainResult:
+    """Train the checked run once Ray is up; the MLflow run is ended FINISHED, FAILED or KILLED
+    whatever happens."""
+    prepared, cfg = checked.prepared, checked.cfg
+    result = TrainResult(run_id=tracker.run_id if tracker else None, plan=prepared.plan, model=prepared.facts,
+                         estimate=prepared.estimate)
+    job = dataclasses.replace(checked.job, run_id=tracker.run_id) if tracker else checked.job
+    _print_plan(prepared, out)
+    status = "FAILED"
+    progress = Progress(cfg.train.steps)
+    try:
+        startup.ray_up()
+        _attempts(prepared, job, cfg, tracker, result, progress, startup.clock, on_report=on_report,
+                  logged_step=checked.published.step if checked.published else 0, out=out)
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        progress.close()
+        if tracker:
+            from orchestrator.tracking.train_run import log_plots
+
+            tracker.finish(status)
+            log_plots(tracker)
+        result.wall_s = time.perf_counter() - startup.clock.started
     return result
 
 
@@ -274,7 +290,7 @@ def _print_plan(prepared: PreparedJob, out) -> None:
           file=out, flush=True)
 
 
-def _train(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: RunTracker | None, result: TrainResult,
+def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: RunTracker | None, result: TrainResult,
            progress: Progress, clock: StartupClock, *, on_report, logged_step: int, out) -> None:
     """Attempts of the worker group until one finishes; a failed one restarts from the latest
     checkpoint while :class:`FailurePolicy` allows (steps replayed after a restart are not logged twice)."""
