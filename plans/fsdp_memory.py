@@ -47,8 +47,9 @@ torch/distributed/fsdp/_fully_shard/ (torch 2.14):
 Activations are measured on ``meta`` exactly as for DeepSpeed (:mod:`plans.activations`), with
 the trace cut where backward enters and leaves the repeated layers: these parts are alive at
 different moments, and each phase below pairs them with the activations of its moment (head
-backward, the first block backward reaches, the blocks after it, the last block's reduce-scatter). The peak is what is held plus the
-worst phase, as :func:`plans.memory.step_phases` counts DeepSpeed's.
+backward, the first block backward reaches, the blocks after it, the last block's
+reduce-scatter). The peak is what is held plus the worst phase, as
+:func:`plans.memory.step_phases` counts DeepSpeed's.
 Notation: Ψ parameters, Φ trainable ones, N the shard group, b the compute dtype's bytes, B the
 largest block, R the root.
 """
