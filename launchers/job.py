@@ -66,7 +66,7 @@ class WorkerFacts:
     peak_tflops: float
     """Measured dense matmul throughput in the training precision."""
     torch_threads: int = 0
-    """Threads of torch's intra-op pool (:func:`launchers.worker.match_torch_threads`)."""
+    """Threads of torch's intra-op pool (:func:`launchers.torch_threads.match_torch_threads`)."""
     node_id: str = ""
     """The Ray node it runs on (set by the worker group, which placed it)."""
 
