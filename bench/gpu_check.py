@@ -90,6 +90,9 @@ PLANS = {
     "zero3": ["plan.zero_stage=3"],
     "zero3-offload": ["plan.zero_stage=3", "plan.offload_optimizer=cpu", "plan.offload_param=cpu"],
     "zero2-ac": ["plan.zero_stage=2", "plan.activation_checkpointing=true"],
+    # PyTorch FSDP2 (one rank: fully_shard, bf16 MixedPrecisionPolicy and torch's fused AdamW on CUDA).
+    "fsdp2": ["plan.engine=fsdp2"],
+    "fsdp2-ac": ["plan.engine=fsdp2", "plan.activation_checkpointing=true"],
 }
 
 
@@ -117,9 +120,10 @@ class Case:
 
 
 # In order of importance: the run stops adding cases at its time budget. The Llama under ZeRO-3
-# with offload first (its loss rose in the one run it had on a GPU); the export last (1B
-# parameters take `orch export` about 90 s on an H100 machine).
-CASES = [Case("llama-1b", "zero3-offload"), Case("gpt-1b", "zero2"), Case("llama-1b", "zero2"),
+# with offload first (its loss rose in the one run it had on a GPU), then the FSDP2 engine (never
+# on a GPU); the export last (1B parameters take `orch export` about 90 s on an H100 machine).
+CASES = [Case("llama-1b", "zero3-offload"), Case("llama-1b", "fsdp2"), Case("gpt-1b", "fsdp2-ac"),
+         Case("gpt-1b", "zero2"), Case("llama-1b", "zero2"),
          Case("gpt-1b", "zero3-offload"), Case("gpt-1b", "zero3"), Case("llama-1b", "zero3"),
          Case("gpt-1b", "zero2-ac"), Case("llama-1b", "zero2-ac"), Case("gpt-1b", "zero0"), Case("llama-1b", "zero0"),
          Case("gpt-1b", "zero2", export=True)]
@@ -249,16 +253,17 @@ def predicted_step_times(cases: list[Case], setup: Setup, machine: Machine, work
                 want = plan_key(PLANS[case.plan])
                 for candidate in found.ranked:
                     p = candidate.plan
-                    if (p.zero_stage, p.offload_optimizer.value, p.offload_param.value,
+                    if (p.engine.value, p.zero_stage, p.offload_optimizer.value, p.offload_param.value,
                             p.activation_checkpointing) == want:
                         times[case.name] = candidate.predicted.total_s
     return times
 
 
-def plan_key(overrides: list[str]) -> tuple[int, str, str, bool]:
-    """(zero stage, optimizer offload, parameter offload, checkpointing) of a case's plan overrides."""
+def plan_key(overrides: list[str]) -> tuple[str, int, str, str, bool]:
+    """(engine, zero stage, optimizer offload, parameter offload, checkpointing) of a case's plan overrides."""
     values = dict(o.split("=", 1) for o in overrides)
-    return (int(values.get("plan.zero_stage", 0)), values.get("plan.offload_optimizer", "none"),
+    return (values.get("plan.engine", "deepspeed"), int(values.get("plan.zero_stage", 0)),
+            values.get("plan.offload_optimizer", "none"),
             values.get("plan.offload_param", "none"), values.get("plan.activation_checkpointing") == "true")
 
 
