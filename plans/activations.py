@@ -243,8 +243,8 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.peak_with_grads = 0
         self.grads_at_peak = 0
-        self.trace: list[tuple[int, int]] | None = None
-        """(current, grads) after every allocation, when a caller asks for them."""
+        self.trace: list[tuple[int, int]] = []
+        """(current, grads) after every allocation."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -264,8 +264,7 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.current)
         if self.current + self.grads > self.peak_with_grads:
             self.peak_with_grads, self.grads_at_peak = self.current + self.grads, self.grads
-        if self.trace is not None:
-            self.trace.append((self.current, self.grads))
+        self.trace.append((self.current, self.grads))
 
     def _freed(self, key: int) -> None:
         self.current -= self._sizes.pop(key, 0)
@@ -281,7 +280,6 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInp
     the live bytes after every allocation with each repeated layer's part."""
     parameters = [p for p in module.parameters() if p.requires_grad]
     live = _LiveBytes(list(module.parameters()))
-    live.trace = []
     handles = [p.register_post_accumulate_grad_hook(live.grad_ready) for p in parameters]
     layers = checkpoint_units(module)
     forward_marks = [[0, 0] for _ in layers]

@@ -249,9 +249,9 @@ def peaks_at_depth(shallow: PassTrace, deeper: PassTrace, depth: int) -> Peaks |
     # The layer before the last lies one layer's step below it (layers 1 .. d2-1 are on a line).
     before_last = [(c + c2 - c3, g + g2 - g3) for (c, g), (c2, g2), (c3, g3)
                    in zip(last, b[f"backward {d2 - 2}"], b[f"backward {d2 - 1}"], strict=True)]
-    later = [*before_last, *_line(a["backward 1"], b["backward 1"], deepen),
-             *_line(a["backward 0"], b["backward 0"], deepen)]
-    in_blocks = [*last, *later]
+    first_layers = [*_line(a["backward 1"], b["backward 1"], deepen), *_line(a["backward 0"], b["backward 0"], deepen)]
+    in_blocks = [*last, *first_layers]
+    later = [*before_last, *first_layers]
     after = _line(a["after"], b["after"], deepen)
     backward = [*_line(a["head backward"], b["head backward"], deepen), *in_blocks, *after]
     events = forward + backward
@@ -260,4 +260,4 @@ def peaks_at_depth(shallow: PassTrace, deeper: PassTrace, depth: int) -> Peaks |
                  backward_peak_with_grads=with_grads[0] + with_grads[1], grads_at_backward_peak=with_grads[1],
                  blocks_backward_peak=max((c for c, _ in in_blocks), default=0),
                  later_blocks_backward_peak=max((c for c, _ in later), default=0),
-                 blocks_backward_end=after[0][0] if after else max(in_blocks[-1:] or [(0, 0)])[0])
+                 blocks_backward_end=(after[0] if after else in_blocks[-1])[0])

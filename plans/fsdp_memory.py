@@ -230,7 +230,7 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
         Part(name="sharded gradients (fp32)", kind="grads", bytes=device_grads)))
     # The root reduce-scatters last, once autograd is done: its gradients and their fp32 copy.
     reduction = FSDPPhase(phase="reduction", parts=(
-        root, Part(name=f"root gradients, unsharded ({dtype})", kind="grads", bytes=b * units.root_trainable),
+        root, root_grads,
         Part(name="reduce-scatter input, root (fp32)", kind="buffers", bytes=_FP32 * units.root_trainable),
         Part(name="sharded gradients (fp32)", kind="grads", bytes=device_grads)))
     phases = [forward, head, backward, later_blocks, reduce_block, reduction]

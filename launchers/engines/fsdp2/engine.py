@@ -11,6 +11,7 @@ resumes at another dp or tp. Nothing unverified is unpickled (:mod:`launchers.en
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from collections.abc import Callable, Iterator
@@ -48,7 +49,7 @@ class FSDP2Engine(Engine):
     def build(self, job: TrainJob, coords: ParallelCoords) -> BuiltModel:
         """Build the model on ``meta`` on every rank, apply activation checkpointing, tensor
         parallelism and FSDP2 there, then allocate each rank's shards and fill them from the
-        whole model that rank 0 alone builds from ``train.seed`` (:meth:`_whole_on_rank0`); then
+        whole model that rank 0 alone builds from ``train.seed`` (:meth:`_fill_from_rank0`); then
         the optimizer and schedule. A node's host therefore holds the whole model once, not once
         per worker. A single rank builds whole and shards in place."""
         import torch
@@ -66,10 +67,7 @@ class FSDP2Engine(Engine):
         self.dtype = None if plan.precision.value == "fp32" else plan.precision.dtype
         on_meta = self.world_size > 1
         torch.manual_seed(job.train.seed)
-        if on_meta:
-            with meta_device():
-                model = job.workload.model_factory()
-        else:
+        with meta_device() if on_meta else contextlib.nullcontext():
             model = job.workload.model_factory()
         params_at_build = sum(p.numel() for p in model.parameters())
         if self.dtype is not None:
@@ -138,7 +136,6 @@ class FSDP2Engine(Engine):
         rng = torch.get_rng_state().to(self.device)
         dist.broadcast(rng, src=0)
         torch.set_rng_state(rng.cpu())
-        del whole, full
 
     def train_step(self, batches: Iterator[Any], milestone: Callable[[], None]) -> float:
         """Forward and backward over ``plan.grad_accum_steps`` micro-batches, each loss scaled by
