@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import ray
 
@@ -156,19 +156,48 @@ def environment_to_ship(env: dict[str, str]) -> dict[str, str]:
     return {name: value for name, value in env.items() if inherited.get(name) != value}
 
 
+class RaySessionHandle:
+    """The command's side of :func:`ray_session_in_background`: wait for Ray, and let it go.
+
+    Called (``handle()``), it returns once Ray is connected and raises what connecting raised
+    (``handle(wait=False)`` returns False at once while Ray is still starting). Called in the
+    main thread once Ray is connected, it puts the program's SIGTERM handler back over the one
+    Ray's core worker installs. :meth:`release` tells the session's thread the command is done
+    with Ray: it shuts Ray down while the command finishes what needs no Ray (logging the
+    trained model, the plots): an embedded Ray takes seconds to stop, one process at a time.
+    """
+
+    def __init__(self, connected: concurrent.futures.Future, leave: threading.Event, started_line: _HeldRecords):
+        self._connected, self._leave, self._started_line = connected, leave, started_line
+
+    def __call__(self, wait: bool = True) -> bool:
+        if self._leave.is_set():
+            raise RuntimeError("Ray was released by this command; it is shutting down")
+        if not wait and not self._connected.done():
+            return False
+        self._connected.result()
+        self._started_line.release()
+        # Ray's core worker installs a native SIGTERM handler (it logs and aborts) over the
+        # program's, which only the main thread can put back (as :func:`_init_keeping_sigterm` does).
+        if threading.current_thread() is threading.main_thread() and callable(
+                handler := signal.getsignal(signal.SIGTERM)):
+            signal.signal(signal.SIGTERM, handler)
+        return True
+
+    def release(self) -> None:
+        """Nothing more of this command uses Ray: start its shutdown now (the block's end waits for it)."""
+        self._leave.set()
+
+
 @contextlib.contextmanager
-def ray_session_in_background(address: str | None, **session) -> Iterator[Callable[..., bool]]:
+def ray_session_in_background(address: str | None, **session) -> Iterator[RaySessionHandle]:
     """:func:`ray_session`, held by a thread of its own, so the command can do other work (check
     the model, create its MLflow run) during the seconds Ray's server processes take to start.
 
-    Yields ``ready()``, which returns once Ray is connected and raises what connecting raised
-    (``ready(wait=False)`` returns False at once while Ray is still starting). Called in the main
-    thread once Ray is connected, it puts the program's SIGTERM handler back over the one Ray's
-    core worker installs.
-
-    Ray's "Started a local Ray instance" line is held back until ``ready()``: a command that
-    refuses its input before it uses Ray shows the refusal alone. When the block ends Ray is
-    shut down, by the thread, which holds the session until then: Ray ties the processes it
+    Yields a :class:`RaySessionHandle`. Ray's "Started a local Ray instance" line is held back
+    until it is first called: a command that refuses its input before it uses Ray shows the
+    refusal alone. When the block ends, or earlier at :meth:`RaySessionHandle.release`, Ray is
+    shut down by the thread, which holds the session until then: Ray ties the processes it
     starts to the life of the thread that started them (the kernel's parent-death signal), so
     the thread must outlive the session. A block that fails while Ray is still starting does
     not wait for it (:func:`_abandon`).
@@ -182,30 +211,18 @@ def ray_session_in_background(address: str | None, **session) -> Iterator[Callab
             with ray_session(address, **session):
                 connected.set_result(None)
                 leave.wait()
-        except BaseException as error:  # noqa: BLE001 - handed to the command's thread by ready()
+        except BaseException as error:  # noqa: BLE001 - handed to the command's thread by the handle
             if not connected.done():
                 connected.set_exception(error)
         finally:
             # The session is over (or never began): a start line not released by then stays unshown.
             started_line.drop()
 
-    def ready(wait: bool = True) -> bool:
-        if not wait and not connected.done():
-            return False
-        connected.result()
-        started_line.release()
-        # Ray's core worker installs a native SIGTERM handler (it logs and aborts) over the
-        # program's, which only the main thread can put back (as :func:`_init_keeping_sigterm` does).
-        if threading.current_thread() is threading.main_thread() and callable(
-                handler := signal.getsignal(signal.SIGTERM)):
-            signal.signal(signal.SIGTERM, handler)
-        return True
-
     holder = threading.Thread(target=hold, name="ray-session", daemon=True)
     holder.start()
     failed = True
     try:
-        yield ready
+        yield RaySessionHandle(connected, leave, started_line)
         failed = False
     finally:
         leave.set()

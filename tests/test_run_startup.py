@@ -19,10 +19,14 @@ class ReadyCalls:
 
     def __init__(self):
         self.waits: list[bool] = []
+        self.released = False
 
     def __call__(self, wait: bool = True) -> bool:
         self.waits.append(wait)
         return True
+
+    def release(self) -> None:
+        self.released = True
 
 
 def test_the_steps_overlap_the_imports_take_ray_then_wait_for_it_and_mark_each_phase():
@@ -40,6 +44,9 @@ def test_the_steps_overlap_the_imports_take_ray_then_wait_for_it_and_mark_each_p
         startup.ray_up()
         assert ready.waits == [False, True]
         assert gc.isenabled(), "the collector runs again once Ray is up"
+        assert not ready.released
+        startup.ray_done()
+        assert ready.released, "Ray is let go once the workers are gone, before the run's last logging"
     assert list(startup.clock.phases) == ["check", "tracking", "ray"]
 
 

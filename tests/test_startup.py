@@ -52,7 +52,7 @@ def test_background_work_hands_back_its_result_or_its_error():
 
 def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
     """Ray connected by its own thread: actors placed on it get the workers' environment, Ray's
-    start line is held until ready(), it is shut down when the block ends, and an unreachable
+    start line is held until ready(), it is shut down when released or when the block ends, and an unreachable
     address fails ready().
 
     The environment the embedded Ray was started with is not shipped again: those actors run in
@@ -100,6 +100,14 @@ def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
                 assert ray.get([a.seen.remote("ORCH_TEST_WORKER_ENV") for a in placed.actors]) == ["1", "1"]
             finally:
                 placed.release()
+            # Released, Ray stops while the block goes on (the command logs its model meanwhile).
+            ready.release()
+            deadline = time.monotonic() + 60
+            while ray.is_initialized() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not ray.is_initialized(), "a released Ray was not shut down before the block ended"
+            with pytest.raises(RuntimeError, match="released"):
+                ready()
     finally:
         ray_logger.removeHandler(seen)
     assert not ray.is_initialized()

@@ -4,8 +4,10 @@ and a Hugging Face model sharded through its own tensor-parallel plan."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +57,12 @@ def test_each_shipped_experiment_trains_and_logs_predicted_and_measured_memory(l
     # The trained model comes out: reloaded by MLflow's own loader, it gives the engine's outputs.
     model, check = exported_model(sqlite_uri, result.run_id)
     weights = {a.path for a in MlflowClient(tracking_uri=sqlite_uri).list_artifacts(result.run_id, "model/weights")}
+    # The requirements to load it back name the library its classes come from, pinned.
+    requirements = Path(MlflowClient(tracking_uri=sqlite_uri).download_artifacts(
+        result.run_id, "model/mlflow_model/requirements.txt", str(tmp_path))).read_text().split()
+    provider = "transformers" if experiment == "llama_text" else "torchvision"
+    assert f"{provider}=={importlib.metadata.version(provider)}" in requirements, requirements
+    assert f"torch=={importlib.metadata.version('torch')}" in requirements, requirements
     if experiment == "llama_text":
         assert {"model/weights/config.json", "model/weights/model.safetensors"} <= weights  # save_pretrained
     else:

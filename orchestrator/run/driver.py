@@ -25,6 +25,7 @@ from launchers.engines.deepspeed.universal import convert as convert_to_universa
 from launchers.engines.deepspeed.universal import needs_universal
 from launchers.job import StepReport, TrainJob, WorkerFacts
 from launchers.placement import placement_strategy
+from launchers.ray_session import RaySessionHandle
 from launchers.worker_group import (
     WorkerDiedError,
     WorkerFailedError,
@@ -123,7 +124,7 @@ class FailurePolicy:
 def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=None,
                  on_report: Callable[[list[StepReport], list[WorkerFacts]], None] | None = None,
                  tags: dict[str, str] | None = None, workload: Workload | None = None,
-                 ray_ready: Callable[..., bool] | None = None) -> TrainResult:
+                 ray_ready: RaySessionHandle | None = None) -> TrainResult:
     """Train one declared run end to end and return its result: check it, track it, train it.
 
     Start-up steps that do not depend on each other overlap (:class:`Startup`). A value or plan
@@ -137,8 +138,9 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     (tests use it to inject faults at a known step). ``tags`` go onto the new MLflow run
     (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``). ``workload`` is
     one already resolved for this model, objective and data (`orch tune` resolves it once for all
-    its trials, whose model is then built on ``meta`` once). ``ray_ready`` is that of an embedded
-    Ray the caller started already (:mod:`orchestrator.run.early_ray`) and shuts down after this returns.
+    its trials, whose model is then built on ``meta`` once). ``ray_ready`` is the handle of an embedded
+    Ray the caller started already (:mod:`orchestrator.run.early_ray`); it is released once the workers
+    are gone, and the caller's block waits for its shutdown.
     """
     out = stream or sys.stdout
     startup = Startup(cfg, ray_ready=ray_ready)
@@ -204,8 +206,11 @@ def train(checked: CheckedRun, tracker: RunTracker | None, startup: Startup, *, 
     progress = Progress(cfg.train.steps)
     try:
         startup.ray_up()
-        _attempts(prepared, job, cfg, tracker, result, progress, startup.clock, on_report=on_report,
-                  logged_step=checked.published.step if checked.published else 0, out=out)
+        exported = _attempts(prepared, job, cfg, tracker, result, progress, startup.clock, on_report=on_report,
+                             logged_step=checked.published.step if checked.published else 0, out=out)
+        startup.ray_done()
+        if tracker and exported is not None:
+            _log_export(prepared.workload, tracker, exported, out)
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -291,9 +296,10 @@ def _print_plan(prepared: PreparedJob, out) -> None:
 
 
 def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: RunTracker | None, result: TrainResult,
-           progress: Progress, clock: StartupClock, *, on_report, logged_step: int, out) -> None:
+           progress: Progress, clock: StartupClock, *, on_report, logged_step: int, out) -> dict | None:
     """Attempts of the worker group until one finishes; a failed one restarts from the latest
-    checkpoint while :class:`FailurePolicy` allows (steps replayed after a restart are not logged twice)."""
+    checkpoint while :class:`FailurePolicy` allows (steps replayed after a restart are not logged twice).
+    Returns the trained model's consolidated state to log, if one is exported."""
     policy = FailurePolicy(cfg.train.max_failures)
     logged = _LoggedStep(logged_step)
     failures = 0
@@ -301,9 +307,8 @@ def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: Run
         group = WorkerGroup.create(prepared.group_spec)
         clock.mark("workers")
         try:
-            _attempt(group, prepared, job, tracker, result, progress, clock, on_report=on_report, logged=logged,
-                     export=cfg.train.export, out=out)
-            return
+            return _attempt(group, prepared, job, tracker, result, progress, clock, on_report=on_report,
+                            logged=logged, export=cfg.train.export and tracker is not None, out=out)
         except Exception as error:
             if isinstance(error, WorkerHangError):
                 print(f"hang: {error}", file=out, flush=True)
@@ -324,9 +329,9 @@ def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: Run
 
 def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: RunTracker | None,
              result: TrainResult, progress: Progress, clock: StartupClock, *, on_report, logged: _LoggedStep,
-             export: bool, out) -> None:
-    """One attempt: set the group up, train it to the end, export the model. ``logged`` advances
-    as steps are tracked, and keeps its value when the attempt fails."""
+             export: bool, out) -> dict | None:
+    """One attempt: set the group up, train it to the end, gather the trained model when it is
+    exported. ``logged`` advances as steps are tracked, and keeps its value when the attempt fails."""
     data = prepared.workload.data
     # A streamed source is split afresh for each attempt: a failed attempt's splits are left
     # half-read by workers that are gone.
@@ -362,8 +367,7 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
         progress.update(logged.step, metrics["loss"], tokens_per_s if tokens_per_s is not None
                         else metrics.get("samples_per_s"), metrics.get("eval_loss"),
                         unit="tok/s" if tokens_per_s is not None else "samples/s")
-    if tracker and export:
-        _export(group, prepared.workload, tracker, out)
+    return _gather_export(group, out) if export else None
 
 
 def _note_setup(worker_facts: list[WorkerFacts], tracker: RunTracker | None) -> None:
@@ -386,15 +390,20 @@ def _note_setup(worker_facts: list[WorkerFacts], tracker: RunTracker | None) -> 
 _REALIZED_PLACEMENT = ("rank", "node_id", "hostname", "pid", "dp_rank", "pp_rank", "tp_rank", "torch_threads")
 
 
-def _export(group: WorkerGroup, workload, tracker: RunTracker, out) -> None:
-    """Log the trained model to the run (plans without pipeline stages: see orchestrator/export.py)."""
-    from orchestrator.export import log_trained_model
-
+def _gather_export(group: WorkerGroup, out) -> dict | None:
+    """The trained model's consolidated state from the workers (plans without pipeline stages:
+    see orchestrator/export.py)."""
     exported = group.consolidated_state()
     if exported is None:
         print("note: the model is not exported from pipeline-parallel plans; its checkpoints hold the weights",
               file=out)
-        return
+    return exported
+
+
+def _log_export(workload, tracker: RunTracker, exported: dict, out) -> None:
+    """Log the trained model to the run; needs no Ray, so it runs while an embedded Ray stops."""
+    from orchestrator.export import log_trained_model
+
     log_trained_model(tracker, workload, exported)
     print(f"model logged to the run: runs:/{tracker.run_id}/model/mlflow_model", file=out)
 

@@ -17,9 +17,9 @@ Torch-free, like everything it imports.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-from launchers.ray_session import ray_session_in_background
+from launchers.ray_session import RaySessionHandle, ray_session_in_background
 from launchers.worker_group import job_env
 from orchestrator.config import RunConfig
 from orchestrator.declared import declared_violations
@@ -30,8 +30,8 @@ from workloads.schemas import SELF_CONTAINED_SOURCES
 
 
 @contextlib.contextmanager
-def early_ray(cfg: RunConfig) -> Iterator[Callable[..., bool] | None]:
-    """Yield the ``ready()`` of an embedded Ray started now (see
+def early_ray(cfg: RunConfig) -> Iterator[RaySessionHandle | None]:
+    """Yield the handle of an embedded Ray started now (see
     :func:`launchers.ray_session.ray_session_in_background`), or None when this run starts its Ray
     later; the Ray is shut down when the block ends."""
     data_target = cfg.data.get("_target_") if isinstance(cfg.data, dict) else None

@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import TypeVar
 
 from launchers.lean_startup import collector_paused
+from launchers.ray_session import RaySessionHandle
 from orchestrator.config import RunConfig
 from orchestrator.run.early_ray import run_ray_session
 from plans.resolve import ResolvedPlan
@@ -108,6 +109,8 @@ class Startup:
     5. :meth:`tracked`: the MLflow run exists (or none is tracked).
     6. :meth:`ray_up`: waits for the rest of Ray's start; start-up's imports are over, so the
        collector runs again (what survived them is frozen).
+    7. :meth:`ray_done`, once the workers are gone: an embedded Ray shuts down in the background
+       while the driver logs the trained model and the plots.
 
     Before these, `orch train` may have started Ray before importing torch (:mod:`orchestrator.run.early_ray`),
     then imported the driver with the collector paused (:func:`import_driver`). The driver marks
@@ -117,8 +120,8 @@ class Startup:
     """
 
     cfg: RunConfig
-    ray_ready: Callable[..., bool] | None = None
-    """The ``ready()`` of an embedded Ray the caller started already, and shuts down itself."""
+    ray_ready: RaySessionHandle | None = None
+    """The handle of an embedded Ray the caller started already, and shuts down itself."""
     clock: StartupClock = field(default_factory=StartupClock)
     _held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, init=False, repr=False)
     _paused: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, init=False, repr=False)
@@ -159,6 +162,12 @@ class Startup:
         self._ray()
         self.clock.mark("ray")
         self._paused.close()
+
+    def ray_done(self) -> None:
+        """Nothing more of the run uses Ray: let its session go (an embedded Ray stops in the
+        background; a Ray this process did not start is left running)."""
+        if self.ray_ready is not None:
+            self.ray_ready.release()
 
     def _ray(self, *, wait: bool = True) -> bool:
         if self.ray_ready is None:
