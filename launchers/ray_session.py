@@ -63,7 +63,7 @@ def ray_session(address: str | None, *, worker_cpus: float = 0, data_cpus: float
     with contextlib.ExitStack() as environment:
         try:  # a start interrupted half-way (Ctrl-C, SIGTERM) is shut down too
             if address is None:
-                environment.enter_context(_inherited_by_workers(worker_env or {}))
+                environment.enter_context(_inherited_by_workers({**embedded_ray_settings(), **(worker_env or {})}))
                 with _credentials_withheld(object_store):
                     start_local_ray(num_cpus=max(os.cpu_count() or 1, int(worker_cpus + data_cpus + 0.999)),
                                     object_store_memory=int(object_store_gib * GIB))
@@ -303,6 +303,19 @@ def start_local_ray(**init_kwargs) -> None:
     """
     with _loopback_node_address():
         _init_keeping_sigterm(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)
+
+
+def embedded_ray_settings() -> dict[str, str]:
+    """Ray settings (``RAY_<name>`` variables, which its processes read at start) of an embedded Ray.
+
+    Its workers start at nice 0, not Ray's 15 (``RAY_worker_niceness``; a user's own setting
+    wins): they are the training ranks, the one job this Ray runs. At nice 15 every wake-up of
+    the driver, the raylet or the GCS preempts a rank on a node with a core per rank, and the
+    other ranks wait for it at the next collective: on 2-core CPU workers that cost several
+    percent of every step against the same ranks under torchrun
+    (``bench/overhead_vs_deepspeed.py``). A cluster started with ``ray start`` keeps its own.
+    """
+    return {} if "RAY_worker_niceness" in os.environ else {"RAY_worker_niceness": "0"}
 
 
 @contextlib.contextmanager

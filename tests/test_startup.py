@@ -55,6 +55,7 @@ def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
     start line is held until ready(), it is shut down when released or when the block ends, and an unreachable
     address fails ready().
 
+    Its workers run at the command's priority (Ray would start them at nice 15).
     The environment the embedded Ray was started with is not shipped again: those actors run in
     the worker processes Ray started beside its raylet, before they were asked for. A variable it
     lacks is shipped with the actors. The command's own environment is as it was once Ray is shut down."""
@@ -90,6 +91,8 @@ def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
             try:
                 assert ray.get([a.seen.remote("ORCH_TEST_WORKER_ENV") for a in placed.actors]) == ["1", "1"]
                 assert max(ray.get([a.process_started.remote() for a in placed.actors])) < asked
+                # The ranks run at the command's own priority, not Ray's nice 15 for workers.
+                assert ray.get([a.niceness.remote() for a in placed.actors]) == [os.getpriority(os.PRIO_PROCESS, 0)] * 2
             finally:
                 placed.release()
             shipped = {**env, "ORCH_TEST_SHIPPED": "2"}

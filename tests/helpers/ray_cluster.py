@@ -43,6 +43,9 @@ class EnvProbe:
     def seen(self, variable: str) -> str | None:
         return os.environ.get(variable)
 
+    def niceness(self) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
     def process_started(self) -> float:
         """When this actor's worker process started (seconds since the epoch)."""
         import psutil
