@@ -144,10 +144,10 @@ def main() -> None:
               "for MFU, the memory probe during step 2, MLflow tracking in sqlite (params, artifacts, per-step "
               "metrics, plots at the end), and starting and stopping its embedded Ray.",
               f"- Torch threads per rank: {threads} under torchrun (it sets OMP_NUM_THREADS=1); `orch`'s Ray actors "
-              "have 1 CPU each, for which Ray sets OMP_NUM_THREADS=1. Ray also starts its workers at nice 15 "
-              "(`RAY_worker_niceness`), the torchrun ranks run at nice 0; each side is launched in a session of "
-              "its own, and with the kernel's autogroup scheduling the nice value only ranks processes within "
-              "that session.",
+              "have 1 CPU each, for which Ray sets OMP_NUM_THREADS=1. Both sides' ranks run at nice 0: `orch`'s "
+              "embedded Ray starts its workers so (`RAY_worker_niceness=0`; Ray's own default is 15). Each side "
+              "is launched in a session of its own, and with the kernel's autogroup scheduling the nice value "
+              "only ranks processes within that session.",
               "- The DeepSpeed config is generated once by `build_ds_config` and checked equal to the "
               "`config/deepspeed.json` the `orch` run logged.",
               failure_note(failures)]
