@@ -65,8 +65,7 @@ def train_app(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from orchestrator.run.early_ray import early_ray
-    from orchestrator.run.startup import import_driver
+    from orchestrator.run.startup import Startup
     from orchestrator.sweeps import child_tags, record_job_run, sweep_metric_problem
     from plans.errors import PlanError
 
@@ -76,9 +75,9 @@ def train_app(cfg: DictConfig) -> float | None:
         typed, model_cfg, yaml = to_typed(cfg)
         if sweeping and (problem := sweep_metric_problem(typed.train.sweep_metric, typed.train.eval_batches)):
             raise PlanError([problem])  # before any job trains
-        # An embedded Ray starts before the driver, and torch with it, is imported (orchestrator.run.early_ray).
-        with storage_checks_bounded(typed), early_ray(typed) as ray_ready:
-            result = import_driver().run_training(typed, model_cfg, yaml, tags=child_tags(), ray_ready=ray_ready)
+        # Start-up begins before the driver, and torch with it, is imported (an embedded Ray starts first).
+        with storage_checks_bounded(typed), Startup.for_command(typed) as startup:
+            result = startup.driver().run_training(typed, model_cfg, yaml, tags=child_tags(), startup=startup)
         if sweeping:
             record_job_run(int(HydraConfig.get().job.num), result.run_id)
         # Only a sweep's jobs return their metric: a single run is not judged by it.

@@ -32,7 +32,7 @@ def test_the_clock_stops_at_the_first_report():
 
 
 def test_an_unknown_phase_is_a_programming_error_that_names_the_known_ones():
-    with pytest.raises(ValueError, match="unknown start-up phase 'launch'; known: check, tracking, ray"):
+    with pytest.raises(ValueError, match="unknown start-up phase 'launch'; known: imports, check, tracking, ray"):
         StartupClock().mark("launch")
 
 
@@ -155,8 +155,9 @@ def test_ray_is_not_started_early_for_runs_it_cannot_size_or_that_will_be_refuse
 
 
 def test_ray_starts_early_without_torch_imported():
-    """In a fresh interpreter, as `orch train` runs: the default run's Ray comes up, sized by the plan
-    (two workers' CPUs) and with the workers' environment, while torch is still not imported."""
+    """In a fresh interpreter, as `orch train` runs: the default run's Ray starts before torch is
+    imported, then the driver is imported beside it; Ray comes up sized by the plan (two workers'
+    CPUs) and with the workers' environment, and is shut down when the start-up's block ends."""
     import subprocess
     import sys
 
@@ -164,15 +165,18 @@ def test_ray_starts_early_without_torch_imported():
             "sys.path.insert(0, 'tests')\n"
             "from helpers.config import compose_config\n"
             "from orchestrator.config import to_typed\n"
-            "from orchestrator.run.early_ray import early_ray\n"
+            "from orchestrator.run.startup import Startup\n"
             "typed, _, _ = to_typed(compose_config('cluster.object_store_memory_gib=0.1'))\n"
-            "with early_ray(typed) as ready:\n"
+            "with Startup.for_command(typed) as startup:\n"
             "    assert 'torch' not in sys.modules, 'torch was imported'\n"
-            "    assert ready()\n"
             "    import ray\n"
+            "    assert startup.ray_ready is not None, 'Ray was not started early'\n"
+            "    driver = startup.driver()\n"
+            "    assert 'torch' in sys.modules and list(startup.clock.phases) == ['imports']\n"
+            "    assert startup.ray_ready()\n"
             "    assert ray.cluster_resources()['CPU'] >= 2\n"
             "    assert os.environ.get('DS_ACCELERATOR') == 'cpu'\n"
-            "assert 'torch' not in sys.modules\n"
+            "assert not ray.is_initialized()\n"
             "print('ok')\n")
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # the session sets it
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,

@@ -25,7 +25,6 @@ from launchers.engines.deepspeed.universal import convert as convert_to_universa
 from launchers.engines.deepspeed.universal import needs_universal
 from launchers.job import StepReport, TrainJob, WorkerFacts
 from launchers.placement import placement_strategy
-from launchers.ray_session import RaySessionHandle
 from launchers.worker_group import (
     WorkerDiedError,
     WorkerFailedError,
@@ -124,7 +123,7 @@ class FailurePolicy:
 def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=None,
                  on_report: Callable[[list[StepReport], list[WorkerFacts]], None] | None = None,
                  tags: dict[str, str] | None = None, workload: Workload | None = None,
-                 ray_ready: RaySessionHandle | None = None) -> TrainResult:
+                 startup: Startup | None = None) -> TrainResult:
     """Train one declared run end to end and return its result: check it, track it, train it.
 
     Start-up steps that do not depend on each other overlap (:class:`Startup`). A value or plan
@@ -138,16 +137,16 @@ def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=No
     (tests use it to inject faults at a known step). ``tags`` go onto the new MLflow run
     (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``). ``workload`` is
     one already resolved for this model, objective and data (`orch tune` resolves it once for all
-    its trials, whose model is then built on ``meta`` once). ``ray_ready`` is the handle of an embedded
-    Ray the caller started already (:mod:`orchestrator.run.early_ray`); it is released once the workers
-    are gone, and the caller's block waits for its shutdown.
+    its trials, whose model is then built on ``meta`` once). ``startup`` is `orch train`'s, begun
+    before torch was imported (:meth:`Startup.for_command`), which the caller's block ends;
+    without one the run makes its own.
     """
     out = stream or sys.stdout
-    startup = Startup(cfg, ray_ready=ray_ready)
     with contextlib.ExitStack() as held, live_cluster(cfg, connect=True) as (cluster, notes):
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
-        held.enter_context(startup)
+        if startup is None:
+            startup = held.enter_context(Startup(cfg))
         checked = check(cfg, model_cfg, cluster, workload, startup, held, out)
         tracker = track(checked, model_cfg, config_yaml, tags or {}, startup)
         result = train(checked, tracker, startup, on_report=on_report, out=out)

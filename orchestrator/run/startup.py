@@ -25,12 +25,14 @@ from typing import TypeVar
 from launchers.lean_startup import collector_paused
 from launchers.ray_session import RaySessionHandle
 from orchestrator.config import RunConfig
-from orchestrator.run.early_ray import run_ray_session
+from orchestrator.run.early_ray import early_ray, run_ray_session
 from plans.resolve import ResolvedPlan
 
 T = TypeVar("T")
 
 PHASES = {
+    "imports": "`orch train`'s driver (torch, DeepSpeed) imported, an embedded Ray starting meanwhile where the "
+               "declared values size it",
     "check": "plan check: the live cluster read off Ray when cluster.address is set (connecting to it), "
              "model probe on meta, memory estimate, FLOP count, then the tracking store opened (an embedded Ray "
              "starting and MLflow imported meanwhile)",
@@ -80,14 +82,6 @@ def in_background(work: Callable[..., T], *args) -> Iterator[Callable[[], T]]:
         yield pool.submit(work, *args).result
 
 
-def import_driver() -> ModuleType:
-    """:mod:`orchestrator.run.driver`, imported with the collector paused: it imports torch and
-    DeepSpeed (`orch train` imports it after starting Ray where the declared values size it:
-    :mod:`orchestrator.run.early_ray`)."""
-    with collector_paused():
-        return importlib.import_module("orchestrator.run.driver")
-
-
 TRACKING_MODULE = "orchestrator.tracking.train_run"
 """The module that creates a tracked run: it imports MLflow, which takes seconds."""
 
@@ -96,6 +90,10 @@ TRACKING_MODULE = "orchestrator.tracking.train_run"
 class Startup:
     """The driver's start-up of one run, as steps it calls in order; each says what overlaps what.
 
+    0. `orch train` begins with :meth:`for_command`, before torch is imported: an embedded Ray
+       starts at once where the declared values size it (:mod:`orchestrator.run.early_ray`), and
+       :meth:`driver` imports the driver (torch, DeepSpeed) meanwhile. Library callers (tests,
+       `orch tune`'s trials) start at step 1.
     1. ``with Startup(...)``: the garbage collector is paused (:func:`collector_paused`) until
        Ray is ready; the clock started when this object was made.
     2. :meth:`inputs_valid`: the declared values passed, so an embedded Ray starts in the
@@ -112,20 +110,40 @@ class Startup:
     7. :meth:`ray_done`, once the workers are gone: an embedded Ray shuts down in the background
        while the driver logs the trained model and the plots.
 
-    Before these, `orch train` may have started Ray before importing torch (:mod:`orchestrator.run.early_ray`),
-    then imported the driver with the collector paused (:func:`import_driver`). The driver marks
-    the workers' phases on :attr:`clock` itself. Leaving the block waits for the
+    The driver marks the workers' phases on :attr:`clock` itself. Leaving the block waits for the
     background import and shuts down a Ray started here; a refusal raised in the block comes without
     waiting for that Ray's start (:func:`launchers.ray_session.ray_session_in_background`).
+
+    Two start-up measures live where their processes start instead: ``orchestrator/__main__.py``
+    pauses the collector while the command line's modules are imported, before any config is
+    read, and each worker's own start is :mod:`launchers.lean_startup` and its engine's lean imports.
     """
 
     cfg: RunConfig
     ray_ready: RaySessionHandle | None = None
-    """The handle of an embedded Ray the caller started already, and shuts down itself."""
+    """The handle of the run's embedded Ray once one is starting (:meth:`for_command` or
+    :meth:`inputs_valid`), or of one a caller started already and shuts down itself."""
     clock: StartupClock = field(default_factory=StartupClock)
     _held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, init=False, repr=False)
     _paused: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, init=False, repr=False)
     _imported: Callable[[], ModuleType] | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    @contextlib.contextmanager
+    def for_command(cls, cfg: RunConfig) -> Iterator[Startup]:
+        """`orch train`'s start-up, entered before torch is imported: the collector is paused and an
+        embedded Ray starts now where the declared values size it (:func:`early_ray`); hand the
+        object to :func:`orchestrator.run.driver.run_training`. Ray is shut down when the block ends."""
+        with cls(cfg) as startup:
+            startup.ray_ready = startup._held.enter_context(early_ray(cfg))
+            yield startup
+
+    def driver(self) -> ModuleType:
+        """:mod:`orchestrator.run.driver`, imported now (it imports torch and DeepSpeed), with the
+        collector paused and Ray starting meanwhile; ends the "imports" phase."""
+        module = importlib.import_module("orchestrator.run.driver")
+        self.clock.mark("imports")
+        return module
 
     def __enter__(self) -> Startup:
         self._held.enter_context(self._paused)
