@@ -2,9 +2,10 @@
 
 Both sides of a comparison must train the same thing. Rather than restate the model, plan and
 DeepSpeed config for the plain loop, the benchmark composes the Hydra config exactly as the CLI
-does and derives the DeepSpeed config the way the driver does (`build_ds_config` with the
-model's parameter count). `same_ds_config` then checks it against the config the `orch` run
-logged to MLflow, so a drift between the two sides fails the benchmark instead of skewing it.
+does and derives the DeepSpeed config the way the driver does (`build_ds_config` of the
+run's `optim_settings`, with the model's parameter count). `same_ds_config` then checks it
+against the config the `orch` run logged to MLflow, so a drift between the two sides fails the
+benchmark instead of skewing it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from launchers.engines.deepspeed.config import build_ds_config
 from orchestrator.checking import check_run
 from orchestrator.config import register_configs, to_typed
 from orchestrator.models import split_model_config
+from plans.optim_settings import optim_settings
 
 
 def plain_job(overrides: list[str]) -> dict:
@@ -31,8 +33,8 @@ def plain_job(overrides: list[str]) -> dict:
     if constructor.get("_target_") != "workloads.gpt.GPT" or plan.tp != 1:
         raise ValueError("the side-by-side benchmarks train the built-in GPT (model=gpt) with plan.tp=1")
     return {
-        "ds_config": build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=facts.param_count,
-                                     tp_layer_specs=tp_layer_specs),
+        "ds_config": build_ds_config(plan, optim_settings(plan, cfg.optim, cfg.train.steps),
+                                     param_count=facts.param_count, tp_layer_specs=tp_layer_specs),
         "model": {k: v for k, v in constructor.items() if k != "_target_"},
         "seq_len": cfg.data["seq_len"], "data_path": cfg.data["path"], "val_fraction": cfg.data["val_fraction"],
         "dp": plan.dp, "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps,

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from plans.optim_settings import OptimSettings
 from plans.resolve import ResolvedPlan
-from plans.spec import TrainSpec
+from plans.spec import EngineName, TrainSpec
 
 if TYPE_CHECKING:  # its torch import is left to the worker's start-up (TrainWorker.__init__)
     from plans.workload import Workload
@@ -18,11 +19,17 @@ class TrainJob:
     """Everything a worker needs to train; built by the driver, pickled to every actor."""
 
     plan: ResolvedPlan
-    ds_config: dict
+    optim: OptimSettings
+    """The optimizer, lr schedule, clipping and loss scaling every engine trains with
+    (:func:`plans.optim_settings.optim_settings`)."""
     workload: Workload
     """The model factory (called inside the worker), objective, data source, tensor-parallel specs
     and pipeline layers (used with plan.pp > 1)."""
     train: TrainSpec
+    ds_config: dict | None = None
+    """DeepSpeed's config (:func:`launchers.engines.deepspeed.config.build_ds_config`, ``optim``
+    serialized with the plan's ZeRO settings): set for the DeepSpeed engine only, since no other
+    engine reads DeepSpeed's JSON."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the worker processes."""
     run_id: str | None = None
@@ -35,6 +42,15 @@ class TrainJob:
     model_signature: dict | None = None
     """Parameter names and shapes and the model's config, recorded in each checkpoint's manifest
     (:func:`launchers.checkpoint.model_signature`) so a resume can check it fits before launching."""
+
+    def __post_init__(self) -> None:
+        deepspeed = self.plan.engine == EngineName.deepspeed
+        if deepspeed and self.ds_config is None:
+            raise ValueError("a TrainJob for plan.engine=deepspeed needs ds_config "
+                             "(launchers.engines.deepspeed.config.build_ds_config)")
+        if not deepspeed and self.ds_config is not None:
+            raise ValueError(f"a TrainJob for plan.engine={self.plan.engine.value} takes no ds_config: that engine "
+                             "reads job.optim only; leave ds_config out")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
+from plans.optim_settings import OptimSettings
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, EngineName, Offload, OptimizerName, OptimSpec
 
@@ -83,8 +84,9 @@ class EngineSettings:
         return self.zero_stage >= ZeroStage.optimizer_states and self.offload_optimizer != Offload.none
 
 
-def engine_settings(plan: ResolvedPlan, optim: OptimSpec, param_count: int | None = None) -> EngineSettings:
-    """The engine settings of ``plan``.
+def engine_settings(plan: ResolvedPlan, optim: OptimSpec | OptimSettings,
+                    param_count: int | None = None) -> EngineSettings:
+    """The engine settings of ``plan``; of ``optim`` (declared or resolved) only its ``name`` matters.
 
     With ``param_count`` the communication buckets are capped at the model's size: DeepSpeed
     allocates its reduce bucket at full size (500M elements = 2 GB in fp32) whatever the model,

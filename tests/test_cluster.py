@@ -289,7 +289,7 @@ def test_a_run_tracked_on_a_real_mlflow_server_survives_its_restart_mid_run(tmp_
         assert run.data.params["plan.zero_stage"] == "1"
         assert [m.step for m in client.get_metric_history(result.run_id, "loss")] == list(range(5, 31, 5))
         assert {a.path for a in client.list_artifacts(result.run_id, "config")} == {
-            "config/resolved.yaml", "config/deepspeed.json"}
+            "config/resolved.yaml", "config/deepspeed.json", "config/optimizer.json"}
         assert not list(tmp_path.glob("mlflow-unsent-*.json"))
         assert not (tmp_path / "mlflow.db").exists()
     finally:

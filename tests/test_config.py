@@ -15,6 +15,7 @@ from launchers.engines.deepspeed.config import build_ds_config
 from orchestrator.config import ConfigError, RunConfig, to_typed
 from orchestrator.models import build_model
 from orchestrator.workload import resolve_workload
+from plans.optim_settings import optim_settings
 from plans.resolve import resolve_plan
 from plans.spec import PlanSpec
 
@@ -54,13 +55,14 @@ def test_every_config_composes_and_instantiates(group, option):
     assert isinstance(model, torch.nn.Module)
     assert loss.shape == ()
     if group == "plan":
-        # Plans that fit this machine's default cluster also generate a DeepSpeed config.
+        # Plans that fit this machine's default cluster also generate their engine's settings:
+        # the optimizer's for every engine, and a DeepSpeed config for DeepSpeed's.
         resolved = resolve_plan(typed.plan, typed.cluster, typed.train)
-        ds_config = build_ds_config(resolved, typed.optim, typed.train.steps, tp_layer_specs=workload.tp_layer_specs)
-        # An FSDP2 plan maps onto ZeRO-3's settings (what it shards); its engine reads only the
-        # optimizer, schedule and clipping sections.
-        fsdp2 = typed.plan.engine.value == "fsdp2"
-        assert ds_config["zero_optimization"]["stage"] == (3 if fsdp2 else typed.plan.zero_stage)
+        optim = optim_settings(resolved, typed.optim, typed.train.steps)
+        assert optim.loss_scaling.enabled == (resolved.precision.value == "fp16")
+        if typed.plan.engine.value == "deepspeed":
+            ds_config = build_ds_config(resolved, optim, tp_layer_specs=workload.tp_layer_specs)
+            assert ds_config["zero_optimization"]["stage"] == typed.plan.zero_stage
 
 
 def test_data_seq_len_follows_the_model():

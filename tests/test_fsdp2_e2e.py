@@ -48,6 +48,14 @@ def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_referenc
     client = MlflowClient(tracking_uri=sqlite_uri)
     run = client.get_run(first.run_id)
     assert run.info.status == "FINISHED" and run.data.params["plan.engine"] == "fsdp2"
+    # The engine-neutral optimizer settings are logged; no DeepSpeed JSON, which FSDP2 never reads.
+    assert {a.path for a in client.list_artifacts(first.run_id, "config")} == {
+        "config/resolved.yaml", "config/optimizer.json"}
+    import json
+
+    with open(client.download_artifacts(first.run_id, "config/optimizer.json")) as f:
+        optim = json.load(f)
+    assert optim["optimizer"]["name"] == "adamw" and optim["schedule"]["total_num_steps"] == 10
     # Measured against predicted memory, logged as for DeepSpeed runs.
     assert any(name.startswith("memory") for name in run.data.metrics), sorted(run.data.metrics)
     # `orch export` joins the newest checkpoint's shards (DCP, in one process) into the model's weights,

@@ -25,50 +25,76 @@ from launchers.engines.fsdp2.torch_optim import build_optimizer, lr_schedule
 from launchers.safe_load import UnsafeCheckpointError
 
 
-def _ds_config(steps: int, warmup: int, name: str = "adamw"):
-    from launchers.engines.deepspeed.config import build_ds_config
+def _settings(steps: int, warmup: int, name: str = "adamw", precision: str = "bf16"):
+    """A DeepSpeed plan and its run's optimizer settings: what a DeepSpeed run would be given."""
+    from plans.optim_settings import optim_settings
     from plans.resolve import ResolvedPlan
-    from plans.spec import Accelerator, EngineName, Offload, OptimizerName, OptimSpec, Precision
+    from plans.spec import Accelerator, Offload, OptimizerName, OptimSpec, Precision
 
     plan = ResolvedPlan(dp=1, tp=1, pp=1, world_size=1, zero_stage=3, offload_optimizer=Offload.none,
                         offload_param=Offload.none, nvme_path=None, activation_checkpointing=False,
-                        micro_batch_size=1, grad_accum_steps=1, precision=Precision.bf16,
-                        accelerator=Accelerator.cpu, engine=EngineName.fsdp2)
+                        micro_batch_size=1, grad_accum_steps=1, precision=Precision(precision),
+                        accelerator=Accelerator.cpu)
     optim = OptimSpec(name=OptimizerName(name), lr=0.1, warmup_steps=warmup, min_lr_ratio=0.1, momentum=0.9)
-    return build_ds_config(plan, optim, steps)
+    return plan, optim_settings(plan, optim, steps)
 
 
 @pytest.mark.parametrize(("steps", "warmup"), [(20, 5), (10, 1), (5, 10)])
 def test_schedule_gives_the_lr_deepspeed_gives_at_every_step(steps, warmup):
-    """DeepSpeed builds ``WarmupCosineLR`` before the first step and steps it after each optimizer
-    step; the torch schedule must give every step the same lr."""
+    """DeepSpeed builds ``WarmupCosineLR`` from its config before the first step and steps it after
+    each optimizer step; the torch schedule built from the same settings must give every step the
+    same lr (0 on the first two, as DeepSpeed's warm-up does)."""
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
-    config = _ds_config(steps, warmup)
+    from launchers.engines.deepspeed.config import build_ds_config
+
+    plan, settings = _settings(steps, warmup)
     ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    schedule = lr_schedule(ours, config["scheduler"])
-    reference = WarmupCosineLR(theirs, **config["scheduler"]["params"])
+    schedule = lr_schedule(ours, settings.schedule)
+    reference = WarmupCosineLR(theirs, **build_ds_config(plan, settings)["scheduler"]["params"])
+    lrs = []
     for _ in range(steps + 3):
-        assert ours.param_groups[0]["lr"] == pytest.approx(theirs.param_groups[0]["lr"], abs=1e-12)
+        lrs.append(ours.param_groups[0]["lr"])
+        assert lrs[-1] == pytest.approx(theirs.param_groups[0]["lr"], abs=1e-12)
         ours.step()  # no gradients: the step changes nothing, but comes before the schedule's, as in training
         schedule.step()
         reference.step()
+    assert lrs[:2] == [0.0, 0.0] and max(lrs) > 0
 
 
 def test_optimizer_is_the_one_deepspeed_would_run():
+    from launchers.engines.deepspeed.config import build_ds_config
+
     params = [torch.nn.Parameter(torch.zeros(2))]
-    adamw = build_optimizer(params, _ds_config(10, 2)["optimizer"], "cpu")
+    plan, settings = _settings(10, 2)
+    adamw = build_optimizer(params, settings, "cpu")
+    written = build_ds_config(plan, settings)["optimizer"]["params"]
     assert type(adamw) is torch.optim.AdamW and adamw.defaults["fused"]
-    assert adamw.defaults["betas"] == (0.9, 0.95) and adamw.defaults["weight_decay"] == 0.01
-    # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false.
-    assert type(build_optimizer(params, {"type": "Adam", "params": {"lr": 0.1}}, "cpu")) is torch.optim.AdamW
-    coupled = {"type": "Adam", "params": {"lr": 0.1, "adam_w_mode": False}}
-    assert type(build_optimizer(params, coupled, "cpu")) is torch.optim.Adam
-    sgd = build_optimizer(params, _ds_config(10, 2, "sgd")["optimizer"], "cpu")
+    assert adamw.defaults["betas"] == (0.9, 0.95) == tuple(written["betas"])
+    assert (adamw.defaults["lr"], adamw.defaults["eps"], adamw.defaults["weight_decay"]) == (
+        written["lr"], written["eps"], written["weight_decay"]) == (0.1, 1e-8, 0.01)
+    # DeepSpeed's "Adam" decouples weight decay (its adam_w_mode default), so torch's is AdamW too.
+    assert type(build_optimizer(params, _settings(10, 2, "adam")[1], "cpu")) is torch.optim.AdamW
+    assert "foreach" in build_optimizer(params, settings, "cpu", fused=False).defaults
+    sgd = build_optimizer(params, _settings(10, 2, "sgd")[1], "cpu")
     assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9
-    with pytest.raises(ValueError, match="optimizer type 'Lamb'"):
-        build_optimizer(params, {"type": "Lamb", "params": {"lr": 0.1}}, "cpu")
+
+
+def test_loss_scaler_starts_where_deepspeeds_fp16_section_does():
+    import dataclasses
+
+    from launchers.engines.deepspeed.config import build_ds_config
+    from launchers.engines.fsdp2.torch_optim import LOSS_SCALE_WINDOW, loss_scaler
+
+    plan, settings = _settings(10, 2, precision="fp16")
+    fp16 = build_ds_config(plan, settings)["fp16"]
+    assert fp16 == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    dynamic = loss_scaler(settings.loss_scaling, "cpu")
+    assert dynamic.get_scale() == 2.0 ** fp16["initial_scale_power"]
+    assert dynamic.get_growth_interval() == LOSS_SCALE_WINDOW
+    with pytest.raises(ValueError, match=r"loss_scale=128.0: a static fp16 loss scale has no torch counterpart"):
+        loss_scaler(dataclasses.replace(settings.loss_scaling, loss_scale=128.0), "cpu")
 
 
 def test_blocks_are_the_repeated_layers_of_each_kind_of_model():

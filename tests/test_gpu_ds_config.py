@@ -5,6 +5,7 @@ import dataclasses
 from helpers.config import compose_config
 from launchers.engines.deepspeed.config import build_ds_config
 from orchestrator.config import to_typed
+from plans.optim_settings import optim_settings
 from plans.resolve import resolve_plan
 from plans.spec import Accelerator
 
@@ -13,7 +14,7 @@ def _configs(*overrides):
     cfg, _, _ = to_typed(compose_config(*overrides))
     cpu = resolve_plan(cfg.plan, cfg.cluster, cfg.train)
     gpu = dataclasses.replace(cpu, accelerator=Accelerator.gpu)
-    return [build_ds_config(plan, cfg.optim, cfg.train.steps) for plan in (cpu, gpu)]
+    return [build_ds_config(plan, optim_settings(plan, cfg.optim, cfg.train.steps)) for plan in (cpu, gpu)]
 
 
 def test_overlap_comm_on_gpu_only():

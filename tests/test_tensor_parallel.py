@@ -11,6 +11,7 @@ from launchers.engines.deepspeed.config import build_ds_config, tensor_parallel_
 from launchers.placement import ParallelCoords, parallel_coords
 from orchestrator.config import to_typed
 from plans.errors import PlanError
+from plans.optim_settings import optim_settings
 from plans.resolve import resolve_plan
 from plans.spec import ClusterSpec, OptimSpec, PlanSpec, TrainSpec
 from workloads.gpt import GPT, TP_LAYER_SPECS
@@ -35,9 +36,10 @@ def test_parallel_coords_refuses_impossible_layouts(rank, world, tp):
 
 def test_ds_config_shards_the_gpt_only_with_tp():
     plan = resolve_plan(PlanSpec(tp=2, dp=1, micro_batch_size=8), ClusterSpec(), TrainSpec())
+    optim = optim_settings(plan, OptimSpec(), 10)
     with pytest.raises(ValueError, match="plan.tp=2 needs the model's tensor-parallel layer specs"):
-        build_ds_config(plan, OptimSpec(), 10)  # no default: one model's specs never shard another
-    config = build_ds_config(plan, OptimSpec(), 10, tp_layer_specs=TP_LAYER_SPECS)
+        build_ds_config(plan, optim)  # no default: one model's specs never shard another
+    config = build_ds_config(plan, optim, tp_layer_specs=TP_LAYER_SPECS)
     assert config["tensor_parallel"] == {
         "autotp_size": 2,
         "partition_config": {"use_default_specs": False, "layer_specs": TP_LAYER_SPECS},
@@ -45,14 +47,14 @@ def test_ds_config_shards_the_gpt_only_with_tp():
     # The batch is counted per data-parallel replica: the two ranks share their 8 samples.
     assert config["train_batch_size"] == 8 and config["train_micro_batch_size_per_gpu"] == 8
     plain = resolve_plan(PlanSpec(), ClusterSpec(), TrainSpec())
-    assert "tensor_parallel" not in build_ds_config(plain, OptimSpec(), 10)
+    assert "tensor_parallel" not in build_ds_config(plain, optim_settings(plain, OptimSpec(), 10))
 
 
 def test_ds_config_takes_a_models_own_layer_specs():
     plan = resolve_plan(PlanSpec(tp=2, dp=1), ClusterSpec(), TrainSpec())
     specs = [{"patterns": [r".*\.w_in\.weight$"], "partition_type": "column"},
              {"patterns": [r".*\.w_out\.weight$"], "partition_type": "row"}]
-    section = build_ds_config(plan, OptimSpec(), 10, tp_layer_specs=specs)["tensor_parallel"]
+    section = build_ds_config(plan, optim_settings(plan, OptimSpec(), 10), tp_layer_specs=specs)["tensor_parallel"]
     assert section["partition_config"]["layer_specs"] == specs
     with pytest.raises(ValueError, match="plan.tp=2 needs the model's tensor-parallel layer specs"):
         tensor_parallel_section(2, [])

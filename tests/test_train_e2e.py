@@ -98,12 +98,18 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
     assert {a.path for a in client.list_artifacts(result.run_id, "plan")} == {
         "plan/estimate.json", "plan/placement.json", "plan/placement_realized.json"}
     artifacts = {a.path for a in client.list_artifacts(result.run_id, "config")}
-    assert artifacts == {"config/resolved.yaml", "config/deepspeed.json"}
-    ds = client.download_artifacts(result.run_id, "config/deepspeed.json")
+    assert artifacts == {"config/resolved.yaml", "config/deepspeed.json", "config/optimizer.json"}
     import json
 
-    with open(ds) as f:
-        assert json.load(f)["zero_optimization"]["stage"] == 2
+    with open(client.download_artifacts(result.run_id, "config/deepspeed.json")) as f:
+        ds = json.load(f)
+    with open(client.download_artifacts(result.run_id, "config/optimizer.json")) as f:
+        optim = json.load(f)
+    assert ds["zero_optimization"]["stage"] == 2
+    # The DeepSpeed JSON serializes the engine-neutral settings the run logged beside it.
+    assert optim["optimizer"]["name"] == "adamw" and ds["optimizer"]["type"] == "AdamW"
+    assert {k: v for k, v in optim["schedule"].items() if k != "type"} == ds["scheduler"]["params"]
+    assert optim["grad_clip"] == ds["gradient_clipping"]
 
 
 def test_a_failing_worker_fails_the_run_cleanly(local_ray, sqlite_uri):

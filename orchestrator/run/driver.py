@@ -45,6 +45,7 @@ from plans.errors import PlanError, Violation
 from plans.estimate import PlanEstimate
 from plans.flops import training_flops_per_sample
 from plans.model_facts import ModelFacts
+from plans.optim_settings import optim_settings
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, EngineName, ResumeMode
 from plans.workload import StreamingSource, Workload, data_task_cpus
@@ -238,9 +239,10 @@ def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, worklo
             raise PlanError(_with_suggestions(estimate))
         print("warning: the planner predicts this plan does not fit; launching anyway because train.force=true",
               file=sys.stderr)
-    ds_config = build_ds_config(plan, cfg.optim, cfg.train.steps, param_count=facts.param_count,
-                                tp_layer_specs=workload.tp_layer_specs)
-    job = TrainJob(plan=plan, ds_config=ds_config, workload=workload, train=cfg.train,
+    optim = optim_settings(plan, cfg.optim, cfg.train.steps)
+    ds_config = (build_ds_config(plan, optim, param_count=facts.param_count, tp_layer_specs=workload.tp_layer_specs)
+                 if plan.engine == EngineName.deepspeed else None)
+    job = TrainJob(plan=plan, optim=optim, ds_config=ds_config, workload=workload, train=cfg.train,
                    env=job_env(plan.accelerator, cfg.train),
                    model_signature=signature_of(workload.model_factory, workload.model_config, cfg.train),
                    system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.enabled else 0.0)
@@ -275,7 +277,7 @@ def open_tracking(cfg: RunConfig, model_cfg: dict, prepared: PreparedJob, publis
     if published and published.run_id:
         return RunTracker.resume(uri=cfg.tracking.uri, run_id=published.run_id)
     tracker = start_tracking(cfg, model_cfg, prepared.plan, prepared.facts, prepared.estimate,
-                             prepared.job.ds_config, config_yaml, tags)
+                             prepared.job.optim, prepared.job.ds_config, config_yaml, tags)
     try:
         tracker.log_dataset(prepared.workload.data.describe())
     except Exception as error:  # noqa: BLE001 - a user's data source may raise anything

@@ -28,6 +28,7 @@ from orchestrator.tracking.store import (
 )
 from plans.estimate import PlanEstimate
 from plans.model_facts import ModelFacts
+from plans.optim_settings import OptimSettings
 from plans.resolve import ResolvedPlan
 
 
@@ -60,9 +61,11 @@ def address_param(address: str | None) -> str:
 
 
 def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: ModelFacts,
-                    estimate: PlanEstimate, ds_config: dict, config_yaml: str,
+                    estimate: PlanEstimate, optim: OptimSettings, ds_config: dict | None, config_yaml: str,
                     extra_tags: dict[str, str]) -> RunTracker:
-    """A new MLflow run with the flattened resolved config as params and the configs as artifacts."""
+    """A new MLflow run with the flattened resolved config as params and the configs as artifacts:
+    the engine-neutral optimizer settings for every run, DeepSpeed's JSON only for the DeepSpeed
+    engine's (``ds_config`` None otherwise)."""
     params = flatten({"plan": plan.as_dict(), "model": dict(model_cfg),
                       "data": dict(cfg.data), "objective": dict(cfg.objective), "optim": vars(cfg.optim),
                       "train": vars(cfg.train),
@@ -76,7 +79,9 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
     tracker = RunTracker.start(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,
                                run_name=cfg.tracking.run_name, params=params, tags=tags)
     tracker.log_text(redact_text(config_yaml), "config/resolved.yaml")  # cluster.address may hold a password
-    tracker.log_dict(ds_config, "config/deepspeed.json")
+    tracker.log_dict(optim.as_dict(), "config/optimizer.json")
+    if ds_config is not None:
+        tracker.log_dict(ds_config, "config/deepspeed.json")
     tracker.log_dict(estimate.as_json(), "plan/estimate.json")
     tracker.log_dict({"placement": rank_layout(plan.world_size, cfg.cluster.devices_per_node, plan.tp, plan.pp)},
                      "plan/placement.json")

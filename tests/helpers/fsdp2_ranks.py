@@ -1,6 +1,6 @@
 """Ranks of an FSDP2 engine run started by ``torch.multiprocessing`` with gloo on CPU (no Ray, no
-worker loop): jobs built from the real :class:`launchers.job.TrainJob`, the planner's DeepSpeed
-config and the workloads' own models and objectives; each scenario writes what it found as JSON
+worker loop): jobs built from the real :class:`launchers.job.TrainJob`, the run's optimizer
+settings and the workloads' own models and objectives; each scenario writes what it found as JSON
 for the test to check."""
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ MODELS = {"gpt": gpt, "llama": llama, "vit": vit}
 def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", accum: int = 1, steps: int = 8,
              checkpointing: bool = False, hybrid: bool = False, reshard: bool = True, offload: bool = False):
     """A :class:`TrainJob` as the driver builds one, for ``plan.engine=fsdp2`` on CPU workers."""
-    from launchers.engines.deepspeed.config import build_ds_config
     from launchers.job import TrainJob
+    from plans.optim_settings import optim_settings
     from plans.resolve import ResolvedPlan
     from plans.spec import Accelerator, EngineName, FSDPSpec, Offload, OptimSpec, Precision, TrainSpec
     from plans.tp_plan import specs_from_tp_plan
@@ -58,11 +58,11 @@ def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", ac
                         fsdp=FSDPSpec(hybrid=hybrid, reshard_after_forward=reshard))
     specs = specs_from_tp_plan(MODELS[model]()) if model == "llama" else None
     optim = OptimSpec(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1)
-    ds_config = build_ds_config(plan, optim, steps, tp_layer_specs=specs)
     objective = Classification() if model == "vit" else CausalLM()
     workload = Workload(model_factory=MODELS[model], objective=objective, data=CorpusSource(seq_len=SEQ),
                         tp_layer_specs=specs)
-    return TrainJob(plan=plan, ds_config=ds_config, workload=workload, train=TrainSpec(steps=steps, seed=7))
+    return TrainJob(plan=plan, optim=optim_settings(plan, optim, steps), workload=workload,
+                    train=TrainSpec(steps=steps, seed=7))
 
 
 def batch(model: str, index: int):

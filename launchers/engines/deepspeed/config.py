@@ -1,7 +1,8 @@
 """Generate the DeepSpeed config from a resolved plan; users never hand-write DeepSpeed JSON.
 
-The settings themselves are decided in :mod:`plans.engine` (the planner reads the same object);
-this module only writes them out as DeepSpeed's JSON, every bucket and ZeRO-3 limit explicit.
+The settings themselves are decided in :mod:`plans.engine` (the planner reads the same object)
+and :mod:`plans.optim_settings` (every engine reads that one); this module only writes them out
+as DeepSpeed's JSON, every bucket and ZeRO-3 limit explicit.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import os
 import re
 
 from plans.engine import EngineSettings, engine_settings
+from plans.optim_settings import LossScaling, OptimSettings, WarmupCosine
 from plans.resolve import ResolvedPlan
-from plans.spec import Offload, OptimizerName, OptimSpec, Precision
+from plans.spec import Offload, OptimizerName, Precision
 
 _OPTIMIZER_TYPE = {OptimizerName.adam: "Adam", OptimizerName.adamw: "AdamW", OptimizerName.sgd: "SGD"}
 
@@ -23,15 +25,17 @@ def _offload_section(device: Offload, engine: EngineSettings) -> dict:
     return section
 
 
-def optimizer_section(optim: OptimSpec, engine: EngineSettings) -> dict:
+def optimizer_section(optim: OptimSettings, engine: EngineSettings) -> dict:
+    """DeepSpeed's ``optimizer`` section: ``optim``'s optimizer, run by torch's Adam where
+    ``engine`` says so."""
     params: dict = {"lr": optim.lr, "weight_decay": optim.weight_decay}
-    if optim.name == OptimizerName.sgd:
-        params["momentum"] = optim.momentum
-    else:
+    if optim.adam_family:
         params["betas"] = list(optim.betas)
-        params["eps"] = 1e-8
+        params["eps"] = optim.eps
         if engine.torch_adam:
             params["torch_adam"] = True
+    else:
+        params["momentum"] = optim.momentum
     return {"type": _OPTIMIZER_TYPE[optim.name], "params": params}
 
 
@@ -97,11 +101,32 @@ def tensor_parallel_section(tp: int, layer_specs: list[dict]) -> dict:
     }
 
 
-def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int, *,
+def scheduler_section(schedule: WarmupCosine) -> dict:
+    """DeepSpeed's ``scheduler`` section: its ``WarmupCosineLR`` with ``schedule``'s parameters."""
+    return {
+        "type": "WarmupCosineLR",
+        "params": {
+            "total_num_steps": schedule.total_num_steps,
+            "warmup_num_steps": schedule.warmup_num_steps,
+            "warmup_min_ratio": schedule.warmup_min_ratio,
+            "warmup_type": schedule.warmup_type,
+            "cos_min_ratio": schedule.cos_min_ratio,
+        },
+    }
+
+
+def fp16_section(scaling: LossScaling) -> dict:
+    """DeepSpeed's ``fp16`` section (written, disabled, for the other precisions too)."""
+    return {"enabled": scaling.enabled, "loss_scale": scaling.loss_scale,
+            "initial_scale_power": scaling.initial_scale_power}
+
+
+def build_ds_config(plan: ResolvedPlan, optim: OptimSettings, *,
                     param_count: int | None = None, tp_layer_specs: list[dict] | None = None) -> dict:
     """The DeepSpeed config dict for ``deepspeed.initialize(config=...)``: the plan's
     :func:`plans.engine.engine_settings` (``param_count`` caps the buckets at the model's size),
-    the batch sizes, precision, optimizer and schedule.
+    the batch sizes and precision, and ``optim`` (:func:`plans.optim_settings.optim_settings`)
+    as DeepSpeed's optimizer, scheduler, clipping and fp16 sections.
 
     With ``plan.tp > 1`` the config gains a ``tensor_parallel`` section (see
     :func:`tensor_parallel_section`) sharding the layers ``tp_layer_specs`` names (the workload's:
@@ -119,18 +144,9 @@ def build_ds_config(plan: ResolvedPlan, optim: OptimSpec, total_steps: int, *,
         "wall_clock_breakdown": False,
         "zero_optimization": zero,
         "bf16": {"enabled": plan.precision == Precision.bf16},
-        "fp16": {"enabled": plan.precision == Precision.fp16, "loss_scale": 0, "initial_scale_power": 16},
+        "fp16": fp16_section(optim.loss_scaling),
         "optimizer": optimizer_section(optim, engine),
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {
-                "total_num_steps": max(total_steps, 1),
-                "warmup_num_steps": max(min(optim.warmup_steps, total_steps), 1),
-                "warmup_min_ratio": 0.0,
-                "warmup_type": "linear",
-                "cos_min_ratio": optim.min_lr_ratio,
-            },
-        },
+        "scheduler": scheduler_section(optim.schedule),
     }
     if plan.tp > 1:
         if not tp_layer_specs:

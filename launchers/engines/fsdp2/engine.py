@@ -4,7 +4,8 @@ The model is built whole on every rank from the same seed, activation checkpoint
 on (:func:`plans.workload.enable_activation_checkpointing`, which keeps parameter names), tensor
 parallelism applied through DTensor (:mod:`launchers.engines.fsdp2.layout`) and then each
 repeated block and the root are sharded over the data-parallel ranks. The optimizer and
-schedule are torch's, equal to a DeepSpeed run's (:mod:`launchers.engines.fsdp2.torch_optim`);
+schedule are torch's, built from the run's engine-neutral settings (``job.optim``) and equal to a
+DeepSpeed run's (:mod:`launchers.engines.fsdp2.torch_optim`);
 checkpoints go through ``torch.distributed.checkpoint``, which reshards on load, so a run
 resumes at another dp or tp. Nothing unverified is unpickled (:mod:`launchers.engines.fsdp2.dcp_files`).
 """
@@ -57,7 +58,7 @@ class FSDP2Engine(Engine):
 
         from launchers.engines.base import describe_optimizer
         from launchers.engines.fsdp2.layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
-        from launchers.engines.fsdp2.torch_optim import build_optimizer, gradient_clip, loss_scaler, lr_schedule
+        from launchers.engines.fsdp2.torch_optim import build_optimizer, loss_scaler, lr_schedule
         from plans.meta import meta_device
 
         plan = job.plan
@@ -91,12 +92,11 @@ class FSDP2Engine(Engine):
         # (launchers.lean_startup), which would keep them for the whole run. One collection frees them.
         gc.collect()
         self.model = model
-        fp16 = plan.precision.value == "fp16"
-        self.optimizer = build_optimizer(model.parameters(), job.ds_config["optimizer"], self.device.type,
-                                         fused=not fp16)
-        self.scheduler = lr_schedule(self.optimizer, job.ds_config["scheduler"])
-        self.clip = gradient_clip(job.ds_config)
-        self.scaler = loss_scaler(job.ds_config, self.device.type) if fp16 else None
+        scaling = job.optim.loss_scaling
+        self.optimizer = build_optimizer(model.parameters(), job.optim, self.device.type, fused=not scaling.enabled)
+        self.scheduler = lr_schedule(self.optimizer, job.optim.schedule)
+        self.clip = job.optim.grad_clip
+        self.scaler = loss_scaler(scaling, self.device.type) if scaling.enabled else None
         model.train()
         built = (f"on meta, fully_shard on {len(blocks)} blocks and the root, then filled from rank 0's whole build"
                  if on_meta else f"whole, then fully_shard on {len(blocks)} blocks and the root")
