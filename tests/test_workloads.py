@@ -438,3 +438,29 @@ def test_multihead_attention_is_measured_on_meta_as_it_runs_on_cpu():
         workload.loss(model, batch).backward()
     measured = tracker.peak - baseline
     assert abs(predicted.backward_peak_with_grads - measured) / measured < 0.05
+
+
+def test_every_shipped_source_built_from_its_schema_alone_gets_the_schemas_defaults():
+    """The schema states each default once; a source class restating one could drift from it."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from workloads.ray_data import RayDataConfig
+    from workloads.schemas import CorpusDataConfig, DatasetDataConfig, ImagesDataConfig, TextDataConfig
+
+    for schema in (CorpusDataConfig, ImagesDataConfig, TextDataConfig, RayDataConfig, DatasetDataConfig):
+        declared = OmegaConf.structured(schema)
+        arguments = {"dataset": {"_target_": "workloads.dataset.GaussianBlobs"}} if schema is DatasetDataConfig else {}
+        source = instantiate(OmegaConf.merge(declared, arguments), _convert_="all")
+        for name, value in OmegaConf.to_container(declared).items():
+            if name in ("_target_", *arguments):
+                continue
+            built = getattr(source, "collate_config" if name == "collate" else name)
+            assert built == value, f"{schema.__name__}.{name}: the source holds {built!r}, the schema {value!r}"
+
+
+def test_a_source_field_named_unlike_its_schema_is_refused_naming_the_schema_fields():
+    from workloads.schemas import CorpusDataConfig, from_schema
+
+    with pytest.raises(TypeError, match=r"CorpusDataConfig has no field 'seqlen'.*path, seq_len, val_fraction"):
+        from_schema(CorpusDataConfig, "seqlen")

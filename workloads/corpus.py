@@ -21,6 +21,7 @@ import torch
 from plans.errors import Violation
 from workloads.lineage import files_digest
 from workloads.local_files import missing_reason
+from workloads.schemas import CorpusDataConfig, from_schema
 
 SHIPPED_CORPUS = Path(__file__).with_name("corpus.txt.gz")
 BYTE_VOCAB = 256
@@ -92,9 +93,9 @@ class CorpusSource:
     """The corpus as a :class:`plans.workload.DataSource`: windows of ``seq_len + 1`` bytes as
     ``(inputs, next-byte targets)`` pairs; the tail ``val_fraction`` is held out."""
 
-    path: str | None = None
-    seq_len: int = 128
-    val_fraction: float = 0.05
+    path: str | None = from_schema(CorpusDataConfig, "path")
+    seq_len: int = from_schema(CorpusDataConfig, "seq_len")
+    val_fraction: float = from_schema(CorpusDataConfig, "val_fraction")
 
     @property
     def tokens_per_sample(self) -> int:

@@ -19,6 +19,10 @@ from hydra.utils import get_object, instantiate
 from plans.errors import Violation
 from plans.workload import move_batch
 from workloads.lineage import samples_digest
+from workloads.schemas import DatasetDataConfig
+
+_DECLARED = DatasetDataConfig()
+"""The schema's defaults, which DatasetSource's arguments take so each is stated once."""
 
 
 def _cause(error: BaseException) -> BaseException:
@@ -30,9 +34,10 @@ def _cause(error: BaseException) -> BaseException:
 class DatasetSource:
     """The user's Dataset as a :class:`plans.workload.DataSource`."""
 
-    def __init__(self, *, dataset: dict[str, Any], val_dataset: dict[str, Any] | None = None,
-                 val_fraction: float = 0.1, collate: dict[str, Any] | None = None,
-                 tokens_per_sample: int | None = None, required_outputs: int | None = None):
+    def __init__(self, *, dataset: dict[str, Any], val_dataset: dict[str, Any] | None = _DECLARED.val_dataset,
+                 val_fraction: float = _DECLARED.val_fraction, collate: dict[str, Any] | None = _DECLARED.collate,
+                 tokens_per_sample: int | None = _DECLARED.tokens_per_sample,
+                 required_outputs: int | None = _DECLARED.required_outputs):
         self.dataset, self.val_dataset, self.val_fraction = dataset, val_dataset, val_fraction
         self.collate_config = collate
         self.tokens_per_sample, self.required_outputs = tokens_per_sample, required_outputs

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from plans.errors import Violation
+from workloads.schemas import ImagesDataConfig, from_schema
 
 _FIX = "point data.path at a directory with one subdirectory of images per class, or set data.path=null for the " \
        "bundled digits"
@@ -64,11 +65,11 @@ class _Folder(torch.utils.data.Dataset):
 class ImageSource:
     """Labelled images as a :class:`plans.workload.DataSource`."""
 
-    path: str | None = None
-    image_size: int = 32
-    channels: int = 3
-    val_fraction: float = 0.1
-    num_classes: int | None = None
+    path: str | None = from_schema(ImagesDataConfig, "path")
+    image_size: int = from_schema(ImagesDataConfig, "image_size")
+    channels: int = from_schema(ImagesDataConfig, "channels")
+    val_fraction: float = from_schema(ImagesDataConfig, "val_fraction")
+    num_classes: int | None = from_schema(ImagesDataConfig, "num_classes")
 
     tokens_per_sample = None
 

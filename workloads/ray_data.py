@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from plans.errors import Violation
 from plans.locations import StorageTimeout, bounded, is_remote, open_location, probe_limit_s
 from plans.uris import CREDENTIALS_FIX, carries_credentials
+from workloads.schemas import from_schema
 from workloads.text_rows import first_bad_row
 
 if TYPE_CHECKING:
@@ -195,19 +196,19 @@ def _columns_to_batch(columns: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 class RayDataSource:
     """Files or URIs streamed through Ray Data, as a :class:`plans.workload.StreamingSource`."""
 
-    paths: list[str] | str = field(default_factory=list)
-    format: str | None = None
-    sample: str = "tokens"
-    val_paths: list[str] | str | None = None
-    val_fraction: float = 0.05
-    text_field: str = "text"
-    tokenizer: str | None = None
-    seq_len: int = 128
-    image_size: int = 32
-    columns: list[str] | None = None
-    label_column: str | None = None
-    shuffle_buffer: int = 0
-    cpus_per_task: float = 1.0
+    paths: list[str] | str = from_schema(RayDataConfig, "paths")
+    format: str | None = from_schema(RayDataConfig, "format")
+    sample: str = from_schema(RayDataConfig, "sample")
+    val_paths: list[str] | str | None = from_schema(RayDataConfig, "val_paths")
+    val_fraction: float = from_schema(RayDataConfig, "val_fraction")
+    text_field: str = from_schema(RayDataConfig, "text_field")
+    tokenizer: str | None = from_schema(RayDataConfig, "tokenizer")
+    seq_len: int = from_schema(RayDataConfig, "seq_len")
+    image_size: int = from_schema(RayDataConfig, "image_size")
+    columns: list[str] | None = from_schema(RayDataConfig, "columns")
+    label_column: str | None = from_schema(RayDataConfig, "label_column")
+    shuffle_buffer: int = from_schema(RayDataConfig, "shuffle_buffer")
+    cpus_per_task: float = from_schema(RayDataConfig, "cpus_per_task")
 
     # --- what the planner and the checks read (no Ray) ------------------------------------------
 

@@ -6,6 +6,7 @@ only these, so the command line imports torch only when a command uses it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,3 +113,15 @@ SELF_CONTAINED_SOURCES = frozenset(config._target_ for config in (
     CorpusDataConfig(), DatasetDataConfig(), ImagesDataConfig(), TextDataConfig()))
 """The shipped data sources that run no Ray tasks of their own: a run reading one needs no CPUs
 besides its workers', which is known before the source is built."""
+
+
+def from_schema(schema: type, name: str) -> Any:
+    """A dataclass field of a source class that takes its default from the schema's field of that
+    name: the schema is what users read, so each default is stated there and nowhere else."""
+    declared = {f.name: f for f in dataclasses.fields(schema)}
+    if name not in declared:
+        raise TypeError(f"{schema.__name__} has no field {name!r}: a source's defaulted fields must be "
+                        f"named as in its schema ({', '.join(sorted(declared))})")
+    if declared[name].default_factory is not dataclasses.MISSING:
+        return field(default_factory=declared[name].default_factory)
+    return field(default=declared[name].default)

@@ -27,6 +27,7 @@ from plans.errors import Violation
 from workloads.corpus import BYTE_VOCAB, SHIPPED_CORPUS
 from workloads.lineage import files_digest
 from workloads.local_files import missing_reason
+from workloads.schemas import TextDataConfig, from_schema
 from workloads.text_rows import first_bad_row
 
 _FORMATS = {".txt": "text", ".gz": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -74,12 +75,12 @@ def _exclusive(path: Path) -> Iterator[None]:
 class TextSource:
     """Packed token windows as a :class:`plans.workload.DataSource`."""
 
-    files: list[str] | str | None = None
-    text_field: str = "text"
-    tokenizer: str | None = None
-    seq_len: int = 128
-    val_fraction: float = 0.05
-    cache_dir: str = "~/.cache/orch/text"
+    files: list[str] | str | None = from_schema(TextDataConfig, "files")
+    text_field: str = from_schema(TextDataConfig, "text_field")
+    tokenizer: str | None = from_schema(TextDataConfig, "tokenizer")
+    seq_len: int = from_schema(TextDataConfig, "seq_len")
+    val_fraction: float = from_schema(TextDataConfig, "val_fraction")
+    cache_dir: str = from_schema(TextDataConfig, "cache_dir")
 
     @property
     def tokens_per_sample(self) -> int:
