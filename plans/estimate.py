@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,6 +48,7 @@ from plans.pipeline import (
 )
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, EngineName, Offload, OptimSpec, Precision
+from plans.tp_plan import layer_kinds
 from plans.workload import ModelInputs, batch_bytes, supports_activation_checkpointing
 
 # The keys of one device in `orch check --json` (``per_device`` and each of ``stages``), in bytes
@@ -171,16 +171,14 @@ _TP_SIZE_ATTRIBUTES = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_atten
 
 def shard_module(module: torch.nn.Module, layer_specs: list[dict], tp: int) -> torch.nn.Module:
     """:func:`shard_on_meta` of a meta module (changed in place, and returned)."""
-    patterns = [(re.compile(p), spec.get("partition_type", "column"))
-                for spec in layer_specs for p in spec.get("patterns", [])]
     sharded: list[str] = []
-    for name, layer in module.named_modules():
-        weight = getattr(layer, "weight", None)
-        kinds = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
-        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2 or not kinds or kinds[0] == "skip":
+    for name, kind in layer_kinds(module, layer_specs).items():
+        layer = module.get_submodule(name)
+        weight = layer.weight
+        if weight.dim() != 2 or kind == "skip":
             continue
         rows, cols = weight.shape
-        if kinds[0] == "column":
+        if kind == "column":
             layer.weight = torch.nn.Parameter(torch.empty(rows // tp, cols, device="meta", dtype=weight.dtype))
             if isinstance(getattr(layer, "bias", None), torch.nn.Parameter):
                 layer.bias = torch.nn.Parameter(torch.empty(rows // tp, device="meta", dtype=weight.dtype))
@@ -336,19 +334,12 @@ def _tensor_parallel_params(module: torch.nn.Module, layer_specs: list[dict]) ->
     A spec names a layer's weight; a column-parallel layer's bias is split with it, a
     row-parallel layer's bias stays whole (DeepSpeed's LinearLayer / LinearAllreduce).
     """
-    patterns = [(re.compile(p), spec.get("partition_type", "column"))
-                for spec in layer_specs for p in spec.get("patterns", [])]
     sharded, trainable = 0, 0
-    for name, layer in module.named_modules():
-        weight = getattr(layer, "weight", None)
-        if not isinstance(weight, torch.nn.Parameter):
-            continue
-        kinds = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
-        if not kinds:
-            continue
-        params = [weight]
+    for name, kind in layer_kinds(module, layer_specs).items():
+        layer = module.get_submodule(name)
+        params = [layer.weight]
         bias = getattr(layer, "bias", None)
-        if kinds[0] == "column" and isinstance(bias, torch.nn.Parameter):
+        if kind == "column" and isinstance(bias, torch.nn.Parameter):
             params.append(bias)
         sharded += sum(p.numel() for p in params)
         trainable += sum(p.numel() for p in params if p.requires_grad)
