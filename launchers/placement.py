@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from plans.rank_layout import parallel_coords
+
 
 @dataclass(frozen=True)
 class RankSlot:
@@ -31,44 +33,6 @@ def assign_ranks(node_ids: list[str]) -> list[RankSlot]:
             slots[actor] = RankSlot(rank, node, local_rank, len(actors))
             rank += 1
     return slots  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class ParallelCoords:
-    """Where one rank sits in the dp × pp × tp grid."""
-
-    dp_rank: int
-    """Which data-parallel replica (and data shard) the rank belongs to."""
-    tp_rank: int
-    """Which shard of the tensor-parallel layers the rank holds."""
-    pp_rank: int = 0
-    """Which pipeline stage (which slice of the layers) the rank runs."""
-
-
-# The grid's axes from outermost to innermost, with DeepSpeed's names for them
-# (deepspeed.runtime.pipe.topology.ProcessTopology): rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
-GRID_AXES = ("data", "pipe", "model")
-
-
-def parallel_coords(rank: int, world_size: int, tp: int, pp: int = 1) -> ParallelCoords:
-    """The rank's coordinates, tp innermost, then pp, dp outermost: ``rank = (dp_rank * pp + pp_rank) * tp + tp_rank``.
-
-    Tensor-parallel groups are blocks of ``tp`` consecutive ranks, so with :func:`assign_ranks`
-    (a node's ranks are contiguous) and tp dividing the devices per node, a group never spans
-    nodes: its all-reduces, two per layer in forward and two in backward, stay on the fastest
-    links. Pipeline stages come next: they exchange one activation per micro-batch, point to
-    point. Data-parallel replicas are outermost: they meet once per step, for the gradients, so
-    they are the ones that cross nodes. DeepSpeed builds the same groups from a
-    ``ProcessTopology`` with :data:`GRID_AXES` (pipelines) or a ``(data_parallel, tensor_parallel)``
-    device mesh (``deepspeed.utils.groups._init_tp_mesh_device``, AutoTP without pipelines). All
-    ranks of one tensor-parallel group must read the same batch, so the data shard is chosen by
-    ``dp_rank``.
-    """
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
-        raise ValueError(f"tp({tp}) * pp({pp}) must be at least 1 and divide the world size {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside the world of {world_size}")
-    return ParallelCoords(dp_rank=rank // (tp * pp), tp_rank=rank % tp, pp_rank=rank // tp % pp)
 
 
 def rank_layout(world_size: int, devices_per_node: int, tp: int, pp: int = 1) -> list[dict[str, int]]:

@@ -25,12 +25,13 @@ from launchers.export_state import consolidated_state
 from launchers.gpu_worker import accelerator_ids, cuda_memory_facts, reset_cuda_peak, use_device
 from launchers.job import PollStatus, StepReport, TrainJob, WorkerFacts
 from launchers.lean_startup import collector_paused
-from launchers.placement import RankSlot, parallel_coords
+from launchers.placement import RankSlot
 from launchers.rank_state import restore_rank_state, save_rank_state
 from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from launchers.step_interval import Interval
 from launchers.torch_threads import match_torch_threads
 from launchers.worker_data import digest, rank_batches
+from plans.rank_layout import parallel_coords
 
 
 class TrainWorker:

@@ -8,7 +8,7 @@ import hashlib
 from typing import Any
 
 from launchers.job import TrainJob
-from launchers.placement import ParallelCoords
+from plans.rank_layout import ParallelCoords, global_rank
 
 
 def digest(batch) -> str:
@@ -68,7 +68,7 @@ def _streamed_batches(job: TrainJob, rank: int, coords: ParallelCoords, streams:
     readers_of = []
     for dp_rank in range(plan.dp):
         stages = sorted({0, plan.pp - 1})
-        readers_of.append([(dp_rank * plan.pp + stage) * plan.tp + tp_rank
+        readers_of.append([global_rank(dp_rank, stage, tp_rank, tp=plan.tp, pp=plan.pp)
                            for stage in stages for tp_rank in range(plan.tp)])
     groups = [dist.new_group(ranks, backend="gloo") if len(ranks) > 1 else None for ranks in readers_of]
     readers = readers_of[coords.dp_rank]

@@ -89,16 +89,16 @@ def build_violation(build: BuildMemory) -> Violation | None:
     """The refusal of a plan whose model cannot be built on its nodes, or None."""
     if build.fits:
         return None
-    read = f" + {_gib(build.weights)} of weight files read" if build.weights else ""
+    read = f" + {format_bytes(build.weights)} of weight files read" if build.weights else ""
     fix = "use fewer workers per node (cluster.devices_per_node) or hosts with more memory"
     if build.how == "whole" and build.builders is None:
         fix = ("use plan.zero_stage=3 (each worker then builds only its share, inside deepspeed.zero.Init) or "
                "plan.engine=fsdp2 (one worker builds it whole, the others on meta), " + fix)
     return Violation(
         "cluster.host_memory_gib", round(build.capacity / GIB, 2),
-        f"building the model needs {_gib(build.total)} of host memory per node: {_builders(build)} "
-        f"the model as built ({build.how}: {_gib(build.model)}){read}, "
-        f"but a node has {_gib(build.capacity)}.",
+        f"building the model needs {format_bytes(build.total)} of host memory per node: {_builders(build)} "
+        f"the model as built ({build.how}: {format_bytes(build.model)}){read}, "
+        f"but a node has {format_bytes(build.capacity)}.",
         fix)
 
 
@@ -108,5 +108,6 @@ def _builders(build: BuildMemory) -> str:
     return f"{build.builders} of {build.workers} worker(s) holds (the others build on meta)"
 
 
-def _gib(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """``n`` bytes for a person: GiB down to a tenth of one, MiB below, so small parts stay readable."""
     return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / 1024**2:.1f} MiB"

@@ -43,7 +43,7 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
 
 Every collective is an alpha-beta cost: a latency per ring step plus bytes over the bus bandwidth
 NCCL reaches on the link it crosses, intra-node or inter-node, from the rank layout (tp innermost,
-then pp, then dp: :func:`launchers.placement.parallel_coords`); a ring across nodes with several
+then pp, then dp: :func:`plans.rank_layout.parallel_coords`); a ring across nodes with several
 members on each node runs one channel per network adapter (:meth:`Speeds.bus_gbps`). The optimizer
 step is bound by memory bandwidth, DeepSpeed's mixed-precision casts and the clipping norm included.
 Communication does not overlap compute (tensor parallel all-reduces are synchronous, and CPU plans
@@ -60,6 +60,7 @@ import math
 from dataclasses import dataclass
 
 from plans.engine import ZeroStage, engine_settings
+from plans.rank_layout import group_stride
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, Offload, OptimizerName, OptimSpec, Precision
 
@@ -365,7 +366,8 @@ def group_links(world_size: int, devices_per_node: int, tp: int, pp: int) -> Lin
         # members are 0, stride, 2*stride, ... (size of them): same node iff the last is on node 0.
         return "inter" if size > 1 and (size - 1) * stride >= devices_per_node else "intra"
 
-    return Links(tp=crosses(1, tp), pp=crosses(tp, pp), dp=crosses(tp * pp, dp))
+    return Links(tp=crosses(group_stride("tp", tp, pp), tp), pp=crosses(group_stride("pp", tp, pp), pp),
+                 dp=crosses(group_stride("dp", tp, pp), dp))
 
 
 def _bytes_per_s(gbps: float) -> float:
@@ -523,7 +525,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     grad_bytes = params * plan.precision.element_bytes
     # A data-parallel group's members are tp * pp ranks apart: with fewer, several share a node
     # and its network adapters.
-    dp_bw = speeds.bus_gbps(links.dp, _members_per_node(tp * pp, dp, devices_per_node))
+    dp_bw = speeds.bus_gbps(links.dp, _members_per_node(group_stride("dp", tp, pp), dp, devices_per_node))
     dp_lat = lat[links.dp]
     dp_comm_s = 0.0
     if dp > 1:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,7 +20,7 @@ import torch
 
 from plans.activations import ActivationBytes, activations_from_shallow, attention_kernels, measure_activations
 from plans.attention import KernelLog
-from plans.build_memory import BuildMemory, build_memory, build_violation
+from plans.build_memory import GIB, BuildMemory, build_memory, build_violation, format_bytes
 from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.engine import EngineSettings, ZeroStage, engine_settings, fsdp_mesh
 from plans.errors import Violation
@@ -49,9 +48,9 @@ from plans.pipeline import (
 )
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, EngineName, Offload, OptimSpec, Precision
+from plans.tp_plan import layer_kinds
 from plans.workload import ModelInputs, batch_bytes, supports_activation_checkpointing
 
-GIB = 1024**3
 # The keys of one device in `orch check --json` (``per_device`` and each of ``stages``), in bytes
 # but for ``phase``, the step phase the peak falls in.
 DEVICE_JSON_KEYS = ("params", "grads", "optimizer_states", "activations", "buffers", "reserve", "total",
@@ -172,16 +171,14 @@ _TP_SIZE_ATTRIBUTES = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_atten
 
 def shard_module(module: torch.nn.Module, layer_specs: list[dict], tp: int) -> torch.nn.Module:
     """:func:`shard_on_meta` of a meta module (changed in place, and returned)."""
-    patterns = [(re.compile(p), spec.get("partition_type", "column"))
-                for spec in layer_specs for p in spec.get("patterns", [])]
     sharded: list[str] = []
-    for name, layer in module.named_modules():
-        weight = getattr(layer, "weight", None)
-        kinds = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
-        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2 or not kinds or kinds[0] == "skip":
+    for name, kind in layer_kinds(module, layer_specs).items():
+        layer = module.get_submodule(name)
+        weight = layer.weight
+        if weight.dim() != 2 or kind == "skip":
             continue
         rows, cols = weight.shape
-        if kinds[0] == "column":
+        if kind == "column":
             layer.weight = torch.nn.Parameter(torch.empty(rows // tp, cols, device="meta", dtype=weight.dtype))
             if isinstance(getattr(layer, "bias", None), torch.nn.Parameter):
                 layer.bias = torch.nn.Parameter(torch.empty(rows // tp, device="meta", dtype=weight.dtype))
@@ -337,19 +334,12 @@ def _tensor_parallel_params(module: torch.nn.Module, layer_specs: list[dict]) ->
     A spec names a layer's weight; a column-parallel layer's bias is split with it, a
     row-parallel layer's bias stays whole (DeepSpeed's LinearLayer / LinearAllreduce).
     """
-    patterns = [(re.compile(p), spec.get("partition_type", "column"))
-                for spec in layer_specs for p in spec.get("patterns", [])]
     sharded, trainable = 0, 0
-    for name, layer in module.named_modules():
-        weight = getattr(layer, "weight", None)
-        if not isinstance(weight, torch.nn.Parameter):
-            continue
-        kinds = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
-        if not kinds:
-            continue
-        params = [weight]
+    for name, kind in layer_kinds(module, layer_specs).items():
+        layer = module.get_submodule(name)
+        params = [layer.weight]
         bias = getattr(layer, "bias", None)
-        if kinds[0] == "column" and isinstance(bias, torch.nn.Parameter):
+        if kind == "column" and isinstance(bias, torch.nn.Parameter):
             params.append(bias)
         sharded += sum(p.numel() for p in params)
         trainable += sum(p.numel() for p in params if p.requires_grad)
@@ -433,15 +423,16 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
         where = f" on pipeline stage {worst}" if plan.pp > 1 else ""
         violations.append(Violation(
             "cluster.device_memory_gib", cluster.device_memory_gib,
-            f"the plan needs {_gib(device.total)} per device{where} but a device has {_gib(capacity)} "
+            f"the plan needs {format_bytes(device.total)} per device{where} but a device has {format_bytes(capacity)} "
             f"(at its peak, in the {device.phase} phase: {_parts(device)}).",
             "see the suggested plan changes, or use devices with more memory"))
     if not host.fits:
         violations.append(Violation(
             "cluster.host_memory_gib", cluster.host_memory_gib,
-            f"the plan needs {_gib(host.total)} of host memory per node but a node has {_gib(host.capacity)} "
-            f"({_gib(offloaded)} offloaded states of {local} workers"
-            + (f" + {_gib(device_share)} of the CPU workers' own memory" if device_share else "") + ").",
+            f"the plan needs {format_bytes(host.total)} of host memory per node "
+            f"but a node has {format_bytes(host.capacity)} "
+            f"({format_bytes(offloaded)} offloaded states of {local} workers"
+            + (f" + {format_bytes(device_share)} of the CPU workers' own memory" if device_share else "") + ").",
             "offload less (plan.offload_optimizer / plan.offload_param), or use fewer workers per node"))
     build = build_memory(plan, cluster, built_bytes=probe.stats.built_bytes, param_count=probe.stats.param_count,
                          stages=pipeline, weight_file_bytes=probe.weight_file_bytes)
@@ -452,13 +443,9 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
                         violations=violations, fsdp=fsdp)
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / 1024**2:.1f} MiB"
-
-
 def _parts(b: MemoryBreakdown) -> str:
     names = ("params", "grads", "optimizer_states", "activations", "buffers", "reserve")
-    return " + ".join(f"{name} {_gib(getattr(b, name))}" for name in names)
+    return " + ".join(f"{name} {format_bytes(getattr(b, name))}" for name in names)
 
 
 # Plan changes tried, cheapest first, when a plan does not fit: (what to tell the user, change).

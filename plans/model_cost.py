@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import re
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,6 +26,7 @@ from plans.cost_model import Gemm, ModelCost
 from plans.depth_scaling import SHALLOW_DEPTHS, affine, extrapolate, repeated_stack, shallow_copy
 from plans.estimate import ModelProbe, shard_module
 from plans.memory_traffic import MemoryTraffic, fused_attention
+from plans.tp_plan import layer_kinds
 from plans.workload import (
     PROBE_SAMPLES,
     MetaBranches,
@@ -41,15 +41,7 @@ from plans.workload import (
 
 def _tp_kinds(module: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
     """Module name -> 'row' or 'column' for the layers the AutoTP specs shard."""
-    patterns = [(re.compile(p), spec.get("partition_type", "column"))
-                for spec in layer_specs for p in spec.get("patterns", [])]
-    kinds = {}
-    for name, sub in module.named_modules():
-        if isinstance(getattr(sub, "weight", None), torch.nn.Parameter):
-            matched = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
-            if matched and matched[0] in ("row", "column"):
-                kinds[name] = matched[0]
-    return kinds
+    return {name: kind for name, kind in layer_kinds(module, layer_specs).items() if kind in ("row", "column")}
 
 
 class OpCounter(TorchDispatchMode):

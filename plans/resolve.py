@@ -107,7 +107,7 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
                            f"cluster.devices_per_node({cluster.devices_per_node}) "
                            f"({cluster.devices_per_node} % {plan.tp} = {cluster.devices_per_node % plan.tp}).",
                            f"set plan.tp to a divisor of {cluster.devices_per_node}: "
-                           f"{', '.join(str(d) for d in _divisors(cluster.devices_per_node))}"))
+                           f"{', '.join(str(d) for d in divisors(cluster.devices_per_node))}"))
     if not fsdp2 and plan.tp > 1 and plan.zero_stage in (0, 1, 2, 3) and plan.zero_stage not in TP_ZERO_STAGES:
         v.append(Violation("plan.zero_stage", plan.zero_stage,
                            f"DeepSpeed's tensor parallelism (AutoTP) trains with ZeRO stages "
@@ -240,7 +240,8 @@ def _zero_offload_violations(plan: PlanSpec, cluster: ClusterSpec) -> list[Viola
     return v
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of ``n``, ascending: the degrees a count of devices splits into evenly."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 

@@ -34,7 +34,7 @@ from plans.errors import PlanError
 from plans.estimate import ModelProbe, PlanEstimate, estimate_plan
 from plans.fsdp_cost import predict
 from plans.pipeline import PipelineLayer, PipelineStage, pipeline_stages
-from plans.resolve import PP_ZERO_STAGES, TP_ZERO_STAGES, ResolvedPlan, resolve_plan
+from plans.resolve import PP_ZERO_STAGES, TP_ZERO_STAGES, ResolvedPlan, divisors, resolve_plan
 from plans.spec import (
     Accelerator,
     ClusterSpec,
@@ -46,10 +46,6 @@ from plans.spec import (
     Precision,
     TrainSpec,
 )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,8 +73,8 @@ class SearchSpace:
     def plans(self) -> Iterator[PlanSpec]:
         """Every candidate, offload combinations limited to what each engine can express (ZeRO:
         parameter offload only at stage 3, optimizer offload from stage 1; FSDP2: both or none)."""
-        for tp in self.tp or _divisors(self.world_size):
-            for pp in self.pp or _divisors(self.world_size):
+        for tp in self.tp or divisors(self.world_size):
+            for pp in self.pp or divisors(self.world_size):
                 if self.world_size % (tp * pp):
                     continue
                 dp = self.world_size // (tp * pp)

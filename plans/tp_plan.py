@@ -22,6 +22,26 @@ import torch
 _STYLES = {"colwise": "column", "rowwise": "row"}
 
 
+def layer_kinds(module: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
+    """Module name -> partition type ('column', 'row', 'skip') for each module of ``module`` whose
+    ``weight`` is a parameter that an AutoTP layer spec names.
+
+    As in DeepSpeed's AutoTP, a spec's patterns are regexes matched at the start of
+    ``<module>.weight``, a spec without ``partition_type`` is column-parallel, and the first
+    matching pattern, in spec order, decides.
+    """
+    patterns = [(re.compile(p), spec.get("partition_type", "column"))
+                for spec in layer_specs for p in spec.get("patterns", [])]
+    kinds: dict[str, str] = {}
+    for name, layer in module.named_modules():
+        if not isinstance(getattr(layer, "weight", None), torch.nn.Parameter):
+            continue
+        matched = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
+        if matched:
+            kinds[name] = matched[0]
+    return kinds
+
+
 def _pattern(module_pattern: str) -> str:
     body = r"\d+".join(re.escape(part) for part in module_pattern.split("*"))
     return rf"(^|.*\.){body}\.weight$"

@@ -159,7 +159,7 @@ def test_rank_layout_puts_tp_inside_nodes_then_stages_then_replicas_across_nodes
     # The same grid as DeepSpeed's topology with our axis order.
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
-    from launchers.placement import GRID_AXES
+    from plans.rank_layout import GRID_AXES
 
     topo = ProcessTopology(axes=list(GRID_AXES), dims=[2, 2, 2])
     for slot in layout:

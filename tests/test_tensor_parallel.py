@@ -8,10 +8,11 @@ import torch
 
 from helpers.config import FAST, compose_config
 from launchers.engines.deepspeed.config import build_ds_config, tensor_parallel_section
-from launchers.placement import ParallelCoords, parallel_coords
 from orchestrator.config import to_typed
+from plans.cost_model import group_links
 from plans.errors import PlanError
 from plans.optim_settings import optim_settings
+from plans.rank_layout import ParallelCoords, global_rank, group_stride, parallel_coords
 from plans.resolve import resolve_plan
 from plans.spec import ClusterSpec, OptimSpec, PlanSpec, TrainSpec
 from workloads.gpt import GPT, TP_LAYER_SPECS
@@ -32,6 +33,33 @@ def test_tensor_parallel_ranks_are_contiguous_and_data_parallel_outer():
 def test_parallel_coords_refuses_impossible_layouts(rank, world, tp):
     with pytest.raises(ValueError):
         parallel_coords(rank, world, tp)
+
+
+LAYOUTS = [(8, 2, 1), (8, 2, 2), (16, 4, 2), (12, 1, 3), (6, 3, 1)]  # (world, tp, pp)
+
+
+@pytest.mark.parametrize("world,tp,pp", LAYOUTS)
+def test_global_rank_inverts_parallel_coords(world, tp, pp):
+    for rank in range(world):
+        c = parallel_coords(rank, world, tp, pp)
+        assert global_rank(c.dp_rank, c.pp_rank, c.tp_rank, tp=tp, pp=pp) == rank
+
+
+@pytest.mark.parametrize("world,tp,pp", LAYOUTS)
+@pytest.mark.parametrize("devices_per_node", [1, 2, 4, 8])
+def test_group_strides_match_the_layout_and_group_links(world, tp, pp, devices_per_node):
+    """Each group of rank 0, found by brute force over parallel_coords, is ``0, stride, 2 * stride, ...``;
+    whether it crosses nodes agrees with group_links' closed form."""
+    coords = [parallel_coords(r, world, tp, pp) for r in range(world)]
+    same = {"tp": lambda c: (c.dp_rank, c.pp_rank), "pp": lambda c: (c.dp_rank, c.tp_rank),
+            "dp": lambda c: (c.pp_rank, c.tp_rank)}
+    links = group_links(world, devices_per_node, tp, pp)
+    for kind, key in same.items():
+        members = [r for r in range(world) if key(coords[r]) == key(coords[0])]
+        stride = group_stride(kind, tp, pp)
+        assert members == list(range(0, len(members) * stride, stride))
+        crosses = len({r // devices_per_node for r in members}) > 1
+        assert getattr(links, kind) == ("inter" if crosses else "intra")
 
 
 def test_ds_config_shards_the_gpt_only_with_tp():

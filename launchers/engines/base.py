@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from launchers.job import TrainJob
-    from launchers.placement import ParallelCoords
+    from plans.rank_layout import ParallelCoords
 
 
 @dataclass(frozen=True, kw_only=True)

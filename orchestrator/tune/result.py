@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.tune.plan_file import train_command
+from plans.build_memory import format_bytes
 from plans.cost_model import Speeds, StepTime, declared_speed_values
-from plans.estimate import GIB
 from plans.resolve import ResolvedPlan
 from plans.search_space import Candidate, SearchResult
 from plans.spec import Accelerator, ClusterSpec, EngineName, Offload, TrainSpec
@@ -155,7 +155,7 @@ def _layout_text(plan: ResolvedPlan) -> str:
 def _mem(n: int | None) -> str:
     if n is None:
         return "-"
-    return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / 1024**2:.1f} MiB"
+    return format_bytes(n)
 
 
 def duration(seconds: float) -> str:

@@ -101,7 +101,7 @@ def _rank(rank: int, scenario: str, world: int, out: str, port: int, kwargs: dic
 
 def _engine(job, rank: int, world: int):
     from launchers.engines import engine_for
-    from launchers.placement import parallel_coords
+    from plans.rank_layout import parallel_coords
 
     engine = engine_for("fsdp2")
     engine.start(job, "127.0.0.1", int(os.environ["MASTER_PORT"]))

@@ -8,7 +8,7 @@ import os
 import sys
 
 from launchers.job import TrainJob
-from launchers.placement import GRID_AXES, ParallelCoords
+from plans.rank_layout import GRID_AXES, ParallelCoords
 
 
 def import_deepspeed():
@@ -122,7 +122,7 @@ def refuse_whole_build_beyond_memory(job: TrainJob, reason: str) -> None:
 def pipeline_module(job: TrainJob):
     """The model as DeepSpeed pipeline stages; this rank builds only its own stage's layers.
 
-    The grid is ours (:func:`launchers.placement.parallel_coords`, axes :data:`GRID_AXES`), handed
+    The grid is ours (:func:`plans.rank_layout.parallel_coords`, axes :data:`GRID_AXES`), handed
     to DeepSpeed as a ``ProcessTopology``, so the stage, replica and data shard of every rank are
     what ``orch check`` showed. With activation checkpointing each layer with parameters is
     recomputed in backward (``activation_checkpoint_interval=1``), with torch's non-reentrant

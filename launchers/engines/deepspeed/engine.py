@@ -20,7 +20,7 @@ from launchers.engines.deepspeed.building import (
     unlink_shared_memory_buffers,
 )
 from launchers.job import TrainJob
-from launchers.placement import ParallelCoords
+from plans.rank_layout import ParallelCoords
 from plans.spec import Precision
 
 

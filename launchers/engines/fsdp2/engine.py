@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from launchers.job import TrainJob
-    from launchers.placement import ParallelCoords
+    from plans.rank_layout import ParallelCoords
 
 
 class FSDP2Engine(Engine):

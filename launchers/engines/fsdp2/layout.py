@@ -1,7 +1,7 @@
 """How an FSDP2 run lays a model over its ranks: the device meshes, the blocks sharded one by
 one, FSDP2's options from the plan, and tensor parallelism through DTensor.
 
-The rank layout is the project's (:func:`launchers.placement.parallel_coords`: tp innermost, dp
+The rank layout is the project's (:func:`plans.rank_layout.parallel_coords`: tp innermost, dp
 outermost), which a row-major ``(dp, tp)`` mesh reproduces; :func:`meshes` checks that it does.
 """
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    from launchers.placement import ParallelCoords
+    from plans.rank_layout import ParallelCoords
     from plans.resolve import ResolvedPlan
 
 _HF_STYLES = ("colwise", "rowwise")
