@@ -332,11 +332,14 @@ def _tensor_parallel_params(module: torch.nn.Module, layer_specs: list[dict]) ->
     """(all, trainable) parameters of ``module`` the AutoTP layer specs shard.
 
     A spec names a layer's weight; a column-parallel layer's bias is split with it, a
-    row-parallel layer's bias stays whole (DeepSpeed's LinearLayer / LinearAllreduce).
+    row-parallel layer's bias stays whole (DeepSpeed's LinearLayer / LinearAllreduce). A layer
+    its spec skips, or whose weight is not a matrix, stays whole, as :func:`shard_module` leaves it.
     """
     sharded, trainable = 0, 0
     for name, kind in layer_kinds(module, layer_specs).items():
         layer = module.get_submodule(name)
+        if kind == "skip" or layer.weight.dim() != 2:
+            continue
         params = [layer.weight]
         bias = getattr(layer, "bias", None)
         if kind == "column" and isinstance(bias, torch.nn.Parameter):

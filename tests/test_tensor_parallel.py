@@ -105,6 +105,23 @@ def test_gpt_layer_specs_match_the_layers_meant_and_nothing_else():
                        for layer in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
 
 
+def test_the_planners_tensor_parallel_count_is_what_sharding_leaves_on_a_rank():
+    """The parameters counted as split by tp are exactly those the meta shard shrinks: a layer its
+    spec skips stays whole in both."""
+    from plans.estimate import _tensor_parallel_params, shard_module
+
+    specs = [*TP_LAYER_SPECS, {"patterns": [r".*blocks\.0\.mlp\.fc\.weight$"], "partition_type": "skip"}]
+    specs = [specs[-1], *specs[:-1]]  # the first matching spec decides: the skip wins for block 0's fc
+    with torch.device("meta"):
+        model = GPT(n_layer=2)
+    whole = sum(p.numel() for p in model.parameters())
+    sharded, _ = _tensor_parallel_params(model, specs)
+    on_rank = sum(p.numel() for p in shard_module(model, specs, 2).parameters())
+    assert on_rank == whole - sharded // 2
+    fc = model.blocks[0].mlp.fc
+    assert fc.weight.shape[0] == 4 * 128, "the skipped layer stays whole"
+
+
 def test_gpt_heads_must_split_evenly_over_tp():
     with pytest.raises(ValueError, match=r"model.n_head\(6\) must be divisible by plan.tp\(4\)"):
         GPT(d_model=96, n_head=6, tp=4)
