@@ -114,6 +114,22 @@ def test_blocks_are_the_repeated_layers_of_each_kind_of_model():
     assert repeated_blocks(mlp) == []
 
 
+def test_autotp_specs_shard_under_fsdp2_the_layers_deepspeed_and_the_planner_shard():
+    """The first matching spec decides and a skip leaves its layer whole, as in DeepSpeed's AutoTP
+    and the planner's count; a fused layer's spec is refused."""
+    from launchers.engines.fsdp2.layout import autotp_styles
+    from plans.tp_plan import layer_kinds
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4), torch.nn.Linear(4, 4))
+    specs = [{"patterns": [r"^3\.weight$"], "partition_type": "skip"},
+             {"patterns": [r"^0\.weight$", r"^3\.weight$"], "partition_type": "column"},
+             {"patterns": [r"^2\.weight$"], "partition_type": "row"}]
+    assert autotp_styles(mlp, specs) == {"0": "column", "2": "row"}
+    assert layer_kinds(mlp, specs) == {"0": "column", "2": "row", "3": "skip"}
+    with pytest.raises(RuntimeError, match="splits a fused layer"):
+        autotp_styles(mlp, [{"patterns": [r"^0\.weight$"], "partition_type": "column", "shape": [3, -1]}])
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("true",))

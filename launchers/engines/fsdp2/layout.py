@@ -110,15 +110,31 @@ def fsdp_options(plan: ResolvedPlan, dp_mesh: DeviceMesh) -> dict[str, Any]:
     return options
 
 
+def autotp_styles(model: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
+    """Module name -> 'column' or 'row' for the layers the AutoTP specs shard, matched as DeepSpeed's
+    AutoTP matches them (:func:`plans.tp_plan.layer_kinds`: the first matching spec decides, a
+    ``skip`` leaves the layer whole), so both engines and the planner shard the same layers.
+
+    A fused layer whose spec gives a ``shape`` (the GPT's ``qkv``, three matrices in one) cannot be
+    split by a plain column-wise style: it is refused rather than sharded wrongly.
+    """
+    from plans.tp_plan import layer_kinds
+
+    fused = [spec for spec in layer_specs
+             if spec.get("partition_type") != "skip" and ("shape" in spec or "partition_dim" in spec)]
+    if fused:
+        raise RuntimeError(f"tensor-parallel spec {fused[0]} splits a fused layer, which plan.engine=fsdp2 cannot "
+                           "shard with DTensor's column/row styles; set plan.engine=deepspeed (AutoTP) or plan.tp=1")
+    return {name: kind for name, kind in layer_kinds(model, layer_specs).items() if kind != "skip"}
+
+
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_specs: list[dict] | None) -> int:
     """Shard ``model``'s linear layers over ``tp_mesh`` with DTensor's column- and row-wise styles;
     returns how many were sharded.
 
     The model's own Hugging Face tensor-parallel plan (``model._tp_plan``, module patterns with
     ``*`` for a layer index) is used where it has one; otherwise the workload's AutoTP layer
-    specs (regexes over ``<module>.weight``). A fused layer whose spec gives a ``shape`` (the
-    GPT's ``qkv``, three matrices in one) cannot be split by a plain column-wise style: it is
-    refused rather than sharded wrongly.
+    specs (regexes over ``<module>.weight``, :func:`autotp_styles`).
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -136,16 +152,7 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
                 if re.fullmatch(body, name):
                     plan[name] = styles[style]()
     else:
-        for spec in layer_specs or []:
-            if spec.get("partition_type") == "skip":
-                continue
-            if "shape" in spec or "partition_dim" in spec:
-                raise RuntimeError(f"tensor-parallel spec {spec} splits a fused layer, which plan.engine=fsdp2 cannot "
-                                   "shard with DTensor's column/row styles; set plan.engine=deepspeed (AutoTP) or "
-                                   "plan.tp=1")
-            for name in names:
-                if any(re.search(p, f"{name}.weight") for p in spec["patterns"]):
-                    plan[name] = styles[spec["partition_type"]]()
+        plan = {name: styles[kind]() for name, kind in autotp_styles(model, layer_specs or []).items()}
     if not plan:
         raise RuntimeError(f"plan.tp={tp_mesh.size()}, but no layer of {type(model).__name__} matched its tensor-"
                            "parallel plan: every rank would hold and compute the whole model")
