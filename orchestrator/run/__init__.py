@@ -3,5 +3,6 @@ trains it (driver), its start-up overlapped step by step (startup; the embedded 
 torch is imported: early_ray), its checkpoint directory held and its model signed (resume), its
 progress shown (progress).
 
-Nothing is imported here: `orch train` imports ``early_ray`` before torch, and this package with it.
+Nothing is imported here: `orch train` imports ``startup`` (and ``early_ray`` with it) before torch,
+and this package with them.
 """
