@@ -12,6 +12,7 @@ schedule, its fp16 dynamic scaling), so the two engines stay equal step for step
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -97,23 +98,23 @@ class OptimSettings:
         """Adam or AdamW (they take betas and eps; SGD takes momentum)."""
         return self.name in (OptimizerName.adam, OptimizerName.adamw)
 
-    def as_dict(self) -> dict[str, object]:
-        """Plain values for tracking (``config/optimizer.json``): only the optimizer's own
-        hyper-parameters (betas and eps for Adam, momentum for SGD)."""
-        optimizer: dict[str, object] = {"name": self.name.value, "lr": self.lr, "weight_decay": self.weight_decay}
+    def hyperparameters(self) -> dict[str, object]:
+        """The optimizer's own hyper-parameters as plain values: betas and eps for Adam, momentum
+        for SGD (DeepSpeed's ``optimizer.params`` and the tracked ``optimizer`` alike)."""
+        values: dict[str, object] = {"lr": self.lr, "weight_decay": self.weight_decay}
         if self.adam_family:
-            optimizer.update(betas=list(self.betas), eps=self.eps)
+            values.update(betas=list(self.betas), eps=self.eps)
         else:
-            optimizer["momentum"] = self.momentum
-        s = self.schedule
+            values["momentum"] = self.momentum
+        return values
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain values for tracking (``config/optimizer.json``)."""
         return {
-            "optimizer": optimizer,
-            "schedule": {"type": "warmup_cosine", "total_num_steps": s.total_num_steps,
-                         "warmup_num_steps": s.warmup_num_steps, "warmup_min_ratio": s.warmup_min_ratio,
-                         "warmup_type": s.warmup_type, "cos_min_ratio": s.cos_min_ratio},
+            "optimizer": {"name": self.name.value, **self.hyperparameters()},
+            "schedule": {"type": "warmup_cosine", **dataclasses.asdict(self.schedule)},
             "grad_clip": self.grad_clip,
-            "loss_scaling": {"enabled": self.loss_scaling.enabled, "loss_scale": self.loss_scaling.loss_scale,
-                             "initial_scale_power": self.loss_scaling.initial_scale_power},
+            "loss_scaling": dataclasses.asdict(self.loss_scaling),
         }
 
 

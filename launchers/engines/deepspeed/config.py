@@ -7,6 +7,7 @@ as DeepSpeed's JSON, every bucket and ZeRO-3 limit explicit.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -28,14 +29,9 @@ def _offload_section(device: Offload, engine: EngineSettings) -> dict:
 def optimizer_section(optim: OptimSettings, engine: EngineSettings) -> dict:
     """DeepSpeed's ``optimizer`` section: ``optim``'s optimizer, run by torch's Adam where
     ``engine`` says so."""
-    params: dict = {"lr": optim.lr, "weight_decay": optim.weight_decay}
-    if optim.adam_family:
-        params["betas"] = list(optim.betas)
-        params["eps"] = optim.eps
-        if engine.torch_adam:
-            params["torch_adam"] = True
-    else:
-        params["momentum"] = optim.momentum
+    params = optim.hyperparameters()
+    if optim.adam_family and engine.torch_adam:
+        params["torch_adam"] = True
     return {"type": _OPTIMIZER_TYPE[optim.name], "params": params}
 
 
@@ -103,22 +99,12 @@ def tensor_parallel_section(tp: int, layer_specs: list[dict]) -> dict:
 
 def scheduler_section(schedule: WarmupCosine) -> dict:
     """DeepSpeed's ``scheduler`` section: its ``WarmupCosineLR`` with ``schedule``'s parameters."""
-    return {
-        "type": "WarmupCosineLR",
-        "params": {
-            "total_num_steps": schedule.total_num_steps,
-            "warmup_num_steps": schedule.warmup_num_steps,
-            "warmup_min_ratio": schedule.warmup_min_ratio,
-            "warmup_type": schedule.warmup_type,
-            "cos_min_ratio": schedule.cos_min_ratio,
-        },
-    }
+    return {"type": "WarmupCosineLR", "params": dataclasses.asdict(schedule)}
 
 
 def fp16_section(scaling: LossScaling) -> dict:
     """DeepSpeed's ``fp16`` section (written, disabled, for the other precisions too)."""
-    return {"enabled": scaling.enabled, "loss_scale": scaling.loss_scale,
-            "initial_scale_power": scaling.initial_scale_power}
+    return dataclasses.asdict(scaling)
 
 
 def build_ds_config(plan: ResolvedPlan, optim: OptimSettings, *,
