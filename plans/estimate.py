@@ -48,7 +48,7 @@ from plans.pipeline import (
 )
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, EngineName, Offload, OptimSpec, Precision
-from plans.tp_plan import layer_kinds
+from plans.tp_plan import split_layers
 from plans.workload import ModelInputs, batch_bytes, supports_activation_checkpointing
 
 # The keys of one device in `orch check --json` (``per_device`` and each of ``stages``), in bytes
@@ -172,11 +172,9 @@ _TP_SIZE_ATTRIBUTES = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_atten
 def shard_module(module: torch.nn.Module, layer_specs: list[dict], tp: int) -> torch.nn.Module:
     """:func:`shard_on_meta` of a meta module (changed in place, and returned)."""
     sharded: list[str] = []
-    for name, kind in layer_kinds(module, layer_specs).items():
+    for name, kind in split_layers(module, layer_specs).items():
         layer = module.get_submodule(name)
         weight = layer.weight
-        if weight.dim() != 2 or kind == "skip":
-            continue
         rows, cols = weight.shape
         if kind == "column":
             layer.weight = torch.nn.Parameter(torch.empty(rows // tp, cols, device="meta", dtype=weight.dtype))
@@ -333,13 +331,11 @@ def _tensor_parallel_params(module: torch.nn.Module, layer_specs: list[dict]) ->
 
     A spec names a layer's weight; a column-parallel layer's bias is split with it, a
     row-parallel layer's bias stays whole (DeepSpeed's LinearLayer / LinearAllreduce). A layer
-    its spec skips, or whose weight is not a matrix, stays whole, as :func:`shard_module` leaves it.
+    its spec skips, or whose weight is not a matrix, stays whole (:func:`plans.tp_plan.split_layers`).
     """
     sharded, trainable = 0, 0
-    for name, kind in layer_kinds(module, layer_specs).items():
+    for name, kind in split_layers(module, layer_specs).items():
         layer = module.get_submodule(name)
-        if kind == "skip" or layer.weight.dim() != 2:
-            continue
         params = [layer.weight]
         bias = getattr(layer, "bias", None)
         if kind == "column" and isinstance(bias, torch.nn.Parameter):

@@ -42,6 +42,13 @@ def layer_kinds(module: torch.nn.Module, layer_specs: list[dict]) -> dict[str, s
     return kinds
 
 
+def split_layers(module: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
+    """Module name -> 'column' or 'row' for the layers tensor parallelism splits: those
+    :func:`layer_kinds` finds, less the ones their spec skips and any whose weight is not a matrix."""
+    return {name: kind for name, kind in layer_kinds(module, layer_specs).items()
+            if kind != "skip" and module.get_submodule(name).weight.dim() == 2}
+
+
 def _pattern(module_pattern: str) -> str:
     body = r"\d+".join(re.escape(part) for part in module_pattern.split("*"))
     return rf"(^|.*\.){body}\.weight$"
