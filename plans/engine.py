@@ -19,7 +19,7 @@ from enum import IntEnum
 
 from plans.optim_settings import OptimSettings
 from plans.resolve import ResolvedPlan
-from plans.spec import Accelerator, EngineName, Offload, OptimizerName, OptimSpec
+from plans.spec import Accelerator, EngineName, Offload, OptimizerName, OptimSpec, Precision
 
 # DeepSpeed's defaults (its runtime/zero/config.py), in elements.
 REDUCE_BUCKET_SIZE = 500_000_000
@@ -77,6 +77,9 @@ class EngineSettings:
     """Pinned host buffers for offload (GPU workers: faster copies)."""
     torch_adam: bool = False
     """The step runs torch's Adam/AdamW (CPU workers without offload) instead of DeepSpeed's."""
+    fused_adam: bool = False
+    """torch's Adam runs its fused kernel, which steps every tensor in place: FSDP2 without fp16's
+    loss scaler (``launchers.engines.fsdp2.torch_optim.build_optimizer``)."""
 
     @property
     def optimizer_offloaded(self) -> bool:
@@ -96,6 +99,7 @@ def engine_settings(plan: ResolvedPlan, optim: OptimSpec | OptimSettings,
     """
     cap = -(-param_count // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT if param_count else REDUCE_BUCKET_SIZE
     gpu = plan.accelerator == Accelerator.gpu
+    adam = optim.name in (OptimizerName.adam, OptimizerName.adamw)
     if plan.engine == EngineName.fsdp2:
         # FSDP2 has no buckets: it all-gathers and reduce-scatters one block's parameters at a time
         # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_all_gather and
@@ -104,7 +108,10 @@ def engine_settings(plan: ResolvedPlan, optim: OptimSpec | OptimSettings,
             zero_stage=ZeroStage.parameters, engine=EngineName.fsdp2,
             reshard_after_forward=plan.fsdp.reshard_after_forward, hybrid=plan.fsdp.hybrid,
             overlap_comm=gpu, offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param,
-            pin_memory=gpu, torch_adam=optim.name in (OptimizerName.adam, OptimizerName.adamw))
+            pin_memory=gpu, torch_adam=adam,
+            # A loss scaler's step hands the fused kernel a scale it cannot take from sharded
+            # gradients, so fp16 steps with the multi-tensor kernel.
+            fused_adam=adam and plan.precision != Precision.fp16)
     return EngineSettings(
         zero_stage=ZeroStage(plan.zero_stage),
         reduce_bucket_size=min(REDUCE_BUCKET_SIZE, cap),
@@ -117,8 +124,7 @@ def engine_settings(plan: ResolvedPlan, optim: OptimSpec | OptimSettings,
         pin_memory=gpu,
         # Without offload on CPU workers, torch's Adam avoids JIT-building DeepSpeed's FusedAdam,
         # which needs CUDA; with offload DeepSpeed picks its CPU Adam itself.
-        torch_adam=(optim.name in (OptimizerName.adam, OptimizerName.adamw) and not gpu
-                    and plan.offload_optimizer == Offload.none),
+        torch_adam=adam and not gpu and plan.offload_optimizer == Offload.none,
     )
 
 

@@ -387,8 +387,7 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
     if plan.engine == EngineName.fsdp2:
         fsdp = fsdp_memory(engine, mesh=fsdp_mesh(plan, cluster.devices_per_node), model=probe.stats_for(plan.tp),
                            units=probe.fsdp_units(plan.tp), activations=whole_activations, precision=plan.precision,
-                           optimizer=optim.name, momentum=optim.momentum, grad_accum_steps=plan.grad_accum_steps,
-                           accelerator=plan.accelerator)
+                           optimizer=optim.name, momentum=optim.momentum, grad_accum_steps=plan.grad_accum_steps)
         per_stage = [(fsdp.states, fsdp.device_phases())]
     elif plan.pp > 1:
         pipeline = probe.stages(plan)

@@ -63,7 +63,7 @@ import torch
 from plans.activations import ActivationBytes
 from plans.engine import EngineSettings, FSDPMesh
 from plans.memory import DevicePhases, ModelStateBytes, ModelStats, PhaseBytes, _optimizer_moment_bytes
-from plans.spec import Accelerator, Offload, OptimizerName, Precision
+from plans.spec import Offload, OptimizerName, Precision
 from plans.workload import checkpoint_units
 
 _FP32 = 4
@@ -154,7 +154,7 @@ class FSDPMemory:
 
 def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, units: FSDPUnits,
                 activations: ActivationBytes, precision: Precision, optimizer: OptimizerName, momentum: float,
-                grad_accum_steps: int = 1, accelerator: Accelerator = Accelerator.cpu) -> FSDPMemory:
+                grad_accum_steps: int = 1) -> FSDPMemory:
     """The parts of one FSDP2 rank (see the module docstring for where each comes from).
 
     ``model`` and ``units`` are the counts one tensor-parallel rank holds.
@@ -235,14 +235,12 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
         Part(name="sharded gradients (fp32)", kind="grads", bytes=device_grads)))
     phases = [forward, head, backward, later_blocks, reduce_block, reduction]
     if not offloaded:
-        largest_param = model.largest_param or model.largest_layer_params
-        # torch's Adam on CPU tensors takes its single-tensor path: two temporaries of the tensor
-        # it steps (exp_avg_sq.sqrt() and the bias-corrected division); on GPUs its foreach path
-        # (the default for CUDA DTensors) makes one temporary of every moment at once
+        # torch's fused Adam steps every tensor in place. Its multi-tensor (foreach) kernel, taken
+        # under fp16's loss scaler, makes one temporary of every moment at once
         # (torch._foreach_sqrt of exp_avg_sq).
         temporaries = 0
-        if engine.torch_adam:
-            temporaries = 2 * _FP32 * part(largest_param) if accelerator == Accelerator.cpu else _FP32 * part(phi)
+        if engine.torch_adam and not engine.fused_adam:
+            temporaries = _FP32 * part(phi)
         phases.append(FSDPPhase(phase="optimizer step", parts=(
             Part(name="sharded gradients (fp32)", kind="grads", bytes=device_grads),
             Part(name="optimizer step temporaries", kind="buffers", bytes=temporaries))))

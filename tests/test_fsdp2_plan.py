@@ -108,12 +108,13 @@ ACTS = ActivationBytes(saved=0, recompute_peak=0, forward_peak=10_000, backward_
                        blocks_backward_peak=11_000, later_blocks_backward_peak=9_000, blocks_backward_end=3_000)
 
 
-def memory(*, shard: int = 4, reshard: bool = True, offload: Offload = Offload.none, accum: int = 1):
+def memory(*, shard: int = 4, reshard: bool = True, offload: Offload = Offload.none, accum: int = 1,
+           fused: bool = True):
     engine = EngineSettings(zero_stage=ZeroStage.parameters, engine=FSDP2, reshard_after_forward=reshard,
-                            offload_optimizer=offload, offload_param=offload, torch_adam=True)
+                            offload_optimizer=offload, offload_param=offload, torch_adam=True, fused_adam=fused)
     return fsdp_memory(engine, mesh=FSDPMesh(shard=shard), model=STATS, units=UNITS, activations=ACTS,
                        precision=Precision.bf16, optimizer=OptimizerName.adamw, momentum=0.0,
-                       grad_accum_steps=accum, accelerator=Accelerator.cpu)
+                       grad_accum_steps=accum)
 
 
 def parts(phase) -> dict[str, int]:
@@ -145,12 +146,23 @@ def test_fsdp2_rank_part_by_part():
     # and every sharded fp32 gradient (4 x 250).
     assert leaving.total == 3_000 + 400 + 400 + 200 + 400 + 1000
     assert reduction.total == 400 + 400 + 800 + 1000
-    # torch Adam on CPU: two temporaries of the largest parameter's shard (2 x 4 x 25).
-    assert step.total == 1000 + 200
+    # torch's fused Adam steps in place: the sharded fp32 gradients alone.
+    assert step.total == 1000
     device = m.device_phases()
     assert device.held.total == 3000 and device.binding.phase == "head backward"
     assert m.binding.phase == "head backward" and sum(p.bytes for p in m.at_peak()) == 3000 + 13_000
     assert (m.states.params, m.states.grads, m.states.optimizer_states) == (1000, 1000, 2000)
+
+
+def test_fused_adam_steps_in_place_and_fp16_takes_the_multi_tensor_kernel():
+    """The engine builds torch's fused AdamW unless fp16's loss scaler is on
+    (launchers/engines/fsdp2/engine.py reads the same ``fused_adam``); only the multi-tensor
+    kernel makes a temporary of every moment (4 x 1000 / 4 sharded)."""
+    assert engine_settings(gpu_plan(engine=FSDP2, precision=Precision.bf16), OptimSpec()).fused_adam
+    assert not engine_settings(gpu_plan(engine=FSDP2, precision=Precision.fp16), OptimSpec()).fused_adam
+    assert not engine_settings(gpu_plan(engine=FSDP2), OptimSpec(name=OptimizerName.sgd)).fused_adam
+    step = memory(fused=False).phases[-1]
+    assert parts(step) == {"sharded gradients (fp32)": 1000, "optimizer step temporaries": 1000}
 
 
 def test_without_reshard_after_forward_every_block_stays_gathered():

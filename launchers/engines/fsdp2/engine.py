@@ -59,6 +59,7 @@ class FSDP2Engine(Engine):
         from launchers.engines.base import describe_optimizer
         from launchers.engines.fsdp2.layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
         from launchers.engines.fsdp2.torch_optim import build_optimizer, loss_scaler, lr_schedule
+        from plans.engine import engine_settings
         from plans.meta import meta_device
 
         plan = job.plan
@@ -93,7 +94,9 @@ class FSDP2Engine(Engine):
         gc.collect()
         self.model = model
         scaling = job.optim.loss_scaling
-        self.optimizer = build_optimizer(model.parameters(), job.optim, self.device.type, fused=not scaling.enabled)
+        # The planner counts the kernel's temporaries from the same settings (plans.fsdp_memory).
+        fused = engine_settings(plan, job.optim).fused_adam
+        self.optimizer = build_optimizer(model.parameters(), job.optim, self.device.type, fused=fused)
         self.scheduler = lr_schedule(self.optimizer, job.optim.schedule)
         self.clip = job.optim.grad_clip
         self.scaler = loss_scaler(scaling, self.device.type) if scaling.enabled else None
