@@ -12,6 +12,7 @@ log monitor, and that forwarding delay is not the runner's training time.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import re
@@ -48,6 +49,11 @@ class TimedRun:
     arrived (None where the kernel does not say): start-up on a machine whose cores were busy
     the whole time is bound by the work done, not by waiting."""
 
+    tree_cpu: dict[int, tuple[int, dict[int, float]]] = field(default_factory=dict)
+    """CPU seconds of every process of the run (the launched one and its descendants, pid to CPU-s),
+    sampled when the lines of the steps :func:`run_timed` was asked to sample at arrived:
+    ``{asked step: (step seen, CPU)}``."""
+
     @property
     def first_step_s(self) -> float:
         return self.step_at[min(self.step_at)]
@@ -68,10 +74,23 @@ class TimedRun:
     def time_to_step(self, step: int) -> float:
         return self.step_at[step]
 
+    def cpu_per_step_s(self, ranks: int) -> tuple[float, float]:
+        """CPU seconds per step between the two sampled steps: of the ``ranks`` processes that used
+        the most (the training ranks), per rank, and of every other process of the run together
+        (its launcher or driver and, for ``orch``, Ray's servers). None sampled: NaNs."""
+        if len(self.tree_cpu) < 2:
+            return math.nan, math.nan
+        (first_step, before), (last_step, after) = (self.tree_cpu[s] for s in sorted(self.tree_cpu)[:2])
+        used = sorted((cpu - before.get(pid, 0.0) for pid, cpu in after.items()), reverse=True)
+        steps = last_step - first_step
+        return sum(used[:ranks]) / ranks / steps, sum(used[ranks:]) / steps
+
 
 def run_timed(label: str, cmd: list[str], *, cwd: Path, env: dict[str, str] | None = None,
-              timeout_s: float = 900) -> TimedRun:
-    """Run ``cmd`` with stdout and stderr merged, timestamping every ``step N/T`` line."""
+              timeout_s: float = 900, cpu_at_steps: tuple[int, ...] = ()) -> TimedRun:
+    """Run ``cmd`` with stdout and stderr merged, timestamping every ``step N/T`` line; when the
+    first line of a step at or past each of ``cpu_at_steps`` arrives, the CPU time of every process
+    of the run is sampled (:attr:`TimedRun.tree_cpu`)."""
     run = TimedRun(label)
     cpu_at_launch = machine_cpu_s()
     started_wall, started = time.time(), time.perf_counter()
@@ -91,6 +110,9 @@ def run_timed(label: str, cmd: list[str], *, cwd: Path, env: dict[str, str] | No
                 if not run.step_at and cpu_at_launch is not None:
                     run.cpu_to_first_step_s = machine_cpu_s() - cpu_at_launch
                 run.step_at.setdefault(step, stamped)
+                for asked in cpu_at_steps:
+                    if step >= asked and asked not in run.tree_cpu:
+                        run.tree_cpu[asked] = (step, tree_cpu_s(proc.pid))
         proc.wait()
     finally:
         watchdog.cancel()
@@ -106,6 +128,29 @@ def run_timed(label: str, cmd: list[str], *, cwd: Path, env: dict[str, str] | No
     return run
 
 
+def tree_cpu_s(root: int) -> dict[int, float]:
+    """CPU seconds (user and system) that ``root`` and each live process descended from it have
+    used, by pid (Linux's ``/proc/<pid>/stat``; empty elsewhere): a launcher's ranks, or ``orch``'s
+    driver with the Ray servers it started and the workers its raylet started."""
+    parent, used = {}, {}
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        parent[int(entry.name)] = int(fields[1])
+        used[int(entry.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree, frontier = {root}, [root]
+    while frontier:
+        children = [pid for pid, ppid in parent.items() if ppid in frontier and pid not in tree]
+        tree.update(children)
+        frontier = children
+    return {pid: used[pid] for pid in tree if pid in used}
+
+
 def machine_cpu_s() -> float | None:
     """CPU seconds all processes on this machine have used since boot (Linux's ``/proc/stat``:
     every state but idle and I/O wait), or None elsewhere."""
@@ -118,7 +163,7 @@ def machine_cpu_s() -> float | None:
 
 
 def interleaved(commands: dict[str, list[str]], repeats: int, *, cwd: Path, env: dict[str, str],
-                retries: int = 1) -> tuple[dict[str, list[TimedRun]], list[str]]:
+                retries: int = 1, cpu_at_steps: tuple[int, ...] = ()) -> tuple[dict[str, list[TimedRun]], list[str]]:
     """Run each command ``repeats`` times, alternating between them (a, b, a, b, ...).
 
     On a shared machine load comes in bursts; alternating puts a burst on both sides instead of
@@ -132,7 +177,7 @@ def interleaved(commands: dict[str, list[str]], repeats: int, *, cwd: Path, env:
             print(f"repetition {i + 1}/{repeats}: {label}", file=sys.stderr, flush=True)
             for attempt in range(retries + 1):
                 try:
-                    runs[label].append(run_timed(label, cmd, cwd=cwd, env=env))
+                    runs[label].append(run_timed(label, cmd, cwd=cwd, env=env, cpu_at_steps=cpu_at_steps))
                     break
                 except BenchError as error:
                     failures.append(str(error).splitlines()[0])

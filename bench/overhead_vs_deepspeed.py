@@ -93,8 +93,9 @@ def main() -> None:
                  str(REPO / "bench" / "plain_deepspeed.py"), "--job", str(job_path)]
     orch_cmd = orch_command(*overrides, f"tracking.uri={tracking_uri}")
 
+    cpu_window = (args.warmup + 10, args.steps - 20)
     runs, failures = interleaved({"torchrun + DeepSpeed": plain_cmd, "orch train": orch_cmd}, args.repeats,
-                                 cwd=work, env=env)
+                                 cwd=work, env=env, cpu_at_steps=cpu_window)
     plain, orch = runs["torchrun + DeepSpeed"], runs["orch train"]
     same_ds_config(job, tracking_uri)
     plain_loop = [plain_in_loop_step_s(r, args.warmup) for r in plain]
@@ -108,6 +109,9 @@ def main() -> None:
     first_ratios = [b / a for a, b in zip(first_a, first_b, strict=True)]
     cpu_a, cpu_b = [r.cpu_to_first_step_s for r in plain], [r.cpu_to_first_step_s for r in orch]
     wall_a, wall_b = [r.wall_s for r in plain], [r.wall_s for r in orch]
+    # CPU per steady step, in ms: each rank's, and everything else of the run's together.
+    rank_a, rest_a = zip(*[(1e3 * a, 1e3 * b) for a, b in (r.cpu_per_step_s(2) for r in plain)], strict=True)
+    rank_b, rest_b = zip(*[(1e3 * a, 1e3 * b) for a, b in (r.cpu_per_step_s(2) for r in orch)], strict=True)
     threads = next((m.group(1) for line in plain[0].output if (m := THREADS.search(line))), "not reported")
 
     lines = header("Orchestration overhead: orch train vs torchrun + plain DeepSpeed", sys.argv)
@@ -129,6 +133,11 @@ def main() -> None:
               f"| CPU time until the first step, every process on the machine (CPU-s) | "
               f"{median_spread(cpu_a, '{:.1f}')} | {median_spread(cpu_b, '{:.1f}')} | "
               f"{median_spread([b / a for a, b in zip(cpu_a, cpu_b, strict=True)], '{:.2f}')} | |",
+              f"| CPU per step of each rank, steps {cpu_window[0]}-{cpu_window[1]} (ms) | "
+              f"{median_spread(list(rank_a), '{:.1f}')} | {median_spread(list(rank_b), '{:.1f}')} | "
+              f"{median_spread([b / a for a, b in zip(rank_a, rank_b, strict=True)])} | |",
+              f"| CPU per step outside the ranks, the same steps (ms) | {median_spread(list(rest_a), '{:.2f}')} | "
+              f"{median_spread(list(rest_b), '{:.2f}')} | | |",
               f"| launch to exit (s) | {median_spread(wall_a, '{:.1f}')} | {median_spread(wall_b, '{:.1f}')} | "
               f"{median_spread([b / a for a, b in zip(wall_a, wall_b, strict=True)], '{:.2f}')} | |",
               "",
@@ -148,6 +157,10 @@ def main() -> None:
               "embedded Ray starts its workers so (`RAY_worker_niceness=0`; Ray's own default is 15). Each side "
               "is launched in a session of its own, and with the kernel's autogroup scheduling the nice value "
               "only ranks processes within that session.",
+              "- CPU per step is read from `/proc` for the launched process and its descendants when the lines of the "
+              "window's first and last steps arrive: the two processes that used the most are the ranks, the "
+              "rest is `torchrun`'s launcher, or `orch`'s driver (its MLflow metrics thread included) and Ray's "
+              "servers. On 2 cores with a rank per core, what runs outside the ranks takes its time from them.",
               "- The DeepSpeed config is generated once by `build_ds_config` and checked equal to the "
               "`config/deepspeed.json` the `orch` run logged.",
               failure_note(failures)]

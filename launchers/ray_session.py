@@ -308,14 +308,17 @@ def start_local_ray(**init_kwargs) -> None:
 def embedded_ray_settings() -> dict[str, str]:
     """Ray settings (``RAY_<name>`` variables, which its processes read at start) of an embedded Ray.
 
-    Its workers start at nice 0, not Ray's 15 (``RAY_worker_niceness``; a user's own setting
-    wins): they are the training ranks, the one job this Ray runs. At nice 15 every wake-up of
-    the driver, the raylet or the GCS preempts a rank on a node with a core per rank, and the
-    other ranks wait for it at the next collective: on 2-core CPU workers that cost several
-    percent of every step against the same ranks under torchrun
-    (``bench/overhead_vs_deepspeed.py``). A cluster started with ``ray start`` keeps its own.
+    Its workers start at nice 0, not Ray's 15 (``RAY_worker_niceness``): they are the training
+    ranks, the one job this Ray runs. At nice 15 every wake-up of the driver, the raylet or the
+    GCS preempts a rank on a node with a core per rank, and the other ranks wait for it at the
+    next collective: on 2-core CPU workers that cost several percent of every step against the
+    same ranks under torchrun (``bench/overhead_vs_deepspeed.py``). Its processes record no Ray
+    metrics (``RAY_enable_metrics_collection``): an embedded Ray has no dashboard and no scraper
+    to read them, and its dashboard agent spent 1% of a core exporting them through the run.
+    A user's own value of either wins; a cluster started with ``ray start`` keeps its own.
     """
-    return {} if "RAY_worker_niceness" in os.environ else {"RAY_worker_niceness": "0"}
+    defaults = {"RAY_worker_niceness": "0", "RAY_enable_metrics_collection": "0"}
+    return {name: value for name, value in defaults.items() if name not in os.environ}
 
 
 @contextlib.contextmanager

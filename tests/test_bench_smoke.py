@@ -47,7 +47,7 @@ def test_plain_deepspeed_baseline_trains_under_torchrun(tmp_path):
     assert job["ds_config"]["zero_optimization"]["stage"] == 1 and job["dp"] == 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REPO / "bench" / "plain_deepspeed.py"), "--job", str(write_job(job, tmp_path / "job.json"))]
-    run = run_timed("torchrun", cmd, cwd=tmp_path, env=bench_env(), timeout_s=300)
+    run = run_timed("torchrun", cmd, cwd=tmp_path, env=bench_env(), timeout_s=300, cpu_at_steps=(2, steps))
     assert sorted(run.step_at) == list(range(1, steps + 1))
     times = [run.step_at[s] for s in range(1, steps + 1)]
     assert times == sorted(times) and 0 < run.first_step_s < run.wall_s
@@ -57,6 +57,10 @@ def test_plain_deepspeed_baseline_trains_under_torchrun(tmp_path):
     assert run.steady_step_s(warmup=1) > 0
     assert plain_in_loop_step_s(run, warmup=1) > 0
     assert any("eval_loss" in line for line in run.output)
+    # The ranks' CPU per step between steps 2 and 5 is found among the launcher's descendants
+    # (torchrun starts each rank in a session of its own); the launcher's is what is left.
+    per_rank, rest = run.cpu_per_step_s(ranks=2)
+    assert per_rank > 0 and 0 <= rest < per_rank
     assert any("threads per rank: 1" in line for line in run.output)  # torchrun's OMP_NUM_THREADS=1
 
 

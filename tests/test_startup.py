@@ -93,6 +93,8 @@ def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
                 assert max(ray.get([a.process_started.remote() for a in placed.actors])) < asked
                 # The ranks run at the command's own priority, not Ray's nice 15 for workers.
                 assert ray.get([a.niceness.remote() for a in placed.actors]) == [os.getpriority(os.PRIO_PROCESS, 0)] * 2
+                # ...and record no Ray metrics, which nothing reads from an embedded Ray.
+                assert ray.get([a.seen.remote("RAY_enable_metrics_collection") for a in placed.actors]) == ["0", "0"]
             finally:
                 placed.release()
             shipped = {**env, "ORCH_TEST_SHIPPED": "2"}
