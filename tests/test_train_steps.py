@@ -11,7 +11,7 @@ from ray.exceptions import RayActorError
 from launchers.job import PollStatus, StepReport
 from launchers.worker_group import WorkerFailedError, WorkerHangError, hang_culprits
 from orchestrator.run.driver import FailurePolicy
-from orchestrator.tracking.step_metrics import step_metrics
+from orchestrator.tracking.step_metrics import MeasurementsOnce, step_metrics
 from plans.errors import PlanError
 from plans.resolve import resolve_plan
 from plans.spec import ClusterSpec, PlanSpec, TrainSpec
@@ -55,6 +55,15 @@ def test_a_report_names_its_values_for_a_sweep_and_carries_memory_only_when_meas
     probed = dataclasses.replace(report, measured_peak_bytes=300, measured_state_bytes=100)
     measured = step_metrics([probed], plan, flops_per_sample=10**9, peak_tflops=1.0)
     assert measured["memory/rank0/measured_peak_bytes"] == 300 and measured["memory/measured_state_bytes"] == 100
+
+
+def test_a_memory_measurement_is_tracked_once_and_again_only_when_it_changes():
+    once = MeasurementsOnce()
+    probed = {"loss": 2.0, "memory/measured_peak_bytes": 300.0, "memory/rank0/measured_peak_bytes": 300.0}
+    assert once.fresh(probed) == probed
+    assert once.fresh({**probed, "loss": 1.5}) == {"loss": 1.5}
+    remeasured = {**probed, "memory/measured_peak_bytes": 310.0}
+    assert once.fresh(remeasured) == {"loss": 2.0, "memory/measured_peak_bytes": 310.0}
 
 
 def test_a_hang_names_the_ranks_the_others_wait_for_even_before_they_time_out():

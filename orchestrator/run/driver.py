@@ -40,7 +40,7 @@ from orchestrator.run.progress import Progress
 from orchestrator.run.resume import checkpoint_dir_lock, signature_of
 from orchestrator.run.startup import Startup, StartupClock
 from orchestrator.run.startup import describe as describe_startup
-from orchestrator.tracking.step_metrics import mean_peak_tflops, step_metrics
+from orchestrator.tracking.step_metrics import MeasurementsOnce, mean_peak_tflops, step_metrics
 from plans.errors import PlanError, Violation
 from plans.estimate import PlanEstimate
 from plans.flops import training_flops_per_sample
@@ -349,6 +349,7 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
 
         on_system = SystemMetricsLog(tracker, result.worker_facts)
     peak_tflops = mean_peak_tflops(result.worker_facts)
+    measurements = MeasurementsOnce()
     for reports in group.train(hang_timeout_s=job.train.hang_timeout_s, on_system=on_system):
         if not result.reports:
             clock.mark("first_report")
@@ -363,7 +364,7 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
         logged.step = reports[0].step
         metrics = step_metrics(reports, job.plan, prepared.flops_per_sample, peak_tflops)
         if tracker:
-            tracker.log_metrics(metrics, logged.step)
+            tracker.log_metrics(measurements.fresh(metrics), logged.step)
         tokens_per_s = metrics.get("tokens_per_s")
         progress.update(logged.step, metrics["loss"], tokens_per_s if tokens_per_s is not None
                         else metrics.get("samples_per_s"), metrics.get("eval_loss"),

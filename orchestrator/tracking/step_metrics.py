@@ -45,3 +45,27 @@ def step_metrics(reports: list[StepReport], plan: ResolvedPlan, flops_per_sample
 def mean_peak_tflops(worker_facts: list[WorkerFacts]) -> float:
     peaks = [f.peak_tflops for f in worker_facts]
     return sum(peaks) / len(peaks) if peaks else 0.0
+
+
+class MeasurementsOnce:
+    """Passes a step's metrics on, less the memory measurements already passed with the same value.
+
+    Every report after the memory probe carries that one step's measurement (the final report
+    and a trial's read it there), but it is a single measurement: logged once per attempt, it
+    still is the run's latest value and the maximum of its history, and a run logging every step
+    commits a third fewer rows to its tracking store (MLflow's SQL store spends about 0.1 ms of
+    the driver's CPU per row).
+    """
+
+    def __init__(self) -> None:
+        self._logged: dict[str, float] = {}
+
+    def fresh(self, metrics: dict[str, float]) -> dict[str, float]:
+        passed = {}
+        for key, value in metrics.items():
+            if key.startswith("memory/"):
+                if self._logged.get(key) == value:
+                    continue
+                self._logged[key] = value
+            passed[key] = value
+        return passed
