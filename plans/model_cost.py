@@ -26,7 +26,7 @@ from plans.cost_model import Gemm, ModelCost
 from plans.depth_scaling import SHALLOW_DEPTHS, affine, extrapolate, repeated_stack, shallow_copy
 from plans.estimate import ModelProbe, shard_module
 from plans.memory_traffic import MemoryTraffic, fused_attention
-from plans.tp_plan import layer_kinds
+from plans.tp_plan import split_layers
 from plans.workload import (
     PROBE_SAMPLES,
     MetaBranches,
@@ -37,11 +37,6 @@ from plans.workload import (
     move_batch,
     supports_activation_checkpointing,
 )
-
-
-def _tp_kinds(module: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
-    """Module name -> 'row' or 'column' for the layers the AutoTP specs shard."""
-    return {name: kind for name, kind in layer_kinds(module, layer_specs).items() if kind in ("row", "column")}
 
 
 class OpCounter(TorchDispatchMode):
@@ -288,7 +283,7 @@ def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled
 def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) -> ModelCost:
     """:func:`measure_model_cost` of ``module``, a private copy of the probe's model (maybe cut short)."""
     fresh = copy.deepcopy(module) if supports_activation_checkpointing(module) else None
-    kinds = _tp_kinds(module, probe.tp_layer_specs)
+    kinds = split_layers(module, probe.tp_layer_specs)
     sizes = {"row_out": 0, "column_in": 0}
     layers = checkpoint_units(module)
     boundary: list[int] = []

@@ -112,20 +112,21 @@ def fsdp_options(plan: ResolvedPlan, dp_mesh: DeviceMesh) -> dict[str, Any]:
 
 def autotp_styles(model: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
     """Module name -> 'column' or 'row' for the layers the AutoTP specs shard, matched as DeepSpeed's
-    AutoTP matches them (:func:`plans.tp_plan.layer_kinds`: the first matching spec decides, a
-    ``skip`` leaves the layer whole), so both engines and the planner shard the same layers.
+    AutoTP matches them (:func:`plans.tp_plan.split_layers`: the first matching spec decides, a
+    ``skip`` or a weight that is not a matrix leaves the layer whole), so both engines and the
+    planner shard the same layers.
 
     A fused layer whose spec gives a ``shape`` (the GPT's ``qkv``, three matrices in one) cannot be
     split by a plain column-wise style: it is refused rather than sharded wrongly.
     """
-    from plans.tp_plan import layer_kinds
+    from plans.tp_plan import split_layers
 
     fused = [spec for spec in layer_specs
              if spec.get("partition_type") != "skip" and ("shape" in spec or "partition_dim" in spec)]
     if fused:
         raise RuntimeError(f"tensor-parallel spec {fused[0]} splits a fused layer, which plan.engine=fsdp2 cannot "
                            "shard with DTensor's column/row styles; set plan.engine=deepspeed (AutoTP) or plan.tp=1")
-    return {name: kind for name, kind in layer_kinds(model, layer_specs).items() if kind != "skip"}
+    return split_layers(model, layer_specs)
 
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_specs: list[dict] | None) -> int:
