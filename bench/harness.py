@@ -130,25 +130,23 @@ def run_timed(label: str, cmd: list[str], *, cwd: Path, env: dict[str, str] | No
 
 def tree_cpu_s(root: int) -> dict[int, float]:
     """CPU seconds (user and system) that ``root`` and each live process descended from it have
-    used, by pid (Linux's ``/proc/<pid>/stat``; empty elsewhere): a launcher's ranks, or ``orch``'s
-    driver with the Ray servers it started and the workers its raylet started."""
-    parent, used = {}, {}
-    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
-        if not entry.name.isdigit():
-            continue
+    used, by pid: a launcher's ranks, or ``orch``'s driver with the Ray servers it started and the
+    workers its raylet started. A process that exits meanwhile is left out."""
+    import psutil
+
+    try:
+        top = psutil.Process(root)
+        tree = [top, *top.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    used = {}
+    for process in tree:
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # gone meanwhile
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        parent[int(entry.name)] = int(fields[1])
-        used[int(entry.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    tree, frontier = {root}, [root]
-    while frontier:
-        children = [pid for pid, ppid in parent.items() if ppid in frontier and pid not in tree]
-        tree.update(children)
-        frontier = children
-    return {pid: used[pid] for pid in tree if pid in used}
+        used[process.pid] = times.user + times.system
+    return used
 
 
 def machine_cpu_s() -> float | None:
