@@ -282,3 +282,13 @@ def test_published_megatron_runs_are_predicted_within_fifteen_percent():
 
     for run in (TABLE_1[0], TABLE_1[3]):
         assert abs(predict(run)["error"]) <= 0.15, run.name
+
+
+def test_gpt_neox_20b_is_counted_as_its_own_code_counted_it():
+    """The published 117 TFLOP/s of GPT-NeoX-20B came from its 2022 count, 6 N + 60 s h l per token,
+    with N its published 20,554,567,680 parameters; Megatron-LM's formula would make its step 9% longer."""
+    from bench.megatron_sanity import NEOX, megatron_flops, neox_2022_flops, neox_parameters, run_flops
+
+    assert neox_parameters(NEOX) == 20_554_567_680
+    assert run_flops(NEOX) == neox_2022_flops(NEOX) == NEOX.batch * 2048 * (6 * 20_554_567_680 + 60 * 2048 * 6144 * 44)
+    assert 1.08 < megatron_flops(NEOX) / run_flops(NEOX) < 1.10
