@@ -12,7 +12,8 @@ Each row is predicted by ``orch tune``'s own path (the model probed on ``meta`` 
 declared (no calibration; each GEMM priced at its shape on the A100's 108 SMs), on the built-in GPT at
 the published shape and with the kernels those
 runs had: attention scores written out, softmax and dropout over them (``model.fused_attention=false``;
-both codebases predate fused attention kernels), Megatron-LM's dropout of 0.1 (none for NeoX-20B,
+both codebases predate fused attention kernels), the output layer split over tp as both split it
+(:func:`as_published`), Megatron-LM's dropout of 0.1 (none for NeoX-20B,
 whose config sets it to 0), bf16, with the published
 layout fixed: tp, pp, dp and the global batch; micro-batch 1 for Table 1 (the paper does not give
 it) and 4 for NeoX; activation checkpointing on; ZeRO-0 for Table 1 (the paper predates Megatron's
@@ -54,7 +55,7 @@ from orchestrator.tune.result import describe
 from orchestrator.tune.search import prepare
 from plans.cost_model import Speeds, predict_step
 from plans.resolve import resolve_plan
-from plans.search_space import search
+from plans.search_space import SearchContext, search
 from plans.spec import PlanSpec, Precision
 
 SEQ = 2048
@@ -132,9 +133,18 @@ def config(run: PublishedRun, *extra: str):
         return to_typed(compose("config", overrides=overrides))
 
 
+def as_published(ctx: SearchContext) -> SearchContext:
+    """The context with every matmul split over tp, as both codebases ran their output layer:
+    vocabulary-parallel, with a vocabulary-parallel cross-entropy (Megatron-LM's
+    ``parallel_lm_logits``; GPT-NeoX's untied column-parallel head). The built-in GPT's head stays
+    whole on every tp rank, as ``orch train`` runs it."""
+    return dataclasses.replace(ctx, model_cost=dataclasses.replace(ctx.model_cost, tp_splits_every_matmul=True))
+
+
 def predict(run: PublishedRun) -> dict:
     typed, model_cfg, _ = config(run)
     _, ctx = prepare(typed, model_cfg, typed.cluster)
+    ctx = as_published(ctx)
     dp = run.gpus // (run.tp * run.pp)
     plan = resolve_plan(PlanSpec(dp=dp, tp=run.tp, pp=run.pp, zero_stage=run.zero_stage,
                                  activation_checkpointing=True, micro_batch_size=run.micro_batch,
@@ -158,7 +168,7 @@ def free_search(run: PublishedRun, *within: str) -> dict:
     typed, model_cfg, _ = config(run, "tune.tp=null", "tune.pp=null", "tune.engines=[deepspeed]", *within)
     started = time.perf_counter()
     space, ctx = prepare(typed, model_cfg, typed.cluster)
-    found = search(space, ctx)
+    found = search(space, as_published(ctx))
     return {"best": describe(found.best.plan), "tp_pp": (found.best.plan.tp, found.best.plan.pp),
             "predicted": run_flops(run) / found.best.predicted.total_s / run.gpus / 1e12,
             "fit": len(found.ranked), "enumerated": found.enumerated, "seconds": time.perf_counter() - started,
@@ -174,7 +184,8 @@ def report(rows: list[dict], searches: list[tuple[str, dict]]) -> str:
              "HBM 2039 GB/s at 84% for memory-bound kernels, NVLink 2400 Gb/s and InfiniBand 200 Gb/s per GPU "
              "at NCCL's bus efficiency 78% / 93%; a pipeline's head and loss on its last stage); "
              "the built-in GPT at each published shape with those runs' "
-             "kernels (attention scores written out, `model.fused_attention=false`; dropout 0.1, none for NeoX), "
+             "kernels (attention scores written out, `model.fused_attention=false`; dropout 0.1, none for NeoX; "
+             "the output layer vocabulary-parallel), "
              "bf16, activation checkpointing, the published tp/pp/dp and batch. Predicted TFLOP/s per GPU = "
              "each run's own FLOPs count (Megatron-LM's formula with recomputation; GPT-NeoX's 2022 count, "
              "6 N + 60 s h l per token, without) / predicted step time.", "",

@@ -312,12 +312,17 @@ def embedded_ray_settings() -> dict[str, str]:
     ranks, the one job this Ray runs. At nice 15 every wake-up of the driver, the raylet or the
     GCS preempts a rank on a node with a core per rank, and the other ranks wait for it at the
     next collective: on 2-core CPU workers that cost several percent of every step against the
-    same ranks under torchrun (``bench/overhead_vs_deepspeed.py``). Its processes record no Ray
-    metrics (``RAY_enable_metrics_collection``): an embedded Ray has no dashboard and no scraper
-    to read them, and its dashboard agent spent 1% of a core exporting them through the run.
-    A user's own value of either wins; a cluster started with ``ray start`` keeps its own.
+    same ranks under torchrun (``bench/overhead_vs_deepspeed.py``). Its processes keep no records
+    that only a dashboard or Ray's state API reads, since an embedded Ray has neither: no Ray
+    metrics (``RAY_enable_metrics_collection``: its dashboard agent spent 1% of a core exporting
+    them), no task events (``RAY_task_events_report_interval_ms=0``, what ``ray list tasks`` and
+    ``ray timeline`` read; Ray's config says it is for observability only), no per-handler event
+    loop statistics (``RAY_event_stats``). The last two took about a sixth of the CPU an idle
+    embedded Ray with two actors uses. A user's own value of any of them wins; a cluster started
+    with ``ray start`` keeps its own.
     """
-    defaults = {"RAY_worker_niceness": "0", "RAY_enable_metrics_collection": "0"}
+    defaults = {"RAY_worker_niceness": "0", "RAY_enable_metrics_collection": "0",
+                "RAY_task_events_report_interval_ms": "0", "RAY_event_stats": "0"}
     return {name: value for name, value in defaults.items() if name not in os.environ}
 
 

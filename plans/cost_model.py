@@ -17,6 +17,11 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
 - **end stages**: the work outside the repeated layers is not split over the stages: the last
   stage runs the head and the loss, the first the embedding, and the busier of the two paces the
   schedule (:func:`_busiest_stage`).
+- **matmuls tensor parallelism leaves whole**: a layer the model's tensor-parallel plan does not
+  split (an output head, replicated by DeepSpeed AutoTP and by DTensor plans without a
+  vocabulary-parallel loss) runs whole on every tp rank: its FLOPs are the difference between the
+  GEMMs recorded on the model's tp shard and 1/tp of the unsharded model's
+  (:func:`tp_whole_flops`), on the stage that holds it.
 - **pipeline bubble**: 1F1B with ``m = grad_accum_steps`` micro-batches idles ``pp - 1`` whole
   micro-batch times (compute, memory-bound kernels, tensor-parallel all-reduces and the blocking
   transfers of DeepSpeed's pipeline engine), on devices of their own. Workers that time-share a
@@ -310,6 +315,10 @@ class ModelCost:
     gemms: dict[int, tuple[tuple[Gemm, int], ...]] = dataclasses.field(default_factory=dict)
     """By tensor-parallel degree: the GEMMs one rank runs in one sample's forward, loss and backward
     (shape at micro-batch 1, and how many times), for :func:`matmul_efficiency`."""
+    tp_splits_every_matmul: bool = False
+    """Whether tensor parallelism splits every matmul, whatever the recorded shards say: set only
+    to price a run whose software did (Megatron-LM's vocabulary-parallel output layer); the
+    orchestrator's engines leave a layer outside the model's tensor-parallel plan whole."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -418,6 +427,20 @@ def stage_share(n_layers: int, pp: int) -> float:
     return math.ceil(n_layers / pp) / n_layers
 
 
+def _gemm_flops(gemms: tuple[tuple[Gemm, int], ...]) -> int:
+    """FLOPs of one sample's GEMMs (at micro-batch 1)."""
+    return sum(count * 2 * math.prod(gemm.at(1)) for gemm, count in gemms)
+
+
+def tp_whole_flops(model: ModelCost, tp: int) -> float:
+    """FLOPs per sample that each of ``tp`` ranks runs beyond its 1/tp share of the model's: the
+    matmuls of the layers tensor parallelism leaves whole, read off the GEMMs recorded on the tp
+    shard against the unsharded model's (0 when either was not recorded)."""
+    if tp <= 1 or model.tp_splits_every_matmul or 1 not in model.gemms or tp not in model.gemms:
+        return 0.0
+    return max(_gemm_flops(model.gemms[tp]) - _gemm_flops(model.gemms[1]) / tp, 0.0)
+
+
 def _busiest_stage(model: ModelCost, flops: int, whole: int, sharded: int, *, stage: float, tp: int, pp: int,
                    flops_per_s: float, bytes_per_s: float, core_share: float = 1.0) -> tuple[float, float]:
     """(FLOPs, memory-bound bytes) per sample of one tensor-parallel rank of the stage that paces
@@ -426,21 +449,26 @@ def _busiest_stage(model: ModelCost, flops: int, whole: int, sharded: int, *, st
     Each stage runs its share ``stage`` of the repeated layers; the work outside them is not
     shared: the first stage runs the embedding, the last the head and the loss (the larger, in
     time, paces the schedule). Without a pipeline the one stage runs all of it. FLOPs are divided
-    by tp as the layers' are; the bytes outside the layers run whole on every rank. Workers that
+    by tp, less the matmuls tensor parallelism leaves whole (:func:`tp_whole_flops`), which run
+    whole on every rank: outside the layers first (the head, on the last stage), then in them.
+    The bytes outside the layers run whole on every rank. Workers that
     time-share a node's cores (``core_share`` < 1) run the end stage's surplus on a whole core
     while the others wait, as in the bubble (:func:`bubble_micro_batches`): it costs
     ``core_share`` of its time over the even split.
     """
+    unsplit = tp_whole_flops(model, tp)
     if pp <= 1:
-        return flops / tp, whole - sharded + sharded / tp
+        return flops / tp + unsplit, whole - sharded + sharded / tp
     outside_flops = min(model.flops_outside_layers_per_sample, flops)
+    unsplit_outside = min(unsplit, outside_flops * (1 - 1 / tp))
     first = model.memory_bytes_first_stage_per_sample
     last = model.memory_bytes_last_stage_per_sample
     inner_whole = max(whole - sharded - first - last, 0)
-    ends = {"first": (0.0, first), "last": (outside_flops / tp, last)}
+    ends = {"first": (0.0, first), "last": (outside_flops / tp + unsplit_outside, last)}
     end_flops, end_bytes = max(ends.values(), key=lambda fb: fb[0] / flops_per_s + fb[1] / bytes_per_s)
-    busiest = ((flops - outside_flops) / tp * stage + end_flops, (inner_whole + sharded / tp) * stage + end_bytes)
-    even = (flops / tp * stage, (whole - sharded + sharded / tp) * stage)
+    busiest = (((flops - outside_flops) / tp + unsplit - unsplit_outside) * stage + end_flops,
+               (inner_whole + sharded / tp) * stage + end_bytes)
+    even = ((flops / tp + unsplit) * stage, (whole - sharded + sharded / tp) * stage)
     return tuple(e + core_share * max(b - e, 0.0) for b, e in zip(busiest, even, strict=True))
 
 

@@ -23,6 +23,7 @@ from plans.cost_model import (
     gemm_seconds,
     matmul_efficiency,
     predict_step,
+    tp_whole_flops,
     wave_efficiency,
 )
 from plans.estimate import ModelProbe
@@ -206,6 +207,28 @@ def test_the_head_and_the_loss_run_on_the_last_stage_only():
     assert predict_step(_plan(dp=1, pp=4), model, shared, devices_per_node=8, optim=OptimSpec()).compute_s == (
         pytest.approx((10**12 / 4 + 0.5 * (2 * 10**11 - 2 * 10**11 / 4)) / rate))
 
+
+
+def test_a_head_tensor_parallelism_leaves_whole_runs_whole_on_every_rank():
+    """The built-in GPT's head is outside its tensor-parallel specs (AutoTP replicates it): at tp=2
+    each rank runs all of the head's FLOPs, not half, on the last stage; a run whose software split
+    every matmul (Megatron-LM's vocabulary-parallel head) is priced with it halved."""
+    cost = _cost(n_layer=4)
+    head = 6 * 128 * 64 * 256
+    assert tp_whole_flops(cost, 1) == 0
+    assert tp_whole_flops(cost, 2) == pytest.approx(head / 2)
+    split = dataclasses.replace(cost, tp_splits_every_matmul=True)
+    assert tp_whole_flops(split, 2) == 0
+    speeds = Speeds.declared(A100)
+    for pp in (1, 2):
+        plan = _plan(dp=1, tp=2, pp=pp)
+        whole, halved = (predict_step(plan, c, speeds, devices_per_node=8, optim=OptimSpec()) for c in (cost, split))
+        mb = plan.micro_batch_size
+        rate = speeds.tflops_at(mb * 128) * 1e12
+        efficiency = matmul_efficiency(cost.gemms[2], mb, speeds, flops_per_s=rate,
+                                       element_bytes=plan.precision.element_bytes)
+        assert whole.compute_s - halved.compute_s == pytest.approx(
+            plan.grad_accum_steps * mb * head / 2 / (rate * efficiency))
 
 def test_the_optimizer_step_counts_deepspeeds_casts_and_the_clipping_norm():
     adam = OptimSpec()

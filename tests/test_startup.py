@@ -93,8 +93,9 @@ def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
                 assert max(ray.get([a.process_started.remote() for a in placed.actors])) < asked
                 # The ranks run at the command's own priority, not Ray's nice 15 for workers.
                 assert ray.get([a.niceness.remote() for a in placed.actors]) == [os.getpriority(os.PRIO_PROCESS, 0)] * 2
-                # ...and record no Ray metrics, which nothing reads from an embedded Ray.
-                assert ray.get([a.seen.remote("RAY_enable_metrics_collection") for a in placed.actors]) == ["0", "0"]
+                # ...and record no Ray metrics or task events, which nothing reads from an embedded Ray.
+                for name in ("RAY_enable_metrics_collection", "RAY_task_events_report_interval_ms", "RAY_event_stats"):
+                    assert ray.get([a.seen.remote(name) for a in placed.actors]) == ["0", "0"], name
             finally:
                 placed.release()
             shipped = {**env, "ORCH_TEST_SHIPPED": "2"}
