@@ -134,7 +134,8 @@ def test_unknown_command_and_help(tmp_path):
 
 @pytest.mark.slow
 def test_train_with_defaults_tracks_a_local_run(tmp_path):
-    done = orch("train", "train.steps=20", cwd=tmp_path)
+    # train.sweep_metric judges sweeps only: a plain run that does not log it still succeeds.
+    done = orch("train", "train.steps=20", "train.sweep_metric=foo", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 20/20" in done.stderr  # plain progress lines when not on a terminal
     assert "done: 20 steps" in done.stdout

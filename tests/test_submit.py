@@ -1,10 +1,14 @@
 """`orch submit` and its job commands: the pure checks, then a real Ray head with its Jobs server
-on loopback, a job that trains the user's own model from a shipped working directory, a job
-stopped mid-run, and a plan refused before anything is submitted."""
+on loopback whose environment holds the credentials of a real MLflow server behind basic
+authentication: a job that trains the user's own model from a shipped working directory and
+tracks to that server while the password given here travels nowhere, a plan refused before
+anything is submitted, a job stopped mid-run, and the tracking server checked before submitting
+(the credential rules that need no cluster: tests/test_submit_credentials.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -17,9 +21,11 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from test_cluster import env_without_mlflow_credentials, files_holding
 
 from helpers.config import compose_config
-from helpers.processes import free_port, kill_tree, processes_mentioning, worker_env
+from helpers.processes import free_port, kill_tree, processes_mentioning
+from helpers.tracking_server import ADMIN
 from orchestrator.config import to_typed
 from orchestrator.submit import submission, submit_violations
 from plans.errors import PlanError
@@ -99,10 +105,25 @@ def ray_jobs_head(env: dict[str, str]) -> Iterator[dict]:
 
 
 @pytest.fixture(scope="module")
-def jobs_head():
-    """A Ray head started from this environment."""
-    with ray_jobs_head(worker_env()) as head:
-        yield head
+def jobs_head(mlflow_auth_server):
+    """A Ray head started from this environment with the tracking server's credentials added to its
+    own: the safe way to give jobs credentials. ``env``, for the commands run here, holds none."""
+    credentials = {"MLFLOW_TRACKING_USERNAME": ADMIN, "MLFLOW_TRACKING_PASSWORD": mlflow_auth_server["password"]}
+    with ray_jobs_head({**env_without_mlflow_credentials(), **credentials}) as head:
+        yield {**head, "env": {k: v for k, v in head["env"].items() if not k.startswith("MLFLOW_TRACKING_")}}
+
+
+def job_info(head: dict, job_id: str) -> dict:
+    """What the Jobs API tells anyone who lists the job, asked from a process of its own (this
+    one's Ray client state is the embedded clusters', without the head's token)."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import json, sys; from ray.job_submission import JobSubmissionClient; "
+         "info = JobSubmissionClient(sys.argv[1]).get_job_info(sys.argv[2]); "
+         "print(json.dumps({'entrypoint': info.entrypoint, 'runtime_env': info.runtime_env, "
+         "'metadata': info.metadata}))", head["address"], job_id],
+        env={**head["env"], "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def orch(*args: str, cwd, env) -> subprocess.CompletedProcess:
@@ -120,42 +141,75 @@ def user_project(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_a_submitted_job_trains_the_users_own_code_and_can_be_stopped(jobs_head, tmp_path):
+def test_a_submitted_job_trains_the_users_own_code_with_the_clusters_credentials_and_can_be_stopped(
+        jobs_head, mlflow_auth_server, tmp_path):
+    """The job tracks to a server behind basic authentication with the credentials of the head's
+    own environment; the password given here to `orch submit` is printed, shipped and listed
+    nowhere. Then the job commands, a plan refused before submitting, and a job stopped mid-run."""
+    head, server, password = jobs_head, mlflow_auth_server, mlflow_auth_server["password"]
     project = user_project(tmp_path)
     # Secrets a project directory often holds stay behind (submit.excludes' defaults).
     (project / ".env").write_text("MLFLOW_TRACKING_PASSWORD=never-shipped\n")
     (project / "deploy.pem").write_text("-----BEGIN PRIVATE KEY-----\n")
-    address = f"cluster.address={jobs_head['address']}"
+    address = f"cluster.address={head['address']}"
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # absolute: the head shares this machine's disk
-    common = ["--config-dir", "conf", "model=tiny", address, f"tracking.uri={store}",
-              f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.log_every=5"]
-
-    done = orch("submit", "--wait", *common, "train.steps=10", cwd=project, env=jobs_head["env"])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    common = ["--config-dir", "conf", "model=tiny", address, f"train.checkpoint_dir={tmp_path / 'ckpt'}",
+              "train.log_every=5"]
+    tracked = [f"tracking.uri={server['with_password']}", "tracking.experiment=submitted", "train.steps=10"]
+    done = orch("submit", "--wait", *common, *tracked, cwd=project, env=head["env"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]  # the job used the cluster's credentials
+    assert password not in done.stdout + done.stderr
     job_id = done.stdout.split("submitted job ", 1)[1].split()[0]
     assert f"orch logs {job_id} --follow" in done.stdout and f"job {job_id} ended SUCCEEDED" in done.stdout
-    client = MlflowClient(tracking_uri=store)
-    [run] = client.search_runs([client.get_experiment_by_name("orch").experiment_id])
+    info = job_info(head, job_id)
+    assert info["entrypoint"] == (f"orch train --config-dir conf model=tiny train.checkpoint_dir={tmp_path / 'ckpt'} "
+                                  f"train.log_every=5 tracking.uri={server['url']} tracking.experiment=submitted "
+                                  "train.steps=10 cluster.address=auto")
+    assert password not in json.dumps(info)
+    assert ("note: MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD checked tracking.uri="
+            f"{server['url']} from here but are not sent with the job") in done.stderr
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
+        patch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+        client = MlflowClient(tracking_uri=server["url"])
+        [run] = client.search_runs([client.get_experiment_by_name("submitted").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["model._target_"] == "tiny.Tiny"
-    listed = orch("jobs", address, cwd=project, env=jobs_head["env"])
+    listed = orch("jobs", address, cwd=project, env=head["env"])
     assert job_id in listed.stdout and "SUCCEEDED" in listed.stdout
-    logs = orch("logs", job_id, address, cwd=project, env=jobs_head["env"])
+    logs = orch("logs", job_id, address, cwd=project, env=head["env"])
     assert "done: 10 steps" in logs.stdout
+    assert password not in "".join(c.stdout + c.stderr for c in (done, listed, logs))
+    leaked = files_holding(password, project, head["temp_dir"], server["store"])  # the head's job-driver logs too
+    assert not leaked, leaked
     for unknown in (["logs", "raysubmit_bogus"], ["logs", "raysubmit_bogus", "--follow"]):
-        refused = orch(*unknown, address, cwd=project, env=jobs_head["env"])
+        refused = orch(*unknown, address, cwd=project, env=head["env"])
         assert refused.returncode == 2 and "raysubmit_bogus" in refused.stderr, (unknown, refused.stderr[-1000:])
-    shipped = list(Path(jobs_head["temp_dir"]).rglob("tiny.py"))
-    assert shipped and not [p for p in Path(jobs_head["temp_dir"]).rglob("*") if p.name in (".env", "deploy.pem")]
+    shipped = list(Path(head["temp_dir"]).rglob("tiny.py"))
+    assert shipped and not [p for p in Path(head["temp_dir"]).rglob("*") if p.name in (".env", "deploy.pem")]
+
+    # A job that carries a password already (submitted by other means): `orch jobs` and `orch logs` mask it.
+    raw = subprocess.run(
+        [sys.executable, "-c", "import sys; from ray.job_submission import JobSubmissionClient; "
+         "print(JobSubmissionClient(sys.argv[1]).submit_job(entrypoint=sys.argv[2]))", head["address"],
+         f"echo tracking.uri=http://{ADMIN}:{password}@mlflow:5000"],
+        env={**head["env"], "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=120)
+    assert raw.returncode == 0, raw.stderr[-2000:]
+    old_id = raw.stdout.strip().splitlines()[-1]
+    followed = orch("logs", old_id, "--follow", address, cwd=project, env=head["env"])
+    listed = orch("jobs", address, cwd=project, env=head["env"])
+    assert "echo tracking.uri=http://mlflow:5000" in listed.stdout
+    assert "tracking.uri=http://mlflow:5000" in followed.stdout
+    assert password not in "".join(c.stdout + c.stderr for c in (followed, listed))
 
     # A plan that cannot fit is refused here: nothing reaches the cluster.
-    refused = orch("submit", *common, "plan.micro_batch_size=100000", cwd=project, env=jobs_head["env"])
+    local = [*common, f"tracking.uri={store}"]
+    refused = orch("submit", *local, "plan.micro_batch_size=100000", cwd=project, env=head["env"])
     assert refused.returncode == 2 and "submitted job" not in refused.stdout, refused.stderr[-2000:]
-
     # Stopped mid-run: the run ends KILLED and its workers are gone.
-    started = orch("submit", *common, "train.steps=1000000", "tracking.experiment=long", cwd=project,
-                   env=jobs_head["env"])
+    started = orch("submit", *local, "train.steps=1000000", "tracking.experiment=long", cwd=project, env=head["env"])
     assert started.returncode == 0, started.stderr[-3000:]
     long_id = started.stdout.split("submitted job ", 1)[1].split()[0]
+    client = MlflowClient(tracking_uri=store)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         experiment = client.get_experiment_by_name("long")
@@ -165,13 +219,44 @@ def test_a_submitted_job_trains_the_users_own_code_and_can_be_stopped(jobs_head,
         time.sleep(2)
     else:
         pytest.fail("the long job never reported a step")
-    stopped = orch("stop", long_id, address, cwd=project, env=jobs_head["env"])
+    stopped = orch("stop", long_id, address, cwd=project, env=head["env"])
     assert stopped.returncode == 0 and f"job {long_id}: STOPPED" in stopped.stdout, stopped.stderr[-2000:]
     assert client.get_run(runs[0].info.run_id).info.status == "KILLED"
     # Asked from a process of its own: this one's Ray client state is the embedded clusters' (no token).
     actors = subprocess.run([sys.executable, "-c", "from ray.util.state import list_actors; import sys; "
                              "print([a.class_name for a in list_actors(address=sys.argv[1], "
-                             "filters=[('state', '=', 'ALIVE')])])", jobs_head["address"]],
-                            env={**jobs_head["env"], "RAY_AUTH_MODE": "token"}, capture_output=True, text=True,
+                             "filters=[('state', '=', 'ALIVE')])])", head["address"]],
+                            env={**head["env"], "RAY_AUTH_MODE": "token"}, capture_output=True, text=True,
                             timeout=120)
     assert actors.returncode == 0 and "TrainWorker" not in actors.stdout, actors.stdout + actors.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_submit_checks_the_tracking_server_and_refuses_to_ship_credentials(jobs_head, mlflow_auth_server, tmp_path):
+    head, server, password = jobs_head, mlflow_auth_server, mlflow_auth_server["password"]
+    project = user_project(tmp_path)
+    common = ["--config-dir", "conf", "model=tiny", f"cluster.address={head['address']}", "train.steps=5",
+              f"tracking.uri={server['url']}"]
+
+    # Credentials here that the server refuses: refused here, as `orch train` refuses them.
+    wrong = orch("submit", *common, cwd=project,
+                 env={**head["env"], "MLFLOW_TRACKING_USERNAME": ADMIN, "MLFLOW_TRACKING_PASSWORD": "Wrong-pw"})
+    assert wrong.returncode == 2 and "submitted job" not in wrong.stdout, wrong.stdout + wrong.stderr[-3000:]
+    assert (f"error: tracking.uri={server['url']}: the MLflow server refused the credentials of user 'admin' "
+            "(HTTP 401). Fix: correct or unset MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD here (they "
+            "only check the server: the job uses the cluster's own)") in wrong.stderr
+
+    # A password in submit.env would sit in the job table: refused, by name.
+    shipped = orch("submit", *common, f"+submit.env.MLFLOW_TRACKING_PASSWORD={password}", cwd=project,
+                   env=head["env"])
+    assert shipped.returncode == 2 and "submitted job" not in shipped.stdout, shipped.stderr[-3000:]
+    assert "submit.env='MLFLOW_TRACKING_PASSWORD': its name holds PASSWORD" in shipped.stderr
+    assert password not in shipped.stdout + shipped.stderr
+
+    # No credentials here: the server wants some, and the job is told where it finds them.
+    plain = orch("submit", *common, cwd=project, env=head["env"])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert (f"note: tracking.uri={server['url']} needs credentials (HTTP 401) and a submitted job takes none from "
+            "here: the job uses MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) from "
+            "the cluster's own environment") in plain.stderr

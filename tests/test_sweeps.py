@@ -78,17 +78,16 @@ def test_an_optuna_sweep_minimizes_the_eval_loss_and_survives_an_infeasible_tria
     assert math.isclose(chosen["best_value"], best.data.metrics["eval_loss"], rel_tol=1e-6)
 
 
-def test_the_sweep_metric_judges_sweeps_only_and_is_checked_before_any_job_trains(tmp_path):
-    """A plain run is not judged by train.sweep_metric (a finished run used to exit 2 when it had
-    not logged it); a sweep on a metric no run logs fails before any job trains."""
-    plain = orch("train", "train.sweep_metric=foo", *SHORT, cwd=tmp_path)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+def test_the_sweep_metric_is_checked_before_any_job_of_a_sweep_trains(tmp_path):
+    """A sweep on a metric no run logs fails before any job trains. (A plain run is not judged by
+    train.sweep_metric: tests/test_cli.py::test_train_with_defaults_tracks_a_local_run.)"""
     swept = orch("train", "--multirun", "train.sweep_metric=foo", "optim.lr=0.001,0.003", *SHORT, cwd=tmp_path)
     assert swept.returncode == 2, swept.stderr[-3000:]
     assert "train.sweep_metric='foo': is no metric a run logs" in swept.stderr
-    _, runs = runs_of(tmp_path)
-    trained = [r for r in runs if r.data.tags.get("orch.command") != "sweep"]
-    assert len(trained) == 1 and trained[0].info.status == "FINISHED"  # the plain run alone
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("orch")
+    runs = client.search_runs([experiment.experiment_id]) if experiment else []
+    assert not [r for r in runs if r.data.tags.get("orch.command") != "sweep"]
     evaluating_nothing = orch("train", "--multirun", "optim.lr=0.001,0.003", *SHORT, "train.eval_batches=0",
                               cwd=tmp_path)
     assert evaluating_nothing.returncode == 2 and "train.eval_batches=0" in evaluating_nothing.stderr
