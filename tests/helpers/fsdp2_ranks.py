@@ -94,9 +94,18 @@ def _rank(rank: int, scenario: str, world: int, out: str, port: int, kwargs: dic
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % local), "LOCAL_WORLD_SIZE": str(local)})
     torch.set_num_threads(1)
-    found = SCENARIOS[scenario](rank, world, Path(out), **kwargs)
-    if rank == 0:
-        (Path(out) / f"{scenario}.json").write_text(json.dumps(found))
+    try:
+        found = SCENARIOS[scenario](rank, world, Path(out), **kwargs)
+        if rank == 0:
+            (Path(out) / f"{scenario}.json").write_text(json.dumps(found))
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+    finally:
+        # Leave the process group before exiting: a rank that exits with gloo's threads still
+        # joinable can abort ("terminate called without an active exception"), which mp.spawn
+        # reports as a failed rank after the scenario's work was done.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def _engine(job, rank: int, world: int):
