@@ -208,7 +208,6 @@ def test_the_head_and_the_loss_run_on_the_last_stage_only():
         pytest.approx((10**12 / 4 + 0.5 * (2 * 10**11 - 2 * 10**11 / 4)) / rate))
 
 
-
 def test_a_head_tensor_parallelism_leaves_whole_runs_whole_on_every_rank():
     """The built-in GPT's head is outside its tensor-parallel specs (AutoTP replicates it): at tp=2
     each rank runs all of the head's FLOPs, not half, on the last stage; a run whose software split
@@ -229,6 +228,7 @@ def test_a_head_tensor_parallelism_leaves_whole_runs_whole_on_every_rank():
                                        element_bytes=plan.precision.element_bytes)
         assert whole.compute_s - halved.compute_s == pytest.approx(
             plan.grad_accum_steps * mb * head / 2 / (rate * efficiency))
+
 
 def test_the_optimizer_step_counts_deepspeeds_casts_and_the_clipping_norm():
     adam = OptimSpec()

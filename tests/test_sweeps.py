@@ -26,8 +26,10 @@ def orch(*args: str, cwd) -> subprocess.CompletedProcess:
 
 
 def runs_of(tmp_path) -> tuple[MlflowClient, list]:
+    """The runs of the store in ``tmp_path`` (none when no run was ever started there)."""
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    return client, client.search_runs([client.get_experiment_by_name("orch").experiment_id])
+    experiment = client.get_experiment_by_name("orch")
+    return client, client.search_runs([experiment.experiment_id]) if experiment else []
 
 
 def test_a_multirun_is_one_parent_run_with_its_jobs_nested(tmp_path):
@@ -84,9 +86,7 @@ def test_the_sweep_metric_is_checked_before_any_job_of_a_sweep_trains(tmp_path):
     swept = orch("train", "--multirun", "train.sweep_metric=foo", "optim.lr=0.001,0.003", *SHORT, cwd=tmp_path)
     assert swept.returncode == 2, swept.stderr[-3000:]
     assert "train.sweep_metric='foo': is no metric a run logs" in swept.stderr
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("orch")
-    runs = client.search_runs([experiment.experiment_id]) if experiment else []
+    _, runs = runs_of(tmp_path)
     assert not [r for r in runs if r.data.tags.get("orch.command") != "sweep"]
     evaluating_nothing = orch("train", "--multirun", "optim.lr=0.001,0.003", *SHORT, "train.eval_batches=0",
                               cwd=tmp_path)
