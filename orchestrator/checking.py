@@ -15,12 +15,13 @@ from orchestrator.inputs import declared_violations, validated_plan
 from orchestrator.models import inspect_declared_model
 from orchestrator.workload import resolve_workload
 from plans.cluster_facts import reconcile
+from plans.cost_model import DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S, host_threads
 from plans.errors import PipelineRefused, PlanError, Violation
 from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
 from plans.fsdp_memory import FSDPMemory
 from plans.model_facts import ModelFacts
 from plans.resolve import ResolvedPlan
-from plans.spec import ClusterSpec, EngineName
+from plans.spec import Accelerator, ClusterSpec, EngineName, Offload
 from plans.workload import Workload
 
 
@@ -266,6 +267,22 @@ def _fsdp_lines(fsdp: FSDPMemory, phase: str) -> list[str]:
     return lines
 
 
+# Below this many threads an offloaded optimizer of a GPU worker is worth a note: a GPU node's
+# CPUs are mostly idle otherwise (8 GPUs beside 64-128 cores), and the step waits on them.
+FEW_HOST_THREADS = 4
+
+
+def _host_optimizer_lines(cluster: ClusterSpec) -> list[str]:
+    """How many threads the offloaded optimizer steps on, and the fix when that is few per GPU."""
+    threads = host_threads(cluster)
+    lines = [f"  {'CPU optimizer':<20}{threads} thread{'s' if threads > 1 else ''} per worker "
+             f"(cluster.cpus_per_worker={cluster.cpus_per_worker:g}; Ray sets OMP_NUM_THREADS to it)"]
+    if cluster.accelerator == Accelerator.gpu and threads < FEW_HOST_THREADS:
+        lines.append(f"  {'':<20}about {DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S / 1e9:.1f}B Adam parameters a second "
+                     "per thread: give it the node's spare cores, e.g. cluster.cpus_per_worker=8")
+    return lines
+
+
 def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) -> str:
     """The human-readable report: breakdown, host side, verdict and fixes."""
     p, d, h, m = estimate.plan, estimate.per_device, estimate.per_node_host, estimate.model
@@ -312,6 +329,8 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
     lines += [f"  {'total':<20}{_fmt(h.total)}", f"  {'capacity':<20}{_fmt(h.capacity)}"]
     if h.nvme:
         lines.append(f"  {'on NVMe':<20}{_fmt(h.nvme)}  (plan.nvme_path={p.nvme_path})")
+    if p.offload_optimizer != Offload.none:
+        lines += _host_optimizer_lines(cluster)
     if (b := estimate.build) is not None:
         builders = f"{b.workers} worker(s) x {b.how}" if b.builders is None else \
             f"{b.builders} of {b.workers} worker(s) x {b.how}, the others on meta"

@@ -42,7 +42,8 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
 - **pipeline point to point**: each micro-batch sends one boundary activation forward and its
   gradient back, split over the tensor-parallel ranks and all-gathered by the receiving stage.
 - **offload**: gradients down and parameters up over the host link, and the CPU optimizer bound by
-  the node's memory bandwidth shared by its workers; ZeRO-3 parameter offload fetches every
+  the threads of the worker's CPU reservation or by the node's memory bandwidth shared by its
+  workers, whichever is slower (:func:`host_optimizer_s`); ZeRO-3 parameter offload fetches every
   parameter over the host link for each gather. Without offload the optimizer step is bound by the
   device's memory bandwidth.
 
@@ -99,6 +100,12 @@ DECLARED_SPEEDS: dict[str, dict[str, float]] = {
     "gpu": {"device_tflops": 312.0, "intra_node_gbps": 2400.0, "inter_node_gbps": 200.0, "host_link_gbps": 256.0,
             "device_memory_gb_per_s": 2039.0, "host_memory_gb_per_s": 409.0},
 }
+# Parameters per second one CPU thread updates with Adam in fp32 when calibration has not measured
+# it: torch's fused CPU AdamW 599 M and DeepSpeed's CPU Adam 584 M on one core of the AMD EPYC these
+# tests run on (32M parameters, best of 5 steps). An offloaded optimizer gets the threads of its
+# worker's CPU reservation: Ray sets OMP_NUM_THREADS to an actor's num_cpus, and both optimizers
+# run that many OpenMP threads.
+DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S = 0.6e9
 # Streaming multiprocessors of one device when the cluster leaves ``device_sm_count`` unset: an
 # A100's 108 (NVIDIA A100 Tensor Core GPU Architecture whitepaper, 2020; an H100 SXM has 132).
 # A CPU has none: its matmuls keep the flat rate by height that calibration measures.
@@ -120,6 +127,12 @@ def speed_defaults(cluster: ClusterSpec) -> dict[str, float]:
 def declared_speed_values(cluster: ClusterSpec) -> dict[str, float]:
     """Every declared speed of ``cluster``: as set, or its accelerator's default where unset."""
     return {name: getattr(cluster, name) for name in DECLARED_SPEEDS["cpu"]} | speed_defaults(cluster)
+
+
+def host_threads(cluster: ClusterSpec) -> int:
+    """Threads a worker's host-side work (an offloaded optimizer step) runs: Ray sets
+    ``OMP_NUM_THREADS`` to the whole CPUs an actor reserves, and at least 1."""
+    return max(1, int(cluster.cpus_per_worker))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +168,11 @@ class Speeds:
     measured without it) prices every matmul at ``matmul_tflops`` whatever its shape."""
     matmul_tiles: tuple[tuple[int, int], ...] = DECLARED_MATMUL_TILES
     """Output tiles (rows, columns) a GEMM kernel may use, one per SM at a time (:func:`gemm_seconds`)."""
+    host_optimizer_params_per_s: float = 0.0
+    """Parameters per second one worker's offloaded optimizer updates on the host (Adam in fp32,
+    with the threads of the worker's CPU reservation): measured by calibration on GPU workers,
+    else the declared rate per thread times ``cluster.cpus_per_worker``. 0 (speeds stored before
+    it existed) leaves only the host's memory bandwidth to bound the step."""
     source: str = "declared"
     """'declared' (from the cluster config) or 'measured' (calibrated on the live cluster)."""
 
@@ -172,6 +190,7 @@ class Speeds:
                    intra_latency_s=DECLARED_LATENCY_S["intra"], inter_latency_s=DECLARED_LATENCY_S["inter"],
                    host_link_gbps=speeds["host_link_gbps"], device_memory_gb_per_s=speeds["device_memory_gb_per_s"],
                    host_memory_gb_per_s=speeds["host_memory_gb_per_s"],
+                   host_optimizer_params_per_s=DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S * host_threads(cluster),
                    op_overhead_s=DECLARED_OP_OVERHEAD_S[cluster.accelerator.value],
                    sm_count=(cluster.device_sm_count if cluster.device_sm_count is not None
                              else DECLARED_SM_COUNT[cluster.accelerator.value]),
@@ -404,11 +423,37 @@ def _optimizer_bytes_per_param(optim: OptimSpec, precision: Precision) -> int:
     16-bit gradient into its fp32 one (read 2, write 4) and the updated fp32 weight into the
     16-bit one the model uses (read 4, write 2), each a kernel of its own.
     """
-    step = (8 + 4 + (8 if optim.momentum else 0)) if optim.name == OptimizerName.sgd else 24 + 4
     clip = 4 if optim.grad_clip > 0 else 0
     low = precision.element_bytes
     casts = (low + 4) * 2 if precision != Precision.fp32 else 0
-    return step + clip + casts
+    return _update_bytes_per_param(optim) + clip + casts
+
+
+def _update_bytes_per_param(optim: OptimSpec) -> int:
+    """Bytes the update kernel alone reads and writes per fp32 parameter: Adam's 28 (weight and
+    both moments read and written, the gradient read), SGD's 12, or 20 with momentum."""
+    return (8 + 4 + (8 if optim.momentum else 0)) if optim.name == OptimizerName.sgd else 24 + 4
+
+
+# What the calibration's host optimizer probe moves per parameter: Adam in fp32.
+_ADAM_UPDATE_BYTES = 28
+
+
+def host_optimizer_s(part: float, optim: OptimSpec, precision: Precision, speeds: Speeds,
+                     devices_per_node: int) -> float:
+    """Seconds of an offloaded optimizer step over ``part`` parameters on the host.
+
+    Two bounds, whichever is slower: the threads of the worker (its rate, measured or declared,
+    with the update's bytes against Adam's for another optimizer), and the node's memory
+    bandwidth shared by every local worker stepping at once (the casts and the clipping norm
+    included). A GPU worker reserving one CPU steps a billion Adam parameters on one thread.
+    """
+    shared_s = part * _optimizer_bytes_per_param(optim, precision) / (speeds.host_memory_gb_per_s * 1e9
+                                                                        / devices_per_node)
+    if not speeds.host_optimizer_params_per_s:
+        return shared_s
+    threads_s = part * _update_bytes_per_param(optim) / _ADAM_UPDATE_BYTES / speeds.host_optimizer_params_per_s
+    return max(shared_s, threads_s)
 
 
 def _members_per_node(stride: int, size: int, devices_per_node: int) -> int:
@@ -578,7 +623,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         link = _bytes_per_s(speeds.host_link_gbps)
         # Gradients down, updated weights up; the node's CPU runs every local rank's optimizer at once.
         offload_s = 2 * part * plan.precision.element_bytes / link
-        optimizer_s = opt_bytes / (speeds.host_memory_gb_per_s * 1e9 / devices_per_node)
+        optimizer_s = host_optimizer_s(part, optim, plan.precision, speeds, devices_per_node)
     else:
         optimizer_s = opt_bytes / (speeds.sustained_memory_gb_per_s * 1e9)
     if engine.offload_param != Offload.none:

@@ -136,6 +136,21 @@ def test_nvme_offload_counts_against_the_disk_not_host_memory():
     assert nvme.offloaded + nvme.nvme == cpu.offloaded
 
 
+def test_check_says_how_many_threads_an_offloaded_optimizer_steps_on():
+    from orchestrator.checking import render
+
+    def report(*overrides: str) -> str:
+        return render(check(*overrides), to_typed(compose_config(*overrides))[0].cluster)
+
+    offload = ("plan.zero_stage=2", "plan.offload_optimizer=cpu")
+    one = report(*offload, "cluster.accelerator=gpu")
+    assert "1 thread per worker (cluster.cpus_per_worker=1" in one and "cluster.cpus_per_worker=8" in one
+    eight = report(*offload, "cluster.accelerator=gpu", "cluster.cpus_per_worker=8")
+    assert "8 threads per worker" in eight and "spare cores" not in eight
+    assert "spare cores" not in report(*offload)  # CPU workers: their cores are the devices
+    assert "CPU optimizer" not in report("cluster.accelerator=gpu")
+
+
 def test_rank_layout_keeps_tensor_parallel_groups_inside_a_node():
     from launchers.placement import rank_layout
 

@@ -21,6 +21,7 @@ from plans.cost_model import (
     StepTime,
     _optimizer_bytes_per_param,
     gemm_seconds,
+    host_optimizer_s,
     matmul_efficiency,
     predict_step,
     tp_whole_flops,
@@ -29,7 +30,7 @@ from plans.cost_model import (
 from plans.estimate import ModelProbe
 from plans.memory_traffic import MemoryTraffic, fused_attention
 from plans.model_cost import measure_model_cost
-from plans.spec import Accelerator, ClusterSpec, OptimSpec, Precision, TrainSpec
+from plans.spec import Accelerator, ClusterSpec, Offload, OptimizerName, OptimSpec, Precision, TrainSpec
 from workloads.gpt import TP_LAYER_SPECS
 
 A100 = ClusterSpec(nodes=4, devices_per_node=8, accelerator=Accelerator.gpu, device_memory_gib=80,
@@ -235,6 +236,38 @@ def test_the_optimizer_step_counts_deepspeeds_casts_and_the_clipping_norm():
     assert _optimizer_bytes_per_param(adam, Precision.fp32) == 28 + 4
     assert _optimizer_bytes_per_param(adam, Precision.bf16) == 28 + 4 + (2 + 4) * 2
     assert _optimizer_bytes_per_param(dataclasses.replace(adam, grad_clip=0.0), Precision.fp32) == 28
+
+
+def test_an_offloaded_optimizer_steps_on_its_workers_threads_or_the_shared_host_memory():
+    adam, part = OptimSpec(), 1e9
+    one_cpu = Speeds.declared(A100)
+    eight_cpus = Speeds.declared(dataclasses.replace(A100, cpus_per_worker=8))
+    assert eight_cpus.host_optimizer_params_per_s == 8 * one_cpu.host_optimizer_params_per_s
+    # One thread per worker: the thread bounds the step, not the node's 409 GB/s shared by 8.
+    assert host_optimizer_s(part, adam, Precision.bf16, one_cpu, 8) == pytest.approx(
+        part / one_cpu.host_optimizer_params_per_s)
+    # Eight threads each: 8 workers' casts and updates at once saturate the node's memory.
+    shared = part * _optimizer_bytes_per_param(adam, Precision.bf16) / (409e9 / 8)
+    assert host_optimizer_s(part, adam, Precision.bf16, eight_cpus, 8) == pytest.approx(shared)
+    # SGD without momentum moves 12 of Adam's 28 bytes per parameter.
+    sgd = OptimSpec(name=OptimizerName.sgd)
+    assert host_optimizer_s(part, sgd, Precision.bf16, one_cpu, 8) == pytest.approx(
+        part * 12 / 28 / one_cpu.host_optimizer_params_per_s)
+    # Speeds stored before the rate existed keep the bandwidth bound alone.
+    unknown = dataclasses.replace(one_cpu, host_optimizer_params_per_s=0.0)
+    assert host_optimizer_s(part, adam, Precision.bf16, unknown, 8) == pytest.approx(shared)
+    # The step time carries it: one CPU per worker makes an offloaded step slower than eight.
+    plan = _plan(dp=8, tp=1, pp=1, zero_stage=1, offload_optimizer=Offload.cpu)
+    cost = _cost(n_layer=4)
+    slow, fast = (predict_step(plan, cost, s, devices_per_node=8, optim=adam) for s in (one_cpu, eight_cpus))
+    assert slow.optimizer_s > fast.optimizer_s and slow.total_s > fast.total_s
+
+
+def test_calibration_times_adam_on_the_host_threads():
+    from launchers.calibration import _host_adam_params_per_s
+
+    rate = _host_adam_params_per_s(0.05, numel=1024 * 1024)
+    assert 1e6 < rate < 1e11
 
 
 def _step(total_s: float = 2.0, tokens_per_s: float = 1e6, model_tflops: float = 156.0) -> StepTime:
