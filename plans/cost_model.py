@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from plans.engine import ZeroStage, engine_settings
 from plans.rank_layout import group_stride
 from plans.resolve import ResolvedPlan
-from plans.spec import Accelerator, ClusterSpec, Offload, OptimizerName, OptimSpec, Precision
+from plans.spec import Accelerator, ClusterSpec, EngineName, Offload, OptimizerName, OptimSpec, Precision
 
 # A large dense GEMM sustains about 80% of the datasheet peak on A100s (cuBLAS bf16 at
 # 8192^3 reaches 250-270 of 312 TFLOP/s); declared peaks are derated by this, measured ones not.
@@ -106,6 +106,15 @@ DECLARED_SPEEDS: dict[str, dict[str, float]] = {
 # worker's CPU reservation: Ray sets OMP_NUM_THREADS to an actor's num_cpus, and both optimizers
 # run that many OpenMP threads.
 DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S = 0.6e9
+# Host time DeepSpeed's ZeRO-3 spends per parameter-owning module each time it fetches one (the
+# forward, the backward, and the recomputed forward with checkpointing): its coordinator's
+# pre- and post-module hooks (``runtime/zero/partitioned_param_coordinator.py``), which the step
+# waits for even with nothing to gather (dp=1). Measured as ZeRO-3's step time over ZeRO-2's on one
+# rank, per module and pass: cpu, 0.43 ms on this project's CPU machines (the built-in GPT with 8
+# layers of width 64, 51 modules: 88.9 against 45.2 ms); gpu, 0.58 ms, the mean of this project's
+# H100 check (bench/results/gpu_smoke-*.md: GPT-1B 0.280 and 0.325 s against 0.159 and 0.165 s,
+# 123 modules; Llama-1.1B 0.461 against 0.221 s, 201 modules).
+DECLARED_ZERO3_MODULE_S = {"cpu": 0.43e-3, "gpu": 0.58e-3}
 # Streaming multiprocessors of one device when the cluster leaves ``device_sm_count`` unset: an
 # A100's 108 (NVIDIA A100 Tensor Core GPU Architecture whitepaper, 2020; an H100 SXM has 132).
 # A CPU has none: its matmuls keep the flat rate by height that calibration measures.
@@ -355,6 +364,8 @@ class StepTime:
     optimizer_s: float
     tokens_per_s: float
     tflops_per_device: float
+    zero3_hooks_s: float = 0.0
+    """Host time of DeepSpeed ZeRO-3's per-module fetch and release hooks (:data:`DECLARED_ZERO3_MODULE_S`)."""
     """Counted FLOPs (recomputation included: the work the devices do) per second and device."""
     model_tflops_per_device: float = 0.0
     """The model's FLOPs without recomputation per second and device: what MFU divides by the peak."""
@@ -362,14 +373,14 @@ class StepTime:
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.memory_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s
-                + self.offload_s + self.optimizer_s)
+                + self.offload_s + self.optimizer_s + self.zero3_hooks_s)
 
     def as_dict(self) -> dict[str, float]:
         return {"step_time_s": self.total_s, "tokens_per_s": self.tokens_per_s,
                 "tflops_per_device": self.tflops_per_device, "model_tflops_per_device": self.model_tflops_per_device,
                 "parts_s": {"compute": self.compute_s, "memory": self.memory_s, "bubble": self.bubble_s,
                             "tp": self.tp_comm_s, "dp": self.dp_comm_s, "pp": self.pp_comm_s, "offload": self.offload_s,
-                            "optimizer": self.optimizer_s}}
+                            "optimizer": self.optimizer_s, "zero3_hooks": self.zero3_hooks_s}}
 
 
 @dataclass(frozen=True)
@@ -629,9 +640,15 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     if engine.offload_param != Offload.none:
         gathers = 3 if ckpt else 2
         offload_s += m * gathers * (params / dp) * plan.precision.element_bytes / _bytes_per_s(speeds.host_link_gbps)
+    zero3_hooks_s = 0.0
+    if engine.engine == EngineName.deepspeed and engine.zero_stage == ZeroStage.parameters:
+        fetches = 3 if ckpt else 2
+        modules = max(math.ceil(model.param_modules / pp), 1)
+        zero3_hooks_s = m * fetches * modules * DECLARED_ZERO3_MODULE_S[plan.accelerator.value]
 
     parts = StepTime(compute_s=compute_s, memory_s=memory_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,
                      dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, offload_s=offload_s, optimizer_s=optimizer_s,
+                     zero3_hooks_s=zero3_hooks_s,
                      tokens_per_s=0.0, tflops_per_device=0.0)
     total = parts.total_s
     samples = plan.global_batch_size

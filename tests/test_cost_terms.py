@@ -15,6 +15,7 @@ from orchestrator.tune.result import TrainBudget, duration, render
 from plans.cost_model import (
     DECLARED_BUS_EFFICIENCY,
     DECLARED_MEMORY_EFFICIENCY,
+    DECLARED_ZERO3_MODULE_S,
     Gemm,
     ModelCost,
     Speeds,
@@ -261,6 +262,28 @@ def test_an_offloaded_optimizer_steps_on_its_workers_threads_or_the_shared_host_
     cost = _cost(n_layer=4)
     slow, fast = (predict_step(plan, cost, s, devices_per_node=8, optim=adam) for s in (one_cpu, eight_cpus))
     assert slow.optimizer_s > fast.optimizer_s and slow.total_s > fast.total_s
+
+
+def test_deepspeed_zero3_pays_its_hooks_per_module_and_fetch_even_without_peers():
+    from plans.fsdp_cost import predict
+    from plans.spec import EngineName, FSDPSpec
+
+    cost, speeds, adam = _cost(n_layer=4), Speeds.declared(A100), OptimSpec()
+
+    def step(**kw):
+        return predict(_plan(**({"dp": 1} | kw)), cost, speeds, devices_per_node=8, optim=adam)
+
+    per_fetch = cost.param_modules * DECLARED_ZERO3_MODULE_S["gpu"]
+    assert step(zero_stage=3, grad_accum_steps=2).zero3_hooks_s == pytest.approx(2 * 2 * per_fetch)
+    # The recomputed forward fetches every module again.
+    assert step(zero_stage=3, activation_checkpointing=True).zero3_hooks_s == pytest.approx(3 * per_fetch)
+    assert step(zero_stage=2).zero3_hooks_s == 0
+    # FSDP2 gathers one unit per block, priced as collectives (plans/fsdp_cost.py), with no such hooks.
+    fsdp2 = step(zero_stage=3, engine=EngineName.fsdp2, fsdp=FSDPSpec())
+    assert fsdp2.zero3_hooks_s == 0
+    three = step(zero_stage=3)
+    assert three.total_s == pytest.approx(step(zero_stage=2).total_s + three.zero3_hooks_s, rel=0.05)
+    assert three.as_dict()["parts_s"]["zero3_hooks"] == three.zero3_hooks_s
 
 
 def test_calibration_times_adam_on_the_host_threads():
