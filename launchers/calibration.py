@@ -145,7 +145,10 @@ def _host_adam_params_per_s(seconds: float, numel: int = 32 * 1024 * 1024) -> fl
 
     param = torch.nn.Parameter(torch.zeros(numel))
     param.grad = torch.zeros(numel)
-    optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    try:
+        optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    except RuntimeError:  # a torch without the fused CPU kernel: the one its optimizer would use
+        optimizer = torch.optim.AdamW([param], lr=1e-4, foreach=True)
     optimizer.step()  # creates the moments
     return numel / _best_time(optimizer.step, torch.device("cpu"), seconds)
 
