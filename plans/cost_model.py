@@ -364,11 +364,11 @@ class StepTime:
     optimizer_s: float
     tokens_per_s: float
     tflops_per_device: float
-    zero3_hooks_s: float = 0.0
-    """Host time of DeepSpeed ZeRO-3's per-module fetch and release hooks (:data:`DECLARED_ZERO3_MODULE_S`)."""
     """Counted FLOPs (recomputation included: the work the devices do) per second and device."""
     model_tflops_per_device: float = 0.0
     """The model's FLOPs without recomputation per second and device: what MFU divides by the peak."""
+    zero3_hooks_s: float = 0.0
+    """Host time of DeepSpeed ZeRO-3's per-module fetch and release hooks (:data:`DECLARED_ZERO3_MODULE_S`)."""
 
     @property
     def total_s(self) -> float:
@@ -446,10 +446,6 @@ def _update_bytes_per_param(optim: OptimSpec) -> int:
     return (8 + 4 + (8 if optim.momentum else 0)) if optim.name == OptimizerName.sgd else 24 + 4
 
 
-# What the calibration's host optimizer probe moves per parameter: Adam in fp32.
-_ADAM_UPDATE_BYTES = 28
-
-
 def host_optimizer_s(part: float, optim: OptimSpec, precision: Precision, speeds: Speeds,
                      devices_per_node: int) -> float:
     """Seconds of an offloaded optimizer step over ``part`` parameters on the host.
@@ -463,7 +459,9 @@ def host_optimizer_s(part: float, optim: OptimSpec, precision: Precision, speeds
                                                                         / devices_per_node)
     if not speeds.host_optimizer_params_per_s:
         return shared_s
-    threads_s = part * _update_bytes_per_param(optim) / _ADAM_UPDATE_BYTES / speeds.host_optimizer_params_per_s
+    # The rate is Adam's in fp32 (the calibration's probe): another optimizer by its update's bytes.
+    adam = _update_bytes_per_param(OptimSpec(name=OptimizerName.adamw))
+    threads_s = part * _update_bytes_per_param(optim) / adam / speeds.host_optimizer_params_per_s
     return max(shared_s, threads_s)
 
 
@@ -611,6 +609,9 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     # and its network adapters.
     dp_bw = speeds.bus_gbps(links.dp, _members_per_node(group_stride("dp", tp, pp), dp, devices_per_node))
     dp_lat = lat[links.dp]
+    # ZeRO-3 fetches a stage's parameter modules in forward, backward and the recomputed forward.
+    fetches = 3 if ckpt else 2
+    stage_modules = max(math.ceil(model.param_modules / pp), 1)
     dp_comm_s = 0.0
     if dp > 1:
         gather_params = _half_ring_s(grad_bytes, dp, dp_bw, dp_lat)
@@ -621,14 +622,11 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         elif engine.zero_stage == ZeroStage.gradients:
             dp_comm_s = m * _allreduce_s(grad_bytes, dp, dp_bw, dp_lat) + gather_params
         else:
-            gathers = 3 if ckpt else 2
-            modules = max(math.ceil(model.param_modules / pp), 1)
-            dp_comm_s = m * (gathers * _half_ring_s(grad_bytes, dp, dp_bw, dp_lat, calls=modules)
+            dp_comm_s = m * (fetches * _half_ring_s(grad_bytes, dp, dp_bw, dp_lat, calls=stage_modules)
                              + _half_ring_s(grad_bytes, dp, dp_bw, dp_lat))
 
     # The optimizer updates this rank's partition: all of its parameters below ZeRO-1.
     part = params / dp if engine.zero_stage >= ZeroStage.optimizer_states else params
-    opt_bytes = part * _optimizer_bytes_per_param(optim, plan.precision)
     offload_s = 0.0
     if engine.offload_optimizer != Offload.none:
         link = _bytes_per_s(speeds.host_link_gbps)
@@ -636,15 +634,13 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         offload_s = 2 * part * plan.precision.element_bytes / link
         optimizer_s = host_optimizer_s(part, optim, plan.precision, speeds, devices_per_node)
     else:
-        optimizer_s = opt_bytes / (speeds.sustained_memory_gb_per_s * 1e9)
+        optimizer_s = (part * _optimizer_bytes_per_param(optim, plan.precision)
+                       / (speeds.sustained_memory_gb_per_s * 1e9))
     if engine.offload_param != Offload.none:
-        gathers = 3 if ckpt else 2
-        offload_s += m * gathers * (params / dp) * plan.precision.element_bytes / _bytes_per_s(speeds.host_link_gbps)
+        offload_s += m * fetches * (params / dp) * plan.precision.element_bytes / _bytes_per_s(speeds.host_link_gbps)
     zero3_hooks_s = 0.0
     if engine.engine == EngineName.deepspeed and engine.zero_stage == ZeroStage.parameters:
-        fetches = 3 if ckpt else 2
-        modules = max(math.ceil(model.param_modules / pp), 1)
-        zero3_hooks_s = m * fetches * modules * DECLARED_ZERO3_MODULE_S[plan.accelerator.value]
+        zero3_hooks_s = m * fetches * stage_modules * DECLARED_ZERO3_MODULE_S[plan.accelerator.value]
 
     parts = StepTime(compute_s=compute_s, memory_s=memory_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,
                      dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, offload_s=offload_s, optimizer_s=optimizer_s,
