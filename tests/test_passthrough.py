@@ -1,5 +1,5 @@
 """The driver's NCCL/CUDA/transport and storage-endpoint variables reach the workers; credentials and the
-device list do not."""
+device list do not. A DeepSpeed rank builds its ops with the ninja installed beside its interpreter."""
 
 from helpers.config import compose_config
 from launchers.passthrough import passthrough_env
@@ -27,3 +27,19 @@ def test_the_driver_s_worker_env_includes_them(monkeypatch):
     cfg, _, _ = to_typed(compose_config())
     env = worker_env(resolve_plan(cfg.plan, cfg.cluster, cfg.train).accelerator)
     assert env["NCCL_DEBUG"] == "WARN" and "NCCL_AUTH_TOKEN" not in env
+
+
+def test_a_deepspeed_rank_builds_with_the_ninja_beside_its_interpreter_even_when_path_lacks_it(monkeypatch):
+    import os
+    import shutil
+    import sys
+
+    from launchers.engines.deepspeed.building import ninja_on_path
+
+    scripts = os.path.dirname(sys.executable)
+    assert os.path.isfile(os.path.join(scripts, "ninja"))  # DeepSpeed requires the ninja package
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # as when .venv/bin/orch runs without activating
+    ninja_on_path()
+    ninja_on_path()
+    assert os.environ["PATH"] == f"{scripts}:/usr/bin:/bin"
+    assert shutil.which("ninja") == os.path.join(scripts, "ninja")

@@ -33,6 +33,24 @@ def import_deepspeed():
     return deepspeed
 
 
+def ninja_on_path() -> None:
+    """Put this interpreter's scripts directory first on PATH when ``ninja`` is there.
+
+    DeepSpeed compiles its C++ ops (CPU Adam, the CPU all-reduce, fused Adam on GPUs) on first
+    use, and torch runs whichever ``ninja`` PATH finds to build them. pip installs the ``ninja``
+    DeepSpeed requires beside the interpreter, which is on PATH only in an activated environment:
+    ``.venv/bin/orch`` run without activating it would build with another ninja, or fail without
+    one ("Ninja is required to load C++ extensions"). A ninja of another version also hashes its
+    build commands differently, so each would rebuild what the other built, a minute or more per op.
+    """
+    scripts = os.path.dirname(sys.executable)
+    if not os.path.isfile(os.path.join(scripts, "ninja")):
+        return
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != scripts:
+        os.environ["PATH"] = os.pathsep.join([scripts, path]) if path else scripts
+
+
 def unlink_shared_memory_buffers(master_addr: str, master_port: int) -> None:
     """Remove this run's names of DeepSpeed's CPU all-reduce buffers from /dev/shm.
 

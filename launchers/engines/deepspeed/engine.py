@@ -14,6 +14,7 @@ from launchers.engines.deepspeed.building import (
     build_model,
     import_deepspeed,
     mark_stage_parameters,
+    ninja_on_path,
     pipeline_module,
     share_pipeline_groups_with_autotp,
     tensor_parallel_groups,
@@ -30,6 +31,8 @@ class DeepSpeedEngine(Engine):
     def start(self, job: TrainJob, master_addr: str, master_port: int) -> None:
         deepspeed = import_deepspeed()
         from deepspeed.utils import logger as ds_logger
+
+        ninja_on_path()  # before init_distributed, which builds the CPU all-reduce on first use
 
         ds_logger.setLevel(logging.ERROR)  # progress is reported by the driver, not by every rank
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
