@@ -72,7 +72,7 @@ def test_each_shipped_experiment_trains_and_logs_predicted_and_measured_memory(l
     else:
         assert weights == {"model/weights/model.safetensors"}
     # The engine computed in its training precision: the exported fp32 model is run in the same one.
-    dtype = torch.bfloat16 if result.plan.precision.value == "bf16" else torch.float32
+    dtype = result.plan.precision.dtype
     with torch.no_grad():
         output = output_tensor(model.to(dtype)(check["batch.0"].to(dtype) if check["batch.0"].is_floating_point()
                                                else check["batch.0"])).float()
