@@ -88,7 +88,7 @@ def test_fsdp2_trains_an_hf_llama_with_tensor_parallelism_in_bf16(local_ray, sql
 
 
 def test_the_vit_fsdp_recipe_trains_a_torchvision_model(local_ray, sqlite_uri):
-    result = run_training(*to_typed(compose_config("experiment=vit_fsdp_bf16", "train.steps=30",
+    result = run_training(*to_typed(compose_config("experiment=vit_fsdp_bf16", "train.steps=20",
                                                    f"tracking.uri={sqlite_uri}")))
     first, last = result.reports[0], result.reports[-1]
     assert last[0].loss < first[0].loss, (first[0].loss, last[0].loss)
