@@ -6,7 +6,11 @@ Plain helpers (composing configs, starting Ray, watching processes) are in ``tes
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import sqlite3
+from pathlib import Path
 
 import pytest
 import ray
@@ -18,7 +22,7 @@ from helpers.tracking_server import auth_server
 
 
 @pytest.fixture(scope="session")
-def dp_reference(tmp_path_factory):
+def dp_reference(tmp_path_factory, migrated_store):
     """The data-parallel run other layouts are compared with: dp=2, micro-batch 4, ZeRO-1, ``FAST``.
 
     Trained once per session (in the Ray of the first test that asks, or an embedded one) and
@@ -29,6 +33,7 @@ def dp_reference(tmp_path_factory):
     from orchestrator.run.driver import run_training
 
     store = tmp_path_factory.mktemp("dp-reference")
+    shutil.copyfile(migrated_store, store / "mlflow.db")
     cfg = compose_config(*FAST, f"tracking.uri=sqlite:///{store}/mlflow.db", "plan.dp=2", "plan.zero_stage=1")
     return run_training(*to_typed(cfg))
 
@@ -88,8 +93,30 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def migrated_store(tmp_path_factory) -> Path:
+    """An empty MLflow sqlite store with its tables created and migrated, made once per session.
+
+    MLflow creates a new store's tables and runs its ~60 schema migrations (alembic) the first time
+    the store is opened: about 2.3 s of CPU. Tests that need a store but not its creation copy this
+    one; creating a store is still tested where it is the point (``orch train``'s default store in
+    test_cli, concurrent first runs in test_tracking). Its default experiment is removed, so each
+    copy makes its own at its first open, with an artifact root where it is opened, as a new
+    store does.
+    """
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-migrated") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute("DELETE FROM experiments")
+    return path
+
+
 @pytest.fixture
-def sqlite_uri(tmp_path, monkeypatch) -> str:
-    """A fresh local MLflow store; the test runs in tmp_path so artifacts land there too."""
+def sqlite_uri(tmp_path, monkeypatch, migrated_store) -> str:
+    """A local MLflow store of its own (a copy of :func:`migrated_store`); the test runs in
+    tmp_path so artifacts land there too."""
     monkeypatch.chdir(tmp_path)
+    shutil.copyfile(migrated_store, tmp_path / "mlflow.db")
     return f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -110,28 +110,40 @@ def data_ray(s3_store):
 def read_all(source: RayDataSource, evaluation: bool, eval_samples: int = 10**6) -> list:
     """Every sample of one pass over a split, one replica reading."""
     train, val = source.streams(1, eval_samples=eval_samples)[0]
-    batches = StreamedBatches(val if evaluation else train, batch_size=1, seed=0, to_batch=source.to_batch())
-    samples = []
+    return passes(val if evaluation else train, source, 1)[0]
+
+
+def passes(stream, source: RayDataSource, count: int) -> list[list]:
+    """The samples of ``count`` passes over one replica's stream, read as a worker reads it: one
+    :class:`StreamedBatches`, epoch after epoch."""
+    batches = StreamedBatches(stream, batch_size=1, seed=0, to_batch=source.to_batch())
+    found: list[list] = [[]]
     while True:
         sample = next(batches)
-        if batches.epoch > 0:  # the first of the next pass
-            return samples
-        samples.append(sample)
+        if batches.epoch == len(found):  # the first sample of the next pass
+            if len(found) == count:
+                return found
+            found.append([])
+        found[-1].append(sample)
 
 
 def test_held_out_rows_are_the_same_every_pass_and_never_trained_on(data_ray, tmp_path):
     write_rows(tmp_path / "rows", 4, 20)
     source = RayDataSource(paths=[str(tmp_path / "rows")], sample="columns", columns=["x", "row"],
                            label_column="labels", val_fraction=0.25)
-    train = sorted(int(b["row"]) for b in read_all(source, evaluation=False))
-    val = sorted(int(b["row"]) for b in read_all(source, evaluation=True))
+    train_stream, val_stream = source.streams(1, eval_samples=10**6)[0]
+    [train] = passes(train_stream, source, 1)
+    # Every evaluation of an attempt passes over the same held-out stream again.
+    val, again = ([int(b["row"]) for b in samples] for samples in passes(val_stream, source, 2))
+    train = sorted(int(b["row"]) for b in train)
     assert not set(train) & set(val) and sorted(train + val) == list(range(80))
     assert 8 <= len(val) <= 35  # a quarter of the rows by hash, not by position
-    assert sorted(int(b["row"]) for b in read_all(source, evaluation=True)) == val
-    # The evaluation set is the split's first samples: every evaluation reads the same ones.
-    first = [int(b["row"]) for b in read_all(source, evaluation=True, eval_samples=5)]
-    assert len(first) == 5 and set(first) <= set(val)
-    assert [int(b["row"]) for b in read_all(source, evaluation=True, eval_samples=5)] == first
+    assert again == val
+    # The evaluation set is the split's first samples in file order: a later attempt (a restart
+    # makes its streams again) reads the same ones.
+    (_, short), = source.streams(1, eval_samples=5)
+    first, second = ([int(b["row"]) for b in samples] for samples in passes(short, source, 2))
+    assert first == second == val[:5]
 
 
 def test_images_and_token_windows_stream_as_the_objectives_take_them(data_ray, tmp_path):
