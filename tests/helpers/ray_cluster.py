@@ -24,10 +24,16 @@ def ray_with_env(env: dict[str, str], num_cpus: int = 2) -> Iterator[None]:
     """A test Ray started where ``env`` is set (a store's endpoint and credentials): its workers
     inherit the variables, as the workers of a cluster node started with them do. The variables
     are restored and Ray shut down afterwards."""
+    from launchers.ray_session import start_local_ray
+
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
-        start_test_ray(num_cpus)
+        # The tests' modules reach the workers the same way: inherited, with no runtime_env, so
+        # that Ray starts each worker directly rather than through its runtime-env setup process.
+        inherited = [str(REPO), str(REPO / "tests"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        patch.setenv("PYTHONPATH", os.pathsep.join(inherited))
+        start_local_ray(num_cpus=num_cpus, object_store_memory=300 * 1024**2)
         try:
             yield
         finally:
