@@ -107,12 +107,6 @@ def data_ray(s3_store):
         yield
 
 
-def read_all(source: RayDataSource, evaluation: bool, eval_samples: int = 10**6) -> list:
-    """Every sample of one pass over a split, one replica reading."""
-    train, val = source.streams(1, eval_samples=eval_samples)[0]
-    return passes(val if evaluation else train, source, 1)[0]
-
-
 def passes(stream, source: RayDataSource, count: int) -> list[list]:
     """The samples of ``count`` passes over one replica's stream, read as a worker reads it: one
     :class:`StreamedBatches`, epoch after epoch."""
@@ -168,7 +162,8 @@ def test_images_and_token_windows_stream_as_the_objectives_take_them(data_ray, t
 
     write_text(tmp_path / "text", files=2, lines=40)
     text = RayDataSource(paths=[str(tmp_path / "text")], text_field="body", seq_len=16)
-    windows = read_all(text, evaluation=False)
+    (train, _), = text.streams(1, eval_samples=10**6)
+    [windows] = passes(train, text, 1)
     inputs, targets = windows[0]
     assert inputs.shape == (1, 16) and torch.equal(inputs[0, 1:], targets[0, :-1])
     assert text.required_outputs == 256 and int(max(w[0].max() for w in windows)) < 256

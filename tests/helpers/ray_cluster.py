@@ -11,12 +11,16 @@ import ray
 
 from helpers.config import REPO
 
+TEST_PATHS = [str(REPO), str(REPO / "tests")]
+"""Where the workers import the tests' own modules from (recording models, faulty models)."""
+OBJECT_STORE_BYTES = 300 * 1024**2
+
 
 def start_test_ray(num_cpus: int = 2) -> None:
     from launchers.ray_session import start_local_ray
 
-    start_local_ray(num_cpus=num_cpus, object_store_memory=300 * 1024**2,
-                    runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}})
+    start_local_ray(num_cpus=num_cpus, object_store_memory=OBJECT_STORE_BYTES,
+                    runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(TEST_PATHS)}})
 
 
 @contextlib.contextmanager
@@ -31,9 +35,9 @@ def ray_with_env(env: dict[str, str], num_cpus: int = 2) -> Iterator[None]:
             patch.setenv(name, value)
         # The tests' modules reach the workers the same way: inherited, with no runtime_env, so
         # that Ray starts each worker directly rather than through its runtime-env setup process.
-        inherited = [str(REPO), str(REPO / "tests"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        inherited = [*TEST_PATHS, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
         patch.setenv("PYTHONPATH", os.pathsep.join(inherited))
-        start_local_ray(num_cpus=num_cpus, object_store_memory=300 * 1024**2)
+        start_local_ray(num_cpus=num_cpus, object_store_memory=OBJECT_STORE_BYTES)
         try:
             yield
         finally:
