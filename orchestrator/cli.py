@@ -146,12 +146,20 @@ def check_app(cfg: DictConfig) -> None:
 def tune_app(cfg: DictConfig) -> None:
     protect_config(cfg)
 
+    from orchestrator.tune.plan_file import check_plan_file
+
+    try:
+        typed, model_cfg, _ = to_typed(cfg)
+        with storage_checks_bounded(typed):
+            check_plan_file(typed)  # before the search's imports: a refused plan file costs no torch import
+    except OrchError as error:
+        _fail(error)
+
     from orchestrator.tune.result import render, to_json_text
     from orchestrator.tune.search import tune
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     try:
-        typed, model_cfg, _ = to_typed(cfg)
         with storage_checks_bounded(typed), _stdout_for_json_only():
             result = tune(typed, model_cfg)
     except OrchError as error:

@@ -17,7 +17,7 @@ from orchestrator.config import RunConfig
 from orchestrator.declared import declared_violations
 from orchestrator.workload import build_data_source
 from plans.errors import PlanError, Violation
-from plans.locations import is_remote, local_path
+from plans.locations import is_remote, local_path, unwritable_reason
 from plans.resolve import ResolvedPlan, resolve_plan
 from plans.spec import ClusterSpec, ResumeMode, TrainSpec
 from plans.workload import DataSource
@@ -113,10 +113,7 @@ def checkpoint_dir_violations(train: TrainSpec) -> list[Violation]:
                           "point train.checkpoint_dir at a directory (it is created if missing)")]
     if not writes:
         return []
-    existing = next((p for p in [path, *path.absolute().parents] if p.exists()), None)
-    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        where = "it" if existing == path else f"its closest existing parent {existing}"
-        return [Violation("train.checkpoint_dir", train.checkpoint_dir,
-                          f"checkpoints cannot be written there: {where} is not a directory this user can write.",
+    if why := unwritable_reason(path):
+        return [Violation("train.checkpoint_dir", train.checkpoint_dir, f"checkpoints cannot be written there: {why}.",
                           "point train.checkpoint_dir at a writable directory, or set train.checkpoint_every=0")]
     return []

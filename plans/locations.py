@@ -19,9 +19,11 @@ import math
 import os
 import re
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
+from pathlib import Path
 from typing import TypeVar
 
 from plans.spec import ClusterSpec
@@ -162,3 +164,24 @@ def local_path(location: str | os.PathLike) -> str:
     """A local location as a path: ``file:///a/b`` → ``/a/b``; a path is returned as it is."""
     text = str(location)
     return text[len("file://"):] if text.lower().startswith("file://") else text
+
+
+def unwritable_reason(directory: Path) -> str | None:
+    """Why this process cannot create files in ``directory`` (creating it and its parents where
+    missing), or None.
+
+    Its closest existing parent must be a directory this process can create a file in. That is
+    tried, with a temporary file removed at once, rather than read off the permission bits: root
+    passes every permission check, yet a read-only mount or a file system such as ``/proc`` takes
+    no new files from it either.
+    """
+    existing = next((p for p in [directory, *directory.absolute().parents] if p.exists()), None)
+    where = str(existing) if existing == directory else f"its closest existing parent {existing}"
+    if existing is None or not existing.is_dir():
+        return f"{where} is not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        return f"{where} is a directory this user cannot create files in ({error.strerror or error})"
+    return None

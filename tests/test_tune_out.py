@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -79,6 +80,32 @@ def test_tune_out_replaces_a_tuned_plan_and_never_a_file_it_did_not_write(tmp_pa
         done = orch_tune(tmp_path, "tune.out=plans/plan/fast.yaml")
         assert done.returncode == 0, done.stderr[-3000:]
         assert (tmp_path / "plans/plan/fast.yaml").read_text().startswith("# Written by `orch tune` on ")
+
+
+def test_a_plan_file_that_cannot_be_written_is_refused_before_tuning_and_a_late_failure_keeps_the_plan(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a directory\n")
+    fix = "write it to a directory this user can write: tune.out=DIR/plan/NAME.yaml"
+    done = orch_tune(tmp_path, "tune.out=notes.txt/plan/fast.yaml")
+    assert refused(done, "tune.out", "notes.txt/plan/fast.yaml",
+                   f"the plan file cannot be written to {tmp_path / 'notes.txt/plan/fast.yaml'}: its closest existing "
+                   f"parent {tmp_path / 'notes.txt'} is not a directory.", fix)
+    # A file system that takes no new files, even from root (who passes every permission check).
+    cfg = to_typed(compose_config("tune.out=/proc/orch/plan/fast.yaml"))[0]
+    with pytest.raises(PlanError, match="its closest existing parent /proc is a directory this user cannot create "
+                                        r"files in \(No such file or directory\)"):
+        check_plan_file(cfg)
+    # Refused only after the search (the directory went away meanwhile): the plan reaches the user anyway.
+    from orchestrator.tune.plan_file import write_plan_file
+    from plans.resolve import resolve_plan
+    from plans.spec import PlanSpec
+
+    winner = SimpleNamespace(predicted=SimpleNamespace(tokens_per_s=1000.0))
+    result = SimpleNamespace(winner_trial=None, winner=winner, global_batch_size=16, plan_text=None)
+    plan = resolve_plan(PlanSpec(dp=2), cfg.cluster, cfg.train)
+    with pytest.raises(PlanError) as refusal:
+        write_plan_file(plan, cfg, {"_target_": "workloads.gpt.GPT"}, cfg.cluster, result)
+    assert result.plan_text.startswith("# Written by `orch tune` on ") and "dp: 2" in result.plan_text
+    assert str(refusal.value).endswith(f"{fix}; this run's tuned plan, to save by hand:\n{result.plan_text}")
 
 
 def test_the_package_directories_are_those_this_process_imports():

@@ -153,6 +153,13 @@ def test_a_checkpoint_dir_that_is_a_file_and_a_tiny_corpus_are_refused_together(
         prelaunch(f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.checkpoint_every=5",
                   f"data.path={tmp_path / 'tiny.txt'}", "plan.dp=3")
     assert sorted(v.field for v in info.value.violations) == ["data.path", "plan.dp", "train.checkpoint_dir"]
+    # A directory that takes no new files is refused even for root, who passes every permission check.
+    with pytest.raises(PlanError) as info:
+        prelaunch("train.checkpoint_dir=/proc/orch-ckpt", "train.checkpoint_every=5")
+    [violation] = info.value.violations
+    assert violation.field == "train.checkpoint_dir" and violation.message.startswith(
+        "checkpoints cannot be written there: its closest existing parent /proc is a directory this user cannot "
+        "create files in"), violation
 
 
 def test_a_corpus_too_small_for_the_plans_batch_is_refused_naming_the_arithmetic(tmp_path):

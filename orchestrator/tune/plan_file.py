@@ -20,15 +20,20 @@ from launchers.storage import RemoteDir, location_violation
 from orchestrator import conf
 from orchestrator.config import RunConfig
 from plans.errors import PlanError, Violation
-from plans.locations import StorageTimeout, bounded, is_remote, probe_limit_s
+from plans.locations import StorageTimeout, bounded, is_remote, probe_limit_s, unwritable_reason
 from plans.resolve import ResolvedPlan
-from plans.search_space import plan_spec
 
 if TYPE_CHECKING:
     from orchestrator.tune.result import TuneResult
 
 
+_WRITABLE_FIX = "write it to a directory this user can write: tune.out=DIR/plan/NAME.yaml"
+
+
 def plan_values(plan: ResolvedPlan) -> dict:
+    # Imported here: the search space imports torch, which checking a plan file needs none of.
+    from plans.search_space import plan_spec
+
     spec = plan_spec(plan)
     return {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(spec).items()}
 
@@ -156,6 +161,10 @@ def _check_local(field_name: str, value: str, path: Path) -> None:
                                    "name a file: tune.out=DIR/plan/NAME.yaml")])
     if real.exists():
         _check_existing(field_name, value, _local_text(real))
+    # Checked before the search and the trials, whose result would otherwise have nowhere to go.
+    if why := unwritable_reason(real.parent):
+        raise PlanError([Violation(field_name, value, f"the plan file cannot be written to {real}: {why}.",
+                                   _WRITABLE_FIX)])
 
 
 def _check_existing(field_name: str, value: str, text: str | None) -> None:
@@ -195,6 +204,10 @@ def _write_remote(uri: str, text: str) -> None:
         bounded(lambda: RemoteDir(directory, timeout_s=probe_limit_s()).write_text(name, text))
     except StorageTimeout as error:
         raise PlanError([Violation("tune.out", uri, error.reason(), error.fix())]) from None
+    except OSError as error:  # pyarrow's for a refused write
+        raise PlanError([Violation("tune.out", uri, f"the plan file could not be written ({error}).",
+                                   "check the credentials' rights on that prefix, or write it elsewhere "
+                                   "(tune.out=PATH or another URI)")]) from None
 
 
 def train_command(result: TuneResult) -> str | None:
@@ -220,14 +233,35 @@ def write_plan_file(plan: ResolvedPlan, cfg: RunConfig, model_cfg: dict, cluster
     body = OmegaConf.to_yaml(OmegaConf.create({"defaults": ["plan_schema", "_self_"], **plan_values(plan)}))
     result.plan_text = header + body
     # Checked again: trials ran since check_plan_file, and something else may have written the file.
-    if cfg.tune.out and is_remote(cfg.tune.out):
-        _check_existing("tune.out", cfg.tune.out, _remote_text(cfg.tune.out))
-        _write_remote(cfg.tune.out, result.plan_text)
-        return cfg.tune.out
-    check_plan_file(cfg)
-    path = plan_file_path(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(result.plan_text)
+    try:
+        if cfg.tune.out and is_remote(cfg.tune.out):
+            _check_existing("tune.out", cfg.tune.out, _remote_text(cfg.tune.out))
+            _write_remote(cfg.tune.out, result.plan_text)
+            return cfg.tune.out
+        check_plan_file(cfg)
+        return _write_local(plan_file_path(cfg), result.plan_text, cfg)
+    except PlanError as error:
+        # The search and its trials are done: their result reaches the user even without its file.
+        *others, last = error.violations
+        kept = dataclasses.replace(last, fix=f"{last.fix}; this run's tuned plan, to save by hand:\n{result.plan_text}")
+        raise PlanError([*others, kept]) from None
+
+
+def _write_local(path: Path, text: str, cfg: RunConfig) -> Path:
+    """Write the plan file whole or not at all (a file cut short would still begin with the header),
+    through a symlink to what it points to."""
+    real = Path(os.path.realpath(path))
+    partial = real.with_name(f".{real.name}.{os.getpid()}.partial")
+    try:
+        real.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(text)
+        os.replace(partial, real)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        field_name, value = ("tune.out", cfg.tune.out) if cfg.tune.out else ("tune.name", cfg.tune.name)
+        raise PlanError([Violation(field_name, value, f"the plan file could not be written to {real} "
+                                   f"({error.strerror or error}).",
+                                   _WRITABLE_FIX)]) from None
     return path
 
 
