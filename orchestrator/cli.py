@@ -195,29 +195,35 @@ def _required_run_id(command: str, usage: str = "RUN_ID [--out DIR] [tracking.ur
     return run_id
 
 
-def _out_directory(command: str) -> Path | None:
-    """``--out DIR``: refused at once (exit 2) when it names something other than a directory,
+def _out_directory(command: str, default: Path | None = None) -> Path | None:
+    """``--out DIR`` (else ``default``, where the command writes without one): refused at once
+    (exit 2) when it names something other than a directory, or one this user cannot write,
     before any run is read or written."""
     out = _OPTIONS["out"]
-    if out is None:
+    if out is None and default is None:
         return None
-    if Path(out).exists() and not Path(out).is_dir():
-        from plans.errors import PlanError, Violation
+    from plans.errors import PlanError, Violation
+    from plans.locations import unwritable_reason
 
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
         _fail(PlanError([Violation("--out", out, "is an existing file; orch "
                                    f"{command} writes a directory of files there.",
                                    "name a new or an existing directory")]))
-    return Path(out)
+    target = Path(out) if out is not None else default
+    if why := unwritable_reason(target):
+        _fail(PlanError([Violation("--out", str(target), f"orch {command} cannot write there: {why}.",
+                                   "name a directory this user can write: --out DIR")]))
+    return Path(out) if out is not None else None
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def report_app(cfg: DictConfig) -> None:
+    protect_config(cfg)
+    run_id = _required_run_id("report")
+    out = _out_directory("report", default=Path("reports"))
     from orchestrator.tracking.report import report_command
     from orchestrator.tracking.store import resolve_run_id
 
-    protect_config(cfg)
-    run_id = _required_run_id("report")
-    out = _out_directory("report")
     try:
         run_id = resolve_run_id(cfg.tracking.uri, run_id)
         text, plots = report_command(cfg.tracking.uri, run_id, out or Path(f"reports/{run_id}"))
@@ -230,12 +236,12 @@ def report_app(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def export_app(cfg: DictConfig) -> None:
-    from orchestrator.export import export_run
-    from orchestrator.tracking.store import resolve_run_id
-
     protect_config(cfg)
     run_id = _required_run_id("export")
     out = _out_directory("export")
+    from orchestrator.export import export_run
+    from orchestrator.tracking.store import resolve_run_id
+
     try:
         # The model comes from this command's own config (its --config-dir and overrides), checked
         # against the checkpoint; nothing the run's tracked artifacts declare is instantiated.

@@ -293,6 +293,11 @@ def test_orch_export_needs_a_run_and_refuses_an_unknown_one(tmp_path):
         into_a_file = orch(command, "0123456789abcdef", "--out", "notes.txt")
         assert into_a_file.returncode == 2, into_a_file.stderr
         assert "--out='notes.txt': is an existing file" in into_a_file.stderr
+        # ... and so is one nothing can be created in, even by root.
+        nowhere = orch(command, "0123456789abcdef", "--out", "/proc/orch-out")
+        assert nowhere.returncode == 2 and "Traceback" not in nowhere.stderr, nowhere.stderr
+        assert (f"--out='/proc/orch-out': orch {command} cannot write there: its closest existing parent /proc is a "
+                "directory this user cannot create files in") in nowhere.stderr, nowhere.stderr
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
