@@ -397,6 +397,9 @@ def not_mlflow():
                            "than user:password@ in the URI, which shell history keeps)"),
     ("report", "UNREACHABLE", "no MLflow server answers there (Connection refused)"),
     ("runs", "sqlite:///mlflow.db", "there is no MLflow store at"),
+    # Refused at once: MLflow itself retries a store it cannot create for about two minutes.
+    ("train", "sqlite:////proc/orch.db", "tracking.uri=sqlite:////proc/orch.db: cannot create the sqlite store "
+                                         "/proc/orch.db: /proc is a directory this user cannot create files in"),
 ])
 def test_a_tracking_uri_mlflow_cannot_use_is_a_short_error(command, uri, message, not_mlflow, tmp_path):
     from helpers.processes import free_port

@@ -36,6 +36,7 @@ from orchestrator.credentials import (
     use_credentials,
 )
 from plans.errors import OrchError
+from plans.locations import unwritable_reason
 
 T = TypeVar("T")
 
@@ -266,10 +267,18 @@ def _store_creation_lock(uri: str) -> Iterator[None]:
     directory = database.parent
     try:
         directory.mkdir(parents=True, exist_ok=True)  # as MLflow would; the lock needs it first
-        descriptor = os.open(directory, os.O_RDONLY)
     except OSError as exc:
         raise TrackingError(f"{_named(uri)}: cannot create the sqlite store's directory {directory} "
                             f"({exc.strerror}). Fix: choose a writable path") from exc
+    # MLflow would retry opening a store it cannot create for about two minutes, then fail.
+    if not database.exists() and (why := unwritable_reason(directory)):
+        raise TrackingError(f"{_named(uri)}: cannot create the sqlite store {database}: {why}. "
+                            "Fix: choose a writable path")
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError as exc:
+        raise TrackingError(f"{_named(uri)}: cannot open the sqlite store's directory {directory} "
+                            f"({exc.strerror}). Fix: choose a path this user can read and write") from exc
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
         yield
