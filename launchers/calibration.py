@@ -308,13 +308,9 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         key = {"probes": _PROBES_VERSION, "hosts": hosts, "per_node": [s.local_world_size for s in slots],
                "precision": precision, "rows": rows, "k": k, "n": n, "bundle": bundle}
         path = _cache_file(cache_dir, key)
-        if path.exists():
-            doc = json.loads(path.read_text())
-            # JSON has no tuples: the pairs come back as lists.
-            for pairs in ("matmul_tflops", "matmul_tiles"):
-                if pairs in doc:
-                    doc[pairs] = tuple(tuple(pair) for pair in doc[pairs])
-            return Speeds(**doc, source="measured"), f"measured speeds from the cache {path}"
+        cached = _cached_speeds(path)
+        if cached is not None:
+            return cached, f"measured speeds from the cache {path}"
         by_node: dict[str, list[int]] = {}
         for slot in slots:
             by_node.setdefault(slot.node_id, []).append(slot.rank)
@@ -358,8 +354,36 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         op_overhead_s=0.0 if gpu else max(c["op_overhead_s"] for c in compute),
         core_share=1.0 if gpu else min(c["share"] for c in compute),
         source="measured")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    measured = f"measured the cluster ({len(by_node)} node(s), {world_size} workers)"
+    unwritten = _cache_speeds(path, speeds)
+    return speeds, f"{measured}; " + (f"not cached: {unwritten}" if unwritten else f"cached in {path}")
+
+
+def _cache_speeds(path: Path, speeds: Speeds) -> str | None:
+    """Write ``speeds`` to the cache at ``path``, whole or not at all; why it could not be, or None.
+    A cache that cannot be written costs the next tune a measurement, not this one its result."""
     doc = asdict(speeds)
     doc.pop("source")
-    path.write_text(json.dumps(doc, indent=2))
-    return speeds, f"measured the cluster ({len(by_node)} node(s), {world_size} workers); cached in {path}"
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(doc, indent=2))
+        os.replace(partial, path)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        return f"{path} could not be written ({error.strerror or error})"
+    return None
+
+
+def _cached_speeds(path: Path) -> Speeds | None:
+    """The speeds cached at ``path`` (plain JSON, never unpickled), or None when there are none to use:
+    no file, or one that cannot be read as this version's speeds (measured again, then replaced)."""
+    try:
+        doc = json.loads(path.read_text())
+        # JSON has no tuples: the pairs come back as lists.
+        for pairs in ("matmul_tflops", "matmul_tiles"):
+            if pairs in doc:
+                doc[pairs] = tuple(tuple(pair) for pair in doc[pairs])
+        return Speeds(**doc, source="measured")
+    except (OSError, ValueError, TypeError):
+        return None

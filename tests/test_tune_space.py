@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -529,3 +530,22 @@ def test_a_trial_is_bounded_by_the_trial_timeout_in_setup_and_in_training():
                                               "train.hang_timeout_s=0"))
     trial = trial_config(unlimited, plan, 1, "tune")
     assert (trial.train.setup_timeout_s, trial.train.hang_timeout_s) == (120, 120)
+
+
+def test_a_calibration_cache_that_cannot_be_read_or_written_is_measured_again_not_fatal(tmp_path):
+    from launchers.calibration import _cache_speeds, _cached_speeds
+    from plans.cost_model import Speeds
+    from plans.spec import ClusterSpec
+
+    speeds = dataclasses.replace(Speeds.declared(ClusterSpec()), source="measured")
+    cache = tmp_path / "calibration-0123.json"
+    assert _cache_speeds(cache, speeds) is None and _cached_speeds(cache) == speeds
+    assert [p.name for p in tmp_path.iterdir()] == [cache.name]  # no partial file left beside it
+    # Read as plain JSON into this version's speeds: anything else means measuring again.
+    for text in ('{"matmul_tflops": [[64, 1.0]], "unknown": 1}', '{"intra_node_gbps": 1', "[1, 2]", ""):
+        cache.write_text(text)
+        assert _cached_speeds(cache) is None, text
+    assert _cached_speeds(tmp_path / "none.json") is None
+    # Even root cannot create files under /proc.
+    why = _cache_speeds(Path("/proc/orch-cache/calibration-0123.json"), speeds)
+    assert why.startswith("/proc/orch-cache/calibration-0123.json could not be written ("), why
