@@ -146,6 +146,10 @@ def test_text_files_that_cannot_work_are_refused_naming_the_field(tmp_path):
     assert not_text.message == "line 3 holds int '5', not text, in its 'text' field."
     rows.write_text(json.dumps({"text": "hello"}) + "\n[1]\n")
     assert TextSource(files=[str(rows)]).violations()[0].message == "line 2 is a JSON list, not an object."
+    # A cache that could not be written would fail in every worker: refused here (even for root).
+    uncached = TextSource(cache_dir="/proc/orch-text").violations()[0]
+    assert uncached.field == "data.cache_dir" and uncached.message.startswith(
+        "the tokenized files cannot be cached there: its closest existing parent /proc is a directory"), uncached
 
 
 def test_files_that_fail_far_in_are_refused_before_any_worker_naming_the_file_and_line(tmp_path):

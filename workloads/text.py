@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from plans.errors import Violation
+from plans.locations import unwritable_reason
 from workloads.corpus import BYTE_VOCAB, SHIPPED_CORPUS
 from workloads.lineage import files_digest
 from workloads.local_files import missing_reason
@@ -134,6 +135,11 @@ class TextSource:
             bad = first_bad_row(str(path), kind, self.text_field) if kind in ("text", "json") else None
             if bad:
                 return [Violation("data.files", str(path), f"line {bad.line} {bad.problem}", bad.fix)]
+        cache = self._cache_path
+        if not (cache / "done").exists() and (why := unwritable_reason(cache.parent)):
+            return [Violation("data.cache_dir", self.cache_dir, f"the tokenized files cannot be cached there: {why}.",
+                              "point data.cache_dir at a directory this user can write (one every node sees, "
+                              "for several nodes)")]
         if self.tokenizer is not None:
             try:
                 vocabulary = len(self._tokenizer)
