@@ -35,6 +35,7 @@ from launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from launchers.worker_group import NoPlacementError, WorkerGroupSpec, place_actors
 from plans.cost_model import Speeds
 from plans.errors import OrchError
+from plans.locations import write_whole
 from plans.spec import Precision
 
 _BANDWIDTH_ELEMENTS = 4 * 1024 * 1024  # 16 MB of fp32: large enough that latency is a few percent
@@ -364,13 +365,9 @@ def _cache_speeds(path: Path, speeds: Speeds) -> str | None:
     A cache that cannot be written costs the next tune a measurement, not this one its result."""
     doc = asdict(speeds)
     doc.pop("source")
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(doc, indent=2))
-        os.replace(partial, path)
+        write_whole(path, json.dumps(doc, indent=2))
     except OSError as error:
-        partial.unlink(missing_ok=True)
         return f"{path} could not be written ({error.strerror or error})"
     return None
 

@@ -185,3 +185,20 @@ def unwritable_reason(directory: Path) -> str | None:
     except OSError as error:
         return f"{where} is a directory this user cannot create files in ({error.strerror or error})"
     return None
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all, creating missing parent directories.
+
+    It goes to a temporary file beside ``path``, renamed over it once written: a reader, or a
+    later run after a crash, finds the old file or the new one, never a part. Raises
+    :class:`OSError` when it cannot, leaving no temporary file behind.
+    """
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(text)
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        raise

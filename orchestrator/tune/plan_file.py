@@ -20,7 +20,7 @@ from launchers.storage import RemoteDir, location_violation
 from orchestrator import conf
 from orchestrator.config import RunConfig
 from plans.errors import PlanError, Violation
-from plans.locations import StorageTimeout, bounded, is_remote, probe_limit_s, unwritable_reason
+from plans.locations import StorageTimeout, bounded, is_remote, probe_limit_s, unwritable_reason, write_whole
 from plans.resolve import ResolvedPlan
 
 if TYPE_CHECKING:
@@ -133,10 +133,8 @@ def check_plan_file(cfg: RunConfig) -> None:
         _check_existing("tune.out", cfg.tune.out, _remote_text(cfg.tune.out))
         return
     path = plan_file_path(cfg)
-    if cfg.tune.out:
-        field_name, value, fix = "tune.out", cfg.tune.out, "give the file another name"
-    else:
-        field_name, value, fix = "tune.name", cfg.tune.name, "choose another name (tune.name=...)"
+    field_name, value = _plan_file_field(cfg)
+    fix = "give the file another name" if cfg.tune.out else "choose another name (tune.name=...)"
     _check_local(field_name, value, path)
     shipped = Path(conf.__file__).resolve().parent / "plan" / path.name
     registered = path.name in ConfigStore.instance().repo.get("plan", {})
@@ -251,18 +249,17 @@ def _write_local(path: Path, text: str, cfg: RunConfig) -> Path:
     """Write the plan file whole or not at all (a file cut short would still begin with the header),
     through a symlink to what it points to."""
     real = Path(os.path.realpath(path))
-    partial = real.with_name(f".{real.name}.{os.getpid()}.partial")
     try:
-        real.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(text)
-        os.replace(partial, real)
+        write_whole(real, text)
     except OSError as error:
-        partial.unlink(missing_ok=True)
-        field_name, value = ("tune.out", cfg.tune.out) if cfg.tune.out else ("tune.name", cfg.tune.name)
-        raise PlanError([Violation(field_name, value, f"the plan file could not be written to {real} "
-                                   f"({error.strerror or error}).",
-                                   _WRITABLE_FIX)]) from None
+        raise PlanError([Violation(*_plan_file_field(cfg), f"the plan file could not be written to {real} "
+                                   f"({error.strerror or error}).", _WRITABLE_FIX)]) from None
     return path
+
+
+def _plan_file_field(cfg: RunConfig) -> tuple[str, str]:
+    """The setting that places the local plan file, and its value: tune.out when set, else tune.name."""
+    return ("tune.out", cfg.tune.out) if cfg.tune.out else ("tune.name", cfg.tune.name)
 
 
 def _remote_parent(uri: str) -> tuple[str, str]:
