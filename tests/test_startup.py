@@ -56,8 +56,8 @@ def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
     address fails ready().
 
     Its workers run at the command's priority (Ray would start them at nice 15).
-    The environment the embedded Ray was started with is not shipped again: those actors run in
-    the worker processes Ray started beside its raylet, before they were asked for. A variable it
+    The environment the embedded Ray was started with is not shipped again: those actors have
+    no runtime environment, so they can run in the worker processes Ray keeps idle beside its raylet. A variable it
     lacks is shipped with the actors. The command's own environment is as it was once Ray is shut down."""
     import logging
 
@@ -86,11 +86,12 @@ def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
             assert environment_to_ship(env) == {}
             spec = WorkerGroupSpec(world_size=2, cpus_per_worker=1, gpus_per_worker=0, env=env, wait_s=60, tp=1,
                                    strategy="PACK")
-            asked = time.time()
             placed = place_actors(EnvProbe, spec)
             try:
                 assert ray.get([a.seen.remote("ORCH_TEST_WORKER_ENV") for a in placed.actors]) == ["1", "1"]
-                assert max(ray.get([a.process_started.remote() for a in placed.actors])) < asked
+                # Inherited, not shipped: a runtime environment would make Ray start new worker
+                # processes for these actors instead of handing them the ones it keeps idle.
+                assert ray.get([a.runtime_env.remote() for a in placed.actors]) == [{}, {}]
                 # The ranks run at the command's own priority, not Ray's nice 15 for workers.
                 assert ray.get([a.niceness.remote() for a in placed.actors]) == [os.getpriority(os.PRIO_PROCESS, 0)] * 2
                 # ...and record no Ray metrics or task events, which nothing reads from an embedded Ray.

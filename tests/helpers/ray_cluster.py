@@ -56,8 +56,6 @@ class EnvProbe:
     def niceness(self) -> int:
         return os.getpriority(os.PRIO_PROCESS, 0)
 
-    def process_started(self) -> float:
-        """When this actor's worker process started (seconds since the epoch)."""
-        import psutil
-
-        return psutil.Process().create_time()
+    def runtime_env(self) -> dict:
+        """The runtime environment Ray started this actor's worker with (empty: none asked for)."""
+        return dict(ray.get_runtime_context().runtime_env)
