@@ -65,8 +65,10 @@ def train_app(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from orchestrator.declared import declared_and_plan_violations
     from orchestrator.run.startup import Startup
     from orchestrator.sweeps import child_tags, record_job_run, sweep_metric_problem
+    from orchestrator.tracking.local_store import local_store_violations
     from plans.errors import PlanError
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -75,6 +77,8 @@ def train_app(cfg: DictConfig) -> float | None:
         typed, model_cfg, yaml = to_typed(cfg)
         if sweeping and (problem := sweep_metric_problem(typed.train.sweep_metric, typed.train.eval_batches)):
             raise PlanError([problem])  # before any job trains
+        if store_problems := local_store_violations(typed.tracking):  # before torch is imported or Ray started
+            raise PlanError(store_problems + declared_and_plan_violations(typed))
         # Start-up begins before the driver, and torch with it, is imported (an embedded Ray starts first).
         with storage_checks_bounded(typed), Startup.for_command(typed) as startup:
             result = startup.driver().run_training(typed, model_cfg, yaml, tags=child_tags(), startup=startup)
@@ -146,12 +150,17 @@ def check_app(cfg: DictConfig) -> None:
 def tune_app(cfg: DictConfig) -> None:
     protect_config(cfg)
 
+    from orchestrator.tracking.local_store import local_store_violations
     from orchestrator.tune.plan_file import check_plan_file
+    from plans.errors import PlanError
 
     try:
         typed, model_cfg, _ = to_typed(cfg)
+        # Before the search's imports: a refused plan file or store costs no torch import.
+        if typed.tune.trials > 0 and (store_problems := local_store_violations(typed.tracking)):
+            raise PlanError(store_problems)
         with storage_checks_bounded(typed):
-            check_plan_file(typed)  # before the search's imports: a refused plan file costs no torch import
+            check_plan_file(typed)
     except OrchError as error:
         _fail(error)
 

@@ -10,7 +10,8 @@ import dataclasses
 import types
 
 from orchestrator.config import RunConfig
-from plans.errors import Violation
+from plans.errors import PlanError, Violation
+from plans.resolve import resolve_plan
 from plans.validate import field_violations
 
 
@@ -21,3 +22,14 @@ def declared_violations(cfg: RunConfig) -> list[Violation]:
     if isinstance(cfg.data, dict):
         sections["data"] = types.SimpleNamespace(**{k: v for k, v in cfg.data.items() if not k.startswith("_")})
     return field_violations(sections)
+
+
+def declared_and_plan_violations(cfg: RunConfig) -> list[Violation]:
+    """:func:`declared_violations` and the plan arithmetic's (:func:`plans.resolve.resolve_plan`):
+    every problem found without building anything, for a refusal made before the imports."""
+    found = declared_violations(cfg)
+    try:
+        resolve_plan(cfg.plan, cfg.cluster, cfg.train)
+    except PlanError as error:
+        found += error.violations
+    return found

@@ -397,16 +397,19 @@ def not_mlflow():
                            "than user:password@ in the URI, which shell history keeps)"),
     ("report", "UNREACHABLE", "no MLflow server answers there (Connection refused)"),
     ("runs", "sqlite:///mlflow.db", "there is no MLflow store at"),
-    # Refused at once: MLflow itself retries a store it cannot create for about two minutes.
-    ("train", "sqlite:////proc/orch.db", "tracking.uri=sqlite:////proc/orch.db: cannot create the sqlite store "
+    # Refused at once, before torch is imported: MLflow itself retries a store it cannot create for
+    # about two minutes.
+    ("train", "sqlite:////proc/orch.db", "tracking.uri='sqlite:////proc/orch.db': cannot create the sqlite store "
                                          "/proc/orch.db: /proc is a directory this user cannot create files in"),
+    ("tune", "sqlite:////proc/orch.db", "tracking.uri='sqlite:////proc/orch.db': cannot create the sqlite store"),
 ])
 def test_a_tracking_uri_mlflow_cannot_use_is_a_short_error(command, uri, message, not_mlflow, tmp_path):
     from helpers.processes import free_port
 
     uri = {"NOT_MLFLOW": not_mlflow, "NEEDS_AUTH": not_mlflow.replace("/mlflow", "/auth"),
            "UNREACHABLE": f"http://127.0.0.1:{free_port()}"}.get(uri, uri)
-    args = {"train": ["train", "train.steps=1"], "runs": ["runs"], "report": ["report", "0123abcd"]}[command]
+    args = {"train": ["train", "train.steps=1"], "tune": ["tune", "tune.trials=1"], "runs": ["runs"],
+            "report": ["report", "0123abcd"]}[command]
     done = orch(*args, f"tracking.uri={uri}", cwd=tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
     assert message in done.stderr and "Fix:" in done.stderr

@@ -186,3 +186,23 @@ def test_a_sampler_finished_before_it_started_keeps_one_sample():
     sample, = sampler.take()
     assert sample["system_memory_usage_megabytes"] > 0 and 0 <= sample["cpu_utilization_percentage"] <= 100
     assert sampler.take() == []
+
+
+def test_a_sqlite_store_that_cannot_be_created_is_a_declared_value_problem(tmp_path):
+    """Checked without MLflow or torch, so `orch train` and `orch tune` refuse it before their imports,
+    together with the declared values' and the plan arithmetic's problems."""
+    from helpers.config import compose_config
+    from orchestrator.config import TrackingConfig, to_typed
+    from orchestrator.declared import declared_and_plan_violations
+    from orchestrator.tracking.local_store import local_store_violations
+
+    (tmp_path / "kept.db").write_bytes(b"")
+    for uri in (f"sqlite:///{tmp_path}/new/dir/mlflow.db", f"sqlite:///{tmp_path}/kept.db", "sqlite:///:memory:",
+                "http://127.0.0.1:1", str(tmp_path / "mlruns")):
+        assert local_store_violations(TrackingConfig(uri=uri)) == [], uri
+    assert local_store_violations(TrackingConfig(uri="sqlite:////proc/orch.db", enabled=False)) == []
+    [violation] = local_store_violations(TrackingConfig(uri="sqlite:////proc/deeper/orch.db"))
+    assert violation.field == "tracking.uri" and violation.value == "sqlite:////proc/deeper/orch.db"
+    assert "its closest existing parent /proc is a directory this user cannot create files in" in violation.message
+    typed = to_typed(compose_config("train.steps=0", "plan.zero_stage=7"))[0]
+    assert {v.field for v in declared_and_plan_violations(typed)} == {"train.steps", "plan.zero_stage"}

@@ -35,8 +35,8 @@ from orchestrator.credentials import (
     server_credentials,
     use_credentials,
 )
+from orchestrator.tracking.local_store import sqlite_database, sqlite_store_problem
 from plans.errors import OrchError
-from plans.locations import unwritable_reason
 
 T = TypeVar("T")
 
@@ -180,7 +180,7 @@ def open_existing(uri: str) -> MlflowClient:
     answer, and a sqlite store must already exist (opening a missing one would create it empty)."""
     uri = without_credentials(uri)
     check_reachable(uri)
-    database = _sqlite_path(uri)
+    database = sqlite_database(uri)
     if database is not None and not database.exists():
         raise TrackingError(f"{_named(uri)}: there is no MLflow store at {database}. Fix: run the command "
                             "where the runs were tracked, or set tracking.uri to their store")
@@ -229,18 +229,6 @@ def resolve_run_id(uri: str, given: str) -> str:
                         f"{', ...' if len(runs) > 5 else ''}. Fix: give more of the id")
 
 
-def _sqlite_path(uri: str) -> Path | None:
-    """The database file of a ``sqlite:`` URI (None for other stores and in-memory sqlite)."""
-    if not uri.startswith("sqlite:"):
-        return None
-    from sqlalchemy.engine import make_url
-
-    database = make_url(uri).database
-    if not database or database == ":memory:":
-        return None
-    return Path(database).absolute()
-
-
 def _store_refusal(uri: str, exc: MlflowException) -> str:
     """Why MLflow refused a store URI, in a few words (its own message lists every registry)."""
     if "unsupported URI" in exc.message:
@@ -260,7 +248,7 @@ def _store_creation_lock(uri: str) -> Iterator[None]:
     the database; it is released when the descriptor closes, even if the process dies. Other
     stores (a server, a directory) need no lock: their creation is not a schema migration.
     """
-    database = _sqlite_path(uri)
+    database = sqlite_database(uri)
     if database is None:
         yield
         return
@@ -271,9 +259,8 @@ def _store_creation_lock(uri: str) -> Iterator[None]:
         raise TrackingError(f"{_named(uri)}: cannot create the sqlite store's directory {directory} "
                             f"({exc.strerror}). Fix: choose a writable path") from exc
     # MLflow would retry opening a store it cannot create for about two minutes, then fail.
-    if not database.exists() and (why := unwritable_reason(directory)):
-        raise TrackingError(f"{_named(uri)}: cannot create the sqlite store {database}: {why}. "
-                            "Fix: choose a writable path")
+    if problem := sqlite_store_problem(uri):
+        raise TrackingError(f"{_named(uri)}: {problem}. Fix: choose a writable path")
     try:
         descriptor = os.open(directory, os.O_RDONLY)
     except OSError as exc:
