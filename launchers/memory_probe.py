@@ -17,8 +17,13 @@ a few microseconds of Python per operator, and the scan walks every object of th
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import itertools
+import sys
+import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,21 +52,57 @@ def _storage_of(obj) -> torch.UntypedStorage | None:
         return None
 
 
-def _tracked_objects() -> list:
-    """Every object the garbage collector tracks, the frozen ones included.
+# How long the scan may hold the interpreter before another thread may ask for it back.
+_HELD_S = 1.0
+
+
+@contextlib.contextmanager
+def _other_threads_held() -> Iterator[None]:
+    """Keep the interpreter from other Python threads while the block runs (it must be short,
+    under a second, and must not block).
+
+    ``gc.get_objects()`` also lists objects another thread is still building: a tuple made from a
+    generator is built in place and resized as it grows, which CPython allows only while nothing
+    else refers to it. Another thread that resumed while the list is alive would fail in its
+    resize with ``SystemError: bad argument to internal function`` (a worker's system-metrics
+    thread importing MLflow did). A thread asks for the interpreter back once it has waited a
+    switch interval, so the interval is raised first and the threads that were already waiting
+    (under the old one) are given their turn before the block.
+    """
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(_HELD_S)
+    try:
+        time.sleep(0.05)
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _tracked_tensors(*, frozen_too: bool = True) -> list[torch.Tensor]:
+    """Every tensor among the objects the garbage collector tracks, and the ``.grad`` of every leaf
+    among them (:func:`_tensors_in`).
 
     ``gc.get_objects()`` leaves out objects moved to the permanent generation by ``gc.freeze()``,
     which the workers call after start-up (:func:`launchers.lean_startup.collector_paused`): the
-    model and the engine would be missing. They are unfrozen for the scan and frozen again after,
-    with whatever else is alive by then.
+    model and the engine would be missing. With ``frozen_too`` they are unfrozen for the scan and
+    frozen again after, with whatever else is alive by then. The list of every object lives only
+    while no other thread runs (:func:`_other_threads_held`), and is filtered in C (no bytecode
+    runs, so no thread switch is due); what is returned holds tensors only.
     """
-    if not gc.get_freeze_count():
-        return gc.get_objects()
-    gc.unfreeze()
-    try:
-        return gc.get_objects()
-    finally:
-        gc.freeze()
+    with _other_threads_held():
+        thawed = frozen_too and gc.get_freeze_count() > 0
+        if thawed:
+            gc.unfreeze()
+        try:
+            objects = gc.get_objects()
+        finally:
+            if thawed:
+                gc.freeze()
+        # ``type()`` rather than ``isinstance``: isinstance also asks an object's ``__class__``,
+        # which some module-level proxies answer in Python, with a deprecation warning.
+        tensors = list(itertools.compress(objects, map(torch.Tensor.__subclasscheck__, map(type, objects))))
+        del objects
+    return list(_tensors_in(tensors))
 
 
 def _tensors_in(objects: list):
@@ -81,8 +122,8 @@ def _tensors_in(objects: list):
                 yield obj.grad
 
 
-def _live_storages(objects: list) -> dict[tuple[str, int], torch.UntypedStorage]:
-    """The distinct storages of the tensors among ``objects``, keyed by device and address.
+def _live_storages(tensors: list) -> dict[tuple[str, int], torch.UntypedStorage]:
+    """The distinct storages of ``tensors``, keyed by device and address.
 
     Keyed by address rather than by storage object because two storage objects can wrap the same
     memory (``torch.from_numpy`` twice on one array); views and DeepSpeed's flat buffers with
@@ -90,7 +131,7 @@ def _live_storages(objects: list) -> dict[tuple[str, int], torch.UntypedStorage]
     own no bytes and are skipped.
     """
     storages: dict[tuple[str, int], torch.UntypedStorage] = {}
-    for tensor in _tensors_in(objects):
+    for tensor in tensors:
         storage = _storage_of(tensor)
         if storage is not None and storage.data_ptr():
             storages.setdefault((storage.device.type, storage.data_ptr()), storage)
@@ -105,7 +146,7 @@ def live_tensor_bytes() -> int:
     graph is left, so for the model states this is complete. Garbage in reference cycles that
     ``gc`` has not collected yet is counted, since its memory is still allocated.
     """
-    return sum(s.nbytes() for s in _live_storages(_tracked_objects()).values())
+    return sum(s.nbytes() for s in _live_storages(_tracked_tensors()).values())
 
 
 class TensorsMade:
@@ -126,7 +167,7 @@ class TensorsMade:
 
     def __exit__(self, exc_type, *_) -> None:
         if exc_type is None:
-            self.bytes = sum(s.nbytes() for s in _live_storages(gc.get_objects()).values())
+            self.bytes = sum(s.nbytes() for s in _live_storages(_tracked_tensors(frozen_too=False)).values())
 
 
 @dataclass
@@ -179,7 +220,7 @@ class PeakMemoryTracker(TorchDispatchMode):
         self._tracked.clear()
         self._by_address.clear()
         self.current = 0
-        for storage in _live_storages(_tracked_objects()).values():
+        for storage in _live_storages(_tracked_tensors()).values():
             self._see(storage)
         self.baseline = self.peak = self.current
         self._own_resize = vars(torch.UntypedStorage).get("resize_")  # None: inherited from the C base

@@ -194,3 +194,38 @@ def test_the_planner_predicts_each_pipeline_stage_within_the_benchmark_targets(l
         measured_peak = report.measured_peak_bytes - non_model
         assert held == pytest.approx(measured_held, rel=0.03), (stage, held, measured_held)
         assert peak == pytest.approx(measured_peak, rel=0.10), (stage, peak, measured_peak)
+
+
+def test_the_scan_never_breaks_a_tuple_another_thread_is_building():
+    """``gc.get_objects()`` lists a tuple another thread is still building from a generator; had
+    that thread run while the list was alive, its resize would fail with ``SystemError: bad
+    argument to internal function`` (a worker's system-metrics thread importing MLflow did). The
+    unguarded scan failed in each of five runs of this test. The other thread here never waits, so
+    each guarded scan first waits about a second for the interpreter."""
+    import sys
+    import threading
+
+    failures: list[BaseException] = []
+    done = threading.Event()
+
+    def build_tuples() -> None:
+        while not done.is_set():
+            try:
+                tuple(i for i in range(200))
+            except SystemError as error:
+                failures.append(error)
+                return
+
+    objects = [object() for _ in range(1_000_000)]  # a scan long enough for the other thread to be due
+    tensors = [torch.ones(10) for _ in range(100)]
+    builder = threading.Thread(target=build_tuples)
+    interval = sys.getswitchinterval()
+    builder.start()
+    try:
+        for _ in range(5):
+            assert live_tensor_bytes() >= sum(t.untyped_storage().nbytes() for t in tensors)
+    finally:
+        done.set()
+        builder.join()
+    assert failures == [] and len(objects) == 1_000_000
+    assert sys.getswitchinterval() == interval  # the other threads run again as before
