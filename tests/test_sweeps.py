@@ -1,5 +1,5 @@
 """Sweeps through the real `orch` CLI: `--multirun` as one parent MLflow run with its jobs nested,
-and Hydra's Optuna sweeper minimizing what `orch train` returns."""
+Hydra's Optuna sweeper minimizing what `orch train` returns, and the sweep metric checked first."""
 
 from __future__ import annotations
 
@@ -32,35 +32,13 @@ def runs_of(tmp_path) -> tuple[MlflowClient, list]:
     return client, client.search_runs([experiment.experiment_id]) if experiment else []
 
 
-def test_a_multirun_is_one_parent_run_with_its_jobs_nested(tmp_path):
-    done = orch("train", "--multirun", "optim.lr=0.001,0.01", *SHORT, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    client, runs = runs_of(tmp_path)
-    [parent] = [r for r in runs if r.data.tags.get("orch.command") == "sweep"]
-    jobs = [r for r in runs if r is not parent]
-    assert parent.info.status == "FINISHED" and len(jobs) == 2
-    assert {r.data.tags["mlflow.parentRunId"] for r in jobs} == {parent.info.run_id}
-    assert sorted(float(r.data.params["optim.lr"]) for r in jobs) == [0.001, 0.01]
-    # The comparison: one row per job, named by the override that varies, and the best of them.
-    table = json.loads(Path(client.download_artifacts(parent.info.run_id, "sweep/jobs.json", str(tmp_path)))
-                       .read_text())
-    assert [row["overrides"] for row in table["jobs"]] == [["optim.lr=0.001"], ["optim.lr=0.01"]]
-    best = min(jobs, key=lambda r: r.data.metrics["eval_loss"])
-    assert parent.data.tags["sweep.best_run_id"] == best.info.run_id
-    assert parent.data.metrics["best_eval_loss"] == best.data.metrics["eval_loss"]
-    listed = orch("runs", cwd=tmp_path)
-    lines = listed.stdout.splitlines()
-    parent_line = next(i for i, line in enumerate(lines) if line.startswith(parent.info.run_id[:12]))
-    assert all(lines[parent_line + k].startswith("  - ") for k in (1, 2)), listed.stdout
-    report = orch("report", parent.info.run_id, "--out", "rep", cwd=tmp_path)
-    assert report.returncode == 0, report.stderr[-2000:]
-    assert "jobs       2, 0 failed; metric eval_loss" in report.stdout and "| optim.lr=0.01 |" in report.stdout
-    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["jobs.md", "loss_curves.png"]
-
-
-def test_an_optuna_sweep_minimizes_the_eval_loss_and_survives_an_infeasible_trial(tmp_path):
+def test_an_optuna_sweep_is_one_parent_run_minimizing_the_eval_loss_and_survives_an_infeasible_trial(tmp_path):
     """Three trials of a seeded random sampler (micro-batches 4, 512, 2); 512 needs more than the
-    declared 0.5 GiB device: refused, a failed trial, and the sweep goes on to pick the best."""
+    declared 0.5 GiB device: refused, a failed trial, and the sweep goes on to pick the best.
+
+    The sweep is one parent MLflow run with its jobs nested, compared on the parent. That part is
+    Hydra callbacks (orchestrator/sweeps.py), the same for every sweeper: Hydra's basic one runs
+    the jobs of test_cli's failed sweep and of the sweep-metric check below."""
     done = orch("train", "--multirun", "hydra/sweeper=optuna", "hydra/sweeper/sampler=random",
                 "hydra.sweeper.sampler.seed=0",
                 "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", "hydra.sweeper.max_failure_rate=1.0",
@@ -78,6 +56,26 @@ def test_an_optuna_sweep_minimizes_the_eval_loss_and_survives_an_infeasible_tria
     best = min(trained, key=lambda r: r.data.metrics["eval_loss"])
     assert chosen["best_params"] == {"plan.micro_batch_size": int(best.data.params["plan.micro_batch_size"])}
     assert math.isclose(chosen["best_value"], best.data.metrics["eval_loss"], rel_tol=1e-6)
+    # The parent: its jobs nested under it, compared one row per job, named by the override that
+    # varies, and the best of them.
+    assert parent.info.status == "FINISHED"
+    assert {r.data.tags["mlflow.parentRunId"] for r in trained} == {parent.info.run_id}
+    table = json.loads(Path(client.download_artifacts(parent.info.run_id, "sweep/jobs.json", str(tmp_path)))
+                       .read_text())
+    assert [(row["overrides"], row["status"]) for row in table["jobs"]] == [
+        (["plan.micro_batch_size=4"], "COMPLETED"), (["plan.micro_batch_size=512"], "FAILED"),
+        (["plan.micro_batch_size=2"], "COMPLETED")]
+    assert parent.data.tags["sweep.best_run_id"] == best.info.run_id
+    assert parent.data.metrics["best_eval_loss"] == best.data.metrics["eval_loss"]
+    listed = orch("runs", cwd=tmp_path)
+    lines = listed.stdout.splitlines()
+    parent_line = next(i for i, line in enumerate(lines) if line.startswith(parent.info.run_id[:12]))
+    assert all(lines[parent_line + k].startswith("  - ") for k in (1, 2)), listed.stdout
+    report = orch("report", parent.info.run_id, "--out", "rep", cwd=tmp_path)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "jobs       3, 1 failed; metric eval_loss" in report.stdout, report.stdout
+    assert "| plan.micro_batch_size=2 |" in report.stdout, report.stdout
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["jobs.md", "loss_curves.png"]
 
 
 def test_the_sweep_metric_is_checked_before_any_job_of_a_sweep_trains(tmp_path):
