@@ -80,7 +80,7 @@ def _other_threads_held() -> Iterator[None]:
 
 def _tracked_tensors(*, frozen_too: bool = True) -> list[torch.Tensor]:
     """Every tensor among the objects the garbage collector tracks, and the ``.grad`` of every leaf
-    among them (:func:`_tensors_in`).
+    among them (:func:`_with_grads`).
 
     ``gc.get_objects()`` leaves out objects moved to the permanent generation by ``gc.freeze()``,
     which the workers call after start-up (:func:`launchers.lean_startup.collector_paused`): the
@@ -102,24 +102,18 @@ def _tracked_tensors(*, frozen_too: bool = True) -> list[torch.Tensor]:
         # which some module-level proxies answer in Python, with a deprecation warning.
         tensors = list(itertools.compress(objects, map(torch.Tensor.__subclasscheck__, map(type, objects))))
         del objects
-    return list(_tensors_in(tensors))
+    return _with_grads(tensors)
 
 
-def _tensors_in(objects: list):
-    """Every tensor among ``objects``, and the ``.grad`` of every leaf among them.
+def _with_grads(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors``, and the ``.grad`` of every leaf among them.
 
     A gradient autograd wrote from C++ has no Python object until someone reads ``.grad``, so
     ``gc.get_objects()`` alone would miss the gradients of a plain ``torch.optim`` loop. Leaves
     include tensors that do not require grad, which is what DeepSpeed hangs its flat fp32
     gradients on. ``.grad`` is not read on non-leaf tensors: it warns there and is always None.
     """
-    for obj in objects:
-        # ``type()`` rather than ``isinstance``: isinstance also asks the object's ``__class__``,
-        # which some module-level proxies answer with a deprecation warning.
-        if issubclass(type(obj), torch.Tensor):
-            yield obj
-            if obj.is_leaf and obj.grad is not None:
-                yield obj.grad
+    return [*tensors, *(t.grad for t in tensors if t.is_leaf and t.grad is not None)]
 
 
 def _live_storages(tensors: list) -> dict[tuple[str, int], torch.UntypedStorage]:
