@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -45,7 +44,7 @@ from launchers.manifest import (
 from launchers.manifest import verify as verify_manifest
 from launchers.storage import RemoteDir
 from plans.errors import OrchError, PlanError, Violation
-from plans.locations import is_remote, local_path
+from plans.locations import is_remote, local_path, write_whole
 from plans.spec import EngineName
 
 LATEST = "latest.json"
@@ -174,12 +173,7 @@ def publish(checkpoint_dir: str | os.PathLike, step: int, run_id: str | None, ke
     # writes the same steps again) would otherwise be taken for this one's.
     shutil.rmtree(root / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
     record, dropped = _next_record(previous, step, run_id, keep, layout)
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=".latest-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        f.write(_record_text(record))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
+    write_whole(root / LATEST, _record_text(record))
     for old in dropped:
         shutil.rmtree(root / old, ignore_errors=True)
         shutil.rmtree(root / f"{old}{UNIVERSAL_SUFFIX}", ignore_errors=True)

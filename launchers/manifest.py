@@ -18,11 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from plans.errors import OrchError
+from plans.locations import partial_name, write_whole
 
 MANIFEST = "manifest.json"
 _FORMAT = 1
@@ -86,15 +86,10 @@ def manifest_text(files: dict[str, str], sizes: dict[str, int], layout: dict[str
 
 def write_manifest(folder: str | os.PathLike, layout: dict[str, int | str] | None = None,
                    model: dict | None = None) -> Manifest:
-    """Digest every file under ``folder`` and write the manifest atomically (temp file, fsync, rename)."""
+    """Digest every file under ``folder`` and write the manifest whole (:func:`plans.locations.write_whole`)."""
     root = Path(folder)
     files, sizes = file_digests(root)
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=".manifest-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        f.write(manifest_text(files, sizes, layout, model))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / MANIFEST)
+    write_whole(root / MANIFEST, manifest_text(files, sizes, layout, model))
     return Manifest(folder=root, files=files, layout=layout, model=model, sizes=sizes)
 
 
@@ -182,12 +177,13 @@ def _listed_files(root: Path) -> list[str]:
     part of the checkpoint.
     """
     names = []
+    being_written = partial_name(root / MANIFEST)
     for path in sorted(root.rglob("*")):
         relative = path.relative_to(root).as_posix()
         if path.is_symlink() or not (path.is_file() or path.is_dir()):
             raise CheckpointIntegrityError(f"checkpoint entry {path} is a link or special file; checkpoints this "
                                            f"orchestrator writes hold regular files only. {_FIX}")
-        if path.is_dir() or relative == MANIFEST or (path.parent == root and path.name.startswith(".manifest-")):
+        if path.is_dir() or relative == MANIFEST or (path.parent == root and path.name.startswith(being_written)):
             continue
         names.append(relative)
     return names

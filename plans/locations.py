@@ -187,18 +187,28 @@ def unwritable_reason(directory: Path) -> str | None:
     return None
 
 
+def partial_name(path: Path) -> str:
+    """The prefix of :func:`write_whole`'s temporary files for ``path``: a listing that must not count
+    a write in progress (a checkpoint's manifest) skips names that start with it."""
+    return f".{path.name}."
+
+
 def write_whole(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all, creating missing parent directories.
 
-    It goes to a temporary file beside ``path``, renamed over it once written: a reader, or a
-    later run after a crash, finds the old file or the new one, never a part. Raises
-    :class:`OSError` when it cannot, leaving no temporary file behind.
+    It goes to a temporary file beside ``path`` (named by :func:`partial_name`), flushed to the disk
+    and renamed over it once written: a reader, or a later run after a crash or a power loss, finds
+    the old file or the new one, never a part. Raises :class:`OSError` when it cannot, leaving no
+    temporary file behind.
     """
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=partial_name(path), suffix=".partial")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(text)
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(partial, path)
-    except OSError:
-        partial.unlink(missing_ok=True)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
         raise

@@ -32,6 +32,7 @@ from launchers.engines.deepspeed.checkpoint_files import deepspeed_checkpoint_gl
 from launchers.manifest import MANIFEST, CheckpointIntegrityError, read_manifest, verify, write_manifest
 from launchers.safe_load import UnsafeCheckpointError, check_data_only, refused_globals
 from plans.errors import PlanError
+from plans.locations import partial_name, write_whole
 
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 MODEL = "mp_rank_00_model_states.pt"
@@ -121,6 +122,20 @@ def test_added_missing_and_linked_files_and_a_missing_manifest_are_refused(two_t
     (older / MANIFEST).write_text('{"format": 1, "files": ["x"]}')
     with pytest.raises(CheckpointIntegrityError, match="malformed"):
         read_manifest(older)
+
+
+def test_a_write_never_leaves_part_of_a_record_and_an_interrupted_one_is_not_in_the_checkpoint(two_tags):
+    """Manifests, ``latest.json`` and FSDP2's client state are written whole (``write_whole``):
+    a write that fails leaves the old file and no temporary one; the temporary file of a manifest
+    write that a crash interrupted is not counted as part of the checkpoint."""
+    root, _, newest = two_tags
+    before = (root / LATEST).read_text()
+    with pytest.raises(UnicodeEncodeError):
+        write_whole(root / LATEST, "\ud800")  # a lone surrogate cannot be encoded: the write fails midway
+    assert (root / LATEST).read_text() == before
+    assert not [p.name for p in root.iterdir() if p.name.startswith(partial_name(root / LATEST))]
+    (newest / f"{partial_name(newest / MANIFEST)}crashed.partial").write_text("{")
+    assert MODEL in write_manifest(newest).files and verify(newest).files == write_manifest(newest).files
 
 
 def test_a_file_that_cannot_be_inspected_is_never_clean(tmp_path):

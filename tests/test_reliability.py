@@ -41,7 +41,7 @@ def test_publish_is_atomic_and_prunes(tmp_path):
     assert not (tmp_path / tag_for(10)).exists() and (tmp_path / tag_for(20)).exists()
     # An interrupted save leaves a half-written tag directory and maybe a temp file: neither counts.
     (tmp_path / tag_for(40)).mkdir()
-    (tmp_path / ".latest-crashed.json").write_text("{")
+    (tmp_path / ".latest.json.crashed.partial").write_text("{")
     assert latest(tmp_path).step == 30
     assert sorted(p.name for p in tmp_path.iterdir() if p.name == LATEST) == [LATEST]
 

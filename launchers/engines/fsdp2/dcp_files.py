@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from launchers.safe_load import UnsafeCheckpointError
+from plans.locations import write_whole
 
 CLIENT_STATE = "client_state.json"
 """The loop's state (step, data positions, RNG, layout, loss), written by rank 0."""
@@ -33,10 +34,7 @@ _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.chec
 
 def write_client_state(folder: str | os.PathLike, state: dict[str, Any]) -> None:
     """``state`` as JSON in ``folder``; a tensor becomes ``{"tensor": [...], "dtype": ...}``."""
-    path = Path(folder) / CLIENT_STATE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, default=_encode))
-    os.replace(tmp, path)
+    write_whole(Path(folder) / CLIENT_STATE, json.dumps(state, default=_encode))
 
 
 def read_client_state(folder: str | os.PathLike) -> dict[str, Any]:
