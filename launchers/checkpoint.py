@@ -332,18 +332,46 @@ def directory_lock(checkpoint_dir: str | os.PathLike) -> Iterator[None]:
             f"train.checkpoint_dir={checkpoint_dir} cannot be used: {error.strerror} ({error.filename}). Fix: point "
             "train.checkpoint_dir at a directory this user can create and write") from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            raise CheckpointDirBusyError(
-                f"train.checkpoint_dir={checkpoint_dir} is in use by another orch run (pid {holder}, holding {path}). "
-                "Fix: give this run another train.checkpoint_dir, or wait for the other run to end") from None
+        _take(fd, checkpoint_dir, path)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)
+
+
+def _take(fd: int, checkpoint_dir: str | os.PathLike, path: Path) -> None:
+    """Lock ``fd`` (the lock file at ``path``) for this process, or raise :class:`CheckpointDirBusyError`."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        raise CheckpointDirBusyError(
+            f"train.checkpoint_dir={checkpoint_dir} is in use by another orch run (pid {holder}, holding {path}). "
+            "Fix: give this run another train.checkpoint_dir, or wait for the other run to end") from None
+
+
+def refuse_held_or_malformed(checkpoint_dir: str | os.PathLike) -> None:
+    """Raise now what :func:`directory_lock` and :func:`latest` would refuse of a local ``checkpoint_dir``
+    (another run holds it; its ``latest.json`` is malformed), creating and keeping nothing.
+
+    `orch train` asks before it imports torch or starts Ray, so those refusals take a second or two
+    instead of the whole start-up; the run still takes the lock itself later, which is what
+    counts. A remote directory's record is read later, within the storage checks' time limit.
+    """
+    if is_remote(checkpoint_dir):
+        return
+    path = Path(local_path(checkpoint_dir)) / LOCK
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        fd = None  # no lock file (nothing ever held it), or one this user cannot open: the lock itself says which
+    if fd is not None:
+        try:
+            _take(fd, checkpoint_dir, path)  # released at once, by the close
+        finally:
+            os.close(fd)
+    latest(checkpoint_dir)
 
 
 def layout_of(plan) -> dict[str, int | str]:

@@ -66,6 +66,7 @@ def train_app(cfg: DictConfig) -> float | None:
     from hydra.types import RunMode
 
     from orchestrator.declared import declared_and_plan_violations
+    from orchestrator.run.resume import refuse_unusable_checkpoint_dir
     from orchestrator.run.startup import Startup
     from orchestrator.sweeps import child_tags, record_job_run, sweep_metric_problem
     from orchestrator.tracking.local_store import local_store_violations
@@ -79,6 +80,7 @@ def train_app(cfg: DictConfig) -> float | None:
             raise PlanError([problem])  # before any job trains
         if store_problems := local_store_violations(typed.tracking):  # before torch is imported or Ray started
             raise PlanError(store_problems + declared_and_plan_violations(typed))
+        refuse_unusable_checkpoint_dir(typed)  # likewise
         # Start-up begins before the driver, and torch with it, is imported (an embedded Ray starts first).
         with storage_checks_bounded(typed), Startup.for_command(typed) as startup:
             result = startup.driver().run_training(typed, model_cfg, yaml, tags=child_tags(), startup=startup)

@@ -275,7 +275,9 @@ def test_published_checkpoints_carry_their_manifest(tmp_path):
 
 
 def test_orch_train_refuses_a_held_directory_and_a_malformed_record(tmp_path):
-    """The real command: both refusals exit 2 with one line naming the fix, before any worker starts."""
+    """The real command: both refusals exit 2 with one line naming the fix, before torch is imported
+    (``-X importtime`` lists every import) or Ray starts. A bad plan value is still reported first,
+    as the run checks its plan before it takes the directory."""
     import subprocess
     import sys
 
@@ -284,20 +286,24 @@ def test_orch_train_refuses_a_held_directory_and_a_malformed_record(tmp_path):
     ckpt = tmp_path / "ckpt"
 
     def orch_train(*overrides: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "orchestrator", "train", "train.steps=2",
+        return subprocess.run([sys.executable, "-X", "importtime", "-m", "orchestrator", "train", "train.steps=2",
                                "train.checkpoint_every=2", f"train.checkpoint_dir={ckpt}", "tracking.enabled=false",
                                *overrides],
                               cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
 
     with directory_lock(ckpt):  # as a run started a moment earlier holds it
         held = orch_train()
+        held_bad_plan = orch_train("plan.zero_stage=7")
     (ckpt / LATEST).write_text('{"tag": "step_000000002"')
     malformed = orch_train("train.resume=auto")
     # Without a resume too: every save reads the record to prune old checkpoints.
     malformed_fresh = orch_train("train.resume=never")
     for done, expected in [(held, f"error: train.checkpoint_dir={ckpt} is in use by another orch run"),
                            (malformed, f"error: {ckpt / LATEST} is malformed (JSONDecodeError"),
-                           (malformed_fresh, f"error: {ckpt / LATEST} is malformed (JSONDecodeError")]:
+                           (malformed_fresh, f"error: {ckpt / LATEST} is malformed (JSONDecodeError"),
+                           (held_bad_plan, "plan.zero_stage=7")]:
         assert done.returncode == 2, done.stderr
         assert expected in done.stderr and "Traceback" not in done.stderr
         assert "Started a local Ray instance" not in done.stderr + done.stdout
+        assert not re.search(r"^import time:.*\|\s+torch$", done.stderr, re.MULTILINE), "torch was imported"
+    assert "is in use" not in held_bad_plan.stderr

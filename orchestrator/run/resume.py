@@ -1,17 +1,31 @@
 """What `orch train` settles about its checkpoint directory before any Ray resource exists:
-it holds the directory for the run, and knows the model signature its checkpoints record."""
+it holds the directory for the run, and knows the model signature its checkpoints record.
+
+torch is imported only to sign the model: `orch train` asks :func:`refuse_unusable_checkpoint_dir`
+before it imports torch."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
-import torch
-
-from launchers.checkpoint import directory_lock, latest, model_signature
-from plans.meta import meta_device
+from launchers.checkpoint import (
+    CheckpointDirError,
+    CheckpointRecordError,
+    directory_lock,
+    latest,
+    model_signature,
+    refuse_held_or_malformed,
+)
+from plans.errors import PlanError
 from plans.spec import ResumeMode, TrainSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from orchestrator.config import RunConfig
 
 
 def uses_checkpoints(train: TrainSpec) -> bool:
@@ -30,6 +44,25 @@ def checkpoint_dir_lock(train: TrainSpec) -> AbstractContextManager:
     return _held(train.checkpoint_dir)
 
 
+def refuse_unusable_checkpoint_dir(cfg: RunConfig) -> None:
+    """Refuse, before torch is imported or Ray starts, a ``train.checkpoint_dir`` that
+    :func:`checkpoint_dir_lock` would refuse (another run holds it; its ``latest.json`` is malformed).
+
+    The run checks its declared values, plan and model before it takes the directory, so problems
+    with those are reported first, all together, here too.
+    """
+    if not uses_checkpoints(cfg.train):
+        return
+    try:
+        refuse_held_or_malformed(cfg.train.checkpoint_dir)
+    except (CheckpointDirError, CheckpointRecordError):
+        from orchestrator.declared import declared_and_plan_violations
+
+        if violations := declared_and_plan_violations(cfg):
+            raise PlanError(violations) from None
+        raise
+
+
 @contextlib.contextmanager
 def _held(checkpoint_dir: str) -> Iterator[None]:
     with directory_lock(checkpoint_dir):
@@ -41,6 +74,8 @@ def signature_of(factory: Callable[[], torch.nn.Module], constructor_cfg: dict, 
     """The model's signature for checkpoint manifests, read on ``meta`` (nothing allocated)."""
     if not uses_checkpoints(train):
         return None
+    from plans.meta import meta_device
+
     with meta_device():
         module = factory()
     return model_signature(module, constructor_cfg)
