@@ -401,11 +401,21 @@ def connect(address: str, timeout_s: float) -> None:
 
 
 def _gcs_address(address: str) -> str:
-    """``host:port`` of the cluster's GCS, as Ray would find it ('auto': the last `ray start` here)."""
-    from ray._private.services import canonicalize_bootstrap_address
+    """``host:port`` of the cluster's GCS, as Ray would find it ('auto': the last `ray start` here).
 
+    For 'auto' the record of the last `ray start` comes first (unless ``RAY_ADDRESS`` is set), as
+    `ray start` tells its user. Ray itself prefers the one Ray process it finds running on this
+    machine, when there is exactly one, over that record: that could be another run's embedded
+    Ray, which is no cluster to join. With none recorded, Ray's search of the running ones decides.
+    """
+    from ray._private.services import canonicalize_bootstrap_address, find_bootstrap_address
+
+    if address == "auto" and not os.environ.get("RAY_ADDRESS") and (recorded := find_bootstrap_address(None)):
+        address_found = recorded
+    else:
+        address_found = address
     try:
-        return canonicalize_bootstrap_address(address)
+        return canonicalize_bootstrap_address(address_found)
     except ConnectionError as exc:  # 'auto' and no cluster started on this machine
         raise RayConnectError(
             f"cluster.address={address}: no running Ray cluster found on this machine ({exc}). Fix: start one "

@@ -285,18 +285,19 @@ def _gcs_answers_without_a_token(port: int) -> str:
 ])
 def test_an_unreachable_cluster_fails_within_connect_timeout(tmp_path, command, address, extra):
     """Ray's own retries would wait ~14 minutes, printing a warning every 5 s."""
-    from helpers.processes import free_port, processes_mentioning
+    from helpers.processes import dead_port, processes_mentioning
 
-    address = address.format(port=free_port())
-    ray_tmp = tmp_path / "raytmp"
-    (ray_tmp / "ray").mkdir(parents=True)
-    (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "orchestrator", command, f"cluster.address={address}",
-                           "cluster.connect_timeout_s=5", *extra], cwd=tmp_path,
-                          env={**worker_env(), "RAY_TMPDIR": str(ray_tmp)}, capture_output=True, text=True,
-                          timeout=300)
-    took_s = time.monotonic() - started
+    with dead_port() as port, dead_port() as recorded_port:
+        address = address.format(port=port)
+        ray_tmp = tmp_path / "raytmp"
+        (ray_tmp / "ray").mkdir(parents=True)
+        (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{recorded_port}")
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "orchestrator", command, f"cluster.address={address}",
+                               "cluster.connect_timeout_s=5", *extra], cwd=tmp_path,
+                              env={**worker_env(), "RAY_TMPDIR": str(ray_tmp)}, capture_output=True, text=True,
+                              timeout=300)
+        took_s = time.monotonic() - started
     print(f"{command} {address}: exit {done.returncode} after {took_s:.1f}s")
     assert done.returncode == 2, done.stderr[-3000:]
     assert took_s < 60

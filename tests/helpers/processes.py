@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 
 from helpers.config import REPO
 
@@ -12,6 +14,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def dead_port() -> Iterator[int]:
+    """A port on which nothing answers while the block runs: bound on every address and never
+    listening, so a connection to it is refused and no other process can take it. (A port that
+    :func:`free_port` returned may be taken meanwhile, by a Ray that another test starts.)"""
+    with socket.socket() as held:
+        held.bind(("", 0))
+        yield held.getsockname()[1]
 
 
 def worker_env() -> dict[str, str]:
