@@ -365,8 +365,8 @@ def refuse_held_or_malformed(checkpoint_dir: str | os.PathLike) -> None:
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError:
-        fd = None  # no lock file (nothing ever held it), or one this user cannot open: the lock itself says which
-    if fd is not None:
+        pass  # no lock file (nothing ever held it), or one this user cannot open: the lock itself says which
+    else:
         try:
             _take(fd, checkpoint_dir, path)  # released at once, by the close
         finally:

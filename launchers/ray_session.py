@@ -410,12 +410,9 @@ def _gcs_address(address: str) -> str:
     """
     from ray._private.services import canonicalize_bootstrap_address, find_bootstrap_address
 
-    if address == "auto" and not os.environ.get("RAY_ADDRESS") and (recorded := find_bootstrap_address(None)):
-        address_found = recorded
-    else:
-        address_found = address
+    recorded = find_bootstrap_address(None) if address == "auto" and not os.environ.get("RAY_ADDRESS") else None
     try:
-        return canonicalize_bootstrap_address(address_found)
+        return canonicalize_bootstrap_address(recorded or address)
     except ConnectionError as exc:  # 'auto' and no cluster started on this machine
         raise RayConnectError(
             f"cluster.address={address}: no running Ray cluster found on this machine ({exc}). Fix: start one "

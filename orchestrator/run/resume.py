@@ -19,6 +19,7 @@ from launchers.checkpoint import (
     model_signature,
     refuse_held_or_malformed,
 )
+from orchestrator.declared import declared_and_plan_violations
 from plans.errors import PlanError
 from plans.spec import ResumeMode, TrainSpec
 
@@ -56,8 +57,6 @@ def refuse_unusable_checkpoint_dir(cfg: RunConfig) -> None:
     try:
         refuse_held_or_malformed(cfg.train.checkpoint_dir)
     except (CheckpointDirError, CheckpointRecordError):
-        from orchestrator.declared import declared_and_plan_violations
-
         if violations := declared_and_plan_violations(cfg):
             raise PlanError(violations) from None
         raise
