@@ -369,6 +369,26 @@ COMMANDS = {"train": train_app, "check": check_app, "tune": tune_app, "config": 
             "report": report_app, "export": export_app, "submit": submit_app, "jobs": jobs_app, "logs": logs_app,
             "stop": stop_app}
 
+QUIET_COMMANDS = ("check", "config", "runs", "report", "export", "jobs", "logs", "stop")
+"""The commands that only read, or act on what already exists: Hydra writes no run directory for them.
+
+By default Hydra records every command in ``outputs/<date>/<time>/`` (the composed config, the
+overrides, a log file). For a run that trains, tunes or is submitted, that is its local record;
+for `orch runs` or `orch check`, typed again and again while a plan is worked out, it is a
+directory of copies in the user's working directory each time.
+"""
+_QUIET_OVERRIDES = {"hydra.output_subdir": "null", "hydra.run.dir": ".", "hydra/job_logging": "console"}
+
+
+def _quiet_overrides(args: list[str]) -> list[str]:
+    """The overrides that keep Hydra from writing anything for a quiet command. None where the
+    command line asks for Hydra's record (``hydra.run.dir`` or ``hydra.output_subdir``), which it
+    then gets as for any command, nor under ``--multirun``, whose sweep directories hold each job's."""
+    given = {arg.split("=", 1)[0].lstrip("+~") for arg in args if "=" in arg}
+    if "--multirun" in args or "-m" in args or given & {"hydra.run.dir", "hydra.output_subdir"}:
+        return []
+    return [f"{key}={value}" for key, value in _QUIET_OVERRIDES.items() if key not in given]
+
 
 def _submitted_overrides(rest: list[str]) -> tuple[list[str], str | None]:
     """The Hydra overrides `orch submit` passes on to the job's `orch train`, and its --config-dir."""
@@ -456,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         _OPTIONS["run_id"] = plain[0] if plain else None
         rest = [a for a in rest if a not in plain[:1]]
     rest = flags + rest
+    if command in QUIET_COMMANDS:
+        rest += _quiet_overrides(rest)
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return EXIT_USAGE
