@@ -13,7 +13,7 @@ from launchers.placement import rank_layout
 from orchestrator.config import to_typed
 from orchestrator.models import model_factory
 from orchestrator.tune.plan_file import plan_overrides, write_plan_file
-from orchestrator.tune.search import prepare
+from orchestrator.tune.search import declared_global_batch, global_batch_origin, prepare
 from plans.activations import measure_activations
 from plans.cost_model import ModelCost, Speeds, group_links, predict_step
 from plans.flops import training_flops_per_sample
@@ -68,6 +68,18 @@ def test_enumeration_covers_every_factorization_and_reaches_the_global_batch():
     # dp=8: 32/8 = 4 samples per replica -> micro 1, 2, 4; 9 ZeRO/offload pairs; 2 checkpointing.
     assert sum(1 for p in plans if p.dp == 8) == 3 * 9 * 2
     assert len(plans) == len({dataclasses.astuple(p) for p in plans})
+
+
+def test_the_batch_every_plan_is_priced_at_says_where_it_comes_from():
+    """Left to the declared plan, the batch grows with the cluster; `orch tune` says so, and how
+    to hold another."""
+    cfg, _, _ = to_typed(compose_config("plan.micro_batch_size=8", "plan.grad_accum_steps=2"))
+    assert declared_global_batch(cfg, world_size=2048) == 8 * 2 * 2048
+    assert global_batch_origin(cfg, world_size=2048) == (
+        "the declared plan's micro-batch 8 x accumulation 2 x dp 2048; train.global_batch_size sets it")
+    held, _, _ = to_typed(compose_config("train.global_batch_size=1024"))
+    assert declared_global_batch(held, world_size=2048) == 1024
+    assert global_batch_origin(held, world_size=2048) == "train.global_batch_size"
 
 
 def test_enumeration_honours_the_restricted_space():

@@ -51,8 +51,21 @@ def declared_global_batch(cfg: RunConfig, world_size: int) -> int:
     """train.global_batch_size, or the declared plan's micro * accumulation * dp."""
     if cfg.train.global_batch_size:
         return cfg.train.global_batch_size
-    dp = cfg.plan.dp or max(world_size // (cfg.plan.tp * cfg.plan.pp), 1)
-    return cfg.plan.micro_batch_size * cfg.plan.grad_accum_steps * dp
+    return cfg.plan.micro_batch_size * cfg.plan.grad_accum_steps * _declared_dp(cfg, world_size)
+
+
+def _declared_dp(cfg: RunConfig, world_size: int) -> int:
+    return cfg.plan.dp or max(world_size // (cfg.plan.tp * cfg.plan.pp), 1)
+
+
+def global_batch_origin(cfg: RunConfig, world_size: int) -> str:
+    """Where the batch every plan is priced at comes from. Left to the declared plan, it grows with
+    the cluster (a micro-batch of 8 on 2048 devices is 16384 sequences): the line says so, and how
+    to hold another."""
+    if cfg.train.global_batch_size:
+        return "train.global_batch_size"
+    return (f"the declared plan's micro-batch {cfg.plan.micro_batch_size} x accumulation "
+            f"{cfg.plan.grad_accum_steps} x dp {_declared_dp(cfg, world_size)}; train.global_batch_size sets it")
 
 
 def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool) -> SearchSpace:
@@ -188,7 +201,8 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
         started = time.perf_counter()
         space, ctx = prepare(cfg, model_cfg, cluster, workload)
         print(f"tune: model probed on meta in {time.perf_counter() - started:.1f}s; searching {cluster.world_size} "
-              f"{cluster.accelerator.value} devices, global batch {space.global_batch_size}", file=err, flush=True)
+              f"{cluster.accelerator.value} devices, global batch {space.global_batch_size} "
+              f"({global_batch_origin(cfg, cluster.world_size)})", file=err, flush=True)
         uses_ray = cfg.tune.trials > 0 or cluster.address is not None
         speeds, note = ctx.speeds, declared_speeds_note(cluster)
         if uses_ray:
