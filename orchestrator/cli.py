@@ -377,17 +377,20 @@ overrides, a log file). For a run that trains, tunes or is submitted, that is it
 for `orch runs` or `orch check`, typed again and again while a plan is worked out, it is a
 directory of copies in the user's working directory each time.
 """
-_QUIET_OVERRIDES = {"hydra.output_subdir": "null", "hydra.run.dir": ".", "hydra/job_logging": "console"}
+_QUIET_OUTPUT = ("hydra.output_subdir=null", "hydra.run.dir=.")
+_QUIET_LOGGING = ("~hydra.job_logging.handlers.file", "hydra.job_logging.root.handlers=[console]")
+"""Hydra's own job logging without its log file: its console handler stays as it is."""
 
 
 def _quiet_overrides(args: list[str]) -> list[str]:
     """The overrides that keep Hydra from writing anything for a quiet command. None where the
     command line asks for Hydra's record (``hydra.run.dir`` or ``hydra.output_subdir``), which it
-    then gets as for any command, nor under ``--multirun``, whose sweep directories hold each job's."""
-    given = {arg.split("=", 1)[0].lstrip("+~") for arg in args if "=" in arg}
-    if "--multirun" in args or "-m" in args or given & {"hydra.run.dir", "hydra.output_subdir"}:
+    then gets as for any command, nor under ``--multirun``, whose sweep directories hold each job's;
+    a job logging the user chose (``hydra/job_logging=...``) is left as they chose it."""
+    keys = {arg.split("=", 1)[0].lstrip("+~") for arg in args if not arg.startswith("-")}
+    if "--multirun" in args or "-m" in args or keys & {"hydra.run.dir", "hydra.output_subdir"}:
         return []
-    return [f"{key}={value}" for key, value in _QUIET_OVERRIDES.items() if key not in given]
+    return [*_QUIET_OUTPUT, *(() if "hydra/job_logging" in keys else _QUIET_LOGGING)]
 
 
 def _submitted_overrides(rest: list[str]) -> tuple[list[str], str | None]:
