@@ -27,9 +27,12 @@ ORCH = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    """MLflow's credential variables unset, and restored after the test."""
-    monkeypatch.delenv(USERNAME_ENV, raising=False)
-    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    """MLflow's credential variables unset, and restored after the test (unset again when they were:
+    monkeypatch records nothing for a variable it deletes that is not there, so the ones a test's
+    code sets would outlive it and reach later tests in the same process)."""
+    for name in (USERNAME_ENV, PASSWORD_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def test_credentials_leave_the_uri_decoded_and_the_rest_intact():
