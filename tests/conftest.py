@@ -13,11 +13,10 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-import ray
 
 from helpers.config import FAST, compose_config
 from helpers.processes import free_port
-from helpers.ray_cluster import start_test_ray
+from helpers.ray_cluster import release_shared_ray, use_shared_ray
 from helpers.tracking_server import auth_server
 
 
@@ -25,13 +24,13 @@ from helpers.tracking_server import auth_server
 def dp_reference(tmp_path_factory, migrated_store):
     """The data-parallel run other layouts are compared with: dp=2, micro-batch 4, ZeRO-1, ``FAST``.
 
-    Trained once per session (in the Ray of the first test that asks, or an embedded one) and
-    shared: tp, pp and universal-checkpoint tests all follow this curve, each to its own justified
-    tolerance.
+    Trained once per session, on the tests' shared Ray, and shared: tp, pp and universal-checkpoint
+    tests all follow this curve, each to its own justified tolerance.
     """
     from orchestrator.config import to_typed
     from orchestrator.run.driver import run_training
 
+    use_shared_ray()
     store = tmp_path_factory.mktemp("dp-reference")
     shutil.copyfile(migrated_store, store / "mlflow.db")
     cfg = compose_config(*FAST, f"tracking.uri=sqlite:///{store}/mlflow.db", "plan.dp=2", "plan.zero_stage=1")
@@ -84,13 +83,38 @@ def mlflow_auth_server(tmp_path_factory):
         yield server
 
 
-@pytest.fixture(scope="module")
+SHARED_RAY = "local_ray"
+"""The fixture of the tests' shared embedded Ray."""
+
+
+@pytest.fixture
 def local_ray():
-    """One embedded Ray for a test module (starting Ray costs ~4 s); 2 CPUs like this machine, on
-    loopback as `orch` starts it."""
-    start_test_ray()
+    """The embedded Ray the tests that train in this process share: 2 CPUs like this machine, on
+    loopback as `orch` starts it.
+
+    Started by the first test that asks and kept for the next ones (a start and shutdown cost
+    about 6 s, once per module before): :func:`pytest_collection_modifyitems` runs the tests that
+    ask for it one after another, and :func:`_no_shared_ray_unasked` shuts it down before any test
+    that did not ask, which may start a Ray of its own in this process or expect none.
+    """
+    use_shared_ray()
     yield
-    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_ray_unasked(request):
+    if SHARED_RAY not in request.fixturenames:
+        release_shared_ray()
+
+
+def pytest_collection_modifyitems(items):
+    """The tests on the shared Ray first, each group in its collected order, so one Ray serves
+    them all (a stable sort: modules stay together within each group)."""
+    items.sort(key=lambda item: SHARED_RAY not in getattr(item, "fixturenames", ()))
+
+
+def pytest_sessionfinish():
+    release_shared_ray()
 
 
 @pytest.fixture(scope="session")

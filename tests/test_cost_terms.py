@@ -353,7 +353,6 @@ def test_the_gpts_unfused_attention_computes_what_the_fused_one_does():
         GPT(dropout=1.0)
 
 
-@pytest.mark.slow
 def test_published_megatron_runs_are_predicted_within_fifteen_percent():
     """Two rows of bench/megatron_sanity.py (the whole table takes minutes): one without tensor
     parallelism, where the memory-bound kernels weigh most, and one at tp=8."""

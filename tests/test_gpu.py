@@ -17,6 +17,7 @@ import ray
 import torch
 
 from helpers.config import compose_config
+from helpers.ray_cluster import release_shared_ray
 from orchestrator.config import to_typed
 from orchestrator.run.driver import run_training
 
@@ -33,6 +34,8 @@ PEAK_TARGET = 0.10
 def gpu_ray():
     """An embedded Ray with every GPU of the machine and a CPU for each worker."""
     from launchers.ray_session import start_local_ray
+
+    release_shared_ray()  # a Ray of its own: other resources
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     start_local_ray(num_cpus=max(os.cpu_count() or 1, GPUS), num_gpus=GPUS, object_store_memory=2 * 1024**3,

@@ -13,6 +13,7 @@ import pytest
 import ray
 
 from helpers.config import REPO
+from helpers.ray_cluster import release_shared_ray
 from launchers.gpu_sharing import share_gpus
 from launchers.placement import assign_ranks
 from launchers.worker import TrainWorker
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ray_with_4_logical_gpus():
     from launchers.ray_session import start_local_ray
+
+    release_shared_ray()  # a Ray of its own: other resources
 
     start_local_ray(num_cpus=2, num_gpus=4, object_store_memory=200 * 1024**2,
                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}})

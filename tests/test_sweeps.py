@@ -15,8 +15,6 @@ from mlflow.tracking import MlflowClient
 
 from helpers.processes import worker_env
 
-pytestmark = pytest.mark.slow
-
 SHORT = ["train.steps=4", "train.log_every=2", "train.eval_batches=1"]
 
 
@@ -32,6 +30,7 @@ def runs_of(tmp_path) -> tuple[MlflowClient, list]:
     return client, client.search_runs([experiment.experiment_id]) if experiment else []
 
 
+@pytest.mark.slow
 def test_an_optuna_sweep_is_one_parent_run_minimizing_the_eval_loss_and_survives_an_infeasible_trial(tmp_path):
     """Three trials of a seeded random sampler (micro-batches 4, 512, 2); 512 needs more than the
     declared 0.5 GiB device: refused, a failed trial, and the sweep goes on to pick the best.

@@ -303,7 +303,6 @@ def test_depth_scaling_counts_in_full_unless_the_layers_are_identical():
 
 # --- the 175B search -----------------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_175b_on_1024_devices_picks_model_parallel_plans():
     # How long this takes is measured in bench/tuner_speed.py, not asserted here.
     typed, model_cfg, _ = to_typed(compose_config("model=gpt3_175b", "cluster=a100_8x", "cluster.nodes=128",
@@ -361,7 +360,6 @@ def test_a_gpu_declared_over_the_cpu_preset_gets_gpu_speeds_except_those_given()
 
 # --- the command line ----------------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_orch_tune_json_from_the_command_line(tmp_path):
     import json
     import subprocess
@@ -389,7 +387,6 @@ def test_orch_tune_json_from_the_command_line(tmp_path):
     assert "Started a local Ray instance" not in done.stderr  # analytic: no Ray without trials or address
 
 
-@pytest.mark.slow
 def test_orch_tune_prices_a_gpu_declared_over_the_cpu_preset_at_gpu_speeds(tmp_path):
     """`orch tune cluster.accelerator=gpu cluster.device_tflops=312` for GPT-3 175B at tp=8 pp=8 on
     64 GPUs: the optimizer step was priced at the CPU preset's 5 GB/s memory bandwidth (16.8 s)."""

@@ -14,6 +14,8 @@ from helpers.config import REPO
 TEST_PATHS = [str(REPO), str(REPO / "tests")]
 """Where the workers import the tests' own modules from (recording models, faulty models)."""
 OBJECT_STORE_BYTES = 300 * 1024**2
+_shared_ray_up = False
+"""Whether the Ray up in this process is the tests' shared one (:func:`use_shared_ray`)."""
 
 
 def start_test_ray(num_cpus: int = 2) -> None:
@@ -23,6 +25,27 @@ def start_test_ray(num_cpus: int = 2) -> None:
                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(TEST_PATHS)}})
 
 
+def use_shared_ray() -> None:
+    """Start the tests' shared embedded Ray in this process unless a Ray is up already.
+
+    Tests that train in this process share one Ray instead of starting one per module; a test or
+    fixture that needs a Ray of its own (other settings, another environment) or none at all
+    calls :func:`release_shared_ray` first.
+    """
+    global _shared_ray_up
+    if not ray.is_initialized():
+        start_test_ray()
+        _shared_ray_up = True
+
+
+def release_shared_ray() -> None:
+    """Shut the shared Ray down when it is the Ray up in this process."""
+    global _shared_ray_up
+    if _shared_ray_up and ray.is_initialized():
+        ray.shutdown()
+    _shared_ray_up = False
+
+
 @contextlib.contextmanager
 def ray_with_env(env: dict[str, str], num_cpus: int = 2) -> Iterator[None]:
     """A test Ray started where ``env`` is set (a store's endpoint and credentials): its workers
@@ -30,6 +53,7 @@ def ray_with_env(env: dict[str, str], num_cpus: int = 2) -> Iterator[None]:
     are restored and Ray shut down afterwards."""
     from launchers.ray_session import start_local_ray
 
+    release_shared_ray()
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
