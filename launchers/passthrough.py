@@ -7,23 +7,61 @@ not inherit the driver's environment, so without this the workers would run with
 The object store's endpoint and region (``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``) go along, so
 workers write checkpoints to the store the driver checked (:mod:`launchers.storage`).
 Names that look like credentials are never passed this way, whatever their prefix: a node reads
-its own (its environment, a profile, an instance role).
+its own (its environment, a profile, an instance role). :func:`credential_word` is the one test of
+a name every check uses: these variables, ``orch submit``'s ``submit.env`` and the command-line
+overrides every command refuses (:mod:`orchestrator.credentials`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 PASSED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "CUDA_", "UCX_", "FI_", "AWS_")
 NEVER_PASSED = frozenset({"CUDA_VISIBLE_DEVICES"})
-CREDENTIAL_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
+CREDENTIAL_WORDS = ("PASSWORD", "PASSWD", "PASSPHRASE", "SECRET", "CREDENTIAL", "API_KEY", "ACCESS_KEY",
+                    "PRIVATE_KEY")
+"""Anywhere in a name, its separators and case ignored, these name a credential: ``PGPASSWORD``,
+``AWS_SECRET_ACCESS_KEY``, ``apiKey``, ``GOOGLE_APPLICATION_CREDENTIALS``."""
+CREDENTIAL_ENDINGS = ("TOKEN", "AUTH", "KEY", "PWD")
+"""As a name's last word these name a credential (``HF_TOKEN``, ``HF_AUTH``, ``AZURE_STORAGE_ACCOUNT_KEY``,
+``DB_PWD``); elsewhere they do not (``max_tokens``, ``tokenizer``, ``AUTHOR``, ``RAY_AUTH_MODE``,
+``num_key_value_heads``). ``KEY`` and ``PWD`` alone are no credential (a column's key, the shell's
+working directory); ``token`` and ``auth`` alone are."""
+NOT_CREDENTIAL_QUALIFIERS = frozenset({
+    "PAD", "EOS", "BOS", "UNK", "SEP", "CLS", "MASK", "SPECIAL", "START", "END", "STOP", "MAX", "MIN", "NUM",
+    "TEXT", "LABEL", "IMAGE", "COLUMN", "FIELD", "SORT", "GROUP", "PARTITION", "CACHE", "HASH", "RNG", "SEED"})
+"""Words before such an ending that make it a model's or dataset's setting: ``pad_token``, ``eos_token``,
+``max_token``, ``text_key``, ``rng_key``."""
+_LONE_CREDENTIALS = ("TOKEN", "AUTH")
+# The words of a name: split at separators and at case changes (apiKey, HFToken), upper-cased.
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 OBJECT_STORE_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_")
 """Where the object stores' clients (pyarrow, boto, fsspec) read their credentials from the environment."""
 
 
+def credential_word(name: str) -> str | None:
+    """The word that makes ``name`` (an environment variable's, or a config key's last component)
+    look like it holds a secret, or None.
+
+    Judged by words, not substrings, so that a model's ``max_tokens`` or ``tokenizer`` and a
+    dataset's ``text_key`` are not taken for credentials, while ``DB_PASSWD`` and ``HF_AUTH`` are.
+    """
+    words = [word.upper() for word in _WORD.findall(name)]
+    glued = "".join(words)
+    for word in CREDENTIAL_WORDS:
+        if word.replace("_", "") in glued:
+            return word
+    if not words or words[-1] not in CREDENTIAL_ENDINGS:
+        return None
+    if len(words) == 1:
+        return words[0] if words[0] in _LONE_CREDENTIALS else None
+    return None if words[-2] in NOT_CREDENTIAL_QUALIFIERS else words[-1]
+
+
 def is_credential(name: str) -> bool:
-    """Whether an environment variable's name looks like it holds a secret."""
-    return any(word in name.upper() for word in CREDENTIAL_WORDS)
+    """Whether an environment variable's name looks like it holds a secret (:func:`credential_word`)."""
+    return credential_word(name) is not None
 
 
 def withheld_from_workers(name: str, *, object_store: bool) -> bool:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launchers.ray_auth import use_token_auth_if_available
 from orchestrator.config import register_configs, to_typed
-from orchestrator.credentials import move_argv_credentials, protect_config, redact_text
+from orchestrator.credentials import move_argv_credentials, protect_config, redact_text, refuse_secret_overrides
 from orchestrator.exits import EXIT_USAGE, Reported, exit_code, print_json_error, run_command
 from orchestrator.signals import stopped_by_signals
 from plans.errors import OrchError
@@ -474,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         if _OPTIONS[flag[2:]]:
             rest = [a for a in rest if a != flag]
     flags, rest = _flags_and_overrides(rest)
+    overrides = rest
     if command in ("report", "export", "logs", "stop"):
         plain = [a for a in rest if "=" not in a]
         _OPTIONS["run_id"] = plain[0] if plain else None
@@ -485,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return EXIT_USAGE
     use_token_auth_if_available()
-    try:
+    try:  # before Hydra reads the command line: it records the overrides on disk first thing
+        refuse_secret_overrides(overrides, command)
         rest = move_argv_credentials(rest)
     except OrchError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -7,6 +7,14 @@ enters the config: on the command line before Hydra sees it (Hydra writes its ov
 composed config to ``outputs/*/.hydra/`` before any of our code runs), and in the composed config
 for a URI that came from a YAML file, whose copies Hydra already wrote are then scrubbed.
 Anything else printed or logged that may hold a URI goes through :func:`redact_text`.
+
+Any other credential on the command line is refused before Hydra sees it
+(:func:`refuse_secret_overrides`): an override whose key names a credential
+(``+hydra.job.env_set.MLFLOW_TRACKING_PASSWORD=...``, ``+submit.env.HF_TOKEN=...``,
+``+model.api_key=...``), judged by the key, since no form of the value tells a secret apart.
+Refused rather than moved into the environment: one rule for every command and route, where a
+moved variable would silently not reach a submitted job, and the user's fix (export it) is the
+safe way in every case.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from urllib.parse import unquote
 
 from omegaconf import DictConfig, open_dict
 
+from launchers.passthrough import credential_word
 from plans.errors import OrchError
 
 USERNAME_ENV = "MLFLOW_TRACKING_USERNAME"
@@ -35,6 +44,10 @@ _SERVER_USERINFO = re.compile(r"(?P<scheme>https?://)(?P<userinfo>[^/?#\s'\"]*)@
 
 # Overrides that set the tracking URI: `tracking.uri=`, `+tracking.uri=`, `++tracking.uri=`.
 _TRACKING_URI_KEY = re.compile(r"^\+{0,2}tracking\.uri=")
+# The overrides that set a variable of the command's environment (Hydra's) or of a submitted job's.
+_ENV_KEYS = ("hydra.job.env_set.", "submit.env.")
+CLUSTER_CREDENTIALS_FIX = ("keep the credentials in the cluster's own environment (where `ray start` runs on the "
+                           "head node) or your secrets mechanism; see docs/reliability.md, Submitted jobs")
 
 
 class CredentialsError(OrchError):
@@ -159,3 +172,89 @@ def scrub_file(path: Path) -> None:
     clean = redact_text(text)
     if clean != text:
         path.write_text(clean)
+
+
+def secret_overrides(overrides: list[str]) -> list[tuple[str, str]]:
+    """Each key that a command-line override gives a value and whose name says it is a credential
+    (:func:`launchers.passthrough.credential_word` of its last component), with that word.
+
+    Every form counts: ``key=``, ``+key=``, ``++key=``, ``~key=value``, a sweep, and the keys of a
+    dict value (``hydra.job.env_set={HF_TOKEN:...}`` gives ``hydra.job.env_set.HF_TOKEN``). A
+    deletion without a value holds nothing. The values are never looked at beyond their keys.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    found: dict[str, str] = {}
+    for arg in overrides:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except HydraException:  # Hydra refuses it too, but would print it: judge the key as written
+            key = arg.partition("=")[0].lstrip("+~").partition("@")[0]
+            found.update(_secret_keys(key, None))
+            continue
+        found.update(_secret_keys(override.key_or_group, override.value()))
+    return list(found.items())
+
+
+def _secret_keys(key: str, value: object) -> dict[str, str]:
+    """``key`` and the keys nested in its ``value`` whose last component names a credential,
+    with the word that does."""
+    found = {}
+    word = credential_word(key.rpartition(".")[2])
+    if word is not None:
+        found[key] = word
+    for name, nested in _named_entries(value):
+        found.update(_secret_keys(f"{key}.{name}", nested))
+    return found
+
+
+def _named_entries(value: object) -> list[tuple[object, object]]:
+    """The entries of a dict in an override's value: the value itself, an element of a list, or a
+    choice sweep's option."""
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    if isinstance(value, dict):
+        return list(value.items())
+    if isinstance(value, ChoiceSweep):
+        value = value.list
+    if isinstance(value, list):
+        return [entry for element in value for entry in _named_entries(element)]
+    return []
+
+
+def refuse_secret_overrides(overrides: list[str], command: str) -> None:
+    """Refuse a credential given as an override (:func:`secret_overrides`) before Hydra records the
+    command line in ``outputs/<date>/<time>/.hydra/`` and before anything prints or ships it.
+
+    The fix names where the credential belongs instead: the shell's environment for a command run
+    here (``hydra.job.env_set`` only copies a value into it), the cluster's for a submitted job.
+    """
+    found = secret_overrides(overrides)
+    if not found:
+        return
+    if command == "submit":
+        why = ("would be shipped in the job, whose command line and environment Ray shows to anyone who can list "
+               "the cluster's jobs (dashboard, `ray job list`), and recorded by Hydra in outputs/<date>/<time>/.hydra/")
+    else:
+        why = "would be recorded by Hydra in outputs/<date>/<time>/.hydra/ (and stays in the shell's history)"
+    lines = [f"a credential given as an override {why}; refused before anything is written or sent "
+             "(values not shown):"]
+    lines += [f"  - {key} (its name holds {word}). Fix: remove it and {_secret_fix(key, command)}"
+              for key, word in found]
+    raise CredentialsError("\n".join(lines))
+
+
+def _secret_fix(key: str, command: str) -> str:
+    """Where the credential of override ``key`` belongs instead."""
+    if command == "submit":
+        return CLUSTER_CREDENTIALS_FIX
+    variable = next((key[len(prefix):] for prefix in _ENV_KEYS if key.startswith(prefix)), None)
+    if variable is not None:
+        return (f"export {variable} in the shell that runs `orch {command}` (or set it from your secrets "
+                "mechanism): the command reads its environment")
+    return ("let the code read the credential from an environment variable exported in your shell; a setting "
+            "that is no secret can be set in a config file (--config-dir)")

@@ -26,9 +26,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from launchers.passthrough import CREDENTIAL_WORDS
+from launchers.passthrough import credential_word
 from orchestrator.config import RunConfig, SubmitConfig
-from orchestrator.credentials import PASSWORD_ENV, USERNAME_ENV, redact_text, redact_uri
+from orchestrator.credentials import (
+    CLUSTER_CREDENTIALS_FIX,
+    PASSWORD_ENV,
+    USERNAME_ENV,
+    redact_text,
+    redact_uri,
+    secret_overrides,
+)
 from plans.cluster_facts import NodeFacts
 from plans.errors import OrchError, PlanError, Violation
 from plans.spec import Accelerator, ClusterSpec, ResumeMode
@@ -42,8 +49,7 @@ EXIT_OF_STATUS = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 143}
 _ADDRESS_KEYS = ("cluster.address", "+cluster.address", "++cluster.address")
 TOKEN_ENV = "MLFLOW_TRACKING_TOKEN"
 """MLflow's bearer token, the third credential its REST client reads from the environment."""
-_CLUSTER_CREDENTIALS = ("keep the credentials in the cluster's own environment (where `ray start` runs on the head "
-                        "node) or your secrets mechanism; see docs/reliability.md, Submitted jobs")
+_CLUSTER_CREDENTIALS = CLUSTER_CREDENTIALS_FIX
 
 
 class JobError(OrchError):
@@ -88,14 +94,21 @@ def shipped_credentials(overrides: list[str], env: dict[str, str], tracking_uri:
     """Credentials a job would carry to the cluster, where anyone who can list its jobs reads them.
 
     ``overrides`` become the job's command line (``cluster.address`` excepted: the job gets
-    ``auto``); ``env`` its environment, refused by name (the words of
-    :data:`launchers.passthrough.CREDENTIAL_WORDS`, the ones never passed to workers) or by a
-    ``user:password@`` in the value; ``tracking_uri`` is the URI as the config was composed
+    ``auto``), refused by a key named like a credential (:func:`orchestrator.credentials.secret_overrides`,
+    whatever route it takes: ``hydra.job.env_set.*``, ``submit.env.*``, ``+any.api_key``) or by a
+    ``user:password@`` in the value; ``env`` its environment, refused by name
+    (:func:`launchers.passthrough.credential_word`, the test of the variables never passed to
+    workers) or by a ``user:password@`` in the value; ``tracking_uri`` is the URI as the config was composed
     (unresolved, before its credentials were moved out), so a user:password@ there that no
     override wrote comes from a config file shipped in the working directory. The value of a
     variable is never part of the message.
     """
     found: dict[str, Violation] = {}
+    for name, word in secret_overrides(overrides):
+        found[name] = Violation(
+            name, "(not shown)", f"its name holds {word}: it looks like a credential, which would be shipped in the "
+            "job's command line: Ray shows it to anyone who can list the cluster's jobs.",
+            f"remove {name} and {_CLUSTER_CREDENTIALS}")
     for arg in overrides:
         key, _, value = arg.partition("=")
         if key in _ADDRESS_KEYS or redact_text(value) == value:
@@ -111,7 +124,7 @@ def shipped_credentials(overrides: list[str], env: dict[str, str], tracking_uri:
             "shipped to the cluster with the working directory.",
             f"remove the user:password@ from the file and {_CLUSTER_CREDENTIALS}")
     for name, value in env.items():
-        word = next((word for word in CREDENTIAL_WORDS if word in str(name).upper()), None)
+        word = credential_word(str(name))
         if word is not None:
             why = f"its name holds {word}: it looks like a credential"
         elif redact_text(str(value)) != str(value):

@@ -246,12 +246,13 @@ def test_submit_checks_the_tracking_server_and_refuses_to_ship_credentials(jobs_
             "(HTTP 401). Fix: correct or unset MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD here (they "
             "only check the server: the job uses the cluster's own)") in wrong.stderr
 
-    # A password in submit.env would sit in the job table: refused, by name.
+    # A password in submit.env would sit in the job table: refused, by name, before Hydra records it.
     shipped = orch("submit", *common, f"+submit.env.MLFLOW_TRACKING_PASSWORD={password}", cwd=project,
                    env=head["env"])
     assert shipped.returncode == 2 and "submitted job" not in shipped.stdout, shipped.stderr[-3000:]
-    assert "submit.env='MLFLOW_TRACKING_PASSWORD': its name holds PASSWORD" in shipped.stderr
+    assert "  - submit.env.MLFLOW_TRACKING_PASSWORD (its name holds PASSWORD). Fix: " in shipped.stderr
     assert password not in shipped.stdout + shipped.stderr
+    assert files_holding(password, project) == []
 
     # No credentials here: the server wants some, and the job is told where it finds them.
     plain = orch("submit", *common, cwd=project, env=head["env"])
