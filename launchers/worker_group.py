@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -58,16 +59,40 @@ class WorkerHangError(WorkerGroupError):
 
 
 class WorkerFailedError(WorkerGroupError):
-    """Training raised inside one worker; carries that worker's traceback."""
+    """Training (or its set-up) raised inside one worker; carries that worker's traceback."""
 
-    def __init__(self, rank: int, traceback_text: str):
+    def __init__(self, rank: int, traceback_text: str, during: str = ""):
         self.rank = rank
         self.traceback_text = traceback_text
+        self.during = during
         last = traceback_text.strip().splitlines()[-1] if traceback_text.strip() else "unknown error"
-        super().__init__(f"rank {rank} failed: {last}\n{traceback_text}")
+        where = f" during {during}" if during else ""
+        super().__init__(f"rank {rank} failed{where}: {last}\n{traceback_text}")
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.traceback_text))
+        return (type(self), (self.rank, self.traceback_text, self.during))
+
+
+_TERMINAL_ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def remote_traceback(error: ray.exceptions.RayTaskError) -> str:
+    """The worker's own traceback of ``error`` as plain text, without the colour codes Ray adds
+    for a terminal (they garble a log file, a CI log, `--json` output)."""
+    return _TERMINAL_ESCAPES.sub("", getattr(error, "traceback_str", None) or str(error))
+
+
+def _first_failure(calls: list) -> tuple[int, ray.exceptions.RayTaskError] | None:
+    """The lowest rank whose finished call raised, and its error."""
+    ready, _ = ray.wait(calls, num_returns=len(calls), timeout=0)
+    for call in sorted(ready, key=calls.index):
+        try:
+            ray.get(call, timeout=0)
+        except ray.exceptions.RayTaskError as error:
+            return calls.index(call), error
+        except ray.exceptions.RayError:
+            continue
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,11 +270,14 @@ class WorkerGroup:
                                   f"setup (process group, model, DeepSpeed engine) unfinished after {timeout_s:g}s; "
                                   "train.setup_timeout_s sets the limit", self._stacks()) from None
         except ray.exceptions.RayTaskError as error:
+            rank, error = _first_failure(calls) or (-1, error)
             # An error a worker raises on purpose (a checkpoint the safe loader refused) is a
             # message for the user, which Ray's wrapper would bury under a remote traceback.
             if isinstance(error.cause, OrchError):
                 raise error.cause from None
-            raise
+            # Any other: which rank, in which phase, and the worker's own traceback (the file and
+            # line that raised), not Ray's coloured wrapper of it.
+            raise WorkerFailedError(rank, remote_traceback(error), during="setup") from None
         self.facts = [dataclasses.replace(fact, node_id=slot.node_id)
                       for fact, slot in zip(self.facts, self.slots, strict=True)]
         return self.facts

@@ -150,13 +150,19 @@ def test_a_worker_stuck_in_setup_is_stopped_and_its_stacks_saved(local_ray, sqli
 
 @pytest.mark.slow
 def test_a_rank_failing_in_setup_fails_the_run_without_waiting_for_its_peers(local_ray, sqlite_uri):
-    import ray
+    from launchers.worker_group import WorkerFailedError
 
     # No setup limit: only the failing rank's own error can end the wait, not a timeout.
     cfg = compose_config(*RUN, "train.checkpoint_every=0", "model._target_=faulty_models.SetupFailingGPT",
                          "train.setup_timeout_s=0", f"tracking.uri={sqlite_uri}")
-    with pytest.raises(ray.exceptions.RayTaskError, match="rank 1 cannot build the model"):
+    with pytest.raises(WorkerFailedError) as info:
         run_training(*to_typed(cfg))
+    # Which rank, in which phase, what it raised and where: the worker's own traceback, without
+    # the colour codes of Ray's wrapper.
+    message = str(info.value)
+    assert info.value.rank == 1 and message.startswith("rank 1 failed during setup: ValueError: rank 1 cannot "
+                                                       "build the model"), message
+    assert "faulty_models.py" in message and "\x1b[" not in message and "RayTaskError" not in message
 
 
 class _PlantedPickle:
