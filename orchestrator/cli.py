@@ -19,6 +19,7 @@ from launchers.ray_auth import use_token_auth_if_available
 from orchestrator.config import register_configs, to_typed
 from orchestrator.credentials import move_argv_credentials, protect_config, redact_text, refuse_secret_overrides
 from orchestrator.exits import EXIT_USAGE, Reported, exit_code, print_json_error, run_command
+from orchestrator.model_sources import prefer_command_line_source
 from orchestrator.signals import stopped_by_signals
 from plans.errors import OrchError
 
@@ -181,6 +182,7 @@ def tune_app(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
 def config_app(cfg: DictConfig) -> None:
     protect_config(cfg)
+    prefer_command_line_source(cfg)  # the config the other commands run: the source the command line names
     print(redact_text(OmegaConf.to_yaml(cfg, resolve=True)))  # cluster.address may hold a password
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 
+from orchestrator.model_sources import prefer_command_line_source
 from plans.errors import OrchError
 from plans.spec import ClusterSpec, OptimSpec, PlanSpec, TrainSpec
 from workloads.ray_data import RayDataConfig
@@ -252,6 +253,7 @@ def to_typed(cfg: DictConfig) -> tuple[RunConfig, dict, str]:
     they are instantiated through their ``_target_``, and the workers must not depend on Hydra's
     config objects.
     """
+    prefer_command_line_source(cfg)  # a model source the command line names replaces the group's own
     unknown = list(_unknown_keys(cfg, ""))
     if unknown:
         raise ConfigError("unknown config key(s):\n" + "\n".join(f"  - {u}" for u in unknown))

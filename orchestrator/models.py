@@ -10,7 +10,7 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 
-from plans.depth_scaling import DEPTH_SCALED_FROM, ShallowModels
+from plans.depth_scaling import DEPTH_SCALED_FROM, SHALLOW_DEPTHS, DeclaredDepth, ShallowModels
 from plans.errors import PlanError
 from plans.model_facts import ModelFacts, inspect_model, inspect_shallow, refuse_oversized, refuse_unbuildable
 from plans.spec import ClusterSpec, Offload, Precision
@@ -105,24 +105,69 @@ def pipeline_layers_factory(model_cfg: dict) -> Callable[..., list] | None:
 def build_pipeline_layers(model_cfg: dict, depth: int | None = None) -> list:
     """The model's pipeline layers; with ``depth``, of the model with that many layers instead
     (what the planner measures a deep model's layers from, see :func:`declared_depth`)."""
-    method = f"{model_cfg['_target_']}.{PIPELINE_LAYERS_METHOD}"
-    return build_model({**model_cfg, "_target_": method, **({} if depth is None else {DEPTH_KEY: depth})})
+    cfg = model_cfg if depth is None else config_at_depth(model_cfg, depth)
+    return build_model({**cfg, "_target_": f"{model_cfg['_target_']}.{PIPELINE_LAYERS_METHOD}"})
 
 
 # The constructor argument that sets a model's depth (the built-in GPT's, and Hugging Face GPT-2's).
 DEPTH_KEY = "n_layer"
 
+# What a model's ``_target_`` may offer when its depth is not a ``n_layer`` argument:
+# ``declared_depth(**arguments) -> plans.depth_scaling.DeclaredDepth | None`` (workloads/hf.py's
+# reads a Hugging Face config's num_hidden_layers).
+DEPTH_METHOD = "declared_depth"
 
-def declared_depth(model_cfg: dict) -> int | None:
-    """``model.n_layer`` when the model is deep enough to be inspected from shallow copies."""
-    depth = model_cfg.get(DEPTH_KEY)
-    if isinstance(depth, int) and not isinstance(depth, bool) and depth >= DEPTH_SCALED_FROM:
-        return depth
-    return None
+
+def model_depth(model_cfg: dict) -> DeclaredDepth | None:
+    """How deep the model's config makes it, whatever the depth: the target's own
+    :data:`DEPTH_METHOD`, else a ``n_layer`` argument; None when neither says.
+
+    Arguments the target's method cannot read give None: building the model reports them.
+    """
+    try:
+        target = get_object(model_cfg["_target_"]) if "_target_" in model_cfg else None
+    except Exception:  # noqa: BLE001 - an unimportable target: the model check reports it
+        return None
+    method = getattr(target, DEPTH_METHOD, None)
+    if callable(method):
+        try:
+            return method(**{k: v for k, v in model_cfg.items() if k != "_target_"})
+        except Exception:  # noqa: BLE001 - the model's arguments are checked when it is built
+            return None
+    layers = model_cfg.get(DEPTH_KEY)
+    if not isinstance(layers, int) or isinstance(layers, bool):
+        return None
+    field = f"model.{DEPTH_KEY}"
+    return DeclaredDepth(layers=layers, field=field, value=layers, knob=field, setting=f"{field}={{}}",
+                         at_depth=functools.partial(_with_n_layer, model_cfg))
+
+
+def _with_n_layer(model_cfg: dict, depth: int) -> dict:
+    return {**model_cfg, DEPTH_KEY: depth}
+
+
+def declared_depth(model_cfg: dict) -> DeclaredDepth | None:
+    """:func:`model_depth` when the model is deep enough to be inspected from shallow copies."""
+    depth = model_depth(model_cfg)
+    return depth if depth is not None and depth.layers >= DEPTH_SCALED_FROM else None
+
+
+def config_at_depth(model_cfg: dict, depth: int) -> dict:
+    """The model's config with ``depth`` layers (its ``_target_`` kept)."""
+    declared = model_depth(model_cfg)
+    if declared is None:
+        raise ValueError(f"{model_cfg.get('_target_', 'the model')} declares no depth to change")
+    return {"_target_": model_cfg["_target_"], **declared.at_depth(depth)}
 
 
 def build_at_depth(model_cfg: dict, depth: int) -> torch.nn.Module:
-    return build_model({**model_cfg, DEPTH_KEY: depth})
+    return build_model(config_at_depth(model_cfg, depth))
+
+
+def shallowest_config(model_cfg: dict) -> dict:
+    """The model's config at the shallowest depth the planner measures when it is deep, else the
+    config itself: what reading the model's layers' names (its tensor-parallel plan) needs."""
+    return model_cfg if declared_depth(model_cfg) is None else config_at_depth(model_cfg, SHALLOW_DEPTHS[0])
 
 
 def inspect_declared_model(model_cfg: dict, inputs: ModelInputs, cluster: ClusterSpec, precision: Precision,
@@ -141,12 +186,12 @@ def inspect_declared_model(model_cfg: dict, inputs: ModelInputs, cluster: Cluste
     shallow = None
     if depth is not None:
         try:
-            facts, shallow = inspect_shallow(functools.partial(build_at_depth, model_cfg), depth, inputs,
+            facts, shallow = inspect_shallow(functools.partial(build_at_depth, model_cfg), depth.layers, inputs,
                                              arguments=model_cfg)
         except PlanError:  # a model with its own minimum depth: inspected at the declared one, as a small model is
             shallow = None
     if shallow is not None:
-        refuse_unbuildable(facts, shallow, f"model.{DEPTH_KEY}", cluster, precision, offload_param)
+        refuse_unbuildable(facts, shallow, depth, cluster, precision, offload_param)
         if shallow.exact:
             return facts, shallow
     facts = inspect_model(factory or model_factory(model_cfg), inputs, arguments=model_cfg)

@@ -23,6 +23,7 @@ from orchestrator.models import (
     build_model,
     model_factory,
     pipeline_layers_factory,
+    shallowest_config,
     split_model_config,
 )
 from plans.errors import PlanError, Violation
@@ -135,9 +136,11 @@ def declared_tp_specs(model_cfg: dict, constructor_cfg: dict, factory: Callable[
     specs = getattr(target, TP_SPECS_ATTRIBUTE, None)
     if isinstance(specs, list) and specs:
         return specs, f"{target.__name__}.{TP_SPECS_ATTRIBUTE}"
+    # The plan names the layers by pattern: a deep model's shallow copy has them all.
+    shallowest = shallowest_config(constructor_cfg)
     try:
         with meta_device():
-            module = factory() if factory else build_model(constructor_cfg)
+            module = factory() if factory and shallowest is constructor_cfg else build_model(shallowest)
     except Exception:  # noqa: BLE001 - the model check reports a model that cannot be built
         return None, None
     specs = specs_from_tp_plan(module)

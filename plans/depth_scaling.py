@@ -11,9 +11,10 @@ shallow passes instead and takes the maximum at the real depth. Counting 175B's 
 ``meta`` takes seconds per pass, at depths 2 and 4 a fraction of one; the tuner does this for
 models above a billion parameters, and ``tests/test_tune_space.py`` checks it against full counts.
 
-A model whose constructor takes its depth (the built-in GPT's ``n_layer``) need not be built at
-its real depth at all: :class:`ShallowModels` builds it at the two shallow depths only, and every
-count the planner needs is carried from there. `orch check` does so for models of
+A model whose config declares its depth (the built-in GPT's ``n_layer``, a Hugging Face config's
+``num_hidden_layers``: :class:`DeclaredDepth`) need not be built at its real depth at all:
+:class:`ShallowModels` builds it at the two shallow depths only, and every count the planner
+needs is carried from there. `orch check` does so for models of
 :data:`DEPTH_SCALED_FROM` layers or more, so a 2000-layer model is checked as fast as a 4-layer
 one, and a model too large to build is refused from its shallow copies' arithmetic.
 """
@@ -41,6 +42,28 @@ DEPTH_SCALED_FROM = 16
 is a constructor argument); shallower ones are counted in full, which costs well under a second."""
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeclaredDepth:
+    """How many layers a model's config gives it, where the user sets that, and the model's
+    constructor arguments at any other depth: what :class:`ShallowModels` are built from.
+
+    The built-in GPT takes its depth as an argument (``model.n_layer``); a Hugging Face model
+    has it in its config (``num_hidden_layers``), given as a dict or in a ``config.json`` file.
+    """
+
+    layers: int
+    field: str
+    """The config field a refusal names (``model.n_layer``, ``model.config_path``)."""
+    value: object
+    """That field's value as declared (the depth itself, or the file that holds it)."""
+    knob: str
+    """What sets the depth, in words a user acts on: ``model.n_layer``, ``num_hidden_layers in PATH``."""
+    setting: str
+    """The depth's setting with ``{}`` for a number of layers: ``model.n_layer={}``."""
+    at_depth: Callable[[int], dict]
+    """The model's constructor arguments with that many layers, all else alike."""
 
 
 def _signature(layer: torch.nn.Module) -> tuple:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
+from plans.depth_scaling import SHALLOW_DEPTHS, DeclaredDepth, ShallowModels
 from plans.errors import PlanError, Violation
 from plans.meta import meta_device
 from plans.spec import ClusterSpec, Offload, Precision
@@ -146,7 +146,7 @@ def _named_argument(text: str, arguments: Mapping[str, object]) -> str | None:
     return min(found)[1] if found else None
 
 
-def refuse_unbuildable(facts: ModelFacts, shallow: ShallowModels, depth_field: str, cluster: ClusterSpec,
+def refuse_unbuildable(facts: ModelFacts, shallow: ShallowModels, declared: DeclaredDepth, cluster: ClusterSpec,
                        precision: Precision, offload_param: Offload) -> None:
     """Refuse a model no plan could build on ``cluster``, from the arithmetic of its shallow copies.
 
@@ -155,17 +155,17 @@ def refuse_unbuildable(facts: ModelFacts, shallow: ShallowModels, depth_field: s
     of every device and host of the cluster together, what ZeRO-3 with parameter offload would
     spread them over (parameters offloaded to NVMe are on a disk the cluster does not declare, so
     that bound is skipped for them). ``facts`` are the shallow copies' counts carried to
-    ``shallow.depth`` (:func:`inspect_shallow`); ``depth_field`` is the config field setting it.
+    ``shallow.depth`` (:func:`inspect_shallow`); ``declared`` says where the config sets it.
     """
     depth, step = shallow.depth, SHALLOW_DEPTHS[1] - SHALLOW_DEPTHS[0]
     problems = []
     if facts.modules > MAX_MODULES:
         per_layer = (_module_count(shallow.deeper) - _module_count(shallow.shallow)) // step
         problems.append(Violation(
-            depth_field, depth,
+            declared.field, declared.value,
             f"{depth:,} layers of {per_layer:,} modules each make {facts.modules:,} torch modules, more than "
             f"{MAX_MODULES:,}: building them (even on the meta device) would exhaust a host's memory.",
-            f"use fewer layers ({depth_field})"))
+            f"use fewer layers ({declared.knob})"))
     param_bytes = facts.param_count * precision.element_bytes
     capacity = _cluster_capacity(cluster)
     if offload_param != Offload.nvme and param_bytes > capacity:
@@ -173,12 +173,12 @@ def refuse_unbuildable(facts: ModelFacts, shallow: ShallowModels, depth_field: s
         outside = facts.param_count - depth * per_layer
         fitting = max((capacity // precision.element_bytes - outside) // max(per_layer, 1), 0)
         problems.append(Violation(
-            depth_field, depth,
+            declared.field, declared.value,
             f"{depth:,} layers of {per_layer:,} parameters each make {facts.param_count:,} parameters: "
             f"{param_bytes / GIB:,.1f} GiB in {precision.value} for the parameters alone, more than the "
             f"{_capacity_arithmetic(cluster)}, even with every state sharded and offloaded.",
-            f"use at most {fitting:,} layers ({depth_field}={fitting}), or more or larger nodes (cluster.nodes, "
-            "cluster.device_memory_gib, cluster.host_memory_gib)"))
+            f"use at most {fitting:,} layers ({declared.setting.format(fitting)}), or more or larger nodes "
+            "(cluster.nodes, cluster.device_memory_gib, cluster.host_memory_gib)"))
     if problems:
         raise PlanError(problems)
 

@@ -110,17 +110,22 @@ def carry_layers(shallow: list[PipelineLayer], deeper: list[PipelineLayer], dept
     """The pipeline layers of the model at ``depth``, from its layers measured at the two
     :data:`plans.depth_scaling.SHALLOW_DEPTHS`: the same layers before and after a run of one
     repeated unit (a block, or the few layers making one), with the unit repeated ``depth``
-    times. None when the two lists do not have that shape (then the caller measures in full).
+    times. The run's first unit may differ from the others (a Hugging Face decoder's first layer
+    saves tensors the later ones reuse): it is then taken as measured and the others repeated
+    ``depth - 1`` times. None when the two lists do not have that shape (then the caller
+    measures in full).
     """
     d1, d2 = SHALLOW_DEPTHS
     unit, extra = divmod(len(deeper) - len(shallow), d2 - d1)
     if unit < 1 or extra:
         return None
-    for start in range(len(shallow) - unit * d1 + 1):
-        before, repeated = shallow[:start], shallow[start:start + unit]
-        after = shallow[start + unit * d1:]
-        if shallow == before + repeated * d1 + after and deeper == before + repeated * d2 + after:
-            return before + repeated * depth + after
+    for first in (0, 1):  # units of the run that differ from the repeated one
+        n1, n2 = d1 - first, d2 - first
+        for start in range(len(shallow) - unit * n1 + 1):
+            before, repeated = shallow[:start], shallow[start:start + unit]
+            after = shallow[start + unit * n1:]
+            if shallow == before + repeated * n1 + after and deeper == before + repeated * n2 + after:
+                return before + repeated * (depth - first) + after
     return None
 
 

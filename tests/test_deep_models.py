@@ -6,6 +6,7 @@ How long a check takes is measured by hand (bench/planner_speed.py), not asserte
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -211,3 +212,74 @@ def test_a_hugging_face_decoders_activations_are_carried_from_shallow_copies(che
         carried = activations_from_shallow(shallow, **args)
         assert carried is not None
         assert carried == measure_activations(model, **args)
+
+
+# Hugging Face models: the depth is the config's num_hidden_layers, given as a dict or in a file.
+
+HF_EXAMPLE = ("model=hf_causal_lm", "data.seq_len=64")
+
+
+@pytest.fixture
+def hf_depths_built(monkeypatch) -> list[int]:
+    """The num_hidden_layers of every Hugging Face model built while the test runs."""
+    from transformers import AutoModelForCausalLM
+
+    built: list[int] = []
+    from_config = AutoModelForCausalLM.from_config.__func__
+
+    def counting(cls, config, **kwargs):
+        built.append(config.num_hidden_layers)
+        return from_config(cls, config, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", classmethod(counting))
+    return built
+
+
+def hf_params(layers: int) -> int:
+    """The example model's parameters at ``layers``, on the line through two depths built in full."""
+    from plans.meta import meta_device
+    from workloads.hf import hf_causal_lm
+
+    config = compose_config("model=hf_causal_lm").model.config
+    with meta_device():
+        four, eight = (sum(p.numel() for p in hf_causal_lm(config={**config, "num_hidden_layers": n}).parameters())
+                       for n in (4, 8))
+    return four + (eight - four) // 4 * (layers - 4)
+
+
+def test_a_2000_layer_hugging_face_model_is_checked_from_shallow_copies(tmp_path):
+    """`orch check` built all 2000 layers on meta and gave no answer in 120 s; the timeout only
+    guards against that hang (how long a check takes is measured in bench/, not here)."""
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "check", "--json", "model=hf_causal_lm",
+                           "model.config.num_hidden_layers=2000"],
+                          cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]  # it does not fit 8 GiB devices: an answer all the same
+    assert json.loads(done.stdout)["model"]["param_count"] == hf_params(2000)
+
+
+@pytest.mark.parametrize("plan", [(), ("plan.tp=2", "plan.dp=1", "plan.micro_batch_size=4"),
+                                  ("plan.pp=2", "plan.dp=1", "plan.grad_accum_steps=4")], ids=["ddp", "tp", "pp"])
+def test_hugging_face_counts_carried_from_shallow_copies_equal_full_counts(plan, hf_depths_built, monkeypatch):
+    """Every number of `orch check --json` for the example decoder at 21 layers, from its copies of
+    2 and 4 layers and from the model built in full (pipeline layers included)."""
+    carried = check(*HF_EXAMPLE, "model.config.num_hidden_layers=21", *plan).as_json()
+    assert hf_depths_built and max(hf_depths_built) <= SHALLOW_DEPTHS[-1]
+    assert carried["model"]["param_count"] == hf_params(21)
+    monkeypatch.setattr(models, "declared_depth", lambda _cfg: None)
+    assert carried == check(*HF_EXAMPLE, "model.config.num_hidden_layers=21", *plan).as_json()
+    assert max(hf_depths_built) == 21
+
+
+def test_a_million_layer_hugging_face_config_file_is_refused_naming_the_file(tmp_path, hf_depths_built):
+    """The file's num_hidden_layers made `orch check` grow by 25 MiB/s building layers on meta."""
+    config = {**compose_config("model=hf_causal_lm").model.config, "num_hidden_layers": 1_000_000}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(config)))
+    with pytest.raises(PlanError) as refused:
+        check(*HF_EXAMPLE, "model.config=null", f"model.config_path={path}")
+    assert max(hf_depths_built) <= SHALLOW_DEPTHS[-1]
+    assert {v.field for v in refused.value.violations} == {"model.config_path"}
+    message = str(refused.value)
+    assert f"1,000,000 layers of 164,096 parameters each make {hf_params(1_000_000):,} parameters" in message
+    assert f'use at most 65,433 layers ("num_hidden_layers": 65433 in {path})' in message
+    assert "1,000,000 layers of 13 modules each" in message and f"(num_hidden_layers in {path})" in message

@@ -76,6 +76,8 @@ def test_a_missing_or_malformed_config_path_is_refused_naming_the_field(tmp_path
 
 
 def test_config_path_beside_the_examples_config_is_refused_naming_both():
+    """Set together where no command line says which is meant (a config composed in code, or a
+    user's own file): `orch` on the command line lets model.config_path win (test_hf_model_sources)."""
     with pytest.raises(PlanError) as info:
         check("model=hf_causal_lm", f"model.config_path={preset_config_path('llama3_8b')}")
     assert "model.config and model.config_path are both set" in str(info.value)

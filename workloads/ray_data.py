@@ -86,7 +86,7 @@ class RayDataConfig:
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
 
 
 def _row_bucket(key: Any) -> int:

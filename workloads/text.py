@@ -104,7 +104,7 @@ class TextSource:
             return None
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.tokenizer, local_files_only=True)
+        return AutoTokenizer.from_pretrained(self.tokenizer, local_files_only=True, trust_remote_code=False)
 
     @property
     def required_outputs(self) -> int:
