@@ -16,6 +16,7 @@ checkpoint is compared with its manifest (:mod:`launchers.manifest`) before it i
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import pickle
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ def load_weights_only(path: str, map_location=None, allowed: list[type] | None =
         from launchers.engines.deepspeed.checkpoint_files import deepspeed_checkpoint_globals
 
         allowed = deepspeed_checkpoint_globals()
+    allowed = with_enum_members_by_name(allowed)
     try:
         with torch.serialization.safe_globals(allowed):
             # torch.serialization.load, not torch.load: within verified_loading torch.load is ours.
@@ -55,6 +57,29 @@ def load_weights_only(path: str, map_location=None, allowed: list[type] | None =
             "launchers.engines.deepspeed.checkpoint_files.deepspeed_checkpoint_globals") from None
 
 
+def with_enum_members_by_name(allowed: list) -> list:
+    """``allowed``, plus the one form of ``builtins.getattr`` some Pythons pickle an Enum member as.
+
+    Python 3.11.0-3.11.3 (Debian 12's 3.11.2 among them) pickle a member of an Enum with a mixed-in
+    type, such as DeepSpeed's ``ZeroStageEnum(int, Enum)``, as ``getattr(ZeroStageEnum, "gradients")``
+    instead of ``ZeroStageEnum(2)``. Allowing ``getattr`` itself would let a file fetch any attribute
+    of an allowed class; torch's allow-list takes a stand-in for a global instead (the
+    ``(callable, "module.name")`` form), so ``builtins.getattr`` is bound to a function that returns
+    exactly a member of one of ``allowed``'s Enums, by its name, and refuses anything else.
+    """
+    enums = tuple(c for c in allowed if isinstance(c, type) and issubclass(c, enum.Enum))
+    if not enums:
+        return allowed
+
+    def enum_member(owner, name):
+        if owner in enums and isinstance(name, str) and name in owner.__members__:
+            return owner[name]
+        raise pickle.UnpicklingError(f"Unsupported getattr({owner!r}, {name!r}): only a member of an allowed "
+                                     "Enum is fetched by name")
+
+    return [*allowed, (enum_member, "builtins.getattr")]
+
+
 def refused_globals(path: str, allowed: list[type]) -> list[str] | None:
     """The globals in the file that are neither torch's safe defaults nor ours; None when torch
     cannot list them (legacy, non-zip files, or unreadable ones).
@@ -65,7 +90,7 @@ def refused_globals(path: str, allowed: list[type]) -> list[str] | None:
     import torch
 
     try:
-        with torch.serialization.safe_globals(allowed):
+        with torch.serialization.safe_globals(with_enum_members_by_name(allowed)):
             return torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception:  # any failure to inspect is reported as "unknown"; the caller refuses the file
         return None

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import os
+import pickle
 import re
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -217,6 +220,49 @@ def test_weights_only_load_refuses_code_and_accepts_deepspeed_state(tmp_path):
     assert f"checkpoint file {tmp_path / 'bad.pt'} holds pickled objects that could run code" in str(info.value)
     assert "io.open" in str(info.value) and "It was not loaded" in str(info.value)
     assert not marker.exists()
+
+
+class _GetattrPickler(pickle.Pickler):
+    """Pickles every Enum member as ``getattr(its class, NAME)``, as Python 3.11.0-3.11.3 (Debian 12's
+    3.11.2) pickle the members of an Enum with a mixed-in type; ``NAME`` may be replaced to forge one."""
+
+    name_of = staticmethod(lambda member: member.name)
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), self.name_of(obj))
+        return NotImplemented
+
+
+def test_an_enum_member_pickled_by_name_loads_and_no_other_getattr_does(tmp_path):
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from launchers.safe_load import UnsafeCheckpointError, load_weights_only
+
+    def save(obj, name: str, member_name=lambda member: member.name) -> str:
+        pickler = type("Pickler", (_GetattrPickler,), {"name_of": staticmethod(member_name)})
+        torch.save(obj, tmp_path / name, pickle_module=SimpleNamespace(__name__="pickle_3_11_2", Pickler=pickler))
+        assert b"getattr" in (tmp_path / name).read_bytes()
+        return str(tmp_path / name)
+
+    # A ZeRO optimizer's state as that Python writes it: read back, the member itself.
+    loaded = load_weights_only(save({"zero_stage": ZeroStageEnum.gradients, "t": torch.ones(2)}, "3.11.2.pt"))
+    assert loaded["zero_stage"] is ZeroStageEnum.gradients
+    # getattr for anything but an allowed Enum's member is refused, nothing called.
+    for name, forged in (("attribute.pt", lambda member: "__init__"), ("missing.pt", lambda member: "nope")):
+        with pytest.raises(UnsafeCheckpointError, match=re.escape(str(tmp_path / name))):
+            load_weights_only(save({"zero_stage": ZeroStageEnum.gradients}, name, forged))
+
+    class NotAnEnum(pickle.Pickler):  # getattr of an allowed class that is no Enum
+        def reducer_override(self, obj):
+            return (getattr, (LossScaler, "__init__")) if isinstance(obj, LossScaler) else NotImplemented
+
+    torch.save({"k": LossScaler(1.0)}, tmp_path / "scaler.pt",
+               pickle_module=SimpleNamespace(__name__="p", Pickler=NotAnEnum))
+    with pytest.raises(UnsafeCheckpointError, match="scaler.pt"):
+        load_weights_only(str(tmp_path / "scaler.pt"))
 
 
 def test_latest_json_cannot_point_outside_the_checkpoint_dir(tmp_path):
