@@ -67,6 +67,25 @@ def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_referenc
     assert export_run(sqlite_uri, resumed.run_id, to_typed(compose_config())[1], tmp_path / "out") == "step_000000030"
     exported = load_file(tmp_path / "out" / "model.safetensors")
     assert exported and all(t.dtype == torch.float32 for t in exported.values())
+    # A shard cut short, its manifest rewritten to match (as whoever can write the directory can):
+    # `orch export` names the file and exits 2, with the error as a JSON document under --json.
+    import subprocess
+    import sys
+
+    from helpers.processes import worker_env
+    from launchers.manifest import read_manifest, write_manifest
+
+    newest = tmp_path / "ckpt" / "step_000000030"
+    shard = sorted(newest.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:64])
+    recorded = read_manifest(newest)
+    write_manifest(newest, layout=recorded.layout, model=recorded.model)
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "export", resumed.run_id, "--out", "bad", "--json",
+                           f"tracking.uri={sqlite_uri}"], cwd=tmp_path, env=worker_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"checkpoint file {shard} is cut short: 64 bytes" in json.loads(done.stdout)["error"]["message"]
+    assert "Traceback" not in done.stderr and f"{shard} is cut short" in done.stderr
     # A DeepSpeed run cannot take the FSDP2 checkpoint: refused before any worker starts.
     from plans.errors import PlanError
 

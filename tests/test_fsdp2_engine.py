@@ -152,6 +152,51 @@ def test_client_state_is_json_with_the_rng_as_numbers(tmp_path):
         write_client_state(tmp_path, {"odd": object()})
 
 
+def test_crafted_client_state_is_refused_naming_the_file(tmp_path):
+    (tmp_path / "client_state.json").write_text("[" * 100_000 + "]" * 100_000)  # deeper than json recurses
+    with pytest.raises(UnsafeCheckpointError, match=r"client_state.json is not the loop's state \(RecursionError"):
+        read_client_state(tmp_path)
+    (tmp_path / "client_state.json").write_text("[1, 2]")
+    with pytest.raises(UnsafeCheckpointError, match="holds a list"):
+        read_client_state(tmp_path)
+
+
+def test_data_files_the_metadata_names_are_checked_before_dcp_reads_them(tmp_path):
+    """Written by DCP in one process (as `orch export` reads one back): a shard cut short or missing
+    is named with what is wrong, and a .metadata naming a file outside the checkpoint is refused;
+    DCP's own failure (a BaseException) is turned into one naming the checkpoint and the rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from launchers.engines.fsdp2.dcp_files import CheckpointReadError, dcp_failure, full_model_state
+
+    folder = tmp_path / "step_000000010"
+    dcp.save({"model": {"w": torch.arange(64.0)}}, checkpoint_id=str(folder), no_dist=True)
+    assert torch.equal(full_model_state(folder)["w"], torch.arange(64.0))
+    [shard] = folder.glob("*.distcp")
+    whole = shard.read_bytes()
+
+    shard.write_bytes(whole[:40])
+    with pytest.raises(CheckpointReadError, match=rf"checkpoint file {shard} is cut short: 40 bytes, where the "):
+        full_model_state(folder)
+    shard.unlink()
+    with pytest.raises(CheckpointReadError, match=rf"checkpoint file {shard} is missing"):
+        full_model_state(folder)
+    shard.write_bytes(whole)
+
+    outside = tmp_path / "outside.distcp"
+    outside.write_bytes(whole)
+    metadata = read_metadata(folder / ".metadata")
+    for info in metadata.storage_data.values():
+        info.relative_path = "../outside.distcp"
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeCheckpointError, match=r"names the data file '../outside.distcp', which is not a plain"):
+        full_model_state(folder)
+
+    failure = dcp_failure(folder, CheckpointException("load failed", {1: (EOFError("ran out of input"), None)}))
+    assert str(failure).startswith(f"checkpoint {folder} could not be read (rank 1: EOFError: ran out of input)")
+
+
 def _spawn(scenario: str, world: int, out, **kwargs) -> dict:
     from helpers.fsdp2_ranks import spawn
 

@@ -38,8 +38,22 @@ def write_client_state(folder: str | os.PathLike, state: dict[str, Any]) -> None
 
 
 def read_client_state(folder: str | os.PathLike) -> dict[str, Any]:
-    """The state :func:`write_client_state` wrote, tensors rebuilt (the caller verified the folder)."""
-    return json.loads((Path(folder) / CLIENT_STATE).read_text(), object_hook=_decode)
+    """The state :func:`write_client_state` wrote, tensors rebuilt (the caller verified the folder).
+
+    A file that is no such state (malformed, or nested deeper than the parser recurses: a crafted
+    file raised RecursionError in every rank) is refused naming the file.
+    """
+    path = Path(folder) / CLIENT_STATE
+    try:
+        state = json.loads(path.read_text(), object_hook=_decode)
+    except (ValueError, RecursionError) as error:
+        raise UnsafeCheckpointError(f"checkpoint file {path} is not the loop's state ({type(error).__name__}: "
+                                    f"{str(error)[:200]}); it was not loaded. Fix: resume only from checkpoints "
+                                    "this orchestrator wrote, or train.resume=never to start fresh") from None
+    if not isinstance(state, dict):
+        raise UnsafeCheckpointError(f"checkpoint file {path} holds a {type(state).__name__}, not the loop's state; "
+                                    "it was not loaded")
+    return state
 
 
 def _encode(value: Any) -> Any:
@@ -111,14 +125,66 @@ def read_metadata(path: str | os.PathLike) -> Any:
                                     f"{str(error)[:200]}); it was not loaded") from None
 
 
+def check_storage_files(folder: str | os.PathLike, metadata: Any) -> None:
+    """Every data file the metadata names is a plain file name inside ``folder`` that exists and
+    holds every byte range the metadata reads from it; refused naming the file otherwise.
+
+    DCP joins the metadata's ``relative_path`` to the folder and opens it, so a rewritten
+    ``.metadata`` could point a read outside the checkpoint (``../../x.distcp``); and a missing or
+    cut-short shard fails deep inside DCP as a ``CheckpointException`` (a ``BaseException``) whose
+    message names neither the file nor what is wrong with it.
+    """
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not name or name != os.path.basename(name) or name in (".", ".."):
+            raise UnsafeCheckpointError(
+                f"checkpoint {folder}: its .metadata names the data file {name!r}, which is not a plain file name "
+                "inside the checkpoint; nothing was read. Fix: resume only from checkpoints this orchestrator "
+                "wrote, or train.resume=never to start fresh")
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(needed.items()):
+        path = Path(folder, name)
+        size = path.stat().st_size if path.is_file() else None
+        if size is None or size < end:
+            what = "is missing" if size is None else f"is cut short: {size} bytes, where the metadata reads up to {end}"
+            raise CheckpointReadError(
+                f"checkpoint file {path} {what}; the checkpoint cannot be read. Fix: use another checkpoint "
+                "(train.resume=auto falls back to the newest intact one) or train.resume=never to start fresh")
+
+
+class CheckpointReadError(UnsafeCheckpointError):
+    """A DCP checkpoint's files cannot be read back (missing, cut short, unreadable)."""
+
+
+def dcp_failure(folder: str | os.PathLike, error: BaseException) -> UnsafeCheckpointError:
+    """DCP's ``CheckpointException`` (a ``BaseException``, which nothing above would catch) as an
+    error naming the checkpoint, each failing rank and what it raised; one of our own refusals
+    raised inside DCP's reader comes out as it is."""
+    failures = getattr(error, "failures", None) or {}
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, UnsafeCheckpointError):
+            return exc
+        first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        parts.append(f"rank {rank}: {type(exc).__name__}: {first_line}")
+    detail = "; ".join(parts) or str(error).strip().splitlines()[0][:200]
+    return CheckpointReadError(f"checkpoint {folder} could not be read ({detail}). Fix: use another checkpoint "
+                               "(train.resume=auto falls back to the newest intact one) or train.resume=never to "
+                               "start fresh")
+
+
 def verified_reader(folder: str | os.PathLike):
-    """A DCP reader of ``folder`` whose metadata is read by :class:`_MetadataUnpickler`."""
+    """A DCP reader of ``folder`` whose metadata is read by :class:`_MetadataUnpickler` and whose
+    data files are checked against it (:func:`check_storage_files`)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class VerifiedReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
             metadata = read_metadata(self._get_metadata_path(kwargs.get("rank")))
+            check_storage_files(folder, metadata)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -159,10 +225,16 @@ def full_model_state(folder: str | os.PathLike) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = read_metadata(os.path.join(folder, ".metadata"))
+    check_storage_files(folder, metadata)
     prefix = "model."
     model = {key[len(prefix):]: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
              for key, entry in metadata.state_dict_metadata.items()
              if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
     state = {"model": model}
-    dcp.load(state, storage_reader=verified_reader(folder), planner=weights_only_planner(), no_dist=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=verified_reader(folder), planner=weights_only_planner(), no_dist=True)
+    except CheckpointException as error:
+        raise dcp_failure(folder, error) from None
     return state["model"]

@@ -221,9 +221,12 @@ class FSDP2Engine(Engine):
         """Every file of the tag checked against its manifest first, then DCP's load, resharded to
         this run's layout; returns the loop's state (its tensors rebuilt from JSON)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         from launchers.engines.fsdp2.dcp_files import (
+            check_storage_files,
+            dcp_failure,
             read_client_state,
             read_metadata,
             verified_reader,
@@ -233,9 +236,13 @@ class FSDP2Engine(Engine):
 
         folder = os.path.join(root, tag)
         verify(folder)
-        read_metadata(os.path.join(folder, ".metadata"))  # refused here, by every rank, before DCP reads it
+        # Refused here, by every rank, before DCP reads anything.
+        check_storage_files(folder, read_metadata(os.path.join(folder, ".metadata")))
         state = self._state()
-        dcp.load(state, storage_reader=verified_reader(folder), planner=weights_only_planner())
+        try:
+            dcp.load(state, storage_reader=verified_reader(folder), planner=weights_only_planner())
+        except CheckpointException as error:
+            raise dcp_failure(folder, error) from None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         client_state = read_client_state(folder)
