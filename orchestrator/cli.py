@@ -21,6 +21,7 @@ from orchestrator.credentials import move_argv_credentials, protect_config, reda
 from orchestrator.exits import EXIT_USAGE, Reported, exit_code, print_json_error, run_command
 from orchestrator.model_sources import prefer_command_line_source
 from orchestrator.signals import stopped_by_signals
+from orchestrator.yaml_limits import check_config_dirs, config_dirs
 from plans.errors import OrchError
 
 register_configs()
@@ -491,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before Hydra reads the command line: it records the overrides on disk first thing
         refuse_secret_overrides(overrides, command)
         rest = move_argv_credentials(rest)
+        check_config_dirs(config_dirs(flags, overrides))  # before Hydra composes the user's files
     except OrchError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
