@@ -20,8 +20,10 @@ JSON file, so a second ``orch tune`` on the same cluster starts at once.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import socket
 import statistics
@@ -381,6 +383,25 @@ def _cached_speeds(path: Path) -> Speeds | None:
         for pairs in ("matmul_tflops", "matmul_tiles"):
             if pairs in doc:
                 doc[pairs] = tuple(tuple(pair) for pair in doc[pairs])
-        return Speeds(**doc, source="measured")
+        speeds = Speeds(**doc, source="measured")
     except (OSError, ValueError, TypeError):
         return None
+    return speeds if _usable(speeds) else None
+
+
+_RATES = ("intra_node_gbps", "inter_node_gbps", "host_link_gbps", "device_memory_gb_per_s", "host_memory_gb_per_s",
+          "core_share", "memory_efficiency", "intra_bus_efficiency", "inter_bus_efficiency")
+"""Speeds the cost model divides by: a cached 0 would fail the tune as a ZeroDivisionError."""
+
+
+def _usable(speeds: Speeds) -> bool:
+    """Whether cached speeds can price a plan: every number finite and not negative, every rate the
+    cost model divides by above 0 (a cache edited by hand, or a measurement that went wrong)."""
+    numbers = [value for field in dataclasses.fields(speeds) if field.name not in ("matmul_tflops", "matmul_tiles",
+                                                                                      "source")
+               for value in [getattr(speeds, field.name)]]
+    numbers += [number for pair in (*speeds.matmul_tflops, *speeds.matmul_tiles) for number in pair]
+    if not speeds.matmul_tflops or not all(isinstance(n, (int, float)) and math.isfinite(n) and n >= 0
+                                           for n in numbers):
+        return False
+    return all(tflops > 0 for _, tflops in speeds.matmul_tflops) and all(getattr(speeds, r) > 0 for r in _RATES)

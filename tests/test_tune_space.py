@@ -555,6 +555,17 @@ def test_a_calibration_cache_that_cannot_be_read_or_written_is_measured_again_no
         cache.write_text(text)
         assert _cached_speeds(cache) is None, text
     assert _cached_speeds(tmp_path / "none.json") is None
+    # Numbers no measurement gives (NaN crashed `orch tune` with a ZeroDivisionError) are measured again.
+    import json
+
+    good = json.loads(json.dumps(dataclasses.asdict(speeds)))
+    good.pop("source")
+    for field, bad in (("intra_node_gbps", float("nan")), ("device_memory_gb_per_s", 0), ("op_overhead_s", -1.0),
+                       ("matmul_tflops", [[1, float("inf")]]), ("matmul_tflops", [])):
+        cache.write_text(json.dumps({**good, field: bad}))
+        assert _cached_speeds(cache) is None, (field, bad)
+    cache.write_text(json.dumps(good))
+    assert _cached_speeds(cache) == speeds
     # Even root cannot create files under /proc.
     why = _cache_speeds(Path("/proc/orch-cache/calibration-0123.json"), speeds)
     assert why.startswith("/proc/orch-cache/calibration-0123.json could not be written ("), why
