@@ -307,9 +307,15 @@ def checked_submission(typed, model_cfg: dict, address: str, command: str, overr
     from plans.cluster_facts import reconcile
     from plans.errors import PlanError
 
-    problems = (input_violations(typed) + jobs.submit_violations(typed)
+    problems = (input_violations(typed) + jobs.submit_violations(typed, command)
                 + jobs.shipped_credentials(overrides, dict(typed.submit.env), written_uri))
-    cluster, violations, notes = reconcile(typed.cluster, jobs.live_nodes(address, typed.cluster))
+    try:
+        nodes = jobs.live_nodes(address, typed.cluster)
+    except OrchError:
+        if problems:  # what is wrong here is said first, whether or not the cluster answers
+            raise PlanError(problems) from None
+        raise
+    cluster, violations, notes = reconcile(typed.cluster, nodes)
     if problems or violations:
         raise PlanError(problems + violations)
     for note in notes:

@@ -70,10 +70,18 @@ def jobs_address(cfg: RunConfig) -> str:
                                "set cluster.address=http://HEAD:8265, or RAY_ADDRESS=http://HEAD:8265")])
 
 
-def submit_violations(cfg: RunConfig) -> list[Violation]:
+def submit_violations(cfg: RunConfig, command: str = "train") -> list[Violation]:
     """What cannot work from a job that runs on another machine: every path must name storage
-    the cluster reaches, not this machine's working directory."""
+    the cluster reaches, not this machine's working directory (nor the job's: Ray unpacks the
+    shipped directory into a package cache on the head, which later jobs of the same package share)."""
     found = []
+    if command == "tune" and not _is_absolute_location(cfg.tune.out or ""):
+        found.append(Violation("tune.out", cfg.tune.out,
+                               "a submitted tune writes its plan file on the cluster's head node, inside the job's "
+                               "copy of the working directory (Ray's package cache): out of your reach, and seen by "
+                               "later jobs shipped from the same directory.",
+                               "set tune.out to a URI (s3://bucket/plans/plan/tuned.yaml) or an absolute path on "
+                               "storage you share with the head node (/shared/plans/plan/tuned.yaml)"))
     uri = cfg.tracking.uri
     if cfg.tracking.enabled and not _reachable_from_a_job(uri):
         found.append(Violation("tracking.uri", uri,

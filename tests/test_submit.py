@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from mlflow.tracking import MlflowClient
 from test_cluster import env_without_mlflow_credentials, files_holding
 
 from helpers.config import compose_config
-from helpers.processes import free_port, kill_tree, processes_mentioning
+from helpers.processes import free_port, kill_tree, processes_mentioning, worker_env
 from helpers.tracking_server import ADMIN
 from orchestrator.config import to_typed
 from orchestrator.submit import submission, submit_violations
@@ -42,6 +43,25 @@ def test_paths_a_job_cannot_reach_are_refused_with_the_fix():
     assert "sqlite:////shared/mlflow.db" in found["tracking.uri"].fix
     typed, _, _ = to_typed(compose_config("tracking.uri=http://mlflow:5000", "train.checkpoint_dir=/shared/ckpt"))
     assert submit_violations(typed) == []
+
+
+def test_a_submitted_tune_must_write_its_plan_where_the_user_reaches_it(tmp_path):
+    """Without tune.out the plan file went into the head's copy of the working directory (Ray's
+    package cache), and the printed `orch train --config-dir tuned_plans plan=tuned` failed here."""
+    typed, _, _ = to_typed(compose_config("tracking.uri=http://mlflow:5000"))
+    [refused] = submit_violations(typed, "tune")
+    assert refused.field == "tune.out" and "s3://bucket/plans/plan/tuned.yaml" in refused.fix
+    for out in ("s3://bucket/plans/plan/tuned.yaml", "/shared/plans/plan/tuned.yaml"):
+        typed, _, _ = to_typed(compose_config("tracking.uri=http://mlflow:5000", f"tune.out={out}"))
+        assert submit_violations(typed, "tune") == []
+    # As a user runs it: refused before anything is submitted, even with no cluster answering there.
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        address = f"cluster.address=http://127.0.0.1:{unused.getsockname()[1]}"
+        done = orch("submit", "--tune", address, "tracking.uri=http://mlflow:5000", "tune.out=tuned_plans/plan/t.yaml",
+                    cwd=tmp_path, env=worker_env())
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "tune.out='tuned_plans/plan/t.yaml'" in done.stderr and "submitted job" not in done.stdout
 
 
 def test_the_job_runs_orch_on_the_cluster_it_is_on_from_the_shipped_directory(tmp_path):
