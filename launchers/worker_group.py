@@ -283,11 +283,11 @@ class WorkerGroup:
         return self.facts
 
     def train(self, *, hang_timeout_s: float = 0.0, poll_interval_s: float | None = None,
-              on_system: Callable[[int, list[dict]], None] | None = None) -> Iterator[list[StepReport]]:
+              on_system: Callable[[int, list[dict], int], None] | None = None) -> Iterator[list[StepReport]]:
         """Yield, per logged step, the reports of all ranks (ordered by rank).
 
-        ``on_system(rank, samples)`` receives the hardware samples of the node a rank samples
-        (:mod:`launchers.system_metrics`) as they arrive.
+        ``on_system(rank, samples, step)`` receives the hardware samples of the node a rank samples
+        (:mod:`launchers.system_metrics`) as they arrive, with the last optimizer step that rank finished.
 
         Polls every worker; a worker whose training raised fails the run with its traceback,
         and a dead worker raises Ray's ActorDiedError at once, instead of the other ranks
@@ -304,7 +304,7 @@ class WorkerGroup:
                     raise WorkerFailedError(rank, poll.error)
                 seen[rank] += len(poll.reports)
                 if on_system is not None and poll.system:
-                    on_system(rank, poll.system)
+                    on_system(rank, poll.system, poll.step)
                 for report in poll.reports:
                     by_step.setdefault(report.step, {})[rank] = report
             for step in sorted(by_step):

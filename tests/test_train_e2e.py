@@ -85,8 +85,8 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
     assert nodes == ["node0"], run.data.tags
     for metric in ("cpu_utilization_percentage", "system_memory_usage_megabytes"):
         history = client.get_metric_history(result.run_id, f"system/node0/{metric}")
-        # One sample: the one taken as the node's training ended, none before it was due.
-        assert [m.step for m in history] == [0], (metric, history)
+        # One sample: the one taken as the node's training ended (at its last step), none before it was due.
+        assert [m.step for m in history] == [30], (metric, history)
         assert history[0].value > 0
     # Where the time before the first report went, phase by phase.
     assert list(result.startup) == ["check", "tracking", "ray", "workers", "setup", "first_report"]

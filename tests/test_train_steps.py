@@ -74,3 +74,29 @@ def test_a_hang_names_the_ranks_the_others_wait_for_even_before_they_time_out():
     assert hang_culprits([poll(13), poll(12)]) == [1]
     assert hang_culprits([poll(12), poll(12), poll(13)]) == [0, 1]
     assert hang_culprits([poll(5, done=True), poll(12), poll(13)]) == [1]  # a finished rank waits for nothing
+
+
+def test_system_metrics_continue_the_runs_steps_after_a_restart():
+    """Each node's samples are logged at the training step its sampling rank had reached, never
+    before the attempt's first: a restarted attempt (or a resumed run) does not log from step 0 again."""
+    from types import SimpleNamespace
+
+    from orchestrator.tracking.train_run import SystemMetricsLog
+
+    class Recorded:  # the two calls SystemMetricsLog makes of the run's tracker
+        def __init__(self):
+            self.metrics, self.tags = [], {}
+
+        def log_metrics(self, metrics: dict, step: int) -> None:
+            self.metrics += [(name, step) for name in metrics]
+
+        def set_tags(self, tags: dict) -> None:
+            self.tags.update(tags)
+
+    tracker = Recorded()
+    facts = [SimpleNamespace(rank=rank, node_id="n", hostname="host", start_step=20) for rank in (0, 1)]
+    log = SystemMetricsLog(tracker, facts)
+    log(0, [{"cpu": 1.0}], 0)  # sampled before the restarted attempt's first step
+    log(0, [{"cpu": 1.0}, {"cpu": 2.0}], 25)
+    assert tracker.metrics == [("system/node0/cpu", 20), ("system/node0/cpu", 25), ("system/node0/cpu", 25)]
+    assert tracker.tags == {"system.node0": "host"}

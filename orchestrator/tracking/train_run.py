@@ -91,8 +91,10 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
 
 class SystemMetricsLog:
     """Logs the nodes' hardware samples as MLflow names system metrics of several nodes:
-    ``system/node<i>/<metric>``, nodes numbered in rank order, each node's samples its own steps.
-    The ``system.node<i>`` tags name each node's host."""
+    ``system/node<i>/<metric>``, nodes numbered in rank order, each sample at the training step the
+    node's sampling rank had reached (never before the attempt's first step): a restarted or resumed
+    run continues the steps of the one before, as its loss does. The ``system.node<i>`` tags name
+    each node's host."""
 
     def __init__(self, tracker: RunTracker, worker_facts: list[WorkerFacts]):
         self.tracker = tracker
@@ -103,14 +105,13 @@ class SystemMetricsLog:
                 nodes[fact.node_id] = len(nodes)
                 tracker.set_tags({f"system.node{len(nodes) - 1}": fact.hostname or fact.node_id})
             self.node_of_rank[fact.rank] = nodes[fact.node_id]
-        self.samples: dict[int, int] = {}
+        self.start_step = min((fact.start_step for fact in worker_facts), default=0)
 
-    def __call__(self, rank: int, samples: list[dict]) -> None:
+    def __call__(self, rank: int, samples: list[dict], step: int = 0) -> None:
         node = self.node_of_rank.get(rank, rank)
         for sample in samples:
-            step = self.samples.get(node, 0)
-            self.tracker.log_metrics({f"system/node{node}/{key}": value for key, value in sample.items()}, step=step)
-            self.samples[node] = step + 1
+            self.tracker.log_metrics({f"system/node{node}/{key}": value for key, value in sample.items()},
+                                     step=max(step, self.start_step))
 
 
 def record_hang(tracker: RunTracker, error: WorkerHangError, attempt: int) -> None:
