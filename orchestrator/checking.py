@@ -129,7 +129,7 @@ def live_cluster(cfg: RunConfig, *, connect: bool = False) -> Iterator[tuple[Clu
     that it is unreachable before it tracks anything.
     """
     if cfg.cluster.address is None or not (cfg.cluster.discover or connect):
-        yield cfg.cluster, []
+        yield cfg.cluster, declared_memory_notes(cfg.cluster)
         return
     from launchers.discovery import discover_nodes
     from launchers.ray_session import ray_session
@@ -147,6 +147,18 @@ def live_cluster(cfg: RunConfig, *, connect: bool = False) -> Iterator[tuple[Clu
         if violations:
             raise PlanError(violations)
         yield cluster, notes
+
+
+def declared_memory_notes(cluster: ClusterSpec) -> list[str]:
+    """A GPU cluster planned with the schema's CPU share of host memory (``cluster.accelerator=gpu``
+    over the CPU preset, no ``device_memory_gib`` given) would be judged against 8 GiB devices
+    without a word; it is said, with the fix."""
+    default = ClusterSpec().device_memory_gib
+    if cluster.accelerator == Accelerator.gpu and cluster.device_memory_gib == default:
+        return [f"cluster.device_memory_gib={default:g} is the CPU preset's share of host memory per worker, not a "
+                "GPU's: the plan is judged against it. Set the GPU's memory (cluster.device_memory_gib=80), or choose "
+                "a GPU cluster (cluster=a100_8x)"]
+    return []
 
 
 def check_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = None) -> tuple[PlanEstimate, ModelFacts]:

@@ -127,15 +127,25 @@ DECLARED_SM_COUNT = {"cpu": 0, "gpu": 108}
 DECLARED_MATMUL_TILES = ((128, 256), (256, 128), (128, 128))
 
 
-def speed_defaults(cluster: ClusterSpec) -> dict[str, float]:
-    """The speeds ``cluster`` leaves unset, each with its accelerator's default."""
-    defaults = DECLARED_SPEEDS[cluster.accelerator.value]
+# A GPU's matmuls in an fp32 plan: torch leaves TF32 off for them (torch.backends.cuda.matmul.allow_tf32
+# is False by default) and orch does not turn it on, so they run at plain FP32's rate, 19.5 TFLOP/s on
+# the A100 of the GPU defaults (NVIDIA A100 datasheet), not its 312 of bf16 on tensor cores. A CPU's
+# declared rate is an order of magnitude for any precision.
+DECLARED_FP32_TFLOPS = {"gpu": 19.5}
+
+
+def speed_defaults(cluster: ClusterSpec, precision: Precision | None = None) -> dict[str, float]:
+    """The speeds ``cluster`` leaves unset, each with its accelerator's default (for an fp32 plan
+    on GPUs, their fp32 matmul rate)."""
+    defaults = dict(DECLARED_SPEEDS[cluster.accelerator.value])
+    if precision == Precision.fp32 and cluster.accelerator.value in DECLARED_FP32_TFLOPS:
+        defaults["device_tflops"] = DECLARED_FP32_TFLOPS[cluster.accelerator.value]
     return {name: value for name, value in defaults.items() if getattr(cluster, name) is None}
 
 
-def declared_speed_values(cluster: ClusterSpec) -> dict[str, float]:
+def declared_speed_values(cluster: ClusterSpec, precision: Precision | None = None) -> dict[str, float]:
     """Every declared speed of ``cluster``: as set, or its accelerator's default where unset."""
-    return {name: getattr(cluster, name) for name in DECLARED_SPEEDS["cpu"]} | speed_defaults(cluster)
+    return {name: getattr(cluster, name) for name in DECLARED_SPEEDS["cpu"]} | speed_defaults(cluster, precision)
 
 
 def host_threads(cluster: ClusterSpec) -> int:
@@ -191,9 +201,10 @@ class Speeds:
         return self.matmul_tflops[i][1]
 
     @classmethod
-    def declared(cls, cluster: ClusterSpec) -> Speeds:
-        """The cluster's speeds as declared, its accelerator's defaults where it declares none."""
-        speeds = declared_speed_values(cluster)
+    def declared(cls, cluster: ClusterSpec, precision: Precision | None = None) -> Speeds:
+        """The cluster's speeds as declared, its accelerator's defaults (at ``precision``) where it
+        declares none."""
+        speeds = declared_speed_values(cluster, precision)
         return cls(matmul_tflops=((1, speeds["device_tflops"] * DECLARED_MATMUL_EFFICIENCY),),
                    intra_node_gbps=speeds["intra_node_gbps"], inter_node_gbps=speeds["inter_node_gbps"],
                    intra_latency_s=DECLARED_LATENCY_S["intra"], inter_latency_s=DECLARED_LATENCY_S["inter"],

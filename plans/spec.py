@@ -146,8 +146,9 @@ class ClusterSpec:
     # accelerator's default (plans/cost_model.py DECLARED_SPEEDS: a CPU core's, or an A100's), so
     # switching cluster.accelerator switches every speed not set; a speed that is set is kept.
     device_tflops: float | None = None
-    """Peak dense matmul TFLOP/s of one device at the plan's precision (A100: 312 bf16, 19.5 fp32).
-    `orch tune` predicts compute time from it unless it measured the live cluster."""
+    """Peak dense matmul TFLOP/s of one device at the plan's precision (A100: 312 bf16, 19.5 fp32;
+    unset on gpu: those two by the plan's precision). `orch tune` predicts compute time from it
+    unless it measured the live cluster."""
     intra_node_gbps: float | None = None
     """Gbit/s each device can send to the others of its node (NVLink, or shared memory on CPU)."""
     inter_node_gbps: float | None = None

@@ -79,6 +79,24 @@ def _plan(**kw):
     return gpu_plan(**({"dp": 32} | kw))
 
 
+def test_an_fp32_plan_on_gpus_is_priced_at_the_fp32_matmul_rate_and_8_gib_gpus_are_said():
+    """A GPU's defaults are an A100's: 312 TFLOP/s in bf16, but fp32 matmuls (TF32 off, torch's
+    default) run at 19.5; a declared device_tflops is kept. A GPU declared over the CPU preset keeps
+    its 8 GiB share of host memory per worker, which `orch check` and `orch train` say."""
+    from orchestrator.checking import declared_memory_notes
+    from plans.spec import Precision
+
+    gpu = ClusterSpec(accelerator=Accelerator.gpu)
+    rates = {p: Speeds.declared(gpu, p).tflops_at(1) for p in (Precision.bf16, Precision.fp32)}
+    assert rates[Precision.fp32] == pytest.approx(rates[Precision.bf16] * 19.5 / 312)
+    assert Speeds.declared(dataclasses.replace(gpu, device_tflops=60), Precision.fp32).tflops_at(1) == pytest.approx(
+        Speeds.declared(dataclasses.replace(gpu, device_tflops=60), Precision.bf16).tflops_at(1))
+    assert Speeds.declared(ClusterSpec(), Precision.fp32) == Speeds.declared(ClusterSpec(), Precision.bf16)
+    [note] = declared_memory_notes(gpu)
+    assert note.startswith("cluster.device_memory_gib=8 is the CPU preset's share") and "=80" in note
+    assert declared_memory_notes(A100) == declared_memory_notes(ClusterSpec()) == []
+
+
 def test_declared_gpu_speeds_are_derated_to_what_kernels_and_nccl_reach():
     s = Speeds.declared(A100)
     assert s.sustained_memory_gb_per_s == pytest.approx(2039 * DECLARED_MEMORY_EFFICIENCY)
@@ -331,7 +349,8 @@ def test_orch_tune_prints_mfu_time_to_train_and_cost(tmp_path):
     doc = result.as_json(top_k=3)
     assert doc["budget"]["tokens"] == 10**9
     assert doc["candidates"][0]["predicted"]["cost_usd"] == pytest.approx(hours * 2 * 3)
-    assert doc["candidates"][0]["predicted"]["mfu"] == pytest.approx(best.model_tflops_per_device / 312)
+    # The default plan is fp32: its MFU is against the GPU's fp32 peak (19.5), not bf16's 312.
+    assert doc["candidates"][0]["predicted"]["mfu"] == pytest.approx(best.model_tflops_per_device / 19.5)
     unpriced, _, _ = to_typed(compose_config(f"tune.out={tmp_path / 'u.yaml'}", "train.global_batch_size=16",
                                              "tune.pp=[1]", "tune.tp=[1]", "tune.zero_stages=[0]",
                                              "tune.offload=[none]"))

@@ -66,14 +66,21 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
     """A new MLflow run with the flattened resolved config as params and the configs as artifacts:
     the engine-neutral optimizer settings for every run, DeepSpeed's JSON only for the DeepSpeed
     engine's (``ds_config`` None otherwise)."""
+    from plans.cost_model import speed_defaults
+
+    # A speed the cluster leaves unset is logged as the default the cost model takes for it (not
+    # "None"), and the tag names those defaulted.
+    defaulted = speed_defaults(cfg.cluster, plan.precision)
     params = flatten({"plan": plan.as_dict(), "model": dict(model_cfg),
                       "data": dict(cfg.data), "objective": dict(cfg.objective), "optim": vars(cfg.optim),
                       "train": vars(cfg.train),
-                      "cluster": {**vars(cfg.cluster), "address": address_param(cfg.cluster.address)}})
+                      "cluster": {**vars(cfg.cluster), **defaulted, "address": address_param(cfg.cluster.address)}})
     params["model.param_count"] = str(facts.param_count)
     params.update({f"memory.predicted.{k}": str(v) for k, v in estimate.per_device.as_dict().items()})
     tags = {"world_size": str(plan.world_size), "devices": f"{plan.world_size}x{plan.accelerator.value}",
             "orch.command": "train", **extra_tags}
+    if defaulted:
+        tags["cluster.speeds_defaulted"] = f"{cfg.cluster.accelerator.value} defaults: " + ", ".join(defaulted)
     if commit := git_commit():
         tags["git_commit"] = commit
     tracker = RunTracker.start(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,

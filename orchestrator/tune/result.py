@@ -14,7 +14,7 @@ from plans.build_memory import format_bytes
 from plans.cost_model import Speeds, StepTime, declared_speed_values
 from plans.resolve import ResolvedPlan
 from plans.search_space import Candidate, SearchResult
-from plans.spec import Accelerator, ClusterSpec, EngineName, Offload, TrainSpec
+from plans.spec import Accelerator, ClusterSpec, EngineName, Offload, Precision, TrainSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,13 +31,15 @@ class TrainBudget:
     device_hour_usd: float | None = None
 
     @classmethod
-    def declared(cls, train: TrainSpec, cluster: ClusterSpec, global_batch_size: int, seq_len: int) -> TrainBudget:
+    def declared(cls, train: TrainSpec, cluster: ClusterSpec, global_batch_size: int, seq_len: int,
+                 precision: Precision | None = None) -> TrainBudget:
         if train.tokens:
             tokens, source = train.tokens, "train.tokens"
         else:
             tokens = train.steps * global_batch_size * seq_len
             source = f"train.steps {train.steps} x global batch {global_batch_size} x sequence {seq_len}"
-        peak = declared_speed_values(cluster)["device_tflops"] if cluster.accelerator == Accelerator.gpu else None
+        peak = (declared_speed_values(cluster, precision)["device_tflops"] if cluster.accelerator == Accelerator.gpu
+                else None)
         return cls(tokens=tokens, source=source, devices=cluster.world_size, peak_tflops=peak,
                    device_hour_usd=cluster.device_hour_usd)
 

@@ -129,7 +129,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
 
     ctx = SearchContext(cluster=cluster, train=cfg.train, optim=cfg.optim, probe=probe,
                         model_cost=measure_model_cost(probe, tp_degrees, depth_scaled=large or shallow is not None),
-                        speeds=Speeds.declared(cluster),
+                        speeds=Speeds.declared(cluster, cfg.plan.precision),
                         tp_problem=tp_problem, plan_problem=plan_problem)
     space = _space(cfg, cluster.world_size, facts.supports_activation_checkpointing)
     # Degrees the model cannot use are left out of the search rather than ranked as failures.
@@ -153,10 +153,10 @@ def _matmul_shape(probe) -> tuple[int, int]:
     return big.in_features, big.out_features
 
 
-def declared_speeds_note(cluster) -> str:
+def declared_speeds_note(cluster, precision=None) -> str:
     """Where the declared speeds come from: the cluster config, or the accelerator's defaults for
-    those it leaves unset, named with the values used."""
-    defaulted = speed_defaults(cluster)
+    those it leaves unset (at the plan's precision), named with the values used."""
+    defaulted = speed_defaults(cluster, precision)
     accelerator = cluster.accelerator.value
     if len(defaulted) == len(DECLARED_SPEEDS[accelerator]):
         return (f"the {accelerator} defaults of plans/cost_model.py DECLARED_SPEEDS (the cluster config sets "
@@ -204,7 +204,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
               f"{cluster.accelerator.value} devices, global batch {space.global_batch_size} "
               f"({global_batch_origin(cfg, cluster.world_size)})", file=err, flush=True)
         uses_ray = cfg.tune.trials > 0 or cluster.address is not None
-        speeds, note = ctx.speeds, declared_speeds_note(cluster)
+        speeds, note = ctx.speeds, declared_speeds_note(cluster, cfg.plan.precision)
         if uses_ray:
             from launchers.ray_session import ray_session
             from launchers.worker_group import job_env
@@ -225,7 +225,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
         result = TuneResult(search=search(space, ctx), speeds=speeds, speeds_note=note,
                             global_batch_size=space.global_batch_size,
                             budget=TrainBudget.declared(cfg.train, cluster, space.global_batch_size,
-                                                        ctx.model_cost.seq_len))
+                                                        ctx.model_cost.seq_len, cfg.plan.precision))
         if not result.search.ranked:
             raise PlanError([Violation("plan", "any", f"none of the {result.search.enumerated} plans of the search "
                                        f"space fits: {dict(result.search.rejected.most_common(5))}.",
