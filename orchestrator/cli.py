@@ -7,6 +7,7 @@ and ``--help`` all behave as in any Hydra app.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from launchers.ray_auth import use_token_auth_if_available
 from orchestrator.config import register_configs, to_typed
 from orchestrator.credentials import move_argv_credentials, protect_config, redact_text, refuse_secret_overrides
-from orchestrator.exits import EXIT_USAGE, Reported, exit_code, print_json_error, run_command
+from orchestrator.exits import EXIT_BROKEN_PIPE, EXIT_USAGE, Reported, exit_code, print_json_error, run_command
 from orchestrator.model_sources import prefer_command_line_source
 from orchestrator.signals import stopped_by_signals
 from orchestrator.yaml_limits import check_config_dirs, config_dirs
@@ -53,6 +54,25 @@ Overrides are Hydra's: key=value, group=option, --multirun a=1,2. See README.md.
 """
 
 
+def _ends_quietly_on_a_closed_stdout(app):
+    """The command ends as a shell reports SIGPIPE (141) when the reader of its output is gone
+    (``orch check | head -1``), without a word: raised inside the Hydra task, a BrokenPipeError made
+    Hydra write "Error executing job with overrides: ..." to stderr before orch could catch it.
+    The output is flushed here, so a write that fails at the end fails inside the task too."""
+
+    @functools.wraps(app)
+    def task(cfg: DictConfig):
+        try:
+            value = app(cfg)
+            sys.stdout.flush()
+            return value
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush
+            sys.exit(EXIT_BROKEN_PIPE)
+
+    return task
+
+
 def _fail(error: OrchError) -> None:
     print(redact_text(f"error: {error}"), file=sys.stderr)
     if _OPTIONS["json"]:
@@ -61,6 +81,7 @@ def _fail(error: OrchError) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
+@_ends_quietly_on_a_closed_stdout
 def train_app(cfg: DictConfig) -> float | None:
     """Train; return ``train.sweep_metric`` to Hydra (what an optimizing sweeper minimizes)."""
     protect_config(cfg)
@@ -130,6 +151,7 @@ def _stdout_for_json_only() -> contextlib.AbstractContextManager:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
+@_ends_quietly_on_a_closed_stdout
 def check_app(cfg: DictConfig) -> None:
     protect_config(cfg)
     import json
@@ -151,6 +173,7 @@ def check_app(cfg: DictConfig) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
+@_ends_quietly_on_a_closed_stdout
 def tune_app(cfg: DictConfig) -> None:
     protect_config(cfg)
 
@@ -181,6 +204,7 @@ def tune_app(cfg: DictConfig) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
+@_ends_quietly_on_a_closed_stdout
 def config_app(cfg: DictConfig) -> None:
     protect_config(cfg)
     prefer_command_line_source(cfg)  # the config the other commands run: the source the command line names
@@ -188,6 +212,7 @@ def config_app(cfg: DictConfig) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
+@_ends_quietly_on_a_closed_stdout
 def runs_app(cfg: DictConfig) -> None:
     from orchestrator.tracking.report import runs_command
 
@@ -231,6 +256,7 @@ def _out_directory(command: str, default: Path | None = None) -> Path | None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
+@_ends_quietly_on_a_closed_stdout
 def report_app(cfg: DictConfig) -> None:
     protect_config(cfg)
     run_id = _required_run_id("report")
@@ -249,6 +275,7 @@ def report_app(cfg: DictConfig) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
+@_ends_quietly_on_a_closed_stdout
 def export_app(cfg: DictConfig) -> None:
     protect_config(cfg)
     run_id = _required_run_id("export")
@@ -270,6 +297,7 @@ def export_app(cfg: DictConfig) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
+@_ends_quietly_on_a_closed_stdout
 def submit_app(cfg: DictConfig) -> None:
     """`orch submit [--tune] [--wait] overrides`: check here, then run as a Ray Job."""
     # As written, before protect_config moves a config file's credentials out (an interpolation
@@ -336,6 +364,7 @@ def _job_address(cfg: DictConfig) -> str:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
+@_ends_quietly_on_a_closed_stdout
 def jobs_app(cfg: DictConfig) -> None:
     protect_config(cfg)  # Hydra's copies of the overrides may hold cluster.address with a password
     from orchestrator import submit as jobs
@@ -347,6 +376,7 @@ def jobs_app(cfg: DictConfig) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
+@_ends_quietly_on_a_closed_stdout
 def logs_app(cfg: DictConfig) -> None:
     protect_config(cfg)  # Hydra's copies of the overrides may hold cluster.address with a password
     from orchestrator import submit as jobs
@@ -363,6 +393,7 @@ def logs_app(cfg: DictConfig) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
+@_ends_quietly_on_a_closed_stdout
 def stop_app(cfg: DictConfig) -> None:
     protect_config(cfg)  # Hydra's copies of the overrides may hold cluster.address with a password
     from orchestrator import submit as jobs

@@ -126,6 +126,19 @@ def test_a_reader_that_stops_early_ends_orch_quietly_as_sigpipe_would(tmp_path):
     assert "BrokenPipe" not in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_reader_that_stops_after_a_line_ends_orch_without_hydras_error_line(tmp_path):
+    """`orch check --json ... | head -1`: the document (about 140 KB, more than a pipe holds) is
+    cut off after its first line; Hydra wrote "Error executing job with overrides" for it."""
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "check", "--json", "model=gpt3_175b",
+                             "cluster=a100_8x", "cluster.nodes=128", "plan.precision=bf16", "plan.pp=8", "plan.tp=8"],
+                            cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("{")
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 128 + 13, err
+    assert "Error executing job" not in err and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_unknown_command_and_help(tmp_path):
     assert orch("--help", cwd=tmp_path).stdout.startswith("usage: orch <command>")
     done = orch("trian", cwd=tmp_path)
