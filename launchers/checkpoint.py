@@ -96,7 +96,7 @@ def latest(checkpoint_dir: str | os.PathLike) -> Published | None:
     """The record ``latest.json`` holds, or None without one; :class:`CheckpointRecordError` if malformed."""
     if is_remote(checkpoint_dir):
         where = f"{str(checkpoint_dir).rstrip('/')}/{LATEST}"
-        text = RemoteDir(str(checkpoint_dir)).read_text(LATEST)
+        text = _read_remote(checkpoint_dir, lambda store: store.read_text(LATEST))
         if text is None:
             return None
     else:
@@ -273,14 +273,37 @@ def _verified(checkpoint_dir: str | os.PathLike, tag: str) -> Manifest:
     digests are checked on the nodes that download it, before anything is loaded)."""
     if not is_remote(checkpoint_dir):
         return verify_manifest(Path(local_path(checkpoint_dir)) / tag)
-    store = RemoteDir(str(checkpoint_dir))
     where = f"{str(checkpoint_dir).rstrip('/')}/{tag}"
-    text = store.read_text(f"{tag}/{MANIFEST}")
+    text = _read_remote(checkpoint_dir, lambda store: store.read_text(f"{tag}/{MANIFEST}"))
     if text is None:
         raise missing_manifest(where)
     manifest = parse_manifest(text, where)
-    verify_listing(manifest, store.sizes(tag), where)
+    verify_listing(manifest, _read_remote(checkpoint_dir, lambda store: store.sizes(tag)), where)
     return manifest
+
+
+def _read_remote(checkpoint_dir: str | os.PathLike, read):
+    """``read(store)`` of the checkpoint directory's store, given up after ``cluster.connect_timeout_s``
+    (:func:`plans.locations.bounded`) with an error naming train.checkpoint_dir and the setting.
+
+    A store that answered the first check can still stall on a later read (the pointer, a
+    manifest, a listing): pyarrow's S3 client ignores its request timeout on Linux, and a read
+    held open kept `orch train` and `orch export` waiting for minutes, deaf to Ctrl-C, before a raw
+    ``OSError``. The wait here ends at the limit, and at once on Ctrl-C or SIGTERM.
+    """
+    from plans.locations import StorageTimeout, bounded, probe_limit_s
+
+    try:
+        return bounded(lambda: read(RemoteDir(str(checkpoint_dir), timeout_s=probe_limit_s())))
+    except StorageTimeout as error:
+        raise PlanError([Violation("train.checkpoint_dir", str(checkpoint_dir),
+                                   "a read of its checkpoint records " + error.reason(), error.fix())]) from None
+    except OSError as error:
+        first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise PlanError([Violation("train.checkpoint_dir", str(checkpoint_dir),
+                                   f"reading its checkpoint records failed ({first_line}).",
+                                   "check the store's endpoint and credentials, or train.resume=never to start "
+                                   "fresh")]) from None
 
 
 def _check_model(folder: str, saved: dict | None, now: dict | None) -> None:

@@ -115,6 +115,22 @@ def test_export_of_a_run_whose_checkpoints_are_on_a_silent_store_times_out(silen
     assert violation.message.startswith("timed out after 1 s (cluster.connect_timeout_s)"), violation
 
 
+def test_reads_of_a_stores_checkpoint_records_are_given_up_within_the_limit(silent_s3):
+    """A store that passed its first check and then stalls: the pointer, a manifest and a listing
+    are each read within cluster.connect_timeout_s, then refused naming the directory and the
+    setting (the pointer's read waited minutes, then a raw OSError)."""
+    from launchers.checkpoint import _verified, latest
+
+    for read in (lambda: latest("s3://orch/run"), lambda: _verified("s3://orch/run", "step_000000010")):
+        start = time.monotonic()
+        with probe_limit(1), pytest.raises(PlanError) as info:
+            read()
+        assert time.monotonic() - start < 1 + SLACK_S
+        [violation] = info.value.violations
+        assert (violation.field, violation.value) == ("train.checkpoint_dir", "s3://orch/run")
+        assert "timed out after 1 s (cluster.connect_timeout_s)" in violation.message, violation
+
+
 def test_a_gs_location_is_answered_or_given_up_within_the_limit():
     """With no network GCS would retry for 15 minutes; with one (and no credentials) it refuses."""
     with probe_limit(2):
