@@ -23,11 +23,15 @@ CREDENTIAL_WORDS = ("PASSWORD", "PASSWD", "PASSPHRASE", "SECRET", "CREDENTIAL", 
                     "PRIVATE_KEY")
 """Anywhere in a name, its separators and case ignored, these name a credential: ``PGPASSWORD``,
 ``AWS_SECRET_ACCESS_KEY``, ``apiKey``, ``GOOGLE_APPLICATION_CREDENTIALS``."""
-CREDENTIAL_ENDINGS = ("TOKEN", "AUTH", "KEY", "PWD")
-"""As a name's last word these name a credential (``HF_TOKEN``, ``HF_AUTH``, ``AZURE_STORAGE_ACCOUNT_KEY``,
-``DB_PWD``); elsewhere they do not (``max_tokens``, ``tokenizer``, ``AUTHOR``, ``RAY_AUTH_MODE``,
-``num_key_value_heads``). ``KEY`` and ``PWD`` alone are no credential (a column's key, the shell's
-working directory); ``token`` and ``auth`` alone are."""
+CREDENTIAL_ENDINGS = ("TOKEN", "AUTH", "PWD")
+"""As a name's last word these name a credential (``HF_TOKEN``, ``HF_AUTH``, ``DB_PWD``); elsewhere
+they do not (``max_tokens``, ``tokenizer``, ``AUTHOR``, ``RAY_AUTH_MODE``). ``PWD`` alone is no
+credential (the shell's working directory); ``token`` and ``auth`` alone are."""
+KEY_QUALIFIERS = frozenset({"ACCOUNT", "STORAGE", "SIGNING", "ENCRYPTION", "MASTER", "CLIENT", "SERVICE", "SSH",
+                            "LICENSE", "AUTH", "SECRET", "ACCESS", "API", "PRIVATE"})
+"""A last word ``KEY`` names a credential only after one of these (``AZURE_STORAGE_ACCOUNT_KEY``,
+``signing_key``): a key is as often a dict's, a column's or a config's (``text_key``, ``no_such_key``,
+``num_key_value_heads``)."""
 NOT_CREDENTIAL_QUALIFIERS = frozenset({
     "PAD", "EOS", "BOS", "UNK", "SEP", "CLS", "MASK", "SPECIAL", "START", "END", "STOP", "MAX", "MIN", "NUM",
     "TEXT", "LABEL", "IMAGE", "COLUMN", "FIELD", "SORT", "GROUP", "PARTITION", "CACHE", "HASH", "RNG", "SEED"})
@@ -52,6 +56,8 @@ def credential_word(name: str) -> str | None:
     for word in CREDENTIAL_WORDS:
         if word.replace("_", "") in glued:
             return word
+    if len(words) > 1 and words[-1] == "KEY" and words[-2] in KEY_QUALIFIERS:
+        return "KEY"
     if not words or words[-1] not in CREDENTIAL_ENDINGS:
         return None
     if len(words) == 1:

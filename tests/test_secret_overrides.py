@@ -39,7 +39,8 @@ CONF = Path(__file__).resolve().parents[1] / "orchestrator" / "conf"
     # Not credentials: counts and names of a model's tokens, a dataset's keys, the shell's directory.
     ("max_tokens", None), ("tokenizer_name", None), ("tokenizer", None), ("tokens_per_sample", None),
     ("pad_token", None), ("eos_token", None), ("pad_token_id", None), ("num_key_value_heads", None),
-    ("text_key", None), ("key", None), ("AUTHOR", None), ("author", None), ("RAY_AUTH_MODE", None),
+    ("text_key", None), ("key", None), ("no_such_key", None), ("sort_key", None), ("signing_key", "KEY"),
+    ("AUTHOR", None), ("author", None), ("RAY_AUTH_MODE", None),
     ("TOKENIZERS_PARALLELISM", None), ("PWD", None), ("OLDPWD", None), ("MLFLOW_TRACKING_USERNAME", None),
 ])
 def test_a_name_is_a_credential_by_its_words_not_its_letters(name, word):
