@@ -89,15 +89,19 @@ class CheckpointIO:
         from launchers.checkpoint import download_verified
 
         root = self.root()
-        if self.remote:
-            # The node's first worker downloads the tag and checks every file against the
-            # manifest before any rank loads it.
+        if not self.remote:
+            return engine.load(root, tag)
+        # The node's first worker downloads the tag and checks every file against the manifest
+        # before any rank loads it. It removes the staged copy once every rank of the node has
+        # read it, or as soon as its own load refuses it (a file the digests pass but the
+        # weights-only loader does not): nothing refused stays on the node.
+        try:
             if self.local_rank == 0:
                 download_verified(self.location, tag, os.path.join(root, tag))
             dist.barrier()
-        client_state = engine.load(root, tag)
-        if self.remote:
+            client_state = engine.load(root, tag)
             dist.barrier()  # every rank of the node has read its files
+        finally:
             if self.local_rank == 0:
                 shutil.rmtree(root, ignore_errors=True)
         return client_state

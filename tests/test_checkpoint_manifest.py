@@ -9,6 +9,7 @@ tests/test_reliability.py (``test_a_resume_verifies_its_checkpoint_and_falls_bac
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -307,3 +308,64 @@ def test_orch_train_refuses_a_held_directory_and_a_malformed_record(tmp_path):
         assert "Started a local Ray instance" not in done.stderr + done.stdout
         assert not re.search(r"^import time:.*\|\s+torch$", done.stderr, re.MULTILINE), "torch was imported"
     assert "is in use" not in held_bad_plan.stderr
+
+
+
+
+
+class _PlantedPickle:
+    """Unpickling this calls ``open(path, "w")``: proof, if the file appears, that a load ran code."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_staged_checkpoint_a_load_refuses_is_removed_from_the_node(s3_store, tmp_path, monkeypatch):
+    """The manifest was rewritten to match a planted file, so the download verifies; the weights-only
+    load refuses it, and the staged copy must not stay on the node after the refusal."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from launchers.checkpoint import publish_remote
+    from launchers.checkpoint_io import CheckpointIO
+    from launchers.manifest import file_digests
+    from launchers.safe_load import verified_loading
+    from launchers.storage import RemoteDir, staging_dir
+
+    for name, value in s3_store["env"].items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the node's TMPDIR, where staging lives
+    uri = f"s3://{s3_store['bucket']}/planted"
+    marker = tmp_path / "code-ran"
+    written = tmp_path / "written" / tag_for(2)
+    written.mkdir(parents=True)
+    torch.save({"module": {"w": torch.ones(2)}, "planted": _PlantedPickle(marker)}, written / "model.pt")
+    RemoteDir(uri).upload(written, tag_for(2))
+    files, sizes = file_digests(written)
+    publish_remote(uri, 2, "run1", 1, files, sizes)
+
+    class OnNode(CheckpointIO):
+        def root(self) -> str:  # the staging directory Ray's node id would name
+            return str(staging_dir(self.location, "node-1"))
+
+    class LoadsLikeDeepSpeed:
+        """An engine's load as the DeepSpeed engine's goes: every file through verified_loading."""
+
+        def load(self, root: str, tag: str):
+            with verified_loading(os.path.join(root, tag)):
+                return torch.load(os.path.join(root, tag, "model.pt"))
+
+    io = OnNode(SimpleNamespace(train=SimpleNamespace(checkpoint_dir=uri)), rank=0, local_rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="could run code when loaded: io.open"):
+            io.restore(LoadsLikeDeepSpeed(), tag_for(2))
+    finally:
+        dist.destroy_process_group()
+    assert not marker.exists()
+    assert not staging_dir(uri, "node-1").exists()
