@@ -68,7 +68,9 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
     assert int(params["model.param_count"]) == result.model.param_count
     assert params["cluster.address"] == "embedded"
     # Speeds the cluster leaves unset: the defaults the cost model takes, not "None".
-    assert params["cluster.device_tflops"] == "0.1" and "None" not in params.values()
+    speeds = ("device_tflops", "intra_node_gbps", "inter_node_gbps", "host_link_gbps", "device_memory_gb_per_s",
+              "host_memory_gb_per_s")
+    assert params["cluster.device_tflops"] == "0.1" and all(params[f"cluster.{s}"] != "None" for s in speeds)
     assert run.data.tags["cluster.speeds_defaulted"].startswith("cpu defaults: device_tflops, ")
     assert not any(k.lower().startswith(("env", "environ")) for k in params)
     assert run.data.tags["world_size"] == "2" and run.data.tags["devices"] == "2xcpu"
