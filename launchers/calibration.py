@@ -397,10 +397,10 @@ _RATES = ("intra_node_gbps", "inter_node_gbps", "host_link_gbps", "device_memory
 def _usable(speeds: Speeds) -> bool:
     """Whether cached speeds can price a plan: every number finite and not negative, every rate the
     cost model divides by above 0 (a cache edited by hand, or a measurement that went wrong)."""
-    numbers = [value for field in dataclasses.fields(speeds) if field.name not in ("matmul_tflops", "matmul_tiles",
-                                                                                      "source")
-               for value in [getattr(speeds, field.name)]]
-    numbers += [number for pair in (*speeds.matmul_tflops, *speeds.matmul_tiles) for number in pair]
+    pairs = (*speeds.matmul_tflops, *speeds.matmul_tiles)
+    scalars = [getattr(speeds, field.name) for field in dataclasses.fields(speeds)
+               if field.name not in ("matmul_tflops", "matmul_tiles", "source")]
+    numbers = scalars + [number for pair in pairs for number in pair]
     if not speeds.matmul_tflops or not all(isinstance(n, (int, float)) and math.isfinite(n) and n >= 0
                                            for n in numbers):
         return False

@@ -43,7 +43,7 @@ from launchers.manifest import (
 )
 from launchers.manifest import verify as verify_manifest
 from launchers.storage import RemoteDir
-from plans.errors import OrchError, PlanError, Violation
+from plans.errors import OrchError, PlanError, Violation, first_line
 from plans.locations import is_remote, local_path, write_whole
 from plans.spec import EngineName
 
@@ -299,9 +299,9 @@ def _read_remote(checkpoint_dir: str | os.PathLike, read):
         raise PlanError([Violation("train.checkpoint_dir", str(checkpoint_dir),
                                    "a read of its checkpoint records " + error.reason(), error.fix())]) from None
     except OSError as error:
-        first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        what = first_line(error, 200) or type(error).__name__
         raise PlanError([Violation("train.checkpoint_dir", str(checkpoint_dir),
-                                   f"reading its checkpoint records failed ({first_line}).",
+                                   f"reading its checkpoint records failed ({what}).",
                                    "check the store's endpoint and credentials, or train.resume=never to start "
                                    "fresh")]) from None
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from plans.errors import first_line
 from plans.locations import STORE_FIX, StorageTimeout, bounded, is_remote, open_location, probe_limit_s
 from plans.uris import CREDENTIALS_FIX, carries_credentials
 
@@ -56,7 +57,7 @@ def location_violation(location: str, timeout_s: float | None = None) -> str | N
     except StorageTimeout as error:
         return f"{error.reason()} Fix: {error.fix()}"
     except Exception as error:  # noqa: BLE001 - pyarrow raises OSError, ValueError or ArrowException subclasses
-        return f"cannot be opened ({type(error).__name__}: {_first_line(error)}). Fix: {STORE_FIX}"
+        return f"cannot be opened ({type(error).__name__}: {first_line(error)}). Fix: {STORE_FIX}"
     import pyarrow.fs as pafs
 
     if not has_bucket:
@@ -65,11 +66,6 @@ def location_violation(location: str, timeout_s: float | None = None) -> str | N
     if info.type == pafs.FileType.File:
         return "is an object, not a directory. Fix: point it at a prefix (it is created if missing)"
     return None
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else ""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,15 @@ from omegaconf import DictConfig, OmegaConf
 from launchers.ray_auth import use_token_auth_if_available
 from orchestrator.config import register_configs, to_typed
 from orchestrator.credentials import move_argv_credentials, protect_config, redact_text, refuse_secret_overrides
-from orchestrator.exits import EXIT_BROKEN_PIPE, EXIT_USAGE, Reported, exit_code, print_json_error, run_command
+from orchestrator.exits import (
+    EXIT_BROKEN_PIPE,
+    EXIT_USAGE,
+    Reported,
+    exit_code,
+    print_json_error,
+    run_command,
+    stdout_to_devnull,
+)
 from orchestrator.model_sources import prefer_command_line_source
 from orchestrator.signals import stopped_by_signals
 from orchestrator.yaml_limits import check_config_dirs, config_dirs
@@ -67,7 +75,7 @@ def _ends_quietly_on_a_closed_stdout(app):
             sys.stdout.flush()
             return value
         except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush
+            stdout_to_devnull()
             sys.exit(EXIT_BROKEN_PIPE)
 
     return task

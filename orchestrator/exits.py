@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
 from orchestrator.credentials import redact_text
-from plans.errors import OrchError
+from plans.errors import OrchError, first_line
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -78,7 +78,7 @@ def run_command(app: Callable[[], None], command: str, *, verbose: bool, json_er
         # The reader of stdout went away (``orch check | head``): nothing more can be shown. Point
         # stdout at /dev/null so the interpreter's final flush does not raise again (the recipe in
         # Python's documentation of SIGPIPE), and end as a shell reports a command ended by SIGPIPE.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        stdout_to_devnull()
         return EXIT_BROKEN_PIPE
     except Reported as error:
         if json_errors:
@@ -95,7 +95,7 @@ def run_command(app: Callable[[], None], command: str, *, verbose: bool, json_er
             print_json_error(error, config_message(error), code)
         return code
     except Exception as error:  # an internal failure: one line here, the traceback in a file
-        message = f"{type(error).__name__}: {_first_line(error)}"
+        message = f"{type(error).__name__}: {first_line(error) or '(no message)'}"
         if json_errors:
             print_json_error(error, f"orch {command} failed: {message}", EXIT_FAILED)
         if verbose:
@@ -109,6 +109,12 @@ def run_command(app: Callable[[], None], command: str, *, verbose: bool, json_er
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = previous
+
+
+def stdout_to_devnull() -> None:
+    """Point stdout at /dev/null once its reader is gone, so the interpreter's final flush does not
+    raise BrokenPipeError again (the recipe in Python's documentation of SIGPIPE)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def print_json_error(error: BaseException, message: str, code: int) -> None:
@@ -163,7 +169,3 @@ def write_traceback(error: BaseException, command: str) -> Path:
         log.write(redact_text("".join(traceback.format_exception(error))))
     return path
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else "(no message)"

@@ -14,6 +14,13 @@ class OrchError(Exception):
     """Base of every error the orchestrator raises on purpose."""
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of ``error``'s message, at most ``limit`` characters ('' when it has none):
+    what a short message quotes of an exception raised by a library."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else ""
+
+
 @dataclass(frozen=True)
 class Violation:
     """One problem with a declared setting."""

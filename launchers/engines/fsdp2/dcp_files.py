@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from launchers.safe_load import UnsafeCheckpointError
+from plans.errors import first_line
 from plans.locations import write_whole
 
 CLIENT_STATE = "client_state.json"
@@ -167,24 +168,42 @@ def dcp_failure(folder: str | os.PathLike, error: BaseException) -> UnsafeCheckp
         exc = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(exc, UnsafeCheckpointError):
             return exc
-        first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        parts.append(f"rank {rank}: {type(exc).__name__}: {first_line}")
-    detail = "; ".join(parts) or str(error).strip().splitlines()[0][:200]
+        parts.append(f"rank {rank}: {type(exc).__name__}: {first_line(exc, 200)}")
+    detail = "; ".join(parts) or first_line(error, 200)
     return CheckpointReadError(f"checkpoint {folder} could not be read ({detail}). Fix: use another checkpoint "
                                "(train.resume=auto falls back to the newest intact one) or train.resume=never to "
                                "start fresh")
 
 
+def checked_metadata(folder: str | os.PathLike) -> Any:
+    """``folder``'s DCP metadata, read by :func:`read_metadata`, with the data files it names checked
+    (:func:`check_storage_files`): called by every rank before DCP reads anything, since DCP reads
+    the metadata on one rank only."""
+    metadata = read_metadata(os.path.join(folder, ".metadata"))
+    check_storage_files(folder, metadata)
+    return metadata
+
+
+def load_checked(state: dict[str, Any], folder: str | os.PathLike, *, no_dist: bool = False) -> None:
+    """DCP's load of ``folder`` into ``state`` through :func:`verified_reader` and
+    :func:`weights_only_planner`; DCP's own failure comes out as :func:`dcp_failure`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=verified_reader(folder), planner=weights_only_planner(), no_dist=no_dist)
+    except CheckpointException as error:
+        raise dcp_failure(folder, error) from None
+
+
 def verified_reader(folder: str | os.PathLike):
-    """A DCP reader of ``folder`` whose metadata is read by :class:`_MetadataUnpickler` and whose
-    data files are checked against it (:func:`check_storage_files`)."""
+    """A DCP reader of ``folder`` whose metadata is read by :class:`_MetadataUnpickler`."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class VerifiedReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
             metadata = read_metadata(self._get_metadata_path(kwargs.get("rank")))
-            check_storage_files(folder, metadata)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -221,20 +240,13 @@ def full_model_state(folder: str | os.PathLike) -> dict[str, Any]:
     into empty ones of the sizes and dtypes it records, under the model's own names.
     """
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = read_metadata(os.path.join(folder, ".metadata"))
-    check_storage_files(folder, metadata)
+    metadata = checked_metadata(folder)
     prefix = "model."
     model = {key[len(prefix):]: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
              for key, entry in metadata.state_dict_metadata.items()
              if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
     state = {"model": model}
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        dcp.load(state, storage_reader=verified_reader(folder), planner=weights_only_planner(), no_dist=True)
-    except CheckpointException as error:
-        raise dcp_failure(folder, error) from None
+    load_checked(state, folder, no_dist=True)
     return state["model"]

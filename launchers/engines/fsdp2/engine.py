@@ -220,29 +220,16 @@ class FSDP2Engine(Engine):
     def load(self, root: str, tag: str) -> dict[str, Any]:
         """Every file of the tag checked against its manifest first, then DCP's load, resharded to
         this run's layout; returns the loop's state (its tensors rebuilt from JSON)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        from launchers.engines.fsdp2.dcp_files import (
-            check_storage_files,
-            dcp_failure,
-            read_client_state,
-            read_metadata,
-            verified_reader,
-            weights_only_planner,
-        )
+        from launchers.engines.fsdp2.dcp_files import checked_metadata, load_checked, read_client_state
         from launchers.manifest import verify
 
         folder = os.path.join(root, tag)
         verify(folder)
-        # Refused here, by every rank, before DCP reads anything.
-        check_storage_files(folder, read_metadata(os.path.join(folder, ".metadata")))
+        checked_metadata(folder)  # refused here, by every rank, before DCP reads anything
         state = self._state()
-        try:
-            dcp.load(state, storage_reader=verified_reader(folder), planner=weights_only_planner())
-        except CheckpointException as error:
-            raise dcp_failure(folder, error) from None
+        load_checked(state, folder)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         client_state = read_client_state(folder)
