@@ -441,6 +441,23 @@ def _quiet_overrides(args: list[str]) -> list[str]:
     return [*_QUIET_OUTPUT, *(() if "hydra/job_logging" in keys else _QUIET_LOGGING)]
 
 
+_LOGS_TO_STDERR = ("hydra.job_logging.handlers.console.stream=ext://sys.stderr",
+                   "hydra.hydra_logging.handlers.console.stream=ext://sys.stderr")
+
+
+def _json_overrides(args: list[str]) -> list[str]:
+    """With --json, stdout carries the JSON document only, so Hydra's console handlers write the
+    log lines to stderr. A StreamHandler holds the stdout it was made with, so the redirect around
+    the work does not move them: a library's warning that reaches the root logger (transformers'
+    gradient-checkpointing note) or ``hydra.verbose`` would otherwise come before the document.
+    A logging configuration the user chose is left as they chose it."""
+    keys = {arg.split("=", 1)[0].lstrip("+~") for arg in args if not arg.startswith("-")}
+    chosen = ("hydra/job_logging", "hydra/hydra_logging", "hydra.job_logging", "hydra.hydra_logging")
+    if any(key.startswith(chosen) for key in keys):
+        return []
+    return list(_LOGS_TO_STDERR)
+
+
 def _submitted_overrides(rest: list[str]) -> tuple[list[str], str | None]:
     """The Hydra overrides `orch submit` passes on to the job's `orch train`, and its --config-dir."""
     overrides, config_dir, skip = [], None, False
@@ -528,8 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         _OPTIONS["run_id"] = plain[0] if plain else None
         rest = [a for a in rest if a not in plain[:1]]
     rest = flags + rest
-    if command in QUIET_COMMANDS:
-        rest += _quiet_overrides(rest)
+    rest += [*(_quiet_overrides(rest) if command in QUIET_COMMANDS else ()),
+             *(_json_overrides(rest) if _OPTIONS["json"] else ())]
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return EXIT_USAGE

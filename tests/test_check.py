@@ -237,6 +237,16 @@ def test_check_json_document_serializes_with_the_documented_keys(devices, dp, tp
     assert len(doc["pipeline"]["stages"]) == (pp if pp > 1 else 0)
 
 
+def test_with_json_the_log_lines_go_to_stderr_and_stdout_holds_the_document_only(tmp_path):
+    """A library's warning that reaches the root logger (transformers' note on gradient
+    checkpointing, in CI) came before the document on stdout through Hydra's console handler;
+    ``hydra.verbose`` makes Hydra itself log there, which makes the case certain."""
+    done = orch("check", "--json", "hydra.verbose=true", cwd=tmp_path)
+    assert done.returncode in (0, 1), done.stderr
+    assert tuple(json.loads(done.stdout)) == CHECK_JSON_KEYS
+    assert "[HYDRA]" in done.stderr
+
+
 def test_check_json_of_the_pipeline_plan_through_the_command_line(tmp_path):
     done = orch("check", "--json", "plan=pipeline", cwd=tmp_path)
     assert done.returncode in (0, 1), done.stderr
