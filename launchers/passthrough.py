@@ -23,10 +23,11 @@ CREDENTIAL_WORDS = ("PASSWORD", "PASSWD", "PASSPHRASE", "SECRET", "CREDENTIAL", 
                     "PRIVATE_KEY")
 """Anywhere in a name, its separators and case ignored, these name a credential: ``PGPASSWORD``,
 ``AWS_SECRET_ACCESS_KEY``, ``apiKey``, ``GOOGLE_APPLICATION_CREDENTIALS``."""
-CREDENTIAL_ENDINGS = ("TOKEN", "AUTH", "PWD")
-"""As a name's last word these name a credential (``HF_TOKEN``, ``HF_AUTH``, ``DB_PWD``); elsewhere
-they do not (``max_tokens``, ``tokenizer``, ``AUTHOR``, ``RAY_AUTH_MODE``). ``PWD`` alone is no
-credential (the shell's working directory); ``token`` and ``auth`` alone are."""
+CREDENTIAL_ENDINGS = ("TOKEN", "AUTH", "PWD", "PASS")
+"""As a name's last word these name a credential (``HF_TOKEN``, ``HF_AUTH``, ``DB_PWD``, ``DB_PASS``);
+elsewhere they do not (``max_tokens``, ``tokenizer``, ``AUTHOR``, ``RAY_AUTH_MODE``, ``PASS_COUNT``).
+``PWD`` and ``PASS`` alone are no credential (the shell's working directory, a flag); ``token`` and
+``auth`` alone are."""
 KEY_QUALIFIERS = frozenset({"ACCOUNT", "STORAGE", "SIGNING", "ENCRYPTION", "MASTER", "CLIENT", "SERVICE", "SSH",
                             "LICENSE", "AUTH", "SECRET", "ACCESS", "API", "PRIVATE"})
 """A last word ``KEY`` names a credential only after one of these (``AZURE_STORAGE_ACCOUNT_KEY``,
@@ -34,9 +35,11 @@ KEY_QUALIFIERS = frozenset({"ACCOUNT", "STORAGE", "SIGNING", "ENCRYPTION", "MAST
 ``num_key_value_heads``)."""
 NOT_CREDENTIAL_QUALIFIERS = frozenset({
     "PAD", "EOS", "BOS", "UNK", "SEP", "CLS", "MASK", "SPECIAL", "START", "END", "STOP", "MAX", "MIN", "NUM",
-    "TEXT", "LABEL", "IMAGE", "COLUMN", "FIELD", "SORT", "GROUP", "PARTITION", "CACHE", "HASH", "RNG", "SEED"})
+    "TEXT", "LABEL", "IMAGE", "COLUMN", "FIELD", "SORT", "GROUP", "PARTITION", "CACHE", "HASH", "RNG", "SEED",
+    "FORWARD", "BACKWARD", "FWD", "BWD", "FIRST", "SECOND", "LAST", "SINGLE", "MULTI", "ONE", "TWO", "EVAL",
+    "TRAIN", "TEST", "DATA", "EPOCH", "RENDER", "SHADOW"})
 """Words before such an ending that make it a model's or dataset's setting: ``pad_token``, ``eos_token``,
-``max_token``, ``text_key``, ``rng_key``."""
+``max_token``, ``text_key``, ``rng_key``, ``backward_pass``, ``eval_pass``."""
 _LONE_CREDENTIALS = ("TOKEN", "AUTH")
 # The words of a name: split at separators and at case changes (apiKey, HFToken), upper-cased.
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")

@@ -36,12 +36,14 @@ CONF = Path(__file__).resolve().parents[1] / "orchestrator" / "conf"
     ("AWS_ACCESS_KEY_ID", "ACCESS_KEY"), ("api_key", "API_KEY"), ("apiKey", "API_KEY"),
     ("OPENAI_APIKEY", "API_KEY"), ("PRIVATE_KEY_PEM", "PRIVATE_KEY"), ("AZURE_STORAGE_ACCOUNT_KEY", "KEY"),
     ("GOOGLE_APPLICATION_CREDENTIALS", "CREDENTIAL"), ("ssh_passphrase", "PASSPHRASE"),
+    ("DB_PASS", "PASS"), ("SMTP_PASS", "PASS"), ("dbPass", "PASS"),
     # Not credentials: counts and names of a model's tokens, a dataset's keys, the shell's directory.
     ("max_tokens", None), ("tokenizer_name", None), ("tokenizer", None), ("tokens_per_sample", None),
     ("pad_token", None), ("eos_token", None), ("pad_token_id", None), ("num_key_value_heads", None),
     ("text_key", None), ("key", None), ("no_such_key", None), ("sort_key", None), ("signing_key", "KEY"),
     ("AUTHOR", None), ("author", None), ("RAY_AUTH_MODE", None),
     ("TOKENIZERS_PARALLELISM", None), ("PWD", None), ("OLDPWD", None), ("MLFLOW_TRACKING_USERNAME", None),
+    ("PASS", None), ("backward_pass", None), ("eval_pass", None), ("PASS_COUNT", None), ("bypass", None),
 ])
 def test_a_name_is_a_credential_by_its_words_not_its_letters(name, word):
     assert credential_word(name) == word
