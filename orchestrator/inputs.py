@@ -12,7 +12,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from launchers.storage import location_violation
+from launchers.storage import StagingDirError, location_violation, private_staging_root
 from orchestrator.config import RunConfig
 from orchestrator.declared import declared_violations
 from orchestrator.workload import build_data_source
@@ -91,6 +91,19 @@ def shared_checkpoint_violations(train: TrainSpec, cluster: ClusterSpec) -> list
                       "(s3://bucket/run)")]
 
 
+def _staging_problem() -> str | None:
+    """Why this machine's staging directory for remote checkpoints cannot be used, or None.
+
+    The workers stage a remote checkpoint there before loading it and refuse a directory others
+    could read or write (:func:`launchers.storage.private_staging_root`); checked here too, so a
+    local run is refused before Ray starts rather than by every worker after it did."""
+    try:
+        private_staging_root()
+    except StagingDirError as error:
+        return str(error)
+    return None
+
+
 def checkpoint_dir_violations(train: TrainSpec) -> list[Violation]:
     """A checkpoint directory that will be written must be a directory this user can write, or be
     creatable in one; one that is only read (resume) must not be a file."""
@@ -98,7 +111,7 @@ def checkpoint_dir_violations(train: TrainSpec) -> list[Violation]:
     if not writes and train.resume != ResumeMode.auto:
         return []
     if is_remote(train.checkpoint_dir):
-        problem = location_violation(train.checkpoint_dir)
+        problem = location_violation(train.checkpoint_dir) or _staging_problem()
         if problem is None:
             return []
         why, _, fix = problem.partition(" Fix: ")

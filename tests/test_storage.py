@@ -172,3 +172,25 @@ def test_a_download_that_fails_verification_is_removed_from_the_staging_director
     with pytest.raises(CheckpointIntegrityError, match="does not match its digest"):
         download_verified(uri, tag_for(2), folder)
     assert not folder.exists()
+
+
+def test_train_refuses_a_staging_directory_others_could_enter_before_ray_starts(s3_env, tmp_path):
+    """The workers refused it (StagingDirError) only after Ray and the workers had started; the
+    driver checks it with the checkpoint location, as the user ran it."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers.processes import worker_env
+
+    node_tmp = tmp_path / "tmp"
+    (node_tmp / f"orch-staging-{os.getuid()}").mkdir(parents=True, mode=0o777)
+    (node_tmp / f"orch-staging-{os.getuid()}").chmod(0o777)
+    location = f"s3://{s3_env['bucket']}/staged-run"
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "train", "train.steps=2", "train.resume=auto",
+                           f"train.checkpoint_dir={location}"], cwd=tmp_path,
+                          env={**worker_env(), "TMPDIR": str(node_tmp)}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"train.checkpoint_dir='{location}'" in done.stderr and "mode 0777" in done.stderr, done.stderr
+    assert "Fix: remove" in done.stderr, done.stderr
+    assert "Started a local Ray instance" not in done.stderr + done.stdout
