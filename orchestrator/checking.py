@@ -15,11 +15,12 @@ from orchestrator.inputs import declared_violations, validated_plan
 from orchestrator.models import inspect_declared_model
 from orchestrator.workload import resolve_workload
 from plans.cluster_facts import reconcile
-from plans.cost_model import DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S, host_threads
+from plans.cost_model import DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S, StepTime, host_threads
 from plans.errors import PipelineRefused, PlanError, Violation
 from plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
 from plans.fsdp_memory import FSDPMemory
 from plans.model_facts import ModelFacts
+from plans.prediction import declared_speeds_note
 from plans.resolve import ResolvedPlan
 from plans.spec import Accelerator, ClusterSpec, EngineName, Offload
 from plans.workload import Workload
@@ -218,13 +219,15 @@ def checked_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = N
 # The top-level keys of `orch check --json`; tools read these names, so they only ever grow.
 # ``per_device`` and every entry of ``stages`` hold plans.estimate.DEVICE_JSON_KEYS.
 CHECK_JSON_KEYS = ("feasible", "world_size", "plan", "model", "per_device", "per_node_host", "stages",
-                   "pipeline", "phases", "violations", "suggestions", "attention", "fsdp", "cluster", "placement")
+                   "pipeline", "phases", "violations", "suggestions", "attention", "fsdp", "cluster", "placement",
+                   "predicted_step")
 CLUSTER_JSON_KEYS = ("source", "notes", "nodes", "devices_per_node", "device_memory_gib", "host_memory_gib")
 
 
-def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) -> dict:
+def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str], step: StepTime) -> dict:
     """The `orch check --json` document: the estimate (:meth:`PlanEstimate.as_json`), the cluster
-    it was planned for (``source``: live or declared) and the rank placement.
+    it was planned for (``source``: live or declared), the rank placement and the predicted step
+    (:func:`plans.prediction.declared_plan_step`: ``StepTime.as_dict`` and where its speeds come from).
 
     Every value is a plain JSON type (``json.dumps`` needs no ``default=``)."""
     doc = estimate.as_json()
@@ -233,7 +236,17 @@ def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str
                       "device_memory_gib": cluster.device_memory_gib, "host_memory_gib": cluster.host_memory_gib}
     plan = estimate.plan
     doc["placement"] = rank_layout(plan.world_size, cluster.devices_per_node, plan.tp, plan.pp)
+    doc["predicted_step"] = {**step.as_dict(), "speeds": declared_speeds_note(cluster, plan.precision)}
     return doc
+
+
+def _step_lines(step: StepTime, plan: ResolvedPlan, cluster: ClusterSpec) -> list[str]:
+    """The declared plan's predicted step: its time, its parts, and the speeds it assumes."""
+    parts = ", ".join(f"{name} {seconds:.3g}" for name, seconds in step.as_dict()["parts_s"].items() if seconds > 0)
+    return [f"step time  {step.total_s:.3g} s predicted ({parts} s), "
+            f"{plan.global_batch_size / step.total_s:,.1f} samples/s",
+            f"  at speeds {declared_speeds_note(cluster, plan.precision)}; `orch tune` measures the cluster's "
+            "own speeds on its workers and confirms the ranking with short trials"]
 
 
 def _fmt(n: int) -> str:
@@ -295,8 +308,8 @@ def _host_optimizer_lines(cluster: ClusterSpec) -> list[str]:
     return lines
 
 
-def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) -> str:
-    """The human-readable report: breakdown, host side, verdict and fixes."""
+def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = (), step: StepTime | None = None) -> str:
+    """The human-readable report: breakdown, host side, the predicted step time, verdict and fixes."""
     p, d, h, m = estimate.plan, estimate.per_device, estimate.per_node_host, estimate.model
     fsdp2 = p.engine == EngineName.fsdp2
     lines = [
@@ -350,6 +363,8 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = ()) 
                      + (f" + {_fmt(b.weights).strip()} of weight files" if b.weights else "") + ")")
     lines.append("")
     lines += _placement_lines(rank_layout(p.world_size, cluster.devices_per_node, p.tp, p.pp)) + [""]
+    if step is not None:
+        lines += _step_lines(step, p, cluster) + [""]
     if estimate.feasible:
         lines.append(f"verdict  FITS with {p.engine.value}: {_fmt(d.total).strip()} of {_fmt(d.capacity).strip()} "
                      "per device")

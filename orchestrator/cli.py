@@ -164,18 +164,20 @@ def check_app(cfg: DictConfig) -> None:
     protect_config(cfg)
     import json
 
-    from orchestrator.checking import check_document, check_run, live_cluster, render
+    from orchestrator.checking import check_document, checked_run, live_cluster, render
+    from plans.prediction import declared_plan_step
 
     try:
         typed, model_cfg, _ = to_typed(cfg)
         with storage_checks_bounded(typed), _stdout_for_json_only(), live_cluster(typed) as (cluster, notes):
-            estimate, _ = check_run(typed, model_cfg, cluster)
+            estimate, facts, probe, _ = checked_run(typed, model_cfg, cluster)
+            step = declared_plan_step(estimate.plan, cluster, typed.optim, probe, facts.param_count)
     except OrchError as error:
         _fail(error)
     if _OPTIONS["json"]:
-        print(json.dumps(check_document(estimate, cluster, notes), indent=2))
+        print(json.dumps(check_document(estimate, cluster, notes, step), indent=2))
     else:
-        print(render(estimate, cluster, notes))
+        print(render(estimate, cluster, notes, step))
     if not estimate.feasible:
         sys.exit(1)
 

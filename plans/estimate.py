@@ -23,7 +23,7 @@ from plans.attention import KernelLog
 from plans.build_memory import GIB, BuildMemory, build_memory, build_violation, format_bytes
 from plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from plans.engine import EngineSettings, ZeroStage, engine_settings, fsdp_mesh
-from plans.errors import Violation
+from plans.errors import PlanError, Violation, first_line
 from plans.fsdp_memory import FSDPMemory, FSDPUnits, fsdp_memory, fsdp_units
 from plans.memory import (
     DevicePhases,
@@ -269,8 +269,17 @@ class ModelProbe:
         return measure_activations(factory, **args)
 
     def activations(self, plan: ResolvedPlan) -> ActivationBytes:
-        return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing, plan.tp,
-                                 plan.accelerator)
+        """The plan's activations, or a PlanError when the model refuses its micro-batch in training
+        (a BatchNorm needs two values per channel: one sample at a 1x1 feature map is refused)."""
+        try:
+            return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing, plan.tp,
+                                     plan.accelerator)
+        except ValueError as error:
+            raise PlanError([Violation(
+                "plan.micro_batch_size", plan.micro_batch_size,
+                f"the model refuses a training micro-batch of {plan.micro_batch_size}: "
+                f"{type(error).__name__}: {first_line(error)}.",
+                "raise plan.micro_batch_size (and lower plan.grad_accum_steps to keep the global batch)")]) from error
 
     def _attention_kernels(self, precision: Precision, accelerator: Accelerator) -> KernelLog:
         return attention_kernels(self.sample, inputs=self.inputs, dtype=precision.dtype, accelerator=accelerator)

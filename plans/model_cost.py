@@ -79,12 +79,20 @@ class GemmRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+
+
 def _gemm_pass(module: torch.nn.Module, inputs: ModelInputs, samples: int) -> list[tuple[int, int, int, int]]:
     """GEMM shapes of one forward and loss of ``samples`` samples, attention through the fused
     kernels a GPU runs (not GEMMs of their own). Backward is not run: each forward GEMM
     ``C = A B`` has two backward ones of its FLOPs, ``dA = dC B^T`` and ``dB = A^T dC``
     (:func:`_with_backward`), and the forward alone takes a third of the time to trace."""
     batch = move_batch(inputs.example_batch(samples), "meta")
+    # At one sample a BatchNorm in training mode refuses a 1x1 feature map (ResNet-50 on small
+    # images): it normalizes by its running statistics instead, with the same GEMMs around it.
+    for sub in module.modules():
+        if isinstance(sub, _BATCH_NORMS):
+            sub.eval()
     with torch.no_grad(), fused_attention(), GemmRecorder() as recorder, MetaBranches():
         inputs.objective(call_model(module, batch), batch)
     return recorder.shapes

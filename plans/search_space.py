@@ -32,8 +32,8 @@ from plans.activations import ActivationBytes, measure_activations, measure_acti
 from plans.cost_model import ModelCost, Speeds, StepTime
 from plans.errors import PlanError
 from plans.estimate import ModelProbe, PlanEstimate, estimate_plan
-from plans.fsdp_cost import predict
 from plans.pipeline import PipelineLayer, PipelineStage, pipeline_stages
+from plans.prediction import plan_step
 from plans.resolve import PP_ZERO_STAGES, TP_ZERO_STAGES, ResolvedPlan, divisors, resolve_plan
 from plans.spec import (
     Accelerator,
@@ -309,10 +309,13 @@ def search(space: SearchSpace, ctx: SearchContext) -> SearchResult:
         if problem := ctx.plan_problem(plan):
             result.rejected[problem] += 1
             continue
-        estimate = estimate_plan(plan, ctx.cluster, ctx.optim, ctx.probe)
-        root = ctx.probe.fsdp_units(plan.tp).root if plan.engine == EngineName.fsdp2 else 0
-        predicted = predict(plan, ctx.model_cost, ctx.speeds, devices_per_node=ctx.cluster.devices_per_node,
-                            optim=ctx.optim, root_params=root)
+        try:
+            estimate = estimate_plan(plan, ctx.cluster, ctx.optim, ctx.probe)
+        except PlanError as error:  # the model refuses the plan's micro-batch
+            result.rejected[plan_error_reason(error)] += 1
+            continue
+        predicted = plan_step(plan, ctx.model_cost, ctx.speeds, ctx.probe,
+                              devices_per_node=ctx.cluster.devices_per_node, optim=ctx.optim)
         candidate = Candidate(plan=plan, estimate=estimate, predicted=predicted)
         if estimate.feasible:
             result.ranked.append(candidate)

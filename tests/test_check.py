@@ -6,15 +6,17 @@ import json
 import subprocess
 import sys
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from helpers.config import compose_config
 from helpers.processes import worker_env
-from orchestrator.checking import CHECK_JSON_KEYS, CLUSTER_JSON_KEYS, check_document, check_run
+from orchestrator.checking import CHECK_JSON_KEYS, CLUSTER_JSON_KEYS, check_document, check_run, checked_run
 from orchestrator.config import to_typed
-from plans.errors import OrchError
+from plans.errors import OrchError, PlanError
 from plans.estimate import DEVICE_JSON_KEYS, GIB
+from plans.prediction import declared_plan_step
 
 BIG = ["model=gpt3_175b", "cluster=a100_8x", "cluster.nodes=128", "plan.precision=bf16", "plan.micro_batch_size=1"]
 
@@ -151,6 +153,46 @@ def test_check_says_how_many_threads_an_offloaded_optimizer_steps_on():
     assert "CPU optimizer" not in report("cluster.accelerator=gpu")
 
 
+def test_check_predicts_the_declared_plans_step_time_as_tune_prices_it():
+    """`orch check` printed memory only; its step time is the tuner's for the same plan."""
+    from orchestrator.checking import render
+    from orchestrator.tune.search import prepare
+    from plans.search_space import search
+
+    overrides = ("plan.zero_stage=2", "cluster.devices_per_node=4", "plan.micro_batch_size=4")
+    typed, model_cfg, _ = to_typed(compose_config(*overrides))
+    estimate, facts, probe, _ = checked_run(typed, model_cfg)
+    step = declared_plan_step(estimate.plan, typed.cluster, typed.optim, probe, facts.param_count)
+    space, ctx = prepare(typed, model_cfg, typed.cluster)
+    def layout(plan) -> tuple:
+        return (plan.engine, plan.dp, plan.tp, plan.pp, plan.zero_stage, plan.offload_optimizer, plan.offload_param,
+                plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum_steps, plan.precision)
+
+    [tuned] = [c for c in search(space, ctx).ranked if layout(c.plan) == layout(estimate.plan)]
+    assert step.total_s == pytest.approx(tuned.predicted.total_s, rel=1e-6)
+    text = render(estimate, typed.cluster, [], step)
+    assert f"step time  {step.total_s:.3g} s predicted (compute" in text
+    assert f"{estimate.plan.global_batch_size / step.total_s:,.1f} samples/s" in text and "orch tune" in text
+
+
+def test_a_micro_batch_the_model_refuses_in_training_is_a_plan_error_and_the_tuner_skips_it():
+    """ResNet-50 on 32x32 images ends in a 1x1 feature map whose BatchNorm refuses one sample in
+    training: `orch check` crashed with the raw ValueError and `orch tune` stopped at it."""
+    from orchestrator.tune.search import prepare
+    from plans.search_space import search
+
+    typed, model_cfg, _ = to_typed(compose_config("experiment=resnet50_bf16", "plan.micro_batch_size=1"))
+    with pytest.raises(PlanError) as refused:
+        check_run(typed, model_cfg)
+    [violation] = refused.value.violations
+    assert violation.field == "plan.micro_batch_size" and "more than 1 value per channel" in violation.message
+    typed, model_cfg, _ = to_typed(compose_config("experiment=resnet50_bf16"))  # a global batch of 16
+    space, ctx = prepare(typed, model_cfg, typed.cluster)
+    result = search(space, ctx)
+    assert result.rejected["plan.micro_batch_size: the model refuses a training micro-batch of 1"] > 0
+    assert result.ranked and all(c.plan.micro_batch_size > 1 for c in result.ranked)
+
+
 def test_rank_layout_keeps_tensor_parallel_groups_inside_a_node():
     from launchers.placement import rank_layout
 
@@ -224,10 +266,11 @@ def test_check_json_document_serializes_with_the_documented_keys(devices, dp, tp
                  f"plan.activation_checkpointing={str(checkpointing).lower()}", f"cluster.device_memory_gib={memory}"]
     typed, model_cfg, _ = to_typed(compose_config(*overrides))
     try:
-        estimate, _ = check_run(typed, model_cfg)
+        estimate, facts, probe, _ = checked_run(typed, model_cfg)
     except OrchError:
         return  # refused as invalid input: `orch check` prints the problems and exits 2, no document
-    doc = json.loads(json.dumps(check_document(estimate, typed.cluster)))  # strict: no default=
+    step = declared_plan_step(estimate.plan, typed.cluster, typed.optim, probe, facts.param_count)
+    doc = json.loads(json.dumps(check_document(estimate, typed.cluster, [], step)))  # strict: no default=
     assert tuple(doc) == CHECK_JSON_KEYS
     assert tuple(doc["cluster"]) == CLUSTER_JSON_KEYS
     assert doc["feasible"] is estimate.feasible and doc["feasible"] == (doc["violations"] == [])
@@ -235,6 +278,8 @@ def test_check_json_document_serializes_with_the_documented_keys(devices, dp, tp
         assert tuple(device) == DEVICE_JSON_KEYS
     assert len(doc["stages"]) == pp and len(doc["placement"]) == doc["world_size"]
     assert len(doc["pipeline"]["stages"]) == (pp if pp > 1 else 0)
+    predicted = doc["predicted_step"]
+    assert predicted["step_time_s"] == pytest.approx(sum(predicted["parts_s"].values())) and predicted["speeds"]
 
 
 def test_with_json_the_log_lines_go_to_stderr_and_stdout_holds_the_document_only(tmp_path):
@@ -252,6 +297,8 @@ def test_check_json_of_the_pipeline_plan_through_the_command_line(tmp_path):
     assert done.returncode in (0, 1), done.stderr
     doc = json.loads(done.stdout)
     assert doc["plan"]["pp"] > 1 and [type(s["start"]) for s in doc["pipeline"]["stages"]] == [int] * doc["plan"]["pp"]
+    # The declared plan's step time, as `orch tune` prices it: a pipeline's idle bubble among its parts.
+    assert doc["predicted_step"]["parts_s"]["bubble"] > 0 and doc["predicted_step"]["step_time_s"] > 0
 
 
 def test_check_an_fsdp2_plan_names_its_parts_and_engine(tmp_path):

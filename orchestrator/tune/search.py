@@ -23,11 +23,12 @@ from orchestrator.tune.result import TrainBudget, TuneResult
 from orchestrator.tune.tracking import finish_parent, start_parent
 from orchestrator.tune.trials import pick_winner, run_trial
 from orchestrator.workload import resolve_workload
-from plans.cost_model import DECLARED_SPEEDS, Speeds, speed_defaults
+from plans.cost_model import Speeds
 from plans.depth_scaling import SHALLOW_DEPTHS
 from plans.errors import PlanError, Violation
 from plans.meta import meta_device
 from plans.model_cost import measure_model_cost
+from plans.prediction import EXACT_PARAMS_LIMIT, declared_speeds_note
 from plans.resolve import ResolvedPlan
 from plans.search_space import (
     BatchScaledProbe,
@@ -39,12 +40,6 @@ from plans.search_space import (
 )
 from plans.spec import Accelerator, EngineName, Offload
 from plans.workload import Workload, data_task_cpus
-
-# Models above this many parameters get their activations measured at one micro-batch size and
-# scaled (plans.search_space.BatchScaledProbe), and their FLOPs and activations counted at two
-# shallow depths and extrapolated (plans.depth_scaling), as deep models (plans.depth_scaling.
-# DEPTH_SCALED_FROM layers or more) always are; smaller ones are measured in full, in ms.
-_EXACT_PARAMS_LIMIT = 1_000_000_000
 
 
 def declared_global_batch(cfg: RunConfig, world_size: int) -> int:
@@ -93,7 +88,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
                                             Offload.none,  # the tuner offloads to the CPU at most
                                             factory=workload.model_factory)
     check_model(dataclasses.replace(facts, supports_activation_checkpointing=True), cfg, workload)
-    large = facts.param_count >= _EXACT_PARAMS_LIMIT
+    large = facts.param_count >= EXACT_PARAMS_LIMIT
     probe = BatchScaledProbe(workload.model_factory, workload, tp_layer_specs=tp_layer_specs,
                              pipeline_layers=workload.pipeline_layers,
                              exact_up_to=1 if large else 64, depth_scaled=large, shallow=shallow)
@@ -151,21 +146,6 @@ def _matmul_shape(probe) -> tuple[int, int]:
         return 1024, 1024
     big = max(linears, key=lambda m: m.weight.numel())
     return big.in_features, big.out_features
-
-
-def declared_speeds_note(cluster, precision=None) -> str:
-    """Where the declared speeds come from: the cluster config, or the accelerator's defaults for
-    those it leaves unset (at the plan's precision), named with the values used."""
-    defaulted = speed_defaults(cluster, precision)
-    accelerator = cluster.accelerator.value
-    if len(defaulted) == len(DECLARED_SPEEDS[accelerator]):
-        return (f"the {accelerator} defaults of plans/cost_model.py DECLARED_SPEEDS (the cluster config sets "
-                "none; set cluster.device_tflops, ... to declare your own)")
-    note = "declared in the cluster config (cluster.device_tflops, ...)"
-    if defaulted:
-        note += f"; unset, so the {accelerator} defaults: " + ", ".join(
-            f"cluster.{name}={value:g}" for name, value in defaulted.items())
-    return note
 
 
 def measure_speeds(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchContext) -> tuple[Speeds, str]:
