@@ -185,3 +185,77 @@ def test_ctrl_c_during_a_check_of_a_silent_store_ends_orch_check_at_once(silent_
     assert proc.returncode == 128 + signal.SIGINT, stderr[-3000:]
     assert "stopped by SIGINT" in stderr and "Traceback" not in stderr and "Segmentation" not in stderr
     assert seconds < SLACK_S
+
+
+class StallingProxy:
+    """A loopback proxy to a real S3 server that forwards every request until one names
+    ``stall_on``, which it holds unanswered: a store that passes the first check and then stalls
+    (as a bucket behind a congested link, or a host gone half-way through a run)."""
+
+    def __init__(self, upstream_port: int, stall_on: bytes) -> None:
+        self.upstream_port, self.stall_on = upstream_port, stall_on
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.stalled = threading.Event()
+        self._held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self._held += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, requests: bool) -> None:
+        try:
+            while chunk := source.recv(65536):
+                if requests and self.stall_on in chunk:
+                    self.stalled.set()
+                    return  # the request is never forwarded, the connection never answered
+                sink.sendall(chunk)
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.server.close()
+        for conn in self._held:
+            conn.close()
+
+
+def test_train_and_export_give_up_a_store_that_stalls_after_its_check(s3_store, tmp_path):
+    """The location check passes (the listing is answered), then reading the checkpoint pointer
+    stalls: `orch train train.resume=auto` waited minutes and `orch export` ended in a raw
+    OSError; both now exit 2 within cluster.connect_timeout_s, naming the directory."""
+    import mlflow
+
+    host = s3_store["env"]["AWS_ENDPOINT_URL"]
+    proxy = StallingProxy(int(host.rsplit(":", 1)[1]), stall_on=b"latest.json")
+    env = {**worker_env(), **s3_store["env"], "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}
+    location, uri = "s3://orch/stalls-after-its-check", f"sqlite:///{tmp_path}/mlflow.db"
+    try:
+        train = subprocess.run([ORCH, "train", "train.steps=2", "train.resume=auto", f"train.checkpoint_dir={location}",
+                                "cluster.connect_timeout_s=2", f"tracking.uri={uri}"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=240)
+        assert proxy.stalled.is_set(), train.stderr[-3000:]
+        assert train.returncode == 2, train.stderr[-3000:]
+        assert f"train.checkpoint_dir='{location}'" in train.stderr and "timed out after 2 s" in train.stderr
+        assert "Traceback" not in train.stderr
+
+        client = mlflow.MlflowClient(uri)
+        run_id = client.create_run(client.create_experiment("stalls")).info.run_id
+        client.log_param(run_id, "train.checkpoint_dir", location)
+        proxy.stalled.clear()
+        export = subprocess.run([ORCH, "export", run_id, f"tracking.uri={uri}", "cluster.connect_timeout_s=2",
+                                 "--out", str(tmp_path / "model")], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=240)
+        assert proxy.stalled.is_set(), export.stderr[-3000:]
+        assert export.returncode == 2, export.stderr[-3000:]
+        assert "train.checkpoint_dir" in export.stderr and "timed out after 2 s" in export.stderr
+        assert "Traceback" not in export.stderr and "OSError" not in export.stderr
+    finally:
+        proxy.close()
