@@ -328,6 +328,10 @@ def test_time_to_train_cost_and_mfu_follow_from_the_predicted_speed():
     assert steps.tokens == 100 * 512 * 2048 and "train.steps 100" in steps.source
     assert steps.cost_usd(step) is None
     assert TrainBudget.declared(TrainSpec(), ClusterSpec(), 16, 128).mfu(step) is None  # no peak on CPU
+    # A workload without tokens (images) counts samples, and says so.
+    images = TrainBudget.declared(TrainSpec(steps=100), A100, 512, None)
+    assert (images.tokens, images.unit, images.source) == (100 * 512, "samples", "train.steps 100 x global batch 512")
+    assert steps.unit == "tokens" and "x sequence 2048" in steps.source
     assert [duration(s) for s in (30, 600, 7200 * 2, 86400 * 10)] == ["30 s", "10 min", "4 h", "10.0 d"]
 
 

@@ -29,19 +29,26 @@ class TrainBudget:
     """Dense peak TFLOP/s of one device as declared (``cluster.device_tflops`` or the GPU default);
     None on CPU workers, whose declared number is an order of magnitude, not a peak."""
     device_hour_usd: float | None = None
+    unit: str = "tokens"
+    """What ``tokens`` and the rates count: tokens for a workload whose samples are sequences,
+    samples for one whose are not (images, tabular rows), where a 'token' would be a sample."""
 
     @classmethod
-    def declared(cls, train: TrainSpec, cluster: ClusterSpec, global_batch_size: int, seq_len: int,
+    def declared(cls, train: TrainSpec, cluster: ClusterSpec, global_batch_size: int, seq_len: int | None,
                  precision: Precision | None = None) -> TrainBudget:
+        """``seq_len``: tokens per sample, or None for a workload without tokens."""
+        unit = "tokens" if seq_len else "samples"
+        seq_len = seq_len or 1
         if train.tokens:
             tokens, source = train.tokens, "train.tokens"
         else:
             tokens = train.steps * global_batch_size * seq_len
-            source = f"train.steps {train.steps} x global batch {global_batch_size} x sequence {seq_len}"
+            source = (f"train.steps {train.steps} x global batch {global_batch_size}"
+                      + (f" x sequence {seq_len}" if unit == "tokens" else ""))
         peak = (declared_speed_values(cluster, precision)["device_tflops"] if cluster.accelerator == Accelerator.gpu
                 else None)
         return cls(tokens=tokens, source=source, devices=cluster.world_size, peak_tflops=peak,
-                   device_hour_usd=cluster.device_hour_usd)
+                   device_hour_usd=cluster.device_hour_usd, unit=unit)
 
     def time_s(self, step: StepTime) -> float:
         """Predicted seconds to train ``tokens`` at the plan's predicted throughput."""
@@ -60,7 +67,7 @@ class TrainBudget:
 
     def as_json(self) -> dict:
         return {"tokens": self.tokens, "source": self.source, "devices": self.devices,
-                "peak_tflops": self.peak_tflops, "device_hour_usd": self.device_hour_usd}
+                "peak_tflops": self.peak_tflops, "device_hour_usd": self.device_hour_usd, "unit": self.unit}
 
     def predicted_json(self, step: StepTime) -> dict:
         return {"mfu": self.mfu(step), "time_to_train_s": self.time_s(step), "cost_usd": self.cost_usd(step)}
@@ -187,16 +194,17 @@ def _budget_columns(budget: TrainBudget | None, step: StepTime | None) -> str:
 def render(result: TuneResult, top_k: int) -> str:
     s = result.search
     budget = result.budget
+    unit = budget.unit if budget else "tokens"
     lines = [f"searched {s.enumerated} plans in {s.seconds:.2f}s: {len(s.ranked)} fit, "
              f"{s.enumerated - len(s.ranked)} rejected; global batch {result.global_batch_size}",
              f"speeds: {result.speeds_note}"]
     if budget:
-        lines.append(f"time to train {budget.tokens:,} tokens ({budget.source}) on {budget.devices} devices"
+        lines.append(f"time to train {budget.tokens:,} {unit} ({budget.source}) on {budget.devices} devices"
                      + (f" at ${budget.device_hour_usd:g} per device-hour" if budget.device_hour_usd is not None
                         else "; set cluster.device_hour_usd to price it")
                      + ("; MFU: the model's FLOPs (no recomputation) over the declared peak "
                         f"{budget.peak_tflops:g} TFLOP/s" if budget.peak_tflops else ""))
-    lines += ["", f"{'#':>3}  {'engine':<9} {'plan':<66} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8}"
+    lines += ["", f"{'#':>3}  {'engine':<9} {'plan':<66} {'step s':>9} {unit + '/s':>11} {'TFLOP/s':>8}"
               f"{_budget_columns(budget, None)} {'peak mem':>10}  measured"]
     tried = {id(t.candidate): t for t in result.trials}
     shown = s.ranked[:top_k] + [t.candidate for t in result.trials if t.candidate not in s.ranked[:top_k]]
@@ -206,7 +214,7 @@ def render(result: TuneResult, top_k: int) -> str:
         trial = tried.get(id(c))
         measured = ""
         if trial and trial.status == "ok":
-            measured = f"{trial.step_time_s:.3g} s, {trial.tokens_per_s:,.0f} tok/s, {_mem(trial.peak_bytes)}"
+            measured = f"{trial.step_time_s:.3g} s, {trial.tokens_per_s:,.0f} {unit}/s, {_mem(trial.peak_bytes)}"
         elif trial:
             measured = f"{trial.status}: {trial.error}"
         lines.append(f"{rank:>3}  {c.plan.engine.value:<9} {_layout_text(c.plan):<66} "
@@ -223,7 +231,7 @@ def render(result: TuneResult, top_k: int) -> str:
         if budget:
             step = result.winner.predicted
             cost = budget.cost_usd(step)
-            lines.append(f"  predicted to train {budget.tokens:,} tokens in {duration(budget.time_s(step))}"
+            lines.append(f"  predicted to train {budget.tokens:,} {unit} in {duration(budget.time_s(step))}"
                          + (f" for {_usd(cost)}" if cost is not None else ""))
         if result.plan_file:
             lines.append(f"  written to {result.plan_file}")

@@ -205,7 +205,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
         result = TuneResult(search=search(space, ctx), speeds=speeds, speeds_note=note,
                             global_batch_size=space.global_batch_size,
                             budget=TrainBudget.declared(cfg.train, cluster, space.global_batch_size,
-                                                        ctx.model_cost.seq_len, cfg.plan.precision))
+                                                        ctx.probe.inputs.tokens_per_sample, cfg.plan.precision))
         if not result.search.ranked:
             raise PlanError([Violation("plan", "any", f"none of the {result.search.enumerated} plans of the search "
                                        f"space fits: {dict(result.search.rejected.most_common(5))}.",
