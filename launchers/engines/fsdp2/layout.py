@@ -11,6 +11,8 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
+from plans.engine import fsdp_mesh
+
 if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
@@ -68,13 +70,14 @@ def meshes(plan: ResolvedPlan, device_type: str,
 
     dims, names = [plan.dp], ["dp_shard"]
     if plan.fsdp.hybrid:
+        # The planner's mesh (plans.engine.fsdp_mesh), at the workers this node really holds.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
-        if local % plan.tp or plan.dp % (local // plan.tp):
+        layout = fsdp_mesh(plan, local)
+        if local % plan.tp or layout.shard * layout.replicate != plan.dp:
             raise RuntimeError(f"plan.fsdp.hybrid: the {local} workers per node (LOCAL_WORLD_SIZE) must be a multiple "
                                f"of plan.tp({plan.tp}) and hold a divisor of plan.dp({plan.dp}) replicas; set "
                                "plan.fsdp.hybrid=false or change the workers per node")
-        shard = local // plan.tp
-        dims, names = [plan.dp // shard, shard], ["dp_replicate", "dp_shard"]
+        dims, names = [layout.replicate, layout.shard], ["dp_replicate", "dp_shard"]
     if plan.tp > 1:
         dims, names = [*dims, plan.tp], [*names, "tp"]
     mesh = init_device_mesh(device_type, tuple(dims), mesh_dim_names=tuple(names))
