@@ -313,11 +313,7 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = (), 
     p, d, h, m = estimate.plan, estimate.per_device, estimate.per_node_host, estimate.model
     fsdp2 = p.engine == EngineName.fsdp2
     lines = [
-        f"plan     {p.engine_text()} dp={p.dp} tp={p.tp} pp={p.pp} "
-        f"offload_optimizer={p.offload_optimizer.value} offload_param={p.offload_param.value} "
-        f"activation_checkpointing={str(p.activation_checkpointing).lower()} precision={p.precision.value} "
-        f"micro_batch_size={p.micro_batch_size} grad_accum_steps={p.grad_accum_steps} "
-        f"(global batch {p.global_batch_size})",
+        f"plan     {p.layout_text()} (global batch {p.global_batch_size})",
         f"cluster  {cluster.nodes} node(s) x {cluster.devices_per_node} {p.accelerator.value} device(s) "
         f"of {cluster.device_memory_gib:g} GiB, {cluster.host_memory_gib:g} GiB host memory per node"
         + (" (read off the live cluster)" if cluster.address and cluster.discover else " (declared)"),

@@ -58,6 +58,14 @@ class ResolvedPlan:
                 f"fsdp.{k}={str(v).lower()}" for k, v in dataclasses.asdict(self.fsdp).items())
         return f"engine={self.engine.value} zero_stage={self.zero_stage}"
 
+    def layout_text(self) -> str:
+        """The plan in one line, as its overrides would say it (`orch check` and `orch train` print it)."""
+        return (f"{self.engine_text()} dp={self.dp} tp={self.tp} pp={self.pp} "
+                f"offload_optimizer={self.offload_optimizer.value} offload_param={self.offload_param.value} "
+                f"activation_checkpointing={str(self.activation_checkpointing).lower()} "
+                f"precision={self.precision.value} micro_batch_size={self.micro_batch_size} "
+                f"grad_accum_steps={self.grad_accum_steps}")
+
     def as_dict(self) -> dict[str, object]:
         """Plain values (enums as strings), for tracking and JSON output, flat: an FSDP2 plan's
         settings are ``fsdp.reshard_after_forward`` and ``fsdp.hybrid``, the names its overrides

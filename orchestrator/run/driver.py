@@ -288,11 +288,8 @@ def open_tracking(cfg: RunConfig, model_cfg: dict, prepared: PreparedJob, publis
 
 def _print_plan(prepared: PreparedJob, out) -> None:
     plan = prepared.plan
-    print(f"plan: {plan.engine_text()} dp={plan.dp} tp={plan.tp} pp={plan.pp} "
-          f"offload_optimizer={plan.offload_optimizer.value} offload_param={plan.offload_param.value} "
-          f"activation_checkpointing={plan.activation_checkpointing} precision={plan.precision.value} "
-          f"micro_batch_size={plan.micro_batch_size} grad_accum_steps={plan.grad_accum_steps} "
-          f"on {plan.world_size} {plan.accelerator.value} workers; model {prepared.facts.param_count:,} parameters",
+    print(f"plan: {plan.layout_text()} on {plan.world_size} {plan.accelerator.value} workers; "
+          f"model {prepared.facts.param_count:,} parameters",
           file=out, flush=True)
 
 
