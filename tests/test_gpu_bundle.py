@@ -106,7 +106,8 @@ def test_a_damaged_part_is_refused(tmp_path):
     gpu_bundle.pack(wheels, tmp_path / "bundle", trip_mib=0.2, machine={}, slimmed={})
     trip = tmp_path / "bundle" / "trip-1"
     part = next(p for p in trip.iterdir() if p.name != "manifest.json")
-    part.write_bytes(part.read_bytes()[:-1] + b"\0")
+    data = part.read_bytes()
+    part.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # a byte that differs, whatever it was
     with pytest.raises(SystemExit, match="SHA-256"):
         gpu_bundle.stage_trip(trip, tmp_path / "stage")
 
