@@ -178,7 +178,7 @@ def main() -> None:
               "- The machine is a 2-core VM that other jobs can share (the load averages above say how busy "
               "it was), so compare the spreads, not only the medians.",
               "- Measured peak is the memory probe's count on each rank during its probe step "
-              "(`train.memory_probe_step`; `launchers/memory_probe.py`): bytes of live tensor storages, "
+              "(`train.memory_probe_step`; `orch/launchers/memory_probe.py`): bytes of live tensor storages, "
               "tracked through every operator call, not the process RSS. It counts both engines the same way, "
               "their communication buffers included where torch allocates them (DeepSpeed's flat partitions "
               "and buckets, FSDP2's all-gather and reduce-scatter buffers; a DTensor counts as its local shard).",

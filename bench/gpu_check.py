@@ -202,7 +202,7 @@ class Outcome:
 def orch_command() -> list[str]:
     """The installed `orch`, as a user runs it (falls back to the module beside this checkout)."""
     found = shutil.which("orch", path=os.path.dirname(sys.executable)) or shutil.which("orch")
-    return [found] if found else [sys.executable, "-m", "orchestrator"]
+    return [found] if found else [sys.executable, "-m", "orch"]
 
 
 # ------------------------------------------------------------------------------ predicted times
@@ -221,15 +221,15 @@ def predicted_step_times(cases: list[Case], setup: Setup, machine: Machine, work
 
     from hydra import compose, initialize_config_module
 
-    from launchers.ray_session import ray_session
-    from launchers.worker_group import job_env
-    from orchestrator.config import register_configs, to_typed
-    from orchestrator.tune.search import measure_speeds, prepare
-    from plans.search_space import search
+    from orch.config import register_configs, to_typed
+    from orch.launchers.ray_session import ray_session
+    from orch.launchers.worker_group import job_env
+    from orch.plans.search_space import search
+    from orch.tune.search import measure_speeds, prepare
 
     register_configs()
     configs = {}
-    with initialize_config_module("orchestrator.conf", version_base="1.3"):
+    with initialize_config_module("orch.conf", version_base="1.3"):
         for model in dict.fromkeys(c.model for c in cases):
             configs[model] = to_typed(compose("config", overrides=[
                 *setup.models[model], *machine.cluster_overrides(), "plan.precision=bf16",
@@ -347,7 +347,7 @@ def profile_check(case: Case, setup: Setup, machine: Machine, work: Path, log) -
     14-22 s in its check phase, against about 3 s on the 2-core CPU machines, and nothing here
     shows why without a GPU."""
     profile = work / "check.prof"
-    command = [sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "orchestrator", "check",
+    command = [sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "orch", "check",
                *case.overrides(setup, machine, work)]
     log(f"$ {shlex.join(command)}")
     started = time.perf_counter()
@@ -395,7 +395,7 @@ def export_and_reload(outcome: Outcome, setup: Setup, work: Path, log) -> str:
     seconds = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as tmp:
         check = load_file(MlflowClient(uri).download_artifacts(outcome.run_id, "model/check.safetensors", tmp))
-    from workloads.gpt import GPT
+    from orch.workloads.gpt import GPT
 
     values = dict(o.split("=", 1) for o in setup.models[outcome.case.model] if o.startswith("model."))
     model = GPT(**{k.removeprefix("model."): int(v) for k, v in values.items() if k != "model"})
@@ -467,10 +467,10 @@ def versions_line() -> str:
 def prebuild_ops(work: Path) -> list[tuple[str, subprocess.Popen, float]]:
     """Start building DeepSpeed's FusedAdam (nvcc) and CPU Adam (host compiler) into torch's
     extension cache, so that the cases load them instead of each building one in its setup."""
-    from launchers.engines.deepspeed.config import deepspeed_arch_list
+    from orch.launchers.engines.deepspeed.config import deepspeed_arch_list
 
     env = dict(os.environ)
-    if env.get("TORCH_CUDA_ARCH_LIST"):  # as the workers give it to DeepSpeed (launchers/gpu_worker.py)
+    if env.get("TORCH_CUDA_ARCH_LIST"):  # as the workers give it to DeepSpeed (orch/launchers/gpu_worker.py)
         env["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(env["TORCH_CUDA_ARCH_LIST"])
     builds = []
     for op in ("FusedAdamBuilder", "CPUAdamBuilder"):

@@ -192,7 +192,7 @@ def failure_note(failures: list[str]) -> str:
 
 
 def orch_command(*overrides: str) -> list[str]:
-    return [PYTHON, "-m", "orchestrator", "train", *overrides]
+    return [PYTHON, "-m", "orch", "train", *overrides]
 
 
 def bench_env(**extra: str) -> dict[str, str]:
@@ -278,8 +278,8 @@ def compose_config(*overrides: str):
     """The run config `orch` would compose from ``overrides`` (Hydra's compose API, the shipped conf/)."""
     from hydra import compose, initialize_config_module
 
-    from orchestrator.config import register_configs
+    from orch.config import register_configs
 
     register_configs()
-    with initialize_config_module("orchestrator.conf", version_base="1.3"):
+    with initialize_config_module("orch.conf", version_base="1.3"):
         return compose("config", overrides=list(overrides))

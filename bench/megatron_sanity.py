@@ -8,7 +8,7 @@ precision, full activation recomputation. Black et al., "GPT-NeoX-20B" (2022): 4
 micro-batch 4, 117 TFLOP/s per GPU.
 
 Each row is predicted by ``orch tune``'s own path (the model probed on ``meta`` through
-``orchestrator.tune.search.prepare``, :func:`plans.cost_model.predict_step`) with ``cluster=a100_8x`` as
+``orch.tune.search.prepare``, :func:`orch.plans.cost_model.predict_step`) with ``cluster=a100_8x`` as
 declared (no calibration; each GEMM priced at its shape on the A100's 108 SMs), on the built-in GPT at
 the published shape and with the kernels those
 runs had: attention scores written out, softmax and dropout over them (``model.fused_attention=false``;
@@ -50,13 +50,13 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_module
 
-from orchestrator.config import register_configs, to_typed
-from orchestrator.tune.result import describe
-from orchestrator.tune.search import prepare
-from plans.cost_model import Speeds, predict_step
-from plans.resolve import resolve_plan
-from plans.search_space import SearchContext, search
-from plans.spec import PlanSpec, Precision
+from orch.config import register_configs, to_typed
+from orch.plans.cost_model import Speeds, predict_step
+from orch.plans.resolve import resolve_plan
+from orch.plans.search_space import SearchContext, search
+from orch.plans.spec import PlanSpec, Precision
+from orch.tune.result import describe
+from orch.tune.search import prepare
 
 SEQ = 2048
 
@@ -129,7 +129,7 @@ def config(run: PublishedRun, *extra: str):
                  f"model.dropout={run.dropout}", "model.fused_attention=false",
                  "cluster=a100_8x", f"cluster.nodes={run.gpus // 8}", *run.cluster, "plan.precision=bf16",
                  f"train.global_batch_size={run.batch}", *extra]
-    with initialize_config_module("orchestrator.conf", version_base="1.3"):
+    with initialize_config_module("orch.conf", version_base="1.3"):
         return to_typed(compose("config", overrides=overrides))
 
 

@@ -9,7 +9,7 @@ built-in GPT: a Llama-shaped Hugging Face causal LM on tokenized text, a torchvi
 ZeRO-3 and ResNet-50, in bf16, each also with activation checkpointing; and the FSDP2 engine on
 the built-in GPT, an HF Llama shape and the ViT recipe (``--plans fsdp2``). Each worker measures
 its real peak tensor bytes during ``train.memory_probe_step`` and the tensor bytes it holds after that step
-(launchers/memory_probe.py). The MLflow run of each plan holds both next to the prediction. The
+(orch/launchers/memory_probe.py). The MLflow run of each plan holds both next to the prediction. The
 table compares the most loaded rank against the planner's prediction for it.
 
 What is compared, and why:
@@ -43,11 +43,11 @@ import torch
 from hydra import compose, initialize_config_module
 
 from bench.harness import publish
-from launchers.ray_session import start_local_ray
-from orchestrator.config import register_configs, to_typed
-from orchestrator.run.driver import run_training
-from orchestrator.workload import resolve_workload
-from plans.workload import batch_bytes, move_batch
+from orch.config import register_configs, to_typed
+from orch.launchers.ray_session import start_local_ray
+from orch.plans.workload import batch_bytes, move_batch
+from orch.run.driver import run_training
+from orch.workload import resolve_workload
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,7 +128,7 @@ def measure(overrides: list[str], tracking_uri: str) -> list[dict]:
     """One row for the plan, or one per pipeline stage: the most loaded rank of each against
     the planner's prediction for it."""
     register_configs()
-    with initialize_config_module("orchestrator.conf", version_base="1.3"):
+    with initialize_config_module("orch.conf", version_base="1.3"):
         # The built-in GPT's sizes, unless the plan is an experiment with a model of its own.
         model = [] if any(o.startswith(("experiment=", "model=")) for o in overrides) else MODEL
         cfg = compose("config", overrides=[*model, *RUN, f"tracking.uri={tracking_uri}",

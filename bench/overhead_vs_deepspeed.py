@@ -1,7 +1,7 @@
 """Orchestration overhead: `orch train` against the same DeepSpeed run launched by plain `torchrun`.
 
 Both sides train the built-in GPT with the same plan (dp=2, a ZeRO stage), DeepSpeed config
-(`launchers.engines.deepspeed.config.build_ds_config`, checked against the one `orch` logs), data shards and
+(`orch.launchers.engines.deepspeed.config.build_ds_config`, checked against the one `orch` logs), data shards and
 steps, and log every step. (a) is `python -m torch.distributed.run --nproc-per-node 2` running
 `bench/plain_deepspeed.py`; (b) is `orch train` as a subprocess, tracked in a local sqlite
 MLflow store, with its embedded Ray. Repetitions are interleaved (a, b, a, b, ...) because the

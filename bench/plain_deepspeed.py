@@ -41,9 +41,9 @@ def train(job: dict) -> None:
     import torch
     import torch.nn.functional as F
 
-    from launchers.batches import ShardedBatches
-    from workloads.corpus import ByteWindows, load_bytes, split
-    from workloads.gpt import GPT
+    from orch.launchers.batches import ShardedBatches
+    from orch.workloads.corpus import ByteWindows, load_bytes, split
+    from orch.workloads.gpt import GPT
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     _unlink_shared_memory_buffers()

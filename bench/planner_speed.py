@@ -30,13 +30,13 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 
 from bench.harness import machine, publish
-from orchestrator.config import register_configs, to_typed
-from orchestrator.models import model_factory
-from orchestrator.workload import resolve_workload
-from plans.estimate import ModelProbe, check_plan, estimate_plan
-from plans.resolve import resolve_plan
-from plans.spec import Offload
-from workloads.gpt import TP_LAYER_SPECS
+from orch.config import register_configs, to_typed
+from orch.models import model_factory
+from orch.plans.estimate import ModelProbe, check_plan, estimate_plan
+from orch.plans.resolve import resolve_plan
+from orch.plans.spec import Offload
+from orch.workload import resolve_workload
+from orch.workloads.gpt import TP_LAYER_SPECS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ BIG = ["model=gpt3_175b", "cluster=a100_8x", "plan.precision=bf16", "plan.micro_
 
 def config(nodes: int):
     register_configs()
-    with initialize_config_module("orchestrator.conf", version_base="1.3"):
+    with initialize_config_module("orch.conf", version_base="1.3"):
         return to_typed(compose("config", overrides=[*BIG, f"cluster.nodes={nodes}"]))
 
 
@@ -58,7 +58,7 @@ def cli_check_times(repeats: int) -> dict[int, list[float]]:
     for _ in range(repeats):
         for devices in SIZES:
             started = time.perf_counter()
-            done = subprocess.run([sys.executable, "-m", "orchestrator", "check", "--json", *BIG,
+            done = subprocess.run([sys.executable, "-m", "orch", "check", "--json", *BIG,
                                    f"cluster.nodes={devices // 8}"], cwd=REPO, env=env, capture_output=True,
                                   text=True, timeout=600)
             times[devices].append(time.perf_counter() - started)
@@ -81,7 +81,7 @@ def deep_check_times(repeats: int) -> dict[int, tuple[list[float], int]]:
     for _ in range(repeats):
         for depth in DEPTHS:
             started = time.perf_counter()
-            done = subprocess.run([sys.executable, "-m", "orchestrator", "check", "--json", f"model.n_layer={depth}"],
+            done = subprocess.run([sys.executable, "-m", "orch", "check", "--json", f"model.n_layer={depth}"],
                                   cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
             times[depth][0].append(time.perf_counter() - started)
             times[depth] = (times[depth][0], done.returncode)

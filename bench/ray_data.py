@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
 
-    from workloads.corpus import SHIPPED_CORPUS
+    from orch.workloads.corpus import SHIPPED_CORPUS
 
     work = Path(tempfile.mkdtemp(prefix="bench-ray-data-"))
     lines = gzip.open(SHIPPED_CORPUS, "rt", encoding="utf-8").read().splitlines()

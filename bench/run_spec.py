@@ -15,22 +15,22 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_module
 
-from launchers.engines.deepspeed.config import build_ds_config
-from orchestrator.checking import check_run
-from orchestrator.config import register_configs, to_typed
-from orchestrator.models import split_model_config
-from plans.optim_settings import optim_settings
+from orch.checking import check_run
+from orch.config import register_configs, to_typed
+from orch.launchers.engines.deepspeed.config import build_ds_config
+from orch.models import split_model_config
+from orch.plans.optim_settings import optim_settings
 
 
 def plain_job(overrides: list[str]) -> dict:
     """Everything the plain loop (:mod:`plain_deepspeed`) needs, as JSON-able data."""
     register_configs()
-    with initialize_config_module("orchestrator.conf", version_base="1.3"):
+    with initialize_config_module("orch.conf", version_base="1.3"):
         cfg, model_cfg, _ = to_typed(compose("config", overrides=overrides))
     estimate, facts = check_run(cfg, model_cfg)
     plan = estimate.plan
     constructor, tp_layer_specs = split_model_config(model_cfg)
-    if constructor.get("_target_") != "workloads.gpt.GPT" or plan.tp != 1:
+    if constructor.get("_target_") != "orch.workloads.gpt.GPT" or plan.tp != 1:
         raise ValueError("the side-by-side benchmarks train the built-in GPT (model=gpt) with plan.tp=1")
     return {
         "ds_config": build_ds_config(plan, optim_settings(plan, cfg.optim, cfg.train.steps),

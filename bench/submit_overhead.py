@@ -95,7 +95,7 @@ def main() -> None:
     try:
         gcs, jobs = start_head(temp_dir, env)
         commands = {SIDES[0]: orch_command(*overrides, f"cluster.address={gcs}"),
-                    SIDES[1]: [PYTHON, "-m", "orchestrator", "submit", "--wait", *overrides,
+                    SIDES[1]: [PYTHON, "-m", "orch", "submit", "--wait", *overrides,
                                f"cluster.address={jobs}"]}
         runs, failures = interleaved(commands, args.repeats, cwd=project, env=env)
     finally:

@@ -42,7 +42,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-text-"))
     cache = work / "cache"
-    from workloads.text import TextSource
+    from orch.workloads.text import TextSource
 
     TextSource(seq_len=128, cache_dir=str(cache)).prepare()  # what the first run of a job would build
     common = ["model=gpt", "plan.dp=2", "plan.zero_stage=1", f"train.steps={args.steps}", "train.log_every=1",

@@ -31,7 +31,7 @@ WINNER = re.compile(r"winner \(best predicted\): (.*)")
 
 
 def tune_command(preset: str, nodes: int, batch: int) -> list[str]:
-    return [PYTHON, "-m", "orchestrator", "tune", f"model={preset}", "cluster=a100_8x", f"cluster.nodes={nodes}",
+    return [PYTHON, "-m", "orch", "tune", f"model={preset}", "cluster=a100_8x", f"cluster.nodes={nodes}",
             "data.seq_len=8192", "plan.precision=bf16", f"train.global_batch_size={batch}"]
 
 

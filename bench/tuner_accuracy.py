@@ -40,15 +40,15 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 
 from bench.harness import format_load, machine
-from launchers.ray_session import ray_session
-from orchestrator.config import register_configs, to_typed
-from orchestrator.tune.result import TuneResult, describe
-from orchestrator.tune.search import measure_speeds, prepare, tune
-from orchestrator.tune.trials import run_trial
-from plans.cost_model import Speeds, predict_step
-from plans.resolve import ResolvedPlan
-from plans.search_space import search
-from plans.spec import Accelerator, Offload, Precision
+from orch.config import register_configs, to_typed
+from orch.launchers.ray_session import ray_session
+from orch.plans.cost_model import Speeds, predict_step
+from orch.plans.resolve import ResolvedPlan
+from orch.plans.search_space import search
+from orch.plans.spec import Accelerator, Offload, Precision
+from orch.tune.result import TuneResult, describe
+from orch.tune.search import measure_speeds, prepare, tune
+from orch.tune.trials import run_trial
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ GRID = ["train.global_batch_size=16", "tune.tp=null", "tune.pp=null", "tune.engi
 
 def config(workers: int, *extra: str):
     register_configs()
-    with initialize_config_module("orchestrator.conf", version_base="1.3"):
+    with initialize_config_module("orch.conf", version_base="1.3"):
         return to_typed(compose("config", overrides=[*GRID, f"cluster.devices_per_node={workers}",
                                                      f"tune.out=/tmp/orch-bench-tuned-{workers}.yaml", *extra]))
 

@@ -50,7 +50,7 @@ def run_ray_train(job_path: Path, storage: Path) -> None:
     from ray.train.torch import TorchTrainer
 
     from bench.plain_deepspeed import train_loop_per_worker
-    from launchers.ray_session import start_local_ray
+    from orch.launchers.ray_session import start_local_ray
 
     job = json.loads(job_path.read_text())
     # The same embedded Ray `orch` starts: 2 logical CPUs, a 1 GiB object store, no dashboard, on loopback.

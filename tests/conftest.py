@@ -27,8 +27,8 @@ def dp_reference(tmp_path_factory, migrated_store):
     Trained once per session, on the tests' shared Ray, and shared: tp, pp and universal-checkpoint
     tests all follow this curve, each to its own justified tolerance.
     """
-    from orchestrator.config import to_typed
-    from orchestrator.run.driver import run_training
+    from orch.config import to_typed
+    from orch.run.driver import run_training
 
     use_shared_ray()
     store = tmp_path_factory.mktemp("dp-reference")

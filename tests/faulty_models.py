@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from workloads.gpt import GPT
+from orch.workloads.gpt import GPT
 
 
 class ExplodingGPT(GPT):

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from helpers.config import compose_config
 from helpers.processes import worker_env
-from orchestrator.checking import CHECK_JSON_KEYS, CLUSTER_JSON_KEYS, check_document, check_run, checked_run
-from orchestrator.config import to_typed
-from plans.errors import OrchError, PlanError
-from plans.estimate import DEVICE_JSON_KEYS, GIB
-from plans.prediction import declared_plan_step
+from orch.checking import CHECK_JSON_KEYS, CLUSTER_JSON_KEYS, check_document, check_run, checked_run
+from orch.config import to_typed
+from orch.plans.errors import OrchError, PlanError
+from orch.plans.estimate import DEVICE_JSON_KEYS, GIB
+from orch.plans.prediction import declared_plan_step
 
 BIG = ["model=gpt3_175b", "cluster=a100_8x", "cluster.nodes=128", "plan.precision=bf16", "plan.micro_batch_size=1"]
 
@@ -27,7 +27,7 @@ def check(*overrides: str):
 
 
 def orch(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=worker_env(),
+    return subprocess.run([sys.executable, "-m", "orch", *args], cwd=cwd, env=worker_env(),
                           capture_output=True, text=True, timeout=300)
 
 
@@ -139,7 +139,7 @@ def test_nvme_offload_counts_against_the_disk_not_host_memory():
 
 
 def test_check_says_how_many_threads_an_offloaded_optimizer_steps_on():
-    from orchestrator.checking import render
+    from orch.checking import render
 
     def report(*overrides: str) -> str:
         return render(check(*overrides), to_typed(compose_config(*overrides))[0].cluster)
@@ -155,9 +155,9 @@ def test_check_says_how_many_threads_an_offloaded_optimizer_steps_on():
 
 def test_check_predicts_the_declared_plans_step_time_as_tune_prices_it():
     """`orch check` printed memory only; its step time is the tuner's for the same plan."""
-    from orchestrator.checking import render
-    from orchestrator.tune.search import prepare
-    from plans.search_space import search
+    from orch.checking import render
+    from orch.plans.search_space import search
+    from orch.tune.search import prepare
 
     overrides = ("plan.zero_stage=2", "cluster.devices_per_node=4", "plan.micro_batch_size=4")
     typed, model_cfg, _ = to_typed(compose_config(*overrides))
@@ -178,8 +178,8 @@ def test_check_predicts_the_declared_plans_step_time_as_tune_prices_it():
 def test_a_micro_batch_the_model_refuses_in_training_is_a_plan_error_and_the_tuner_skips_it():
     """ResNet-50 on 32x32 images ends in a 1x1 feature map whose BatchNorm refuses one sample in
     training: `orch check` crashed with the raw ValueError and `orch tune` stopped at it."""
-    from orchestrator.tune.search import prepare
-    from plans.search_space import search
+    from orch.plans.search_space import search
+    from orch.tune.search import prepare
 
     typed, model_cfg, _ = to_typed(compose_config("experiment=resnet50_bf16", "plan.micro_batch_size=1"))
     with pytest.raises(PlanError) as refused:
@@ -194,7 +194,7 @@ def test_a_micro_batch_the_model_refuses_in_training_is_a_plan_error_and_the_tun
 
 
 def test_rank_layout_keeps_tensor_parallel_groups_inside_a_node():
-    from launchers.placement import rank_layout
+    from orch.launchers.placement import rank_layout
 
     layout = rank_layout(world_size=16, devices_per_node=8, tp=4)
     assert [(s["node"], s["dp_rank"], s["tp_rank"]) for s in layout[:9]] == [
@@ -206,7 +206,7 @@ def test_rank_layout_keeps_tensor_parallel_groups_inside_a_node():
 
 
 def test_rank_layout_puts_tp_inside_nodes_then_stages_then_replicas_across_nodes():
-    from launchers.placement import rank_layout
+    from orch.launchers.placement import rank_layout
 
     # 2 nodes of 4: tp=2 x pp=2 fills a node; the two replicas are the two nodes.
     layout = rank_layout(world_size=8, devices_per_node=4, tp=2, pp=2)
@@ -216,7 +216,7 @@ def test_rank_layout_puts_tp_inside_nodes_then_stages_then_replicas_across_nodes
     # The same grid as DeepSpeed's topology with our axis order.
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
-    from plans.rank_layout import GRID_AXES
+    from orch.plans.rank_layout import GRID_AXES
 
     topo = ProcessTopology(axes=list(GRID_AXES), dims=[2, 2, 2])
     for slot in layout:
@@ -233,7 +233,7 @@ def test_check_json_shows_the_placement(tmp_path):
 
 
 def test_placement_strategy_and_straddling_tensor_parallel_groups():
-    from launchers.placement import RankSlot, assign_ranks, placement_strategy, straddling_groups
+    from orch.launchers.placement import RankSlot, assign_ranks, placement_strategy, straddling_groups
 
     assert placement_strategy(1) == "STRICT_PACK" and placement_strategy(4) == "PACK"
     even = assign_ranks(["a", "a", "b", "b"])

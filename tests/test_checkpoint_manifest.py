@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers.checkpoint import (
+from orch.launchers.checkpoint import (
     LATEST,
     CheckpointDirBusyError,
     CheckpointDirError,
@@ -29,11 +29,11 @@ from launchers.checkpoint import (
     resumable,
     tag_for,
 )
-from launchers.engines.deepspeed.checkpoint_files import deepspeed_checkpoint_globals
-from launchers.manifest import MANIFEST, CheckpointIntegrityError, read_manifest, verify, write_manifest
-from launchers.safe_load import UnsafeCheckpointError, check_data_only, refused_globals
-from plans.errors import PlanError
-from plans.locations import partial_name, write_whole
+from orch.launchers.engines.deepspeed.checkpoint_files import deepspeed_checkpoint_globals
+from orch.launchers.manifest import MANIFEST, CheckpointIntegrityError, read_manifest, verify, write_manifest
+from orch.launchers.safe_load import UnsafeCheckpointError, check_data_only, refused_globals
+from orch.plans.errors import PlanError
+from orch.plans.locations import partial_name, write_whole
 
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 MODEL = "mp_rank_00_model_states.pt"
@@ -162,7 +162,7 @@ def test_a_file_that_cannot_be_inspected_is_never_clean(tmp_path):
 def test_a_dp_change_never_converts_a_planted_pickle(two_tags, legacy):
     """The universal conversion (a resume at another dp) refuses the file before DeepSpeed's
     converter unpickles anything, whether or not the manifest was rewritten to match it."""
-    from launchers.engines.deepspeed.universal import convert
+    from orch.launchers.engines.deepspeed.universal import convert
 
     root, _, newest = two_tags
     marker = root / "code-ran"
@@ -191,7 +191,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(two_tags, capsys):
 
 def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
     def signature(d_model: int) -> dict:
-        return {"config": {"_target_": "workloads.gpt.GPT", "d_model": d_model, "dropout": 0.0},
+        return {"config": {"_target_": "orch.workloads.gpt.GPT", "d_model": d_model, "dropout": 0.0},
                 "params": {"tok_emb.weight": [256, d_model]}}
 
     root = tmp_path / "ckpt"
@@ -242,7 +242,7 @@ def test_one_run_at_a_time_holds_a_checkpoint_dir(tmp_path):
 def test_resuming_a_finished_run_never_changes_its_status(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.tracking.store import RunTracker
+    from orch.tracking.store import RunTracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     finished = RunTracker.start(uri=uri, experiment="orch", run_name="done", params={}, tags={})
@@ -287,7 +287,7 @@ def test_orch_train_refuses_a_held_directory_and_a_malformed_record(tmp_path):
     ckpt = tmp_path / "ckpt"
 
     def orch_train(*overrides: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-X", "importtime", "-m", "orchestrator", "train", "train.steps=2",
+        return subprocess.run([sys.executable, "-X", "importtime", "-m", "orch", "train", "train.steps=2",
                                "train.checkpoint_every=2", f"train.checkpoint_dir={ckpt}", "tracking.enabled=false",
                                *overrides],
                               cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
@@ -331,11 +331,11 @@ def test_a_staged_checkpoint_a_load_refuses_is_removed_from_the_node(s3_store, t
 
     import torch.distributed as dist
 
-    from launchers.checkpoint import publish_remote
-    from launchers.checkpoint_io import CheckpointIO
-    from launchers.manifest import file_digests
-    from launchers.safe_load import verified_loading
-    from launchers.storage import RemoteDir, staging_dir
+    from orch.launchers.checkpoint import publish_remote
+    from orch.launchers.checkpoint_io import CheckpointIO
+    from orch.launchers.manifest import file_digests
+    from orch.launchers.safe_load import verified_loading
+    from orch.launchers.storage import RemoteDir, staging_dir
 
     for name, value in s3_store["env"].items():
         monkeypatch.setenv(name, value)

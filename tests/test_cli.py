@@ -1,4 +1,4 @@
-"""The real command line, as a user runs it: `python -m orchestrator train ...`."""
+"""The real command line, as a user runs it: `python -m orch train ...`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from helpers.processes import alive, descendants, is_loopback, listening_sockets
 
 
 def orch(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=worker_env(),
+    return subprocess.run([sys.executable, "-m", "orch", *args], cwd=cwd, env=worker_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -57,10 +57,10 @@ def test_bad_values_and_paths_are_refused_together_before_ray_or_mlflow(tmp_path
 
     ray_tmp = tmp_path / "raytmp"
     ray_tmp.mkdir()
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "train", "model.n_layer=0"], cwd=tmp_path,
+    done = subprocess.run([sys.executable, "-m", "orch", "train", "model.n_layer=0"], cwd=tmp_path,
                           env={**worker_env(), "RAY_TMPDIR": str(ray_tmp)}, capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode == 2 and "model.n_layer=0: workloads.gpt.GPT refused its arguments" in done.stderr
+    assert done.returncode == 2 and "model.n_layer=0: orch.workloads.gpt.GPT refused its arguments" in done.stderr
     assert "Started a local Ray instance" not in done.stderr + done.stdout and "Traceback" not in done.stderr
     assert not (tmp_path / "mlflow.db").exists()
     deadline = time.monotonic() + 10  # Ray's processes may take a moment to go once the command exits
@@ -97,7 +97,7 @@ def test_config_errors_exit_2_with_a_short_message_and_verbose_shows_the_traceba
 
 
 def test_an_internal_error_prints_one_line_and_logs_its_traceback_without_credentials(capsys, monkeypatch):
-    from orchestrator import exits
+    from orch import exits
 
     def crash() -> None:
         raise RuntimeError("could not reach http://alice:s3cret@127.0.0.1:1 in time")
@@ -120,7 +120,7 @@ def test_a_reader_that_stops_early_ends_orch_quietly_as_sigpipe_would(tmp_path):
     reader, writer = os.pipe()
     os.close(reader)
     with os.fdopen(writer, "w") as stdout:
-        done = subprocess.run([sys.executable, "-m", "orchestrator", "check"], cwd=tmp_path, env=worker_env(),
+        done = subprocess.run([sys.executable, "-m", "orch", "check"], cwd=tmp_path, env=worker_env(),
                               stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120)
     assert done.returncode == 128 + 13, done.stderr
     assert "BrokenPipe" not in done.stderr and "Traceback" not in done.stderr
@@ -129,7 +129,7 @@ def test_a_reader_that_stops_early_ends_orch_quietly_as_sigpipe_would(tmp_path):
 def test_a_reader_that_stops_after_a_line_ends_orch_without_hydras_error_line(tmp_path):
     """`orch check --json ... | head -1`: the document (about 140 KB, more than a pipe holds) is
     cut off after its first line; Hydra wrote "Error executing job with overrides" for it."""
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "check", "--json", "model=gpt3_175b",
+    proc = subprocess.Popen([sys.executable, "-m", "orch", "check", "--json", "model=gpt3_175b",
                              "cluster=a100_8x", "cluster.nodes=128", "plan.precision=bf16", "plan.pp=8", "plan.tp=8"],
                             cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().startswith("{")
@@ -177,13 +177,13 @@ def test_ctrl_c_stops_training_cleanly_on_a_loopback_only_ray(tmp_path):
     """Ctrl-C while the run trains: workers and Ray stopped, the run KILLED, one line, exit 130.
     While it trains, every server of the embedded Ray and of the workers listens on loopback only,
     and Ray's token authentication is on. A scheduler's SIGTERM takes the same handler
-    (``orchestrator/signals.py``): it is sent during the workers' set-up below, and during training
+    (``orch/signals.py``): it is sent during the workers' set-up below, and during training
     by `orch stop` in test_submit."""
     stop, exit_code = signal.SIGINT, 130
     # A shell running this suite in the background (`.ci/run &`) ignores SIGINT, and its children
     # inherit that: Python would then install no KeyboardInterrupt handler. The child restores
     # the default, as a terminal's foreground process has it.
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "train.steps=100000",
+    proc = subprocess.Popen([sys.executable, "-m", "orch", "train", "train.steps=100000",
                              "train.log_every=5"], cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -256,7 +256,7 @@ def test_sigterm_while_the_workers_set_up_exits_143_and_the_workers_never_saw_th
         f"_target_: slow.Net\nstarted: {started}\nrecord: {record}\nnames: {json.dumps(names)}\n")
     env = {**worker_env(), "MLFLOW_TRACKING_PASSWORD": "pw-123", "AWS_SECRET_ACCESS_KEY": "key-456",
            "GITHUB_TOKEN": "tok-789", "ORCH_TEST_PLAIN": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "--config-dir", "conf", "model=slow",
+    proc = subprocess.Popen([sys.executable, "-m", "orch", "train", "--config-dir", "conf", "model=slow",
                              "data=dataset", "objective=classification", "train.steps=5"], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
@@ -306,7 +306,7 @@ def test_an_unreachable_cluster_fails_within_connect_timeout(tmp_path, command, 
         (ray_tmp / "ray").mkdir(parents=True)
         (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{recorded_port}")
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "orchestrator", command, f"cluster.address={address}",
+        done = subprocess.run([sys.executable, "-m", "orch", command, f"cluster.address={address}",
                                "cluster.connect_timeout_s=5", *extra], cwd=tmp_path,
                               env={**worker_env(), "RAY_TMPDIR": str(ray_tmp)}, capture_output=True, text=True,
                               timeout=300)
@@ -415,7 +415,7 @@ def test_a_tracking_uri_mlflow_cannot_use_is_a_short_error(command, uri, message
                                         "not exist."),
     # A missing pretrained directory is the field's problem, not the model's _target_'s.
     (["model=hf_causal_lm", "model.config=null", "model.pretrained_path=no-such-dir"],
-     "model.pretrained_path='no-such-dir': workloads.hf.hf_causal_lm refused its arguments: ValueError: "
+     "model.pretrained_path='no-such-dir': orch.workloads.hf.hf_causal_lm refused its arguments: ValueError: "
      "model.pretrained_path='no-such-dir' no such file or directory"),
     # A model no plan could hold on this cluster is refused as input (exit 2), not "does not fit" (exit 1).
     (["model=gpt", "model.d_model=1000000"], "GiB in fp32 for the parameters alone, more than the 40.0 GiB of the "
@@ -467,7 +467,7 @@ def test_sigterm_inside_the_block_runs_cleanup_and_exits_143(capsys):
     signal during cleanup does not abort it, and the previous handlers come back."""
     import os
 
-    from orchestrator.signals import stopped_by_signals
+    from orch.signals import stopped_by_signals
 
     before = signal.getsignal(signal.SIGTERM)
     cleaned = []
@@ -485,7 +485,7 @@ def test_sigterm_inside_the_block_runs_cleanup_and_exits_143(capsys):
 
 
 def test_hydras_flags_are_handed_to_it_first_each_with_its_value():
-    from orchestrator.cli import _flags_and_overrides
+    from orch.cli import _flags_and_overrides
 
     args = ["plan.zero_stage=2", "--config-dir", "mine", "model=mine", "-m", "optim.lr=1e-3,3e-3", "--cfg", "job",
             "--info", "defaults", "--info", "~plan.dp", "--config-name=config"]

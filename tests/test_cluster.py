@@ -27,7 +27,7 @@ NODE = ["--num-cpus=1", "--object-store-memory=200000000", "--disable-usage-stat
 
 
 def orch_train(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", "train", "train.steps=10", "train.log_every=5",
+    return subprocess.run([sys.executable, "-m", "orch", "train", "train.steps=10", "train.log_every=5",
                            *args], cwd=cwd, env=env or worker_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -102,7 +102,7 @@ def test_a_3d_plan_trains_on_both_nodes_with_tensor_parallel_groups_inside_nodes
         # Each sample at the training step its node had reached: in order, within the run's 10 steps.
         steps = [m.step for m in cpu]
         assert steps == sorted(steps) and all(0 <= step <= 10 for step in steps), steps
-    report = subprocess.run([sys.executable, "-m", "orchestrator", "report", run.info.run_id, "--out", "rep"],
+    report = subprocess.run([sys.executable, "-m", "orch", "report", run.info.run_id, "--out", "rep"],
                             cwd=tmp_path, env=two_node_ray["env"], capture_output=True, text=True, timeout=300)
     assert report.returncode == 0 and (tmp_path / "rep" / "system.png").exists(), report.stderr[-2000:]
 
@@ -164,7 +164,7 @@ def test_credentials_in_the_uri_reach_an_auth_server_and_are_written_nowhere(mlf
                      ["report", run_id, "--out", "rep", f"tracking.uri={server['with_password']}"],
                      ["runs", "--config-dir", str(user_conf), "tracking=team", "hydra.run.dir=outputs/team-runs"],
                      ["config", "--config-dir", str(user_conf), "tracking=team", "hydra.run.dir=outputs/team-config"]):
-            done = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=work, env=env,
+            done = subprocess.run([sys.executable, "-m", "orch", *args], cwd=work, env=env,
                                   capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, (args, done.stderr[-3000:])
             commands.append(done)
@@ -187,11 +187,11 @@ def test_credentials_in_the_uri_reach_an_auth_server_and_are_written_nowhere(mlf
 
 
 def test_refused_credentials_are_a_clear_error(mlflow_auth_server, tmp_path, monkeypatch):
-    from orchestrator.tracking.store import TrackingError, check_reachable
+    from orch.tracking.store import TrackingError, check_reachable
 
     url = mlflow_auth_server["url"]
     wrong = f"http://{ADMIN}:Wrong-pw@{url.removeprefix('http://')}"
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "runs", f"tracking.uri={wrong}"], cwd=tmp_path,
+    done = subprocess.run([sys.executable, "-m", "orch", "runs", f"tracking.uri={wrong}"], cwd=tmp_path,
                           env=env_without_mlflow_credentials(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
     assert (f"error: tracking.uri={url}: the MLflow server refused the credentials of user 'admin' (HTTP 401). "
@@ -208,8 +208,8 @@ def test_refused_credentials_are_a_clear_error(mlflow_auth_server, tmp_path, mon
         check_reachable(url)
     # tracking.fallback=local is for a server that is down, not one that refuses the user.
     from helpers.config import compose_config
-    from orchestrator.config import to_typed
-    from orchestrator.tracking.train_run import reachable_tracking
+    from orch.config import to_typed
+    from orch.tracking.train_run import reachable_tracking
 
     typed, _, _ = to_typed(compose_config(f"tracking.uri={url}", "tracking.fallback=local"))
     with pytest.raises(TrackingError, match="HTTP 401"):
@@ -217,7 +217,7 @@ def test_refused_credentials_are_a_clear_error(mlflow_auth_server, tmp_path, mon
     # A user the server lets read but not write an experiment: refused when the run starts, not later.
     from mlflow.server.auth.client import AuthServiceClient
 
-    from orchestrator.tracking.store import RunTracker
+    from orch.tracking.store import RunTracker
 
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", mlflow_auth_server["password"])
@@ -237,7 +237,7 @@ def client_session_logs(temp_dir: str) -> set[str]:
 def test_check_reads_the_live_cluster(two_node_ray, tmp_path):
     import json
 
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "check", "--json",
+    done = subprocess.run([sys.executable, "-m", "orch", "check", "--json",
                            f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2", "cluster.devices_per_node=1",
                            "cluster.host_memory_gib=0.5"], cwd=tmp_path, env=two_node_ray["env"], capture_output=True,
                           text=True, timeout=300)
@@ -246,7 +246,7 @@ def test_check_reads_the_live_cluster(two_node_ray, tmp_path):
     assert doc["cluster"]["source"] == "live"
     assert doc["cluster"]["host_memory_gib"] > 1  # this machine's memory, not the declared 0.5
     assert any("cluster.host_memory_gib: declared 0.5" in n for n in doc["cluster"]["notes"])
-    too_many = subprocess.run([sys.executable, "-m", "orchestrator", "check", f"cluster.address={two_node_ray['gcs']}",
+    too_many = subprocess.run([sys.executable, "-m", "orch", "check", f"cluster.address={two_node_ray['gcs']}",
                                "cluster.nodes=3", "cluster.devices_per_node=1"], cwd=tmp_path, env=two_node_ray["env"],
                               capture_output=True, text=True, timeout=300)
     assert too_many.returncode == 2 and "the live cluster has room for 2" in too_many.stderr
@@ -258,8 +258,8 @@ def test_a_run_tracked_on_a_real_mlflow_server_survives_its_restart_mid_run(tmp_
     import io
 
     from helpers.config import compose_config
-    from orchestrator.config import to_typed
-    from orchestrator.run.driver import run_training
+    from orch.config import to_typed
+    from orch.run.driver import run_training
 
     monkeypatch.chdir(tmp_path)
     root, port = tmp_path / "server", free_port()
@@ -322,7 +322,7 @@ def test_a_killed_worker_restarts_from_checkpoints_on_s3_through_ray_client(two_
     Path(two_node_ray["fail_next_client_session"]).touch()
     sessions_before = client_session_logs(two_node_ray["temp_dir"])
     ckpt = f"s3://{s3_store['bucket']}/killed"
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "train.steps=60", "train.log_every=5",
+    proc = subprocess.Popen([sys.executable, "-m", "orch", "train", "train.steps=60", "train.log_every=5",
                              "train.eval_batches=1", "train.checkpoint_every=20", f"train.checkpoint_dir={ckpt}",
                              "train.keep_checkpoints=2",
                              "train.max_failures=1", f"cluster.address={two_node_ray['client']}", "cluster.nodes=2",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from plans.cluster_facts import GIB, NodeFacts, reconcile
-from plans.spec import Accelerator, ClusterSpec
+from orch.plans.cluster_facts import GIB, NodeFacts, reconcile
+from orch.plans.spec import Accelerator, ClusterSpec
 
 
 def node(i: int, *, cpus: float = 1, gpus: float = 0, host_gib: float = 24, gpu_gib: float | None = None):

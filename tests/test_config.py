@@ -1,4 +1,4 @@
-"""Hydra composition: every config in orchestrator/conf/ composes, converts to the typed schema and
+"""Hydra composition: every config in orch/conf/ composes, converts to the typed schema and
 instantiates; mistakes fail at composition, naming the key."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from helpers.config import REPO, compose_config
-from launchers.engines.deepspeed.config import build_ds_config
-from orchestrator.config import ConfigError, RunConfig, to_typed
-from orchestrator.models import build_model
-from orchestrator.workload import resolve_workload
-from plans.optim_settings import optim_settings
-from plans.resolve import resolve_plan
-from plans.spec import PlanSpec
+from orch.config import ConfigError, RunConfig, to_typed
+from orch.launchers.engines.deepspeed.config import build_ds_config
+from orch.models import build_model
+from orch.plans.optim_settings import optim_settings
+from orch.plans.resolve import resolve_plan
+from orch.plans.spec import PlanSpec
+from orch.workload import resolve_workload
 
-CONFS = REPO / "orchestrator" / "conf"
+CONFS = REPO / "orch" / "conf"
 GROUPS = sorted(p.name for p in CONFS.iterdir() if p.is_dir() and not p.name.startswith("_"))
 OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((CONFS / group).glob("*.yaml"))]
 
@@ -106,13 +106,13 @@ def test_yaml_files_extend_their_schema():
         text = (CONFS / group / f"{option}.yaml").read_text()
         # Model files of any class may be schema-free; experiments hold overrides only.
         if (group != "model" or option == "gpt") and group != "experiment":
-            assert "_schema" in text, f"orchestrator/conf/{group}/{option}.yaml does not extend a schema"
+            assert "_schema" in text, f"orch/conf/{group}/{option}.yaml does not extend a schema"
 
 
 def test_the_default_run_takes_the_loop_tuner_and_optimizer_defaults_from_their_schemas():
     """One source of truth: no YAML file restates (or contradicts) what the schemas declare."""
-    from orchestrator.config import TuneConfig
-    from plans.spec import OptimSpec, TrainSpec
+    from orch.config import TuneConfig
+    from orch.plans.spec import OptimSpec, TrainSpec
 
     typed, _, _ = to_typed(compose_config())
     assert typed.train == TrainSpec() and typed.tune == TuneConfig() and typed.optim == OptimSpec()

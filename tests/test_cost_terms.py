@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from helpers.config import compose_config, gpu_plan, lm_inputs
-from orchestrator.config import to_typed
-from orchestrator.models import model_factory
-from orchestrator.tune.result import TrainBudget, duration, render
-from plans.cost_model import (
+from orch.config import to_typed
+from orch.models import model_factory
+from orch.plans.cost_model import (
     DECLARED_BUS_EFFICIENCY,
     DECLARED_MEMORY_EFFICIENCY,
     DECLARED_ZERO3_MODULE_S,
@@ -28,11 +27,12 @@ from plans.cost_model import (
     tp_whole_flops,
     wave_efficiency,
 )
-from plans.estimate import ModelProbe
-from plans.memory_traffic import MemoryTraffic, fused_attention
-from plans.model_cost import measure_model_cost
-from plans.spec import Accelerator, ClusterSpec, Offload, OptimizerName, OptimSpec, Precision, TrainSpec
-from workloads.gpt import TP_LAYER_SPECS
+from orch.plans.estimate import ModelProbe
+from orch.plans.memory_traffic import MemoryTraffic, fused_attention
+from orch.plans.model_cost import measure_model_cost
+from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimizerName, OptimSpec, Precision, TrainSpec
+from orch.tune.result import TrainBudget, duration, render
+from orch.workloads.gpt import TP_LAYER_SPECS
 
 A100 = ClusterSpec(nodes=4, devices_per_node=8, accelerator=Accelerator.gpu, device_memory_gib=80,
                    device_tflops=312, intra_node_gbps=2400, inter_node_gbps=200, device_memory_gb_per_s=2039)
@@ -53,7 +53,7 @@ def test_memory_traffic_counts_what_each_kernel_reads_and_writes():
 
 
 def _cost(**model) -> ModelCost:
-    cfg = {"_target_": "workloads.gpt.GPT", "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 128,
+    cfg = {"_target_": "orch.workloads.gpt.GPT", "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 128,
            "vocab_size": 256, "tp": 1, **model}
     probe = ModelProbe(model_factory(cfg), lm_inputs(cfg["seq_len"]), tp_layer_specs=TP_LAYER_SPECS)
     return measure_model_cost(probe, [1, 2])
@@ -83,8 +83,8 @@ def test_an_fp32_plan_on_gpus_is_priced_at_the_fp32_matmul_rate_and_8_gib_gpus_a
     """A GPU's defaults are an A100's: 312 TFLOP/s in bf16, but fp32 matmuls (TF32 off, torch's
     default) run at 19.5; a declared device_tflops is kept. A GPU declared over the CPU preset keeps
     its 8 GiB share of host memory per worker, which `orch check` and `orch train` say."""
-    from orchestrator.checking import declared_memory_notes
-    from plans.spec import Precision
+    from orch.checking import declared_memory_notes
+    from orch.plans.spec import Precision
 
     gpu = ClusterSpec(accelerator=Accelerator.gpu)
     rates = {p: Speeds.declared(gpu, p).tflops_at(1) for p in (Precision.bf16, Precision.fp32)}
@@ -194,9 +194,9 @@ def test_gemms_are_recorded_per_tensor_parallel_shard_with_the_dimension_the_bat
     assert Gemm(4, 128, 128, 16, grows="batch") in ones[1] and Gemm(2, 128, 128, 16, grows="batch") in ones[2]
     # A 4-way shard's GEMMs, derived from the 2-way shard's (the dimensions that halved, quartered),
     # are what the 4-way shard itself runs.
-    from plans.model_cost import _divided, _gemm_pass, _shard_pass
+    from orch.plans.model_cost import _divided, _gemm_pass, _shard_pass
 
-    cfg = {"_target_": "workloads.gpt.GPT", "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 128,
+    cfg = {"_target_": "orch.workloads.gpt.GPT", "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 128,
            "vocab_size": 256, "tp": 1, "fused_attention": False}
     probe = ModelProbe(model_factory(cfg), lm_inputs(128), tp_layer_specs=TP_LAYER_SPECS)
     one = _gemm_pass(probe.module, probe.inputs, 1)
@@ -283,8 +283,8 @@ def test_an_offloaded_optimizer_steps_on_its_workers_threads_or_the_shared_host_
 
 
 def test_deepspeed_zero3_pays_its_hooks_per_module_and_fetch_even_without_peers():
-    from plans.fsdp_cost import predict
-    from plans.spec import EngineName, FSDPSpec
+    from orch.plans.fsdp_cost import predict
+    from orch.plans.spec import EngineName, FSDPSpec
 
     cost, speeds, adam = _cost(n_layer=4), Speeds.declared(A100), OptimSpec()
 
@@ -296,7 +296,7 @@ def test_deepspeed_zero3_pays_its_hooks_per_module_and_fetch_even_without_peers(
     # The recomputed forward fetches every module again.
     assert step(zero_stage=3, activation_checkpointing=True).zero3_hooks_s == pytest.approx(3 * per_fetch)
     assert step(zero_stage=2).zero3_hooks_s == 0
-    # FSDP2 gathers one unit per block, priced as collectives (plans/fsdp_cost.py), with no such hooks.
+    # FSDP2 gathers one unit per block, priced as collectives (orch/plans/fsdp_cost.py), with no such hooks.
     fsdp2 = step(zero_stage=3, engine=EngineName.fsdp2, fsdp=FSDPSpec())
     assert fsdp2.zero3_hooks_s == 0
     three = step(zero_stage=3)
@@ -305,7 +305,7 @@ def test_deepspeed_zero3_pays_its_hooks_per_module_and_fetch_even_without_peers(
 
 
 def test_calibration_times_adam_on_the_host_threads():
-    from launchers.calibration import _host_adam_params_per_s
+    from orch.launchers.calibration import _host_adam_params_per_s
 
     rate = _host_adam_params_per_s(0.05, numel=1024 * 1024)
     assert 1e6 < rate < 1e11
@@ -336,7 +336,7 @@ def test_time_to_train_cost_and_mfu_follow_from_the_predicted_speed():
 
 
 def test_orch_tune_prints_mfu_time_to_train_and_cost(tmp_path):
-    from orchestrator.tune.search import tune
+    from orch.tune.search import tune
 
     typed, model_cfg, _ = to_typed(compose_config(
         f"tune.out={tmp_path / 'w.yaml'}", "train.global_batch_size=16", "tune.pp=[1]", "tune.tp=[1]",
@@ -364,7 +364,7 @@ def test_orch_tune_prints_mfu_time_to_train_and_cost(tmp_path):
 
 def test_the_gpts_unfused_attention_computes_what_the_fused_one_does():
     """``model.fused_attention=false`` changes the kernels (and what they cost), not the model."""
-    from workloads.gpt import GPT
+    from orch.workloads.gpt import GPT
 
     torch.manual_seed(0)
     fused = GPT(n_layer=2, d_model=32, n_head=4, seq_len=16, vocab_size=64)

@@ -1,5 +1,5 @@
 """Deep models are checked from copies built at two shallow depths, and an absurd depth is refused
-from their arithmetic: the full-depth model is never built (plans/depth_scaling.ShallowModels).
+from their arithmetic: the full-depth model is never built (orch/plans/depth_scaling.ShallowModels).
 
 How long a check takes is measured by hand (bench/planner_speed.py), not asserted here.
 """
@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 
 from helpers.config import compose_config, lm_inputs
 from helpers.processes import worker_env
-from orchestrator import models
-from orchestrator.checking import check_run
-from orchestrator.config import to_typed
-from orchestrator.tune.search import prepare
-from plans.depth_scaling import SHALLOW_DEPTHS
-from plans.errors import PlanError
-from plans.partition import partition_balanced
-from workloads.gpt import GPT
+from orch import models
+from orch.checking import check_run
+from orch.config import to_typed
+from orch.plans.depth_scaling import SHALLOW_DEPTHS
+from orch.plans.errors import PlanError
+from orch.plans.partition import partition_balanced
+from orch.tune.search import prepare
+from orch.workloads.gpt import GPT
 
 
 @pytest.fixture
@@ -92,12 +92,12 @@ def test_a_probe_of_shallow_copies_counts_the_costs_of_the_full_model():
     """FLOPs, kernel launches, all-reduce sizes (what the tuner's cost model reads) at 21 layers."""
     import functools
 
-    from plans.estimate import ModelProbe
-    from plans.model_cost import measure_model_cost
-    from plans.model_facts import inspect_shallow
-    from workloads.gpt import TP_LAYER_SPECS
+    from orch.plans.estimate import ModelProbe
+    from orch.plans.model_cost import measure_model_cost
+    from orch.plans.model_facts import inspect_shallow
+    from orch.workloads.gpt import TP_LAYER_SPECS
 
-    cfg = {"_target_": "workloads.gpt.GPT", "n_layer": 21, "d_model": 64, "n_head": 4, "seq_len": 64}
+    cfg = {"_target_": "orch.workloads.gpt.GPT", "n_layer": 21, "d_model": 64, "n_head": 4, "seq_len": 64}
     _, shallow = inspect_shallow(functools.partial(models.build_at_depth, cfg), 21, lm_inputs(64))
     carried = ModelProbe(models.model_factory(cfg), lm_inputs(64), tp_layer_specs=TP_LAYER_SPECS, shallow=shallow)
     full = ModelProbe(models.model_factory(cfg), lm_inputs(64), tp_layer_specs=TP_LAYER_SPECS)
@@ -164,7 +164,7 @@ def test_a_model_that_cannot_be_built_shallow_is_inspected_at_its_depth(depths_b
 
 @pytest.mark.parametrize("command", ["check", "train"])
 def test_an_absurd_depth_is_refused_with_exit_code_2_and_no_ray_output(command, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "orchestrator", command, "model.n_layer=10000000", "train.force=true"],
+    done = subprocess.run([sys.executable, "-m", "orch", command, "model.n_layer=10000000", "train.force=true"],
                           cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "model.n_layer=10000000" in done.stderr and "Traceback" not in done.stderr
@@ -189,11 +189,11 @@ def test_a_hugging_face_decoders_activations_are_carried_from_shallow_copies(che
     full depth) and equal the full count, for the GPU's attention kernels and the CPU's."""
     import json
 
-    from orchestrator.workload import resolve_workload
-    from plans.activations import activations_from_shallow, measure_activations
-    from plans.depth_scaling import ShallowModels, repeated_stack, shallow_copy
-    from plans.meta import meta_device
-    from plans.spec import Accelerator
+    from orch.plans.activations import activations_from_shallow, measure_activations
+    from orch.plans.depth_scaling import ShallowModels, repeated_stack, shallow_copy
+    from orch.plans.meta import meta_device
+    from orch.plans.spec import Accelerator
+    from orch.workload import resolve_workload
 
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 9,
@@ -237,8 +237,8 @@ def hf_depths_built(monkeypatch) -> list[int]:
 
 def hf_params(layers: int) -> int:
     """The example model's parameters at ``layers``, on the line through two depths built in full."""
-    from plans.meta import meta_device
-    from workloads.hf import hf_causal_lm
+    from orch.plans.meta import meta_device
+    from orch.workloads.hf import hf_causal_lm
 
     config = compose_config("model=hf_causal_lm").model.config
     with meta_device():
@@ -250,7 +250,7 @@ def hf_params(layers: int) -> int:
 def test_a_2000_layer_hugging_face_model_is_checked_from_shallow_copies(tmp_path):
     """`orch check` built all 2000 layers on meta and gave no answer in 120 s; the timeout only
     guards against that hang (how long a check takes is measured in bench/, not here)."""
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "check", "--json", "model=hf_causal_lm",
+    done = subprocess.run([sys.executable, "-m", "orch", "check", "--json", "model=hf_causal_lm",
                            "model.config.num_hidden_layers=2000"],
                           cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-3000:]  # it does not fit 8 GiB devices: an answer all the same

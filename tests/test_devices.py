@@ -2,7 +2,7 @@
 
 import pytest
 
-from launchers.devices import DeviceMapping, DeviceMappingError, map_devices
+from orch.launchers.devices import DeviceMapping, DeviceMappingError, map_devices
 
 
 def _layout(nodes: int, gpus_per_node: int, order=None) -> list[tuple[str, list[str]]]:

@@ -54,7 +54,7 @@ def test_code_planted_in_the_runs_config_artifact_never_runs_and_the_export_uses
     from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file, load_model
 
-    from workloads.gpt import GPT
+    from orch.workloads.gpt import GPT
 
     where, run_id = trained
     resolved = artifact(where, run_id, "config/resolved.yaml")

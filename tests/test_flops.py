@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 
 from helpers.config import lm_inputs
-from plans.flops import training_flops_per_sample
-from workloads.gpt import GPT
+from orch.plans.flops import training_flops_per_sample
+from orch.workloads.gpt import GPT
 
 
 def test_gpt_flops_match_the_closed_form():

@@ -13,8 +13,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from helpers.config import FAST, compose_config
-from orchestrator.config import to_typed
-from orchestrator.run.driver import run_training
+from orch.config import to_typed
+from orch.run.driver import run_training
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_referenc
     # the ones the run itself logged at its end.
     from safetensors.torch import load_file
 
-    from orchestrator.export import export_run
+    from orch.export import export_run
 
     assert export_run(sqlite_uri, resumed.run_id, to_typed(compose_config())[1], tmp_path / "out") == "step_000000030"
     exported = load_file(tmp_path / "out" / "model.safetensors")
@@ -73,21 +73,21 @@ def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_referenc
     import sys
 
     from helpers.processes import worker_env
-    from launchers.manifest import read_manifest, write_manifest
+    from orch.launchers.manifest import read_manifest, write_manifest
 
     newest = tmp_path / "ckpt" / "step_000000030"
     shard = sorted(newest.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:64])
     recorded = read_manifest(newest)
     write_manifest(newest, layout=recorded.layout, model=recorded.model)
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "export", resumed.run_id, "--out", "bad", "--json",
+    done = subprocess.run([sys.executable, "-m", "orch", "export", resumed.run_id, "--out", "bad", "--json",
                            f"tracking.uri={sqlite_uri}"], cwd=tmp_path, env=worker_env(), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert f"checkpoint file {shard} is cut short: 64 bytes" in json.loads(done.stdout)["error"]["message"]
     assert "Traceback" not in done.stderr and f"{shard} is cut short" in done.stderr
     # A DeepSpeed run cannot take the FSDP2 checkpoint: refused before any worker starts.
-    from plans.errors import PlanError
+    from orch.plans.errors import PlanError
 
     with pytest.raises(PlanError, match=r"plan.engine.*written by the fsdp2 engine"):
         run_training(*to_typed(compose_config(*FAST, f"tracking.uri={sqlite_uri}", *checkpoints, "plan.dp=2",

@@ -1,4 +1,4 @@
-"""The FSDP2 engine (:mod:`launchers.engines.fsdp2`) on its own, without the worker loop.
+"""The FSDP2 engine (:mod:`orch.launchers.engines.fsdp2`) on its own, without the worker loop.
 
 Pure parts first (the schedule against DeepSpeed's, the optimizer, the blocks found, the
 metadata unpickler); then ranks started with ``torch.multiprocessing`` on gloo (marked slow):
@@ -19,17 +19,17 @@ import pytest
 import torch
 
 from helpers.processes import free_port
-from launchers.engines.fsdp2.dcp_files import read_client_state, read_metadata, write_client_state
-from launchers.engines.fsdp2.layout import repeated_blocks
-from launchers.engines.fsdp2.torch_optim import build_optimizer, lr_schedule
-from launchers.safe_load import UnsafeCheckpointError
+from orch.launchers.engines.fsdp2.dcp_files import read_client_state, read_metadata, write_client_state
+from orch.launchers.engines.fsdp2.layout import repeated_blocks
+from orch.launchers.engines.fsdp2.torch_optim import build_optimizer, lr_schedule
+from orch.launchers.safe_load import UnsafeCheckpointError
 
 
 def _settings(steps: int, warmup: int, name: str = "adamw", precision: str = "bf16"):
     """A DeepSpeed plan and its run's optimizer settings: what a DeepSpeed run would be given."""
-    from plans.optim_settings import optim_settings
-    from plans.resolve import ResolvedPlan
-    from plans.spec import Accelerator, Offload, OptimizerName, OptimSpec, Precision
+    from orch.plans.optim_settings import optim_settings
+    from orch.plans.resolve import ResolvedPlan
+    from orch.plans.spec import Accelerator, Offload, OptimizerName, OptimSpec, Precision
 
     plan = ResolvedPlan(dp=1, tp=1, pp=1, world_size=1, zero_stage=3, offload_optimizer=Offload.none,
                         offload_param=Offload.none, nvme_path=None, activation_checkpointing=False,
@@ -46,7 +46,7 @@ def test_schedule_gives_the_lr_deepspeed_gives_at_every_step(steps, warmup):
     same lr (0 on the first two, as DeepSpeed's warm-up does)."""
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
-    from launchers.engines.deepspeed.config import build_ds_config
+    from orch.launchers.engines.deepspeed.config import build_ds_config
 
     plan, settings = _settings(steps, warmup)
     ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
@@ -64,7 +64,7 @@ def test_schedule_gives_the_lr_deepspeed_gives_at_every_step(steps, warmup):
 
 
 def test_optimizer_is_the_one_deepspeed_would_run():
-    from launchers.engines.deepspeed.config import build_ds_config
+    from orch.launchers.engines.deepspeed.config import build_ds_config
 
     params = [torch.nn.Parameter(torch.zeros(2))]
     plan, settings = _settings(10, 2)
@@ -84,8 +84,8 @@ def test_optimizer_is_the_one_deepspeed_would_run():
 def test_loss_scaler_starts_where_deepspeeds_fp16_section_does():
     import dataclasses
 
-    from launchers.engines.deepspeed.config import build_ds_config
-    from launchers.engines.fsdp2.torch_optim import LOSS_SCALE_WINDOW, loss_scaler
+    from orch.launchers.engines.deepspeed.config import build_ds_config
+    from orch.launchers.engines.fsdp2.torch_optim import LOSS_SCALE_WINDOW, loss_scaler
 
     plan, settings = _settings(10, 2, precision="fp16")
     fp16 = build_ds_config(plan, settings)["fp16"]
@@ -117,8 +117,8 @@ def test_blocks_are_the_repeated_layers_of_each_kind_of_model():
 def test_autotp_specs_shard_under_fsdp2_the_layers_deepspeed_and_the_planner_shard():
     """The first matching spec decides and a skip leaves its layer whole, as in DeepSpeed's AutoTP
     and the planner's count; a fused layer's spec is refused."""
-    from launchers.engines.fsdp2.layout import autotp_styles
-    from plans.tp_plan import layer_kinds
+    from orch.launchers.engines.fsdp2.layout import autotp_styles
+    from orch.plans.tp_plan import layer_kinds
 
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4), torch.nn.Linear(4, 4))
     specs = [{"patterns": [r"^3\.weight$"], "partition_type": "skip"},
@@ -168,7 +168,7 @@ def test_data_files_the_metadata_names_are_checked_before_dcp_reads_them(tmp_pat
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from launchers.engines.fsdp2.dcp_files import CheckpointReadError, dcp_failure, full_model_state
+    from orch.launchers.engines.fsdp2.dcp_files import CheckpointReadError, dcp_failure, full_model_state
 
     folder = tmp_path / "step_000000010"
     dcp.save({"model": {"w": torch.arange(64.0)}}, checkpoint_id=str(folder), no_dist=True)
@@ -228,7 +228,7 @@ def test_gpt_trains_in_bf16_and_consolidates_to_the_models_own_keys(gpt_run):
 
 @pytest.mark.slow
 def test_tampered_checkpoint_is_refused_before_dcp_reads_it(gpt_run, tmp_path):
-    from launchers.manifest import write_manifest
+    from orch.launchers.manifest import write_manifest
 
     out, _ = gpt_run
     tag = "step_000000006"

@@ -8,18 +8,17 @@ import dataclasses
 import pytest
 
 from helpers.config import compose_config, gpu_plan
-from orchestrator.config import to_typed
-from orchestrator.tune.plan_file import plan_overrides, plan_values
-from plans.activations import ActivationBytes
-from plans.cost_model import ModelCost, Speeds, _half_ring_s, predict_step
-from plans.engine import EngineSettings, FSDPMesh, ZeroStage, engine_settings, fsdp_mesh
-from plans.errors import PlanError
-from plans.fsdp_cost import fsdp_dp_comm_s, predict
-from plans.fsdp_memory import FSDPUnits, fsdp_memory, fsdp_units
-from plans.memory import ModelStats
-from plans.resolve import resolve_plan
-from plans.search_space import SearchSpace, plan_spec
-from plans.spec import (
+from orch.config import to_typed
+from orch.plans.activations import ActivationBytes
+from orch.plans.cost_model import ModelCost, Speeds, _half_ring_s, predict_step
+from orch.plans.engine import EngineSettings, FSDPMesh, ZeroStage, engine_settings, fsdp_mesh
+from orch.plans.errors import PlanError
+from orch.plans.fsdp_cost import fsdp_dp_comm_s, predict
+from orch.plans.fsdp_memory import FSDPUnits, fsdp_memory, fsdp_units
+from orch.plans.memory import ModelStats
+from orch.plans.resolve import resolve_plan
+from orch.plans.search_space import SearchSpace, plan_spec
+from orch.plans.spec import (
     Accelerator,
     ClusterSpec,
     EngineName,
@@ -31,6 +30,7 @@ from plans.spec import (
     Precision,
     TrainSpec,
 )
+from orch.tune.plan_file import plan_overrides, plan_values
 
 FSDP2 = EngineName.fsdp2
 
@@ -156,7 +156,7 @@ def test_fsdp2_rank_part_by_part():
 
 def test_fused_adam_steps_in_place_and_fp16_takes_the_multi_tensor_kernel():
     """The engine builds torch's fused AdamW unless fp16's loss scaler is on
-    (launchers/engines/fsdp2/engine.py reads the same ``fused_adam``); only the multi-tensor
+    (orch/launchers/engines/fsdp2/engine.py reads the same ``fused_adam``); only the multi-tensor
     kernel makes a temporary of every moment (4 x 1000 / 4 sharded)."""
     assert engine_settings(gpu_plan(engine=FSDP2, precision=Precision.bf16), OptimSpec()).fused_adam
     assert not engine_settings(gpu_plan(engine=FSDP2, precision=Precision.fp16), OptimSpec()).fused_adam
@@ -204,8 +204,8 @@ def test_hybrid_shards_within_a_node_and_replicates_across():
 
 
 def test_units_are_the_blocks_and_the_root_of_the_model():
-    from plans.meta import meta_device
-    from workloads.gpt import GPT
+    from orch.plans.meta import meta_device
+    from orch.workloads.gpt import GPT
 
     with meta_device():
         model = GPT(d_model=64, n_head=4, n_layer=3, seq_len=32)
@@ -277,7 +277,7 @@ def test_the_search_space_adds_fsdp2_without_pipelines_or_zero_stages():
 
 
 def test_an_unknown_engine_in_the_search_space_is_refused_before_anything_runs():
-    from orchestrator.declared import declared_violations
+    from orch.declared import declared_violations
 
     typed, _, _ = to_typed(compose_config("tune.engines=[deepspeed,fsdp]"))
     (violation,) = [v for v in declared_violations(typed) if v.field == "tune.engines"]
@@ -289,7 +289,7 @@ def test_fsdp2_builds_the_model_whole_on_one_worker_of_a_node():
     """The FSDP2 engine builds on meta and fills the shards from rank 0's whole build: a node holds
     the model once (plus the weight files every worker reads), where DeepSpeed's tp plans hold it
     once per worker."""
-    from plans.build_memory import build_memory, build_violation
+    from orch.plans.build_memory import build_memory, build_violation
     cluster = ClusterSpec(nodes=1, devices_per_node=4, host_memory_gib=1)
     stages = []  # no pipeline: not read
     fsdp = resolve_plan(PlanSpec(engine=FSDP2), cluster, TrainSpec())

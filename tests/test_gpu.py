@@ -18,8 +18,8 @@ import torch
 
 from helpers.config import compose_config
 from helpers.ray_cluster import release_shared_ray
-from orchestrator.config import to_typed
-from orchestrator.run.driver import run_training
+from orch.config import to_typed
+from orch.run.driver import run_training
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
@@ -33,7 +33,7 @@ PEAK_TARGET = 0.10
 @pytest.fixture(scope="module")
 def gpu_ray():
     """An embedded Ray with every GPU of the machine and a CPU for each worker."""
-    from launchers.ray_session import start_local_ray
+    from orch.launchers.ray_session import start_local_ray
 
     release_shared_ray()  # a Ray of its own: other resources
 

@@ -132,11 +132,11 @@ def test_the_offline_resolution_uses_only_the_bundle_and_the_machine(tmp_path):
 def test_every_case_of_the_gpu_check_composes_into_a_valid_config(tmp_path):
     from hydra import compose, initialize_config_module
 
-    from orchestrator.config import register_configs, to_typed
+    from orch.config import register_configs, to_typed
 
     machine = gpu_check.Machine(gpu="test", gpus=1, memory_gib=79.2, host_memory_gib=125, cpus=16)
     register_configs()
-    with initialize_config_module("orchestrator.conf", version_base="1.3"):
+    with initialize_config_module("orch.conf", version_base="1.3"):
         for case in gpu_check.CASES:
             typed, model_cfg, _ = to_typed(compose("config", overrides=case.overrides(gpu_check.GPU_SETUP, machine,
                                                                                        tmp_path)))

@@ -3,11 +3,11 @@
 import dataclasses
 
 from helpers.config import compose_config
-from launchers.engines.deepspeed.config import build_ds_config
-from orchestrator.config import to_typed
-from plans.optim_settings import optim_settings
-from plans.resolve import resolve_plan
-from plans.spec import Accelerator
+from orch.config import to_typed
+from orch.launchers.engines.deepspeed.config import build_ds_config
+from orch.plans.optim_settings import optim_settings
+from orch.plans.resolve import resolve_plan
+from orch.plans.spec import Accelerator
 
 
 def _configs(*overrides):
@@ -32,7 +32,7 @@ def test_offload_pins_memory_on_gpu_only():
 def test_torchs_fused_adamw_replaces_fusedadam_only_where_it_would_be_built():
     """A GPU node that cannot build DeepSpeed's FusedAdam trains with torch's fused AdamW; CPU
     offload (DeepSpeed's CPU Adam), SGD and configs already on torch's Adam are left alone."""
-    from launchers.engines.deepspeed.config import without_fused_adam
+    from orch.launchers.engines.deepspeed.config import without_fused_adam
 
     _, gpu = _configs("plan.zero_stage=2")
     swapped = without_fused_adam(gpu)
@@ -51,7 +51,7 @@ def test_the_fallback_builds_the_optimizer_deepspeed_would_take():
     arguments (the CUDA kernel itself needs a GPU, so only the construction is checked here)."""
     import torch
 
-    from launchers.engines.deepspeed.config import without_fused_adam
+    from orch.launchers.engines.deepspeed.config import without_fused_adam
 
     _, gpu = _configs("plan.zero_stage=2")
     params = dict(without_fused_adam(gpu)["optimizer"]["params"])
@@ -66,7 +66,7 @@ def test_arch_specific_cuda_arch_lists_are_given_to_deepspeed_in_a_form_it_reads
     and FusedAdam, then every GPU run, failed with "invalid literal for int() ... '0a'"."""
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
-    from launchers.engines.deepspeed.config import deepspeed_arch_list
+    from orch.launchers.engines.deepspeed.config import deepspeed_arch_list
 
     assert deepspeed_arch_list("9.0a") == "9.0"
     assert deepspeed_arch_list("8.0 9.0a+PTX;10.0f") == "8.0;9.0+PTX;10.0"
@@ -80,7 +80,7 @@ def test_arch_specific_cuda_arch_lists_are_given_to_deepspeed_in_a_form_it_reads
 def test_the_optimizer_is_named_by_its_implementation():
     import torch
 
-    from launchers.engines.base import describe_optimizer
+    from orch.launchers.engines.base import describe_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(2))]
     assert describe_optimizer(torch.optim.AdamW(params, fused=True)) == "torch.AdamW (fused)"

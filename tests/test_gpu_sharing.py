@@ -14,16 +14,16 @@ import ray
 
 from helpers.config import REPO
 from helpers.ray_cluster import release_shared_ray
-from launchers.gpu_sharing import share_gpus
-from launchers.placement import assign_ranks
-from launchers.worker import TrainWorker
+from orch.launchers.gpu_sharing import share_gpus
+from orch.launchers.placement import assign_ranks
+from orch.launchers.worker import TrainWorker
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def ray_with_4_logical_gpus():
-    from launchers.ray_session import start_local_ray
+    from orch.launchers.ray_session import start_local_ray
 
     release_shared_ray()  # a Ray of its own: other resources
 

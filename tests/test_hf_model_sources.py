@@ -15,11 +15,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers.config import compose_config
 from helpers.processes import worker_env
-from orchestrator.checking import check_run
-from orchestrator.config import to_typed
-from orchestrator.model_sources import prefer_command_line_source
-from plans.errors import PlanError
-from workloads.hf_presets import preset_config_path
+from orch.checking import check_run
+from orch.config import to_typed
+from orch.model_sources import prefer_command_line_source
+from orch.plans.errors import PlanError
+from orch.workloads.hf_presets import preset_config_path
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256}
@@ -31,7 +31,7 @@ def check(*overrides: str):
 
 
 def orch(tmp_path, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=worker_env(),
+    return subprocess.run([sys.executable, "-m", "orch", *args], cwd=tmp_path, env=worker_env(),
                           input=stdin, capture_output=True, text=True, timeout=120)
 
 
@@ -158,7 +158,7 @@ def test_every_transformers_loader_in_the_project_is_told_not_to_run_remote_code
     from helpers.config import REPO
 
     untold = []
-    for package in ("workloads", "orchestrator", "plans", "launchers", "bench"):
+    for package in ("orch", "bench"):
         for path in sorted((REPO / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)

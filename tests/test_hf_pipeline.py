@@ -11,12 +11,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers.config import FAST, compose_config
-from orchestrator.checking import check_run
-from orchestrator.config import to_typed
-from plans.errors import PipelineRefused, PlanError
-from plans.tp_plan import specs_from_tp_plan
-from workloads.hf import hf_causal_lm
-from workloads.hf_pipeline import detect_structure, pipeline_layers
+from orch.checking import check_run
+from orch.config import to_typed
+from orch.plans.errors import PipelineRefused, PlanError
+from orch.plans.tp_plan import specs_from_tp_plan
+from orch.workloads.hf import hf_causal_lm
+from orch.workloads.hf_pipeline import detect_structure, pipeline_layers
 
 SMALL = dict(vocab_size=256, max_position_embeddings=64)
 CONFIGS = {
@@ -133,7 +133,7 @@ def test_check_sizes_a_hugging_face_pipeline_stage_by_stage():
 
 
 def train(sqlite_uri: str, *overrides: str):
-    from orchestrator.run.driver import run_training
+    from orch.run.driver import run_training
 
     cfg = compose_config(*FAST, f"tracking.uri={sqlite_uri}", "train.steps=20", *overrides)
     return run_training(*to_typed(cfg))

@@ -10,12 +10,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.config import compose_config
-from orchestrator.checking import check_run
-from orchestrator.config import to_typed
-from plans.errors import PlanError
-from plans.meta import meta_device
-from workloads.hf import config_from_file, hf_causal_lm
-from workloads.hf_presets import PRESETS_DIR, preset_config_path
+from orch.checking import check_run
+from orch.config import to_typed
+from orch.plans.errors import PlanError
+from orch.plans.meta import meta_device
+from orch.workloads.hf import config_from_file, hf_causal_lm
+from orch.workloads.hf_presets import PRESETS_DIR, preset_config_path
 
 # The parameter counts the models' authors publish (model cards and safetensors metadata).
 PUBLISHED = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama3_405b": 405_853_388_800,

@@ -1,4 +1,4 @@
-"""Start-up shortcuts (launchers/lean_startup.py) and the memory probe's view of frozen objects."""
+"""Start-up shortcuts (orch/launchers/lean_startup.py) and the memory probe's view of frozen objects."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from launchers.lean_startup import collector_paused
-from launchers.memory_probe import TensorsMade, live_tensor_bytes
+from orch.launchers.lean_startup import collector_paused
+from orch.launchers.memory_probe import TensorsMade, live_tensor_bytes
 
 FP32 = 4
 
@@ -72,7 +72,7 @@ def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
     """In a fresh interpreter, as in a worker: MLflow is not imported, and importing it afterwards
     works (DeepSpeed only lost its autotuner's logging)."""
     code = ("import sys\n"
-            "from launchers.engines.deepspeed.building import import_deepspeed\n"
+            "from orch.launchers.engines.deepspeed.building import import_deepspeed\n"
             "deepspeed = import_deepspeed()\n"
             "assert 'mlflow' not in sys.modules, 'mlflow was imported'\n"
             "import deepspeed.autotuning.autotuner as autotuner\n"

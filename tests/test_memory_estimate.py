@@ -15,14 +15,14 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs 
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs  # noqa: E402
 
 from helpers.config import lm_inputs
-from plans.activations import (  # noqa: E402
+from orch.plans.activations import (  # noqa: E402
     ActivationBytes,
     gpt_activation_bytes,
     measure_activations,
     saved_activation_bytes,
 )
-from plans.engine import EngineSettings, ZeroStage  # noqa: E402
-from plans.memory import (  # noqa: E402
+from orch.plans.engine import EngineSettings, ZeroStage  # noqa: E402
+from orch.plans.memory import (  # noqa: E402
     DevicePhases,
     ModelStateBytes,
     ModelStats,
@@ -32,8 +32,8 @@ from plans.memory import (  # noqa: E402
     stage3_persistent_params,
     step_phases,
 )
-from plans.spec import Accelerator, Offload, OptimizerName, Precision  # noqa: E402
-from workloads.gpt import GPT  # noqa: E402
+from orch.plans.spec import Accelerator, Offload, OptimizerName, Precision  # noqa: E402
+from orch.workloads.gpt import GPT  # noqa: E402
 
 GB = 1e9
 
@@ -413,7 +413,7 @@ def test_a_module_with_real_weights_is_refused():
 
 
 def test_backward_peaks_match_a_real_worker():
-    # Tensor bytes above what a real fp32 2-worker run held (launchers/memory_probe.py, DeepSpeed
+    # Tensor bytes above what a real fp32 2-worker run held (orch/launchers/memory_probe.py, DeepSpeed
     # 0.19, this model at micro-batch 8), less the ZeRO bucket of Ψ fp32 elements: the backward
     # peak with gradients leaving for the bucket (ZeRO-2: 70.44 MiB, checkpointed 25.30 MiB) and
     # with gradients kept in .grad (ZeRO-1, checkpointed: 31.34 MiB).

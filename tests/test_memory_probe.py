@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers.config import FAST, compose_config
-from launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
+from orch.launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
 
 FP32 = 4
 
@@ -132,8 +132,8 @@ def test_tracker_releases_its_finalizers_on_exit():
 # --- real DeepSpeed in Ray actors ----------------------------------------------------------------
 
 def _train_with_probe(sqlite_uri: str, *overrides: str):
-    from orchestrator.config import to_typed
-    from orchestrator.run.driver import run_training
+    from orch.config import to_typed
+    from orch.run.driver import run_training
 
     cfg = compose_config(*FAST, "train.steps=5", f"tracking.uri={sqlite_uri}", "train.memory_probe_step=2",
                          *overrides)

@@ -7,8 +7,8 @@ import pickle
 import pytest
 import torch
 
-from orchestrator.models import model_factory
-from plans.meta import meta_device
+from orch.models import model_factory
+from orch.plans.meta import meta_device
 
 BUILDS = []
 

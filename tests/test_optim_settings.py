@@ -1,4 +1,4 @@
-"""The engine-neutral optimizer settings (:mod:`plans.optim_settings`): decided once from the
+"""The engine-neutral optimizer settings (:mod:`orch.plans.optim_settings`): decided once from the
 config, written out as DeepSpeed's sections unchanged, carried by every engine's job. Pure: no
 engine starts."""
 
@@ -9,13 +9,13 @@ import json
 import pytest
 
 from helpers.config import compose_config
-from launchers.engines.deepspeed.config import build_ds_config
-from launchers.job import TrainJob
-from orchestrator.config import to_typed
-from plans.optim_settings import optim_settings
-from plans.resolve import ResolvedPlan, resolve_plan
-from plans.spec import Accelerator, EngineName, Offload, OptimizerName, OptimSpec, Precision, TrainSpec
-from plans.workload import Workload
+from orch.config import to_typed
+from orch.launchers.engines.deepspeed.config import build_ds_config
+from orch.launchers.job import TrainJob
+from orch.plans.optim_settings import optim_settings
+from orch.plans.resolve import ResolvedPlan, resolve_plan
+from orch.plans.spec import Accelerator, EngineName, Offload, OptimizerName, OptimSpec, Precision, TrainSpec
+from orch.plans.workload import Workload
 
 
 def _plan(engine: EngineName = EngineName.deepspeed, precision: Precision = Precision.bf16) -> ResolvedPlan:
@@ -69,9 +69,9 @@ def test_composed_config_gives_the_same_settings_the_driver_would():
 
 
 def test_a_job_carries_deepspeed_json_for_the_deepspeed_engine_only():
-    from workloads.corpus import CorpusSource
-    from workloads.gpt import GPT
-    from workloads.objectives import CausalLM
+    from orch.workloads.corpus import CorpusSource
+    from orch.workloads.gpt import GPT
+    from orch.workloads.objectives import CausalLM
 
     workload = Workload(model_factory=GPT, objective=CausalLM(), data=CorpusSource(seq_len=16))
     for engine in EngineName:

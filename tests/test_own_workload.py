@@ -74,8 +74,8 @@ def test_a_users_own_model_objective_and_dataset_train_from_their_config_dir(tmp
 def test_a_plan_too_big_for_a_model_without_checkpointing_gets_fixes_it_can_take():
     """The fix search leaves activation checkpointing out for a model with nothing to checkpoint."""
     from helpers.config import compose_config
-    from orchestrator.checking import check_run
-    from orchestrator.config import to_typed
+    from orch.checking import check_run
+    from orch.config import to_typed
 
     typed, model_cfg, _ = to_typed(compose_config("model=mlp", "data=dataset", "objective=classification",
                                                   "plan.micro_batch_size=512", "cluster.device_memory_gib=0.0001"))

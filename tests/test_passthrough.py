@@ -2,10 +2,10 @@
 device list do not. A DeepSpeed rank builds its ops with the ninja installed beside its interpreter."""
 
 from helpers.config import compose_config
-from launchers.passthrough import passthrough_env
-from launchers.worker_group import worker_env
-from orchestrator.config import to_typed
-from plans.resolve import resolve_plan
+from orch.config import to_typed
+from orch.launchers.passthrough import passthrough_env
+from orch.launchers.worker_group import worker_env
+from orch.plans.resolve import resolve_plan
 
 
 def test_communication_variables_pass_and_others_do_not():
@@ -34,7 +34,7 @@ def test_a_deepspeed_rank_builds_with_the_ninja_beside_its_interpreter_even_when
     import shutil
     import sys
 
-    from launchers.engines.deepspeed.building import ninja_on_path
+    from orch.launchers.engines.deepspeed.building import ninja_on_path
 
     scripts = os.path.dirname(sys.executable)
     assert os.path.isfile(os.path.join(scripts, "ninja"))  # DeepSpeed requires the ninja package

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from helpers.config import FAST, compose_config, lm_inputs
-from orchestrator.checking import check_run
-from orchestrator.config import to_typed
-from orchestrator.models import pipeline_layers_factory
-from plans.errors import PlanError
-from plans.pipeline import bubble_fraction, measure_pipeline_layers, pipeline_stages
-from plans.resolve import resolve_plan
-from plans.spec import ClusterSpec, PlanSpec, TrainSpec
-from workloads.gpt import GPT
+from orch.checking import check_run
+from orch.config import to_typed
+from orch.models import pipeline_layers_factory
+from orch.plans.errors import PlanError
+from orch.plans.pipeline import bubble_fraction, measure_pipeline_layers, pipeline_stages
+from orch.plans.resolve import resolve_plan
+from orch.plans.spec import ClusterSpec, PlanSpec, TrainSpec
+from orch.workloads.gpt import GPT
 
 # --- pure ----------------------------------------------------------------------------------------
 
@@ -101,7 +101,7 @@ def test_a_model_without_pipeline_layers_is_refused_with_the_reason():
 
 
 def train(sqlite_uri: str, *overrides: str):
-    from orchestrator.run.driver import run_training
+    from orch.run.driver import run_training
 
     cfg = compose_config(*FAST, f"tracking.uri={sqlite_uri}", *overrides)
     return run_training(*to_typed(cfg))

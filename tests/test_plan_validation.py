@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from plans.errors import PlanError
-from plans.resolve import resolve_plan
-from plans.spec import Accelerator, ClusterSpec, Offload, PlanSpec, Precision, TrainSpec
+from orch.plans.errors import PlanError
+from orch.plans.resolve import resolve_plan
+from orch.plans.spec import Accelerator, ClusterSpec, Offload, PlanSpec, Precision, TrainSpec
 
 
 def fields(error: PlanError) -> list[str]:

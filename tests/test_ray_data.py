@@ -19,11 +19,11 @@ import torch
 
 from helpers.config import compose_config
 from helpers.ray_cluster import ray_with_env
-from launchers.batches import StreamedBatches
-from orchestrator.config import to_typed
-from workloads.corpus import SHIPPED_CORPUS
-from workloads.objectives import Classification
-from workloads.ray_data import RayDataSource
+from orch.config import to_typed
+from orch.launchers.batches import StreamedBatches
+from orch.workloads.corpus import SHIPPED_CORPUS
+from orch.workloads.objectives import Classification
+from orch.workloads.ray_data import RayDataSource
 
 ROWS_PER_REPLICA = 24  # 6 micro-batches of 4: one epoch is 6 steps at dp=2
 
@@ -186,7 +186,7 @@ def test_epochs_count_passes_and_a_resume_restarts_the_saved_epoch(data_ray, tmp
 
 
 def train(sqlite_uri: str, *overrides: str):
-    from orchestrator.run.driver import run_training
+    from orch.run.driver import run_training
 
     cfg = compose_config("train.log_every=2", "train.eval_batches=1", "plan.micro_batch_size=4",
                          f"tracking.uri={sqlite_uri}", *overrides)

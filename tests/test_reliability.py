@@ -16,16 +16,16 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from helpers.config import compose_config
-from launchers.checkpoint import LATEST, latest, publish, tag_for
-from orchestrator.config import to_typed
-from orchestrator.run.driver import run_training
+from orch.config import to_typed
+from orch.launchers.checkpoint import LATEST, latest, publish, tag_for
+from orch.run.driver import run_training
 
 RUN = ["train.steps=30", "train.log_every=5", "train.eval_batches=1", "plan.micro_batch_size=4",
        "plan.zero_stage=1", "train.checkpoint_every=10"]
 
 
 def test_the_process_group_outlasts_the_hang_detector():
-    from launchers.worker_group import collective_timeout_env
+    from orch.launchers.worker_group import collective_timeout_env
 
     # DeepSpeed's default (10 min) is shorter than train.hang_timeout_s's default (900 s).
     assert collective_timeout_env(900) == {"DEEPSPEED_TIMEOUT": "25"}
@@ -64,7 +64,7 @@ def test_killed_workers_restart_from_the_checkpoint_even_after_the_last_one(loca
     import time
 
     from helpers.processes import free_port
-    from launchers import worker_group
+    from orch.launchers import worker_group
 
     # The first kill must land between the checkpoints of steps 10 and 20. The driver sees step 15
     # up to one poll late, and these steps take a few hundredths of a second: at the default
@@ -134,7 +134,7 @@ def tracked_hang(sqlite_uri: str, run_name: str) -> tuple[str, str, set[str]]:
 def test_a_worker_stuck_in_setup_is_stopped_and_its_stacks_saved(local_ray, sqlite_uri):
     from deepspeed.comm.torch import build_shm_op
 
-    from launchers.worker_group import WorkerHangError
+    from orch.launchers.worker_group import WorkerHangError
 
     # The workers' first DeepSpeed call builds its shared-memory comm op unless the cache holds it
     # for this checkout: ~30 s, which would count against the short limit below. Built here first.
@@ -153,7 +153,7 @@ def test_a_worker_stuck_in_setup_is_stopped_and_its_stacks_saved(local_ray, sqli
 
 @pytest.mark.slow
 def test_a_rank_failing_in_setup_fails_the_run_without_waiting_for_its_peers(local_ray, sqlite_uri):
-    from launchers.worker_group import WorkerFailedError
+    from orch.launchers.worker_group import WorkerFailedError
 
     # No setup limit: only the failing rank's own error can end the wait, not a timeout.
     cfg = compose_config(*RUN, "train.checkpoint_every=0", "model._target_=faulty_models.SetupFailingGPT",
@@ -184,7 +184,7 @@ def _plant(checkpoint: Path, marker: Path) -> list[Path]:
     loader must stop the pickle on its own."""
     import torch
 
-    from launchers.manifest import read_manifest, write_manifest
+    from orch.launchers.manifest import read_manifest, write_manifest
 
     planted = sorted(checkpoint.glob("*model_states.pt"))
     for path in planted:
@@ -203,7 +203,7 @@ def test_weights_only_load_refuses_code_and_accepts_deepspeed_state(tmp_path):
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    from launchers.safe_load import UnsafeCheckpointError, load_weights_only
+    from orch.launchers.safe_load import UnsafeCheckpointError, load_weights_only
 
     # What ZeRO optimizers save besides tensors (runtime/zero/stage_1_and_2.py: state_dict()).
     good = {"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0),
@@ -239,7 +239,7 @@ def test_an_enum_member_pickled_by_name_loads_and_no_other_getattr_does(tmp_path
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    from launchers.safe_load import UnsafeCheckpointError, load_weights_only
+    from orch.launchers.safe_load import UnsafeCheckpointError, load_weights_only
 
     def save(obj, name: str, member_name=lambda member: member.name) -> str:
         pickler = type("Pickler", (_GetattrPickler,), {"name_of": staticmethod(member_name)})
@@ -266,7 +266,7 @@ def test_an_enum_member_pickled_by_name_loads_and_no_other_getattr_does(tmp_path
 
 
 def test_latest_json_cannot_point_outside_the_checkpoint_dir(tmp_path):
-    from launchers.checkpoint import CheckpointRecordError
+    from orch.launchers.checkpoint import CheckpointRecordError
 
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -289,7 +289,7 @@ def test_latest_json_cannot_point_outside_the_checkpoint_dir(tmp_path):
 # model file). Stages 0 and 1 are resumed through the same loader by the tests above.
 @pytest.mark.parametrize("stage, plant", [(3, True)], ids=["zero3-planted"])
 def test_resume_loads_weights_only_and_refuses_a_planted_pickle(local_ray, tmp_path, stage, plant):
-    from launchers.safe_load import UnsafeCheckpointError
+    from orch.launchers.safe_load import UnsafeCheckpointError
 
     ckpt = tmp_path / "ckpt"
     run = ["train.steps=6", "train.log_every=2", "train.eval_batches=1", "plan.micro_batch_size=2",
@@ -325,7 +325,7 @@ def test_a_hang_inside_a_collective_is_detected_and_nothing_is_left(local_ray, s
     import ray
 
     from helpers.processes import alive
-    from launchers.worker_group import WorkerHangError
+    from orch.launchers.worker_group import WorkerHangError
 
     timeout_s = 5
     cfg = compose_config(*RUN, "train.log_every=1", "train.checkpoint_every=0", f"train.hang_timeout_s={timeout_s}",
@@ -386,11 +386,11 @@ def test_a_resume_verifies_its_checkpoint_and_falls_back(local_ray, sqlite_uri, 
 
     import torch
 
-    from launchers.checkpoint import CheckpointDirBusyError, NoIntactCheckpointError, directory_lock
-    from launchers.engines.deepspeed.universal import convert
-    from launchers.manifest import CheckpointIntegrityError, read_manifest, verify, write_manifest
-    from launchers.safe_load import UnsafeCheckpointError
-    from plans.errors import PlanError
+    from orch.launchers.checkpoint import CheckpointDirBusyError, NoIntactCheckpointError, directory_lock
+    from orch.launchers.engines.deepspeed.universal import convert
+    from orch.launchers.manifest import CheckpointIntegrityError, read_manifest, verify, write_manifest
+    from orch.launchers.safe_load import UnsafeCheckpointError
+    from orch.plans.errors import PlanError
 
     ckpt = tmp_path / "ckpt"
     run = [*RUN, "train.steps=4", "train.log_every=2", "train.checkpoint_every=2", f"train.checkpoint_dir={ckpt}",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.tracking.report import measured_by_stage, memory_figure
+from orch.tracking.report import measured_by_stage, memory_figure
 
 PREDICTED = {"params": 10.0, "grads": 10.0, "optimizer_states": 20.0, "activations": 5.0, "buffers": 1.0,
              "reserve": 2.0}

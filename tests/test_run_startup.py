@@ -1,4 +1,4 @@
-"""`orch train`'s start-up steps (orchestrator.run.startup.Startup): what each one starts, waits
+"""`orch train`'s start-up steps (orch.run.startup.Startup): what each one starts, waits
 for and marks, on an embedded Ray's ``ready()`` the caller already holds."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from helpers.config import compose_config
-from orchestrator.config import to_typed
-from orchestrator.run.startup import TRACKING_MODULE, Startup
-from plans.resolve import resolve_plan
+from orch.config import to_typed
+from orch.plans.resolve import resolve_plan
+from orch.run.startup import TRACKING_MODULE, Startup
 
 
 class ReadyCalls:

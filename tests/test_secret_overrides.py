@@ -1,7 +1,7 @@
 """Credentials given as overrides are refused before Hydra records the command line or anything
 prints or ships it, judged by what the key names (docs/reliability.md, Credentials).
 
-The name test (:func:`launchers.passthrough.credential_word`) is the one every check uses: the
+The name test (:func:`orch.launchers.passthrough.credential_word`) is the one every check uses: the
 variables withheld from workers, `orch submit`'s ``submit.env`` and every command's overrides.
 """
 
@@ -16,17 +16,17 @@ from omegaconf import OmegaConf
 from test_cluster import env_without_mlflow_credentials, files_holding
 
 from helpers.processes import free_port
-from launchers.passthrough import credential_word, withheld_from_workers
-from orchestrator.credentials import (
+from orch.credentials import (
     CLUSTER_CREDENTIALS_FIX,
     CredentialsError,
     refuse_secret_overrides,
     secret_overrides,
 )
-from orchestrator.submit import shipped_credentials
+from orch.launchers.passthrough import credential_word, withheld_from_workers
+from orch.submit import shipped_credentials
 
 SECRET = "Pw-not-to-be-seen-5678"
-CONF = Path(__file__).resolve().parents[1] / "orchestrator" / "conf"
+CONF = Path(__file__).resolve().parents[1] / "orch" / "conf"
 
 
 @pytest.mark.parametrize(("name", "word"), [
@@ -75,10 +75,10 @@ def _keys(node, prefix=""):
 def test_no_key_of_the_shipped_configs_or_of_hydra_s_own_is_taken_for_a_credential():
     from hydra import compose, initialize_config_module
 
-    from orchestrator.config import register_configs
+    from orch.config import register_configs
 
     register_configs()
-    with initialize_config_module("orchestrator.conf", version_base="1.3"):
+    with initialize_config_module("orch.conf", version_base="1.3"):
         keys = list(_keys(OmegaConf.to_container(compose("config", return_hydra_config=True))))
     keys += [key for path in CONF.rglob("*.yaml") for key in _keys(OmegaConf.to_container(OmegaConf.load(path)))]
     assert len(keys) > 200
@@ -129,7 +129,7 @@ def test_a_credential_override_is_refused_before_anything_is_written_printed_or_
     key = override.lstrip("+").partition("=")[0]
     key = "hydra.job.env_set.DB_PASSWD" if key == "hydra.job.env_set" else key
     nothing_listens = f"http://127.0.0.1:{free_port()}"  # refused before any connection is tried
-    done = subprocess.run([sys.executable, "-m", "orchestrator", *arguments, f"tracking.uri={nothing_listens}",
+    done = subprocess.run([sys.executable, "-m", "orch", *arguments, f"tracking.uri={nothing_listens}",
                            f"cluster.address={nothing_listens}" if command == "submit" else "train.steps=1"],
                           cwd=tmp_path, env=env_without_mlflow_credentials(), capture_output=True, text=True,
                           timeout=300)

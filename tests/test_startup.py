@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from orchestrator.run.startup import PHASES, StartupClock, describe
+from orch.run.startup import PHASES, StartupClock, describe
 
 
 def test_each_phase_counts_from_the_end_of_the_last_and_only_once():
@@ -42,7 +42,7 @@ def test_describe_lists_the_phases_in_the_order_they_ran():
 
 
 def test_background_work_hands_back_its_result_or_its_error():
-    from orchestrator.run.startup import in_background
+    from orch.run.startup import in_background
 
     with in_background(sum, [1, 2]) as result:
         assert result() == 3
@@ -65,8 +65,8 @@ def test_ray_starts_in_the_background_and_lives_until_the_block_ends():
 
     from helpers.config import REPO
     from helpers.ray_cluster import EnvProbe
-    from launchers.ray_session import RayConnectError, environment_to_ship, ray_session_in_background
-    from launchers.worker_group import WorkerGroupSpec, place_actors
+    from orch.launchers.ray_session import RayConnectError, environment_to_ship, ray_session_in_background
+    from orch.launchers.worker_group import WorkerGroupSpec, place_actors
 
     started_lines = []
     seen = logging.Handler()
@@ -129,7 +129,7 @@ def test_a_block_that_fails_while_ray_starts_does_not_wait_for_it():
     the next session in the process waits for that instead of finding a Ray about to stop."""
     import ray
 
-    from launchers.ray_session import ray_session, ray_session_in_background
+    from orch.launchers.ray_session import ray_session, ray_session_in_background
 
     started = time.monotonic()
     with pytest.raises(KeyError), ray_session_in_background(None, worker_cpus=2, object_store_gib=0.25):
@@ -140,7 +140,7 @@ def test_a_block_that_fails_while_ray_starts_does_not_wait_for_it():
     assert not ray.is_initialized()
 
 
-# --- the embedded Ray started before torch is imported (orchestrator/run/early_ray.py) -------------------
+# --- the embedded Ray started before torch is imported (orch/run/early_ray.py) -------------------
 
 @pytest.mark.parametrize("override", [
     "cluster.address=127.0.0.1:1",  # a cluster joined by address: connected to later, as before
@@ -150,8 +150,8 @@ def test_a_block_that_fails_while_ray_starts_does_not_wait_for_it():
 ])
 def test_ray_is_not_started_early_for_runs_it_cannot_size_or_that_will_be_refused(override):
     from helpers.config import compose_config
-    from orchestrator.config import to_typed
-    from orchestrator.run.early_ray import early_ray
+    from orch.config import to_typed
+    from orch.run.early_ray import early_ray
 
     typed, _, _ = to_typed(compose_config(override))
     with early_ray(typed) as ready:
@@ -168,8 +168,8 @@ def test_ray_starts_early_without_torch_imported():
     code = ("import os, sys\n"
             "sys.path.insert(0, 'tests')\n"
             "from helpers.config import compose_config\n"
-            "from orchestrator.config import to_typed\n"
-            "from orchestrator.run.startup import Startup\n"
+            "from orch.config import to_typed\n"
+            "from orch.run.startup import Startup\n"
             "typed, _, _ = to_typed(compose_config('cluster.object_store_memory_gib=0.1'))\n"
             "with Startup.for_command(typed) as startup:\n"
             "    assert 'torch' not in sys.modules, 'torch was imported'\n"

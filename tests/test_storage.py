@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from helpers.config import compose_config
-from launchers.checkpoint import CheckpointRecordError, latest, publish_remote, resumable, tag_for
-from launchers.manifest import file_digests
-from launchers.storage import RemoteDir, StagingDirError, location_violation, staging_dir
-from orchestrator.config import to_typed
-from orchestrator.inputs import validated_plan
-from plans.errors import PlanError
-from plans.locations import is_remote, local_path
+from orch.config import to_typed
+from orch.inputs import validated_plan
+from orch.launchers.checkpoint import CheckpointRecordError, latest, publish_remote, resumable, tag_for
+from orch.launchers.manifest import file_digests
+from orch.launchers.storage import RemoteDir, StagingDirError, location_violation, staging_dir
+from orch.plans.errors import PlanError
+from orch.plans.locations import is_remote, local_path
 
 
 @pytest.fixture
@@ -100,10 +100,10 @@ def test_a_planted_remote_record_cannot_point_outside_the_directory(s3_env):
 def test_a_tuned_plan_is_written_to_object_storage(s3_env):
     from omegaconf import OmegaConf
 
-    from orchestrator.tune.plan_file import check_plan_file, train_command, write_plan_file
-    from orchestrator.tune.result import TuneResult
-    from orchestrator.tune.search import prepare
-    from plans.search_space import search
+    from orch.plans.search_space import search
+    from orch.tune.plan_file import check_plan_file, train_command, write_plan_file
+    from orch.tune.result import TuneResult
+    from orch.tune.search import prepare
 
     with pytest.raises(PlanError, match=r"tune.out='s3://missing/plans/tuned.yaml': its directory names the bucket"):
         check_plan_file(to_typed(compose_config("tune.out=s3://missing/plans/tuned.yaml"))[0])
@@ -156,8 +156,8 @@ def test_a_staging_directory_others_could_enter_or_a_link_is_refused(private_tmp
 
 
 def test_a_download_that_fails_verification_is_removed_from_the_staging_directory(s3_env, tmp_path, private_tmp):
-    from launchers.checkpoint import download_verified
-    from launchers.manifest import CheckpointIntegrityError
+    from orch.launchers.checkpoint import download_verified
+    from orch.launchers.manifest import CheckpointIntegrityError
 
     uri = f"s3://{s3_env['bucket']}/tampered"
     files, sizes = _upload(RemoteDir(uri), tmp_path, 2, 1.0)
@@ -187,7 +187,7 @@ def test_train_refuses_a_staging_directory_others_could_enter_before_ray_starts(
     (node_tmp / f"orch-staging-{os.getuid()}").mkdir(parents=True, mode=0o777)
     (node_tmp / f"orch-staging-{os.getuid()}").chmod(0o777)
     location = f"s3://{s3_env['bucket']}/staged-run"
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "train", "train.steps=2", "train.resume=auto",
+    done = subprocess.run([sys.executable, "-m", "orch", "train", "train.steps=2", "train.resume=auto",
                            f"train.checkpoint_dir={location}"], cwd=tmp_path,
                           env={**worker_env(), "TMPDIR": str(node_tmp)}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]

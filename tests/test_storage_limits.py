@@ -19,13 +19,13 @@ import pytest
 
 from helpers.config import compose_config
 from helpers.processes import worker_env
-from launchers.storage import location_violation
-from orchestrator.cli import storage_checks_bounded
-from orchestrator.config import to_typed
-from orchestrator.inputs import input_violations
-from orchestrator.tune.plan_file import check_plan_file
-from plans.errors import PlanError
-from plans.locations import open_location, probe_limit
+from orch.cli import storage_checks_bounded
+from orch.config import to_typed
+from orch.inputs import input_violations
+from orch.launchers.storage import location_violation
+from orch.plans.errors import PlanError
+from orch.plans.locations import open_location, probe_limit
+from orch.tune.plan_file import check_plan_file
 
 ORCH = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"
 # Time a loaded 2-core machine may add to a limit before the answer arrives.
@@ -103,7 +103,7 @@ def test_tune_out_on_a_silent_store_times_out(silent_s3):
 def test_export_of_a_run_whose_checkpoints_are_on_a_silent_store_times_out(silent_s3, sqlite_uri):
     from mlflow import MlflowClient
 
-    from orchestrator.export import export_run
+    from orch.export import export_run
 
     client = MlflowClient(sqlite_uri)
     run_id = client.create_run(client.create_experiment("orch")).info.run_id
@@ -119,7 +119,7 @@ def test_reads_of_a_stores_checkpoint_records_are_given_up_within_the_limit(sile
     """A store that passed its first check and then stalls: the pointer, a manifest and a listing
     are each read within cluster.connect_timeout_s, then refused naming the directory and the
     setting (the pointer's read waited minutes, then a raw OSError)."""
-    from launchers.checkpoint import _verified, latest
+    from orch.launchers.checkpoint import _verified, latest
 
     for read in (lambda: latest("s3://orch/run"), lambda: _verified("s3://orch/run", "step_000000010")):
         start = time.monotonic()

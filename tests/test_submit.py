@@ -26,10 +26,11 @@ from test_cluster import env_without_mlflow_credentials, files_holding
 
 from helpers.config import compose_config
 from helpers.processes import free_port, kill_tree, processes_mentioning, worker_env
+from helpers.projects import plant_packages_named_like_orchs_parts
 from helpers.tracking_server import ADMIN
-from orchestrator.config import to_typed
-from orchestrator.submit import submission, submit_violations
-from plans.errors import PlanError
+from orch.config import to_typed
+from orch.plans.errors import PlanError
+from orch.submit import submission, submit_violations
 
 RAY = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
 
@@ -147,7 +148,7 @@ def job_info(head: dict, job_id: str) -> dict:
 
 
 def orch(*args: str, cwd, env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "orch", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 
 
@@ -168,6 +169,8 @@ def test_a_submitted_job_trains_the_users_own_code_with_the_clusters_credentials
     nowhere. Then the job commands, a plan refused before submitting, and a job stopped mid-run."""
     head, server, password = jobs_head, mlflow_auth_server, mlflow_auth_server["password"]
     project = user_project(tmp_path)
+    # Its own packages named like orch's parts ship with it and are first on the job's import path.
+    plant_packages_named_like_orchs_parts(project)
     # Secrets a project directory often holds stay behind (submit.excludes' defaults).
     (project / ".env").write_text("MLFLOW_TRACKING_PASSWORD=never-shipped\n")
     (project / "deploy.pem").write_text("-----BEGIN PRIVATE KEY-----\n")

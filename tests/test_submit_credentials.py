@@ -17,9 +17,9 @@ from test_cluster import env_without_mlflow_credentials, files_holding
 
 from helpers.config import compose_config
 from helpers.processes import free_port
-from orchestrator.config import to_typed
-from orchestrator.submit import check_tracking, shipped_credentials, submission, submitted_message
-from plans.errors import PlanError
+from orch.config import to_typed
+from orch.plans.errors import PlanError
+from orch.submit import check_tracking, shipped_credentials, submission, submitted_message
 
 SECRET = "Pw-not-to-be-seen-1234"
 CLUSTER_FIX = ("keep the credentials in the cluster's own environment (where `ray start` runs on the head node) "
@@ -90,7 +90,7 @@ def test_a_tracking_server_that_does_not_answer_here_is_left_to_the_cluster_to_c
                                      ["submit", "tracking.uri=http://127.0.0.1:1"]])
 def test_job_commands_keep_a_password_in_the_address_out_of_what_they_print_and_write(command, tmp_path):
     port = free_port()  # no Jobs server: each command fails, after Hydra wrote its copies of the overrides
-    done = subprocess.run([sys.executable, "-m", "orchestrator", *command,
+    done = subprocess.run([sys.executable, "-m", "orch", *command,
                            f"cluster.address=http://ops:{SECRET}@127.0.0.1:{port}"], cwd=tmp_path,
                           env=env_without_mlflow_credentials(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]

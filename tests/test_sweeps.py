@@ -19,7 +19,7 @@ SHORT = ["train.steps=4", "train.log_every=2", "train.eval_batches=1"]
 
 
 def orch(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=worker_env(),
+    return subprocess.run([sys.executable, "-m", "orch", *args], cwd=cwd, env=worker_env(),
                           capture_output=True, text=True, timeout=900)
 
 
@@ -36,7 +36,7 @@ def test_an_optuna_sweep_is_one_parent_run_minimizing_the_eval_loss_and_survives
     declared 0.5 GiB device: refused, a failed trial, and the sweep goes on to pick the best.
 
     The sweep is one parent MLflow run with its jobs nested, compared on the parent. That part is
-    Hydra callbacks (orchestrator/sweeps.py), the same for every sweeper: Hydra's basic one runs
+    Hydra callbacks (orch/sweeps.py), the same for every sweeper: Hydra's basic one runs
     the jobs of test_cli's failed sweep and of the sweep-metric check below."""
     done = orch("train", "--multirun", "hydra/sweeper=optuna", "hydra/sweeper/sampler=random",
                 "hydra.sweeper.sampler.seed=0",

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from helpers.config import FAST, compose_config
-from launchers.engines.deepspeed.config import build_ds_config, tensor_parallel_section
-from orchestrator.config import to_typed
-from plans.cost_model import group_links
-from plans.errors import PlanError
-from plans.optim_settings import optim_settings
-from plans.rank_layout import ParallelCoords, global_rank, group_stride, parallel_coords
-from plans.resolve import resolve_plan
-from plans.spec import ClusterSpec, OptimSpec, PlanSpec, TrainSpec
-from workloads.gpt import GPT, TP_LAYER_SPECS
+from orch.config import to_typed
+from orch.launchers.engines.deepspeed.config import build_ds_config, tensor_parallel_section
+from orch.plans.cost_model import group_links
+from orch.plans.errors import PlanError
+from orch.plans.optim_settings import optim_settings
+from orch.plans.rank_layout import ParallelCoords, global_rank, group_stride, parallel_coords
+from orch.plans.resolve import resolve_plan
+from orch.plans.spec import ClusterSpec, OptimSpec, PlanSpec, TrainSpec
+from orch.workloads.gpt import GPT, TP_LAYER_SPECS
 
 # --- pure ----------------------------------------------------------------------------------------
 
@@ -108,7 +108,7 @@ def test_gpt_layer_specs_match_the_layers_meant_and_nothing_else():
 def test_the_planners_tensor_parallel_count_is_what_sharding_leaves_on_a_rank():
     """The parameters counted as split by tp are exactly those the meta shard shrinks: a layer its
     spec skips stays whole in both."""
-    from plans.estimate import _tensor_parallel_params, shard_module
+    from orch.plans.estimate import _tensor_parallel_params, shard_module
 
     specs = [*TP_LAYER_SPECS, {"patterns": [r".*blocks\.0\.mlp\.fc\.weight$"], "partition_type": "skip"}]
     specs = [specs[-1], *specs[:-1]]  # the first matching spec decides: the skip wins for block 0's fc
@@ -129,7 +129,7 @@ def test_gpt_heads_must_split_evenly_over_tp():
 
 
 def test_the_planner_names_model_and_tp_when_heads_do_not_split():
-    from orchestrator.checking import check_run
+    from orch.checking import check_run
 
     cfg = compose_config("plan.tp=2", "plan.dp=1", "model.n_head=1", "model.d_model=64")
     typed, model_cfg, _ = to_typed(cfg)
@@ -164,7 +164,7 @@ def test_gpt_attention_runs_on_a_head_shard():
 
 
 def train(sqlite_uri: str, *overrides: str):
-    from orchestrator.run.driver import run_training
+    from orch.run.driver import run_training
 
     cfg = compose_config(*FAST, f"tracking.uri={sqlite_uri}", *overrides)
     return run_training(*to_typed(cfg))

@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from helpers.processes import worker_env
-from orchestrator.credentials import (
+from orch.credentials import (
     PASSWORD_ENV,
     USERNAME_ENV,
     CredentialsError,
@@ -20,7 +20,7 @@ from orchestrator.credentials import (
     redact_text,
     split_credentials,
 )
-from orchestrator.tracking.store import RunTracker, TrackingError, experiment_id_for, open_client
+from orch.tracking.store import RunTracker, TrackingError, experiment_id_for, open_client
 
 ORCH = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"
 
@@ -151,7 +151,7 @@ def test_no_written_or_printed_copy_of_the_config_holds_a_password(tmp_path):
     # Hydra writes the overrides and the composed config to outputs/*/.hydra/ before any of
     # orch's code runs; a Ray address with userinfo stays usable in memory but is scrubbed there.
     secret = "Pw-5e2b1c"
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "config", f"tracking.uri=http://u:{secret}@h:5000",
+    done = subprocess.run([sys.executable, "-m", "orch", "config", f"tracking.uri=http://u:{secret}@h:5000",
                            f"cluster.address=ray://u:{secret}@head:10001", "hydra.run.dir=out"],
                           cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -182,7 +182,7 @@ def test_an_experiment_created_meanwhile_by_another_run_is_used(tmp_path):
 
 def test_a_sampler_finished_before_it_started_keeps_one_sample():
     # A run resumed at its last step runs no step, so its sampler never starts; it still records.
-    from launchers.system_metrics import SystemSampler
+    from orch.launchers.system_metrics import SystemSampler
 
     sampler = SystemSampler(3600)
     sampler.finish()
@@ -195,9 +195,9 @@ def test_a_sqlite_store_that_cannot_be_created_is_a_declared_value_problem(tmp_p
     """Checked without MLflow or torch, so `orch train` and `orch tune` refuse it before their imports,
     together with the declared values' and the plan arithmetic's problems."""
     from helpers.config import compose_config
-    from orchestrator.config import TrackingConfig, to_typed
-    from orchestrator.declared import declared_and_plan_violations
-    from orchestrator.tracking.local_store import local_store_violations
+    from orch.config import TrackingConfig, to_typed
+    from orch.declared import declared_and_plan_violations
+    from orch.tracking.local_store import local_store_violations
 
     (tmp_path / "kept.db").write_bytes(b"")
     for uri in (f"sqlite:///{tmp_path}/new/dir/mlflow.db", f"sqlite:///{tmp_path}/kept.db", "sqlite:///:memory:",

@@ -6,8 +6,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from helpers.config import FAST, compose_config
-from orchestrator.config import to_typed
-from orchestrator.run.driver import run_training
+from orch.config import to_typed
+from orch.run.driver import run_training
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ def test_a_failing_worker_fails_the_run_cleanly(local_ray, sqlite_uri):
 
     import ray
 
-    from launchers.worker_group import WorkerFailedError
+    from orch.launchers.worker_group import WorkerFailedError
 
     with pytest.raises(WorkerFailedError) as info:
         train(sqlite_uri, "model._target_=faulty_models.ExplodingGPT", "tracking.run_name=exploding")

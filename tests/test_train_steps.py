@@ -8,13 +8,13 @@ import dataclasses
 import pytest
 from ray.exceptions import RayActorError
 
-from launchers.job import PollStatus, StepReport
-from launchers.worker_group import WorkerFailedError, WorkerHangError, hang_culprits
-from orchestrator.run.driver import FailurePolicy
-from orchestrator.tracking.step_metrics import MeasurementsOnce, step_metrics
-from plans.errors import PlanError
-from plans.resolve import resolve_plan
-from plans.spec import ClusterSpec, PlanSpec, TrainSpec
+from orch.launchers.job import PollStatus, StepReport
+from orch.launchers.worker_group import WorkerFailedError, WorkerHangError, hang_culprits
+from orch.plans.errors import PlanError
+from orch.plans.resolve import resolve_plan
+from orch.plans.spec import ClusterSpec, PlanSpec, TrainSpec
+from orch.run.driver import FailurePolicy
+from orch.tracking.step_metrics import MeasurementsOnce, step_metrics
 
 
 @pytest.mark.parametrize("error", [WorkerFailedError(1, "Traceback ..."), WorkerHangError([0], "stuck", {}),
@@ -81,7 +81,7 @@ def test_system_metrics_continue_the_runs_steps_after_a_restart():
     before the attempt's first: a restarted attempt (or a resumed run) does not log from step 0 again."""
     from types import SimpleNamespace
 
-    from orchestrator.tracking.train_run import SystemMetricsLog
+    from orch.tracking.train_run import SystemMetricsLog
 
     class Recorded:  # the two calls SystemMetricsLog makes of the run's tracker
         def __init__(self):

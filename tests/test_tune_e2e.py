@@ -8,9 +8,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from helpers.config import compose_config
-from orchestrator.config import to_typed
-from orchestrator.tune.result import render
-from orchestrator.tune.search import tune
+from orch.config import to_typed
+from orch.tune.result import render
+from orch.tune.search import tune
 
 pytestmark = pytest.mark.slow
 
@@ -65,9 +65,9 @@ def test_tune_trials_contain_a_failing_plan_and_log_nested_runs(local_ray, sqlit
 
 
 def test_calibration_measures_the_workers_and_caches_per_cluster(local_ray, tmp_path):
-    from launchers.calibration import calibrate
-    from plans.cost_model import Speeds
-    from plans.spec import ClusterSpec
+    from orch.launchers.calibration import calibrate
+    from orch.plans.cost_model import Speeds
+    from orch.plans.spec import ClusterSpec
 
     declared = Speeds.declared(ClusterSpec())
     kwargs = dict(world_size=2, devices_per_node=2, cpus_per_worker=1.0, gpus_per_worker=0.0,

@@ -16,9 +16,9 @@ import pytest
 
 from helpers.config import compose_config
 from helpers.processes import worker_env
-from orchestrator.config import to_typed
-from orchestrator.tune.plan_file import check_plan_file
-from plans.errors import PlanError
+from orch.config import to_typed
+from orch.plans.errors import PlanError
+from orch.tune.plan_file import check_plan_file
 
 ORCH = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"
 
@@ -36,7 +36,7 @@ def refused(done: subprocess.CompletedProcess, field: str, value: str, why: str,
 
 
 def test_a_plan_file_inside_the_installed_package_is_refused_and_its_presets_stay_intact(tmp_path):
-    from orchestrator import conf
+    from orch import conf
 
     preset = Path(conf.__file__).resolve().parent / "cluster" / "local_cpu.yaml"
     before = preset.read_bytes()
@@ -95,26 +95,24 @@ def test_a_plan_file_that_cannot_be_written_is_refused_before_tuning_and_a_late_
                                         r"files in \(No such file or directory\)"):
         check_plan_file(cfg)
     # Refused only after the search (the directory went away meanwhile): the plan reaches the user anyway.
-    from orchestrator.tune.plan_file import write_plan_file
-    from plans.resolve import resolve_plan
-    from plans.spec import PlanSpec
+    from orch.plans.resolve import resolve_plan
+    from orch.plans.spec import PlanSpec
+    from orch.tune.plan_file import write_plan_file
 
     winner = SimpleNamespace(predicted=SimpleNamespace(tokens_per_s=1000.0))
     result = SimpleNamespace(winner_trial=None, winner=winner, global_batch_size=16, plan_text=None)
     plan = resolve_plan(PlanSpec(dp=2), cfg.cluster, cfg.train)
     with pytest.raises(PlanError) as refusal:
-        write_plan_file(plan, cfg, {"_target_": "workloads.gpt.GPT"}, cfg.cluster, result)
+        write_plan_file(plan, cfg, {"_target_": "orch.workloads.gpt.GPT"}, cfg.cluster, result)
     assert result.plan_text.startswith("# Written by `orch tune` on ") and "dp: 2" in result.plan_text
     assert str(refusal.value).endswith(f"{fix}; this run's tuned plan, to save by hand:\n{result.plan_text}")
 
 
 def test_the_package_directories_are_those_this_process_imports():
-    import orchestrator
-    import plans
-    from orchestrator.tune.plan_file import package_dirs
+    import orch
+    from orch.tune.plan_file import package_dirs
 
-    dirs = package_dirs()
-    assert Path(orchestrator.__file__).resolve().parent in dirs and Path(plans.__file__).resolve().parent in dirs
+    assert package_dirs() == [Path(orch.__file__).resolve().parent]  # one package: its parts are inside it
 
 
 def test_on_object_storage_too_only_a_tuned_plan_is_replaced(tmp_path, s3_store):

@@ -9,21 +9,21 @@ import pytest
 import torch
 
 from helpers.config import compose_config, gpu_plan, lm_inputs
-from launchers.placement import rank_layout
-from orchestrator.config import to_typed
-from orchestrator.models import model_factory
-from orchestrator.tune.plan_file import plan_overrides, write_plan_file
-from orchestrator.tune.search import declared_global_batch, global_batch_origin, prepare
-from plans.activations import measure_activations
-from plans.cost_model import ModelCost, Speeds, group_links, predict_step
-from plans.flops import training_flops_per_sample
-from plans.model_cost import measure_model_cost
-from plans.resolve import ResolvedPlan, resolve_plan
-from plans.search_space import BatchScaledProbe, SearchSpace, plan_spec, search, structural_rejection
-from plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, PlanSpec, Precision
-from workloads.gpt import TP_LAYER_SPECS
+from orch.config import to_typed
+from orch.launchers.placement import rank_layout
+from orch.models import model_factory
+from orch.plans.activations import measure_activations
+from orch.plans.cost_model import ModelCost, Speeds, group_links, predict_step
+from orch.plans.flops import training_flops_per_sample
+from orch.plans.model_cost import measure_model_cost
+from orch.plans.resolve import ResolvedPlan, resolve_plan
+from orch.plans.search_space import BatchScaledProbe, SearchSpace, plan_spec, search, structural_rejection
+from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, PlanSpec, Precision
+from orch.tune.plan_file import plan_overrides, write_plan_file
+from orch.tune.search import declared_global_batch, global_batch_origin, prepare
+from orch.workloads.gpt import TP_LAYER_SPECS
 
-SMALL = {"_target_": "workloads.gpt.GPT", "n_layer": 2, "d_model": 128, "n_head": 4, "seq_len": 128,
+SMALL = {"_target_": "orch.workloads.gpt.GPT", "n_layer": 2, "d_model": 128, "n_head": 4, "seq_len": 128,
          "vocab_size": 256, "tp": 1}
 
 
@@ -130,7 +130,7 @@ def test_memory_prunes_plans_that_do_not_fit():
 def test_winner_file_is_a_valid_plan_and_overrides_round_trip(tmp_path):
     typed, model_cfg, _ = to_typed(compose_config("train.global_batch_size=16", f"tune.out={tmp_path}/p.yaml"))
     space, ctx = prepare(typed, model_cfg, typed.cluster)
-    from orchestrator.tune.result import TuneResult
+    from orch.tune.result import TuneResult
 
     result = TuneResult(search=search(space, ctx), speeds=ctx.speeds, speeds_note="declared", global_batch_size=16)
     result.winner = result.search.best
@@ -174,7 +174,7 @@ def test_bubble_is_pp_minus_one_over_micro_batches():
 
 
 def test_workers_sharing_cores_lose_less_to_the_bubble():
-    from plans.cost_model import bubble_micro_batches
+    from orch.plans.cost_model import bubble_micro_batches
 
     # Devices of their own: pp - 1 micro-batch times, whatever the layout.
     assert [bubble_micro_batches(pp, 1.0) for pp in (1, 2, 4, 8)] == [0, 1, 3, 7]
@@ -225,7 +225,7 @@ def test_tflops_and_tokens_follow_from_the_step_time():
 
 
 def test_measured_model_cost_matches_counted_flops_and_the_gpt_shapes():
-    from plans.estimate import ModelProbe
+    from orch.plans.estimate import ModelProbe
 
     factory = model_factory(SMALL)
     probe = ModelProbe(factory, lm_inputs(128), tp_layer_specs=TP_LAYER_SPECS)
@@ -261,7 +261,7 @@ DEEP = {**SMALL, "n_layer": 12, "d_model": 64, "vocab_size": 512}
 def test_depth_scaled_counts_match_full_counts_of_a_deep_gpt():
     """Counted at depths 2 and 4 and extrapolated to 12: the same FLOPs, kernel launches and
     all-reduce sizes as counting all 12 layers."""
-    from plans.estimate import ModelProbe
+    from orch.plans.estimate import ModelProbe
 
     probe = ModelProbe(model_factory(DEEP), lm_inputs(128), tp_layer_specs=TP_LAYER_SPECS)
     assert measure_model_cost(probe, [1, 2], depth_scaled=True) == measure_model_cost(probe, [1, 2])
@@ -272,7 +272,7 @@ def test_depth_scaled_counts_match_full_counts_of_a_deep_gpt():
 def test_depth_scaled_activations_match_a_full_measurement(shape, monkeypatch):
     """Peaks included: with gradients larger than a layer's activations the peak with gradients
     held moves from the start of backward to its end as the model deepens, and must still match."""
-    from plans import activations
+    from orch.plans import activations
 
     cfg = {**DEEP, **shape}
     with torch.device("meta"):
@@ -290,7 +290,7 @@ def test_depth_scaled_activations_match_a_full_measurement(shape, monkeypatch):
 
 
 def test_depth_scaling_counts_in_full_unless_the_layers_are_identical():
-    from plans.depth_scaling import repeated_stack, shallow_copy
+    from orch.plans.depth_scaling import repeated_stack, shallow_copy
 
     with torch.device("meta"):
         deep = model_factory(DEEP)()
@@ -368,7 +368,7 @@ def test_orch_tune_json_from_the_command_line(tmp_path):
     from helpers.processes import worker_env
 
     def orch(*args):
-        return subprocess.run([sys.executable, "-m", "orchestrator", "tune", *args], cwd=tmp_path, env=worker_env(),
+        return subprocess.run([sys.executable, "-m", "orch", "tune", *args], cwd=tmp_path, env=worker_env(),
                               capture_output=True, text=True, timeout=300)
 
     out = tmp_path / "winner.yaml"
@@ -418,8 +418,8 @@ def test_orch_tune_prices_a_gpu_declared_over_the_cpu_preset_at_gpu_speeds(tmp_p
 
 
 def test_table_names_rejections_and_the_winner(tmp_path):
-    from orchestrator.tune.result import render
-    from orchestrator.tune.search import tune
+    from orch.tune.result import render
+    from orch.tune.search import tune
 
     out = tmp_path / "winner.yaml"
     typed, model_cfg, _ = to_typed(compose_config(f"tune.out={out}", "train.global_batch_size=16", "cluster.nodes=2",
@@ -444,9 +444,9 @@ def test_tune_writes_the_winner_outside_the_package_and_prints_a_command_that_se
 
     from omegaconf import OmegaConf
 
-    from orchestrator import cli, conf
-    from orchestrator.tune.result import render
-    from orchestrator.tune.search import tune
+    from orch import cli, conf
+    from orch.tune.result import render
+    from orch.tune.search import tune
 
     monkeypatch.chdir(tmp_path)
     package_conf = Path(conf.__file__).resolve().parent
@@ -470,8 +470,8 @@ def test_tune_writes_the_winner_outside_the_package_and_prints_a_command_that_se
 
 
 def test_a_tuned_plan_may_not_take_the_name_of_a_shipped_plan(tmp_path, monkeypatch):
-    from orchestrator.tune.search import tune
-    from plans.errors import PlanError
+    from orch.plans.errors import PlanError
+    from orch.tune.search import tune
 
     monkeypatch.chdir(tmp_path)
     for name in ("ddp", "plan_schema"):
@@ -485,7 +485,7 @@ def test_a_tuned_plan_may_not_take_the_name_of_a_shipped_plan(tmp_path, monkeypa
 
 
 def test_bad_search_space_is_refused_naming_the_field():
-    from plans.errors import PlanError
+    from orch.plans.errors import PlanError
 
     typed, model_cfg, _ = to_typed(compose_config("tune.offload=[gpu]"))
     with pytest.raises(PlanError, match=r"tune.offload=\['gpu'\]: the tuner offloads to none or cpu only"):
@@ -493,7 +493,7 @@ def test_bad_search_space_is_refused_naming_the_field():
 
 
 def test_cpu_workers_sharing_cores_get_their_share_of_a_lone_workers_speed():
-    from launchers.calibration import cpu_share
+    from orch.launchers.calibration import cpu_share
 
     alone = {"tflops": [0.02, 0.04], "device_gb_per_s": 10.0, "op_overhead_s": 1e-5, "cores": 2, "threads": 1}
     # 4 one-thread workers on 2 cores: half a core each.
@@ -507,7 +507,7 @@ def test_cpu_workers_sharing_cores_get_their_share_of_a_lone_workers_speed():
 
 
 def test_trials_try_each_layout_before_another_zero_stage_of_one():
-    from plans.search_space import plan_layout, trial_candidates
+    from orch.plans.search_space import plan_layout, trial_candidates
 
     typed, model_cfg, _ = to_typed(compose_config("train.global_batch_size=16"))
     space, ctx = prepare(typed, model_cfg, typed.cluster)
@@ -528,7 +528,7 @@ def test_trials_try_each_layout_before_another_zero_stage_of_one():
 
 
 def test_a_trial_is_bounded_by_the_trial_timeout_in_setup_and_in_training():
-    from orchestrator.tune.trials import trial_config
+    from orch.tune.trials import trial_config
 
     typed, _, _ = to_typed(compose_config("tune.trial_timeout_s=120"))
     plan = resolve_plan(typed.plan, typed.cluster, typed.train)
@@ -542,9 +542,9 @@ def test_a_trial_is_bounded_by_the_trial_timeout_in_setup_and_in_training():
 
 
 def test_a_calibration_cache_that_cannot_be_read_or_written_is_measured_again_not_fatal(tmp_path):
-    from launchers.calibration import _cache_speeds, _cached_speeds
-    from plans.cost_model import Speeds
-    from plans.spec import ClusterSpec
+    from orch.launchers.calibration import _cache_speeds, _cached_speeds
+    from orch.plans.cost_model import Speeds
+    from orch.plans.spec import ClusterSpec
 
     speeds = dataclasses.replace(Speeds.declared(ClusterSpec()), source="measured")
     cache = tmp_path / "calibration-0123.json"

@@ -10,12 +10,12 @@ import pytest
 
 from helpers.config import FAST, compose_config
 from helpers.ray_cluster import ray_with_env
-from launchers.checkpoint import latest, layout_of, publish, resumed_position, tag_for
-from launchers.engines.deepspeed.universal import needs_universal
-from orchestrator.config import to_typed
-from plans.errors import PlanError
-from plans.resolve import resolve_plan
-from plans.spec import ClusterSpec, PlanSpec, TrainSpec
+from orch.config import to_typed
+from orch.launchers.checkpoint import latest, layout_of, publish, resumed_position, tag_for
+from orch.launchers.engines.deepspeed.universal import needs_universal
+from orch.plans.errors import PlanError
+from orch.plans.resolve import resolve_plan
+from orch.plans.spec import ClusterSpec, PlanSpec, TrainSpec
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_latest_json_records_the_layout(tmp_path):
 
 @pytest.mark.slow
 def test_resume_at_another_dp_from_s3_continues_the_same_curve(dp_reference, local_ray, s3_store, sqlite_uri, tmp_path):
-    from orchestrator.run.driver import run_training
+    from orch.run.driver import run_training
 
     def train(*overrides, stream=None):
         return run_training(*to_typed(compose_config(*FAST, f"tracking.uri={sqlite_uri}", "plan.zero_stage=1",
@@ -99,7 +99,7 @@ def test_resume_at_another_dp_from_s3_continues_the_same_curve(dp_reference, loc
     assert [r[0].loss for r in resumed.reports] == pytest.approx([r[0].loss for r in whole.reports[2:]],
                                                                     abs=1e-4)
     # `orch export` consolidates the newest checkpoint from the bucket.
-    from orchestrator.export import export_run
+    from orch.export import export_run
 
     assert export_run(sqlite_uri, resumed.run_id, to_typed(compose_config())[1], tmp_path / "out") == "step_000000030"
     assert (tmp_path / "out" / "model.safetensors").stat().st_size > 0

@@ -16,6 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from helpers.config import REPO
+from helpers.projects import plant_packages_named_like_orchs_parts
 from helpers.user_code import PAIRS_DATASET
 
 ORCH = Path(sys.executable).with_name("orch")
@@ -59,7 +60,7 @@ def orch(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedPro
 @pytest.fixture(scope="module", autouse=True)
 def installed_from_this_checkout(tmp_path_factory):
     """These tests mean this checkout's code: the installed `orch` must import it."""
-    done = subprocess.run([sys.executable, "-c", "import orchestrator; print(orchestrator.__file__)"],
+    done = subprocess.run([sys.executable, "-c", "import orch; print(orch.__file__)"],
                           cwd=tmp_path_factory.mktemp("empty"), env=user_env(), capture_output=True, text=True)
     assert Path(done.stdout.strip()).resolve().is_relative_to(REPO.resolve()), (
         f"the installed orch imports {done.stdout.strip() or done.stderr[-500:]}, not {REPO}: "
@@ -122,10 +123,11 @@ def test_commands_that_only_read_write_nothing_in_the_working_directory(tmp_path
 
 
 def test_folders_named_like_orchs_packages_do_not_replace_them(tmp_path):
-    """A project may hold folders named as generically as orch's packages (configs, notes, data)."""
+    """A project may hold folders and packages named as generically as orch's parts (configs,
+    notes, its own ``plans`` package)."""
     project, commands = user_project(tmp_path)
+    plant_packages_named_like_orchs_parts(project)
     for name in ("plans", "workloads", "launchers", "orchestrator"):
-        (project / name).mkdir()
         (project / name / "notes.yaml").write_text("mine: true\n")
     done = orch(*shlex.split(commands[0])[1:], cwd=project)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -134,7 +136,7 @@ def test_folders_named_like_orchs_packages_do_not_replace_them(tmp_path):
 
 def test_a_tuned_plan_may_be_written_into_the_users_own_conf_directory(tmp_path):
     """The user's ``conf/`` is not orch's package, even for an install whose metadata still names a
-    top-level `conf` (one made before the configs moved into orchestrator/)."""
+    top-level `conf` (one made before the configs moved into orch/)."""
     project, _ = user_project(tmp_path)
     done = orch("tune", "train.global_batch_size=16", "tune.pp=[1]", "tune.out=conf/plan/tuned.yaml", cwd=project)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -179,7 +181,9 @@ def test_help_lists_the_options_a_user_can_choose_and_no_schema(tmp_path):
 
 @pytest.mark.slow
 def test_the_readme_own_workload_trains_verbatim(tmp_path):
+    """From a project that also holds its own packages named like orch's parts."""
     project, commands = user_project(tmp_path)
+    plant_packages_named_like_orchs_parts(project)
     done = orch(*shlex.split(commands[1])[1:], cwd=project, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plans.errors import OrchError, PlanError
-from plans.resolve import resolve_plan
-from plans.spec import Accelerator, ClusterSpec, Offload, PlanSpec, Precision, TrainSpec
+from orch.plans.errors import OrchError, PlanError
+from orch.plans.resolve import resolve_plan
+from orch.plans.spec import Accelerator, ClusterSpec, Offload, PlanSpec, Precision, TrainSpec
 
 ints = st.integers(min_value=-4, max_value=64)
 
@@ -98,11 +98,11 @@ def _path_case(root, case: str) -> str:
 
 def prelaunch(*overrides: str) -> None:
     """What `orch train` checks before any worker starts, in process: `orch check` runs all but the last
-    line, `orch tune` starts with check_run's first part (orchestrator.inputs.check_inputs)."""
+    line, `orch tune` starts with check_run's first part (orch.inputs.check_inputs)."""
     from helpers.config import compose_config
-    from orchestrator.checking import checked_run
-    from orchestrator.config import to_typed
-    from orchestrator.inputs import data_fits_plan
+    from orch.checking import checked_run
+    from orch.config import to_typed
+    from orch.inputs import data_fits_plan
 
     typed, model_cfg, _ = to_typed(compose_config(*overrides))
     estimate, _, _, workload = checked_run(typed, model_cfg)
@@ -174,7 +174,7 @@ def test_a_corpus_too_small_for_the_plans_batch_is_refused_naming_the_arithmetic
 
 
 def test_a_models_constructor_error_names_its_argument_or_target():
-    from plans.model_facts import model_refusal
+    from orch.plans.model_facts import model_refusal
 
     named = model_refusal(TypeError("__init__() got an unexpected keyword argument 'width'"),
                           {"_target_": "my.Model", "width": 3}, "refused its arguments")

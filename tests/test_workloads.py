@@ -12,12 +12,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from helpers.config import compose_config
-from orchestrator.checking import check_run
-from orchestrator.config import to_typed
-from orchestrator.workload import resolve_workload
-from plans.errors import PlanError
-from plans.tp_plan import specs_from_tp_plan
-from plans.workload import (
+from orch.checking import check_run
+from orch.config import to_typed
+from orch.plans.errors import PlanError
+from orch.plans.tp_plan import specs_from_tp_plan
+from orch.plans.workload import (
     batch_targets,
     call_model,
     checkpoint_units,
@@ -25,10 +24,11 @@ from plans.workload import (
     move_batch,
     output_tensor,
 )
-from workloads.dataset import DatasetSource
-from workloads.images import ImageSource
-from workloads.objectives import CausalLM, Classification
-from workloads.text import TextSource
+from orch.workload import resolve_workload
+from orch.workloads.dataset import DatasetSource
+from orch.workloads.images import ImageSource
+from orch.workloads.objectives import CausalLM, Classification
+from orch.workloads.text import TextSource
 
 
 def check(*overrides: str):
@@ -161,7 +161,7 @@ def test_files_that_fail_far_in_are_refused_before_any_worker_naming_the_file_an
     from helpers.processes import worker_env
 
     def orch(*args):
-        return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=worker_env(),
+        return subprocess.run([sys.executable, "-m", "orch", *args], cwd=tmp_path, env=worker_env(),
                               capture_output=True, text=True, timeout=300)
 
     lines = ["ASCII only, as far as the first rows go\n"] * 3000
@@ -247,13 +247,13 @@ def test_the_bundled_digits_need_no_download():
 
 
 def test_a_users_dataset_that_cannot_work_is_refused(tmp_path):
-    broken = DatasetSource(dataset={"_target_": "workloads.dataset.GaussianBlobs", "samples": -3})
+    broken = DatasetSource(dataset={"_target_": "orch.workloads.dataset.GaussianBlobs", "samples": -3})
     assert broken.violations()[0].field == "data.dataset" and "could not be built" in broken.violations()[0].message
     missing = DatasetSource(dataset={"_target_": "no_such_module.Data"})
     assert missing.violations()[0].field == "data.dataset"
-    tiny = DatasetSource(dataset={"_target_": "workloads.dataset.GaussianBlobs", "samples": 4})
+    tiny = DatasetSource(dataset={"_target_": "orch.workloads.dataset.GaussianBlobs", "samples": 4})
     assert "each part needs 8" in tiny.violations(8)[0].message
-    ok = DatasetSource(dataset={"_target_": "workloads.dataset.GaussianBlobs", "samples": 100})
+    ok = DatasetSource(dataset={"_target_": "orch.workloads.dataset.GaussianBlobs", "samples": 100})
     assert ok.violations() == [] and ok.example_batch(3)[0].shape == (3, 16)
 
 
@@ -284,7 +284,7 @@ def test_orch_export_needs_a_run_and_refuses_an_unknown_one(tmp_path):
     from helpers.processes import worker_env
 
     def orch(*args):
-        return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=worker_env(),
+        return subprocess.run([sys.executable, "-m", "orch", *args], cwd=tmp_path, env=worker_env(),
                               capture_output=True, text=True, timeout=120)
 
     missing = orch("export")
@@ -379,7 +379,7 @@ def test_a_worker_refuses_to_build_whole_what_zero_init_could_not_build_when_mem
     """The planner counted a zero.Init share; the whole model must fit the worker's share of free memory."""
     from types import SimpleNamespace
 
-    from launchers.engines.deepspeed.building import refuse_whole_build_beyond_memory
+    from orch.launchers.engines.deepspeed.building import refuse_whole_build_beyond_memory
 
     job = SimpleNamespace(workload=SimpleNamespace(
         model_factory=lambda: torch.nn.Linear(4096, 4096), model_config={"_target_": "torch.nn.Linear"}))
@@ -393,8 +393,8 @@ def test_a_worker_refuses_to_build_whole_what_zero_init_could_not_build_when_mem
 # Lineage: what a run records of its data.
 
 def test_the_same_data_gives_the_same_digest_wherever_it_lies(tmp_path, monkeypatch):
-    from workloads import lineage
-    from workloads.corpus import CorpusSource
+    from orch.workloads import lineage
+    from orch.workloads.corpus import CorpusSource
 
     text = b"some training text\n" * 5000
     (tmp_path / "a.txt").write_bytes(text)
@@ -409,7 +409,7 @@ def test_the_same_data_gives_the_same_digest_wherever_it_lies(tmp_path, monkeypa
     assert lineage.files_digest([tmp_path / "a.txt"]) == lineage.files_digest([tmp_path / "b.txt"])
     assert lineage.files_digest([tmp_path / "a.txt"])[0] != lineage.files_digest([tmp_path / "c.txt"])[0]
     # Python datasets by their arguments, length and sampled items; the bundled digits by their arrays.
-    blobs = [DatasetSource(dataset={"_target_": "workloads.dataset.GaussianBlobs", "seed": s}).describe()
+    blobs = [DatasetSource(dataset={"_target_": "orch.workloads.dataset.GaussianBlobs", "seed": s}).describe()
              for s in (0, 0, 1)]
     assert blobs[0]["digest"] == blobs[1]["digest"] != blobs[2]["digest"] and blobs[0]["unit"] == "samples"
     digits = ImageSource(path=None).describe()
@@ -417,7 +417,7 @@ def test_the_same_data_gives_the_same_digest_wherever_it_lies(tmp_path, monkeypa
 
 
 def test_a_description_becomes_an_mlflow_dataset_with_its_source_kind():
-    from orchestrator.tracking.store import dataset_entity
+    from orch.tracking.store import dataset_entity
 
     local = dataset_entity({"name": "corpus", "source": "/data/corpus.txt", "size": 10, "unit": "bytes",
                             "digest": "ab" * 32})
@@ -431,8 +431,8 @@ def test_a_description_becomes_an_mlflow_dataset_with_its_source_kind():
 def test_multihead_attention_is_measured_on_meta_as_it_runs_on_cpu():
     """nn.MultiheadAttention calls SDPA from inside torch's own Python: on meta it must take the
     CPU flash kernel too, not the math path that saves every attention matrix."""
-    from launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
-    from plans.activations import measure_activations
+    from orch.launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
+    from orch.plans.activations import measure_activations
 
     typed, model_cfg, _ = to_typed(compose_config("experiment=vit_zero3_bf16"))
     workload = resolve_workload(model_cfg, typed.objective, typed.data)
@@ -454,12 +454,13 @@ def test_every_shipped_source_built_from_its_schema_alone_gets_the_schemas_defau
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from workloads.ray_data import RayDataConfig
-    from workloads.schemas import CorpusDataConfig, DatasetDataConfig, ImagesDataConfig, TextDataConfig
+    from orch.workloads.ray_data import RayDataConfig
+    from orch.workloads.schemas import CorpusDataConfig, DatasetDataConfig, ImagesDataConfig, TextDataConfig
 
     for schema in (CorpusDataConfig, ImagesDataConfig, TextDataConfig, RayDataConfig, DatasetDataConfig):
         declared = OmegaConf.structured(schema)
-        arguments = {"dataset": {"_target_": "workloads.dataset.GaussianBlobs"}} if schema is DatasetDataConfig else {}
+        arguments = ({"dataset": {"_target_": "orch.workloads.dataset.GaussianBlobs"}}
+                     if schema is DatasetDataConfig else {})
         source = instantiate(OmegaConf.merge(declared, arguments), _convert_="all")
         for name, value in OmegaConf.to_container(declared).items():
             if name in ("_target_", *arguments):
@@ -469,7 +470,7 @@ def test_every_shipped_source_built_from_its_schema_alone_gets_the_schemas_defau
 
 
 def test_a_source_field_named_unlike_its_schema_is_refused_naming_the_schema_fields():
-    from workloads.schemas import CorpusDataConfig, from_schema
+    from orch.workloads.schemas import CorpusDataConfig, from_schema
 
     with pytest.raises(TypeError, match=r"CorpusDataConfig has no field 'seqlen'.*path, seq_len, val_fraction"):
         from_schema(CorpusDataConfig, "seqlen")

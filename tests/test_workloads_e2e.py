@@ -14,10 +14,10 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from helpers.config import compose_config
-from orchestrator.config import to_typed
-from orchestrator.run.driver import run_training
-from orchestrator.workload import build_data_source
-from plans.workload import output_tensor
+from orch.config import to_typed
+from orch.plans.workload import output_tensor
+from orch.run.driver import run_training
+from orch.workload import build_data_source
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def train(sqlite_uri: str, *overrides: str):
 
 
 # ResNet-50 also recomputes its bottleneck blocks: torchvision models have no checkpointing switch
-# of their own, so this is plans.workload.enable_activation_checkpointing wrapping them. It trains
+# of their own, so this is orch.plans.workload.enable_activation_checkpointing wrapping them. It trains
 # in fp32 here: on CPUs without bf16 convolution kernels torch takes its slow reference path for
 # bf16 convolutions (see the experiment's file), about 10 s a step on 2 cores against 0.6 s; the
 # ViT covers bf16 with a torchvision model, in 20 steps: bf16 matmuls on such CPUs are about 10x
@@ -116,7 +116,7 @@ def test_a_hugging_face_model_under_zero3_keeps_its_own_initialization_and_its_p
                                           "train.log_every=1", *overrides).reports[0][0].loss
     built = first_loss("plan.zero_stage=3")
     assert abs(built - math.log(256)) < 0.5, built  # the model's own init (std 0.02): near-uniform predictions
-    from workloads.hf import hf_causal_lm
+    from orch.workloads.hf import hf_causal_lm
 
     typed, model_cfg, _ = to_typed(compose_config("model=hf_causal_lm"))
     model = hf_causal_lm(config=model_cfg["config"])
@@ -133,8 +133,8 @@ def test_a_hugging_face_model_under_zero3_keeps_its_own_initialization_and_its_p
 def test_orch_export_consolidates_a_sharded_checkpoint_into_the_trained_model(local_ray, sqlite_uri, tmp_path):
     from safetensors.torch import load_model
 
-    from orchestrator.export import export_run
-    from workloads.gpt import GPT
+    from orch.export import export_run
+    from orch.workloads.gpt import GPT
 
     result = train(sqlite_uri, "plan.zero_stage=2", "train.steps=10", "train.log_every=5",
                    "train.checkpoint_every=10", f"train.checkpoint_dir={tmp_path / 'ckpt'}")

@@ -1,4 +1,4 @@
-"""A user's config files are bounded before Hydra composes them (orchestrator/yaml_limits.py)."""
+"""A user's config files are bounded before Hydra composes them (orch/yaml_limits.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from helpers.processes import worker_env
-from orchestrator.yaml_limits import ConfigFileRefusedError, check_yaml_file, config_dirs
+from orch.yaml_limits import ConfigFileRefusedError, check_yaml_file, config_dirs
 
 # Nine levels of nine aliases: ten lines that stand for 387 million strings.
 LEVELS = zip("abcdefgh", "bcdefghi", strict=True)
-BOMB = "_target_: workloads.gpt.GPT\na: &a [" + ",".join(['"lol"'] * 9) + "]\n" + "".join(
+BOMB = "_target_: orch.workloads.gpt.GPT\na: &a [" + ",".join(['"lol"'] * 9) + "]\n" + "".join(
     f"{level}: &{level} [{','.join([f'*{previous}'] * 9)}]\n" for previous, level in LEVELS)
 
 
@@ -44,7 +44,7 @@ def test_the_directories_hydra_would_search_are_found_on_the_command_line():
 def test_an_alias_bomb_in_a_config_dir_is_refused_at_once_naming_the_file(tmp_path, command):
     (tmp_path / "conf" / "model").mkdir(parents=True)
     (tmp_path / "conf" / "model" / "bomb.yaml").write_text(BOMB)
-    done = subprocess.run([sys.executable, "-m", "orchestrator", command, "--config-dir", "conf", "model=bomb"],
+    done = subprocess.run([sys.executable, "-m", "orch", command, "--config-dir", "conf", "model=bomb"],
                           cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "config file conf/model/bomb.yaml: its aliases (*name) expand to more than 1,000,000 values" in done.stderr

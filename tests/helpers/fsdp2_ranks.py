@@ -1,5 +1,5 @@
 """Ranks of an FSDP2 engine run started by ``torch.multiprocessing`` with gloo on CPU (no Ray, no
-worker loop): jobs built from the real :class:`launchers.job.TrainJob`, the run's optimizer
+worker loop): jobs built from the real :class:`orch.launchers.job.TrainJob`, the run's optimizer
 settings and the workloads' own models and objectives; each scenario writes what it found as JSON
 for the test to check."""
 
@@ -17,13 +17,13 @@ SEQ = 16
 
 
 def gpt():
-    from workloads.gpt import GPT
+    from orch.workloads.gpt import GPT
 
     return GPT(n_layer=2, d_model=32, n_head=2, seq_len=SEQ, vocab_size=256)
 
 
 def llama():
-    from workloads.hf import hf_causal_lm
+    from orch.workloads.hf import hf_causal_lm
 
     return hf_causal_lm(LLAMA)
 
@@ -41,14 +41,14 @@ MODELS = {"gpt": gpt, "llama": llama, "vit": vit}
 def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", accum: int = 1, steps: int = 8,
              checkpointing: bool = False, hybrid: bool = False, reshard: bool = True, offload: bool = False):
     """A :class:`TrainJob` as the driver builds one, for ``plan.engine=fsdp2`` on CPU workers."""
-    from launchers.job import TrainJob
-    from plans.optim_settings import optim_settings
-    from plans.resolve import ResolvedPlan
-    from plans.spec import Accelerator, EngineName, FSDPSpec, Offload, OptimSpec, Precision, TrainSpec
-    from plans.tp_plan import specs_from_tp_plan
-    from plans.workload import Workload
-    from workloads.corpus import CorpusSource
-    from workloads.objectives import CausalLM, Classification
+    from orch.launchers.job import TrainJob
+    from orch.plans.optim_settings import optim_settings
+    from orch.plans.resolve import ResolvedPlan
+    from orch.plans.spec import Accelerator, EngineName, FSDPSpec, Offload, OptimSpec, Precision, TrainSpec
+    from orch.plans.tp_plan import specs_from_tp_plan
+    from orch.plans.workload import Workload
+    from orch.workloads.corpus import CorpusSource
+    from orch.workloads.objectives import CausalLM, Classification
 
     offloaded = Offload.cpu if offload else Offload.none
     plan = ResolvedPlan(dp=world // tp, tp=tp, pp=1, world_size=world, zero_stage=3, offload_optimizer=offloaded,
@@ -109,8 +109,8 @@ def _rank(rank: int, scenario: str, world: int, out: str, port: int, kwargs: dic
 
 
 def _engine(job, rank: int, world: int):
-    from launchers.engines import engine_for
-    from plans.rank_layout import parallel_coords
+    from orch.launchers.engines import engine_for
+    from orch.plans.rank_layout import parallel_coords
 
     engine = engine_for("fsdp2")
     engine.start(job, "127.0.0.1", int(os.environ["MASTER_PORT"]))
@@ -126,7 +126,7 @@ def train_and_save(rank: int, world: int, out: Path, *, model: str, tp: int = 1,
                    checkpointing: bool = False, accum: int = 2, precision: str = "bf16", **plan: bool) -> dict:
     """Train ``steps`` steps, save and publish a checkpoint, and consolidate the weights (``plan``:
     :func:`make_job`'s hybrid, reshard and offload)."""
-    from launchers.checkpoint import publish, tag_for
+    from orch.launchers.checkpoint import publish, tag_for
 
     job = make_job(model, world=world, tp=tp, accum=accum, steps=steps + 4, checkpointing=checkpointing,
                    precision=precision, **plan)
@@ -164,7 +164,7 @@ def train_and_save(rank: int, world: int, out: Path, *, model: str, tp: int = 1,
 
 def resume(rank: int, world: int, out: Path, *, model: str, steps: int = 6, precision: str = "bf16") -> dict:
     """Load the checkpoint ``train_and_save`` wrote (at another dp or tp), then train one step more."""
-    from launchers.checkpoint import tag_for
+    from orch.launchers.checkpoint import tag_for
 
     job = make_job(model, world=world, accum=2, steps=steps + 4, precision=precision)
     engine, _ = _engine(job, rank, world)

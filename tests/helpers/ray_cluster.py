@@ -19,7 +19,7 @@ _shared_ray_up = False
 
 
 def start_test_ray(num_cpus: int = 2) -> None:
-    from launchers.ray_session import start_local_ray
+    from orch.launchers.ray_session import start_local_ray
 
     start_local_ray(num_cpus=num_cpus, object_store_memory=OBJECT_STORE_BYTES,
                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(TEST_PATHS)}})
@@ -51,7 +51,7 @@ def ray_with_env(env: dict[str, str], num_cpus: int = 2) -> Iterator[None]:
     """A test Ray started where ``env`` is set (a store's endpoint and credentials): its workers
     inherit the variables, as the workers of a cluster node started with them do. The variables
     are restored and Ray shut down afterwards."""
-    from launchers.ray_session import start_local_ray
+    from orch.launchers.ray_session import start_local_ray
 
     release_shared_ray()
     with pytest.MonkeyPatch.context() as patch:

@@ -1,5 +1,0 @@
-"""The DeepSpeed engine (:class:`DeepSpeedEngine`) and what only it needs."""
-
-from launchers.engines.deepspeed.engine import DeepSpeedEngine
-
-__all__ = ["DeepSpeedEngine"]

@@ -1,6 +1,0 @@
-"""PyTorch FSDP2's engine (:class:`FSDP2Engine`): ``fully_shard`` per repeated block, DTensor tensor
-parallelism, torch's optimizers and ``torch.distributed.checkpoint``."""
-
-from launchers.engines.fsdp2.engine import FSDP2Engine
-
-__all__ = ["FSDP2Engine"]

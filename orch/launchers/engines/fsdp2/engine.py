@@ -1,0 +1,290 @@
+"""PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) behind the engine seam, ``plan.engine=fsdp2``.
+
+The model is built whole on every rank from the same seed, activation checkpointing is switched
+on (:func:`orch.plans.workload.enable_activation_checkpointing`, which keeps parameter names), tensor
+parallelism applied through DTensor (:mod:`orch.launchers.engines.fsdp2.layout`) and then each
+repeated block and the root are sharded over the data-parallel ranks. The optimizer and
+schedule are torch's, built from the run's engine-neutral settings (``job.optim``) and equal to a
+DeepSpeed run's (:mod:`orch.launchers.engines.fsdp2.torch_optim`);
+checkpoints go through ``torch.distributed.checkpoint``, which reshards on load, so a run
+resumes at another dp or tp. Nothing unverified is unpickled (:mod:`orch.launchers.engines.fsdp2.dcp_files`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from orch.launchers.engines.base import BuiltModel, Engine, cast_float_buffers, mean_objective
+
+if TYPE_CHECKING:
+    import torch
+
+    from orch.launchers.job import TrainJob
+    from orch.plans.rank_layout import ParallelCoords
+
+
+class FSDP2Engine(Engine):
+    """One rank of an FSDP2 run (with DTensor tensor parallelism when ``plan.tp > 1``)."""
+
+    name = "fsdp2"
+
+    def start(self, job: TrainJob, master_addr: str, master_port: int) -> None:
+        """Join the process group: gloo for CPU workers, NCCL on this rank's current CUDA device
+        (the worker selected it before, :func:`orch.launchers.gpu_worker.use_device`)."""
+        import torch
+        import torch.distributed as dist
+
+        self.job = job
+        if job.plan.accelerator.value == "gpu":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            dist.init_process_group("nccl", device_id=self.device)
+        else:
+            self.device = torch.device("cpu")
+            dist.init_process_group("gloo")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def build(self, job: TrainJob, coords: ParallelCoords) -> BuiltModel:
+        """Build the model on ``meta`` on every rank, apply activation checkpointing, tensor
+        parallelism and FSDP2 there, then allocate each rank's shards and fill them from the
+        whole model that rank 0 alone builds from ``train.seed`` (:meth:`_fill_from_rank0`); then
+        the optimizer and schedule. A node's host therefore holds the whole model once, not once
+        per worker. A single rank builds whole and shards in place."""
+        import torch
+        from torch.distributed.fsdp import fully_shard
+
+        from orch.launchers.engines.base import describe_optimizer
+        from orch.launchers.engines.fsdp2.layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
+        from orch.launchers.engines.fsdp2.torch_optim import build_optimizer, loss_scaler, lr_schedule
+        from orch.plans.engine import engine_settings
+        from orch.plans.meta import meta_device
+
+        plan = job.plan
+        if plan.pp > 1:
+            raise RuntimeError(f"plan.pp={plan.pp}: pipeline parallelism runs on DeepSpeed only; set "
+                               "plan.engine=deepspeed, or plan.pp=1")
+        self.dtype = None if plan.precision.value == "fp32" else plan.precision.dtype
+        on_meta = self.world_size > 1
+        torch.manual_seed(job.train.seed)
+        with meta_device() if on_meta else contextlib.nullcontext():
+            model = job.workload.model_factory()
+        params_at_build = sum(p.numel() for p in model.parameters())
+        if self.dtype is not None:
+            cast_float_buffers(model, self.dtype)
+        if plan.activation_checkpointing:
+            from orch.plans.workload import enable_activation_checkpointing
+
+            enable_activation_checkpointing(model)
+        dp_mesh, tp_mesh = meshes(plan, self.device.type, coords)
+        if tp_mesh is not None:
+            apply_tensor_parallel(model, tp_mesh, job.workload.tp_layer_specs)
+        options = fsdp_options(plan, dp_mesh)
+        blocks = repeated_blocks(model)
+        for block in blocks:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        if on_meta:
+            self._fill_from_rank0(model, job)
+        # The parameters fully_shard replaced are left in reference cycles (through their tensors'
+        # C++ side); the worker builds with the collector paused and then freezes what survived
+        # (orch.launchers.lean_startup), which would keep them for the whole run. One collection frees them.
+        gc.collect()
+        self.model = model
+        scaling = job.optim.loss_scaling
+        # The planner counts the kernel's temporaries from the same settings (orch.plans.fsdp_memory).
+        fused = engine_settings(plan, job.optim).fused_adam
+        self.optimizer = build_optimizer(model.parameters(), job.optim, self.device.type, fused=fused)
+        self.scheduler = lr_schedule(self.optimizer, job.optim.schedule)
+        self.clip = job.optim.grad_clip
+        self.scaler = loss_scaler(scaling, self.device.type) if scaling.enabled else None
+        model.train()
+        built = (f"on meta, fully_shard on {len(blocks)} blocks and the root, then filled from rank 0's whole build"
+                 if on_meta else f"whole, then fully_shard on {len(blocks)} blocks and the root")
+        return BuiltModel(built=built, params_at_build=params_at_build, params_on_rank=_local_numel(model),
+                          optimizer=describe_optimizer(self.optimizer))
+
+    def _fill_from_rank0(self, model: Any, job: TrainJob) -> None:
+        """Allocate the sharded model built on ``meta`` and give it rank 0's weights.
+
+        Rank 0 builds the whole model as a single rank would, from ``train.seed``;
+        ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends each tensor to the other
+        ranks, which keep their shard of it. Buffers the state dict leaves out (non-persistent:
+        rotary frequencies, causal masks) are broadcast the same way, and so is rank 0's RNG state
+        after its build, so that every rank goes on with the random stream a whole build leaves
+        (dropout, sampling) as before.
+        """
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        whole = None
+        if self.rank == 0:
+            torch.manual_seed(job.train.seed)
+            whole = job.workload.model_factory()
+            if self.dtype is not None:
+                cast_float_buffers(whole, self.dtype)
+        model.to_empty(device=self.device)
+        full = whole.state_dict() if whole is not None else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # The same buffers are left out on every rank (the module structure is the same);
+        # checkpointing adds no wrapper module, so the names match the whole model's.
+        whole_buffers = dict(whole.named_buffers()) if whole is not None else {}
+        for name, buffer in _non_persistent_buffers(model):
+            if self.rank == 0:
+                buffer.copy_(whole_buffers[name])
+            dist.broadcast(buffer.view(torch.uint8) if buffer.dtype == torch.bool else buffer, src=0)
+        rng = torch.get_rng_state().to(self.device)
+        dist.broadcast(rng, src=0)
+        torch.set_rng_state(rng.cpu())
+
+    def train_step(self, batches: Iterator[Any], milestone: Callable[[], None]) -> float:
+        """Forward and backward over ``plan.grad_accum_steps`` micro-batches, each loss scaled by
+        their number (as DeepSpeed scales it); then clipping, the optimizer step and the schedule's
+        step. Every micro-batch reduce-scatters its gradients into the sharded ones, as ZeRO-2/3
+        do: skipping the sync (``set_requires_gradient_sync(False)``) would keep the whole
+        model's unsharded fp32 gradients on every rank between micro-batches.
+
+        In fp16 the loss is scaled dynamically; a step whose gradients overflowed is skipped on
+        every rank, and the schedule does not advance, as in DeepSpeed.
+        """
+        micro = self.job.plan.grad_accum_steps
+        total = 0.0
+        for _ in range(micro):
+            loss = self.job.workload.loss(self.model, self.to_device(next(batches)))
+            milestone()
+            scaled = loss / micro
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            milestone()
+            total += loss.item()
+        applied = True
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.clip > 0:
+            clip_grad_norm(self.model.parameters(), self.clip)
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            applied = self.scaler.get_scale() >= scale
+        else:
+            self.optimizer.step()
+        if applied:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        milestone()
+        return total / micro
+
+    def evaluate(self, val_batches: Iterator[Any], batches: int) -> dict[str, float]:
+        return mean_objective(self.model, self.job.workload.objective, val_batches, batches, self.to_device)
+
+    def outputs(self, batch: Any) -> Any:
+        import torch
+
+        from orch.plans.workload import call_model
+
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return call_model(self.model, self.to_device(batch))
+        finally:
+            self.model.train()
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def save(self, root: str, tag: str, client_state: dict[str, Any]) -> None:
+        """DCP's files of model and optimizer (each rank its shards) and, from rank 0, the loop's
+        state with the schedule's (and fp16's loss scale) as JSON
+        (:func:`orch.launchers.engines.fsdp2.dcp_files.write_client_state`)."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        from orch.launchers.engines.fsdp2.dcp_files import write_client_state
+
+        folder = os.path.join(root, tag)
+        dcp.save(self._state(), checkpoint_id=folder)
+        if self.rank == 0:
+            scaler = {"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+            write_client_state(folder, {**client_state, "scheduler": self.scheduler.state_dict(), **scaler})
+        dist.barrier()
+
+    def load(self, root: str, tag: str) -> dict[str, Any]:
+        """Every file of the tag checked against its manifest first, then DCP's load, resharded to
+        this run's layout; returns the loop's state (its tensors rebuilt from JSON)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from orch.launchers.engines.fsdp2.dcp_files import checked_metadata, load_checked, read_client_state
+        from orch.launchers.manifest import verify
+
+        folder = os.path.join(root, tag)
+        verify(folder)
+        checked_metadata(folder)  # refused here, by every rank, before DCP reads anything
+        state = self._state()
+        load_checked(state, folder)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        client_state = read_client_state(folder)
+        self.scheduler.load_state_dict(client_state.pop("scheduler"))
+        scaler = client_state.pop("grad_scaler", None)
+        if self.scaler is not None and scaler is not None:
+            self.scaler.load_state_dict(scaler)
+        return client_state
+
+    def consolidated_state(self) -> dict[str, torch.Tensor] | None:
+        """Every shard (FSDP and tensor-parallel) gathered into the model's own state dict, on CPU
+        on rank 0; the names are the unwrapped model's (FSDP2 and the checkpointing keep them)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.rank == 0 else None
+
+
+def clip_grad_norm(parameters: Iterator[torch.nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm``; returns the norm.
+
+    ``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms into one tensor, which fails
+    when the parameters live on different meshes: with tensor parallelism the sharded layers are on
+    the (dp, tp) mesh and the replicated ones (norms, embeddings) on the dp mesh alone. Each mesh's
+    norm is reduced over its own ranks (``full_tensor``), then the squares are summed.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    squares = 0.0
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares += float(norm) ** 2
+    total = squares ** 0.5
+    scale = max_norm / (total + 1e-6)
+    if scale < 1.0:
+        for grad in grads:
+            grad.mul_(scale)
+    return total
+
+
+def _non_persistent_buffers(model: Any) -> list[tuple[str, Any]]:
+    """The buffers a state dict leaves out (``register_buffer(..., persistent=False)``), by name."""
+    return [(f"{prefix}.{name}" if prefix else name, buffer)
+            for prefix, module in model.named_modules() for name, buffer in module.named_buffers(recurse=False)
+            if name in module._non_persistent_buffers_set]
+
+
+def _local_numel(model: torch.nn.Module) -> int:
+    """Parameters this rank holds: the local shards of its DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())

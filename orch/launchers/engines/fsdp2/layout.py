@@ -1,0 +1,164 @@
+"""How an FSDP2 run lays a model over its ranks: the device meshes, the blocks sharded one by
+one, FSDP2's options from the plan, and tensor parallelism through DTensor.
+
+The rank layout is the project's (:func:`orch.plans.rank_layout.parallel_coords`: tp innermost, dp
+outermost), which a row-major ``(dp, tp)`` mesh reproduces; :func:`meshes` checks that it does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING, Any
+
+from orch.plans.engine import fsdp_mesh
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from orch.plans.rank_layout import ParallelCoords
+    from orch.plans.resolve import ResolvedPlan
+
+_HF_STYLES = ("colwise", "rowwise")
+"""The Hugging Face tp-plan styles applied; the others (``embedding_rowwise``,
+``colwise_gather_output``) leave their layer replicated, as DeepSpeed's AutoTP runs do."""
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks ``fully_shard`` wraps one at a time, so one block's parameters are gathered at a time.
+
+    A *stack* is a ``ModuleList`` or ``Sequential`` of at least two modules of one class that
+    have children of their own (a ``Sequential`` of bare ``Linear`` layers is one layer's insides,
+    not a stack of blocks). The blocks are the items of the stack holding the most parameters
+    (the GPT's ``blocks``, a Hugging Face decoder's ``layers``, torchvision ViT's
+    ``encoder.layers``) and of every other outermost stack of the same block class (a ResNet's
+    four stages of bottlenecks). A model without a stack gets no per-block units: the root alone
+    is sharded, and its whole parameter set is gathered for each forward and backward.
+    """
+    import torch
+
+    stacks = []
+    for module in model.modules():
+        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) or len(module) < 2:
+            continue
+        kinds = {type(child) for child in module}
+        if len(kinds) == 1 and all(next(child.children(), None) is not None for child in module):
+            stacks.append(module)
+    if not stacks:
+        return []
+    largest = max(stacks, key=lambda s: sum(p.numel() for p in s.parameters()))
+    kind = type(largest[0])
+    blocks, inside = [], set()
+    for stack in stacks:
+        if type(stack[0]) is not kind or id(stack) in inside:
+            continue
+        blocks += list(stack)
+        inside.update(id(sub) for sub in stack.modules())
+    return blocks
+
+
+def meshes(plan: ResolvedPlan, device_type: str,
+           coords: ParallelCoords) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The data-parallel mesh FSDP2 shards over and the tensor-parallel one (None at tp=1).
+
+    With ``plan.fsdp.hybrid`` the data-parallel mesh is 2-D, (replicate, shard), its shard
+    dimension the data-parallel ranks of one node (``LOCAL_WORLD_SIZE / tp``): parameters are
+    sharded inside a node and replicated across nodes, so the all-gathers stay on the node's links.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims, names = [plan.dp], ["dp_shard"]
+    if plan.fsdp.hybrid:
+        # The planner's mesh (orch.plans.engine.fsdp_mesh), at the workers this node really holds.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
+        layout = fsdp_mesh(plan, local)
+        if local % plan.tp or layout.shard * layout.replicate != plan.dp:
+            raise RuntimeError(f"plan.fsdp.hybrid: the {local} workers per node (LOCAL_WORLD_SIZE) must be a multiple "
+                               f"of plan.tp({plan.tp}) and hold a divisor of plan.dp({plan.dp}) replicas; set "
+                               "plan.fsdp.hybrid=false or change the workers per node")
+        dims, names = [layout.replicate, layout.shard], ["dp_replicate", "dp_shard"]
+    if plan.tp > 1:
+        dims, names = [*dims, plan.tp], [*names, "tp"]
+    mesh = init_device_mesh(device_type, tuple(dims), mesh_dim_names=tuple(names))
+    dp_names = tuple(n for n in names if n != "tp")
+    dp_mesh = mesh[dp_names] if plan.tp > 1 else mesh
+    tp_mesh = mesh["tp"] if plan.tp > 1 else None
+    where = mesh.get_coordinate()
+    dp_rank = where[0] * dims[1] + where[1] if plan.fsdp.hybrid else where[0]
+    placed = (dp_rank, where[-1] if plan.tp > 1 else 0)
+    if placed != (coords.dp_rank, coords.tp_rank):
+        raise RuntimeError(f"rank {mesh.get_rank()}: the device mesh placed it at (dp_rank, tp_rank) = {placed}, "
+                           f"the orchestrator at {(coords.dp_rank, coords.tp_rank)}")
+    return dp_mesh, tp_mesh
+
+
+def fsdp_options(plan: ResolvedPlan, dp_mesh: DeviceMesh) -> dict[str, Any]:
+    """``fully_shard``'s keyword arguments for ``plan``: the mesh, ``reshard_after_forward``,
+    the mixed-precision policy (parameters in the training precision, gradients reduced in fp32)
+    and, with ``plan.offload_param=cpu``, CPU offload of parameters, gradients and the optimizer
+    step (FSDP2 offloads the three together)."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    options: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": plan.fsdp.reshard_after_forward}
+    if plan.precision.value != "fp32":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=plan.precision.dtype, reduce_dtype=torch.float32)
+    if plan.offload_param.value == "cpu":
+        # Pinned host memory makes the copies to a GPU asynchronous; CPU workers have no GPU to pin for.
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=plan.accelerator.value == "gpu")
+    elif plan.offload_param.value != "none":
+        raise RuntimeError(f"plan.offload_param={plan.offload_param.value}: FSDP2 offloads to cpu only; set "
+                           "plan.offload_param=cpu or none, or plan.engine=deepspeed")
+    return options
+
+
+def autotp_styles(model: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
+    """Module name -> 'column' or 'row' for the layers the AutoTP specs shard, matched as DeepSpeed's
+    AutoTP matches them (:func:`orch.plans.tp_plan.split_layers`: the first matching spec decides, a
+    ``skip`` or a weight that is not a matrix leaves the layer whole), so both engines and the
+    planner shard the same layers.
+
+    A fused layer whose spec gives a ``shape`` (the GPT's ``qkv``, three matrices in one) cannot be
+    split by a plain column-wise style: it is refused rather than sharded wrongly.
+    """
+    from orch.plans.tp_plan import split_layers
+
+    fused = [spec for spec in layer_specs
+             if spec.get("partition_type") != "skip" and ("shape" in spec or "partition_dim" in spec)]
+    if fused:
+        raise RuntimeError(f"tensor-parallel spec {fused[0]} splits a fused layer, which plan.engine=fsdp2 cannot "
+                           "shard with DTensor's column/row styles; set plan.engine=deepspeed (AutoTP) or plan.tp=1")
+    return split_layers(model, layer_specs)
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_specs: list[dict] | None) -> int:
+    """Shard ``model``'s linear layers over ``tp_mesh`` with DTensor's column- and row-wise styles;
+    returns how many were sharded.
+
+    The model's own Hugging Face tensor-parallel plan (``model._tp_plan``, module patterns with
+    ``*`` for a layer index) is used where it has one; otherwise the workload's AutoTP layer
+    specs (regexes over ``<module>.weight``, :func:`autotp_styles`).
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+              "column": ColwiseParallel, "row": RowwiseParallel}
+    names = [name for name, module in model.named_modules() if name]
+    plan: dict[str, Any] = {}
+    hf_plan = getattr(model, "_tp_plan", None)
+    if isinstance(hf_plan, dict) and hf_plan:
+        for pattern, style in hf_plan.items():
+            if style not in _HF_STYLES:
+                continue
+            body = r"\d+".join(re.escape(part) for part in pattern.split("*"))
+            for name in names:
+                if re.fullmatch(body, name):
+                    plan[name] = styles[style]()
+    else:
+        plan = {name: styles[kind]() for name, kind in autotp_styles(model, layer_specs or []).items()}
+    if not plan:
+        raise RuntimeError(f"plan.tp={tp_mesh.size()}, but no layer of {type(model).__name__} matched its tensor-"
+                           "parallel plan: every rank would hold and compute the whole model")
+    parallelize_module(model, tp_mesh, plan)
+    return len(plan)

@@ -1,0 +1,222 @@
+"""One training process, run inside a Ray actor: the loop.
+
+The actor is created by :mod:`orch.launchers.worker_group`. The engine (:mod:`orch.launchers.engines`,
+chosen by ``plan.engine``) owns the model, the optimizer and their checkpoint files; the worker
+reads as the algorithm: set up, then for each step a batch, a step, a report and a checkpoint,
+then finish. The driver calls :meth:`TrainWorker.start` and then polls
+(:mod:`orch.launchers.driver_link`): reports come back per logged step, and a poll that stops being
+answered tells it the process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from orch.launchers.checkpoint_io import CheckpointIO
+from orch.launchers.devices import DeviceMapping
+from orch.launchers.driver_link import DriverLink, thread_stacks
+from orch.launchers.engines import Engine, engine_for
+from orch.launchers.export_state import consolidated_state
+from orch.launchers.gpu_worker import accelerator_ids, cuda_memory_facts, reset_cuda_peak, use_device
+from orch.launchers.job import PollStatus, StepReport, TrainJob, WorkerFacts
+from orch.launchers.lean_startup import collector_paused
+from orch.launchers.placement import RankSlot
+from orch.launchers.rank_state import restore_rank_state, save_rank_state
+from orch.launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
+from orch.launchers.step_interval import Interval
+from orch.launchers.torch_threads import match_torch_threads
+from orch.launchers.worker_data import digest, rank_batches
+from orch.plans.rank_layout import parallel_coords
+
+
+class TrainWorker:
+    """One rank of the run."""
+
+    def __init__(self):
+        with collector_paused():  # torch's import, which this module leaves to here: start-up
+            import torch  # noqa: F401
+
+            match_torch_threads()
+        self.engine: Engine | None = None
+        self.device_mapping: DeviceMapping | None = None
+        self.link = DriverLink()
+        self.start_step = 0
+
+    def address(self) -> tuple[str, int]:
+        """Where this actor, as rank 0, hosts the rendezvous: its node's IP and a port bound there."""
+        import ray
+
+        self.rendezvous = RendezvousHost(ray.util.get_node_ip_address())
+        return self.rendezvous.address
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def accelerator_ids(self) -> tuple[str, list[str]]:
+        """This actor's node and the GPU ids Ray gave it (:func:`orch.launchers.gpu_worker.accelerator_ids`)."""
+        return accelerator_ids()
+
+    def use_devices(self, mapping: DeviceMapping) -> None:
+        """Remember this rank's GPU mapping; :meth:`setup` applies it before the process group starts."""
+        self.device_mapping = mapping
+
+    def setup(self, job: TrainJob, slot: RankSlot, world_size: int, master_addr: str,
+              master_port: int, streams: tuple[Any, Any] | None = None) -> WorkerFacts:
+        """Join the process group, build the engine and this rank's batches; returns facts for the driver.
+
+        ``streams`` is this rank's ``(training, evaluation)`` pair of a streamed data source
+        (:class:`orch.plans.workload.StreamingSource`): given to the first rank of each data-parallel
+        replica, which reads it for the replica's other ranks.
+        """
+        with collector_paused():  # imports and the engine: start-up (orch.launchers.lean_startup)
+            return self._setup(job, slot, world_size, master_addr, master_port, streams)
+
+    def _setup(self, job: TrainJob, slot: RankSlot, world_size: int, master_addr: str,
+               master_port: int, streams: tuple[Any, Any] | None) -> WorkerFacts:
+        import torch
+
+        from orch.launchers.matmul_probe import matmul_tflops
+
+        self.job, self.rank, self.world_size, self.local_rank = job, slot.rank, world_size, slot.local_rank
+        os.environ.update(job.env)
+        os.environ.update({
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(slot.rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(slot.local_rank),
+            "LOCAL_SIZE": str(slot.local_world_size), "LOCAL_WORLD_SIZE": str(slot.local_world_size),
+            **AGENT_STORE_ENV,
+        })
+        if self.device_mapping is not None:
+            use_device(self.device_mapping)
+        self.engine = engine_for(job.plan.engine.value)
+        self.engine.start(job, master_addr, master_port)
+        torch.manual_seed(job.train.seed)
+        coords = parallel_coords(self.rank, world_size, job.plan.tp, job.plan.pp)
+        built = self.engine.build(job, coords)
+        self.batches, self.val_batches, data_tensor_bytes = rank_batches(job, self.rank, coords, streams)
+        self.checkpoints = CheckpointIO(job, self.rank, self.local_rank, world_size)
+        if job.resume_tag:
+            resumed = restore_rank_state(self.checkpoints, self.engine, job, job.resume_tag,
+                                         self.batches, self.val_batches)
+            self.start_step, self.resumed_loss = resumed.step, resumed.loss
+        self.first_batch_digest: str | None = None
+        self.train_batches = self._recorded(self.batches)
+        return WorkerFacts(rank=self.rank, pid=os.getpid(), hostname=socket.gethostname(), dp_rank=coords.dp_rank,
+                           tp_rank=coords.tp_rank, pp_rank=coords.pp_rank, start_step=self.start_step,
+                           params_on_rank=built.params_on_rank, params_at_build=built.params_at_build,
+                           built=built.built, data_tensor_bytes=data_tensor_bytes,
+                           optimizer_note=built.optimizer_note, optimizer=built.optimizer,
+                           peak_tflops=matmul_tflops(job.plan.precision.value, self.engine.device),
+                           torch_threads=torch.get_num_threads())
+
+    def _recorded(self, batches):
+        """The training batches, fingerprinting the first this rank reads (tests compare them)."""
+        for batch in batches:
+            if self.first_batch_digest is None:
+                self.first_batch_digest = digest(batch)
+            yield batch
+
+    def _mean_over_ranks(self, values: list[float]) -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        # On the engine's device: NCCL reduces device tensors only.
+        t = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(t)
+        return (t / self.world_size).tolist()
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out loss, and the objective's own metrics (``eval_<name>``), averaged over
+        ``train.eval_batches`` batches and the ranks."""
+        found = self.engine.evaluate(self.val_batches, self.job.train.eval_batches)
+        names = sorted(found)
+        means = self._mean_over_ranks([found[name] for name in names])
+        return {f"eval_{name}": mean for name, mean in zip(names, means, strict=True)}
+
+    def _report(self, step: int, local_loss: float, rates: dict, evaluating: bool, **measured) -> StepReport:
+        """The report of ``step``: the loss averaged over the ranks (a collective every rank joins)."""
+        global_loss, = self._mean_over_ranks([local_loss])
+        return StepReport(rank=self.rank, step=step, loss=global_loss, local_loss=local_loss, lr=self.engine.lr(),
+                          epoch=self.batches.state_dict()["epoch"], first_batch_digest=self.first_batch_digest,
+                          evaluation=self.evaluate() if evaluating else {}, **rates, **measured)
+
+    def train(self) -> Iterator[StepReport]:
+        """Run ``train.steps`` optimizer steps; yield a report every ``train.log_every`` steps.
+
+        Step ``train.memory_probe_step`` runs under a :class:`PeakMemoryTracker`; from then on
+        every report carries this rank's measured peak and post-step tensor bytes, which the
+        planner's prediction is checked against. The tracker slows that one step down, and its
+        time is part of the interval's ``step_time_s``.
+        """
+        from orch.launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
+
+        job, plan, spec = self.job, self.job.plan, self.job.train
+        interval = Interval(samples_per_step=plan.micro_batch_size * plan.grad_accum_steps,
+                            tokens_per_sample=job.workload.data.tokens_per_sample)
+        measured: dict[str, int] = {}
+        on_cuda = getattr(self.engine.device, "type", "cpu") == "cuda"
+        if self.start_step >= spec.steps:
+            # Resumed from the last step's checkpoint (a rank died after writing it): no step is
+            # left, but the run ends as every run does, with its final report and evaluation.
+            # The loss is the one checkpointed with that step; nothing was timed.
+            nothing = {"step_time_s": float("nan"), "samples_per_s": float("nan"), "tokens_per_s": None}
+            yield self._report(spec.steps, self.resumed_loss, nothing, evaluating=True)
+            return
+        for step in range(self.start_step + 1, spec.steps + 1):
+            started = time.perf_counter()
+            probing = step == spec.memory_probe_step
+            # On GPUs CUDA's allocator keeps the statistics; on CPU the tracker counts tensors.
+            probe = PeakMemoryTracker() if probing and not on_cuda else contextlib.nullcontext()
+            if probing and on_cuda:
+                reset_cuda_peak(self.engine.device)
+            with probe:
+                step_loss = self.engine.train_step(self.train_batches, self.link.milestone)
+            interval.add(step_loss, time.perf_counter() - started)
+            if probing:
+                measured = (cuda_memory_facts(self.engine.device) if on_cuda else
+                            {"measured_peak_bytes": probe.peak, "measured_state_bytes": live_tensor_bytes()})
+            last = step == spec.steps
+            self.link.stepped(step)
+            if spec.checkpoint_every and (step % spec.checkpoint_every == 0 or last):
+                save_rank_state(self.checkpoints, self.engine, job, step, interval.mean_loss,
+                                self.batches, self.val_batches)
+            if step % spec.log_every and not last:
+                continue
+            evaluating = bool(spec.eval_every and step % spec.eval_every == 0) or last
+            yield self._report(step, interval.mean_loss, interval.rates(), evaluating, **measured)
+            interval.reset()
+
+    def start(self) -> None:
+        """Run :meth:`train` on a thread of its own and return at once; the driver then calls
+        :meth:`poll`, which the actor keeps answering while the step runs."""
+        if self.local_rank == 0 and self.job.system_metrics_interval_s > 0:
+            self.link.sample_system(self.job.system_metrics_interval_s)
+        self.link.run(self.train, self.engine.device, name=f"train-rank{self.rank}")
+
+    def poll(self, seen: int) -> PollStatus:
+        """This rank's reports after the first ``seen`` and the state of its training."""
+        return self.link.poll(seen)
+
+    def stacks(self) -> str:
+        """Every thread's Python stack, answered even while the training thread is stuck."""
+        return thread_stacks()
+
+    def consolidated_state(self) -> dict | None:
+        """The whole model's weights on rank 0 (:func:`orch.launchers.export_state.consolidated_state`)."""
+        return consolidated_state(self.engine, self.val_batches, self.rank, self.job.plan.pp)
+
+    def shutdown(self) -> None:
+        self.link.stop()
+        if self.engine is not None:
+            self.engine.shutdown()
+        else:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()

@@ -1,0 +1,546 @@
+"""Per-device and per-node memory of a resolved plan, the verdict, and the fixes that would fit.
+
+Combines the pure pieces: parameter counts of the model built on ``meta``
+(:mod:`orch.plans.memory`), activations measured by running its forward and backward on ``meta``
+(:mod:`orch.plans.activations`), and DeepSpeed's buffers read from the generated DeepSpeed config.
+The peak of a device is what it holds between steps plus the worst phase of a step
+(:func:`orch.plans.memory.step_phases`). Nothing is allocated, so a 175B-parameter model is checked
+in seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from orch.plans.activations import ActivationBytes, activations_from_shallow, attention_kernels, measure_activations
+from orch.plans.attention import KernelLog
+from orch.plans.build_memory import GIB, BuildMemory, build_memory, build_violation, format_bytes
+from orch.plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
+from orch.plans.engine import EngineSettings, ZeroStage, engine_settings, fsdp_mesh
+from orch.plans.errors import PlanError, Violation, first_line
+from orch.plans.fsdp_memory import FSDPMemory, FSDPUnits, fsdp_memory, fsdp_units
+from orch.plans.memory import (
+    DevicePhases,
+    MemoryBreakdown,
+    ModelStateBytes,
+    ModelStats,
+    memory_breakdown,
+    model_state_bytes,
+    model_stats,
+    stage3_persistent_params,
+    step_phases,
+)
+from orch.plans.meta import meta_device
+from orch.plans.pipeline import (
+    PipelineLayer,
+    PipelineStage,
+    bubble_fraction,
+    carry_layers,
+    measure_pipeline_layers,
+    pipeline_stages,
+    stage_activations,
+)
+from orch.plans.resolve import ResolvedPlan
+from orch.plans.spec import Accelerator, ClusterSpec, EngineName, Offload, OptimSpec, Precision
+from orch.plans.tp_plan import split_layers
+from orch.plans.workload import ModelInputs, batch_bytes, supports_activation_checkpointing
+
+# The keys of one device in `orch check --json` (``per_device`` and each of ``stages``), in bytes
+# but for ``phase``, the step phase the peak falls in.
+DEVICE_JSON_KEYS = ("params", "grads", "optimizer_states", "activations", "buffers", "reserve", "total",
+                    "capacity", "held", "phase")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostMemory:
+    """What one node's host memory must hold for its local workers."""
+
+    offloaded: int
+    """Offloaded parameters, gradients and optimizer states of all local ranks."""
+    device_share: int
+    """On CPU workers the "device" is host memory too: the local workers' device totals."""
+    total: int
+    capacity: int
+    nvme: int = 0
+    """States offloaded to NVMe by all local ranks (on the node's disk, not in its memory)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanEstimate:
+    """The planner's answer for one plan on one cluster."""
+
+    plan: ResolvedPlan
+    model: ModelStats
+    per_device: MemoryBreakdown
+    """The most loaded device."""
+    stages: list[MemoryBreakdown]
+    """One entry per pipeline stage (a single entry without pipelining)."""
+    pipeline: list[PipelineStage] = field(default_factory=list)
+    """With plan.pp > 1: each stage's layers and parameters, in the order of ``stages``."""
+    per_node_host: HostMemory
+    build: BuildMemory | None = None
+    """One node's host memory while its workers build the model, before training."""
+    states: ModelStateBytes | None = None
+    """The ZeRO paper's model states of the most loaded rank (gradients included, as in its Table 1)."""
+    host_per_device: int = 0
+    """Host bytes one rank's offloaded states and staging buffers take (in the worker's own
+    process on CPU workers, where "device" and host memory are the same RAM)."""
+    phases: DevicePhases | None = None
+    """The most loaded device through a step: what it holds and what each phase adds."""
+    violations: list[Violation] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+    """Smallest plan changes that would make an infeasible plan fit."""
+    attention: str = ""
+    """The attention kernel the activations were measured with (:meth:`ModelProbe.attention`)."""
+    fsdp: FSDPMemory | None = None
+    """An FSDP2 plan's rank part by part (sharded states, gathered blocks, reduce-scatter buffers)."""
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+    @property
+    def bubble(self) -> float:
+        """Pipeline idle time relative to useful work, (pp - 1) / micro-batches (0 without pp)."""
+        return bubble_fraction(self.plan.pp, self.plan.grad_accum_steps) if self.plan.pp > 1 else 0.0
+
+    def as_json(self) -> dict:
+        """The stable ``orch check --json`` document (other tools read these names)."""
+
+        def device(b: MemoryBreakdown) -> dict:
+            # The components are the bytes alive at the peak, in ``phase``; they add up to total.
+            return {k: getattr(b, k) for k in DEVICE_JSON_KEYS}
+
+        phases = {}
+        if self.phases is not None:
+            phases = {p.phase: {**dataclasses.asdict(p), "total": p.total}
+                      for p in [self.phases.held, *self.phases.phases]}
+
+        return {
+            "feasible": self.feasible,
+            "world_size": self.plan.world_size,
+            "plan": self.plan.as_dict(),
+            "model": dataclasses.asdict(self.model),
+            "per_device": device(self.per_device),
+            "per_node_host": {"total": self.per_node_host.total, "capacity": self.per_node_host.capacity,
+                              "offloaded": self.per_node_host.offloaded,
+                              "device_share": self.per_node_host.device_share,
+                              "nvme": self.per_node_host.nvme,
+                              "build": self.build.total if self.build else 0},
+            "stages": [device(s) for s in self.stages],
+            "pipeline": {"bubble_fraction": self.bubble, "stages": [dataclasses.asdict(s) for s in self.pipeline]},
+            "phases": phases,
+            "violations": [{"field": v.field, "message": f"{v.message} Fix: {v.fix}"} for v in self.violations],
+            "suggestions": list(self.suggestions),
+            "attention": self.attention,
+            "fsdp": None if self.fsdp is None else {
+                "shard_group": self.fsdp.mesh.shard, "replicas": self.fsdp.mesh.replicate,
+                "phase": self.per_device.phase,
+                "at_peak": {p.name: p.bytes for p in self.fsdp.at_peak()},
+                "on_host": {p.name: p.bytes for p in self.fsdp.host}},
+        }
+
+
+def shard_on_meta(factory: Callable[[], torch.nn.Module], layer_specs: list[dict], tp: int) -> torch.nn.Module:
+    """The model as one tensor-parallel rank holds it, on ``meta``: every layer an AutoTP spec
+    names gets the shapes of its shard (column-parallel: output rows / tp, with its bias;
+    row-parallel: input columns / tp, bias whole), as DeepSpeed's LinearLayer and LinearAllreduce
+    keep them. Running the model's own forward on it gives the activations of one rank: the
+    sharded layers' outputs and inputs shrink by tp, the rest stay whole (the row-parallel
+    all-reduce changes values, not shapes, so it is not needed on meta)."""
+    with meta_device():
+        return shard_module(factory(), layer_specs, tp)
+
+
+# The size attributes DeepSpeed's AutoTP divides by tp on every module above a sharded layer
+# (``AutoTP.update_mp_params``), so code that reshapes by its head count sees its own share.
+_TP_SIZE_ATTRIBUTES = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_attention_heads", "num_attn_heads",
+                       "all_head_size", "embed_dim", "hidden_size", "num_key_value_heads", "num_kv_heads",
+                       "kv_n_heads", "d_model")
+
+
+def shard_module(module: torch.nn.Module, layer_specs: list[dict], tp: int) -> torch.nn.Module:
+    """:func:`shard_on_meta` of a meta module (changed in place, and returned)."""
+    sharded: list[str] = []
+    for name, kind in split_layers(module, layer_specs).items():
+        layer = module.get_submodule(name)
+        weight = layer.weight
+        rows, cols = weight.shape
+        if kind == "column":
+            layer.weight = torch.nn.Parameter(torch.empty(rows // tp, cols, device="meta", dtype=weight.dtype))
+            if isinstance(getattr(layer, "bias", None), torch.nn.Parameter):
+                layer.bias = torch.nn.Parameter(torch.empty(rows // tp, device="meta", dtype=weight.dtype))
+        else:
+            layer.weight = torch.nn.Parameter(torch.empty(rows, cols // tp, device="meta", dtype=weight.dtype))
+        sharded.append(name)
+    for name, owner in module.named_modules():
+        if name and any(layer.startswith(f"{name}.") for layer in sharded):
+            for attribute in _TP_SIZE_ATTRIBUTES:
+                value = getattr(owner, attribute, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value % tp == 0:
+                    setattr(owner, attribute, value // tp)
+    return module
+
+
+class ModelProbe:
+    """A model built once on ``meta``, with its activation measurements cached.
+
+    The tuner and the fix search estimate many plans of one model; parameter counts never
+    change and activations only depend on (micro-batch, precision, checkpointing). A deep model
+    is built at two shallow depths instead (``shallow``) and every count carried to its depth.
+    """
+
+    def __init__(self, factory: Callable[[], torch.nn.Module], inputs: ModelInputs,
+                 tp_layer_specs: list[dict] | None = None, pipeline_layers: Callable[[], list] | None = None,
+                 shallow: ShallowModels | None = None, weight_file_bytes: int = 0):
+        self.factory = factory
+        self.weight_file_bytes = weight_file_bytes
+        """Bytes of the weight files the model's constructor reads (a pretrained checkpoint)."""
+        self.inputs = inputs
+        """The data source's example batch and the objective the model is measured through."""
+        self.tp_layer_specs = tp_layer_specs or []
+        self.pipeline_layers = pipeline_layers
+        """The model's pipeline layers factory (None: the model cannot be pipelined); with ``shallow``,
+        it also takes a depth (``pipeline_layers(2)``: the layers of the model with 2 blocks)."""
+        self.shallow = shallow
+        """The model built at two shallow depths, when it is deep (:func:`orch.plans.model_facts.inspect_shallow`):
+        then every count is carried from them to its depth, and the full-depth model is built
+        only if a measurement cannot be carried (see :meth:`_measure`)."""
+        self._pipeline = functools.lru_cache(maxsize=None)(self._measure_pipeline)
+        self._stages = functools.lru_cache(maxsize=None)(self._split)
+        self.stats = (model_stats(self.module) if shallow is None else
+                      shallow.at_depth(model_stats, keep=("largest_layer_params", "largest_param")))
+        self._activations = functools.lru_cache(maxsize=None)(self._measure)
+        self._kernels = functools.lru_cache(maxsize=None)(self._attention_kernels)
+        self._fsdp_units: dict[int, FSDPUnits] = {}
+
+    @functools.cached_property
+    def module(self) -> torch.nn.Module:
+        """The model at its full depth on ``meta``, built on first use."""
+        with meta_device():
+            return self.factory()
+
+    @property
+    def sample(self) -> torch.nn.Module:
+        """A module with the model's layers, cheapest to inspect: a shallow copy when there is one."""
+        return self.shallow.deeper if self.shallow is not None else self.module
+
+    def _count(self, count: Callable[[torch.nn.Module], int]) -> int:
+        """``count`` of the full-depth model, carried from the shallow copies when there are some."""
+        return count(self.module) if self.shallow is None else self.shallow.at_depth(count)
+
+    @functools.cached_property
+    def tensor_parallel_params(self) -> tuple[int, int]:
+        """(all, trainable) parameters that tensor parallelism shards, per the AutoTP layer specs."""
+        specs = self.tp_layer_specs
+        return (self._count(lambda m: _tensor_parallel_params(m, specs)[0]),
+                self._count(lambda m: _tensor_parallel_params(m, specs)[1]))
+
+    def stats_for(self, tp: int) -> ModelStats:
+        """Parameter counts one rank holds when the model is split ``tp`` ways."""
+        if tp <= 1:
+            return self.stats
+        sharded, sharded_trainable = self.tensor_parallel_params
+        return dataclasses.replace(
+            self.stats, param_count=self.stats.param_count - sharded + -(-sharded // tp),
+            trainable_count=self.stats.trainable_count - sharded_trainable + -(-sharded_trainable // tp))
+
+    def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
+                 tp: int = 1, accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes:
+        args = dict(micro_batch_size=micro_batch_size, inputs=self.inputs, dtype=precision.dtype,
+                    checkpointing=checkpointing, accelerator=accelerator)
+        if self.shallow is not None:
+            shallow = self.shallow if tp <= 1 else self.shallow.map(
+                lambda m: shard_module(copy.deepcopy(m), self.tp_layer_specs, tp))
+            carried = activations_from_shallow(shallow, **args)
+            if carried is not None:
+                return carried
+        factory = self.factory if tp <= 1 else functools.partial(shard_on_meta, self.factory, self.tp_layer_specs, tp)
+        return measure_activations(factory, **args)
+
+    def activations(self, plan: ResolvedPlan) -> ActivationBytes:
+        """The plan's activations, or a PlanError when the model refuses its micro-batch in training
+        (a BatchNorm needs two values per channel: one sample at a 1x1 feature map is refused)."""
+        try:
+            return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing, plan.tp,
+                                     plan.accelerator)
+        except ValueError as error:
+            raise PlanError([Violation(
+                "plan.micro_batch_size", plan.micro_batch_size,
+                f"the model refuses a training micro-batch of {plan.micro_batch_size}: "
+                f"{type(error).__name__}: {first_line(error)}.",
+                "raise plan.micro_batch_size (and lower plan.grad_accum_steps to keep the global batch)")]) from error
+
+    def _attention_kernels(self, precision: Precision, accelerator: Accelerator) -> KernelLog:
+        return attention_kernels(self.sample, inputs=self.inputs, dtype=precision.dtype, accelerator=accelerator)
+
+    def attention(self, plan: ResolvedPlan) -> str:
+        """Which attention kernel the activations were measured with, in one line."""
+        return self._kernels(plan.precision, plan.accelerator).describe(plan.accelerator)
+
+    def _measure_pipeline(self, micro_batch_size: int, precision: Precision) -> list[PipelineLayer]:
+        if self.pipeline_layers is None:
+            raise ValueError("the model declares no pipeline layers")
+        def measure(layers: list) -> list[PipelineLayer]:
+            return measure_pipeline_layers(layers, micro_batch_size=micro_batch_size, inputs=self.inputs,
+                                           dtype=precision.dtype)
+
+        if self.shallow is not None:  # building every layer of a deep model costs what building it does
+            carried = carry_layers(*(measure(self.pipeline_layers(d)) for d in SHALLOW_DEPTHS), self.shallow.depth)
+            if carried is not None:
+                return carried
+        return measure(self.pipeline_layers())
+
+    def pipeline_layer_facts(self, plan: ResolvedPlan) -> list[PipelineLayer]:
+        """Every pipeline layer of the model, measured for the plan's micro-batch and precision."""
+        return self._pipeline(plan.micro_batch_size, plan.precision)
+
+    def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
+        """The plan's pipeline stages; cached, since `orch check` validates the split and then
+        estimates it, and the fix search estimates many variants of one plan."""
+        return self._stages(plan.micro_batch_size, plan.precision, plan.pp, plan.pp_partition, plan.grad_accum_steps)
+
+    def _split(self, micro_batch_size: int, precision: Precision, pp: int, method: str,
+               micro_batches: int) -> list[PipelineStage]:
+        batch = batch_bytes(self.inputs.example_batch(micro_batch_size))
+        return pipeline_stages(self._pipeline(micro_batch_size, precision), pp=pp, method=method,
+                               micro_batches=micro_batches, input_bytes=batch)
+
+    def fsdp_units(self, tp: int = 1) -> FSDPUnits:
+        """The model's FSDP2 units (blocks and root) as one tensor-parallel rank holds them: the
+        root and the largest block read off the model (a shallow copy's are the full depth's), the
+        blocks together whatever the rank's parameters leave beside the root."""
+        if tp not in self._fsdp_units:
+            sample = self.sample if tp <= 1 else shard_module(copy.deepcopy(self.sample), self.tp_layer_specs, tp)
+            units = fsdp_units(sample)
+            stats = self.stats_for(tp)
+            self._fsdp_units[tp] = dataclasses.replace(units, blocks=max(stats.param_count - units.root, 0))
+        return self._fsdp_units[tp]
+
+    def persistent_params(self, engine: EngineSettings) -> int:
+        """Parameters ZeRO-3 keeps whole on every rank (under the persistence threshold)."""
+        if engine.zero_stage != ZeroStage.parameters:
+            return 0
+        threshold = engine.stage3_param_persistence_threshold
+        return self._count(lambda m: stage3_persistent_params(m, threshold))
+
+
+def _tensor_parallel_params(module: torch.nn.Module, layer_specs: list[dict]) -> tuple[int, int]:
+    """(all, trainable) parameters of ``module`` the AutoTP layer specs shard.
+
+    A spec names a layer's weight; a column-parallel layer's bias is split with it, a
+    row-parallel layer's bias stays whole (DeepSpeed's LinearLayer / LinearAllreduce). A layer
+    its spec skips, or whose weight is not a matrix, stays whole (:func:`orch.plans.tp_plan.split_layers`).
+    """
+    sharded, trainable = 0, 0
+    for name, kind in split_layers(module, layer_specs).items():
+        layer = module.get_submodule(name)
+        params = [layer.weight]
+        bias = getattr(layer, "bias", None)
+        if kind == "column" and isinstance(bias, torch.nn.Parameter):
+            params.append(bias)
+        sharded += sum(p.numel() for p in params)
+        trainable += sum(p.numel() for p in params if p.requires_grad)
+    return sharded, trainable
+
+
+def _device_phases(plan: ResolvedPlan, optim: OptimSpec, engine: EngineSettings, probe: ModelProbe, stats: ModelStats,
+                   activations: ActivationBytes, grad_accum_steps: int) -> tuple[ModelStateBytes, DevicePhases]:
+    states = model_state_bytes(param_count=stats.param_count, trainable_count=stats.trainable_count,
+                               zero_stage=plan.zero_stage, dp=plan.dp, precision=plan.precision,
+                               optimizer=optim.name, momentum=optim.momentum,
+                               offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param)
+    phases = step_phases(engine, states=states, model=stats, activations=activations, dp=plan.dp,
+                         precision=plan.precision, grad_accum_steps=grad_accum_steps,
+                         accelerator=plan.accelerator, persistent_params=probe.persistent_params(engine))
+    return states, phases
+
+
+def _stage_stats(probe: ModelProbe, stage: PipelineStage, tp: int) -> ModelStats:
+    """A stage's parameter counts; its tensor-parallel layers split tp ways, in the model's proportion."""
+    whole, sharded = probe.stats, probe.stats_for(tp)
+    keep = sharded.param_count / whole.param_count if whole.param_count else 1.0
+    keep_trainable = sharded.trainable_count / whole.trainable_count if whole.trainable_count else 1.0
+    return ModelStats(param_count=round(stage.params * keep), trainable_count=round(stage.trainable * keep_trainable),
+                      largest_layer_params=min(whole.largest_layer_params, stage.params),
+                      largest_param=stage.largest_param)
+
+
+def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe) -> PlanEstimate:
+    """Predict the peak bytes of every device and node for ``plan``; no fix search.
+
+    The engine's buffers and limits are the plan's :func:`orch.plans.engine.engine_settings`, the
+    same object the workers' DeepSpeed config is written from. An FSDP2 plan is counted part by
+    part as ``fully_shard`` lays it out (:mod:`orch.plans.fsdp_memory`).
+
+    With pipeline stages every stage is estimated on its own (its layers' parameters, its share
+    of the activations times the micro-batches it holds in flight) and the most loaded one
+    decides; gradients count as accumulating, since 1F1B runs later forwards while earlier
+    micro-batches' gradients sit in ``.grad``.
+    """
+    capacity = int(cluster.device_memory_gib * GIB)
+    engine = engine_settings(plan, optim, probe.stats.param_count)
+    whole_activations = probe.activations(plan)
+    pipeline: list[PipelineStage] = []
+    fsdp = None
+    if plan.engine == EngineName.fsdp2:
+        fsdp = fsdp_memory(engine, mesh=fsdp_mesh(plan, cluster.devices_per_node), model=probe.stats_for(plan.tp),
+                           units=probe.fsdp_units(plan.tp), activations=whole_activations, precision=plan.precision,
+                           optimizer=optim.name, momentum=optim.momentum, grad_accum_steps=plan.grad_accum_steps)
+        per_stage = [(fsdp.states, fsdp.device_phases())]
+    elif plan.pp > 1:
+        pipeline = probe.stages(plan)
+        total_saved = sum(layer.saved_bytes for layer in probe.pipeline_layer_facts(plan))
+        per_stage = []
+        for stage in pipeline:
+            states, phases = _device_phases(plan, optim, engine, probe, _stage_stats(probe, stage, plan.tp),
+                                            stage_activations(whole_activations, stage, total_saved),
+                                            max(plan.grad_accum_steps, 2))
+            held = dataclasses.replace(phases.held, buffers=phases.held.buffers + stage.buffer_bytes)
+            per_stage.append((states, dataclasses.replace(phases, held=held)))
+    else:
+        per_stage = [_device_phases(plan, optim, engine, probe, probe.stats_for(plan.tp), whole_activations,
+                                    plan.grad_accum_steps)]
+    stages = [memory_breakdown(device=phases, capacity=capacity, accelerator=plan.accelerator)
+              for _, phases in per_stage]
+    worst = max(range(len(stages)), key=lambda i: stages[i].total)
+    device, (states, phases) = stages[worst], per_stage[worst]
+    local = cluster.devices_per_node
+    # NVMe offload swaps the states to disk through buffers in host memory: the states count
+    # against the disk, not the host's memory.
+    nvme_per_device = (states.host_optimizer_states if plan.offload_optimizer == Offload.nvme else 0) + (
+        states.host_params if plan.offload_param == Offload.nvme else 0)
+    host_per_device = states.host_total + phases.host_buffers - nvme_per_device
+    offloaded = host_per_device * local
+    device_share = device.total * local if plan.accelerator == Accelerator.cpu else 0
+    host = HostMemory(offloaded=offloaded, device_share=device_share, total=offloaded + device_share,
+                      capacity=int(cluster.host_memory_gib * GIB), nvme=nvme_per_device * local)
+    violations = []
+    if not device.fits:
+        where = f" on pipeline stage {worst}" if plan.pp > 1 else ""
+        violations.append(Violation(
+            "cluster.device_memory_gib", cluster.device_memory_gib,
+            f"the plan needs {format_bytes(device.total)} per device{where} but a device has {format_bytes(capacity)} "
+            f"(at its peak, in the {device.phase} phase: {_parts(device)}).",
+            "see the suggested plan changes, or use devices with more memory"))
+    if not host.fits:
+        violations.append(Violation(
+            "cluster.host_memory_gib", cluster.host_memory_gib,
+            f"the plan needs {format_bytes(host.total)} of host memory per node "
+            f"but a node has {format_bytes(host.capacity)} "
+            f"({format_bytes(offloaded)} offloaded states of {local} workers"
+            + (f" + {format_bytes(device_share)} of the CPU workers' own memory" if device_share else "") + ").",
+            "offload less (plan.offload_optimizer / plan.offload_param), or use fewer workers per node"))
+    build = build_memory(plan, cluster, built_bytes=probe.stats.built_bytes, param_count=probe.stats.param_count,
+                         stages=pipeline, weight_file_bytes=probe.weight_file_bytes)
+    if (refusal := build_violation(build)) is not None:
+        violations.append(refusal)
+    return PlanEstimate(plan=plan, model=probe.stats, per_device=device, stages=stages, pipeline=pipeline,
+                        per_node_host=host, build=build, states=states, host_per_device=host_per_device, phases=phases,
+                        violations=violations, fsdp=fsdp)
+
+
+def _parts(b: MemoryBreakdown) -> str:
+    names = ("params", "grads", "optimizer_states", "activations", "buffers", "reserve")
+    return " + ".join(f"{name} {format_bytes(getattr(b, name))}" for name in names)
+
+
+# Plan changes tried, cheapest first, when a plan does not fit: (what to tell the user, change).
+# A change names plan fields; ``fsdp.<name>`` names one of the FSDP2 settings.
+def _candidate_changes(plan: ResolvedPlan) -> list[tuple[str, dict]]:
+    if plan.engine == EngineName.fsdp2:
+        return _fsdp2_changes(plan)
+    changes: list[tuple[str, dict]] = []
+    if not plan.activation_checkpointing:
+        changes.append(("turn on plan.activation_checkpointing", {"activation_checkpointing": True}))
+    if plan.pp == 1:
+        for stage in range(plan.zero_stage + 1, 4):
+            changes.append((f"raise plan.zero_stage to {stage}", {"zero_stage": stage}))
+    if plan.micro_batch_size > 1:
+        half = plan.micro_batch_size // 2
+        changes.append((f"halve plan.micro_batch_size to {half} (and double plan.grad_accum_steps to "
+                        f"{plan.grad_accum_steps * 2} to keep the global batch)",
+                        {"micro_batch_size": half, "grad_accum_steps": plan.grad_accum_steps * 2}))
+    if plan.offload_optimizer == Offload.none and plan.pp == 1:
+        stage = max(plan.zero_stage, 1)
+        what = "set plan.offload_optimizer=cpu" + (f" with plan.zero_stage={stage}" if stage != plan.zero_stage else "")
+        changes.append((what, {"offload_optimizer": Offload.cpu, "zero_stage": stage}))
+    if plan.offload_param == Offload.none and plan.pp == 1:
+        changes.append(("set plan.offload_param=cpu and plan.offload_optimizer=cpu with plan.zero_stage=3",
+                        {"offload_param": Offload.cpu, "offload_optimizer": Offload.cpu, "zero_stage": 3}))
+    return changes
+
+
+def _fsdp2_changes(plan: ResolvedPlan) -> list[tuple[str, dict]]:
+    """An FSDP2 plan's fixes: it has no ZeRO stage to raise, and offloads everything or nothing."""
+    changes: list[tuple[str, dict]] = []
+    if not plan.activation_checkpointing:
+        changes.append(("turn on plan.activation_checkpointing", {"activation_checkpointing": True}))
+    if not plan.fsdp.reshard_after_forward:
+        changes.append(("set plan.fsdp.reshard_after_forward=true", {"fsdp.reshard_after_forward": True}))
+    if plan.fsdp.hybrid:
+        changes.append(("set plan.fsdp.hybrid=false (shard over every node)", {"fsdp.hybrid": False}))
+    if plan.micro_batch_size > 1:
+        half = plan.micro_batch_size // 2
+        changes.append((f"halve plan.micro_batch_size to {half} (and double plan.grad_accum_steps to "
+                        f"{plan.grad_accum_steps * 2} to keep the global batch)",
+                        {"micro_batch_size": half, "grad_accum_steps": plan.grad_accum_steps * 2}))
+    if plan.offload_param == Offload.none:
+        changes.append(("set plan.offload_param=cpu and plan.offload_optimizer=cpu",
+                        {"offload_param": Offload.cpu, "offload_optimizer": Offload.cpu}))
+    return changes
+
+
+def _changed(plan: ResolvedPlan, change: dict) -> ResolvedPlan:
+    """``plan`` with ``change`` applied (``fsdp.<name>`` keys to its FSDP2 settings)."""
+    fsdp = {key.split(".", 1)[1]: value for key, value in change.items() if key.startswith("fsdp.")}
+    fields = {key: value for key, value in change.items() if not key.startswith("fsdp.")}
+    if fsdp:
+        fields["fsdp"] = dataclasses.replace(plan.fsdp, **fsdp)
+    return dataclasses.replace(plan, **fields)
+
+
+def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe,
+                  limit: int = 3) -> list[str]:
+    """Single changes (then pairs) that make the plan fit, cheapest first; never one the model
+    cannot take (activation checkpointing of a model with nothing to checkpoint)."""
+    singles = _candidate_changes(plan)
+    if not supports_activation_checkpointing(probe.sample):
+        singles = [(what, change) for what, change in singles if "activation_checkpointing" not in change]
+    found: list[str] = []
+    for what, change in singles:
+        candidate = _changed(plan, change)
+        if estimate_plan(candidate, cluster, optim, probe).feasible:
+            found.append(what)
+    if found:
+        return found[:limit]
+    for i, (what_a, change_a) in enumerate(singles):
+        for what_b, change_b in singles[i + 1:]:
+            merged = {**change_a, **change_b}
+            if "zero_stage" in change_a and "zero_stage" in change_b:
+                merged["zero_stage"] = max(change_a["zero_stage"], change_b["zero_stage"])
+            candidate = _changed(plan, merged)
+            if estimate_plan(candidate, cluster, optim, probe).feasible:
+                found.append(f"{what_a}, and {what_b}")
+                if len(found) >= limit:
+                    return found
+    return found
+
+
+def check_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe) -> PlanEstimate:
+    """Estimate the plan, name the attention kernel it assumed and, when it does not fit, search
+    for the changes that would."""
+    estimate = dataclasses.replace(estimate_plan(plan, cluster, optim, probe), attention=probe.attention(plan))
+    if estimate.feasible:
+        return estimate
+    return dataclasses.replace(estimate, suggestions=suggest_fixes(plan, cluster, optim, probe))

@@ -1,0 +1,218 @@
+"""Pipeline stages of a plan: which layers each stage gets, what they hold, and the bubble.
+
+The layers are the model's own pipeline layers (DeepSpeed ``LayerSpec`` objects, see
+orch/workloads/gpt.py), built one at a time on ``meta``: the split is computed with DeepSpeed's own
+partition functions on the same weights ``PipelineModule`` uses, so every stage here is the stage
+a worker will build. Activations are measured per layer by running the layers in order on
+``meta``, as the stages will, with the loss on the last.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from orch.plans.activations import ActivationBytes, _MetaRunsAsOnCpu, _SavedTensors
+from orch.plans.depth_scaling import SHALLOW_DEPTHS
+from orch.plans.meta import meta_device
+from orch.plans.workload import ModelInputs, move_batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineLayer:
+    """One layer of the pipeline, measured on ``meta``."""
+
+    name: str
+    """The layer's class name (what ``type:REGEX`` partitions match)."""
+    params: int
+    trainable: int
+    """Parameters with ``requires_grad``: DeepSpeed balances stages by these."""
+    largest_param: int
+    saved_bytes: int
+    """Bytes autograd saves in this layer for one micro-batch (the loss's go to the last layer)."""
+    output_bytes: int = 0
+    """Bytes of the layer's output for one micro-batch: what a stage ending here sends on."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineStage:
+    """The layers ``[start, stop)`` one stage runs and what they add up to."""
+
+    index: int
+    start: int
+    stop: int
+    layers: list[str]
+    params: int
+    trainable: int
+    largest_param: int
+    saved_bytes: int
+    """Saved activations of one micro-batch in this stage."""
+    in_flight: int
+    """Micro-batches whose activations the stage holds at once under DeepSpeed's 1F1B schedule:
+    ``min(pp - stage, micro-batches)`` (``TrainSchedule.num_pipe_buffers``); the first stage holds most."""
+    buffer_bytes: int = 0
+    """The pipeline engine's buffers kept from one step to the next (runtime/pipe/engine.py): the
+    receive buffer of a stage after the first (``pipe_recv_buf``, one input) and the
+    received-gradient buffer of a stage before the last (``grad_layer``, one output); the first
+    stage also keeps its slots of token ids (``pipe_buffers['inputs']``), the last its slots of
+    outputs, the logits (``pipe_buffers['outputs']``), each with its received input and that
+    input's gradient, which the logits' autograd graph still references."""
+    in_flight_bytes: int = 0
+    """Inputs and outputs of the micro-batches in flight, held during the step: an output lives
+    until its backward, a received input until its gradient is sent back."""
+
+
+def _build(spec) -> torch.nn.Module:
+    with meta_device():
+        return spec.build() if hasattr(spec, "build") else spec
+
+
+def _run(spec, module: torch.nn.Module, x):
+    forward_fn = getattr(spec, "forward_fn", None)
+    return forward_fn(module, x) if forward_fn is not None else module(x)
+
+
+def measure_pipeline_layers(specs: list, *, micro_batch_size: int, inputs: ModelInputs,
+                            dtype: torch.dtype) -> list[PipelineLayer]:
+    """Parameters and saved activations of every pipeline layer, on ``meta``, in order.
+
+    The first layer takes the batch's inputs and the last layer's output goes through the
+    objective with the batch's targets, as DeepSpeed's pipeline engine feeds an ``(inputs,
+    targets)`` batch through the stages and its ``loss_fn``.
+    """
+    modules = [_build(spec).to(dtype=dtype) for spec in specs]
+    saved = _SavedTensors([p for m in modules for p in m.parameters()])
+    batch = move_batch(inputs.example_batch(micro_batch_size), "meta", dtype)
+    x, targets = batch[0], batch[1]
+    outputs = []
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _MetaRunsAsOnCpu():
+        for index, (spec, module) in enumerate(zip(specs, modules, strict=True)):
+            saved.current_layer = index
+            x = _run(spec, module, x)
+            outputs.append(x.numel() * x.element_size())
+        # The last stage computes the loss as the trainer does; its output is alive meanwhile.
+        inputs.objective(x, (None, targets))
+        saved.add(x)
+    layers = []
+    for index, module in enumerate(modules):
+        params = list(module.parameters())
+        layers.append(PipelineLayer(
+            name=type(module).__name__, params=sum(p.numel() for p in params),
+            trainable=sum(p.numel() for p in params if p.requires_grad),
+            largest_param=max((p.numel() for p in params), default=0),
+            saved_bytes=saved.by_layer.get(index, 0), output_bytes=outputs[index]))
+    return layers
+
+
+def carry_layers(shallow: list[PipelineLayer], deeper: list[PipelineLayer], depth: int) -> list[PipelineLayer] | None:
+    """The pipeline layers of the model at ``depth``, from its layers measured at the two
+    :data:`orch.plans.depth_scaling.SHALLOW_DEPTHS`: the same layers before and after a run of one
+    repeated unit (a block, or the few layers making one), with the unit repeated ``depth``
+    times. The run's first unit may differ from the others (a Hugging Face decoder's first layer
+    saves tensors the later ones reuse): it is then taken as measured and the others repeated
+    ``depth - 1`` times. None when the two lists do not have that shape (then the caller
+    measures in full).
+    """
+    d1, d2 = SHALLOW_DEPTHS
+    unit, extra = divmod(len(deeper) - len(shallow), d2 - d1)
+    if unit < 1 or extra:
+        return None
+    for first in (0, 1):  # units of the run that differ from the repeated one
+        n1, n2 = d1 - first, d2 - first
+        for start in range(len(shallow) - unit * n1 + 1):
+            before, repeated = shallow[:start], shallow[start:start + unit]
+            after = shallow[start + unit * n1:]
+            if shallow == before + repeated * n1 + after and deeper == before + repeated * n2 + after:
+                return before + repeated * (depth - first) + after
+    return None
+
+
+def partition(layers: list[PipelineLayer], pp: int, method: str) -> list[int]:
+    """Stage boundaries (``pp + 1`` layer indices), as DeepSpeed's ``PipelineModule._partition_layers``.
+
+    Plain ints: numpy integers would reach the stages' ``start``/``stop`` and from there every JSON
+    document (`orch check --json`, MLflow)."""
+    return [int(bound) for bound in _partition(layers, pp, method)]
+
+
+def _partition(layers: list[PipelineLayer], pp: int, method: str) -> list:
+    from deepspeed.runtime.utils import partition_uniform
+
+    from orch.plans.partition import partition_balanced
+
+    if method == "uniform":
+        return partition_uniform(num_items=len(layers), num_parts=pp)
+    if method == "parameters":
+        return partition_balanced(weights=[layer.trainable for layer in layers], num_parts=pp)
+    if method.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        return partition_balanced(weights=[1 if pattern.search(layer.name) else 0 for layer in layers],
+                                  num_parts=pp)
+    raise ValueError(f"unknown pipeline partition method {method!r}")
+
+
+def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_batches: int,
+                    input_bytes: int = 0) -> list[PipelineStage]:
+    """The stages of a pp-stage pipeline over ``layers``; a stage may come out empty (see callers).
+
+    ``input_bytes`` is one micro-batch of the model's input (the token ids).
+    """
+    bounds = partition(layers, pp, method)
+    stages = []
+    for index in range(pp):
+        part = layers[bounds[index]:bounds[index + 1]]
+        received = layers[bounds[index] - 1].output_bytes if bounds[index] > 0 else input_bytes
+        sent = part[-1].output_bytes if part else received
+        in_flight = min(pp - index, micro_batches)
+        slots = max(2, in_flight)  # TrainSchedule.num_pipe_buffers
+        if index == pp - 1 and index > 0:
+            # The last stage keeps every slot's outputs (the logits) until the slot is reused:
+            # its _exec_backward_pass returns before the line that frees them. Their autograd graph
+            # still holds the slot's received input (a leaf, referenced by its AccumulateGrad
+            # node) and so that input's gradient: two boundary activations per slot besides the
+            # receive buffer. Measured on CPU workers with d_model 128 and a 256-way vocabulary,
+            # where the two sizes differ.
+            buffers = received + slots * (sent + 2 * received)
+        else:
+            buffers = (received if index > 0 else slots * received) + (sent if index < pp - 1 else slots * sent)
+        stages.append(PipelineStage(
+            index=index, start=bounds[index], stop=bounds[index + 1], layers=[layer.name for layer in part],
+            params=sum(layer.params for layer in part), trainable=sum(layer.trainable for layer in part),
+            largest_param=max((layer.largest_param for layer in part), default=0),
+            saved_bytes=sum(layer.saved_bytes for layer in part), in_flight=in_flight, buffer_bytes=buffers,
+            in_flight_bytes=in_flight * ((received if index > 0 else 0) + sent)))
+    return stages
+
+
+def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved: int) -> ActivationBytes:
+    """One stage's activations: the whole model's measurement scaled to the stage's share of the
+    saved bytes (all but the recomputation of one checkpointed layer in backward, which every
+    stage with layers pays whole), plus the saved tensors, inputs and outputs of the micro-batches
+    it holds in flight meanwhile."""
+    share = stage.saved_bytes / total_saved if total_saved else 0.0
+    waiting = (stage.in_flight - 1) * round(whole.saved * share) + stage.in_flight_bytes
+    recompute = whole.recompute_peak if stage.saved_bytes else 0
+
+    def scaled(x: int) -> int:
+        return round(x * share)
+
+    def scaled_backward(x: int) -> int:
+        # A stage recomputes one checkpointed layer at a time, as the whole model does: that
+        # transient is not divided among the stages, only the rest of the backward peak is.
+        return scaled(x - whole.recompute_peak) + recompute
+
+    return ActivationBytes(
+        saved=scaled(whole.saved) + waiting, recompute_peak=recompute,
+        forward_peak=scaled(whole.forward_peak) + waiting,
+        backward_peak=scaled_backward(whole.backward_peak) + waiting,
+        backward_peak_with_grads=scaled_backward(whole.backward_peak_with_grads - whole.grads_at_backward_peak)
+        + waiting,
+        grads_at_backward_peak=0)
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """Idle time of the pipeline relative to its useful work: ``(pp - 1) / micro-batches``
+    (GPipe / Megatron-LM's bubble; 1F1B has the same bubble, with less memory)."""
+    return (pp - 1) / micro_batches if micro_batches else float("inf")

@@ -1,0 +1,54 @@
+"""A plan's predicted step time as `orch tune` prices it, shared by the tuner's ranking and
+`orch check`'s line for the declared plan.
+
+The model's FLOPs, matmul shapes and communication sizes are counted once on the probe
+(:func:`orch.plans.model_cost.measure_model_cost`); the cluster's speeds are what it declares (or the
+accelerator's defaults) until `orch tune` measures them on the workers.
+"""
+
+from __future__ import annotations
+
+from orch.plans.cost_model import DECLARED_SPEEDS, ModelCost, Speeds, StepTime, speed_defaults
+from orch.plans.estimate import ModelProbe
+from orch.plans.fsdp_cost import predict
+from orch.plans.model_cost import measure_model_cost
+from orch.plans.resolve import ResolvedPlan
+from orch.plans.spec import ClusterSpec, EngineName, OptimSpec, Precision
+
+EXACT_PARAMS_LIMIT = 1_000_000_000
+"""Models above this many parameters get their FLOPs and activations counted at two shallow depths
+and extrapolated (:mod:`orch.plans.depth_scaling`), as deep models (``DEPTH_SCALED_FROM`` layers or
+more) always are, and the tuner measures their activations at one micro-batch size and scales
+them (:class:`orch.plans.search_space.BatchScaledProbe`); smaller ones are counted in full, in ms."""
+
+
+def plan_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, probe: ModelProbe, *, devices_per_node: int,
+              optim: OptimSpec) -> StepTime:
+    """The predicted step of ``plan`` under its engine; FSDP2's root unit is read off the probe."""
+    root = probe.fsdp_units(plan.tp).root if plan.engine == EngineName.fsdp2 else 0
+    return predict(plan, model, speeds, devices_per_node=devices_per_node, optim=optim, root_params=root)
+
+
+def declared_plan_step(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe,
+                       param_count: int) -> StepTime:
+    """The declared plan's predicted step at the cluster's declared speeds, counted as the tuner
+    counts it (the model costed once, at the plan's tensor-parallel degree)."""
+    depth_scaled = param_count >= EXACT_PARAMS_LIMIT or probe.shallow is not None
+    model = measure_model_cost(probe, [plan.tp], depth_scaled=depth_scaled)
+    return plan_step(plan, model, Speeds.declared(cluster, plan.precision), probe,
+                     devices_per_node=cluster.devices_per_node, optim=optim)
+
+
+def declared_speeds_note(cluster: ClusterSpec, precision: Precision | None = None) -> str:
+    """Where the declared speeds come from: the cluster config, or the accelerator's defaults for
+    those it leaves unset (at the plan's precision), named with the values used."""
+    defaulted = speed_defaults(cluster, precision)
+    accelerator = cluster.accelerator.value
+    if len(defaulted) == len(DECLARED_SPEEDS[accelerator]):
+        return (f"the {accelerator} defaults of orch/plans/cost_model.py DECLARED_SPEEDS (the cluster config sets "
+                "none; set cluster.device_tflops, ... to declare your own)")
+    note = "declared in the cluster config (cluster.device_tflops, ...)"
+    if defaulted:
+        note += f"; unset, so the {accelerator} defaults: " + ", ".join(
+            f"cluster.{name}={value:g}" for name, value in defaulted.items())
+    return note

@@ -1,0 +1,340 @@
+"""The tuner's search: every plan of a world size and global batch, pruned and ranked.
+
+Pure (no Ray, no Hydra). The space is every factorization ``dp * tp * pp`` of the world size, the
+training engine (DeepSpeed's ZeRO stages, or FSDP2 with and without ``reshard_after_forward``),
+optimizer and parameter offload, activation checkpointing and power-of-two micro-batches with the
+gradient accumulation that reaches the global batch. FSDP2 plans are enumerated only where FSDP2
+runs them: without pipeline stages, at the one ZeRO stage it has (it always shards everything),
+offloading everything to the CPU or nothing. Pruning runs cheapest first:
+
+1. structural rules, by arithmetic on the plan (tp within a node and dividing the model's heads,
+   pp at most the model's layers, what the pipeline and AutoTP engines train with);
+2. :func:`orch.plans.resolve.resolve_plan`, the same validation ``orch train`` applies (whatever it
+   refuses is counted under its own message, so rules added there prune here without changes);
+3. the memory estimate (:func:`orch.plans.estimate.estimate_plan`) against one :class:`ModelProbe`.
+
+Survivors are ranked by the predicted step time (:mod:`orch.plans.cost_model`; FSDP2's data-parallel
+term from :mod:`orch.plans.fsdp_cost`). Every rejection is
+counted by reason, so a user sees why a plan they expected is not there.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from orch.plans.activations import ActivationBytes, measure_activations, measure_activations_depth_scaled
+from orch.plans.cost_model import ModelCost, Speeds, StepTime
+from orch.plans.errors import PlanError
+from orch.plans.estimate import ModelProbe, PlanEstimate, estimate_plan
+from orch.plans.pipeline import PipelineLayer, PipelineStage, pipeline_stages
+from orch.plans.prediction import plan_step
+from orch.plans.resolve import PP_ZERO_STAGES, TP_ZERO_STAGES, ResolvedPlan, divisors, resolve_plan
+from orch.plans.spec import (
+    Accelerator,
+    ClusterSpec,
+    EngineName,
+    FSDPSpec,
+    Offload,
+    OptimSpec,
+    PlanSpec,
+    Precision,
+    TrainSpec,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """What the tuner may vary; the precision and the global batch are the user's."""
+
+    world_size: int
+    global_batch_size: int
+    precision: Precision = Precision.fp32
+    tp: tuple[int, ...] | None = None
+    """Tensor-parallel degrees to try; None: every divisor of the world size."""
+    pp: tuple[int, ...] | None = None
+    """Pipeline degrees to try; None: every divisor of the world size."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    offload: tuple[Offload, ...] = (Offload.none, Offload.cpu)
+    """Where optimizer states and (with ZeRO-3) parameters may go."""
+    activation_checkpointing: tuple[bool, ...] = (False, True)
+    micro_batch_sizes: tuple[int, ...] | None = None
+    """Micro-batches to try; None: the powers of two that divide the batch each replica gets."""
+    engines: tuple[EngineName, ...] = (EngineName.deepspeed,)
+    """Training engines to try."""
+    reshard_after_forward: tuple[bool, ...] = (True, False)
+    """FSDP2's ``plan.fsdp.reshard_after_forward`` values to try."""
+
+    def plans(self) -> Iterator[PlanSpec]:
+        """Every candidate, offload combinations limited to what each engine can express (ZeRO:
+        parameter offload only at stage 3, optimizer offload from stage 1; FSDP2: both or none)."""
+        for tp in self.tp or divisors(self.world_size):
+            for pp in self.pp or divisors(self.world_size):
+                if self.world_size % (tp * pp):
+                    continue
+                dp = self.world_size // (tp * pp)
+                for micro in self._micro_batches(dp):
+                    accum = self.global_batch_size // (micro * dp)
+                    for engine, stage, fsdp in self._engine_settings(pp):
+                        for off_opt, off_param in self._offloads(engine, stage):
+                            for ckpt in self.activation_checkpointing:
+                                yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp,
+                                               zero_stage=stage, offload_optimizer=off_opt,
+                                               offload_param=off_param, activation_checkpointing=ckpt,
+                                               micro_batch_size=micro, grad_accum_steps=accum,
+                                               precision=self.precision)
+
+    def _engine_settings(self, pp: int) -> list[tuple[EngineName, int, FSDPSpec]]:
+        """(engine, ZeRO stage, FSDP2 settings) to try at pipeline degree ``pp``: DeepSpeed at each
+        stage; FSDP2 (never pipelined) at the schema's stage, with and without resharding."""
+        found = []
+        for engine in self.engines:
+            if engine == EngineName.deepspeed:
+                found += [(engine, stage, FSDPSpec()) for stage in self.zero_stages]
+            elif pp == 1:
+                stage = PlanSpec().zero_stage
+                found += [(engine, stage, FSDPSpec(reshard_after_forward=r)) for r in self.reshard_after_forward]
+        return found
+
+    def _micro_batches(self, dp: int) -> list[int]:
+        if self.global_batch_size % dp:
+            return []
+        per_replica = self.global_batch_size // dp
+        sizes = self.micro_batch_sizes or [2**i for i in range(per_replica.bit_length()) if 2**i <= per_replica]
+        return [m for m in sizes if per_replica % m == 0]
+
+    def _offloads(self, engine: EngineName, stage: int) -> list[tuple[Offload, Offload]]:
+        if engine == EngineName.fsdp2:
+            return [(where, where) for where in self.offload]
+        pairs = []
+        for off_opt in self.offload if stage >= 1 else (Offload.none,):
+            for off_param in self.offload if stage == 3 else (Offload.none,):
+                pairs.append((off_opt, off_param))
+        return pairs
+
+
+def structural_rejection(plan: PlanSpec, *, devices_per_node: int, n_layers: int,
+                         tp_problem: Callable[[int], str | None]) -> str | None:
+    """Why ``plan`` can never run on this model and cluster (arithmetic only), or None.
+
+    ``tp_problem(tp)`` says why the model cannot be split ``tp`` ways (e.g. its heads do not
+    divide), or None. The reasons are short and fixed, so they count well.
+    """
+    if devices_per_node % plan.tp:
+        return "tp does not divide cluster.devices_per_node (a tensor-parallel group stays in one node)"
+    if plan.tp > 1 and (problem := tp_problem(plan.tp)):
+        return problem
+    if plan.tp > 1 and plan.zero_stage not in TP_ZERO_STAGES:
+        return f"ZeRO-{plan.zero_stage} with tp > 1 (AutoTP trains with ZeRO {', '.join(map(str, TP_ZERO_STAGES))})"
+    if plan.pp > max(n_layers, 1):
+        return "pp exceeds the model's layers"
+    if plan.pp > 1 and plan.zero_stage not in PP_ZERO_STAGES:
+        return f"ZeRO-{plan.zero_stage} with pp > 1 (the pipeline engine trains with ZeRO 0-1)"
+    if plan.pp > 1 and plan.offload_param != Offload.none:
+        return "parameter offload with pp > 1"
+    return None
+
+
+def plan_error_reason(error: PlanError) -> str:
+    """A PlanError's first problem, without the numbers that would split one reason into many."""
+    v = error.violations[0]
+    return f"{v.field}: {v.message.split(' (')[0].split(':')[0].rstrip('.')}"
+
+
+class BatchScaledProbe(ModelProbe):
+    """A :class:`ModelProbe` that measures activations at small micro-batches and scales beyond.
+
+    Measuring a 175B model's activations on ``meta`` takes seconds per micro-batch size; the
+    tuner needs a dozen sizes. Up to ``exact_up_to`` the measurement is exact (on copies of the
+    model built once, not rebuilt). Beyond, each component is extrapolated from the largest
+    measured power of two m2: proportionally (``value(m2) * m / m2``) and, when m2 / 2 was
+    measured too, affinely; the larger of the two is kept. The backward peak can move as the
+    batch grows, so neither alone is safe; the larger errs towards not fitting
+    (tests/test_tune_space.py measures how far).
+    """
+
+    def __init__(self, *args, exact_up_to: int = 2, depth_scaled: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.exact_up_to = max(exact_up_to, 1)
+        self.depth_scaled = depth_scaled
+        """Measure on copies cut to two shallow depths and extrapolate (orch.plans.depth_scaling)."""
+
+    def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
+                 tp: int = 1, accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes:
+        if tp > 1 and self.exact_up_to == 1:
+            # A large model in a hurry: measuring every tensor-parallel shard on meta costs seconds
+            # each; the unsharded activations are an upper bound (tp only divides them).
+            return self._activations(micro_batch_size, precision, checkpointing, 1, accelerator)
+        if micro_batch_size <= self.exact_up_to:
+            if tp > 1 or self.shallow is not None:  # a shallow probe carries its counts in any case
+                return super()._measure(micro_batch_size, precision, checkpointing, tp, accelerator)
+            measure = measure_activations_depth_scaled if self.depth_scaled else measure_activations
+            return measure(self.module, micro_batch_size=micro_batch_size, inputs=self.inputs,
+                           dtype=precision.dtype, checkpointing=checkpointing, accelerator=accelerator)
+        m2 = 1 << (self.exact_up_to.bit_length() - 1)  # the largest power of two measured exactly
+        high = self._activations(m2, precision, checkpointing, tp, accelerator)
+        low = self._activations(m2 // 2, precision, checkpointing, tp, accelerator) if m2 > 1 else None
+
+        def scale(name: str) -> int:
+            b = getattr(high, name)
+            # Parameter gradients held at the backward peak do not grow with the batch.
+            fixed = high.grads_at_backward_peak if name == "backward_peak_with_grads" else 0
+            proportional = fixed + (b - fixed) * micro_batch_size // m2
+            if low is None:
+                return proportional
+            a = getattr(low, name)
+            return max(proportional, b + (b - a) * (micro_batch_size - m2) // (m2 - m2 // 2))
+
+        names = [f.name for f in dataclasses.fields(ActivationBytes)]
+        values = {n: scale(n) for n in names if n != "grads_at_backward_peak"}
+        return ActivationBytes(**values, grads_at_backward_peak=high.grads_at_backward_peak)
+
+    def _measure_pipeline(self, micro_batch_size: int, precision: Precision) -> list[PipelineLayer]:
+        # A layer's saved tensors all carry the batch dimension: proportional scaling from one
+        # sample is exact up to constants like position indices, which it overstates slightly.
+        if micro_batch_size == 1:
+            return super()._measure_pipeline(1, precision)
+        return [dataclasses.replace(layer, saved_bytes=layer.saved_bytes * micro_batch_size)
+                for layer in self._pipeline(1, precision)]
+
+    def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
+        # Stage boundaries depend on the layers' parameters only, and DeepSpeed's balanced
+        # partition takes a quarter of a second for a 96-layer model: partition once per
+        # (pp, method), then scale the saved bytes and set the micro-batches in flight per plan.
+        base = self._stage_layout(plan.precision, plan.pp, plan.pp_partition)
+        return [dataclasses.replace(stage, saved_bytes=stage.saved_bytes * plan.micro_batch_size,
+                                    in_flight=min(plan.pp - stage.index, plan.grad_accum_steps))
+                for stage in base]
+
+    @functools.cache  # noqa: B019 - one probe per tuning, kept alive by it anyway
+    def _stage_layout(self, precision: Precision, pp: int, method: str) -> list[PipelineStage]:
+        return pipeline_stages(self._pipeline(1, precision), pp=pp, method=method, micro_batches=pp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A plan that passed validation, with its memory estimate and predicted step time."""
+
+    plan: ResolvedPlan
+    estimate: PlanEstimate
+    predicted: StepTime
+
+    @property
+    def feasible(self) -> bool:
+        return self.estimate.feasible
+
+
+@dataclass(kw_only=True)
+class SearchResult:
+    ranked: list[Candidate]
+    """Plans that fit, fastest predicted first."""
+    infeasible: list[Candidate]
+    """Plans that passed validation but do not fit in memory, fastest predicted first."""
+    rejected: Counter = field(default_factory=Counter)
+    """Reason -> how many plans it rejected (memory rejections included)."""
+    enumerated: int = 0
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def plan_layout(plan: ResolvedPlan) -> tuple:
+    """Everything of a plan but its ZeRO stage (or FSDP2's resharding): engine, degrees,
+    micro-batch, accumulation, checkpointing and offload. Plans of one layout differ only in how
+    the data-parallel ranks share state; two engines are two layouts, since the cost model's error
+    differs between their implementations more than between their stages."""
+    return (plan.engine, plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.grad_accum_steps,
+            plan.activation_checkpointing, plan.offload_optimizer, plan.offload_param)
+
+
+def trial_candidates(ranked: list[Candidate], n: int) -> list[Candidate]:
+    """The ``n`` plans to run as trials: the best predicted of each layout first, in predicted
+    order, then the next best predicted.
+
+    A layout is everything but the ZeRO stage (:func:`plan_layout`). Plans of one layout differ
+    only in data-parallel communication and are predicted close together, while the model's
+    error between layouts is larger. Measured on 4 CPU workers, the three best predictions were
+    ZeRO 0/1/2 of one layout while the fastest plan was another layout, ranked fifth: three
+    trials spent on one layout could not find it.
+    """
+    seen: set[tuple] = set()
+    firsts, rest = [], []
+    for candidate in ranked:
+        layout = plan_layout(candidate.plan)
+        (rest if layout in seen else firsts).append(candidate)
+        seen.add(layout)
+    return (firsts + rest)[:n]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchContext:
+    """Everything fixed during one search: the cluster, the loop, the model and the speeds."""
+
+    cluster: ClusterSpec
+    train: TrainSpec
+    optim: OptimSpec
+    probe: ModelProbe
+    model_cost: ModelCost
+    speeds: Speeds
+    tp_problem: Callable[[int], str | None] = lambda tp: None
+    """Why the model cannot be split ``tp`` ways, or None."""
+    plan_problem: Callable[[ResolvedPlan], str | None] = lambda plan: None
+    """Why the model cannot run a resolved plan (e.g. a pipeline stage without layers), or None."""
+
+
+def search(space: SearchSpace, ctx: SearchContext) -> SearchResult:
+    """Enumerate, prune (cheap rules first) and rank; see the module docstring."""
+    started = time.perf_counter()
+    result = SearchResult(ranked=[], infeasible=[])
+    train = dataclasses.replace(ctx.train, global_batch_size=space.global_batch_size)
+    for spec in space.plans():
+        result.enumerated += 1
+        reason = structural_rejection(spec, devices_per_node=ctx.cluster.devices_per_node,
+                                      n_layers=ctx.model_cost.n_layers, tp_problem=ctx.tp_problem)
+        if reason:
+            result.rejected[reason] += 1
+            continue
+        try:
+            plan = resolve_plan(spec, ctx.cluster, train)
+        except PlanError as error:
+            result.rejected[plan_error_reason(error)] += 1
+            continue
+        if problem := ctx.plan_problem(plan):
+            result.rejected[problem] += 1
+            continue
+        try:
+            estimate = estimate_plan(plan, ctx.cluster, ctx.optim, ctx.probe)
+        except PlanError as error:  # the model refuses the plan's micro-batch
+            result.rejected[plan_error_reason(error)] += 1
+            continue
+        predicted = plan_step(plan, ctx.model_cost, ctx.speeds, ctx.probe,
+                              devices_per_node=ctx.cluster.devices_per_node, optim=ctx.optim)
+        candidate = Candidate(plan=plan, estimate=estimate, predicted=predicted)
+        if estimate.feasible:
+            result.ranked.append(candidate)
+        else:
+            result.infeasible.append(candidate)
+            result.rejected["does not fit: " + ", ".join(v.field for v in estimate.violations)] += 1
+    # Ties (the declared speeds give every micro-batch the same matmul rate) go to fewer
+    # micro-steps, then to less memory: each micro-step has fixed costs the model leaves out.
+    def rank(c: Candidate) -> tuple:
+        return (c.predicted.total_s, c.plan.grad_accum_steps, c.estimate.per_device.total)
+
+    result.ranked.sort(key=rank)
+    result.infeasible.sort(key=rank)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def plan_spec(plan: ResolvedPlan) -> PlanSpec:
+    """The declarable plan (``orch/conf/plan/*.yaml``, ``orch train`` overrides) of a resolved one."""
+    resolved = {f.name for f in dataclasses.fields(plan)}
+    return PlanSpec(**{f.name: copy.copy(getattr(plan, f.name)) for f in dataclasses.fields(PlanSpec)
+                       if f.name in resolved})

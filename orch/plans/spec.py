@@ -1,0 +1,238 @@
+"""What the user declares: typed schemas of the plan, the cluster, the optimizer and the loop.
+
+These dataclasses hold declarations only; runtime facts (world size found on the cluster,
+parameter counts of the built model) are combined with them by :mod:`orch.plans.resolve`, which
+returns a new :class:`orch.plans.resolve.ResolvedPlan`. Hydra registers the same classes as
+structured configs, so an unknown or mistyped key fails at composition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Offload(str, Enum):
+    """Where ZeRO keeps a state it moves off the device."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class EngineName(str, Enum):
+    """Which library trains the model (:mod:`orch.launchers.engines`)."""
+
+    deepspeed = "deepspeed"
+    fsdp2 = "fsdp2"
+
+
+@dataclass(kw_only=True)
+class FSDPSpec:
+    """PyTorch FSDP2's settings (``plan.engine=fsdp2``); parameters, gradients and optimizer
+    states are always sharded over the data-parallel ranks, as under ZeRO-3."""
+
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward and gather them again for its
+    backward; false keeps them until the backward (one all-gather fewer, more memory held)."""
+    hybrid: bool = False
+    """Shard within a node and replicate across nodes (HSDP): the all-gathers stay on the node's links."""
+
+
+class Precision(str, Enum):
+    """Training precision; bf16/fp16 keep fp32 master weights in the optimizer."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one parameter, gradient or activation element in this precision."""
+        return 4 if self is Precision.fp32 else 2
+
+    @property
+    def dtype(self):
+        """The ``torch.dtype`` it trains in (torch imported only when asked)."""
+        import torch
+
+        return {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}[self]
+
+
+class Accelerator(str, Enum):
+    """Kind of device one worker drives."""
+
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class ResumeMode(str, Enum):
+    never = "never"
+    auto = "auto"
+
+
+class OptimizerName(str, Enum):
+    adam = "adam"
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+@dataclass(kw_only=True)
+class PlanSpec:
+    """The parallelism plan: how the model and batch are split over the workers."""
+
+    engine: EngineName = EngineName.deepspeed
+    """The training engine: deepspeed (ZeRO stages, pipelines) or fsdp2 (PyTorch's fully_shard)."""
+    fsdp: FSDPSpec = field(default_factory=FSDPSpec)
+    """FSDP2's settings; read only when engine is fsdp2."""
+    dp: int | None = None
+    """Data-parallel degree; null takes what the cluster leaves: world_size / (tp * pp)."""
+    tp: int = 1
+    """Tensor-parallel degree (layers split across devices)."""
+    pp: int = 1
+    """Pipeline stages; each optimizer step runs grad_accum_steps micro-batches through them."""
+    pp_partition: str = "parameters"
+    """How layers are split into stages (DeepSpeed's PipelineModule partition_method):
+    'parameters' balances parameter counts, 'uniform' layer counts, 'type:REGEX' the layers whose
+    class name matches (e.g. 'type:Block' balances transformer blocks)."""
+    zero_stage: int = 0
+    """ZeRO stage 0-3: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
+    offload_optimizer: Offload = Offload.none
+    """Keep optimizer states (and the optimizer step) on cpu or nvme instead of the device."""
+    offload_param: Offload = Offload.none
+    """Keep parameters on cpu or nvme between uses (ZeRO-3 only)."""
+    nvme_path: str | None = None
+    """Directory for NVMe offload; required when either offload is nvme."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward instead of keeping them (saves memory, costs compute)."""
+    micro_batch_size: int = 4
+    """Samples per worker per forward pass."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    precision: Precision = Precision.fp32
+    """fp32, or bf16/fp16 mixed precision with fp32 master weights."""
+
+
+@dataclass(kw_only=True)
+class ClusterSpec:
+    """The target cluster, declared; the live Ray cluster is checked against it at launch."""
+
+    address: str | None = None
+    """Ray address: null starts an embedded local Ray; 'auto', 'host:6379' or 'ray://host:10001'."""
+    nodes: int = 1
+    """Number of nodes the plan uses."""
+    devices_per_node: int = 2
+    """Workers (one per device) on each node."""
+    accelerator: Accelerator = Accelerator.cpu
+    """cpu trains with gloo and DS_ACCELERATOR=cpu; gpu uses one GPU per worker and NCCL."""
+    device_memory_gib: float = 8.0
+    """Memory of one device (on cpu: the share of host memory one worker may use)."""
+    host_memory_gib: float = 24.0
+    """Host memory of one node (offloaded states of all local workers land here)."""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs reserved for each worker."""
+    object_store_memory_gib: float = 1.0
+    """Object store of the embedded Ray (ignored when joining a cluster)."""
+    wait_s: float = 60.0
+    """How long to wait for the cluster to grant the workers' resources before failing."""
+    connect_timeout_s: float = 30.0
+    """With an address, how long the cluster may take to answer before the command fails (exit 2)
+    instead of waiting on Ray's own retries (about 14 minutes for an address nobody answers); and
+    how long each check of a storage URI (train.checkpoint_dir, tune.out, data.paths) may take."""
+    discover: bool = True
+    """With an address, `orch check` reads nodes and memory from the live cluster instead of
+    trusting the declared numbers."""
+    # The speeds below feed only `orch tune`'s cost model. Each one left unset (null) takes the
+    # accelerator's default (orch/plans/cost_model.py DECLARED_SPEEDS: a CPU core's, or an A100's), so
+    # switching cluster.accelerator switches every speed not set; a speed that is set is kept.
+    device_tflops: float | None = None
+    """Peak dense matmul TFLOP/s of one device at the plan's precision (A100: 312 bf16, 19.5 fp32;
+    unset on gpu: those two by the plan's precision). `orch tune` predicts compute time from it
+    unless it measured the live cluster."""
+    intra_node_gbps: float | None = None
+    """Gbit/s each device can send to the others of its node (NVLink, or shared memory on CPU)."""
+    inter_node_gbps: float | None = None
+    """Gbit/s each device can send to other nodes (its share of the node's network)."""
+    host_link_gbps: float | None = None
+    """Gbit/s between a device and its host's memory (PCIe; offloaded states cross it every step)."""
+    device_memory_gb_per_s: float | None = None
+    """Memory bandwidth of one device in GB/s (the optimizer step is bound by it)."""
+    host_memory_gb_per_s: float | None = None
+    """Memory bandwidth of one node's host memory in GB/s, shared by its workers' CPU optimizers."""
+    device_sm_count: int | None = None
+    """Streaming multiprocessors of one GPU (A100 108, H100 SXM 132): `orch tune` prices each
+    matmul by the waves of output tiles they run (null: an A100's on gpu; none on cpu)."""
+    device_hour_usd: float | None = None
+    """Price of one device for one hour; `orch tune` then prices each plan's time to train
+    (null: no cost column)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+@dataclass(kw_only=True)
+class OptimSpec:
+    """Optimizer and learning-rate schedule."""
+
+    name: OptimizerName = OptimizerName.adamw
+    lr: float = 3e-3
+    """Peak learning rate, reached after warmup_steps."""
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas."""
+    momentum: float = 0.0
+    """SGD momentum (0 keeps no momentum buffer)."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to lr; then cosine decay to min_lr_ratio * lr at train.steps."""
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+
+
+@dataclass(kw_only=True)
+class TrainSpec:
+    """The training loop."""
+
+    steps: int = 200
+    """Optimizer steps to run."""
+    log_every: int = 10
+    """Report and track metrics every this many steps."""
+    eval_every: int = 0
+    """Evaluate on held-out data every this many steps (0: only at the end)."""
+    eval_batches: int = 4
+    """Micro-batches per evaluation."""
+    seed: int = 1234
+    global_batch_size: int | None = None
+    """Samples per optimizer step; null means micro_batch_size * grad_accum_steps * dp."""
+    tokens: int | None = None
+    """The token budget of the whole training, for `orch tune`'s predicted time to train and its
+    cost; null: steps * global batch * sequence. A run still stops after `steps`."""
+    memory_probe_step: int = 2
+    """Measure every worker's real peak tensor memory during this step (0 disables); later
+    steps run unobserved, at full speed."""
+    checkpoint_every: int = 0
+    """Write a DeepSpeed checkpoint every this many steps, and at the last step (0: never)."""
+    checkpoint_dir: str = "checkpoints"
+    """Where checkpoints go: a path (shared by every node of a multi-node run) or a URI of object
+    storage (s3://bucket/run, gs://..., file:///...), whose credentials come from the environment."""
+    export: bool = True
+    """At the end of a run, log the trained model to it: consolidated weights in the model's own format
+    and an MLflow model (data-parallel plans; see `orch export` for a checkpoint)."""
+    keep_checkpoints: int = 2
+    """Published checkpoints kept; older ones are deleted."""
+    resume: ResumeMode = ResumeMode.never
+    """auto: continue from the latest checkpoint in checkpoint_dir (same MLflow run) if there is one."""
+    max_failures: int = 0
+    """Restarts of the whole worker group from the latest checkpoint after a worker fails."""
+    force: bool = False
+    """Launch even when the planner predicts the plan does not fit (prints a warning): a decision
+    about this launch, not part of the plan."""
+    hang_timeout_s: float = 900.0
+    """A rank that finishes no optimizer step for this long is declared hung: every rank's
+    stack is saved to the MLflow run, then the group restarts or fails (0 disables)."""
+    setup_timeout_s: float = 1800.0
+    """The same for the workers' setup before the first step: rendezvous, DeepSpeed's JIT op
+    builds (minutes on a fresh machine), model construction and checkpoint loading (0 disables)."""
+    sweep_metric: str = "eval_loss"
+    """The final metric `orch train` returns to Hydra, which optimizing sweepers (Optuna) minimize."""

@@ -1,0 +1,469 @@
+"""`orch train`: check the run, track it, train it.
+
+:func:`run_training` reads as those three steps. :func:`check` checks everything the user
+declared and builds the job (no worker exists yet), :func:`track` opens or resumes the MLflow run,
+and :func:`train` runs attempts of the worker group until one finishes or the
+:class:`FailurePolicy` gives up; the start-up work that overlaps them is :class:`Startup`'s. The
+MLflow run is ended (FINISHED, FAILED or KILLED) whatever happens after it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ray.exceptions import RayActorError
+
+from orch.checking import checked_run, live_cluster, resolve_inputs
+from orch.config import RunConfig
+from orch.inputs import data_fits_plan
+from orch.launchers.checkpoint import Published, resumable
+from orch.launchers.engines.deepspeed.config import build_ds_config
+from orch.launchers.engines.deepspeed.universal import convert as convert_to_universal
+from orch.launchers.engines.deepspeed.universal import needs_universal
+from orch.launchers.job import StepReport, TrainJob, WorkerFacts
+from orch.launchers.placement import placement_strategy
+from orch.launchers.worker_group import (
+    WorkerDiedError,
+    WorkerFailedError,
+    WorkerGroup,
+    WorkerGroupSpec,
+    WorkerHangError,
+    job_env,
+)
+from orch.plans.errors import PlanError, Violation
+from orch.plans.estimate import PlanEstimate
+from orch.plans.flops import training_flops_per_sample
+from orch.plans.model_facts import ModelFacts
+from orch.plans.optim_settings import optim_settings
+from orch.plans.resolve import ResolvedPlan
+from orch.plans.spec import Accelerator, ClusterSpec, EngineName, ResumeMode
+from orch.plans.workload import StreamingSource, Workload, data_task_cpus
+from orch.run.progress import Progress
+from orch.run.resume import checkpoint_dir_lock, signature_of
+from orch.run.startup import Startup, StartupClock
+from orch.run.startup import describe as describe_startup
+from orch.tracking.step_metrics import MeasurementsOnce, mean_peak_tflops, step_metrics
+
+if TYPE_CHECKING:
+    from orch.tracking.store import RunTracker
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports back (the CLI prints it; tests assert on it)."""
+
+    run_id: str | None
+    plan: ResolvedPlan
+    model: ModelFacts
+    estimate: PlanEstimate
+    reports: list[list[StepReport]] = field(default_factory=list)
+    """Per logged step, the report of every rank."""
+    worker_facts: list[WorkerFacts] = field(default_factory=list)
+    wall_s: float = 0.0
+    startup: dict[str, float] = field(default_factory=dict)
+    """Seconds of each start-up phase (orch/run/startup.py), in the order they ran."""
+
+    @property
+    def time_to_first_report_s(self) -> float:
+        """Launch to the first report: the start-up phases add up to it (0 if none arrived)."""
+        return sum(self.startup.values())
+
+    @property
+    def final_loss(self) -> float:
+        return self.reports[-1][0].loss
+
+    @property
+    def eval_loss(self) -> float | None:
+        return self.reports[-1][0].evaluation.get("eval_loss")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreparedJob:
+    """Everything a run needs before its workers start: the checked plan and what the workers get."""
+
+    estimate: PlanEstimate
+    facts: ModelFacts
+    workload: Workload
+    job: TrainJob
+    group_spec: WorkerGroupSpec
+    flops_per_sample: int
+
+    @property
+    def plan(self) -> ResolvedPlan:
+        return self.job.plan
+
+
+@dataclass
+class _LoggedStep:
+    """The last step whose metrics are tracked, across attempts: steps replayed after a restart
+    (from the checkpoint before the failure) are not logged twice."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """When a failed attempt of the worker group is retried: a worker that raised, hung or died
+    restarts the group from the latest checkpoint, up to ``max_failures`` times (train.max_failures).
+    Anything else (a plan error, an interrupt) ends the run at once."""
+
+    max_failures: int
+    restartable: tuple[type[BaseException], ...] = (WorkerFailedError, WorkerHangError, RayActorError)
+
+    def gives_up(self, error: BaseException, failures: int) -> bool:
+        """Whether the run ends after its ``failures``-th failed attempt ended with ``error``."""
+        return not isinstance(error, self.restartable) or failures > self.max_failures
+
+
+def run_training(cfg: RunConfig, model_cfg: dict, config_yaml: str, *, stream=None,
+                 on_report: Callable[[list[StepReport], list[WorkerFacts]], None] | None = None,
+                 tags: dict[str, str] | None = None, workload: Workload | None = None,
+                 startup: Startup | None = None) -> TrainResult:
+    """Train one declared run end to end and return its result: check it, track it, train it.
+
+    Start-up steps that do not depend on each other overlap (:class:`Startup`). A value or plan
+    arithmetic that is wrong is refused before Ray starts, and so is a wrong path when Ray was not
+    started early; a refusal found while Ray starts (a path, the model check, the tracking store)
+    comes without waiting for that Ray, shows nothing of it, and leaves it to be shut down
+    (:func:`orch.launchers.ray_session.ray_session_in_background`). Nothing is tracked before every
+    check passes.
+
+    ``on_report(reports, worker_facts)`` is called for every logged step, replays included
+    (tests use it to inject faults at a known step). ``tags`` go onto the new MLflow run
+    (`orch tune` nests its trials under its own run with ``mlflow.parentRunId``). ``workload`` is
+    one already resolved for this model, objective and data (`orch tune` resolves it once for all
+    its trials, whose model is then built on ``meta`` once). ``startup`` is `orch train`'s, begun
+    before torch was imported (:meth:`Startup.for_command`), which the caller's block ends;
+    without one the run makes its own.
+    """
+    out = stream or sys.stdout
+    with contextlib.ExitStack() as held, live_cluster(cfg, connect=True) as (cluster, notes):
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+        if startup is None:
+            startup = held.enter_context(Startup(cfg))
+        checked = check(cfg, model_cfg, cluster, workload, startup, held, out)
+        tracker = track(checked, model_cfg, config_yaml, tags or {}, startup)
+        result = train(checked, tracker, startup, on_report=on_report, out=out)
+    _print_summary(result, tracker, out)
+    return result
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckedRun:
+    """A run every check passed: its job, pointed at the checkpoint it resumes from if any."""
+
+    cfg: RunConfig
+    """The run's config, with the tracking URI that answered
+    (:func:`orch.tracking.train_run.opened_tracking`)."""
+    prepared: PreparedJob
+    job: TrainJob
+    published: Published | None
+    """The checkpoint resumed (train.resume=auto), or None."""
+
+
+def check(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, workload: Workload | None, startup: Startup,
+          held: contextlib.ExitStack, out) -> CheckedRun:
+    """Every check of the run, Ray's start and MLflow's import overlapping them once the declared
+    values are valid. The checkpoint directory is taken into ``held`` once the plan and inputs are
+    known to be valid, so every problem with them is reported together; it is held until the run ends."""
+    workload, plan = resolve_inputs(cfg, model_cfg, cluster, workload)
+    startup.inputs_valid(plan, data_cpus=data_task_cpus(workload.data))
+    prepared = prepare_job(cfg, model_cfg, cluster, workload=workload, plan=plan)
+    held.enter_context(checkpoint_dir_lock(cfg.train))
+    job, published = _resume_point(prepared.job, cfg, out)
+    if cfg.tracking.enabled:
+        cfg = startup.tracking_module().opened_tracking(cfg)  # a tracking URI that cannot be used is refused here too
+    startup.checked()
+    return CheckedRun(cfg=cfg, prepared=prepared, job=job, published=published)
+
+
+def track(checked: CheckedRun, model_cfg: dict, config_yaml: str, tags: dict[str, str],
+          startup: Startup) -> RunTracker | None:
+    """The run's MLflow run (:func:`open_tracking`), or None when tracking is off."""
+    tracker = None
+    if checked.cfg.tracking.enabled:
+        tracker = open_tracking(checked.cfg, model_cfg, checked.prepared, checked.published, config_yaml, tags)
+    startup.tracked()
+    return tracker
+
+
+def train(checked: CheckedRun, tracker: RunTracker | None, startup: Startup, *, on_report, out) -> TrainResult:
+    """Train the checked run once Ray is up; the MLflow run is ended FINISHED, FAILED or KILLED
+    whatever happens."""
+    prepared, cfg = checked.prepared, checked.cfg
+    result = TrainResult(run_id=tracker.run_id if tracker else None, plan=prepared.plan, model=prepared.facts,
+                         estimate=prepared.estimate)
+    job = dataclasses.replace(checked.job, run_id=tracker.run_id) if tracker else checked.job
+    _print_plan(prepared, out)
+    status = "FAILED"
+    progress = Progress(cfg.train.steps)
+    try:
+        startup.ray_up()
+        exported = _attempts(prepared, job, cfg, tracker, result, progress, startup.clock, on_report=on_report,
+                             logged_step=checked.published.step if checked.published else 0, out=out)
+        startup.ray_done()
+        if tracker and exported is not None:
+            _log_export(prepared.workload, tracker, exported, out)
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        progress.close()
+        if tracker:
+            from orch.tracking.train_run import log_plots
+
+            tracker.finish(status)
+            log_plots(tracker)
+        result.wall_s = time.perf_counter() - startup.clock.started
+    return result
+
+
+def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, workload: Workload | None = None,
+                plan: ResolvedPlan | None = None) -> PreparedJob:
+    """Check the plan, the inputs and the data against ``cluster`` (raising :class:`PlanError`
+    with every problem), then build the job the workers run and the worker group's shape.
+    ``workload`` and ``plan`` are :func:`orch.checking.resolve_inputs`'s, if it ran."""
+    estimate, facts, _, workload = checked_run(cfg, model_cfg, cluster, workload=workload, plan=plan)
+    plan = estimate.plan
+    data_fits_plan(workload.data, plan)
+    if not estimate.feasible:
+        if not cfg.train.force:
+            raise PlanError(_with_suggestions(estimate))
+        print("warning: the planner predicts this plan does not fit; launching anyway because train.force=true",
+              file=sys.stderr)
+    optim = optim_settings(plan, cfg.optim, cfg.train.steps)
+    ds_config = (build_ds_config(plan, optim, param_count=facts.param_count, tp_layer_specs=workload.tp_layer_specs)
+                 if plan.engine == EngineName.deepspeed else None)
+    job = TrainJob(plan=plan, optim=optim, ds_config=ds_config, workload=workload, train=cfg.train,
+                   env=job_env(plan.accelerator, cfg.train),
+                   model_signature=signature_of(workload.model_factory, workload.model_config, cfg.train),
+                   system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.enabled else 0.0)
+    group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
+                                 gpus_per_worker=1.0 if plan.accelerator == Accelerator.gpu else 0.0,
+                                 env=job.env, wait_s=cfg.cluster.wait_s, tp=plan.tp,
+                                 strategy=placement_strategy(cluster.nodes))
+    flops = training_flops_per_sample(workload.model_factory, workload, checkpointing=plan.activation_checkpointing)
+    return PreparedJob(estimate=estimate, facts=facts, workload=workload, job=job, group_spec=group_spec,
+                       flops_per_sample=flops)
+
+
+def _resume_point(job: TrainJob, cfg: RunConfig, out) -> tuple[TrainJob, Published | None]:
+    """The job pointed at the newest intact checkpoint when train.resume=auto finds one."""
+    published = (resumable(cfg.train.checkpoint_dir, job.model_signature)
+                 if cfg.train.resume == ResumeMode.auto else None)
+    if not published:
+        return job, None
+    job = _resume_from(job, cfg, published, out)
+    print(f"resuming from {cfg.train.checkpoint_dir}/{job.resume_tag} (step {published.step})", file=out)
+    return job, published
+
+
+def open_tracking(cfg: RunConfig, model_cfg: dict, prepared: PreparedJob, published: Published | None,
+                  config_yaml: str, tags: dict[str, str]) -> RunTracker:
+    """The run's MLflow run: the one a resumed checkpoint belongs to, or a new one with the
+    config, the estimate and the dataset. ``cfg`` holds the tracking URI that answered
+    (:func:`orch.tracking.train_run.opened_tracking`)."""
+    from orch.tracking.store import RunTracker
+    from orch.tracking.train_run import start_tracking
+
+    if published and published.run_id:
+        return RunTracker.resume(uri=cfg.tracking.uri, run_id=published.run_id)
+    tracker = start_tracking(cfg, model_cfg, prepared.plan, prepared.facts, prepared.estimate,
+                             prepared.job.optim, prepared.job.ds_config, config_yaml, tags)
+    try:
+        tracker.log_dataset(prepared.workload.data.describe())
+    except Exception as error:  # noqa: BLE001 - a user's data source may raise anything
+        print(f"note: the data was not logged as a dataset input ({type(error).__name__}: {error})",
+              file=sys.stderr)
+    return tracker
+
+
+def _print_plan(prepared: PreparedJob, out) -> None:
+    plan = prepared.plan
+    print(f"plan: {plan.layout_text()} on {plan.world_size} {plan.accelerator.value} workers; "
+          f"model {prepared.facts.param_count:,} parameters",
+          file=out, flush=True)
+
+
+def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: RunTracker | None, result: TrainResult,
+           progress: Progress, clock: StartupClock, *, on_report, logged_step: int, out) -> dict | None:
+    """Attempts of the worker group until one finishes; a failed one restarts from the latest
+    checkpoint while :class:`FailurePolicy` allows (steps replayed after a restart are not logged twice).
+    Returns the trained model's consolidated state to log, if one is exported."""
+    policy = FailurePolicy(cfg.train.max_failures)
+    logged = _LoggedStep(logged_step)
+    failures = 0
+    while True:
+        group = WorkerGroup.create(prepared.group_spec)
+        clock.mark("workers")
+        try:
+            return _attempt(group, prepared, job, tracker, result, progress, clock, on_report=on_report,
+                            logged=logged, export=cfg.train.export and tracker is not None, out=out)
+        except Exception as error:
+            if isinstance(error, WorkerHangError):
+                print(f"hang: {error}", file=out, flush=True)
+                if tracker:
+                    from orch.tracking.train_run import record_hang
+
+                    record_hang(tracker, error, failures + 1)
+            failures += 1
+            if policy.gives_up(error, failures):
+                if isinstance(error, RayActorError):
+                    raise WorkerDiedError(f"a worker died and train.max_failures={cfg.train.max_failures} "
+                                          f"restarts are used up: {error}") from error
+                raise
+            job = _prepare_restart(job, cfg, error, failures, logged.step, tracker, out)
+        finally:
+            group.shutdown()
+
+
+def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: RunTracker | None,
+             result: TrainResult, progress: Progress, clock: StartupClock, *, on_report, logged: _LoggedStep,
+             export: bool, out) -> dict | None:
+    """One attempt: set the group up, train it to the end, gather the trained model when it is
+    exported. ``logged`` advances as steps are tracked, and keeps its value when the attempt fails."""
+    data = prepared.workload.data
+    # A streamed source is split afresh for each attempt: a failed attempt's splits are left
+    # half-read by workers that are gone.
+    streams = None
+    if isinstance(data, StreamingSource):
+        eval_samples = job.train.eval_batches * job.plan.micro_batch_size * job.plan.dp
+        streams = data.streams(job.plan.dp, eval_samples=eval_samples)
+    result.worker_facts = group.setup(job, timeout_s=job.train.setup_timeout_s, streams=streams)
+    clock.mark("setup")
+    _note_setup(result.worker_facts, tracker)
+    on_system = None
+    if tracker:
+        from orch.tracking.train_run import SystemMetricsLog
+
+        on_system = SystemMetricsLog(tracker, result.worker_facts)
+    peak_tflops = mean_peak_tflops(result.worker_facts)
+    measurements = MeasurementsOnce()
+    for reports in group.train(hang_timeout_s=job.train.hang_timeout_s, on_system=on_system):
+        if not result.reports:
+            clock.mark("first_report")
+            result.startup = dict(clock.phases)
+            if tracker:
+                tracker.log_metrics(clock.metrics(), reports[0].step)
+        result.reports.append(reports)
+        if on_report:
+            on_report(reports, result.worker_facts)
+        if reports[0].step <= logged.step:
+            continue  # replayed after a restart: tracked the first time
+        logged.step = reports[0].step
+        metrics = step_metrics(reports, job.plan, prepared.flops_per_sample, peak_tflops)
+        if tracker:
+            tracker.log_metrics(measurements.fresh(metrics), logged.step)
+        tokens_per_s = metrics.get("tokens_per_s")
+        progress.update(logged.step, metrics["loss"], tokens_per_s if tokens_per_s is not None
+                        else metrics.get("samples_per_s"), metrics.get("eval_loss"),
+                        unit="tok/s" if tokens_per_s is not None else "samples/s")
+    return _gather_export(group, out) if export else None
+
+
+def _note_setup(worker_facts: list[WorkerFacts], tracker: RunTracker | None) -> None:
+    """Tell the user how the workers came up, and record where the ranks really run."""
+    built = worker_facts[0].built
+    if note := worker_facts[0].optimizer_note:
+        print(f"note: the optimizer is {note}", file=sys.stderr)
+    if built.startswith("whole (zero.Init failed"):
+        print(f"note: ZeRO-3 built the model {built}; every rank held the whole model while building it",
+              file=sys.stderr)
+    if tracker:
+        tracker.log_dict({"ranks": [{k: getattr(f, k) for k in _REALIZED_PLACEMENT} for f in worker_facts]},
+                         "plan/placement_realized.json")
+        tracker.set_tags({"nodes_used": str(len({f.node_id for f in worker_facts})),
+                          "optimizer": worker_facts[0].optimizer,
+                          "peak_tflops_per_device": f"{mean_peak_tflops(worker_facts):.4f}"})
+
+
+# What each rank reports of where it runs, logged next to the planned layout (plan/placement.json).
+_REALIZED_PLACEMENT = ("rank", "node_id", "hostname", "pid", "dp_rank", "pp_rank", "tp_rank", "torch_threads")
+
+
+def _gather_export(group: WorkerGroup, out) -> dict | None:
+    """The trained model's consolidated state from the workers (plans without pipeline stages:
+    see orch/export.py)."""
+    exported = group.consolidated_state()
+    if exported is None:
+        print("note: the model is not exported from pipeline-parallel plans; its checkpoints hold the weights",
+              file=out)
+    return exported
+
+
+def _log_export(workload, tracker: RunTracker, exported: dict, out) -> None:
+    """Log the trained model to the run; needs no Ray, so it runs while an embedded Ray stops."""
+    from orch.export import log_trained_model
+
+    log_trained_model(tracker, workload, exported)
+    print(f"model logged to the run: runs:/{tracker.run_id}/model/mlflow_model", file=out)
+
+
+def _prepare_restart(job: TrainJob, cfg: RunConfig, error: Exception, failures: int, logged_step: int,
+                     tracker: RunTracker | None, out) -> TrainJob:
+    """Record why the group failed and point the next attempt at the latest published checkpoint."""
+    cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    published = resumable(cfg.train.checkpoint_dir, job.model_signature) if cfg.train.checkpoint_every else None
+    start = f"step {published.step}" if published else "the beginning (no checkpoint yet)"
+    print(f"restart {failures}/{cfg.train.max_failures}: {type(error).__name__}: {cause}; resuming from {start}",
+          file=out, flush=True)
+    if tracker:
+        tracker.set_tags({"restarts": str(failures), f"restart.{failures}.cause": f"{type(error).__name__}: {cause}",
+                          f"restart.{failures}.resumed_from_step": str(published.step if published else 0)})
+        tracker.log_metrics({"restarts": failures}, step=logged_step)
+    if published is None:
+        return dataclasses.replace(job, resume_tag=None)
+    return _resume_from(job, cfg, published, out)
+
+
+def _resume_from(job: TrainJob, cfg: RunConfig, published: Published, out) -> TrainJob:
+    """The job pointed at ``published``: as written, or converted to a universal checkpoint when
+    it was written at another dp degree (raises PlanError for changes nothing can bridge).
+    FSDP2 checkpoints (torch.distributed.checkpoint) reshard as they load: any dp and tp."""
+    saved_engine = (published.layout or {}).get("engine", EngineName.deepspeed.value)
+    if saved_engine != job.plan.engine.value:
+        raise PlanError([Violation(
+            "plan.engine", job.plan.engine.value,
+            f"the checkpoint to resume (step {published.step}) was written by the {saved_engine} engine, whose "
+            "files this engine cannot read.", f"set plan.engine={saved_engine}, or train.resume=never to start fresh")])
+    if job.plan.engine is EngineName.fsdp2:
+        return dataclasses.replace(job, resume_tag=published.tag)
+    config = {k: v for k, v in job.ds_config.items() if k != "checkpoint"}
+    if not needs_universal(published.layout, job.plan):
+        return dataclasses.replace(job, resume_tag=published.tag, ds_config=config)
+    print(f"the checkpoint at step {published.step} was written with dp={published.layout['dp']}; converting it "
+          f"to a universal checkpoint for dp={job.plan.dp}", file=out, flush=True)
+    tag = convert_to_universal(cfg.train.checkpoint_dir, published.tag, env=job.env)
+    return dataclasses.replace(job, resume_tag=tag, ds_config={**config, "checkpoint": {"load_universal": True}})
+
+
+def _with_suggestions(estimate: PlanEstimate) -> list[Violation]:
+    """The planner's violations, with the fixes it found folded into each one."""
+    fixes = "; or ".join(estimate.suggestions) if estimate.suggestions else None
+    return [dataclasses.replace(v, fix=f"{fixes or v.fix} (or set train.force=true to launch anyway)")
+            for v in estimate.violations]
+
+
+def _print_summary(result: TrainResult, tracker: RunTracker | None, out) -> None:
+    last = result.reports[-1][0] if result.reports else None
+    lines = [f"done: {last.step if last else 0} steps in {result.wall_s:.1f}s "
+             f"(first report after {result.time_to_first_report_s:.1f}s"
+             + (f": {describe_startup(result.startup)})" if result.startup else ")")]
+    if last:
+        lines.append(f"final loss {last.loss:.4f}" + (f", eval loss {result.eval_loss:.4f}"
+                                                       if result.eval_loss is not None else ""))
+    if tracker:
+        from orch.tracking.store import redact_uri
+
+        lines.append(f"MLflow run {tracker.run_id} in experiment {tracker.experiment_id} "
+                     f"({redact_uri(tracker.uri)})")
+        lines.append(f"open it: {tracker.ui_hint()}")
+    print("\n".join(lines), file=out, flush=True)

@@ -1,0 +1,228 @@
+"""`orch tune`: search the plan space, rank by predicted step time, confirm the best with short trials.
+
+The pure work (enumeration, pruning, cost model) is :mod:`orch.plans.search_space` and
+:mod:`orch.plans.cost_model`; this module prepares the search (the model probed once), measures the
+cluster's speeds on Ray, and runs the search, the trials (:mod:`orch.tune.trials`), the plan
+file (:mod:`orch.tune.plan_file`) and the tuning run (:mod:`orch.tune.tracking`) in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+from contextlib import ExitStack
+
+from orch.checking import check_model, check_pipeline, fused_tp_layers, live_cluster
+from orch.config import RunConfig
+from orch.inputs import check_inputs, declared_violations
+from orch.models import DEPTH_KEY, build_model, inspect_declared_model
+from orch.plans.cost_model import Speeds
+from orch.plans.depth_scaling import SHALLOW_DEPTHS
+from orch.plans.errors import PlanError, Violation
+from orch.plans.meta import meta_device
+from orch.plans.model_cost import measure_model_cost
+from orch.plans.prediction import EXACT_PARAMS_LIMIT, declared_speeds_note
+from orch.plans.resolve import ResolvedPlan
+from orch.plans.search_space import (
+    BatchScaledProbe,
+    SearchContext,
+    SearchSpace,
+    plan_error_reason,
+    search,
+    trial_candidates,
+)
+from orch.plans.spec import Accelerator, EngineName, Offload
+from orch.plans.workload import Workload, data_task_cpus
+from orch.tune.plan_file import check_plan_file, plan_overrides, write_plan_file
+from orch.tune.result import TrainBudget, TuneResult
+from orch.tune.tracking import finish_parent, start_parent
+from orch.tune.trials import pick_winner, run_trial
+from orch.workload import resolve_workload
+
+
+def declared_global_batch(cfg: RunConfig, world_size: int) -> int:
+    """train.global_batch_size, or the declared plan's micro * accumulation * dp."""
+    if cfg.train.global_batch_size:
+        return cfg.train.global_batch_size
+    return cfg.plan.micro_batch_size * cfg.plan.grad_accum_steps * _declared_dp(cfg, world_size)
+
+
+def _declared_dp(cfg: RunConfig, world_size: int) -> int:
+    return cfg.plan.dp or max(world_size // (cfg.plan.tp * cfg.plan.pp), 1)
+
+
+def global_batch_origin(cfg: RunConfig, world_size: int) -> str:
+    """Where the batch every plan is priced at comes from. Left to the declared plan, it grows with
+    the cluster (a micro-batch of 8 on 2048 devices is 16384 sequences): the line says so, and how
+    to hold another."""
+    if cfg.train.global_batch_size:
+        return "train.global_batch_size"
+    return (f"the declared plan's micro-batch {cfg.plan.micro_batch_size} x accumulation "
+            f"{cfg.plan.grad_accum_steps} x dp {_declared_dp(cfg, world_size)}; train.global_batch_size sets it")
+
+
+def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool) -> SearchSpace:
+    t = cfg.tune
+    bad = [o for o in t.offload if o not in ("none", "cpu")]
+    if bad:
+        raise PlanError([Violation("tune.offload", bad, "the tuner offloads to none or cpu only.",
+                                   "set tune.offload=[none,cpu] or a subset")])
+    ckpt = tuple(t.activation_checkpointing) if supports_checkpointing else (False,)
+    return SearchSpace(world_size=world_size, global_batch_size=declared_global_batch(cfg, world_size),
+                       precision=cfg.plan.precision, tp=tuple(t.tp) if t.tp else None,
+                       pp=tuple(t.pp) if t.pp else None, zero_stages=tuple(t.zero_stages),
+                       offload=tuple(Offload(o) for o in t.offload), activation_checkpointing=ckpt,
+                       micro_batch_sizes=tuple(t.micro_batch_sizes) if t.micro_batch_sizes else None,
+                       engines=tuple(EngineName(e) for e in t.engines),
+                       reshard_after_forward=tuple(t.reshard_after_forward))
+
+
+def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None = None,
+            ) -> tuple[SearchSpace, SearchContext]:
+    """The search space and everything fixed during the search (the model probed once)."""
+    workload = workload or resolve_workload(model_cfg, cfg.objective, cfg.data)
+    constructor_cfg, tp_layer_specs = workload.model_config, workload.tp_layer_specs
+    facts, shallow = inspect_declared_model(constructor_cfg, workload, cluster, cfg.plan.precision,
+                                            Offload.none,  # the tuner offloads to the CPU at most
+                                            factory=workload.model_factory)
+    check_model(dataclasses.replace(facts, supports_activation_checkpointing=True), cfg, workload)
+    large = facts.param_count >= EXACT_PARAMS_LIMIT
+    probe = BatchScaledProbe(workload.model_factory, workload, tp_layer_specs=tp_layer_specs,
+                             pipeline_layers=workload.pipeline_layers,
+                             exact_up_to=1 if large else 64, depth_scaled=large, shallow=shallow)
+    tp_degrees = [d for d in range(1, cluster.devices_per_node + 1) if cluster.devices_per_node % d == 0]
+
+    @functools.cache
+    def tp_problem(tp: int) -> str | None:
+        if tp > 1 and not tp_layer_specs:
+            return "the model has no tensor-parallel layer specs"
+        if "n_head" in constructor_cfg:  # the built-in GPT's rule, without building the model
+            return None if constructor_cfg["n_head"] % tp == 0 else "tp does not divide model.n_head"
+        if "tp" not in constructor_cfg:
+            return None
+        try:
+
+            shallow_depth = {DEPTH_KEY: SHALLOW_DEPTHS[0]} if shallow is not None else {}
+            with meta_device():
+                build_model({**constructor_cfg, "tp": tp, **shallow_depth})
+        except Exception as exc:  # the model's own refusal, e.g. heads that do not split
+            return f"the model refuses tp: {type(exc).__name__}"
+        return None
+
+    def plan_problem(plan: ResolvedPlan) -> str | None:
+        if plan.engine is EngineName.fsdp2 and plan.tp > 1 and fused_tp_layers(workload):
+            return "fsdp2 cannot split the model's fused tensor-parallel layers"
+        if plan.pp <= 1:
+            return None
+        try:
+            check_pipeline(probe, plan, constructor_cfg, workload.pipeline_refusal)
+        except PlanError as error:
+            return plan_error_reason(error)
+        return None
+
+    ctx = SearchContext(cluster=cluster, train=cfg.train, optim=cfg.optim, probe=probe,
+                        model_cost=measure_model_cost(probe, tp_degrees, depth_scaled=large or shallow is not None),
+                        speeds=Speeds.declared(cluster, cfg.plan.precision),
+                        tp_problem=tp_problem, plan_problem=plan_problem)
+    space = _space(cfg, cluster.world_size, facts.supports_activation_checkpointing)
+    # Degrees the model cannot use are left out of the search rather than ranked as failures.
+    if workload.pipeline_layers is None:
+        space = dataclasses.replace(space, pp=(1,))
+    if not tp_layer_specs:
+        space = dataclasses.replace(space, tp=(1,))
+    return space, ctx
+
+
+def _matmul_shape(probe) -> tuple[int, int]:
+    """(in, out) features of the largest linear layer inside the model's repeated layers."""
+    import torch
+
+    linears = [m for layer in probe.sample.modules() if isinstance(layer, torch.nn.ModuleList)
+               for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    linears = linears or [m for m in probe.sample.modules() if isinstance(m, torch.nn.Linear)]
+    if not linears:
+        return 1024, 1024
+    big = max(linears, key=lambda m: m.weight.numel())
+    return big.in_features, big.out_features
+
+
+def measure_speeds(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchContext) -> tuple[Speeds, str]:
+    """The cluster's matmul and all-reduce speeds, probed at the search's matmul shapes (or cached)."""
+    from orch.launchers.calibration import calibrate
+    from orch.launchers.worker_group import worker_env
+
+    k, n = _matmul_shape(ctx.probe)
+    micro = sorted({spec.micro_batch_size for spec in space.plans()})
+    rows = [m * ctx.model_cost.seq_len for m in micro][:8]
+    gpu = cluster.accelerator == Accelerator.gpu
+    env = worker_env(cluster.accelerator)
+    return calibrate(world_size=cluster.world_size, devices_per_node=cluster.devices_per_node,
+                     cpus_per_worker=cluster.cpus_per_worker, gpus_per_worker=1.0 if gpu else 0.0, env=env,
+                     precision=cfg.plan.precision.value, rows=rows, k=k, n=n, declared=ctx.speeds,
+                     cache_dir=cfg.tune.cache_dir, wait_s=cluster.wait_s)
+
+
+def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
+    """Search, optionally calibrate and run trials, and write the winner; see the module docstring."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        workload = resolve_workload(model_cfg, cfg.objective, cfg.data)
+    except PlanError as error:
+        raise PlanError(declared_violations(cfg) + error.violations) from None
+    check_inputs(cfg, workload.data)
+    check_plan_file(cfg)
+    with ExitStack() as stack:
+        cluster, notes = stack.enter_context(live_cluster(cfg))
+        for note in notes:
+            print(f"note: {note}", file=err)
+        started = time.perf_counter()
+        space, ctx = prepare(cfg, model_cfg, cluster, workload)
+        print(f"tune: model probed on meta in {time.perf_counter() - started:.1f}s; searching {cluster.world_size} "
+              f"{cluster.accelerator.value} devices, global batch {space.global_batch_size} "
+              f"({global_batch_origin(cfg, cluster.world_size)})", file=err, flush=True)
+        uses_ray = cfg.tune.trials > 0 or cluster.address is not None
+        speeds, note = ctx.speeds, declared_speeds_note(cluster, cfg.plan.precision)
+        if uses_ray:
+            from orch.launchers.ray_session import ray_session
+            from orch.launchers.worker_group import job_env
+            from orch.run.early_ray import uses_object_store
+
+            stack.enter_context(ray_session(cfg.cluster.address,
+                                            worker_cpus=cluster.world_size * cluster.cpus_per_worker,
+                                            data_cpus=data_task_cpus(workload.data),
+                                            object_store_gib=cfg.cluster.object_store_memory_gib,
+                                            connect_timeout_s=cfg.cluster.connect_timeout_s,
+                                            worker_env=job_env(cluster.accelerator, cfg.train),
+                                            object_store=uses_object_store(cfg)))
+            if cfg.tune.calibrate:
+                print("tune: measuring the cluster's speeds on the Ray workers", file=err, flush=True)
+                speeds, note = measure_speeds(cfg, cluster, space, ctx)
+                ctx = dataclasses.replace(ctx, speeds=speeds)
+        print(f"tune: speeds {note}", file=err, flush=True)
+        result = TuneResult(search=search(space, ctx), speeds=speeds, speeds_note=note,
+                            global_batch_size=space.global_batch_size,
+                            budget=TrainBudget.declared(cfg.train, cluster, space.global_batch_size,
+                                                        ctx.probe.inputs.tokens_per_sample, cfg.plan.precision))
+        if not result.search.ranked:
+            raise PlanError([Violation("plan", "any", f"none of the {result.search.enumerated} plans of the search "
+                                       f"space fits: {dict(result.search.rejected.most_common(5))}.",
+                                       "use more or larger devices, a smaller model or a smaller global batch")])
+        tracker = None
+        if cfg.tune.trials > 0 and cfg.tracking.enabled:
+            tracker = start_parent(cfg, model_cfg, cluster, result)
+            result.parent_run_id = tracker.run_id
+        status = "FAILED"
+        try:
+            for index, candidate in enumerate(trial_candidates(result.search.ranked, cfg.tune.trials), start=1):
+                result.trials.append(run_trial(cfg, model_cfg, candidate, index, ctx, result, err, workload))
+            pick_winner(result)
+            result.plan_file = write_plan_file(result.winner.plan, cfg, model_cfg, cluster, result)
+            result.overrides = plan_overrides(result.winner.plan, cfg)
+            status = "FINISHED"
+        finally:
+            if tracker:
+                finish_parent(tracker, result, cfg, status)
+    return result

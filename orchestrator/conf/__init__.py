@@ -1,3 +1,0 @@
-"""Hydra config tree (a package so it ships with the install: ``pkg://orchestrator.conf``). It lives
-inside ``orchestrator`` so that a ``conf/`` in the working directory, as Hydra's tutorials name a
-config directory, can never be imported in its place."""
