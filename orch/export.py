@@ -72,31 +72,6 @@ def log_trained_model(tracker, workload: Workload, exported: dict) -> None:
         tracker.client.log_artifact(tracker.run_id, str(Path(tmp) / "check.safetensors"), "model")
 
 
-def consolidated_from_checkpoint(folder: Path, zero_stage: int, engine: str = "deepspeed") -> dict[str, torch.Tensor]:
-    """The whole model's fp32 weights from one checkpoint folder: DeepSpeed's (a data-parallel
-    plan's) or FSDP2's (any dp and tp: torch.distributed.checkpoint joins the shards).
-
-    Every file is checked against the checkpoint's manifest and unpickled weights-only
-    (:func:`orch.launchers.safe_load.verified_loading`): DeepSpeed's own converter reads them with
-    ``torch.load``, which that context makes safe; FSDP2's metadata is read with an allow-list.
-    """
-    from orch.launchers.safe_load import load_weights_only, verified_loading
-
-    if engine == "fsdp2":
-        from orch.launchers.engines.fsdp2.dcp_files import full_model_state
-        from orch.launchers.manifest import verify
-
-        verify(folder)
-        return {name: tensor.float() for name, tensor in full_model_state(folder).items()}
-
-    with verified_loading(folder):
-        if zero_stage == 0:
-            return load_weights_only(str(folder / "mp_rank_00_model_states.pt"), map_location="cpu")["module"]
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
-
-
 def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) -> str:
     """`orch export RUN_ID`: the newest checkpoint of a run, consolidated, written in the model's own
     format to ``out`` (if given) and logged to the run as weights and an MLflow model.
@@ -108,6 +83,7 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
     after, its parameters with the manifest's; any difference is refused, naming it.
     """
     from orch.launchers.checkpoint import latest
+    from orch.launchers.engines import ENGINES, engine_export
     from orch.launchers.manifest import verify
     from orch.launchers.storage import RemoteDir, location_violation
     from orch.models import model_factory, split_model_config
@@ -119,10 +95,12 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
     run = reading(uri, f"run {run_id}", lambda: client.get_run(run_id))
     params = run.data.params
     engine = params.get("plan.engine", "deepspeed")
-    if engine != "fsdp2" and (params.get("plan.tp", "1") != "1" or params.get("plan.pp", "1") != "1"):
-        raise PlanError([Violation("run", run_id, f"was trained with tp={params.get('plan.tp')} and "
-                                   f"pp={params.get('plan.pp')}; only data-parallel checkpoints are consolidated.",
-                                   "load the checkpoint with the same plan to use it")])
+    if engine not in ENGINES:
+        raise PlanError([Violation("plan.engine", engine, f"is the engine run {run_id} records, which orch does not "
+                                   "have.", f"export runs trained with one of {', '.join(sorted(ENGINES))}")])
+    hooks = engine_export(engine)
+    if why := hooks.export_refusal(params):
+        raise PlanError([Violation("run", run_id, why, "load the checkpoint with the same plan to use it")])
     checkpoint_dir = params.get("train.checkpoint_dir", "checkpoints")
     if is_remote(checkpoint_dir) and (problem := location_violation(checkpoint_dir)):
         why, _, fix = problem.partition(" Fix: ")  # an unreachable store within cluster.connect_timeout_s
@@ -148,7 +126,7 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
         model = model_factory(constructor_cfg)()
         check_model_params(where, saved.get("params"), model)
         with _export_fix():
-            state = consolidated_from_checkpoint(folder, int(params.get("plan.zero_stage", 0)), engine)
+            state = hooks.consolidated_weights(folder, params)
     model = load_trained(model, state)
     if out is not None:
         save_weights(model, out)

@@ -462,6 +462,27 @@ def test_an_export_from_a_broken_checkpoint_record_is_told_how_to_export(tmp_pat
         in done.stderr and "resume" not in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize(("params", "field", "told"), [
+    ({"plan.engine": "megatron"}, "plan.engine", "is the engine run"),
+    ({"plan.engine": "deepspeed", "plan.tp": "2"}, "run", "only data-parallel checkpoints are consolidated"),
+])
+def test_export_asks_the_runs_engine_whether_it_can_consolidate(tmp_path, params, field, told):
+    """Before any checkpoint is read: an engine orch does not have, and a DeepSpeed run that is
+    not data-parallel (its engine's own refusal, orch.launchers.engines.deepspeed.export)."""
+    from orch.export import export_run
+    from orch.plans.errors import PlanError
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("orch")).info.run_id
+    for name, value in params.items():
+        client.log_param(run_id, name, value)
+    with pytest.raises(PlanError) as refused:
+        export_run(uri, run_id, {})
+    [violation] = refused.value.violations
+    assert violation.field == field and told in violation.message
+
+
 def test_sigterm_inside_the_block_runs_cleanup_and_exits_143(capsys):
     """Pure: the handler raises where the main thread is, ``finally`` cleanup runs, a second
     signal during cleanup does not abort it, and the previous handlers come back."""
