@@ -148,13 +148,13 @@ def test_a_file_that_cannot_be_inspected_is_never_clean(tmp_path):
         # torch lists the globals of zip files only; a legacy one is "unknown", not "none".
         assert refused_globals(str(path), allowed) == (None if legacy else ["io.open"])
         with pytest.raises(UnsafeCheckpointError, match=re.escape(f"checkpoint file {path} ")):
-            check_data_only(path)
+            check_data_only(path, allowed)
     good = tmp_path / "good.pt"
     save({"t": torch.ones(2)}, good, legacy=True)
-    check_data_only(good)
+    check_data_only(good, allowed)
     good.write_bytes(good.read_bytes()[:20])
     with pytest.raises(UnsafeCheckpointError, match="could not be verified"):
-        check_data_only(good)
+        check_data_only(good, allowed)
     assert not marker.exists()
 
 
@@ -357,7 +357,7 @@ def test_a_staged_checkpoint_a_load_refuses_is_removed_from_the_node(s3_store, t
         """An engine's load as the DeepSpeed engine's goes: every file through verified_loading."""
 
         def load(self, root: str, tag: str):
-            with verified_loading(os.path.join(root, tag)):
+            with verified_loading(os.path.join(root, tag), deepspeed_checkpoint_globals()):
                 return torch.load(os.path.join(root, tag, "model.pt"))
 
     io = OnNode(SimpleNamespace(train=SimpleNamespace(checkpoint_dir=uri)), rank=0, local_rank=0, world_size=1)

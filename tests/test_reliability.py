@@ -203,20 +203,21 @@ def test_weights_only_load_refuses_code_and_accepts_deepspeed_state(tmp_path):
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
+    from orch.launchers.engines.deepspeed.checkpoint_files import deepspeed_checkpoint_globals
     from orch.launchers.safe_load import UnsafeCheckpointError, load_weights_only
 
     # What ZeRO optimizers save besides tensors (runtime/zero/stage_1_and_2.py: state_dict()).
     good = {"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0),
             "param_slice_mappings": [{"w": fragment_address(numel=4, start=0)}], "t": torch.ones(2)}
     torch.save(good, tmp_path / "good.pt")
-    loaded = load_weights_only(str(tmp_path / "good.pt"))
+    loaded = load_weights_only(str(tmp_path / "good.pt"), deepspeed_checkpoint_globals())
     assert loaded["zero_stage"] is ZeroStageEnum.gradients and loaded["loss_scaler"].cur_scale == 1.0
     assert loaded["param_slice_mappings"][0]["w"] == fragment_address(numel=4, start=0)
 
     marker = tmp_path / "code-ran"
     torch.save({**good, "planted": _PlantedPickle(marker)}, tmp_path / "bad.pt")
     with pytest.raises(UnsafeCheckpointError) as info:
-        load_weights_only(str(tmp_path / "bad.pt"))
+        load_weights_only(str(tmp_path / "bad.pt"), deepspeed_checkpoint_globals())
     assert f"checkpoint file {tmp_path / 'bad.pt'} holds pickled objects that could run code" in str(info.value)
     assert "io.open" in str(info.value) and "It was not loaded" in str(info.value)
     assert not marker.exists()
@@ -239,6 +240,7 @@ def test_an_enum_member_pickled_by_name_loads_and_no_other_getattr_does(tmp_path
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
+    from orch.launchers.engines.deepspeed.checkpoint_files import deepspeed_checkpoint_globals
     from orch.launchers.safe_load import UnsafeCheckpointError, load_weights_only
 
     def save(obj, name: str, member_name=lambda member: member.name) -> str:
@@ -248,12 +250,14 @@ def test_an_enum_member_pickled_by_name_loads_and_no_other_getattr_does(tmp_path
         return str(tmp_path / name)
 
     # A ZeRO optimizer's state as that Python writes it: read back, the member itself.
-    loaded = load_weights_only(save({"zero_stage": ZeroStageEnum.gradients, "t": torch.ones(2)}, "3.11.2.pt"))
+    loaded = load_weights_only(save({"zero_stage": ZeroStageEnum.gradients, "t": torch.ones(2)}, "3.11.2.pt"),
+                               deepspeed_checkpoint_globals())
     assert loaded["zero_stage"] is ZeroStageEnum.gradients
     # getattr for anything but an allowed Enum's member is refused, nothing called.
     for name, forged in (("attribute.pt", lambda member: "__init__"), ("missing.pt", lambda member: "nope")):
         with pytest.raises(UnsafeCheckpointError, match=re.escape(str(tmp_path / name))):
-            load_weights_only(save({"zero_stage": ZeroStageEnum.gradients}, name, forged))
+            load_weights_only(save({"zero_stage": ZeroStageEnum.gradients}, name, forged),
+                              deepspeed_checkpoint_globals())
 
     class NotAnEnum(pickle.Pickler):  # getattr of an allowed class that is no Enum
         def reducer_override(self, obj):
@@ -262,7 +266,7 @@ def test_an_enum_member_pickled_by_name_loads_and_no_other_getattr_does(tmp_path
     torch.save({"k": LossScaler(1.0)}, tmp_path / "scaler.pt",
                pickle_module=SimpleNamespace(__name__="p", Pickler=NotAnEnum))
     with pytest.raises(UnsafeCheckpointError, match="scaler.pt"):
-        load_weights_only(str(tmp_path / "scaler.pt"))
+        load_weights_only(str(tmp_path / "scaler.pt"), deepspeed_checkpoint_globals())
 
 
 def test_latest_json_cannot_point_outside_the_checkpoint_dir(tmp_path):

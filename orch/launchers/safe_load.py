@@ -3,9 +3,10 @@ each checked against the checkpoint's manifest first.
 
 ``torch.load(..., weights_only=False)`` is plain unpickling, so a file in a shared checkpoint
 directory could run any code in every worker. :func:`load_weights_only` unpickles with
-``weights_only=True`` and lets through only an allow-list of plain-data classes (by default the
-few DeepSpeed's checkpoints hold, :mod:`orch.launchers.engines.deepspeed.checkpoint_files`, which also
-routes DeepSpeed's engine's own loads here).
+``weights_only=True`` and lets through only the plain-data classes its caller allows: each engine
+passes the few its checkpoints hold (DeepSpeed's are in
+:mod:`orch.launchers.engines.deepspeed.checkpoint_files`, which also routes DeepSpeed's engine's
+own loads here). This module knows no engine.
 
 DeepSpeed's universal checkpoints and its converter call ``torch.load(weights_only=False)``
 directly, past the engine; :func:`verified_loading` replaces ``torch.load`` itself for the
@@ -29,18 +30,15 @@ class UnsafeCheckpointError(OrchError):
     """A checkpoint file holds pickled objects outside the allow-list; it was not loaded."""
 
 
-def load_weights_only(path: str, map_location=None, allowed: list[type] | None = None):
-    """``torch.load`` of one checkpoint file that refuses anything but data.
+def load_weights_only(path: str, allowed: list, map_location=None):
+    """``torch.load`` of one checkpoint file that refuses anything but data and the classes in
+    ``allowed`` (the loading engine's allow-list).
 
     Raises :class:`UnsafeCheckpointError` naming the file and the refused globals; the
     unpickler stops at the first one, so nothing it names is ever called.
     """
     import torch
 
-    if allowed is None:  # the checkpoints orch reads this way are DeepSpeed's (its engine, export, conversion)
-        from orch.launchers.engines.deepspeed.checkpoint_files import deepspeed_checkpoint_globals
-
-        allowed = deepspeed_checkpoint_globals()
     allowed = with_enum_members_by_name(allowed)
     try:
         with torch.serialization.safe_globals(allowed):
@@ -52,9 +50,9 @@ def load_weights_only(path: str, map_location=None, allowed: list[type] | None =
                 else f"was refused by the weights-only unpickler ({_unpickler_complaint(error)})")
         raise UnsafeCheckpointError(
             f"checkpoint file {path} {what}. It was not loaded. Fix: resume only from checkpoints this "
-            "orchestrator wrote (train.checkpoint_dir, or train.resume=never to start fresh); if a "
-            "DeepSpeed upgrade saves a new class, review it and add it to "
-            "orch.launchers.engines.deepspeed.checkpoint_files.deepspeed_checkpoint_globals") from None
+            "orchestrator wrote (train.checkpoint_dir, or train.resume=never to start fresh); if an "
+            "upgrade of the engine saves a new class, review it and add it to that engine's allow-list "
+            "(DeepSpeed's: orch.launchers.engines.deepspeed.checkpoint_files.deepspeed_checkpoint_globals)") from None
 
 
 def with_enum_members_by_name(allowed: list) -> list:
@@ -96,7 +94,7 @@ def refused_globals(path: str, allowed: list[type]) -> list[str] | None:
         return None
 
 
-def check_data_only(path: str | os.PathLike) -> None:
+def check_data_only(path: str | os.PathLike, allowed: list) -> None:
     """Refuse ``path`` unless the weights-only unpickler reads it whole, whatever its format.
 
     For a file that DeepSpeed will unpickle without ``weights_only``: legacy pickles cannot be
@@ -104,7 +102,7 @@ def check_data_only(path: str | os.PathLike) -> None:
     A file it cannot read (truncated, not a checkpoint) is refused too.
     """
     try:
-        load_weights_only(str(path), map_location="cpu")
+        load_weights_only(str(path), allowed, map_location="cpu")
     except UnsafeCheckpointError:
         raise
     except Exception as error:  # unreadable means unverified: refused, never trusted
@@ -123,9 +121,10 @@ def _unpickler_complaint(error: Exception) -> str:
 
 
 @contextlib.contextmanager
-def verified_loading(folder: str | os.PathLike, *, strict: bool = True) -> Iterator[None]:
+def verified_loading(folder: str | os.PathLike, allowed: list, *, strict: bool = True) -> Iterator[None]:
     """Within the block, every ``torch.load`` checks the file against ``folder``'s manifest, then
-    unpickles it with :func:`load_weights_only`, whatever ``weights_only`` its caller passed.
+    unpickles it with :func:`load_weights_only` and ``allowed``, whatever ``weights_only`` its
+    caller passed.
 
     ``strict``: files outside ``folder`` are refused (a worker loads one tag directory only);
     otherwise they are read weights-only without a digest (DeepSpeed's converter re-reads its
@@ -148,7 +147,7 @@ def verified_loading(folder: str | os.PathLike, *, strict: bool = True) -> Itera
                     f"checkpoint file {f} does not match its digest in {manifest.folder}/manifest.json (changed "
                     "since it was verified); it was not loaded. Fix: resume only from checkpoints this orchestrator "
                     "wrote, or train.resume=never to start fresh")
-        return load_weights_only(str(f), map_location=map_location)
+        return load_weights_only(str(f), allowed, map_location=map_location)
 
     torch.load = guarded_load
     try:

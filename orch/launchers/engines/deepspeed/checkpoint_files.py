@@ -27,6 +27,11 @@ def deepspeed_checkpoint_globals() -> list[type]:
     return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
 
 
+def ds_verified_loading(folder: str | os.PathLike, *, strict: bool = True) -> contextlib.AbstractContextManager:
+    """:func:`verified_loading` with DeepSpeed's allow-list (:func:`deepspeed_checkpoint_globals`)."""
+    return verified_loading(folder, deepspeed_checkpoint_globals(), strict=strict)
+
+
 @contextlib.contextmanager
 def weights_only_loading(engine, folder: str | os.PathLike) -> Iterator[None]:
     """Within the block, ``engine`` loads checkpoint files with :func:`load_weights_only`, each
@@ -39,7 +44,7 @@ def weights_only_loading(engine, folder: str | os.PathLike) -> Iterator[None]:
     configured = engine.checkpoint_engine
     engine.checkpoint_engine = _WeightsOnlyEngine(configured)
     try:
-        with verified_loading(folder):
+        with ds_verified_loading(folder):
             yield
     finally:
         engine.checkpoint_engine = configured

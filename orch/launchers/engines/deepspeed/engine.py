@@ -155,14 +155,13 @@ class DeepSpeedEngine(Engine):
     def load(self, root: str, tag: str) -> dict[str, Any]:
         import os
 
-        from orch.launchers.engines.deepspeed.checkpoint_files import weights_only_loading
-        from orch.launchers.safe_load import verified_loading
+        from orch.launchers.engines.deepspeed.checkpoint_files import ds_verified_loading, weights_only_loading
 
         # A checkpoint file must not be able to run code, and must be the one its manifest lists.
         folder = os.path.join(root, tag)
         if self.engine.load_universal_checkpoint():
             # DeepSpeed reads universal checkpoints past the checkpoint engine, with torch.load itself.
-            with verified_loading(folder):
+            with ds_verified_loading(folder):
                 _, client_state = self.engine.load_checkpoint(root, tag=tag)
         else:
             with weights_only_loading(self.engine, folder):

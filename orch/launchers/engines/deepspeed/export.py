@@ -19,13 +19,13 @@ def export_refusal(params: dict[str, str]) -> str | None:
 
 def consolidated_weights(folder: Path, params: dict[str, str]) -> dict[str, torch.Tensor]:
     """The whole model's fp32 weights from the verified checkpoint ``folder``. DeepSpeed's own
-    converter reads the files with ``torch.load``, which :func:`verified_loading` makes
+    converter reads the files with ``torch.load``, which :func:`ds_verified_loading` makes
     weights-only and limits to the files the manifest lists."""
-    from orch.launchers.safe_load import load_weights_only, verified_loading
+    from orch.launchers.engines.deepspeed.checkpoint_files import ds_verified_loading
 
-    with verified_loading(folder):
+    with ds_verified_loading(folder):
         if int(params.get("plan.zero_stage", 0)) == 0:
-            return load_weights_only(str(folder / "mp_rank_00_model_states.pt"), map_location="cpu")["module"]
+            return torch.load(str(folder / "mp_rank_00_model_states.pt"), map_location="cpu")["module"]
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)

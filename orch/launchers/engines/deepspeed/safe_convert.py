@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from deepspeed.checkpoint import ds_to_universal
 
-from orch.launchers.safe_load import verified_loading
+from orch.launchers.engines.deepspeed.checkpoint_files import ds_verified_loading
 
 
 def main() -> None:
     args = ds_to_universal.parse_arguments()
-    with verified_loading(args.input_folder, strict=False):
+    with ds_verified_loading(args.input_folder, strict=False):
         ds_to_universal.main(args)
 
 

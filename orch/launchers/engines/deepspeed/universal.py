@@ -67,10 +67,12 @@ def needs_universal(saved: dict[str, int] | None, plan) -> bool:
 
 def _check_files(folder: Path) -> None:
     """Read every ``.pt`` file of ``folder`` with the weights-only unpickler; refuse any it cannot read."""
+    from orch.launchers.engines.deepspeed.checkpoint_files import deepspeed_checkpoint_globals
     from orch.launchers.safe_load import check_data_only
 
+    allowed = deepspeed_checkpoint_globals()
     for path in sorted(folder.rglob("*.pt")):
-        check_data_only(path)
+        check_data_only(path, allowed)
 
 
 def _converted(target: Path) -> bool:
