@@ -83,7 +83,7 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
     after, its parameters with the manifest's; any difference is refused, naming it.
     """
     from orch.launchers.checkpoint import latest
-    from orch.launchers.engines import ENGINES, engine_export
+    from orch.launchers.engines import ENGINES, engine_module
     from orch.launchers.manifest import verify
     from orch.launchers.storage import RemoteDir, location_violation
     from orch.models import model_factory, split_model_config
@@ -98,7 +98,7 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
     if engine not in ENGINES:
         raise PlanError([Violation("plan.engine", engine, f"is the engine run {run_id} records, which orch does not "
                                    "have.", f"export runs trained with one of {', '.join(sorted(ENGINES))}")])
-    hooks = engine_export(engine)
+    hooks = engine_module(engine, "export")
     if why := hooks.export_refusal(params):
         raise PlanError([Violation("run", run_id, why, "load the checkpoint with the same plan to use it")])
     checkpoint_dir = params.get("train.checkpoint_dir", "checkpoints")

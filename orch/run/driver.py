@@ -23,9 +23,7 @@ from orch.checking import checked_run, live_cluster, resolve_inputs
 from orch.config import RunConfig
 from orch.inputs import data_fits_plan
 from orch.launchers.checkpoint import Published, resumable
-from orch.launchers.engines.deepspeed.config import build_ds_config
-from orch.launchers.engines.deepspeed.universal import convert as convert_to_universal
-from orch.launchers.engines.deepspeed.universal import needs_universal
+from orch.launchers.engines import engine_module
 from orch.launchers.job import StepReport, TrainJob, WorkerFacts
 from orch.launchers.placement import placement_strategy
 from orch.launchers.worker_group import (
@@ -240,8 +238,8 @@ def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, worklo
         print("warning: the planner predicts this plan does not fit; launching anyway because train.force=true",
               file=sys.stderr)
     optim = optim_settings(plan, cfg.optim, cfg.train.steps)
-    ds_config = (build_ds_config(plan, optim, param_count=facts.param_count, tp_layer_specs=workload.tp_layer_specs)
-                 if plan.engine == EngineName.deepspeed else None)
+    ds_config = engine_module(plan.engine.value, "driver").engine_config(
+        plan, optim, param_count=facts.param_count, tp_layer_specs=workload.tp_layer_specs)
     job = TrainJob(plan=plan, optim=optim, ds_config=ds_config, workload=workload, train=cfg.train,
                    env=job_env(plan.accelerator, cfg.train),
                    model_signature=signature_of(workload.model_factory, workload.model_config, cfg.train),
@@ -426,23 +424,15 @@ def _prepare_restart(job: TrainJob, cfg: RunConfig, error: Exception, failures: 
 
 def _resume_from(job: TrainJob, cfg: RunConfig, published: Published, out) -> TrainJob:
     """The job pointed at ``published``: as written, or converted to a universal checkpoint when
-    it was written at another dp degree (raises PlanError for changes nothing can bridge).
-    FSDP2 checkpoints (torch.distributed.checkpoint) reshard as they load: any dp and tp."""
+    it was written with another layout, as the engine's driver part says (raises PlanError for
+    changes nothing can bridge)."""
     saved_engine = (published.layout or {}).get("engine", EngineName.deepspeed.value)
     if saved_engine != job.plan.engine.value:
         raise PlanError([Violation(
             "plan.engine", job.plan.engine.value,
             f"the checkpoint to resume (step {published.step}) was written by the {saved_engine} engine, whose "
             "files this engine cannot read.", f"set plan.engine={saved_engine}, or train.resume=never to start fresh")])
-    if job.plan.engine is EngineName.fsdp2:
-        return dataclasses.replace(job, resume_tag=published.tag)
-    config = {k: v for k, v in job.ds_config.items() if k != "checkpoint"}
-    if not needs_universal(published.layout, job.plan):
-        return dataclasses.replace(job, resume_tag=published.tag, ds_config=config)
-    print(f"the checkpoint at step {published.step} was written with dp={published.layout['dp']}; converting it "
-          f"to a universal checkpoint for dp={job.plan.dp}", file=out, flush=True)
-    tag = convert_to_universal(cfg.train.checkpoint_dir, published.tag, env=job.env)
-    return dataclasses.replace(job, resume_tag=tag, ds_config={**config, "checkpoint": {"load_universal": True}})
+    return engine_module(job.plan.engine.value, "driver").resume_job(job, published, cfg.train.checkpoint_dir, out)
 
 
 def _with_suggestions(estimate: PlanEstimate) -> list[Violation]:
