@@ -24,24 +24,23 @@ Per engine:
 
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness import (
+    SHARED_MACHINE_NOTE,
     TimedRun,
     bench_env,
-    failure_note,
-    header,
+    bench_parser,
     interleaved,
     median_spread,
     orch_command,
-    publish,
+    publish_results,
+    ratio_row,
 )
 
 RUN_ID = re.compile(r"MLflow run ([0-9a-f]{32})")
@@ -98,10 +97,9 @@ def mib(values: list[float]) -> list[float]:
     return [v / 2**20 for v in values]
 
 
-def ratio_row(name: str, a: list[float], b: list[float], fmt: str, ratio_fmt: str = "{:.2f}") -> str:
-    ratios = [y / x for x, y in zip(a, b, strict=True)]
-    return (f"| {name} | {median_spread(a, fmt)} | {median_spread(b, fmt)} | "
-            f"{median_spread(ratios, ratio_fmt)} |")
+def engine_row(name: str, zero: list[float], fsdp: list[float], fmt: str, ratio_fmt: str = "{:.2f}") -> str:
+    """A row of the table: ZeRO-3, FSDP2 and FSDP2 / ZeRO-3 (the table has no target column)."""
+    return ratio_row(name, zero, fsdp, fmt, ratio_fmt, target=None)
 
 
 def model_rows(model: str, runs: dict[str, list[TimedRun]], logged: dict[str, list[Tracked]],
@@ -110,34 +108,30 @@ def model_rows(model: str, runs: dict[str, list[TimedRun]], logged: dict[str, li
     lz, lf = logged["ZeRO-3"], logged["FSDP2"]
     ranks = sorted(lz[0].rank_peaks)
     rows = [f"| **{model}** | | | |",
-            ratio_row("steady-state step time, wall clock (s)", [r.steady_step_s(warmup) for r in zero],
-                      [r.steady_step_s(warmup) for r in fsdp], "{:.4f}", "{:.3f}"),
-            ratio_row("in-loop step time, slowest rank (s)", [t.in_loop_step_s for t in lz],
-                      [t.in_loop_step_s for t in lf], "{:.4f}", "{:.3f}"),
-            ratio_row("time to first step (s)", [r.first_step_s for r in zero], [r.first_step_s for r in fsdp],
-                      "{:.1f}"),
-            *[ratio_row(f"of which {phase} (s)", [t.startup[phase] for t in lz], [t.startup[phase] for t in lf],
-                        "{:.1f}") for phase in ("setup", "first_report") if phase in lz[0].startup],
-            ratio_row("launch to exit (s)", [r.wall_s for r in zero], [r.wall_s for r in fsdp], "{:.1f}")]
-    rows += [ratio_row(f"measured peak, rank {rank} (MiB)", mib([t.rank_peaks[rank] for t in lz]),
-                       mib([t.rank_peaks[rank] for t in lf]), "{:.1f}") for rank in ranks]
-    rows += [ratio_row("predicted peak per device (MiB)", mib([t.predicted_peak for t in lz]),
-                       mib([t.predicted_peak for t in lf]), "{:.1f}"),
+            engine_row("steady-state step time, wall clock (s)", [r.steady_step_s(warmup) for r in zero],
+                       [r.steady_step_s(warmup) for r in fsdp], "{:.4f}", "{:.3f}"),
+            engine_row("in-loop step time, slowest rank (s)", [t.in_loop_step_s for t in lz],
+                       [t.in_loop_step_s for t in lf], "{:.4f}", "{:.3f}"),
+            engine_row("time to first step (s)", [r.first_step_s for r in zero], [r.first_step_s for r in fsdp],
+                       "{:.1f}"),
+            *[engine_row(f"of which {phase} (s)", [t.startup[phase] for t in lz], [t.startup[phase] for t in lf],
+                         "{:.1f}") for phase in ("setup", "first_report") if phase in lz[0].startup],
+            engine_row("launch to exit (s)", [r.wall_s for r in zero], [r.wall_s for r in fsdp], "{:.1f}")]
+    rows += [engine_row(f"measured peak, rank {rank} (MiB)", mib([t.rank_peaks[rank] for t in lz]),
+                        mib([t.rank_peaks[rank] for t in lf]), "{:.1f}") for rank in ranks]
+    rows += [engine_row("predicted peak per device (MiB)", mib([t.predicted_peak for t in lz]),
+                        mib([t.predicted_peak for t in lf]), "{:.1f}"),
              "| predicted / measured peak (most loaded rank) | "
              f"{median_spread([t.predicted_peak / max(t.rank_peaks.values()) for t in lz], '{:.2f}')} | "
              f"{median_spread([t.predicted_peak / max(t.rank_peaks.values()) for t in lf], '{:.2f}')} | |",
-             ratio_row("final training loss", [t.final_loss for t in lz], [t.final_loss for t in lf], "{:.3f}",
-                       "{:.3f}")]
+             engine_row("final training loss", [t.final_loss for t in lz], [t.final_loss for t in lf], "{:.3f}",
+                        "{:.3f}")]
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt,vit", help=f"comma-separated, of {', '.join(MODELS)}")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each engine, interleaved")
-    parser.add_argument("--markdown", type=Path)
+    models_option = {"default": "gpt,vit", "help": f"comma-separated, of {', '.join(MODELS)}"}
+    parser = bench_parser(__doc__, steps=60, warmup=5, repeats=2, runs_of="engine", first={"--models": models_option})
     args = parser.parse_args()
     models = args.models.split(",")
     if unknown := [m for m in models if m not in MODELS]:
@@ -161,32 +155,26 @@ def main() -> None:
         rows += model_rows(model, runs, logged, args.warmup)
         described.append(f"`{model}`: {description}")
 
-    lines = header("Training engines: DeepSpeed ZeRO-3 vs PyTorch FSDP2", sys.argv)
-    lines += [f"`orch train` on 2 CPU workers, dp=2, bf16, {args.steps} steps logged every step; steady state = "
-              f"steps after {args.warmup}. Models: {'; '.join(described)}. ZeRO-3 is `plan.engine=deepspeed "
-              "plan.zero_stage=3`; FSDP2 is `plan.engine=fsdp2` (each block, then the root, fully sharded; "
-              f"bf16 compute, fp32 gradient reduction). {args.repeats} repetition(s) of each engine, interleaved. "
-              "Values are medians over the repetitions with (min-max); the ratio column is the median of the "
-              "per-repetition ratios FSDP2 / ZeRO-3 (min-max). Of the time to first step, `setup` is the "
-              "workers building the model and the engine and `first_report` the first step until its report "
-              "(`orch`'s `startup/*` metrics).", "",
-              "| | DeepSpeed ZeRO-3 | FSDP2 | FSDP2 / ZeRO-3 |",
-              "|---|---:|---:|---:|",
-              *rows,
-              "",
-              "Notes:",
-              "- The machine is a 2-core VM that other jobs can share (the load averages above say how busy "
-              "it was), so compare the spreads, not only the medians.",
-              "- Measured peak is the memory probe's count on each rank during its probe step "
-              "(`train.memory_probe_step`; `orch/launchers/memory_probe.py`): bytes of live tensor storages, "
-              "tracked through every operator call, not the process RSS. It counts both engines the same way, "
-              "their communication buffers included where torch allocates them (DeepSpeed's flat partitions "
-              "and buckets, FSDP2's all-gather and reduce-scatter buffers; a DTensor counts as its local shard).",
-              "- Both engines start from the same seed on the same data shards; bf16 rounding differs between "
-              "them (DeepSpeed keeps fp32 master weights beside bf16 ones, FSDP2 casts its fp32 shards to bf16 "
-              "for compute), so the final losses agree only approximately.",
-              failure_note(failures)]
-    publish(lines, args.markdown)
+    intro = (f"`orch train` on 2 CPU workers, dp=2, bf16, {args.steps} steps logged every step; steady state = "
+             f"steps after {args.warmup}. Models: {'; '.join(described)}. ZeRO-3 is `plan.engine=deepspeed "
+             "plan.zero_stage=3`; FSDP2 is `plan.engine=fsdp2` (each block, then the root, fully sharded; "
+             f"bf16 compute, fp32 gradient reduction). {args.repeats} repetition(s) of each engine, interleaved. "
+             "Values are medians over the repetitions with (min-max); the ratio column is the median of the "
+             "per-repetition ratios FSDP2 / ZeRO-3 (min-max). Of the time to first step, `setup` is the "
+             "workers building the model and the engine and `first_report` the first step until its report "
+             "(`orch`'s `startup/*` metrics).")
+    table = ["| | DeepSpeed ZeRO-3 | FSDP2 | FSDP2 / ZeRO-3 |", "|---|---:|---:|---:|", *rows]
+    notes = [SHARED_MACHINE_NOTE,
+             "- Measured peak is the memory probe's count on each rank during its probe step "
+             "(`train.memory_probe_step`; `orch/launchers/memory_probe.py`): bytes of live tensor storages, "
+             "tracked through every operator call, not the process RSS. It counts both engines the same way, "
+             "their communication buffers included where torch allocates them (DeepSpeed's flat partitions "
+             "and buckets, FSDP2's all-gather and reduce-scatter buffers; a DTensor counts as its local shard).",
+             "- Both engines start from the same seed on the same data shards; bf16 rounding differs between "
+             "them (DeepSpeed keeps fp32 master weights beside bf16 ones, FSDP2 casts its fp32 shards to bf16 "
+             "for compute), so the final losses agree only approximately."]
+    publish_results("Training engines: DeepSpeed ZeRO-3 vs PyTorch FSDP2", intro, table, notes, failures,
+                    args.markdown)
     shutil.rmtree(work, ignore_errors=True)  # a failed run never gets here: its files stay for a look
 
 

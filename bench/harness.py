@@ -1,5 +1,6 @@
-"""What the side-by-side benchmarks share: launch a training command, timestamp its step lines,
-reduce them to step times, and write the result table with the machine it ran on.
+"""What the side-by-side benchmarks share: their common options, launching a training command,
+timestamping its step lines, reducing them to step times, and writing the result table with the
+machine it ran on.
 
 Every runner compared here (``orch train``, ``torchrun`` with a plain DeepSpeed script, Ray
 Train) prints one ``step N/T ...`` line per step. The benchmark reads those lines as they come
@@ -11,6 +12,7 @@ log monitor, and that forwarding delay is not the runner's training time.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import math
 import os
@@ -195,6 +197,11 @@ def orch_command(*overrides: str) -> list[str]:
     return [PYTHON, "-m", "orch", "train", *overrides]
 
 
+def gpt_overrides(zero_stage: int, steps: int) -> list[str]:
+    """The run the overhead benchmarks time on both sides: the built-in GPT, dp=2, every step logged."""
+    return ["model=gpt", "plan.dp=2", f"plan.zero_stage={zero_stage}", f"train.steps={steps}", "train.log_every=1"]
+
+
 def bench_env(**extra: str) -> dict[str, str]:
     """This environment with the repo importable and DeepSpeed on its CPU accelerator."""
     env = dict(os.environ)
@@ -283,3 +290,63 @@ def compose_config(*overrides: str):
     register_configs()
     with initialize_config_module("orch.conf", version_base="1.3"):
         return compose("config", overrides=list(overrides))
+
+
+def bench_parser(doc: str, *, steps: int, repeats: int, warmup: int | None = 20, zero_stage: bool = False,
+                 runs_of: str = "side", first: dict[str, dict] | None = None,
+                 extra: dict[str, dict] | None = None) -> argparse.ArgumentParser:
+    """The options the side-by-side benchmarks share, with each script's defaults; described by the
+    first line of the script's docstring ``doc``.
+
+    ``--steps``, ``--warmup`` (None: the script has none), ``--repeats`` (help text: runs of each
+    ``runs_of``), ``--zero-stage`` where asked, and ``--markdown`` last. A script's own options,
+    flag to ``add_argument`` keywords, go ``first`` (before ``--steps``) or as ``extra`` (before
+    ``--markdown``): ``--help`` lists the options in the order they are added.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for flag, spec in (first or {}).items():
+        parser.add_argument(flag, **spec)
+    parser.add_argument("--steps", type=int, default=steps)
+    if warmup is not None:
+        parser.add_argument("--warmup", type=int, default=warmup, help="steps left out of the steady state")
+    parser.add_argument("--repeats", type=int, default=repeats, help=f"runs of each {runs_of}, interleaved")
+    if zero_stage:
+        parser.add_argument("--zero-stage", type=int, default=1)
+    for flag, spec in (extra or {}).items():
+        parser.add_argument(flag, **spec)
+    parser.add_argument("--markdown", type=Path)
+    return parser
+
+
+SHARED_MACHINE_NOTE = ("- The machine is a 2-core VM that other jobs can share (the load averages above say how busy "
+                       "it was), so compare the spreads, not only the medians.")
+"""The note under every table measured on the shared 2-core machine."""
+
+
+def cpu_time_note() -> str:
+    """The note under a table with a "CPU time until the first step" row: how to read it on this machine."""
+    return (f"- CPU time counts every process on the machine ({os.cpu_count()} cores) from launch to the first "
+            "step's line: divided by the cores, it is the least time that work could take.")
+
+
+DS_CONFIG_NOTE = ("- The DeepSpeed config is generated once by `build_ds_config` and checked equal to the "
+                  "`config/deepspeed.json` the `orch` run logged.")
+"""The note under a table whose plain side runs the DeepSpeed config of :func:`bench.run_spec.plain_job`."""
+
+
+def ratio_row(name: str, a: list[float], b: list[float], fmt: str, ratio_fmt: str = "{:.3f}",
+              target: str | None = "") -> str:
+    """A table row comparing two sides: ``a`` and ``b`` (a value per repetition, in the same order)
+    as median (min-max) in ``fmt``, the per-repetition ratios b / a as median (min-max) in
+    ``ratio_fmt``, then ``target`` in a column of its own (None: the table has no target column)."""
+    ratios = [y / x for x, y in zip(a, b, strict=True)]
+    row = f"| {name} | {median_spread(a, fmt)} | {median_spread(b, fmt)} | {median_spread(ratios, ratio_fmt)} |"
+    return row if target is None else f"{row} {target} |"
+
+
+def publish_results(title: str, intro: str, table: list[str], notes: list[str], failures: list[str],
+                    markdown: Path | None) -> None:
+    """Print, and write to ``markdown`` where given, a benchmark's results: the :func:`header`, the
+    ``intro`` paragraph, the ``table`` (its column and separator lines included), and the ``notes``
+    closed by how many launches failed (:func:`failure_note`)."""
+    publish([*header(title, sys.argv), intro, "", *table, "", "Notes:", *notes, failure_note(failures)], markdown)

@@ -22,29 +22,29 @@ Measured from the outside, the same way for both: when each step's line appears 
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 from bench.harness import (
+    DS_CONFIG_NOTE,
     PYTHON,
     REPO,
+    SHARED_MACHINE_NOTE,
     TimedRun,
     bench_env,
-    failure_note,
-    header,
+    bench_parser,
+    cpu_time_note,
+    gpt_overrides,
     interleaved,
     median_spread,
-    orch_command,
-    publish,
+    publish_results,
+    ratio_row,
     verdict,
 )
-from bench.run_spec import plain_job, same_ds_config, write_job
+from bench.run_spec import same_run
 
 TARGET = 1.03
 FIRST_STEP_TARGET = 1.5
@@ -74,32 +74,21 @@ def orch_in_loop_step_s(run: TimedRun, tracking_uri: str, warmup: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the steady state")
-    parser.add_argument("--repeats", type=int, default=4, help="runs of each side, interleaved")
-    parser.add_argument("--zero-stage", type=int, default=1)
-    parser.add_argument("--markdown", type=Path)
-    args = parser.parse_args()
+    args = bench_parser(__doc__, steps=300, repeats=4, zero_stage=True).parse_args()
 
-    overrides = ["model=gpt", "plan.dp=2", f"plan.zero_stage={args.zero_stage}", f"train.steps={args.steps}",
-                 "train.log_every=1"]
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    job = plain_job(overrides)
-    job_path = write_job(job, work / "job.json")
-    tracking_uri = f"sqlite:///{work / 'mlflow.db'}"
-    env = bench_env()
+    run = same_run(gpt_overrides(args.zero_stage, args.steps), work)
+    job = run.job
     plain_cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                 str(REPO / "bench" / "plain_deepspeed.py"), "--job", str(job_path)]
-    orch_cmd = orch_command(*overrides, f"tracking.uri={tracking_uri}")
+                 str(REPO / "bench" / "plain_deepspeed.py"), "--job", str(run.job_path)]
 
     cpu_window = (args.warmup + 10, args.steps - 20)
-    runs, failures = interleaved({"torchrun + DeepSpeed": plain_cmd, "orch train": orch_cmd}, args.repeats,
-                                 cwd=work, env=env, cpu_at_steps=cpu_window)
+    runs, failures = interleaved({"torchrun + DeepSpeed": plain_cmd, "orch train": run.orch_cmd}, args.repeats,
+                                 cwd=work, env=bench_env(), cpu_at_steps=cpu_window)
     plain, orch = runs["torchrun + DeepSpeed"], runs["orch train"]
-    same_ds_config(job, tracking_uri)
+    run.check()
     plain_loop = [plain_in_loop_step_s(r, args.warmup) for r in plain]
-    orch_loop = [orch_in_loop_step_s(r, tracking_uri, args.warmup) for r in orch]
+    orch_loop = [orch_in_loop_step_s(r, run.tracking_uri, args.warmup) for r in orch]
 
     steady_a = [r.steady_step_s(args.warmup) for r in plain]
     steady_b = [r.steady_step_s(args.warmup) for r in orch]
@@ -114,57 +103,51 @@ def main() -> None:
     rank_b, rest_b = zip(*[(1e3 * a, 1e3 * b) for a, b in (r.cpu_per_step_s(2) for r in orch)], strict=True)
     threads = next((m.group(1) for line in plain[0].output if (m := THREADS.search(line))), "not reported")
 
-    lines = header("Orchestration overhead: orch train vs torchrun + plain DeepSpeed", sys.argv)
-    lines += [f"Built-in GPT (`model=gpt`: {job['model']['n_layer']} layers, d_model {job['model']['d_model']}, "
-              f"seq_len {job['seq_len']}), dp=2 on 2 CPU ranks, ZeRO stage {args.zero_stage}, fp32, micro-batch "
-              f"{job['micro_batch_size']}, {args.steps} steps logged every step; steady state = steps after "
-              f"{args.warmup}. {args.repeats} repetitions of each side, interleaved. Values are medians over the "
-              "repetitions with (min-max); the ratio column is the median of the per-repetition ratios "
-              "(min-max).", "",
-              "| | torchrun + DeepSpeed | orch train | orch / plain | target |",
-              "|---|---:|---:|---:|---|",
-              f"| steady-state step time, wall clock (s) | {median_spread(steady_a, '{:.4f}')} | "
-              f"{median_spread(steady_b, '{:.4f}')} | {median_spread(ratios)} | "
-              f"{verdict(ratios, TARGET)} |",
-              f"| in-loop step time, slowest rank (s) | {median_spread(plain_loop, '{:.4f}')} | "
-              f"{median_spread(orch_loop, '{:.4f}')} | {median_spread(loop_ratios)} | |",
-              f"| time to first step (s) | {median_spread(first_a, '{:.1f}')} | {median_spread(first_b, '{:.1f}')} | "
-              f"{median_spread(first_ratios, '{:.2f}')} | {verdict(first_ratios, FIRST_STEP_TARGET)} |",
-              f"| CPU time until the first step, every process on the machine (CPU-s) | "
-              f"{median_spread(cpu_a, '{:.1f}')} | {median_spread(cpu_b, '{:.1f}')} | "
-              f"{median_spread([b / a for a, b in zip(cpu_a, cpu_b, strict=True)], '{:.2f}')} | |",
-              f"| CPU per step of each rank, steps {cpu_window[0]}-{cpu_window[1]} (ms) | "
-              f"{median_spread(list(rank_a), '{:.1f}')} | {median_spread(list(rank_b), '{:.1f}')} | "
-              f"{median_spread([b / a for a, b in zip(rank_a, rank_b, strict=True)])} | |",
-              f"| CPU per step outside the ranks, the same steps (ms) | {median_spread(list(rest_a), '{:.2f}')} | "
-              f"{median_spread(list(rest_b), '{:.2f}')} | | |",
-              f"| launch to exit (s) | {median_spread(wall_a, '{:.1f}')} | {median_spread(wall_b, '{:.1f}')} | "
-              f"{median_spread([b / a for a, b in zip(wall_a, wall_b, strict=True)], '{:.2f}')} | |",
-              "",
-              "Notes:",
-              "- The machine is a 2-core VM that other jobs can share (the load averages above say how busy "
-              "it was), so compare the spreads, not only the medians.",
-              f"- CPU time counts every process on the machine ({os.cpu_count()} cores) from launch to the first "
-              "step's line: divided by the cores, it is the least time that work could take.",
-              "- Both sides log every step (a loss all-reduce per step). Wall-clock times are taken when each "
-              "step's line appears; the plain loop stamps its lines itself, `orch` prints a line when its driver "
-              "has polled the step from the workers (every 0.5 s), so the slope is fitted over all steady steps.",
-              "- `orch train` also does, and is charged for: the plan check and memory estimate, the matmul probe "
-              "for MFU, the memory probe during step 2, MLflow tracking in sqlite (params, artifacts, per-step "
-              "metrics, plots at the end), and starting and stopping its embedded Ray.",
-              f"- Torch threads per rank: {threads} under torchrun (it sets OMP_NUM_THREADS=1); `orch`'s Ray actors "
-              "have 1 CPU each, for which Ray sets OMP_NUM_THREADS=1. Both sides' ranks run at nice 0: `orch`'s "
-              "embedded Ray starts its workers so (`RAY_worker_niceness=0`; Ray's own default is 15). Each side "
-              "is launched in a session of its own, and with the kernel's autogroup scheduling the nice value "
-              "only ranks processes within that session.",
-              "- CPU per step is read from `/proc` for the launched process and its descendants when the lines of the "
-              "window's first and last steps arrive: the two processes that used the most are the ranks, the "
-              "rest is `torchrun`'s launcher, or `orch`'s driver (its MLflow metrics thread included) and Ray's "
-              "servers. On 2 cores with a rank per core, what runs outside the ranks takes its time from them.",
-              "- The DeepSpeed config is generated once by `build_ds_config` and checked equal to the "
-              "`config/deepspeed.json` the `orch` run logged.",
-              failure_note(failures)]
-    publish(lines, args.markdown)
+    intro = (f"Built-in GPT (`model=gpt`: {job['model']['n_layer']} layers, d_model {job['model']['d_model']}, "
+             f"seq_len {job['seq_len']}), dp=2 on 2 CPU ranks, ZeRO stage {args.zero_stage}, fp32, micro-batch "
+             f"{job['micro_batch_size']}, {args.steps} steps logged every step; steady state = steps after "
+             f"{args.warmup}. {args.repeats} repetitions of each side, interleaved. Values are medians over the "
+             "repetitions with (min-max); the ratio column is the median of the per-repetition ratios "
+             "(min-max).")
+    # The rows without a target are written out: their empty last cell is "| |", where ratio_row's is "|  |".
+    table = ["| | torchrun + DeepSpeed | orch train | orch / plain | target |",
+             "|---|---:|---:|---:|---|",
+             ratio_row("steady-state step time, wall clock (s)", steady_a, steady_b, "{:.4f}",
+                       target=verdict(ratios, TARGET)),
+             f"| in-loop step time, slowest rank (s) | {median_spread(plain_loop, '{:.4f}')} | "
+             f"{median_spread(orch_loop, '{:.4f}')} | {median_spread(loop_ratios)} | |",
+             ratio_row("time to first step (s)", first_a, first_b, "{:.1f}", "{:.2f}",
+                       target=verdict(first_ratios, FIRST_STEP_TARGET)),
+             f"| CPU time until the first step, every process on the machine (CPU-s) | "
+             f"{median_spread(cpu_a, '{:.1f}')} | {median_spread(cpu_b, '{:.1f}')} | "
+             f"{median_spread([b / a for a, b in zip(cpu_a, cpu_b, strict=True)], '{:.2f}')} | |",
+             f"| CPU per step of each rank, steps {cpu_window[0]}-{cpu_window[1]} (ms) | "
+             f"{median_spread(list(rank_a), '{:.1f}')} | {median_spread(list(rank_b), '{:.1f}')} | "
+             f"{median_spread([b / a for a, b in zip(rank_a, rank_b, strict=True)])} | |",
+             f"| CPU per step outside the ranks, the same steps (ms) | {median_spread(list(rest_a), '{:.2f}')} | "
+             f"{median_spread(list(rest_b), '{:.2f}')} | | |",
+             f"| launch to exit (s) | {median_spread(wall_a, '{:.1f}')} | {median_spread(wall_b, '{:.1f}')} | "
+             f"{median_spread([b / a for a, b in zip(wall_a, wall_b, strict=True)], '{:.2f}')} | |"]
+    notes = [SHARED_MACHINE_NOTE,
+             cpu_time_note(),
+             "- Both sides log every step (a loss all-reduce per step). Wall-clock times are taken when each "
+             "step's line appears; the plain loop stamps its lines itself, `orch` prints a line when its driver "
+             "has polled the step from the workers (every 0.5 s), so the slope is fitted over all steady steps.",
+             "- `orch train` also does, and is charged for: the plan check and memory estimate, the matmul probe "
+             "for MFU, the memory probe during step 2, MLflow tracking in sqlite (params, artifacts, per-step "
+             "metrics, plots at the end), and starting and stopping its embedded Ray.",
+             f"- Torch threads per rank: {threads} under torchrun (it sets OMP_NUM_THREADS=1); `orch`'s Ray actors "
+             "have 1 CPU each, for which Ray sets OMP_NUM_THREADS=1. Both sides' ranks run at nice 0: `orch`'s "
+             "embedded Ray starts its workers so (`RAY_worker_niceness=0`; Ray's own default is 15). Each side "
+             "is launched in a session of its own, and with the kernel's autogroup scheduling the nice value "
+             "only ranks processes within that session.",
+             "- CPU per step is read from `/proc` for the launched process and its descendants when the lines of the "
+             "window's first and last steps arrive: the two processes that used the most are the ranks, the "
+             "rest is `torchrun`'s launcher, or `orch`'s driver (its MLflow metrics thread included) and Ray's "
+             "servers. On 2 cores with a rank per core, what runs outside the ranks takes its time from them.",
+             DS_CONFIG_NOTE]
+    publish_results("Orchestration overhead: orch train vs torchrun + plain DeepSpeed", intro, table, notes, failures,
+                    args.markdown)
     shutil.rmtree(work, ignore_errors=True)  # a failed run never gets here: its files stay for a look
 
 

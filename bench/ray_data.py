@@ -18,22 +18,12 @@ time to the first step of the large stream against the small one (streaming: the
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import (
-    bench_env,
-    failure_note,
-    header,
-    interleaved,
-    median_spread,
-    orch_command,
-    publish,
-)
+from bench.harness import bench_env, bench_parser, interleaved, median_spread, orch_command, publish_results
 
 OBJECT_STORE_GIB = 0.25
 
@@ -53,14 +43,10 @@ def write_parquet(root: Path, lines: list[str], copies: int, files: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the steady state")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each side, interleaved")
-    parser.add_argument("--scale", type=int, default=2000, help="copies of the corpus in the large stream")
-    parser.add_argument("--files", type=int, default=100, help="parquet files of the large stream")
-    parser.add_argument("--markdown", type=Path)
-    args = parser.parse_args()
+    args = bench_parser(__doc__, steps=150, repeats=2, extra={
+        "--scale": {"type": int, "default": 2000, "help": "copies of the corpus in the large stream"},
+        "--files": {"type": int, "default": 100, "help": "parquet files of the large stream"},
+    }).parse_args()
 
     from orch.workloads.corpus import SHIPPED_CORPUS
 
@@ -82,16 +68,15 @@ def main() -> None:
         return median_spread([y / x for x, y in zip(a, b, strict=True)])
 
     gib = 1024**3
-    lines_out = header("Streaming data: data=ray vs the same tokens in memory, and on data larger than the "
-                       "object store", sys.argv)
-    lines_out += [
+    intro = (
         f"Built-in GPT, dp=2 on 2 CPU workers, ZeRO-1, fp32, seq_len 128, micro-batch 8, {args.steps} steps, byte "
         f"tokens of the shipped corpus; Ray's object store capped at {OBJECT_STORE_GIB} GiB. The small stream is the "
         f"corpus once ({small_bytes / 1e6:.1f} MB of text), the large one {args.scale} copies in {args.files} parquet "
         f"files ({large_bytes / gib:.2f} GiB of text, as many bytes of uint8 token windows: "
         f"{large_bytes / gib / OBJECT_STORE_GIB:.1f}x the object store). Steady state = steps after "
         f"{args.warmup}; held-out loss every 50 steps. {args.repeats} repetitions of each side, interleaved; medians "
-        "with (min-max).", "",
+        "with (min-max).")
+    table = [
         "| | data=corpus (in memory) | data=ray, small | data=ray, large | small / memory | large / small |",
         "|---|---:|---:|---:|---:|---:|",
         f"| steady-state step time, wall clock (s) | {median_spread(steady['memory'], '{:.4f}')} | "
@@ -99,13 +84,11 @@ def main() -> None:
         f"{ratios(steady['memory'], steady['ray'])} | {ratios(steady['ray'], steady['ray_large'])} |",
         f"| time to first step (s) | {median_spread(first['memory'], '{:.1f}')} | "
         f"{median_spread(first['ray'], '{:.1f}')} | {median_spread(first['ray_large'], '{:.1f}')} | "
-        f"{ratios(first['memory'], first['ray'])} | {ratios(first['ray'], first['ray_large'])} |",
-        "",
-        "Notes:",
-        "- On 2 cores the Ray Data tasks (read, hash-split, pack) share the CPUs with the 2 training workers; "
-        "a cluster with CPUs beside its training workers' keeps them apart.",
-        failure_note(failures)]
-    publish(lines_out, args.markdown)
+        f"{ratios(first['memory'], first['ray'])} | {ratios(first['ray'], first['ray_large'])} |"]
+    notes = ["- On 2 cores the Ray Data tasks (read, hash-split, pack) share the CPUs with the 2 training workers; "
+             "a cluster with CPUs beside its training workers' keeps them apart."]
+    publish_results("Streaming data: data=ray vs the same tokens in memory, and on data larger than the object store",
+                    intro, table, notes, failures, args.markdown)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -11,10 +11,12 @@ benchmark instead of skewing it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from hydra import compose, initialize_config_module
 
+from bench.harness import orch_command
 from orch.checking import check_run
 from orch.config import register_configs, to_typed
 from orch.launchers.engines.deepspeed.config import build_ds_config
@@ -46,6 +48,31 @@ def plain_job(overrides: list[str]) -> dict:
 def write_job(job: dict, path: Path) -> Path:
     path.write_text(json.dumps(job, indent=1))
     return path
+
+
+@dataclass(frozen=True)
+class SameRun:
+    """One run as both sides of a comparison get it: the plain runners' job, and the `orch train`
+    command for the same overrides, tracked where :meth:`check` reads its DeepSpeed config back."""
+
+    job: dict
+    job_path: Path
+    """Where the job was written, for the plain runner's ``--job``."""
+    tracking_uri: str
+    orch_cmd: list[str]
+
+    def check(self) -> None:
+        """Raise unless the `orch` run trained with the job's DeepSpeed config (:func:`same_ds_config`)."""
+        same_ds_config(self.job, self.tracking_uri)
+
+
+def same_run(overrides: list[str], work: Path) -> SameRun:
+    """The plain job of ``overrides`` written to ``work``/job.json, and the `orch train` command for
+    them tracked in ``work``/mlflow.db."""
+    job = plain_job(overrides)
+    tracking_uri = f"sqlite:///{work / 'mlflow.db'}"
+    return SameRun(job, write_job(job, work / "job.json"), tracking_uri,
+                   orch_command(*overrides, f"tracking.uri={tracking_uri}"))
 
 
 def same_ds_config(job: dict, tracking_uri: str) -> None:

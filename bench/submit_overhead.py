@@ -16,25 +16,22 @@ steady-state step time (within 3%).
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from bench.harness import (
     PYTHON,
     bench_env,
-    failure_note,
-    header,
+    bench_parser,
     interleaved,
     median_spread,
     orch_command,
-    publish,
+    publish_results,
     verdict,
 )
 
@@ -75,12 +72,7 @@ def stop_head(temp_dir: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the steady state")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each side, interleaved")
-    parser.add_argument("--markdown", type=Path)
-    args = parser.parse_args()
+    args = bench_parser(__doc__, steps=200, repeats=3).parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-submit-"))
     temp_dir = Path(tempfile.mkdtemp(prefix="rb", dir="/tmp"))  # short: Ray's socket paths have a length limit
@@ -111,28 +103,26 @@ def main() -> None:
                      f"<= {FIRST_STEP_EXTRA_S:g} s: **missed** ({sum(e > FIRST_STEP_EXTRA_S for e in extra)} of "
                      f"{len(extra)} repetitions over)")
 
-    lines = header("Submit overhead: orch submit --wait vs orch train with cluster.address, same cluster", sys.argv)
-    lines += [f"Built-in GPT (`model=gpt`), dp=2 on 2 CPU workers of one Ray head (loopback, token auth), ZeRO "
-              f"stage 1, fp32, {args.steps} steps, every step printed; steady state = steps after {args.warmup}. "
-              f"{args.repeats} repetitions of each side, interleaved; medians with (min-max).", "",
-              "| | orch train, driver here | orch submit --wait | submitted vs direct | target |",
-              "|---|---:|---:|---:|---|",
-              f"| steady-state step time (s) | {median_spread(steady_direct, '{:.4f}')} | "
-              f"{median_spread(steady_submitted, '{:.4f}')} | {median_spread(ratios)} (ratio) | "
-              f"{verdict(ratios, STEP_TARGET)} |",
-              f"| time to first step (s) | {median_spread([r.first_step_s for r in direct], '{:.1f}')} | "
-              f"{median_spread([r.first_step_s for r in submitted], '{:.1f}')} | "
-              f"{median_spread(extra, '{:+.1f}')} s (difference) | {first_verdict} |",
-              f"| launch to exit (s) | {median_spread([r.wall_s for r in direct], '{:.1f}')} | "
-              f"{median_spread([r.wall_s for r in submitted], '{:.1f}')} | | |",
-              "",
-              "Notes:",
-              "- The submitted side includes the plan check here against the live nodes, shipping the working "
-              "directory, the job's own Python and `orch` start-up on the head, and the delay of Ray's job-log "
-              "stream to the follower; its step lines arrive in batches, which the steady-state slope averages out.",
-              "- The head and both drivers share this 2-core machine (the load averages above say how busy it was).",
-              failure_note(failures)]
-    publish(lines, args.markdown)
+    intro = (f"Built-in GPT (`model=gpt`), dp=2 on 2 CPU workers of one Ray head (loopback, token auth), ZeRO "
+             f"stage 1, fp32, {args.steps} steps, every step printed; steady state = steps after {args.warmup}. "
+             f"{args.repeats} repetitions of each side, interleaved; medians with (min-max).")
+    # The ratio and the difference columns say which they are, so the rows are written out.
+    table = ["| | orch train, driver here | orch submit --wait | submitted vs direct | target |",
+             "|---|---:|---:|---:|---|",
+             f"| steady-state step time (s) | {median_spread(steady_direct, '{:.4f}')} | "
+             f"{median_spread(steady_submitted, '{:.4f}')} | {median_spread(ratios)} (ratio) | "
+             f"{verdict(ratios, STEP_TARGET)} |",
+             f"| time to first step (s) | {median_spread([r.first_step_s for r in direct], '{:.1f}')} | "
+             f"{median_spread([r.first_step_s for r in submitted], '{:.1f}')} | "
+             f"{median_spread(extra, '{:+.1f}')} s (difference) | {first_verdict} |",
+             f"| launch to exit (s) | {median_spread([r.wall_s for r in direct], '{:.1f}')} | "
+             f"{median_spread([r.wall_s for r in submitted], '{:.1f}')} | | |"]
+    notes = ["- The submitted side includes the plan check here against the live nodes, shipping the working "
+             "directory, the job's own Python and `orch` start-up on the head, and the delay of Ray's job-log "
+             "stream to the follower; its step lines arrive in batches, which the steady-state slope averages out.",
+             "- The head and both drivers share this 2-core machine (the load averages above say how busy it was)."]
+    publish_results("Submit overhead: orch submit --wait vs orch train with cluster.address, same cluster", intro,
+                    table, notes, failures, args.markdown)
     shutil.rmtree(work, ignore_errors=True)
 
 

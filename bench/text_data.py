@@ -12,33 +12,17 @@ slow training by more than 5%.
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import (
-    bench_env,
-    failure_note,
-    header,
-    interleaved,
-    median_spread,
-    orch_command,
-    publish,
-    verdict,
-)
+from bench.harness import bench_env, bench_parser, interleaved, orch_command, publish_results, ratio_row, verdict
 
 TARGET = 1.05
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the steady state")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each side, interleaved")
-    parser.add_argument("--markdown", type=Path)
-    args = parser.parse_args()
+    args = bench_parser(__doc__, steps=200, repeats=3).parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-text-"))
     cache = work / "cache"
@@ -54,27 +38,19 @@ def main() -> None:
     steady_memory = [r.steady_step_s(args.warmup) for r in memory]
     steady_text = [r.steady_step_s(args.warmup) for r in text]
     ratios = [b / a for a, b in zip(steady_memory, steady_text, strict=True)]
-
-    def row(name: str, a: list[float], b: list[float], fmt: str, target: str = "") -> str:
-        pairs = [y / x for x, y in zip(a, b, strict=True)]
-        return f"| {name} | {median_spread(a, fmt)} | {median_spread(b, fmt)} | {median_spread(pairs)} | {target} |"
-
-    lines = header("Text data path: data=text vs the same tokens in memory", sys.argv)
-    lines += [f"Built-in GPT, dp=2 on 2 CPU workers, ZeRO-1, fp32, seq_len 128, micro-batch 8, {args.steps} steps, "
-              f"byte tokens of the shipped corpus on both sides; steady state = steps after {args.warmup}. "
-              f"{args.repeats} repetitions of each side, interleaved; medians with (min-max).", "",
-              "| | data=corpus (in memory) | data=text (memory-mapped Arrow) | text / memory | target |",
-              "|---|---:|---:|---:|---|",
-              row("steady-state step time, wall clock (s)", steady_memory, steady_text, "{:.4f}",
-                  verdict(ratios, TARGET)),
-              row("time to first step (s)", [r.first_step_s for r in memory], [r.first_step_s for r in text],
-                  "{:.1f}"),
-              "",
-              "Notes:",
-              "- The tokenization cache is built once before the timed runs; building it for the shipped "
-              "corpus (~500 KB) takes under a second.",
-              failure_note(failures)]
-    publish(lines, args.markdown)
+    intro = (f"Built-in GPT, dp=2 on 2 CPU workers, ZeRO-1, fp32, seq_len 128, micro-batch 8, {args.steps} steps, "
+             f"byte tokens of the shipped corpus on both sides; steady state = steps after {args.warmup}. "
+             f"{args.repeats} repetitions of each side, interleaved; medians with (min-max).")
+    table = ["| | data=corpus (in memory) | data=text (memory-mapped Arrow) | text / memory | target |",
+             "|---|---:|---:|---:|---|",
+             ratio_row("steady-state step time, wall clock (s)", steady_memory, steady_text, "{:.4f}",
+                       target=verdict(ratios, TARGET)),
+             ratio_row("time to first step (s)", [r.first_step_s for r in memory], [r.first_step_s for r in text],
+                       "{:.1f}")]
+    notes = ["- The tokenization cache is built once before the timed runs; building it for the shipped "
+             "corpus (~500 KB) takes under a second."]
+    publish_results("Text data path: data=text vs the same tokens in memory", intro, table, notes, failures,
+                    args.markdown)
     shutil.rmtree(work, ignore_errors=True)
 
 

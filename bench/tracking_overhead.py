@@ -21,13 +21,11 @@ artifacts) and its end (waiting for the buffered metrics, plots).
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -35,13 +33,14 @@ from pathlib import Path
 
 from bench.harness import (
     PYTHON,
+    SHARED_MACHINE_NOTE,
     bench_env,
-    failure_note,
-    header,
+    bench_parser,
+    gpt_overrides,
     interleaved,
-    median_spread,
     orch_command,
-    publish,
+    publish_results,
+    ratio_row,
     verdict,
 )
 
@@ -127,18 +126,12 @@ SYSTEM_SIDES = ("system metrics off", "system metrics every 1 s")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the steady state")
-    parser.add_argument("--repeats", type=int, default=4, help="runs of each side, interleaved")
-    parser.add_argument("--zero-stage", type=int, default=1)
-    parser.add_argument("--system-metrics", action="store_true",
-                        help="compare system metrics sampled every second against none, both tracked on the server")
-    parser.add_argument("--markdown", type=Path)
-    args = parser.parse_args()
+    system_metrics = {"action": "store_true",
+                      "help": "compare system metrics sampled every second against none, both tracked on the server"}
+    args = bench_parser(__doc__, steps=300, repeats=4, zero_stage=True,
+                        extra={"--system-metrics": system_metrics}).parse_args()
 
-    overrides = ["model=gpt", "plan.dp=2", f"plan.zero_stage={args.zero_stage}", f"train.steps={args.steps}",
-                 "train.log_every=1"]
+    overrides = gpt_overrides(args.zero_stage, args.steps)
     work = Path(tempfile.mkdtemp(prefix="bench-tracking-"))
     server, url = start_mlflow_server(work)
     try:
@@ -169,11 +162,6 @@ def main() -> None:
     steady_on = [r.steady_step_s(args.warmup) for r in on]
     ratios = [b / a for a, b in zip(steady_off, steady_on, strict=True)]
 
-    def row(name: str, off_values: list[float], on_values: list[float], fmt: str, target: str = "") -> str:
-        pairs = [b / a for a, b in zip(off_values, on_values, strict=True)]
-        return (f"| {name} | {median_spread(off_values, fmt)} | {median_spread(on_values, fmt)} | "
-                f"{median_spread(pairs)} | {target} |")
-
     if args.system_metrics:
         title = "System-metrics overhead: orch train on a real mlflow server, sampled every second vs not"
         columns = "| | system_metrics_interval_s=0 | system_metrics_interval_s=1 | on / off | target |"
@@ -184,29 +172,23 @@ def main() -> None:
         title = "Tracking overhead: orch train on a real mlflow server vs tracking off"
         columns = "| | tracking.enabled=false | mlflow server (sqlite backend) | tracked / off | target |"
         what = "tracked: ~10 metrics per step sent to the server"
-    lines = header(title, sys.argv)
-    lines += [f"Built-in GPT (`model=gpt`), dp=2 on 2 CPU workers, ZeRO stage {args.zero_stage}, fp32, "
-              f"{args.steps} steps, every step logged ({what}); steady "
-              f"state = steps after {args.warmup}. {args.repeats} repetitions of each side, interleaved; medians "
-              "with (min-max). The ratio column is the median of the per-repetition ratios (min-max).", "",
-              columns,
-              "|---|---:|---:|---:|---|",
-              row("steady-state step time, wall clock (s)", steady_off, steady_on, "{:.4f}",
-                  verdict(ratios, TARGET)),
-              row("time to first step (s)", [r.first_step_s for r in off], [r.first_step_s for r in on], "{:.1f}"),
-              row("launch to exit (s)", [r.wall_s for r in off], [r.wall_s for r in on], "{:.1f}"),
-              "",
-              "Notes:",
-              "- The machine is a 2-core VM that other jobs can share (the load averages above say how busy "
-              "it was), so compare the spreads, not only the medians. The `mlflow server` itself runs on the "
-              "same 2 cores.",
-              f"- Every tracked run was read back from the server: {args.steps} logged steps each.",
-              "- Metrics are sent once a second by a driver thread at the lowest CPU priority (`SCHED_IDLE`), off "
-              "the training path; the time to first "
-              "step includes creating the run and logging params and config artifacts, launch to exit includes "
-              "flushing the metrics and rendering and uploading the plots.",
-              failure_note(failures)]
-    publish(lines, args.markdown)
+    intro = (f"Built-in GPT (`model=gpt`), dp=2 on 2 CPU workers, ZeRO stage {args.zero_stage}, fp32, "
+             f"{args.steps} steps, every step logged ({what}); steady "
+             f"state = steps after {args.warmup}. {args.repeats} repetitions of each side, interleaved; medians "
+             "with (min-max). The ratio column is the median of the per-repetition ratios (min-max).")
+    table = [columns,
+             "|---|---:|---:|---:|---|",
+             ratio_row("steady-state step time, wall clock (s)", steady_off, steady_on, "{:.4f}",
+                       target=verdict(ratios, TARGET)),
+             ratio_row("time to first step (s)", [r.first_step_s for r in off], [r.first_step_s for r in on], "{:.1f}"),
+             ratio_row("launch to exit (s)", [r.wall_s for r in off], [r.wall_s for r in on], "{:.1f}")]
+    notes = [f"{SHARED_MACHINE_NOTE} The `mlflow server` itself runs on the same 2 cores.",
+             f"- Every tracked run was read back from the server: {args.steps} logged steps each.",
+             "- Metrics are sent once a second by a driver thread at the lowest CPU priority (`SCHED_IDLE`), off "
+             "the training path; the time to first "
+             "step includes creating the run and logging params and config artifacts, launch to exit includes "
+             "flushing the metrics and rendering and uploading the plots."]
+    publish_results(title, intro, table, notes, failures, args.markdown)
     shutil.rmtree(work, ignore_errors=True)  # a failed run never gets here: its files stay for a look
 
 

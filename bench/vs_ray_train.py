@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import sys
@@ -25,14 +24,17 @@ import tempfile
 from pathlib import Path
 
 from bench.harness import (
+    DS_CONFIG_NOTE,
     PYTHON,
+    SHARED_MACHINE_NOTE,
     bench_env,
-    failure_note,
-    header,
+    bench_parser,
+    cpu_time_note,
+    gpt_overrides,
     interleaved,
     median_spread,
-    orch_command,
-    publish,
+    publish_results,
+    ratio_row,
     verdict,
 )
 
@@ -66,13 +68,10 @@ def run_ray_train(job_path: Path, storage: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each side, interleaved")
-    parser.add_argument("--zero-stage", type=int, default=1)
-    parser.add_argument("--markdown", type=Path)
-    parser.add_argument("--ray-train-job", type=Path, help=argparse.SUPPRESS)  # internal: the Ray Train side
-    args = parser.parse_args()
+    # --ray-train-job is internal: the Ray Train side, run by this script in a process of its own.
+    ray_train_job = {"type": Path, "help": argparse.SUPPRESS}
+    args = bench_parser(__doc__, steps=100, warmup=None, repeats=3, zero_stage=True,
+                        extra={"--ray-train-job": ray_train_job}).parse_args()
     try:  # the ray wheel always ships ray.train; without the [train] extra its imports fail
         import ray.train.torch  # noqa: F401
     except ImportError as error:
@@ -82,21 +81,16 @@ def main() -> None:
         run_ray_train(args.ray_train_job, args.ray_train_job.parent / "ray_results")
         return
 
-    from bench.run_spec import plain_job, same_ds_config, write_job
+    from bench.run_spec import same_run
 
-    overrides = ["model=gpt", "plan.dp=2", f"plan.zero_stage={args.zero_stage}", f"train.steps={args.steps}",
-                 "train.log_every=1"]
     work = Path(tempfile.mkdtemp(prefix="bench-raytrain-"))
-    job = plain_job(overrides)
-    job_path = write_job(job, work / "job.json")
-    tracking_uri = f"sqlite:///{work / 'mlflow.db'}"
-    env = bench_env()
-    ray_cmd = [PYTHON, str(Path(__file__).resolve()), "--ray-train-job", str(job_path)]
-    orch_cmd = orch_command(*overrides, f"tracking.uri={tracking_uri}")
+    run = same_run(gpt_overrides(args.zero_stage, args.steps), work)
+    ray_cmd = [PYTHON, str(Path(__file__).resolve()), "--ray-train-job", str(run.job_path)]
 
-    runs, failures = interleaved({"Ray Train": ray_cmd, "orch train": orch_cmd}, args.repeats, cwd=work, env=env)
+    runs, failures = interleaved({"Ray Train": ray_cmd, "orch train": run.orch_cmd}, args.repeats, cwd=work,
+                                 env=bench_env())
     ray_runs, orch_runs = runs["Ray Train"], runs["orch train"]
-    same_ds_config(job, tracking_uri)
+    run.check()
 
     rows = [("wall time to step N (s)", lambda r: r.time_to_step(args.steps), 1.0),
             ("time to first step (s)", lambda r: r.first_step_s, FIRST_STEP_TARGET),
@@ -104,41 +98,35 @@ def main() -> None:
              lambda r: r.cpu_to_first_step_s, None),
             ("launch to exit (s)", lambda r: r.wall_s, None)]
     threads = next((m.group(1) for line in ray_runs[0].output if (m := THREADS.search(line))), "not reported")
-    lines = header("Versus Ray Train: orch train vs TorchTrainer running the same DeepSpeed loop", sys.argv)
-    lines += [f"Built-in GPT (`model=gpt`), dp=2 on 2 CPU workers, ZeRO stage {args.zero_stage}, fp32, "
-              f"micro-batch {job['micro_batch_size']}, N = {args.steps} steps logged every step. {args.repeats} "
-              "repetitions of each side, interleaved; medians with (min-max). The ratio column is the median of "
-              "the per-repetition ratios (min-max). Targets: orch is not slower to step N (ratio <= 1), and reaches "
-              f"its first step in at most {FIRST_STEP_TARGET:g}x Ray Train's time.", "",
-              "| | Ray Train TorchTrainer | orch train | orch / Ray Train | target |",
-              "|---|---:|---:|---:|---|"]
+    intro = (f"Built-in GPT (`model=gpt`), dp=2 on 2 CPU workers, ZeRO stage {args.zero_stage}, fp32, "
+             f"micro-batch {run.job['micro_batch_size']}, N = {args.steps} steps logged every step. {args.repeats} "
+             "repetitions of each side, interleaved; medians with (min-max). The ratio column is the median of "
+             "the per-repetition ratios (min-max). Targets: orch is not slower to step N (ratio <= 1), and reaches "
+             f"its first step in at most {FIRST_STEP_TARGET:g}x Ray Train's time.")
+    table = ["| | Ray Train TorchTrainer | orch train | orch / Ray Train | target |",
+             "|---|---:|---:|---:|---|"]
     for name, measure, limit in rows:
         a, b = [measure(r) for r in ray_runs], [measure(r) for r in orch_runs]
-        ratios = [y / x for x, y in zip(a, b, strict=True)]
-        target = verdict(ratios, limit) if limit else ""
-        lines.append(f"| {name} | {median_spread(a, '{:.1f}')} | {median_spread(b, '{:.1f}')} | "
-                     f"{median_spread(ratios, '{:.2f}')} | {target} |")
+        target = verdict([y / x for x, y in zip(a, b, strict=True)], limit) if limit else ""
+        table.append(ratio_row(name, a, b, "{:.1f}", "{:.2f}", target=target))
     steady = [(r.steady_step_s(10), o.steady_step_s(10)) for r, o in zip(ray_runs, orch_runs, strict=True)]
-    lines.append(f"| steady-state step time after step 10 (s) | {median_spread([a for a, _ in steady], '{:.4f}')} | "
+    # No target: the empty last cell is "| |" here, where ratio_row's is "|  |".
+    table.append(f"| steady-state step time after step 10 (s) | {median_spread([a for a, _ in steady], '{:.4f}')} | "
                  f"{median_spread([b for _, b in steady], '{:.4f}')} | "
                  f"{median_spread([b / a for a, b in steady])} | |")
-    lines += ["", "Notes:",
-              "- The machine is a 2-core VM that other jobs can share (the load averages above say how busy "
-              "it was), so compare the spreads, not only the medians.",
-              "- Both sides start their own local Ray (2 CPUs, 1 GiB object store, no dashboard) inside the timed "
-              "process, and both end with an evaluation pass on the held-out data.",
-              f"- CPU time counts every process on the machine ({os.cpu_count()} cores) from launch to the first "
-              "step's line: divided by the cores, it is the least time that work could take.",
-              "- Ray Train's step times come from the `t=` stamps its rank 0 prints (Ray forwards worker output "
-              "with a delay, which is not counted against it); `orch`'s from when its driver prints the step.",
-              "- `orch train` is also charged for its plan check, the matmul probe for MFU, the memory probe during "
-              "step 2 and MLflow tracking in a local sqlite store (per-step metrics, artifacts, plots at the end); "
-              "the Ray Train side tracks nothing.",
-              f"- Torch threads per Ray Train worker: {threads}; `orch`'s Ray actors have 1 CPU each, so 1 thread.",
-              "- The DeepSpeed config is generated once by `build_ds_config` and checked equal to the "
-              "`config/deepspeed.json` the `orch` run logged.",
-              failure_note(failures)]
-    publish(lines, args.markdown)
+    notes = [SHARED_MACHINE_NOTE,
+             "- Both sides start their own local Ray (2 CPUs, 1 GiB object store, no dashboard) inside the timed "
+             "process, and both end with an evaluation pass on the held-out data.",
+             cpu_time_note(),
+             "- Ray Train's step times come from the `t=` stamps its rank 0 prints (Ray forwards worker output "
+             "with a delay, which is not counted against it); `orch`'s from when its driver prints the step.",
+             "- `orch train` is also charged for its plan check, the matmul probe for MFU, the memory probe during "
+             "step 2 and MLflow tracking in a local sqlite store (per-step metrics, artifacts, plots at the end); "
+             "the Ray Train side tracks nothing.",
+             f"- Torch threads per Ray Train worker: {threads}; `orch`'s Ray actors have 1 CPU each, so 1 thread.",
+             DS_CONFIG_NOTE]
+    publish_results("Versus Ray Train: orch train vs TorchTrainer running the same DeepSpeed loop", intro, table,
+                    notes, failures, args.markdown)
     shutil.rmtree(work, ignore_errors=True)  # a failed run never gets here: its files stay for a look
 
 
