@@ -432,12 +432,17 @@ _QUIET_LOGGING = ("~hydra.job_logging.handlers.file", "hydra.job_logging.root.ha
 """Hydra's own job logging without its log file: its console handler stays as it is."""
 
 
+def _override_keys(args: list[str]) -> set[str]:
+    """The keys the command line's overrides set (``+key=``, ``~key``, ``group=option``), flags left out."""
+    return {arg.split("=", 1)[0].lstrip("+~") for arg in args if not arg.startswith("-")}
+
+
 def _quiet_overrides(args: list[str]) -> list[str]:
     """The overrides that keep Hydra from writing anything for a quiet command. None where the
     command line asks for Hydra's record (``hydra.run.dir`` or ``hydra.output_subdir``), which it
     then gets as for any command, nor under ``--multirun``, whose sweep directories hold each job's;
     a job logging the user chose (``hydra/job_logging=...``) is left as they chose it."""
-    keys = {arg.split("=", 1)[0].lstrip("+~") for arg in args if not arg.startswith("-")}
+    keys = _override_keys(args)
     if "--multirun" in args or "-m" in args or keys & {"hydra.run.dir", "hydra.output_subdir"}:
         return []
     return [*_QUIET_OUTPUT, *(() if "hydra/job_logging" in keys else _QUIET_LOGGING)]
@@ -453,7 +458,7 @@ def _json_overrides(args: list[str]) -> list[str]:
     the work does not move them: a library's warning that reaches the root logger (transformers'
     gradient-checkpointing note) or ``hydra.verbose`` would otherwise come before the document.
     A logging configuration the user chose is left as they chose it."""
-    keys = {arg.split("=", 1)[0].lstrip("+~") for arg in args if not arg.startswith("-")}
+    keys = _override_keys(args)
     chosen = ("hydra/job_logging", "hydra/hydra_logging", "hydra.job_logging", "hydra.hydra_logging")
     if any(key.startswith(chosen) for key in keys):
         return []

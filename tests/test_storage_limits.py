@@ -49,7 +49,11 @@ class Silent:
             except OSError:  # closed
                 return
             self._held.append(conn)
+            self._serve(conn)
             self.accepted.release()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """What becomes of an accepted connection: held, never answered."""
 
     def close(self) -> None:
         """Closing the held connections ends pyarrow's requests to it (the S3 finalizer at exit waits for them)."""
@@ -187,29 +191,21 @@ def test_ctrl_c_during_a_check_of_a_silent_store_ends_orch_check_at_once(silent_
     assert seconds < SLACK_S
 
 
-class StallingProxy:
+class StallingProxy(Silent):
     """A loopback proxy to a real S3 server that forwards every request until one names
     ``stall_on``, which it holds unanswered: a store that passes the first check and then stalls
     (as a bucket behind a congested link, or a host gone half-way through a run)."""
 
     def __init__(self, upstream_port: int, stall_on: bytes) -> None:
         self.upstream_port, self.stall_on = upstream_port, stall_on
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
         self.stalled = threading.Event()
-        self._held: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:  # closed
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            self._held += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+    def _serve(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+        self._held.append(upstream)
+        threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket, requests: bool) -> None:
         try:
@@ -220,11 +216,6 @@ class StallingProxy:
                 sink.sendall(chunk)
         except OSError:
             return
-
-    def close(self) -> None:
-        self.server.close()
-        for conn in self._held:
-            conn.close()
 
 
 def test_train_and_export_give_up_a_store_that_stalls_after_its_check(s3_store, tmp_path):

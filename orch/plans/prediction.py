@@ -29,12 +29,19 @@ def plan_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, probe: Model
     return predict(plan, model, speeds, devices_per_node=devices_per_node, optim=optim, root_params=root)
 
 
+def count_model_cost(probe: ModelProbe, tp_degrees: list[int], param_count: int) -> ModelCost:
+    """The model's FLOPs, shapes and sizes as the tuner and `orch check` count them: at two shallow
+    depths and extrapolated for a model of :data:`EXACT_PARAMS_LIMIT` parameters or more, or one
+    the probe holds only shallow copies of; in full otherwise."""
+    depth_scaled = param_count >= EXACT_PARAMS_LIMIT or probe.shallow is not None
+    return measure_model_cost(probe, tp_degrees, depth_scaled=depth_scaled)
+
+
 def declared_plan_step(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe,
                        param_count: int) -> StepTime:
     """The declared plan's predicted step at the cluster's declared speeds, counted as the tuner
     counts it (the model costed once, at the plan's tensor-parallel degree)."""
-    depth_scaled = param_count >= EXACT_PARAMS_LIMIT or probe.shallow is not None
-    model = measure_model_cost(probe, [plan.tp], depth_scaled=depth_scaled)
+    model = count_model_cost(probe, [plan.tp], param_count)
     return plan_step(plan, model, Speeds.declared(cluster, plan.precision), probe,
                      devices_per_node=cluster.devices_per_node, optim=optim)
 

@@ -22,8 +22,7 @@ from orch.plans.cost_model import Speeds
 from orch.plans.depth_scaling import SHALLOW_DEPTHS
 from orch.plans.errors import PlanError, Violation
 from orch.plans.meta import meta_device
-from orch.plans.model_cost import measure_model_cost
-from orch.plans.prediction import EXACT_PARAMS_LIMIT, declared_speeds_note
+from orch.plans.prediction import EXACT_PARAMS_LIMIT, count_model_cost, declared_speeds_note
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.search_space import (
     BatchScaledProbe,
@@ -123,7 +122,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
         return None
 
     ctx = SearchContext(cluster=cluster, train=cfg.train, optim=cfg.optim, probe=probe,
-                        model_cost=measure_model_cost(probe, tp_degrees, depth_scaled=large or shallow is not None),
+                        model_cost=count_model_cost(probe, tp_degrees, facts.param_count),
                         speeds=Speeds.declared(cluster, cfg.plan.precision),
                         tp_problem=tp_problem, plan_problem=plan_problem)
     space = _space(cfg, cluster.world_size, facts.supports_activation_checkpointing)
