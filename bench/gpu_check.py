@@ -262,7 +262,7 @@ def predicted_step_times(cases: list[Case], setup: Setup, machine: Machine, work
                 want = plan_key(PLANS[case.plan])
                 for candidate in found.ranked:
                     p = candidate.plan
-                    if (p.engine.value, p.zero_stage, p.offload_optimizer.value, p.offload_param.value,
+                    if (p.engine, p.zero_stage, p.offload_optimizer.value, p.offload_param.value,
                             p.activation_checkpointing) == want:
                         times[case.name] = candidate.predicted.total_s
     return times

@@ -15,13 +15,13 @@ from orch.launchers.placement import rank_layout
 from orch.models import inspect_declared_model
 from orch.plans.cluster_facts import reconcile
 from orch.plans.cost_model import DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S, StepTime, host_threads
+from orch.plans.engines import engine_names, engine_spec
 from orch.plans.errors import PipelineRefused, PlanError, Violation
 from orch.plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
-from orch.plans.fsdp_memory import FSDPMemory
 from orch.plans.model_facts import ModelFacts
 from orch.plans.prediction import declared_speeds_note
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, ClusterSpec, EngineName, Offload
+from orch.plans.spec import Accelerator, ClusterSpec, Offload
 from orch.plans.workload import Workload
 from orch.workload import resolve_workload
 
@@ -73,12 +73,13 @@ def check_tensor_parallel(probe: ModelProbe, plan: ResolvedPlan, workload: Workl
                                    f"the tensor-parallel layer specs ({workload.tp_specs_source}) match no layer of "
                                    f"{target}: every rank would hold and compute the whole model.",
                                    "set plan.tp=1, or fix the specs' patterns (regexes of parameter names)")])
-    if plan.engine is EngineName.fsdp2 and (fused := fused_tp_layers(workload)):
+    if not engine_spec(plan.engine).splits_fused_tp_layers and (fused := fused_tp_layers(workload)):
+        able = [name for name in engine_names() if engine_spec(name).splits_fused_tp_layers]
         raise PlanError([Violation("plan.tp", plan.tp,
                                    f"the tensor-parallel layer specs ({workload.tp_specs_source}) split fused layers "
-                                   f"({', '.join(map(str, fused))}), which plan.engine=fsdp2 cannot shard: DTensor's "
+                                   f"({', '.join(map(str, fused))}), which plan.engine={plan.engine} cannot shard: its "
                                    "column- and row-wise styles split a weight evenly and would mix the fused parts.",
-                                   "set plan.engine=deepspeed (AutoTP splits fused layers), or plan.tp=1")])
+                                   f"set plan.engine={' or '.join(able)} (which split fused layers), or plan.tp=1")])
 
 
 def fused_tp_layers(workload: Workload) -> list[list[str]]:
@@ -280,18 +281,6 @@ def _layer_names(names: list[str]) -> str:
     return ", ".join(name if count == 1 else f"{name} x {count}" for name, count in runs)
 
 
-def _fsdp_lines(fsdp: FSDPMemory, phase: str) -> list[str]:
-    """The FSDP2 rank's parts at its peak, by name, and what offload keeps on the host."""
-    mesh = f"shards over {fsdp.mesh.shard} rank(s)" + (f", {fsdp.mesh.replicate} replicas (hybrid)"
-                                                         if fsdp.mesh.replicate > 1 else "")
-    lines = ["", f"FSDP2 per device at the peak ({phase} phase), by part; {mesh}"]
-    lines += [f"  {part.name:<44}{_fmt(part.bytes)}" for part in fsdp.at_peak()]
-    if fsdp.host:
-        lines.append("  in host memory (CPUOffloadPolicy)")
-        lines += [f"    {part.name:<42}{_fmt(part.bytes)}" for part in fsdp.host]
-    return lines
-
-
 # Below this many threads an offloaded optimizer of a GPU worker is worth a note: a GPU node's
 # CPUs are mostly idle otherwise (8 GPUs beside 64-128 cores), and the step waits on them.
 FEW_HOST_THREADS = 4
@@ -311,7 +300,7 @@ def _host_optimizer_lines(cluster: ClusterSpec) -> list[str]:
 def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = (), step: StepTime | None = None) -> str:
     """The human-readable report: breakdown, host side, the predicted step time, verdict and fixes."""
     p, d, h, m = estimate.plan, estimate.per_device, estimate.per_node_host, estimate.model
-    fsdp2 = p.engine == EngineName.fsdp2
+    spec = engine_spec(p.engine)
     lines = [
         f"plan     {p.layout_text()} (global batch {p.global_batch_size})",
         f"cluster  {cluster.nodes} node(s) x {cluster.devices_per_node} {p.accelerator.value} device(s) "
@@ -325,14 +314,14 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = (), 
         f"per device (most loaded), at its peak in the {d.phase} phase",
     ]
     rows = [("parameters", d.params), ("gradients", d.grads), ("optimizer states", d.optimizer_states),
-            ("activations", d.activations), ("FSDP2 buffers" if fsdp2 else "DeepSpeed buffers", d.buffers),
+            ("activations", d.activations), (spec.buffers_label, d.buffers),
             ("allocator reserve", d.reserve)]
     lines += [f"  {name:<20}{_fmt(value)}" for name, value in rows]
     lines += [f"  {'total':<20}{_fmt(d.total)}", f"  {'  held between steps':<20}{_fmt(d.held)}",
               f"  {'capacity':<20}{_fmt(d.capacity)}",
               f"  {'headroom':<20}{_fmt(d.headroom) if d.headroom >= 0 else '-' + _fmt(-d.headroom).strip():>14}"]
-    if estimate.fsdp is not None:
-        lines += _fsdp_lines(estimate.fsdp, d.phase)
+    if estimate.engine_detail is not None:
+        lines += estimate.engine_detail.report_lines(d.phase, _fmt)
     if estimate.pipeline:
         lines += ["", f"pipeline stages ({p.pp_partition} partition; {p.grad_accum_steps} micro-batches per step)"]
         for stage, memory in zip(estimate.pipeline, estimate.stages, strict=True):
@@ -362,10 +351,10 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = (), 
     if step is not None:
         lines += _step_lines(step, p, cluster) + [""]
     if estimate.feasible:
-        lines.append(f"verdict  FITS with {p.engine.value}: {_fmt(d.total).strip()} of {_fmt(d.capacity).strip()} "
+        lines.append(f"verdict  FITS with {p.engine}: {_fmt(d.total).strip()} of {_fmt(d.capacity).strip()} "
                      "per device")
     else:
-        lines.append(f"verdict  DOES NOT FIT with {p.engine.value}")
+        lines.append(f"verdict  DOES NOT FIT with {p.engine}")
         lines += [f"  - {v.field}: {v.message}" for v in estimate.violations]
         if estimate.suggestions:
             lines.append("  smallest changes that fit:")

@@ -83,10 +83,11 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
     after, its parameters with the manifest's; any difference is refused, naming it.
     """
     from orch.launchers.checkpoint import latest
-    from orch.launchers.engines import ENGINES, engine_module
+    from orch.launchers.engines import engine_module
     from orch.launchers.manifest import verify
     from orch.launchers.storage import RemoteDir, location_violation
     from orch.models import model_factory, split_model_config
+    from orch.plans.engines import engine_names
     from orch.plans.errors import PlanError, Violation
     from orch.plans.locations import is_remote, local_path
     from orch.tracking.store import RunTracker, open_existing, reading
@@ -95,9 +96,9 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
     run = reading(uri, f"run {run_id}", lambda: client.get_run(run_id))
     params = run.data.params
     engine = params.get("plan.engine", "deepspeed")
-    if engine not in ENGINES:
+    if engine not in engine_names():
         raise PlanError([Violation("plan.engine", engine, f"is the engine run {run_id} records, which orch does not "
-                                   "have.", f"export runs trained with one of {', '.join(sorted(ENGINES))}")])
+                                   "have.", f"export runs trained with one of {', '.join(engine_names())}")])
     hooks = engine_module(engine, "export")
     if why := hooks.export_refusal(params):
         raise PlanError([Violation("run", run_id, why, "load the checkpoint with the same plan to use it")])

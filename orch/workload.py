@@ -26,9 +26,10 @@ from orch.models import (
     shallowest_config,
     split_model_config,
 )
+from orch.plans.engines.deepspeed_autotp import specs_from_deepspeed_preset
 from orch.plans.errors import PlanError, Violation
 from orch.plans.meta import meta_device
-from orch.plans.tp_plan import specs_from_deepspeed_preset, specs_from_tp_plan
+from orch.plans.tp_plan import specs_from_tp_plan
 from orch.plans.workload import DataSource, Objective, Workload
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")

@@ -322,4 +322,4 @@ def test_check_an_fsdp2_plan_names_its_parts_and_engine(tmp_path):
     fused = orch("check", "plan.engine=fsdp2", "plan.tp=2", cwd=tmp_path)
     assert fused.returncode == 2
     assert "plan.tp=2: the tensor-parallel layer specs" in fused.stderr and "split fused layers" in fused.stderr
-    assert "Fix: set plan.engine=deepspeed (AutoTP splits fused layers), or plan.tp=1" in fused.stderr
+    assert "Fix: set plan.engine=deepspeed (which split fused layers), or plan.tp=1" in fused.stderr

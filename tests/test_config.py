@@ -60,7 +60,7 @@ def test_every_config_composes_and_instantiates(group, option):
         resolved = resolve_plan(typed.plan, typed.cluster, typed.train)
         optim = optim_settings(resolved, typed.optim, typed.train.steps)
         assert optim.loss_scaling.enabled == (resolved.precision.value == "fp16")
-        if typed.plan.engine.value == "deepspeed":
+        if typed.plan.engine == "deepspeed":
             ds_config = build_ds_config(resolved, optim, tp_layer_specs=workload.tp_layer_specs)
             assert ds_config["zero_optimization"]["stage"] == typed.plan.zero_stage
 

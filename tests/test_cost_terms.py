@@ -283,8 +283,11 @@ def test_an_offloaded_optimizer_steps_on_its_workers_threads_or_the_shared_host_
 
 
 def test_deepspeed_zero3_pays_its_hooks_per_module_and_fetch_even_without_peers():
-    from orch.plans.fsdp_cost import predict
-    from orch.plans.spec import EngineName, FSDPSpec
+    from orch.plans.engines import engine_spec
+    from orch.plans.spec import FSDPSpec
+
+    def predict(plan, *args, **kw):
+        return engine_spec(plan.engine).step_time(plan, *args, **kw)
 
     cost, speeds, adam = _cost(n_layer=4), Speeds.declared(A100), OptimSpec()
 
@@ -296,8 +299,8 @@ def test_deepspeed_zero3_pays_its_hooks_per_module_and_fetch_even_without_peers(
     # The recomputed forward fetches every module again.
     assert step(zero_stage=3, activation_checkpointing=True).zero3_hooks_s == pytest.approx(3 * per_fetch)
     assert step(zero_stage=2).zero3_hooks_s == 0
-    # FSDP2 gathers one unit per block, priced as collectives (orch/plans/fsdp_cost.py), with no such hooks.
-    fsdp2 = step(zero_stage=3, engine=EngineName.fsdp2, fsdp=FSDPSpec())
+    # FSDP2 gathers one unit per block, priced as collectives (orch/plans/engines/fsdp2_time.py), with no such hooks.
+    fsdp2 = step(zero_stage=3, engine="fsdp2", fsdp=FSDPSpec())
     assert fsdp2.zero3_hooks_s == 0
     three = step(zero_stage=3)
     assert three.total_s == pytest.approx(step(zero_stage=2).total_s + three.zero3_hooks_s, rel=0.05)

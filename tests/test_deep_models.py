@@ -21,8 +21,8 @@ from orch import models
 from orch.checking import check_run
 from orch.config import to_typed
 from orch.plans.depth_scaling import SHALLOW_DEPTHS
+from orch.plans.engines.deepspeed_partition import partition_balanced
 from orch.plans.errors import PlanError
-from orch.plans.partition import partition_balanced
 from orch.tune.search import prepare
 from orch.workloads.gpt import GPT
 

@@ -140,7 +140,7 @@ def test_every_case_of_the_gpu_check_composes_into_a_valid_config(tmp_path):
         for case in gpu_check.CASES:
             typed, model_cfg, _ = to_typed(compose("config", overrides=case.overrides(gpu_check.GPU_SETUP, machine,
                                                                                        tmp_path)))
-            assert (typed.plan.engine.value, typed.plan.zero_stage, typed.plan.offload_optimizer.value,
+            assert (typed.plan.engine, typed.plan.zero_stage, typed.plan.offload_optimizer.value,
                     typed.plan.offload_param.value, typed.plan.activation_checkpointing) == \
                 gpu_check.plan_key(gpu_check.PLANS[case.plan])
             assert typed.cluster.accelerator.value == "gpu" and typed.plan.precision.value == "bf16"

@@ -21,7 +21,7 @@ from orch.plans.activations import (  # noqa: E402
     measure_activations,
     saved_activation_bytes,
 )
-from orch.plans.engine import EngineSettings, ZeroStage  # noqa: E402
+from orch.plans.engine_settings import EngineSettings, ZeroStage  # noqa: E402
 from orch.plans.memory import (  # noqa: E402
     DevicePhases,
     ModelStateBytes,

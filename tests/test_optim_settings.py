@@ -11,14 +11,12 @@ import pytest
 from helpers.config import compose_config
 from orch.config import to_typed
 from orch.launchers.engines.deepspeed.config import build_ds_config
-from orch.launchers.job import TrainJob
 from orch.plans.optim_settings import optim_settings
 from orch.plans.resolve import ResolvedPlan, resolve_plan
-from orch.plans.spec import Accelerator, EngineName, Offload, OptimizerName, OptimSpec, Precision, TrainSpec
-from orch.plans.workload import Workload
+from orch.plans.spec import Accelerator, Offload, OptimizerName, OptimSpec, Precision
 
 
-def _plan(engine: EngineName = EngineName.deepspeed, precision: Precision = Precision.bf16) -> ResolvedPlan:
+def _plan(engine: str = "deepspeed", precision: Precision = Precision.bf16) -> ResolvedPlan:
     return ResolvedPlan(dp=2, tp=1, pp=1, world_size=2, zero_stage=3, offload_optimizer=Offload.none,
                         offload_param=Offload.none, nvme_path=None, activation_checkpointing=False,
                         micro_batch_size=2, grad_accum_steps=1, precision=precision, accelerator=Accelerator.cpu,
@@ -68,23 +66,17 @@ def test_composed_config_gives_the_same_settings_the_driver_would():
     assert settings.schedule.total_num_steps == 40
 
 
-def test_a_job_carries_deepspeed_json_for_the_deepspeed_engine_only():
-    from orch.workloads.corpus import CorpusSource
-    from orch.workloads.gpt import GPT
-    from orch.workloads.objectives import CausalLM
+def test_each_engine_builds_its_own_config_for_the_job():
+    """The driver asks the run's engine for the job's config: DeepSpeed's JSON, with the same
+    optimizer settings; FSDP2 reads the settings alone and builds none."""
+    from orch.launchers.engines import engine_module
 
-    workload = Workload(model_factory=GPT, objective=CausalLM(), data=CorpusSource(seq_len=16))
-    for engine in EngineName:
+    for engine in ("deepspeed", "fsdp2"):
         plan = _plan(engine)
         settings = optim_settings(plan, OptimSpec(), 10)
-        if engine == EngineName.deepspeed:
-            with pytest.raises(ValueError, match="plan.engine=deepspeed needs ds_config"):
-                TrainJob(plan=plan, optim=settings, workload=workload, train=TrainSpec())
-            job = TrainJob(plan=plan, optim=settings, ds_config=build_ds_config(plan, settings), workload=workload,
-                           train=TrainSpec())
-            assert job.ds_config["optimizer"]["params"]["lr"] == job.optim.lr
+        config = engine_module(engine, "driver").engine_config(plan, settings, param_count=10, tp_layer_specs=None)
+        if engine == "deepspeed":
+            assert config == build_ds_config(plan, settings, param_count=10)
+            assert config["optimizer"]["params"]["lr"] == settings.lr
         else:
-            with pytest.raises(ValueError, match=f"plan.engine={engine.value} takes no ds_config"):
-                TrainJob(plan=plan, optim=settings, ds_config=build_ds_config(plan, settings), workload=workload,
-                         train=TrainSpec())
-            assert TrainJob(plan=plan, optim=settings, workload=workload, train=TrainSpec()).ds_config is None
+            assert config is None

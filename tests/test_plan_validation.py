@@ -23,7 +23,7 @@ def test_every_problem_is_reported_at_once_with_field_value_and_fix():
     with pytest.raises(PlanError) as info:
         resolve_plan(PlanSpec(zero_stage=5, dp=3, tp=3, precision=Precision.fp16), ClusterSpec(), TrainSpec())
     error = info.value
-    assert fields(error) == ["plan.zero_stage", "plan.tp", "plan.dp", "plan.precision"]
+    assert fields(error) == ["plan.tp", "plan.dp", "plan.zero_stage", "plan.precision"]
     text = str(error)
     assert "plan.zero_stage=5: ZeRO stages are 0, 1, 2 and 3." in text
     assert "dp(3) * tp(3) * pp(1) = 9 != world size 2 (cluster.nodes=1 * cluster.devices_per_node=2)" in text

@@ -45,7 +45,6 @@ from orch.launchers.manifest import verify as verify_manifest
 from orch.launchers.storage import RemoteDir
 from orch.plans.errors import OrchError, PlanError, Violation, first_line
 from orch.plans.locations import is_remote, local_path, write_whole
-from orch.plans.spec import EngineName
 
 LATEST = "latest.json"
 LOCK = ".orch.lock"
@@ -134,9 +133,9 @@ def _parse_record(text: str, where: str) -> Published:
 
 
 def _layout_value(key: str, value) -> int | str:
-    """A layout entry: the engine's name (:class:`orch.plans.spec.EngineName`), else a whole number."""
+    """A layout entry: the engine's name (a ``plan.engine`` value), else a whole number."""
     if key == "engine":
-        return EngineName(value).value
+        return str(value)
     return int(value)
 
 
@@ -399,7 +398,7 @@ def refuse_held_or_malformed(checkpoint_dir: str | os.PathLike) -> None:
 
 def layout_of(plan) -> dict[str, int | str]:
     """What a checkpoint records of the plan that wrote it."""
-    return {"engine": plan.engine.value, "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage,
+    return {"engine": plan.engine, "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage,
             "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps}
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from orch.plans.optim_settings import OptimSettings
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import EngineName, TrainSpec
+from orch.plans.spec import TrainSpec
 
 if TYPE_CHECKING:  # its torch import is left to the worker's start-up (TrainWorker.__init__)
     from orch.plans.workload import Workload
@@ -26,10 +26,10 @@ class TrainJob:
     """The model factory (called inside the worker), objective, data source, tensor-parallel specs
     and pipeline layers (used with plan.pp > 1)."""
     train: TrainSpec
-    ds_config: dict | None = None
-    """DeepSpeed's config (:func:`orch.launchers.engines.deepspeed.config.build_ds_config`, ``optim``
-    serialized with the plan's ZeRO settings): set for the DeepSpeed engine only, since no other
-    engine reads DeepSpeed's JSON."""
+    engine_config: dict | None = None
+    """The engine's own config, opaque here: what its driver part's ``engine_config`` built
+    (DeepSpeed's JSON, ``optim`` serialized with the plan's ZeRO settings); None for an engine that
+    reads ``optim`` and the plan alone (FSDP2)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the worker processes."""
     run_id: str | None = None
@@ -42,15 +42,6 @@ class TrainJob:
     model_signature: dict | None = None
     """Parameter names and shapes and the model's config, recorded in each checkpoint's manifest
     (:func:`orch.launchers.checkpoint.model_signature`) so a resume can check it fits before launching."""
-
-    def __post_init__(self) -> None:
-        deepspeed = self.plan.engine == EngineName.deepspeed
-        if deepspeed and self.ds_config is None:
-            raise ValueError("a TrainJob for plan.engine=deepspeed needs ds_config "
-                             "(orch.launchers.engines.deepspeed.config.build_ds_config)")
-        if not deepspeed and self.ds_config is not None:
-            raise ValueError(f"a TrainJob for plan.engine={self.plan.engine.value} takes no ds_config: that engine "
-                             "reads job.optim only; leave ds_config out")
 
 
 @dataclass(frozen=True, kw_only=True)

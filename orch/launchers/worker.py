@@ -94,7 +94,7 @@ class TrainWorker:
         })
         if self.device_mapping is not None:
             use_device(self.device_mapping)
-        self.engine = engine_for(job.plan.engine.value)
+        self.engine = engine_for(job.plan.engine)
         self.engine.start(job, master_addr, master_port)
         torch.manual_seed(job.train.seed)
         coords = parallel_coords(self.rank, world_size, job.plan.tp, job.plan.pp)

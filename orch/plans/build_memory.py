@@ -22,11 +22,14 @@ dict beside the built model until they are copied in, so every worker adds their
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from orch.plans.errors import Violation
-from orch.plans.pipeline import PipelineStage
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import ClusterSpec, EngineName
+from orch.plans.spec import ClusterSpec
+
+if TYPE_CHECKING:  # the plan is resolved before torch is imported (orch.run.early_ray)
+    from orch.plans.pipeline import PipelineStage
 
 GIB = 1024**3
 
@@ -64,25 +67,17 @@ class BuildMemory:
 
 def build_memory(plan: ResolvedPlan, cluster: ClusterSpec, *, built_bytes: int, param_count: int,
                  stages: list[PipelineStage], weight_file_bytes: int = 0) -> BuildMemory:
-    """The build-time host memory of ``plan`` on a node of ``cluster``.
+    """The build-time host memory of ``plan`` on a node of ``cluster``, as its engine builds the
+    model (:meth:`orch.plans.engines.base.EngineSpec.build_memory`).
 
     ``built_bytes`` are the model's parameters and buffers as its constructor creates them;
     ``stages`` the pipeline split (one stage without pipeline parallelism); ``weight_file_bytes``
     the weight files the constructor reads.
     """
-    workers = min(cluster.devices_per_node, plan.world_size)
-    if plan.engine == EngineName.fsdp2 and plan.world_size > 1:
-        return BuildMemory(model=built_bytes, weights=weight_file_bytes, workers=workers, builders=1,
-                           how="whole", capacity=int(cluster.host_memory_gib * GIB))
-    if plan.pp > 1:
-        per_param = built_bytes / param_count if param_count else 0
-        model, how = round(max(stage.params for stage in stages) * per_param), "pipeline stage"
-    elif plan.zero_stage == 3 and plan.tp == 1:
-        model, how = -(-built_bytes // plan.dp), "zero.Init share"
-    else:
-        model, how = built_bytes, "whole"
-    return BuildMemory(model=model, weights=weight_file_bytes, workers=workers, how=how,
-                       capacity=int(cluster.host_memory_gib * GIB))
+    from orch.plans.engines import engine_spec
+
+    return engine_spec(plan.engine).build_memory(plan, cluster, built_bytes=built_bytes, param_count=param_count,
+                                                 stages=stages, weight_file_bytes=weight_file_bytes)
 
 
 def build_violation(build: BuildMemory) -> Violation | None:

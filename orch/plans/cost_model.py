@@ -31,7 +31,7 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
 - **tensor parallelism**: one all-reduce of a row-parallel layer's output in forward and one of a
   column-parallel layer's input gradient in backward (DeepSpeed AutoTP's ``RowParallel`` /
   ``ColumnParallel``), again in the recomputed forward; sizes read off the model on ``meta``.
-- **data parallelism** by ZeRO stage (DeepSpeed 0.19; the plan's :mod:`orch.plans.engine` settings):
+- **data parallelism** by ZeRO stage (DeepSpeed 0.19; the plan's :mod:`orch.plans.engine_settings` settings):
   stage 0 all-reduces the gradients once per step (a ring all-reduce, 2(n-1)/n of the
   bytes). Stages 1 and 2 share one optimizer (``runtime/zero/stage_1_and_2.py``), which also
   *all-reduces* the gradient buckets (``allreduce_and_scatter`` -> ``allreduce_bucket``) and keeps
@@ -65,10 +65,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from orch.plans.engine import ZeroStage, engine_settings
+from orch.plans.engine_settings import ZeroStage, engine_settings
 from orch.plans.rank_layout import group_stride
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, ClusterSpec, EngineName, Offload, OptimizerName, OptimSpec, Precision
+from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimizerName, OptimSpec, Precision
 
 # A large dense GEMM sustains about 80% of the datasheet peak on A100s (cuBLAS bf16 at
 # 8192^3 reaches 250-270 of 312 TFLOP/s); declared peaks are derated by this, measured ones not.
@@ -650,7 +650,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     if engine.offload_param != Offload.none:
         offload_s += m * fetches * (params / dp) * plan.precision.element_bytes / _bytes_per_s(speeds.host_link_gbps)
     zero3_hooks_s = 0.0
-    if engine.engine == EngineName.deepspeed and engine.zero_stage == ZeroStage.parameters:
+    if engine.module_hooks:
         zero3_hooks_s = m * fetches * stage_modules * DECLARED_ZERO3_MODULE_S[plan.accelerator.value]
 
     parts = StepTime(compute_s=compute_s, memory_s=memory_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,

@@ -22,19 +22,18 @@ from orch.plans.activations import ActivationBytes, activations_from_shallow, at
 from orch.plans.attention import KernelLog
 from orch.plans.build_memory import GIB, BuildMemory, build_memory, build_violation, format_bytes
 from orch.plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
-from orch.plans.engine import EngineSettings, ZeroStage, engine_settings, fsdp_mesh
+from orch.plans.engine_settings import EngineSettings, ZeroStage, engine_settings
+from orch.plans.engines import engine_spec
+from orch.plans.engines.fsdp2_memory import FSDPUnits, fsdp_units
 from orch.plans.errors import PlanError, Violation, first_line
-from orch.plans.fsdp_memory import FSDPMemory, FSDPUnits, fsdp_memory, fsdp_units
 from orch.plans.memory import (
     DevicePhases,
     MemoryBreakdown,
     ModelStateBytes,
     ModelStats,
     memory_breakdown,
-    model_state_bytes,
     model_stats,
     stage3_persistent_params,
-    step_phases,
 )
 from orch.plans.meta import meta_device
 from orch.plans.pipeline import (
@@ -44,10 +43,9 @@ from orch.plans.pipeline import (
     carry_layers,
     measure_pipeline_layers,
     pipeline_stages,
-    stage_activations,
 )
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, ClusterSpec, EngineName, Offload, OptimSpec, Precision
+from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision
 from orch.plans.tp_plan import split_layers
 from orch.plans.workload import ModelInputs, batch_bytes, supports_activation_checkpointing
 
@@ -102,8 +100,10 @@ class PlanEstimate:
     """Smallest plan changes that would make an infeasible plan fit."""
     attention: str = ""
     """The attention kernel the activations were measured with (:meth:`ModelProbe.attention`)."""
-    fsdp: FSDPMemory | None = None
-    """An FSDP2 plan's rank part by part (sharded states, gathered blocks, reduce-scatter buffers)."""
+    engine_detail: object | None = None
+    """The engine's own part-by-part account of the rank (FSDP2's
+    :class:`orch.plans.engines.fsdp2_memory.FSDPMemory`: sharded states, gathered blocks, reduce-scatter
+    buffers), or None."""
 
     @property
     def feasible(self) -> bool:
@@ -143,12 +143,9 @@ class PlanEstimate:
             "violations": [{"field": v.field, "message": f"{v.message} Fix: {v.fix}"} for v in self.violations],
             "suggestions": list(self.suggestions),
             "attention": self.attention,
-            "fsdp": None if self.fsdp is None else {
-                "shard_group": self.fsdp.mesh.shard, "replicas": self.fsdp.mesh.replicate,
-                "phase": self.per_device.phase,
-                "at_peak": {p.name: p.bytes for p in self.fsdp.at_peak()},
-                "on_host": {p.name: p.bytes for p in self.fsdp.host}},
-        }
+            "fsdp": None,
+        } | ({} if self.engine_detail is None else
+             {self.engine_detail.json_key: self.engine_detail.as_json(self.per_device.phase)})
 
 
 def shard_on_meta(factory: Callable[[], torch.nn.Module], layer_specs: list[dict], tp: int) -> torch.nn.Module:
@@ -354,28 +351,6 @@ def _tensor_parallel_params(module: torch.nn.Module, layer_specs: list[dict]) ->
     return sharded, trainable
 
 
-def _device_phases(plan: ResolvedPlan, optim: OptimSpec, engine: EngineSettings, probe: ModelProbe, stats: ModelStats,
-                   activations: ActivationBytes, grad_accum_steps: int) -> tuple[ModelStateBytes, DevicePhases]:
-    states = model_state_bytes(param_count=stats.param_count, trainable_count=stats.trainable_count,
-                               zero_stage=plan.zero_stage, dp=plan.dp, precision=plan.precision,
-                               optimizer=optim.name, momentum=optim.momentum,
-                               offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param)
-    phases = step_phases(engine, states=states, model=stats, activations=activations, dp=plan.dp,
-                         precision=plan.precision, grad_accum_steps=grad_accum_steps,
-                         accelerator=plan.accelerator, persistent_params=probe.persistent_params(engine))
-    return states, phases
-
-
-def _stage_stats(probe: ModelProbe, stage: PipelineStage, tp: int) -> ModelStats:
-    """A stage's parameter counts; its tensor-parallel layers split tp ways, in the model's proportion."""
-    whole, sharded = probe.stats, probe.stats_for(tp)
-    keep = sharded.param_count / whole.param_count if whole.param_count else 1.0
-    keep_trainable = sharded.trainable_count / whole.trainable_count if whole.trainable_count else 1.0
-    return ModelStats(param_count=round(stage.params * keep), trainable_count=round(stage.trainable * keep_trainable),
-                      largest_layer_params=min(whole.largest_layer_params, stage.params),
-                      largest_param=stage.largest_param)
-
-
 def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe) -> PlanEstimate:
     """Predict the peak bytes of every device and node for ``plan``; no fix search.
 
@@ -390,27 +365,8 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
     """
     capacity = int(cluster.device_memory_gib * GIB)
     engine = engine_settings(plan, optim, probe.stats.param_count)
-    whole_activations = probe.activations(plan)
-    pipeline: list[PipelineStage] = []
-    fsdp = None
-    if plan.engine == EngineName.fsdp2:
-        fsdp = fsdp_memory(engine, mesh=fsdp_mesh(plan, cluster.devices_per_node), model=probe.stats_for(plan.tp),
-                           units=probe.fsdp_units(plan.tp), activations=whole_activations, precision=plan.precision,
-                           optimizer=optim.name, momentum=optim.momentum, grad_accum_steps=plan.grad_accum_steps)
-        per_stage = [(fsdp.states, fsdp.device_phases())]
-    elif plan.pp > 1:
-        pipeline = probe.stages(plan)
-        total_saved = sum(layer.saved_bytes for layer in probe.pipeline_layer_facts(plan))
-        per_stage = []
-        for stage in pipeline:
-            states, phases = _device_phases(plan, optim, engine, probe, _stage_stats(probe, stage, plan.tp),
-                                            stage_activations(whole_activations, stage, total_saved),
-                                            max(plan.grad_accum_steps, 2))
-            held = dataclasses.replace(phases.held, buffers=phases.held.buffers + stage.buffer_bytes)
-            per_stage.append((states, dataclasses.replace(phases, held=held)))
-    else:
-        per_stage = [_device_phases(plan, optim, engine, probe, probe.stats_for(plan.tp), whole_activations,
-                                    plan.grad_accum_steps)]
+    memory = engine_spec(plan.engine).device_memory(plan, cluster, optim, probe, engine, probe.activations(plan))
+    per_stage, pipeline = memory.per_stage, memory.pipeline
     stages = [memory_breakdown(device=phases, capacity=capacity, accelerator=plan.accelerator)
               for _, phases in per_stage]
     worst = max(range(len(stages)), key=lambda i: stages[i].total)
@@ -447,7 +403,7 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
         violations.append(refusal)
     return PlanEstimate(plan=plan, model=probe.stats, per_device=device, stages=stages, pipeline=pipeline,
                         per_node_host=host, build=build, states=states, host_per_device=host_per_device, phases=phases,
-                        violations=violations, fsdp=fsdp)
+                        violations=violations, engine_detail=memory.detail)
 
 
 def _parts(b: MemoryBreakdown) -> str:
@@ -455,58 +411,15 @@ def _parts(b: MemoryBreakdown) -> str:
     return " + ".join(f"{name} {format_bytes(getattr(b, name))}" for name in names)
 
 
-# Plan changes tried, cheapest first, when a plan does not fit: (what to tell the user, change).
-# A change names plan fields; ``fsdp.<name>`` names one of the FSDP2 settings.
-def _candidate_changes(plan: ResolvedPlan) -> list[tuple[str, dict]]:
-    if plan.engine == EngineName.fsdp2:
-        return _fsdp2_changes(plan)
-    changes: list[tuple[str, dict]] = []
-    if not plan.activation_checkpointing:
-        changes.append(("turn on plan.activation_checkpointing", {"activation_checkpointing": True}))
-    if plan.pp == 1:
-        for stage in range(plan.zero_stage + 1, 4):
-            changes.append((f"raise plan.zero_stage to {stage}", {"zero_stage": stage}))
-    if plan.micro_batch_size > 1:
-        half = plan.micro_batch_size // 2
-        changes.append((f"halve plan.micro_batch_size to {half} (and double plan.grad_accum_steps to "
-                        f"{plan.grad_accum_steps * 2} to keep the global batch)",
-                        {"micro_batch_size": half, "grad_accum_steps": plan.grad_accum_steps * 2}))
-    if plan.offload_optimizer == Offload.none and plan.pp == 1:
-        stage = max(plan.zero_stage, 1)
-        what = "set plan.offload_optimizer=cpu" + (f" with plan.zero_stage={stage}" if stage != plan.zero_stage else "")
-        changes.append((what, {"offload_optimizer": Offload.cpu, "zero_stage": stage}))
-    if plan.offload_param == Offload.none and plan.pp == 1:
-        changes.append(("set plan.offload_param=cpu and plan.offload_optimizer=cpu with plan.zero_stage=3",
-                        {"offload_param": Offload.cpu, "offload_optimizer": Offload.cpu, "zero_stage": 3}))
-    return changes
-
-
-def _fsdp2_changes(plan: ResolvedPlan) -> list[tuple[str, dict]]:
-    """An FSDP2 plan's fixes: it has no ZeRO stage to raise, and offloads everything or nothing."""
-    changes: list[tuple[str, dict]] = []
-    if not plan.activation_checkpointing:
-        changes.append(("turn on plan.activation_checkpointing", {"activation_checkpointing": True}))
-    if not plan.fsdp.reshard_after_forward:
-        changes.append(("set plan.fsdp.reshard_after_forward=true", {"fsdp.reshard_after_forward": True}))
-    if plan.fsdp.hybrid:
-        changes.append(("set plan.fsdp.hybrid=false (shard over every node)", {"fsdp.hybrid": False}))
-    if plan.micro_batch_size > 1:
-        half = plan.micro_batch_size // 2
-        changes.append((f"halve plan.micro_batch_size to {half} (and double plan.grad_accum_steps to "
-                        f"{plan.grad_accum_steps * 2} to keep the global batch)",
-                        {"micro_batch_size": half, "grad_accum_steps": plan.grad_accum_steps * 2}))
-    if plan.offload_param == Offload.none:
-        changes.append(("set plan.offload_param=cpu and plan.offload_optimizer=cpu",
-                        {"offload_param": Offload.cpu, "offload_optimizer": Offload.cpu}))
-    return changes
-
-
 def _changed(plan: ResolvedPlan, change: dict) -> ResolvedPlan:
-    """``plan`` with ``change`` applied (``fsdp.<name>`` keys to its FSDP2 settings)."""
-    fsdp = {key.split(".", 1)[1]: value for key, value in change.items() if key.startswith("fsdp.")}
-    fields = {key: value for key, value in change.items() if not key.startswith("fsdp.")}
-    if fsdp:
-        fields["fsdp"] = dataclasses.replace(plan.fsdp, **fsdp)
+    """``plan`` with ``change`` applied; a dotted key (``fsdp.hybrid``) changes a nested setting."""
+    fields: dict[str, object] = {}
+    for key, value in change.items():
+        head, _, tail = key.partition(".")
+        if tail:
+            fields[head] = dataclasses.replace(fields.get(head, getattr(plan, head)), **{tail: value})
+        else:
+            fields[key] = value
     return dataclasses.replace(plan, **fields)
 
 
@@ -514,7 +427,7 @@ def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
                   limit: int = 3) -> list[str]:
     """Single changes (then pairs) that make the plan fit, cheapest first; never one the model
     cannot take (activation checkpointing of a model with nothing to checkpoint)."""
-    singles = _candidate_changes(plan)
+    singles = engine_spec(plan.engine).fixes(plan)
     if not supports_activation_checkpointing(probe.sample):
         singles = [(what, change) for what, change in singles if "activation_checkpointing" not in change]
     found: list[str] = []

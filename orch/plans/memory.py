@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from orch.plans.activations import ActivationBytes
-from orch.plans.engine import EngineSettings
+from orch.plans.engine_settings import EngineSettings
 from orch.plans.spec import Accelerator, Offload, OptimizerName, Precision
 
 # Why 10%: PyTorch's CUDA caching allocator rounds every block up (512 B small blocks, 2 MiB
@@ -34,7 +34,7 @@ from orch.plans.spec import Accelerator, Offload, OptimizerName, Precision
 FRAGMENTATION_RESERVE = 0.10
 
 # DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE (its runtime/engine.py), the bucket of the stage-0
-# all-reduce: a constant of the engine, not a setting (the settings are orch.plans.engine's).
+# all-reduce: a constant of the engine, not a setting (the settings are orch.plans.engine_settings's).
 _STAGE0_ALLREDUCE_BUCKET = 500_000_000
 
 # The fp32 master weights and gradients the optimizer works on.

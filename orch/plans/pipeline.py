@@ -9,7 +9,6 @@ a worker will build. Activations are measured per layer by running the layers in
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -130,27 +129,16 @@ def carry_layers(shallow: list[PipelineLayer], deeper: list[PipelineLayer], dept
 
 
 def partition(layers: list[PipelineLayer], pp: int, method: str) -> list[int]:
-    """Stage boundaries (``pp + 1`` layer indices), as DeepSpeed's ``PipelineModule._partition_layers``.
+    """Stage boundaries (``pp + 1`` layer indices), as DeepSpeed's ``PipelineModule._partition_layers``
+    draws them (:func:`orch.plans.engines.deepspeed_partition.partition_layers`): the only
+    pipeline engine orch runs.
 
     Plain ints: numpy integers would reach the stages' ``start``/``stop`` and from there every JSON
     document (`orch check --json`, MLflow)."""
-    return [int(bound) for bound in _partition(layers, pp, method)]
+    from orch.plans.engines.deepspeed_partition import partition_layers
 
-
-def _partition(layers: list[PipelineLayer], pp: int, method: str) -> list:
-    from deepspeed.runtime.utils import partition_uniform
-
-    from orch.plans.partition import partition_balanced
-
-    if method == "uniform":
-        return partition_uniform(num_items=len(layers), num_parts=pp)
-    if method == "parameters":
-        return partition_balanced(weights=[layer.trainable for layer in layers], num_parts=pp)
-    if method.startswith("type:"):
-        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
-        return partition_balanced(weights=[1 if pattern.search(layer.name) else 0 for layer in layers],
-                                  num_parts=pp)
-    raise ValueError(f"unknown pipeline partition method {method!r}")
+    return [int(bound) for bound in partition_layers([(layer.name, layer.trainable) for layer in layers], pp,
+                                                     method)]
 
 
 def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_batches: int,

@@ -9,11 +9,11 @@ accelerator's defaults) until `orch tune` measures them on the workers.
 from __future__ import annotations
 
 from orch.plans.cost_model import DECLARED_SPEEDS, ModelCost, Speeds, StepTime, speed_defaults
+from orch.plans.engines import engine_spec
 from orch.plans.estimate import ModelProbe
-from orch.plans.fsdp_cost import predict
 from orch.plans.model_cost import measure_model_cost
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import ClusterSpec, EngineName, OptimSpec, Precision
+from orch.plans.spec import ClusterSpec, OptimSpec, Precision
 
 EXACT_PARAMS_LIMIT = 1_000_000_000
 """Models above this many parameters get their FLOPs and activations counted at two shallow depths
@@ -24,9 +24,9 @@ them (:class:`orch.plans.search_space.BatchScaledProbe`); smaller ones are count
 
 def plan_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, probe: ModelProbe, *, devices_per_node: int,
               optim: OptimSpec) -> StepTime:
-    """The predicted step of ``plan`` under its engine; FSDP2's root unit is read off the probe."""
-    root = probe.fsdp_units(plan.tp).root if plan.engine == EngineName.fsdp2 else 0
-    return predict(plan, model, speeds, devices_per_node=devices_per_node, optim=optim, root_params=root)
+    """The predicted step of ``plan`` under its engine, which may read more of the model off the probe."""
+    return engine_spec(plan.engine).step_time(plan, model, speeds, devices_per_node=devices_per_node, optim=optim,
+                                              probe=probe)
 
 
 def count_model_cost(probe: ModelProbe, tp_degrees: list[int], param_count: int) -> ModelCost:

@@ -14,7 +14,7 @@ offloading everything to the CPU or nothing. Pruning runs cheapest first:
 3. the memory estimate (:func:`orch.plans.estimate.estimate_plan`) against one :class:`ModelProbe`.
 
 Survivors are ranked by the predicted step time (:mod:`orch.plans.cost_model`; FSDP2's data-parallel
-term from :mod:`orch.plans.fsdp_cost`). Every rejection is
+term from :mod:`orch.plans.engines.fsdp2_time`). Every rejection is
 counted by reason, so a user sees why a plan they expected is not there.
 """
 
@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 
 from orch.plans.activations import ActivationBytes, measure_activations, measure_activations_depth_scaled
 from orch.plans.cost_model import ModelCost, Speeds, StepTime
+from orch.plans.engines import engine_spec
 from orch.plans.errors import PlanError
 from orch.plans.estimate import ModelProbe, PlanEstimate, estimate_plan
 from orch.plans.pipeline import PipelineLayer, PipelineStage, pipeline_stages
 from orch.plans.prediction import plan_step
-from orch.plans.resolve import PP_ZERO_STAGES, TP_ZERO_STAGES, ResolvedPlan, divisors, resolve_plan
+from orch.plans.resolve import ResolvedPlan, divisors, resolve_plan
 from orch.plans.spec import (
     Accelerator,
     ClusterSpec,
-    EngineName,
     FSDPSpec,
     Offload,
     OptimSpec,
@@ -65,8 +65,8 @@ class SearchSpace:
     activation_checkpointing: tuple[bool, ...] = (False, True)
     micro_batch_sizes: tuple[int, ...] | None = None
     """Micro-batches to try; None: the powers of two that divide the batch each replica gets."""
-    engines: tuple[EngineName, ...] = (EngineName.deepspeed,)
-    """Training engines to try."""
+    engines: tuple[str, ...] = ("deepspeed",)
+    """Training engines to try (``plan.engine`` values)."""
     reshard_after_forward: tuple[bool, ...] = (True, False)
     """FSDP2's ``plan.fsdp.reshard_after_forward`` values to try."""
 
@@ -89,17 +89,11 @@ class SearchSpace:
                                                micro_batch_size=micro, grad_accum_steps=accum,
                                                precision=self.precision)
 
-    def _engine_settings(self, pp: int) -> list[tuple[EngineName, int, FSDPSpec]]:
-        """(engine, ZeRO stage, FSDP2 settings) to try at pipeline degree ``pp``: DeepSpeed at each
-        stage; FSDP2 (never pipelined) at the schema's stage, with and without resharding."""
-        found = []
-        for engine in self.engines:
-            if engine == EngineName.deepspeed:
-                found += [(engine, stage, FSDPSpec()) for stage in self.zero_stages]
-            elif pp == 1:
-                stage = PlanSpec().zero_stage
-                found += [(engine, stage, FSDPSpec(reshard_after_forward=r)) for r in self.reshard_after_forward]
-        return found
+    def _engine_settings(self, pp: int) -> list[tuple[str, int, FSDPSpec]]:
+        """(engine, ZeRO stage, FSDP2 settings) to try at pipeline degree ``pp``, as each engine's
+        spec lists its axes."""
+        return [(engine, stage, fsdp) for engine in self.engines
+                for stage, fsdp in engine_spec(engine).search_settings(self, pp)]
 
     def _micro_batches(self, dp: int) -> list[int]:
         if self.global_batch_size % dp:
@@ -108,14 +102,8 @@ class SearchSpace:
         sizes = self.micro_batch_sizes or [2**i for i in range(per_replica.bit_length()) if 2**i <= per_replica]
         return [m for m in sizes if per_replica % m == 0]
 
-    def _offloads(self, engine: EngineName, stage: int) -> list[tuple[Offload, Offload]]:
-        if engine == EngineName.fsdp2:
-            return [(where, where) for where in self.offload]
-        pairs = []
-        for off_opt in self.offload if stage >= 1 else (Offload.none,):
-            for off_param in self.offload if stage == 3 else (Offload.none,):
-                pairs.append((off_opt, off_param))
-        return pairs
+    def _offloads(self, engine: str, stage: int) -> list[tuple[Offload, Offload]]:
+        return engine_spec(engine).offloads(self, stage)
 
 
 def structural_rejection(plan: PlanSpec, *, devices_per_node: int, n_layers: int,
@@ -129,15 +117,9 @@ def structural_rejection(plan: PlanSpec, *, devices_per_node: int, n_layers: int
         return "tp does not divide cluster.devices_per_node (a tensor-parallel group stays in one node)"
     if plan.tp > 1 and (problem := tp_problem(plan.tp)):
         return problem
-    if plan.tp > 1 and plan.zero_stage not in TP_ZERO_STAGES:
-        return f"ZeRO-{plan.zero_stage} with tp > 1 (AutoTP trains with ZeRO {', '.join(map(str, TP_ZERO_STAGES))})"
     if plan.pp > max(n_layers, 1):
         return "pp exceeds the model's layers"
-    if plan.pp > 1 and plan.zero_stage not in PP_ZERO_STAGES:
-        return f"ZeRO-{plan.zero_stage} with pp > 1 (the pipeline engine trains with ZeRO 0-1)"
-    if plan.pp > 1 and plan.offload_param != Offload.none:
-        return "parameter offload with pp > 1"
-    return None
+    return engine_spec(plan.engine).rejection(plan)
 
 
 def plan_error_reason(error: PlanError) -> str:

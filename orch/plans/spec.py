@@ -20,13 +20,6 @@ class Offload(str, Enum):
     nvme = "nvme"
 
 
-class EngineName(str, Enum):
-    """Which library trains the model (:mod:`orch.launchers.engines`)."""
-
-    deepspeed = "deepspeed"
-    fsdp2 = "fsdp2"
-
-
 @dataclass(kw_only=True)
 class FSDPSpec:
     """PyTorch FSDP2's settings (``plan.engine=fsdp2``); parameters, gradients and optimizer
@@ -81,8 +74,9 @@ class OptimizerName(str, Enum):
 class PlanSpec:
     """The parallelism plan: how the model and batch are split over the workers."""
 
-    engine: EngineName = EngineName.deepspeed
-    """The training engine: deepspeed (ZeRO stages, pipelines) or fsdp2 (PyTorch's fully_shard)."""
+    engine: str = "deepspeed"
+    """The training engine: deepspeed (ZeRO stages, pipelines), fsdp2 (PyTorch's fully_shard), or
+    one registered with :func:`orch.plans.engines.register_engine`."""
     fsdp: FSDPSpec = field(default_factory=FSDPSpec)
     """FSDP2's settings; read only when engine is fsdp2."""
     dp: int | None = None

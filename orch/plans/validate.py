@@ -19,8 +19,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from orch.plans.engines import engine_names
 from orch.plans.errors import Violation
-from orch.plans.spec import EngineName
 
 # Ray refuses an object store smaller than this (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
 RAY_MIN_OBJECT_STORE_GIB = 75 / 1024
@@ -161,7 +161,7 @@ def _shape_violations(sections: Mapping[str, object]) -> list[Violation]:
                                    f"set {key}={_override(_default(sections[section], name))}"))
     tune = sections.get("tune")
     engines = getattr(tune, "engines", None)
-    known = [engine.value for engine in EngineName]
+    known = engine_names()
     if engines is not None and (not engines or any(e not in known for e in engines)):
         found.append(Violation("tune.engines", list(engines), f"the tuner searches the engines {', '.join(known)}.",
                                f"set tune.engines=[{','.join(known)}] or a subset of it"))

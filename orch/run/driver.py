@@ -40,7 +40,7 @@ from orch.plans.flops import training_flops_per_sample
 from orch.plans.model_facts import ModelFacts
 from orch.plans.optim_settings import optim_settings
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, ClusterSpec, EngineName, ResumeMode
+from orch.plans.spec import Accelerator, ClusterSpec, ResumeMode
 from orch.plans.workload import StreamingSource, Workload, data_task_cpus
 from orch.run.progress import Progress
 from orch.run.resume import checkpoint_dir_lock, signature_of
@@ -238,9 +238,9 @@ def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, worklo
         print("warning: the planner predicts this plan does not fit; launching anyway because train.force=true",
               file=sys.stderr)
     optim = optim_settings(plan, cfg.optim, cfg.train.steps)
-    ds_config = engine_module(plan.engine.value, "driver").engine_config(
+    engine_config = engine_module(plan.engine, "driver").engine_config(
         plan, optim, param_count=facts.param_count, tp_layer_specs=workload.tp_layer_specs)
-    job = TrainJob(plan=plan, optim=optim, ds_config=ds_config, workload=workload, train=cfg.train,
+    job = TrainJob(plan=plan, optim=optim, engine_config=engine_config, workload=workload, train=cfg.train,
                    env=job_env(plan.accelerator, cfg.train),
                    model_signature=signature_of(workload.model_factory, workload.model_config, cfg.train),
                    system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.enabled else 0.0)
@@ -275,7 +275,7 @@ def open_tracking(cfg: RunConfig, model_cfg: dict, prepared: PreparedJob, publis
     if published and published.run_id:
         return RunTracker.resume(uri=cfg.tracking.uri, run_id=published.run_id)
     tracker = start_tracking(cfg, model_cfg, prepared.plan, prepared.facts, prepared.estimate,
-                             prepared.job.optim, prepared.job.ds_config, config_yaml, tags)
+                             prepared.job.optim, prepared.job.engine_config, config_yaml, tags)
     try:
         tracker.log_dataset(prepared.workload.data.describe())
     except Exception as error:  # noqa: BLE001 - a user's data source may raise anything
@@ -426,13 +426,13 @@ def _resume_from(job: TrainJob, cfg: RunConfig, published: Published, out) -> Tr
     """The job pointed at ``published``: as written, or converted to a universal checkpoint when
     it was written with another layout, as the engine's driver part says (raises PlanError for
     changes nothing can bridge)."""
-    saved_engine = (published.layout or {}).get("engine", EngineName.deepspeed.value)
-    if saved_engine != job.plan.engine.value:
+    saved_engine = (published.layout or {}).get("engine", "deepspeed")
+    if saved_engine != job.plan.engine:
         raise PlanError([Violation(
-            "plan.engine", job.plan.engine.value,
+            "plan.engine", job.plan.engine,
             f"the checkpoint to resume (step {published.step}) was written by the {saved_engine} engine, whose "
             "files this engine cannot read.", f"set plan.engine={saved_engine}, or train.resume=never to start fresh")])
-    return engine_module(job.plan.engine.value, "driver").resume_job(job, published, cfg.train.checkpoint_dir, out)
+    return engine_module(job.plan.engine, "driver").resume_job(job, published, cfg.train.checkpoint_dir, out)
 
 
 def _with_suggestions(estimate: PlanEstimate) -> list[Violation]:

@@ -17,6 +17,7 @@ matplotlib.use("Agg")  # files only: no display on training nodes or CI
 import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+from orch.plans.engines import EngineSpec, engine_names, engine_spec  # noqa: E402
 from orch.tracking.store import open_existing, reading  # noqa: E402
 
 MIB = 1024**2
@@ -166,8 +167,8 @@ def summary(client: MlflowClient, run_id: str) -> str:
     """Plan, outcome, throughput, memory and restarts of one run, as text."""
     run = client.get_run(run_id)
     p, m, t = run.data.params, run.data.metrics, run.data.tags
-    # An FSDP2 run has no ZeRO stage but its own settings (runs before plan.engine existed: DeepSpeed).
-    sharding = ("fsdp.reshard_after_forward", "fsdp.hybrid") if p.get("plan.engine") == "fsdp2" else ("zero_stage",)
+    # Each engine's own settings, as its spec names them (runs before plan.engine existed: DeepSpeed).
+    sharding = _run_engine(p).tracked_settings if _run_engine(p) else ()
     plan = " ".join(f"{k}={p[f'plan.{k}']}" for k in ("engine", "dp", "tp", "pp", *sharding, "offload_optimizer",
                                                      "activation_checkpointing", "precision", "micro_batch_size",
                                                      "grad_accum_steps") if f"plan.{k}" in p)
@@ -214,11 +215,19 @@ def _run_row(run, indent: str) -> tuple[str, ...]:
     if command in ("sweep", "tune"):
         plan = f"{command}, {t['sweep.jobs']} jobs" if "sweep.jobs" in t else command
     else:
-        sharding = "fsdp2" if p.get("plan.engine") == "fsdp2" else f"z{p.get('plan.zero_stage', '?')}"
+        spec = _run_engine(p)
+        sharding = spec.run_label(p) if spec else p.get("plan.engine", "?")
         plan = f"dp{p.get('plan.dp', '?')} tp{p.get('plan.tp', '?')} pp{p.get('plan.pp', '?')} {sharding}"
     loss = next((f"{m[k]:.4f}" for k in ("loss", "best_eval_loss") if k in m), "-")
     return (indent + run.info.run_id[:12], run.info.run_name or "", run.info.status, plan, loss,
             f"{m['tokens_per_s']:,.0f}" if "tokens_per_s" in m else "-")
+
+
+def _run_engine(params: dict[str, str]) -> EngineSpec | None:
+    """The spec of the engine a run's parameters name (DeepSpeed for runs from before plan.engine
+    was tracked); None for an engine this installation does not have."""
+    name = params.get("plan.engine", "deepspeed")
+    return engine_spec(name) if name in engine_names() else None
 
 
 def runs_command(uri: str, experiment: str) -> str:

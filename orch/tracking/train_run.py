@@ -61,11 +61,11 @@ def address_param(address: str | None) -> str:
 
 
 def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: ModelFacts,
-                    estimate: PlanEstimate, optim: OptimSettings, ds_config: dict | None, config_yaml: str,
+                    estimate: PlanEstimate, optim: OptimSettings, engine_config: dict | None, config_yaml: str,
                     extra_tags: dict[str, str]) -> RunTracker:
     """A new MLflow run with the flattened resolved config as params and the configs as artifacts:
-    the engine-neutral optimizer settings for every run, DeepSpeed's JSON only for the DeepSpeed
-    engine's (``ds_config`` None otherwise)."""
+    the engine-neutral optimizer settings for every run, and the engine's own config when it has
+    one (``config/<engine>.json``: DeepSpeed's JSON)."""
     from orch.plans.cost_model import speed_defaults
 
     # A speed the cluster leaves unset is logged as the default the cost model takes for it (not
@@ -87,8 +87,8 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
                                run_name=cfg.tracking.run_name, params=params, tags=tags)
     tracker.log_text(redact_text(config_yaml), "config/resolved.yaml")  # cluster.address may hold a password
     tracker.log_dict(optim.as_dict(), "config/optimizer.json")
-    if ds_config is not None:
-        tracker.log_dict(ds_config, "config/deepspeed.json")
+    if engine_config is not None:
+        tracker.log_dict(engine_config, f"config/{plan.engine}.json")
     tracker.log_dict(estimate.as_json(), "plan/estimate.json")
     tracker.log_dict({"placement": rank_layout(plan.world_size, cfg.cluster.devices_per_node, plan.tp, plan.pp)},
                      "plan/placement.json")

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from orch.plans.build_memory import format_bytes
 from orch.plans.cost_model import Speeds, StepTime, declared_speed_values
+from orch.plans.engines import engine_spec
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.search_space import Candidate, SearchResult
-from orch.plans.spec import Accelerator, ClusterSpec, EngineName, Offload, Precision, TrainSpec
+from orch.plans.spec import Accelerator, ClusterSpec, Precision, TrainSpec
 from orch.tune.plan_file import train_command
 
 
@@ -143,20 +144,13 @@ def candidate_json(c: Candidate, trial: Trial | None, budget: TrainBudget | None
 
 def describe(plan: ResolvedPlan) -> str:
     """The plan in one line, its engine first."""
-    return f"{plan.engine.value} {_layout_text(plan)}"
+    return f"{plan.engine} {_layout_text(plan)}"
 
 
 def _layout_text(plan: ResolvedPlan) -> str:
-    """The plan but its engine: an FSDP2 plan has no ZeRO stage; it reshards after forward or not,
-    and offloads everything or nothing."""
-    if plan.engine == EngineName.fsdp2:
-        sharding = f"reshard={'on' if plan.fsdp.reshard_after_forward else 'off'}" + (
-            " hybrid" if plan.fsdp.hybrid else "")
-        off = plan.offload_optimizer.value
-    else:
-        sharding = f"zero={plan.zero_stage}"
-        off = plan.offload_optimizer.value + ("+param" if plan.offload_param != Offload.none else "")
-    return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} {sharding} offload={off} "
+    """The plan but its engine, compact: the engine's own settings and offload as its spec says them."""
+    spec = engine_spec(plan.engine)
+    return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} {spec.short_settings(plan)} offload={spec.short_offload(plan)} "
             f"ckpt={'on' if plan.activation_checkpointing else 'off'} micro={plan.micro_batch_size} "
             f"accum={plan.grad_accum_steps}")
 
@@ -217,7 +211,7 @@ def render(result: TuneResult, top_k: int) -> str:
             measured = f"{trial.step_time_s:.3g} s, {trial.tokens_per_s:,.0f} {unit}/s, {_mem(trial.peak_bytes)}"
         elif trial:
             measured = f"{trial.status}: {trial.error}"
-        lines.append(f"{rank:>3}  {c.plan.engine.value:<9} {_layout_text(c.plan):<66} "
+        lines.append(f"{rank:>3}  {c.plan.engine:<9} {_layout_text(c.plan):<66} "
                      f"{p.total_s:>9.3g} {p.tokens_per_s:>11,.0f} "
                      f"{p.tflops_per_device:>8.3g}{_budget_columns(budget, p)} {_mem(c.estimate.per_device.total):>10}"
                      f"  {measured}")

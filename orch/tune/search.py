@@ -20,6 +20,7 @@ from orch.inputs import check_inputs, declared_violations
 from orch.models import DEPTH_KEY, build_model, inspect_declared_model
 from orch.plans.cost_model import Speeds
 from orch.plans.depth_scaling import SHALLOW_DEPTHS
+from orch.plans.engines import engine_spec
 from orch.plans.errors import PlanError, Violation
 from orch.plans.meta import meta_device
 from orch.plans.prediction import EXACT_PARAMS_LIMIT, count_model_cost, declared_speeds_note
@@ -32,7 +33,7 @@ from orch.plans.search_space import (
     search,
     trial_candidates,
 )
-from orch.plans.spec import Accelerator, EngineName, Offload
+from orch.plans.spec import Accelerator, Offload
 from orch.plans.workload import Workload, data_task_cpus
 from orch.tune.plan_file import check_plan_file, plan_overrides, write_plan_file
 from orch.tune.result import TrainBudget, TuneResult
@@ -74,7 +75,7 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool) -> Sea
                        pp=tuple(t.pp) if t.pp else None, zero_stages=tuple(t.zero_stages),
                        offload=tuple(Offload(o) for o in t.offload), activation_checkpointing=ckpt,
                        micro_batch_sizes=tuple(t.micro_batch_sizes) if t.micro_batch_sizes else None,
-                       engines=tuple(EngineName(e) for e in t.engines),
+                       engines=tuple(t.engines),
                        reshard_after_forward=tuple(t.reshard_after_forward))
 
 
@@ -111,8 +112,8 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
         return None
 
     def plan_problem(plan: ResolvedPlan) -> str | None:
-        if plan.engine is EngineName.fsdp2 and plan.tp > 1 and fused_tp_layers(workload):
-            return "fsdp2 cannot split the model's fused tensor-parallel layers"
+        if plan.tp > 1 and not engine_spec(plan.engine).splits_fused_tp_layers and fused_tp_layers(workload):
+            return f"{plan.engine} cannot split the model's fused tensor-parallel layers"
         if plan.pp <= 1:
             return None
         try:

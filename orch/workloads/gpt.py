@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from orch.plans.engines import whole_parameters
+
 # How AutoTP shards the built-in GPT, in the schema of DeepSpeed's
 # ``tensor_parallel.partition_config.layer_specs`` (deepspeed/module_inject/autotp_config.py):
 # regexes matched against full parameter names. Megatron's layout: the first linear of each
@@ -70,13 +72,9 @@ def _initialize(module: nn.Module, seed: int | None) -> nn.Module:
 
 
 def _gathered(module: nn.Module):
-    """A context in which ZeRO-3 partitioned parameters of ``module`` are whole and writable."""
-    partitioned = [p for p in module.parameters() if hasattr(p, "ds_id")]
-    if not partitioned:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
+    """A context in which the parameters of ``module`` are whole and writable, whichever engine
+    partitioned them while it was built (ZeRO-3's ``zero.Init``)."""
+    return whole_parameters(list(module.parameters())) or contextlib.nullcontext()
 
 
 class CausalSelfAttention(nn.Module):

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from orch.plans.engines import whole_parameters
 from orch.plans.errors import PipelineRefused
 from orch.plans.meta import meta_device
 from orch.workloads.gpt import layer_seed
@@ -154,12 +155,8 @@ def _initialize(modules: list[nn.Module], init_fn, seed: int) -> None:
 
 
 def _gathered(modules: list[nn.Module]):
-    partitioned = [p for m in modules for p in m.parameters() if hasattr(p, "ds_id")]
-    if not partitioned:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
+    """:func:`orch.plans.engines.whole_parameters` of every parameter of ``modules``."""
+    return whole_parameters([p for m in modules for p in m.parameters()]) or contextlib.nullcontext()
 
 
 def _materialize(module: nn.Module, model: nn.Module, seed: int | None, parts=None) -> nn.Module:

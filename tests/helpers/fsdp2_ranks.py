@@ -44,7 +44,7 @@ def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", ac
     from orch.launchers.job import TrainJob
     from orch.plans.optim_settings import optim_settings
     from orch.plans.resolve import ResolvedPlan
-    from orch.plans.spec import Accelerator, EngineName, FSDPSpec, Offload, OptimSpec, Precision, TrainSpec
+    from orch.plans.spec import Accelerator, FSDPSpec, Offload, OptimSpec, Precision, TrainSpec
     from orch.plans.tp_plan import specs_from_tp_plan
     from orch.plans.workload import Workload
     from orch.workloads.corpus import CorpusSource
@@ -54,7 +54,7 @@ def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", ac
     plan = ResolvedPlan(dp=world // tp, tp=tp, pp=1, world_size=world, zero_stage=3, offload_optimizer=offloaded,
                         offload_param=offloaded, nvme_path=None, activation_checkpointing=checkpointing,
                         micro_batch_size=2, grad_accum_steps=accum, precision=Precision(precision),
-                        accelerator=Accelerator.cpu, engine=EngineName.fsdp2,
+                        accelerator=Accelerator.cpu, engine="fsdp2",
                         fsdp=FSDPSpec(hybrid=hybrid, reshard_after_forward=reshard))
     specs = specs_from_tp_plan(MODELS[model]()) if model == "llama" else None
     optim = OptimSpec(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1)

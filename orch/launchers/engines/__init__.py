@@ -1,8 +1,9 @@
 """Training engines behind one seam (:mod:`orch.launchers.engines.base`), chosen by ``plan.engine``.
 
-Each engine's module is imported only when a run uses it, so a DeepSpeed run never imports
-FSDP2's code and the reverse. An engine package holds its runtime class and the modules the
-driver's process asks (:data:`DRIVER_PARTS`, found by :func:`engine_module`).
+The engine's spec (:func:`orch.plans.engines.engine_spec`) names its runtime class; its module is
+imported only when a run uses it, so a DeepSpeed run never imports FSDP2's code and the reverse.
+An engine package holds its runtime class and the modules the driver's process asks
+(:data:`DRIVER_PARTS`, found by :func:`engine_module`).
 """
 
 from __future__ import annotations
@@ -10,18 +11,20 @@ from __future__ import annotations
 from types import ModuleType
 
 from orch.launchers.engines.base import BuiltModel, Engine
+from orch.plans.engines import engine_spec
 
-ENGINES = {"deepspeed": "orch.launchers.engines.deepspeed:DeepSpeedEngine",
-           "fsdp2": "orch.launchers.engines.fsdp2:FSDP2Engine"}
+
+def _runtime(name: str) -> tuple[str, str]:
+    """(module, class) of the runtime engine ``name``'s spec names; ValueError for an unknown name."""
+    module, _, cls = engine_spec(name).runtime.partition(":")
+    return module, cls
 
 
 def engine_for(name: str) -> Engine:
     """A new engine of the kind ``name`` (a ``plan.engine`` value)."""
     import importlib
 
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}: known are {', '.join(sorted(ENGINES))}")
-    module, _, cls = ENGINES[name].partition(":")
+    module, cls = _runtime(name)
     return getattr(importlib.import_module(module), cls)()
 
 
@@ -40,11 +43,10 @@ def engine_module(name: str, part: str) -> ModuleType:
     """The ``part`` module (one of :data:`DRIVER_PARTS`) of the engine ``name``."""
     import importlib
 
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}: known are {', '.join(sorted(ENGINES))}")
+    module, _ = _runtime(name)
     if part not in DRIVER_PARTS:
         raise ValueError(f"unknown engine part {part!r}: known are {', '.join(DRIVER_PARTS)}")
-    return importlib.import_module(ENGINES[name].partition(":")[0] + "." + part)
+    return importlib.import_module(f"{module}.{part}")
 
 
-__all__ = ["DRIVER_PARTS", "ENGINES", "BuiltModel", "Engine", "engine_for", "engine_module"]
+__all__ = ["DRIVER_PARTS", "BuiltModel", "Engine", "engine_for", "engine_module"]

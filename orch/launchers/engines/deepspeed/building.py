@@ -104,7 +104,7 @@ def build_model(job: TrainJob):
         with meta_device():
             job.workload.model_factory()
         try:
-            with zero3_build(job.ds_config):
+            with zero3_build(job.engine_config):
                 return job.workload.model_factory(), "zero.Init"
         except Exception as error:  # noqa: BLE001 - the model's own code, run under zero.Init
             reason = f"zero.Init failed: {type(error).__name__}: {error}"

@@ -1,6 +1,6 @@
 """Generate the DeepSpeed config from a resolved plan; users never hand-write DeepSpeed JSON.
 
-The settings themselves are decided in :mod:`orch.plans.engine` (the planner reads the same object)
+The settings themselves are decided in :mod:`orch.plans.engine_settings` (the planner reads the same object)
 and :mod:`orch.plans.optim_settings` (every engine reads that one); this module only writes them out
 as DeepSpeed's JSON, every bucket and ZeRO-3 limit explicit.
 """
@@ -11,7 +11,7 @@ import dataclasses
 import os
 import re
 
-from orch.plans.engine import EngineSettings, engine_settings
+from orch.plans.engine_settings import EngineSettings, engine_settings
 from orch.plans.optim_settings import LossScaling, OptimSettings, WarmupCosine
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Offload, OptimizerName, Precision
@@ -110,7 +110,7 @@ def fp16_section(scaling: LossScaling) -> dict:
 def build_ds_config(plan: ResolvedPlan, optim: OptimSettings, *,
                     param_count: int | None = None, tp_layer_specs: list[dict] | None = None) -> dict:
     """The DeepSpeed config dict for ``deepspeed.initialize(config=...)``: the plan's
-    :func:`orch.plans.engine.engine_settings` (``param_count`` caps the buckets at the model's size),
+    :func:`orch.plans.engine_settings.engine_settings` (``param_count`` caps the buckets at the model's size),
     the batch sizes and precision, and ``optim`` (:func:`orch.plans.optim_settings.optim_settings`)
     as DeepSpeed's optimizer, scheduler, clipping and fp16 sections.
 

@@ -23,10 +23,10 @@ def engine_config(plan: ResolvedPlan, optim: OptimSettings, *, param_count: int,
 def resume_job(job: TrainJob, published: Published, checkpoint_dir: str | os.PathLike, out) -> TrainJob:
     """``job`` pointed at ``published``: as written, or converted to a universal checkpoint when it
     was written at another dp degree (raises PlanError for changes nothing can bridge)."""
-    config = {k: v for k, v in job.ds_config.items() if k != "checkpoint"}
+    config = {k: v for k, v in job.engine_config.items() if k != "checkpoint"}
     if not needs_universal(published.layout, job.plan):
-        return dataclasses.replace(job, resume_tag=published.tag, ds_config=config)
+        return dataclasses.replace(job, resume_tag=published.tag, engine_config=config)
     print(f"the checkpoint at step {published.step} was written with dp={published.layout['dp']}; converting it "
           f"to a universal checkpoint for dp={job.plan.dp}", file=out, flush=True)
     tag = convert(checkpoint_dir, published.tag, env=job.env)
-    return dataclasses.replace(job, resume_tag=tag, ds_config={**config, "checkpoint": {"load_universal": True}})
+    return dataclasses.replace(job, resume_tag=tag, engine_config={**config, "checkpoint": {"load_universal": True}})

@@ -57,6 +57,9 @@ class DeepSpeedEngine(Engine):
         from orch.launchers.engines.deepspeed.config import fused_adam_problem, without_fused_adam
 
         plan = self.plan
+        if job.engine_config is None:
+            raise ValueError("a TrainJob for plan.engine=deepspeed needs its DeepSpeed config in engine_config "
+                             "(orch.launchers.engines.deepspeed.driver.engine_config)")
         built = "stages"
         if plan.pp > 1:
             module = pipeline_module(job)
@@ -77,9 +80,9 @@ class DeepSpeedEngine(Engine):
         # With plan.tp > 1 the config's tensor_parallel section makes initialize() shard the model
         # (AutoTP) before ZeRO wraps it; the parameter generator is read after that, so the
         # optimizer gets the shards.
-        ds_config, optimizer_note = job.ds_config, None
-        fallback = without_fused_adam(job.ds_config) if plan.accelerator.value == "gpu" else job.ds_config
-        if fallback is not job.ds_config and (problem := fused_adam_problem()):
+        ds_config, optimizer_note = job.engine_config, None
+        fallback = without_fused_adam(job.engine_config) if plan.accelerator.value == "gpu" else job.engine_config
+        if fallback is not job.engine_config and (problem := fused_adam_problem()):
             ds_config = fallback
             optimizer_note = f"torch's fused AdamW (DeepSpeed's FusedAdam: {problem})"
         self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),

@@ -59,7 +59,7 @@ class FSDP2Engine(Engine):
         from orch.launchers.engines.base import describe_optimizer
         from orch.launchers.engines.fsdp2.layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
         from orch.launchers.engines.fsdp2.torch_optim import build_optimizer, loss_scaler, lr_schedule
-        from orch.plans.engine import engine_settings
+        from orch.plans.engine_settings import engine_settings
         from orch.plans.meta import meta_device
 
         plan = job.plan
@@ -94,7 +94,7 @@ class FSDP2Engine(Engine):
         gc.collect()
         self.model = model
         scaling = job.optim.loss_scaling
-        # The planner counts the kernel's temporaries from the same settings (orch.plans.fsdp_memory).
+        # The planner counts the kernel's temporaries from the same settings (orch.plans.engines.fsdp2_memory).
         fused = engine_settings(plan, job.optim).fused_adam
         self.optimizer = build_optimizer(model.parameters(), job.optim, self.device.type, fused=fused)
         self.scheduler = lr_schedule(self.optimizer, job.optim.schedule)

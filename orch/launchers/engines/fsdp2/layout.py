@@ -11,7 +11,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
-from orch.plans.engine import fsdp_mesh
+from orch.plans.engines.fsdp2_memory import fsdp_mesh
 
 if TYPE_CHECKING:
     import torch
@@ -70,7 +70,7 @@ def meshes(plan: ResolvedPlan, device_type: str,
 
     dims, names = [plan.dp], ["dp_shard"]
     if plan.fsdp.hybrid:
-        # The planner's mesh (orch.plans.engine.fsdp_mesh), at the workers this node really holds.
+        # The planner's mesh (orch.plans.engine_settings.fsdp_mesh), at the workers this node really holds.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
         layout = fsdp_mesh(plan, local)
         if local % plan.tp or layout.shard * layout.replicate != plan.dp:

@@ -11,7 +11,26 @@ the two on random weights).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+
+
+def partition_layers(layers: list[tuple[str, int]], num_parts: int, method: str) -> list:
+    """Stage boundaries of ``layers`` ((class name, trainable parameters) each) by the
+    ``PipelineModule`` partition ``method``: ``uniform`` layer counts, ``parameters`` balanced
+    trainable parameters, ``type:REGEX`` balanced counts of the layers whose class name matches."""
+    from deepspeed.runtime.utils import partition_uniform
+
+    if method == "uniform":
+        return partition_uniform(num_items=len(layers), num_parts=num_parts)
+    if method == "parameters":
+        return partition_balanced(weights=[trainable for _, trainable in layers], num_parts=num_parts)
+    if method.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        return partition_balanced(weights=[1 if pattern.search(name) else 0 for name, _ in layers],
+                                  num_parts=num_parts)
+    raise ValueError(f"unknown pipeline partition method {method!r}")
 
 
 def partition_balanced(weights: list[int], num_parts: int) -> list[int]:

@@ -19,7 +19,7 @@ from enum import IntEnum
 
 from orch.plans.optim_settings import OptimSettings
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, EngineName, Offload, OptimizerName, OptimSpec, Precision
+from orch.plans.spec import Offload, OptimSpec
 
 # DeepSpeed's defaults (its runtime/zero/config.py), in elements.
 REDUCE_BUCKET_SIZE = 500_000_000
@@ -49,7 +49,6 @@ class EngineSettings:
 
     zero_stage: ZeroStage
     """What is sharded over the data-parallel ranks; ``parameters`` for every FSDP2 plan."""
-    engine: EngineName = EngineName.deepspeed
     reshard_after_forward: bool = True
     """FSDP2: free each block's gathered parameters after its forward (gather again for backward)."""
     hybrid: bool = False
@@ -77,6 +76,9 @@ class EngineSettings:
     """Pinned host buffers for offload (GPU workers: faster copies)."""
     torch_adam: bool = False
     """The step runs torch's Adam/AdamW (CPU workers without offload) instead of DeepSpeed's."""
+    module_hooks: bool = False
+    """Parameters are fetched and released in hooks on every module (DeepSpeed's ZeRO-3), a cost
+    per module call that the cost model adds (``zero3_hooks_s``)."""
     fused_adam: bool = False
     """torch's Adam runs its fused kernel, which steps every tensor in place: FSDP2 without fp16's
     loss scaler (``orch.launchers.engines.fsdp2.torch_optim.build_optimizer``)."""
@@ -89,60 +91,9 @@ class EngineSettings:
 
 def engine_settings(plan: ResolvedPlan, optim: OptimSpec | OptimSettings,
                     param_count: int | None = None) -> EngineSettings:
-    """The engine settings of ``plan``; of ``optim`` (declared or resolved) only its ``name`` matters.
+    """The engine settings of ``plan``, as its engine's spec sets them
+    (:meth:`orch.plans.engines.base.EngineSpec.settings`); of ``optim`` (declared or resolved) only
+    its ``name`` matters. With ``param_count`` an engine may size its buffers to the model."""
+    from orch.plans.engines import engine_spec
 
-    With ``param_count`` the communication buckets are capped at the model's size: DeepSpeed
-    allocates its reduce bucket at full size (500M elements = 2 GB in fp32) whatever the model,
-    which a small model never fills. The cap is rounded up to a multiple of
-    :data:`BUCKET_ALIGNMENT`: ZeRO-2 refuses a bucket that is not a multiple of its alignment
-    factor (2 to 8 elements, by dtype and world size).
-    """
-    cap = -(-param_count // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT if param_count else REDUCE_BUCKET_SIZE
-    gpu = plan.accelerator == Accelerator.gpu
-    adam = optim.name in (OptimizerName.adam, OptimizerName.adamw)
-    if plan.engine == EngineName.fsdp2:
-        # FSDP2 has no buckets: it all-gathers and reduce-scatters one block's parameters at a time
-        # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_all_gather and
-        # foreach_reduce); its optimizer is torch's own, stepping the sharded fp32 parameters.
-        return EngineSettings(
-            zero_stage=ZeroStage.parameters, engine=EngineName.fsdp2,
-            reshard_after_forward=plan.fsdp.reshard_after_forward, hybrid=plan.fsdp.hybrid,
-            overlap_comm=gpu, offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param,
-            pin_memory=gpu, torch_adam=adam,
-            # A loss scaler's step hands the fused kernel a scale it cannot take from sharded
-            # gradients, so fp16 steps with the multi-tensor kernel.
-            fused_adam=adam and plan.precision != Precision.fp16)
-    return EngineSettings(
-        zero_stage=ZeroStage(plan.zero_stage),
-        reduce_bucket_size=min(REDUCE_BUCKET_SIZE, cap),
-        allgather_bucket_size=min(ALLGATHER_BUCKET_SIZE, cap),
-        # On GPU the overlap hides NCCL time behind backward; on CPU (gloo) there is nothing to hide.
-        overlap_comm=gpu,
-        offload_optimizer=plan.offload_optimizer,
-        offload_param=plan.offload_param,
-        nvme_path=plan.nvme_path,
-        pin_memory=gpu,
-        # Without offload on CPU workers, torch's Adam avoids JIT-building DeepSpeed's FusedAdam,
-        # which needs CUDA; with offload DeepSpeed picks its CPU Adam itself.
-        torch_adam=adam and not gpu and plan.offload_optimizer == Offload.none,
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class FSDPMesh:
-    """How FSDP2 lays the data-parallel ranks out: ``shard`` ranks split each parameter, and
-    ``replicate`` groups of them hold the same shards (HSDP; 1 without ``plan.fsdp.hybrid``)."""
-
-    shard: int
-    replicate: int = 1
-
-
-def fsdp_mesh(plan: ResolvedPlan, devices_per_node: int) -> FSDPMesh:
-    """The data-parallel mesh of an FSDP2 plan. Hybrid sharding shards over the data-parallel
-    ranks of one node (``devices_per_node / tp`` of them; a tensor-parallel group stays in a node)
-    and replicates across nodes; otherwise every data-parallel rank holds one shard."""
-    if not plan.fsdp.hybrid:
-        return FSDPMesh(shard=plan.dp)
-    per_node = max(devices_per_node // max(plan.tp * plan.pp, 1), 1)
-    shard = min(plan.dp, per_node)
-    return FSDPMesh(shard=shard, replicate=max(plan.dp // shard, 1))
+    return engine_spec(plan.engine).settings(plan, optim, param_count)

@@ -42,7 +42,7 @@ torch/distributed/fsdp/_fully_shard/ (torch 2.14):
 * **CPU offload** (``CPUOffloadPolicy``): the sharded parameters, gradients and optimizer states
   live in host memory; the device keeps only what is gathered for compute.
 * **HSDP** (``plan.fsdp.hybrid``): the shard group is the data-parallel ranks of one node
-  (:func:`orch.plans.engine.fsdp_mesh`); nodes hold replicas.
+  (:func:`orch.plans.engine_settings.fsdp_mesh`); nodes hold replicas.
 
 Activations are measured on ``meta`` exactly as for DeepSpeed (:mod:`orch.plans.activations`), with
 the trace cut where backward enters and leaves the repeated layers: these parts are alive at
@@ -56,18 +56,43 @@ largest block, R the root.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from orch.plans.activations import ActivationBytes
-from orch.plans.engine import EngineSettings, FSDPMesh
+from orch.plans.engine_settings import EngineSettings
 from orch.plans.memory import DevicePhases, ModelStateBytes, ModelStats, PhaseBytes, _optimizer_moment_bytes
 from orch.plans.spec import Offload, OptimizerName, Precision
 from orch.plans.workload import checkpoint_units
 
+if TYPE_CHECKING:
+    from orch.plans.resolve import ResolvedPlan
+
 _FP32 = 4
 """Bytes of the sharded parameters and gradients (a model built in fp32) and of the fp32 reduction."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPMesh:
+    """How FSDP2 lays the data-parallel ranks out: ``shard`` ranks split each parameter, and
+    ``replicate`` groups of them hold the same shards (HSDP; 1 without ``plan.fsdp.hybrid``)."""
+
+    shard: int
+    replicate: int = 1
+
+
+def fsdp_mesh(plan: ResolvedPlan, devices_per_node: int) -> FSDPMesh:
+    """The data-parallel mesh of an FSDP2 plan. Hybrid sharding shards over the data-parallel
+    ranks of one node (``devices_per_node / tp`` of them; a tensor-parallel group stays in a node)
+    and replicates across nodes; otherwise every data-parallel rank holds one shard."""
+    if not plan.fsdp.hybrid:
+        return FSDPMesh(shard=plan.dp)
+    per_node = max(devices_per_node // max(plan.tp * plan.pp, 1), 1)
+    shard = min(plan.dp, per_node)
+    return FSDPMesh(shard=shard, replicate=max(plan.dp // shard, 1))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +175,26 @@ class FSDPMemory:
     def at_peak(self) -> list[Part]:
         """Every part alive at the peak: what is held, then the binding phase's transients."""
         return [p for p in (*self.held.parts, *self.binding.parts) if p.bytes]
+
+    json_key: ClassVar[str] = "fsdp"
+    """Where `orch check --json` puts :meth:`as_json` (the key is there, null, for every plan)."""
+
+    def as_json(self, phase: str) -> dict:
+        """The rank's mesh and parts at the peak (in ``phase``) and on the host, for `orch check --json`."""
+        return {"shard_group": self.mesh.shard, "replicas": self.mesh.replicate, "phase": phase,
+                "at_peak": {p.name: p.bytes for p in self.at_peak()},
+                "on_host": {p.name: p.bytes for p in self.host}}
+
+    def report_lines(self, phase: str, fmt: Callable[[int], str]) -> list[str]:
+        """The rank's parts at its peak, by name, and what offload keeps on the host (`orch check`)."""
+        mesh = f"shards over {self.mesh.shard} rank(s)" + (f", {self.mesh.replicate} replicas (hybrid)"
+                                                             if self.mesh.replicate > 1 else "")
+        lines = ["", f"FSDP2 per device at the peak ({phase} phase), by part; {mesh}"]
+        lines += [f"  {part.name:<44}{fmt(part.bytes)}" for part in self.at_peak()]
+        if self.host:
+            lines.append("  in host memory (CPUOffloadPolicy)")
+            lines += [f"    {part.name:<42}{fmt(part.bytes)}" for part in self.host]
+        return lines
 
 
 def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, units: FSDPUnits,

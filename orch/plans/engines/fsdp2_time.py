@@ -1,6 +1,6 @@
 """FSDP2's data-parallel time: the term :mod:`orch.plans.cost_model` prices as ZeRO-3's, as FSDP2 runs it.
 
-:func:`orch.plans.engine.engine_settings` maps an FSDP2 plan onto ZeRO stage 3 (it shards the same
+:func:`orch.plans.engine_settings.engine_settings` maps an FSDP2 plan onto ZeRO stage 3 (it shards the same
 states), so :func:`orch.plans.cost_model.predict_step` already prices an all-gather of every parameter
 in forward and backward and a reduce-scatter of the gradients, every micro-batch. FSDP2 differs in
 what it moves and how often (torch/distributed/fsdp/_fully_shard/):
@@ -22,9 +22,8 @@ what it moves and how often (torch/distributed/fsdp/_fully_shard/):
   without overlap, as the cost model counts every CPU collective.
 
 :func:`predict_fsdp_step` is :func:`orch.plans.cost_model.predict_step` with this term in place of the
-ZeRO-3 one; :func:`predict` picks by the plan's engine. The tuner calls :func:`predict`, so the cost
-model itself is unchanged; folding :func:`fsdp_dp_comm_s` into ``predict_step`` is a one-line
-branch on ``engine.engine`` there.
+ZeRO-3 one; the FSDP2 spec (:mod:`orch.plans.engines.fsdp2`) answers the planner's step time with
+it, so the cost model itself knows no engine.
 """
 
 from __future__ import annotations
@@ -41,9 +40,10 @@ from orch.plans.cost_model import (
     group_links,
     predict_step,
 )
-from orch.plans.engine import engine_settings, fsdp_mesh
+from orch.plans.engine_settings import engine_settings
+from orch.plans.engines.fsdp2_memory import fsdp_mesh
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, EngineName, OptimSpec
+from orch.plans.spec import Accelerator, OptimSpec
 
 REDUCE_BYTES = 4
 """Bytes of one reduced gradient element: the FSDP2 engine reduces in fp32 (``reduce_dtype``)."""
@@ -107,11 +107,3 @@ def predict_fsdp_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, d
                                tflops_per_device=step.tflops_per_device * scale,
                                model_tflops_per_device=step.model_tflops_per_device * scale)
 
-
-def predict(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devices_per_node: int, optim: OptimSpec,
-            root_params: float = 0.0) -> StepTime:
-    """The predicted step of ``plan`` under its engine."""
-    if plan.engine == EngineName.fsdp2:
-        return predict_fsdp_step(plan, model, speeds, devices_per_node=devices_per_node, optim=optim,
-                                 root_params=root_params)
-    return predict_step(plan, model, speeds, devices_per_node=devices_per_node, optim=optim)

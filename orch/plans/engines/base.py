@@ -1,0 +1,182 @@
+"""What the planner asks of a training engine: :class:`EngineSpec`, one instance per engine.
+
+Every layer asks the engine's spec instead of branching on its name: the plan's rules
+(:func:`orch.plans.resolve.resolve_plan`), its settings (:mod:`orch.plans.engine_settings`), the
+memory of one device and of a node while the model is built (:mod:`orch.plans.estimate`), the fixes
+tried when a plan does not fit, the predicted step (:mod:`orch.plans.prediction`), the tuner's axes
+(:mod:`orch.plans.search_space`) and the plan's description in reports. The spec names the
+runtime class the workers train with (as Ray Train's ``BackendConfig.backend_cls`` names its
+backend), so the launchers find it here too.
+
+A spec module imports no DeepSpeed, ``torch.distributed`` or torch-importing planner module at
+module level: a plan is resolved before torch is imported (``orch train`` starts Ray meanwhile),
+and a plan for one engine never loads another's library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from orch.plans.errors import Violation
+from orch.plans.spec import ClusterSpec, FSDPSpec, Offload, OptimSpec, PlanSpec
+
+if TYPE_CHECKING:
+    from orch.plans.activations import ActivationBytes
+    from orch.plans.build_memory import BuildMemory
+    from orch.plans.cost_model import ModelCost, Speeds, StepTime
+    from orch.plans.engine_settings import EngineSettings
+    from orch.plans.estimate import ModelProbe
+    from orch.plans.memory import DevicePhases, ModelStateBytes
+    from orch.plans.optim_settings import OptimSettings
+    from orch.plans.pipeline import PipelineStage
+    from orch.plans.resolve import ResolvedPlan
+    from orch.plans.search_space import SearchSpace
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceMemory:
+    """One device's memory under a plan, as its engine lays the model out."""
+
+    per_stage: list[tuple[ModelStateBytes, DevicePhases]]
+    """Model states and step phases of each pipeline stage (one entry without pipelining)."""
+    pipeline: list[PipelineStage] = field(default_factory=list)
+    """The pipeline's stages (empty without pipelining)."""
+    detail: object | None = None
+    """The engine's own part-by-part account, shown by `orch check` (FSDP2's
+    :class:`orch.plans.engines.fsdp2_memory.FSDPMemory`)."""
+
+
+Change = tuple[str, dict]
+"""A fix: what to tell the user, and the plan fields it changes (``fsdp.<name>`` for FSDP2's settings)."""
+
+
+class EngineSpec:
+    """One training engine as the planner knows it. Subclasses set the class attributes and
+    override what their engine does differently; the defaults are ones every engine shares."""
+
+    name: ClassVar[str]
+    """The ``plan.engine`` value that selects it."""
+    runtime: ClassVar[str]
+    """Its runtime class, ``module:Class`` (an :class:`orch.launchers.engines.base.Engine`). The
+    module is a package that also holds the driver's parts (``driver``, ``export``)."""
+    summary: ClassVar[str]
+    """One line for `orch check` and the docs: what it is and what it shards."""
+    buffers_label: ClassVar[str]
+    """The name `orch check` gives the engine's own buffers in a device's breakdown."""
+    tracked_settings: ClassVar[tuple[str, ...]] = ()
+    """Its plan settings, as override keys under ``plan.`` (``zero_stage``, ``fsdp.hybrid``):
+    what the one-line plan, the tracked parameters and `orch report` show of it."""
+    splits_fused_tp_layers: ClassVar[bool] = True
+    """Its tensor parallelism can split fused layers (q, k and v stacked in one weight)."""
+
+    # What the user declared
+
+    def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
+        """What this engine cannot train of ``plan`` on ``cluster``, each with its fix."""
+        return _ignored_fsdp_settings(plan)
+
+    def rejection(self, plan: PlanSpec) -> str | None:
+        """Why the tuner never runs ``plan`` under this engine, in a few fixed words (they are
+        counted across many plans), or None. The long form is :meth:`violations`."""
+        return None
+
+    def setting(self, plan: ResolvedPlan, key: str) -> object:
+        """The value of one of :attr:`tracked_settings` in ``plan``."""
+        head, _, tail = key.partition(".")
+        value = getattr(getattr(plan, head), tail) if tail else getattr(plan, head)
+        return value.value if hasattr(value, "value") else value
+
+    def short_settings(self, plan: ResolvedPlan) -> str:
+        """Its settings in the tuner's compact line (``zero=2``, ``reshard=on``)."""
+        return " ".join(f"{key.rsplit('.', 1)[-1]}={self.setting(plan, key)}" for key in self.tracked_settings)
+
+    def short_offload(self, plan: ResolvedPlan) -> str:
+        """Where the plan offloads, in the tuner's compact line."""
+        return plan.offload_optimizer.value + ("+param" if plan.offload_param != Offload.none else "")
+
+    def run_label(self, params: dict[str, str]) -> str:
+        """The sharding column of `orch runs` for a run's tracked parameters (``plan.<key>``)."""
+        return self.name
+
+    # What the plan costs
+
+    def settings(self, plan: ResolvedPlan, optim: OptimSpec | OptimSettings,
+                 param_count: int | None = None) -> EngineSettings:
+        """The engine settings of ``plan`` (see :func:`orch.plans.engine_settings.engine_settings`)."""
+        raise NotImplementedError
+
+    def device_memory(self, plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe,
+                      engine: EngineSettings, activations: ActivationBytes) -> DeviceMemory:
+        """What one device holds and adds through a step (``activations``: the whole model's)."""
+        raise NotImplementedError
+
+    def build_memory(self, plan: ResolvedPlan, cluster: ClusterSpec, *, built_bytes: int, param_count: int,
+                     stages: list[PipelineStage], weight_file_bytes: int) -> BuildMemory:
+        """One node's host memory while its workers build the model: by default each builds it whole."""
+        from orch.plans.build_memory import GIB, BuildMemory
+
+        return BuildMemory(model=built_bytes, weights=weight_file_bytes,
+                           workers=min(cluster.devices_per_node, plan.world_size), how="whole",
+                           capacity=int(cluster.host_memory_gib * GIB))
+
+    def fixes(self, plan: ResolvedPlan) -> list[Change]:
+        """Single changes to try, cheapest first, when ``plan`` does not fit."""
+        changes: list[Change] = []
+        if not plan.activation_checkpointing:
+            changes.append(("turn on plan.activation_checkpointing", {"activation_checkpointing": True}))
+        return changes
+
+    def step_time(self, plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devices_per_node: int,
+                  optim: OptimSpec, probe: ModelProbe | None = None) -> StepTime:
+        """The predicted optimizer step (``probe``: the model, when the engine reads more of it)."""
+        from orch.plans.cost_model import predict_step
+
+        return predict_step(plan, model, speeds, devices_per_node=devices_per_node, optim=optim)
+
+    # What the tuner tries
+
+    def search_settings(self, space: SearchSpace, pp: int) -> list[tuple[int, FSDPSpec]]:
+        """(``plan.zero_stage``, ``plan.fsdp``) pairs to try at pipeline degree ``pp``."""
+        raise NotImplementedError
+
+    def offloads(self, space: SearchSpace, zero_stage: int) -> list[tuple[Offload, Offload]]:
+        """(optimizer, parameter) offload pairs this engine can express at ``zero_stage``."""
+        return [(where, where) for where in space.offload]
+
+    # What the model's code may ask
+
+    def whole_parameters(self, params: list) -> AbstractContextManager | None:
+        """A context in which ``params``, partitioned by this engine while the model was built,
+        are whole and writable (to initialise them); None when it partitioned none of them."""
+        return None
+
+
+def halve_micro_batch(plan: ResolvedPlan) -> list[Change]:
+    """The fix every engine offers: half the micro-batch, twice the accumulation (same global batch)."""
+    if plan.micro_batch_size <= 1:
+        return []
+    half = plan.micro_batch_size // 2
+    return [(f"halve plan.micro_batch_size to {half} (and double plan.grad_accum_steps to "
+             f"{plan.grad_accum_steps * 2} to keep the global batch)",
+             {"micro_batch_size": half, "grad_accum_steps": plan.grad_accum_steps * 2})]
+
+
+def schema_default(name: str) -> object:
+    """The default of ``PlanSpec.<name>``, as the schema declares it."""
+    return next(f.default for f in dataclasses.fields(PlanSpec) if f.name == name)
+
+
+def _ignored_fsdp_settings(plan: PlanSpec) -> list[Violation]:
+    """Each ``plan.fsdp.*`` key set away from its default under an engine that never reads it."""
+    found = []
+    for f in dataclasses.fields(FSDPSpec):
+        value, default = getattr(plan.fsdp, f.name), f.default
+        if value != default:
+            found.append(Violation(f"plan.fsdp.{f.name}", value,
+                                   f"is an FSDP2 setting, which plan.engine={plan.engine} ignores.",
+                                   f"set plan.engine=fsdp2 to use it, or leave plan.fsdp.{f.name} at its default "
+                                   f"({str(default).lower()})"))
+    return found

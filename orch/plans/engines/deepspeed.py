@@ -1,0 +1,242 @@
+"""DeepSpeed as the planner knows it: ZeRO stages 0-3, CPU/NVMe offload, AutoTP and pipelines.
+
+The rules quote DeepSpeed's own limits (each constant says where it asserts them); the memory of
+a device is ZeRO's model states plus the step's phases (:mod:`orch.plans.memory`), stage by stage
+for a pipeline; the step time is :func:`orch.plans.cost_model.predict_step`, which prices the
+ZeRO stage's collectives. Its runtime is :class:`orch.launchers.engines.deepspeed.DeepSpeedEngine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+from orch.plans.build_memory import GIB, BuildMemory
+from orch.plans.engine_settings import (
+    ALLGATHER_BUCKET_SIZE,
+    BUCKET_ALIGNMENT,
+    REDUCE_BUCKET_SIZE,
+    EngineSettings,
+    ZeroStage,
+)
+from orch.plans.engines.base import Change, DeviceMemory, EngineSpec, halve_micro_batch
+from orch.plans.errors import Violation
+from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, OptimizerName, PlanSpec, Precision
+
+if TYPE_CHECKING:
+    from orch.plans.activations import ActivationBytes
+    from orch.plans.estimate import ModelProbe
+    from orch.plans.memory import ModelStats
+    from orch.plans.pipeline import PipelineStage
+    from orch.plans.resolve import ResolvedPlan
+    from orch.plans.search_space import SearchSpace
+
+ZERO_STAGES = (0, 1, 2, 3)
+# ZeRO stages DeepSpeed's pipeline engine trains with: it asserts stage < 2
+# (deepspeed/runtime/pipe/engine.py, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism").
+PP_ZERO_STAGES = (0, 1)
+# DeepSpeed PipelineModule's partition methods ("profile" is declared there but not implemented).
+PP_PARTITIONS = ("parameters", "uniform")
+# ZeRO stages DeepSpeed's AutoTP is documented to *train* with: its tutorial
+# (docs/_tutorials/autotp-training.md) lists 0, 1 and 2, and its grad-norm parity tests
+# (tests/unit/model_parallelism/test_autotp_training.py) cover those three. ZeRO-3 is only tested
+# to initialise there, although the 0.19 engine says it trains (and a dp=2 x tp=2 run here matched
+# dp=2); add 3 once a parity test in tests/test_tensor_parallel.py covers it.
+TP_ZERO_STAGES = (0, 1, 2)
+
+
+class DeepSpeedSpec(EngineSpec):
+    name = "deepspeed"
+    runtime = "orch.launchers.engines.deepspeed:DeepSpeedEngine"
+    summary = "DeepSpeed: ZeRO stages 0-3 (plan.zero_stage), CPU/NVMe offload, AutoTP tensor parallelism, pipelines"
+    buffers_label = "DeepSpeed buffers"
+    tracked_settings = ("zero_stage",)
+
+    def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
+        v = super().violations(plan, cluster)
+        if plan.zero_stage not in ZERO_STAGES:
+            v.append(Violation("plan.zero_stage", plan.zero_stage, "ZeRO stages are 0, 1, 2 and 3.",
+                               "set plan.zero_stage to 0, 1, 2 or 3"))
+        elif plan.tp > 1 and plan.zero_stage not in TP_ZERO_STAGES:
+            v.append(Violation("plan.zero_stage", plan.zero_stage,
+                               f"DeepSpeed's tensor parallelism (AutoTP) trains with ZeRO stages "
+                               f"{', '.join(map(str, TP_ZERO_STAGES))} only, not stage {plan.zero_stage} "
+                               f"(plan.tp={plan.tp}).",
+                               f"set plan.zero_stage={max(TP_ZERO_STAGES)}, or plan.tp=1 to keep "
+                               f"ZeRO-{plan.zero_stage}"))
+        if plan.pp > 1 and plan.zero_stage in (2, 3):
+            v.append(Violation("plan.zero_stage", plan.zero_stage,
+                               f"DeepSpeed's pipeline engine trains with ZeRO stages "
+                               f"{', '.join(map(str, PP_ZERO_STAGES))} only, not stage {plan.zero_stage} "
+                               f"(plan.pp={plan.pp}): it partitions gradients itself, stage by stage.",
+                               f"set plan.zero_stage={max(PP_ZERO_STAGES)}, or plan.pp=1 to keep "
+                               f"ZeRO-{plan.zero_stage}"))
+        if plan.pp_partition not in PP_PARTITIONS and not (plan.pp_partition.startswith("type:")
+                                                            and len(plan.pp_partition) > len("type:")):
+            v.append(Violation("plan.pp_partition", plan.pp_partition,
+                               "is not a partition method of DeepSpeed's PipelineModule.",
+                               "set plan.pp_partition to parameters, uniform or type:REGEX (e.g. type:Block)"))
+        return v + _offload_violations(plan, cluster)
+
+    def rejection(self, plan: PlanSpec) -> str | None:
+        if plan.tp > 1 and plan.zero_stage not in TP_ZERO_STAGES:
+            return f"ZeRO-{plan.zero_stage} with tp > 1 (AutoTP trains with ZeRO {', '.join(map(str, TP_ZERO_STAGES))})"
+        if plan.pp > 1 and plan.zero_stage not in PP_ZERO_STAGES:
+            return f"ZeRO-{plan.zero_stage} with pp > 1 (the pipeline engine trains with ZeRO 0-1)"
+        if plan.pp > 1 and plan.offload_param != Offload.none:
+            return "parameter offload with pp > 1"
+        return None
+
+    def short_settings(self, plan: ResolvedPlan) -> str:
+        return f"zero={plan.zero_stage}"
+
+    def run_label(self, params: dict[str, str]) -> str:
+        return f"z{params.get('plan.zero_stage', '?')}"
+
+    def settings(self, plan: ResolvedPlan, optim, param_count: int | None = None) -> EngineSettings:
+        """DeepSpeed's buffers capped at the model's size: it allocates its reduce bucket at full
+        size (500M elements = 2 GB in fp32) whatever the model, which a small model never fills.
+        The cap is rounded up to a multiple of :data:`BUCKET_ALIGNMENT`: ZeRO-2 refuses a bucket
+        that is not a multiple of its alignment factor (2 to 8 elements, by dtype and world size)."""
+        cap = -(-param_count // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT if param_count else REDUCE_BUCKET_SIZE
+        gpu = plan.accelerator == Accelerator.gpu
+        adam = optim.name in (OptimizerName.adam, OptimizerName.adamw)
+        return EngineSettings(
+            zero_stage=ZeroStage(plan.zero_stage),
+            reduce_bucket_size=min(REDUCE_BUCKET_SIZE, cap),
+            allgather_bucket_size=min(ALLGATHER_BUCKET_SIZE, cap),
+            # On GPU the overlap hides NCCL time behind backward; on CPU (gloo) there is nothing to hide.
+            overlap_comm=gpu,
+            offload_optimizer=plan.offload_optimizer,
+            offload_param=plan.offload_param,
+            nvme_path=plan.nvme_path,
+            pin_memory=gpu,
+            # Without offload on CPU workers, torch's Adam avoids JIT-building DeepSpeed's FusedAdam,
+            # which needs CUDA; with offload DeepSpeed picks its CPU Adam itself.
+            torch_adam=adam and not gpu and plan.offload_optimizer == Offload.none,
+            # ZeRO-3 fetches and releases parameters in hooks on every module.
+            module_hooks=plan.zero_stage == ZeroStage.parameters,
+        )
+
+    def device_memory(self, plan: ResolvedPlan, cluster: ClusterSpec, optim, probe: ModelProbe,
+                      engine: EngineSettings, activations: ActivationBytes) -> DeviceMemory:
+        """ZeRO's model states and the step's phases; with pipeline stages every stage on its own
+        (its layers' parameters, its share of the activations times the micro-batches it holds in
+        flight), gradients counted as accumulating, since 1F1B runs later forwards while earlier
+        micro-batches' gradients sit in ``.grad``."""
+        from orch.plans.pipeline import stage_activations
+
+        if plan.pp <= 1:
+            return DeviceMemory(per_stage=[_device_phases(plan, optim, engine, probe, probe.stats_for(plan.tp),
+                                                          activations, plan.grad_accum_steps)])
+        pipeline = probe.stages(plan)
+        total_saved = sum(layer.saved_bytes for layer in probe.pipeline_layer_facts(plan))
+        per_stage = []
+        for stage in pipeline:
+            states, phases = _device_phases(plan, optim, engine, probe, _stage_stats(probe, stage, plan.tp),
+                                            stage_activations(activations, stage, total_saved),
+                                            max(plan.grad_accum_steps, 2))
+            held = dataclasses.replace(phases.held, buffers=phases.held.buffers + stage.buffer_bytes)
+            per_stage.append((states, dataclasses.replace(phases, held=held)))
+        return DeviceMemory(per_stage=per_stage, pipeline=pipeline)
+
+    def build_memory(self, plan: ResolvedPlan, cluster: ClusterSpec, *, built_bytes: int, param_count: int,
+                     stages: list[PipelineStage], weight_file_bytes: int) -> BuildMemory:
+        """A pipeline stage builds only its layers; ZeRO-3 without tensor parallelism builds inside
+        ``deepspeed.zero.Init``, each worker holding its share; otherwise each builds it whole."""
+        if plan.pp > 1:
+            per_param = built_bytes / param_count if param_count else 0
+            model, how = round(max(stage.params for stage in stages) * per_param), "pipeline stage"
+        elif plan.zero_stage == 3 and plan.tp == 1:
+            model, how = -(-built_bytes // plan.dp), "zero.Init share"
+        else:
+            return super().build_memory(plan, cluster, built_bytes=built_bytes, param_count=param_count,
+                                        stages=stages, weight_file_bytes=weight_file_bytes)
+        return BuildMemory(model=model, weights=weight_file_bytes, workers=min(cluster.devices_per_node,
+                                                                                plan.world_size),
+                           how=how, capacity=int(cluster.host_memory_gib * GIB))
+
+    def fixes(self, plan: ResolvedPlan) -> list[Change]:
+        changes = super().fixes(plan)
+        if plan.pp == 1:
+            changes += [(f"raise plan.zero_stage to {stage}", {"zero_stage": stage})
+                        for stage in range(plan.zero_stage + 1, 4)]
+        changes += halve_micro_batch(plan)
+        if plan.offload_optimizer == Offload.none and plan.pp == 1:
+            stage = max(plan.zero_stage, 1)
+            what = "set plan.offload_optimizer=cpu" + (f" with plan.zero_stage={stage}"
+                                                       if stage != plan.zero_stage else "")
+            changes.append((what, {"offload_optimizer": Offload.cpu, "zero_stage": stage}))
+        if plan.offload_param == Offload.none and plan.pp == 1:
+            changes.append(("set plan.offload_param=cpu and plan.offload_optimizer=cpu with plan.zero_stage=3",
+                            {"offload_param": Offload.cpu, "offload_optimizer": Offload.cpu, "zero_stage": 3}))
+        return changes
+
+    def search_settings(self, space: SearchSpace, pp: int) -> list[tuple[int, FSDPSpec]]:
+        return [(stage, FSDPSpec()) for stage in space.zero_stages]
+
+    def offloads(self, space: SearchSpace, zero_stage: int) -> list[tuple[Offload, Offload]]:
+        """Optimizer offload from ZeRO-1, parameter offload only at ZeRO-3."""
+        return [(off_opt, off_param)
+                for off_opt in (space.offload if zero_stage >= 1 else (Offload.none,))
+                for off_param in (space.offload if zero_stage == 3 else (Offload.none,))]
+
+    def whole_parameters(self, params: list) -> AbstractContextManager | None:
+        """``deepspeed.zero.GatheredParameters`` of those ``zero.Init`` partitioned (they carry a ``ds_id``)."""
+        partitioned = [p for p in params if hasattr(p, "ds_id")]
+        if not partitioned:
+            return None
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
+
+
+def _offload_violations(plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
+    """DeepSpeed's rules for offload (which ZeRO stage moves what where) and for fp16."""
+    v: list[Violation] = []
+    if plan.offload_param != Offload.none and plan.zero_stage != 3:
+        v.append(Violation("plan.offload_param", plan.offload_param.value,
+                           f"parameter offload needs ZeRO stage 3 (plan.zero_stage={plan.zero_stage}).",
+                           "set plan.zero_stage=3, or plan.offload_param=none"))
+    if plan.offload_optimizer != Offload.none and plan.zero_stage == 0:
+        v.append(Violation("plan.offload_optimizer", plan.offload_optimizer.value,
+                           "optimizer offload needs ZeRO stage 1, 2 or 3 (plan.zero_stage=0).",
+                           "set plan.zero_stage=1 or higher, or plan.offload_optimizer=none"))
+    if Offload.nvme in (plan.offload_optimizer, plan.offload_param) and not plan.nvme_path:
+        v.append(Violation("plan.nvme_path", plan.nvme_path, "NVMe offload needs a directory to write to.",
+                           "set plan.nvme_path=/path/on/local/nvme, or offload to cpu"))
+    if plan.precision == Precision.fp16 and cluster.accelerator == Accelerator.cpu:
+        v.append(Violation("plan.precision", "fp16",
+                           "DeepSpeed does not support fp16 training on CPU workers (cluster.accelerator=cpu).",
+                           "set plan.precision=bf16 (or fp32) for CPU runs; keep fp16 for GPU clusters"))
+    return v
+
+
+def _device_phases(plan: ResolvedPlan, optim, engine: EngineSettings, probe: ModelProbe, stats: ModelStats,
+                   activations: ActivationBytes, grad_accum_steps: int):
+    from orch.plans.memory import model_state_bytes, step_phases
+
+    states = model_state_bytes(param_count=stats.param_count, trainable_count=stats.trainable_count,
+                               zero_stage=plan.zero_stage, dp=plan.dp, precision=plan.precision,
+                               optimizer=optim.name, momentum=optim.momentum,
+                               offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param)
+    phases = step_phases(engine, states=states, model=stats, activations=activations, dp=plan.dp,
+                         precision=plan.precision, grad_accum_steps=grad_accum_steps,
+                         accelerator=plan.accelerator, persistent_params=probe.persistent_params(engine))
+    return states, phases
+
+
+def _stage_stats(probe: ModelProbe, stage: PipelineStage, tp: int) -> ModelStats:
+    """A stage's parameter counts; its tensor-parallel layers split tp ways, in the model's proportion."""
+    from orch.plans.memory import ModelStats
+
+    whole, sharded = probe.stats, probe.stats_for(tp)
+    keep = sharded.param_count / whole.param_count if whole.param_count else 1.0
+    keep_trainable = sharded.trainable_count / whole.trainable_count if whole.trainable_count else 1.0
+    return ModelStats(param_count=round(stage.params * keep), trainable_count=round(stage.trainable * keep_trainable),
+                      largest_layer_params=min(whole.largest_layer_params, stage.params),
+                      largest_param=stage.largest_param)
+
+
+SPEC = DeepSpeedSpec()

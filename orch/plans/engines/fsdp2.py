@@ -1,0 +1,144 @@
+"""PyTorch FSDP2 (``fully_shard``) as the planner knows it: parameters, gradients and optimizer
+states always sharded over the data-parallel ranks, with or without resharding after forward,
+optionally hybrid (HSDP); host offload of everything or nothing; DTensor tensor parallelism; no
+pipeline stages.
+
+Its memory is counted part by part as ``fully_shard`` lays it out
+(:mod:`orch.plans.engines.fsdp2_memory`), its data-parallel time as FSDP2 moves it
+(:mod:`orch.plans.engines.fsdp2_time`). Its runtime is :class:`orch.launchers.engines.fsdp2.FSDP2Engine`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from orch.plans.build_memory import GIB, BuildMemory
+from orch.plans.engine_settings import EngineSettings, ZeroStage
+from orch.plans.engines.base import Change, DeviceMemory, EngineSpec, halve_micro_batch, schema_default
+from orch.plans.errors import Violation
+from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, OptimizerName, PlanSpec, Precision
+
+if TYPE_CHECKING:
+    from orch.plans.activations import ActivationBytes
+    from orch.plans.cost_model import ModelCost, Speeds, StepTime
+    from orch.plans.estimate import ModelProbe
+    from orch.plans.pipeline import PipelineStage
+    from orch.plans.resolve import ResolvedPlan
+    from orch.plans.search_space import SearchSpace
+
+
+class FSDP2Spec(EngineSpec):
+    name = "fsdp2"
+    runtime = "orch.launchers.engines.fsdp2:FSDP2Engine"
+    summary = ("PyTorch FSDP2: fully_shard over the data-parallel ranks (plan.fsdp.reshard_after_forward, "
+               "plan.fsdp.hybrid), host offload, DTensor tensor parallelism")
+    buffers_label = "FSDP2 buffers"
+    tracked_settings = ("fsdp.reshard_after_forward", "fsdp.hybrid")
+    splits_fused_tp_layers = False
+
+    def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
+        """What PyTorch FSDP2 cannot train, or orch's FSDP2 engine does not run."""
+        found = []
+        if plan.pp > 1:
+            found.append(Violation("plan.pp", plan.pp,
+                                   "pipeline plans are DeepSpeed's: the FSDP2 engine trains without pipeline stages.",
+                                   "set plan.engine=deepspeed or plan.pp=1"))
+        default_stage = schema_default("zero_stage")
+        if plan.zero_stage != default_stage:
+            found.append(Violation("plan.zero_stage", plan.zero_stage,
+                                   "FSDP2 always shards parameters, gradients and optimizer states over the "
+                                   "data-parallel ranks (what ZeRO-3 shards); it has no ZeRO stages to choose.",
+                                   f"leave plan.zero_stage at its default ({default_stage}) with plan.engine=fsdp2, "
+                                   "or set plan.engine=deepspeed to choose a stage"))
+        offloads = {"plan.offload_optimizer": plan.offload_optimizer, "plan.offload_param": plan.offload_param}
+        nvme = [name for name, where in offloads.items() if where == Offload.nvme]
+        for name in nvme:
+            found.append(Violation(name, Offload.nvme.value,
+                                   "FSDP2 offloads to host memory only (its CPUOffloadPolicy); it has no NVMe "
+                                   "offload.",
+                                   "set plan.offload_optimizer=cpu and plan.offload_param=cpu, or "
+                                   "plan.engine=deepspeed for NVMe offload"))
+        cpu = [name for name, where in offloads.items() if where == Offload.cpu]
+        if not nvme and len(cpu) == 1:
+            other = next(name for name in offloads if name not in cpu)
+            found.append(Violation(cpu[0], Offload.cpu.value,
+                                   "FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer states to "
+                                   f"the host together, so it cannot offload one without the other ({other}=none).",
+                                   f"set {other}=cpu as well, or {cpu[0]}=none"))
+        return found
+
+    def short_settings(self, plan: ResolvedPlan) -> str:
+        return f"reshard={'on' if plan.fsdp.reshard_after_forward else 'off'}" + (" hybrid" if plan.fsdp.hybrid
+                                                                                   else "")
+
+    def short_offload(self, plan: ResolvedPlan) -> str:
+        """Everything or nothing: one place names it."""
+        return plan.offload_optimizer.value
+
+    def settings(self, plan: ResolvedPlan, optim, param_count: int | None = None) -> EngineSettings:
+        """What ZeRO-3 shards, and no buckets: FSDP2 all-gathers and reduce-scatters one block's
+        parameters at a time (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
+        foreach_all_gather and foreach_reduce); its optimizer is torch's own, stepping the sharded
+        fp32 parameters."""
+        gpu = plan.accelerator == Accelerator.gpu
+        adam = optim.name in (OptimizerName.adam, OptimizerName.adamw)
+        return EngineSettings(
+            zero_stage=ZeroStage.parameters,
+            reshard_after_forward=plan.fsdp.reshard_after_forward, hybrid=plan.fsdp.hybrid,
+            overlap_comm=gpu, offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param,
+            pin_memory=gpu, torch_adam=adam,
+            # A loss scaler's step hands the fused kernel a scale it cannot take from sharded
+            # gradients, so fp16 steps with the multi-tensor kernel.
+            fused_adam=adam and plan.precision != Precision.fp16)
+
+    def device_memory(self, plan: ResolvedPlan, cluster: ClusterSpec, optim, probe: ModelProbe,
+                      engine: EngineSettings, activations: ActivationBytes) -> DeviceMemory:
+        from orch.plans.engines.fsdp2_memory import fsdp_memory, fsdp_mesh
+
+        fsdp = fsdp_memory(engine, mesh=fsdp_mesh(plan, cluster.devices_per_node), model=probe.stats_for(plan.tp),
+                           units=probe.fsdp_units(plan.tp), activations=activations, precision=plan.precision,
+                           optimizer=optim.name, momentum=optim.momentum, grad_accum_steps=plan.grad_accum_steps)
+        return DeviceMemory(per_stage=[(fsdp.states, fsdp.device_phases())], detail=fsdp)
+
+    def build_memory(self, plan: ResolvedPlan, cluster: ClusterSpec, *, built_bytes: int, param_count: int,
+                     stages: list[PipelineStage], weight_file_bytes: int) -> BuildMemory:
+        """One worker builds the model whole and the others on meta (it broadcasts the weights)."""
+        if plan.world_size <= 1:
+            return super().build_memory(plan, cluster, built_bytes=built_bytes, param_count=param_count,
+                                        stages=stages, weight_file_bytes=weight_file_bytes)
+        return BuildMemory(model=built_bytes, weights=weight_file_bytes,
+                           workers=min(cluster.devices_per_node, plan.world_size), builders=1, how="whole",
+                           capacity=int(cluster.host_memory_gib * GIB))
+
+    def fixes(self, plan: ResolvedPlan) -> list[Change]:
+        """No ZeRO stage to raise, and offload of everything or nothing."""
+        changes = super().fixes(plan)
+        if not plan.fsdp.reshard_after_forward:
+            changes.append(("set plan.fsdp.reshard_after_forward=true", {"fsdp.reshard_after_forward": True}))
+        if plan.fsdp.hybrid:
+            changes.append(("set plan.fsdp.hybrid=false (shard over every node)", {"fsdp.hybrid": False}))
+        changes += halve_micro_batch(plan)
+        if plan.offload_param == Offload.none:
+            changes.append(("set plan.offload_param=cpu and plan.offload_optimizer=cpu",
+                            {"offload_param": Offload.cpu, "offload_optimizer": Offload.cpu}))
+        return changes
+
+    def step_time(self, plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devices_per_node: int,
+                  optim, probe: ModelProbe | None = None) -> StepTime:
+        """ZeRO-3's step with FSDP2's data-parallel term; the root unit (gathered once per
+        micro-batch) read off the model when there is one."""
+        from orch.plans.engines.fsdp2_time import predict_fsdp_step
+
+        root = probe.fsdp_units(plan.tp).root if probe is not None else 0
+        return predict_fsdp_step(plan, model, speeds, devices_per_node=devices_per_node, optim=optim,
+                                 root_params=root)
+
+    def search_settings(self, space: SearchSpace, pp: int) -> list[tuple[int, FSDPSpec]]:
+        """Never pipelined; the schema's ZeRO stage (FSDP2 reads none), resharding on and off."""
+        if pp > 1:
+            return []
+        stage = schema_default("zero_stage")
+        return [(stage, FSDPSpec(reshard_after_forward=r)) for r in space.reshard_after_forward]
+
+
+SPEC = FSDP2Spec()
