@@ -85,7 +85,8 @@ def split_model_config(model_cfg: dict) -> tuple[dict, list[dict] | None]:
     return constructor, model_cfg.get(TP_SPECS_KEY)
 
 
-# The classmethod a model offers to be split into pipeline stages (plan.pp > 1).
+# The classmethod a model offers to be split into pipeline stages (plan.pp > 1): its layers as
+# orch.plans.stage_layers.StageLayer objects, which each engine turns into its own.
 PIPELINE_LAYERS_METHOD = "pipeline_layers"
 
 
@@ -93,8 +94,9 @@ def pipeline_layers_factory(model_cfg: dict) -> Callable[..., list] | None:
     """A picklable factory of the model's pipeline layers, or None if the model cannot be pipelined.
 
     The model's ``_target_`` class declares them with a ``pipeline_layers(**same arguments)``
-    classmethod returning DeepSpeed ``LayerSpec`` / ``TiedLayerSpec`` objects in forward order
-    (see orch/workloads/gpt.py): each stage then builds only its own layers.
+    classmethod returning :class:`~orch.plans.stage_layers.StageLayer` objects in forward order
+    (see orch/workloads/gpt.py): each stage then builds only its own layers. DeepSpeed
+    ``LayerSpec`` / ``TiedLayerSpec`` objects are still accepted, for models written against them.
     """
     target = get_object(model_cfg["_target_"]) if "_target_" in model_cfg else None
     if target is None or not callable(getattr(target, PIPELINE_LAYERS_METHOD, None)):

@@ -127,8 +127,8 @@ def test_an_engine_from_outside_orch_is_checked_like_the_shipped_ones(tmp_path):
             "its default, or set plan.engine=deepspeed") in refused.stderr
     unknown = check("plan.engine=ddp")
     assert unknown.returncode == 2
-    assert "plan.engine='ddp': is not an engine orch has. Fix: set plan.engine to one of deepspeed, fsdp2, ddp_example" \
-        in unknown.stderr
+    assert ("plan.engine='ddp': is not an engine orch has. Fix: set plan.engine to one of deepspeed, fsdp2, "
+            "ddp_example") in unknown.stderr
 
 
 def test_the_engine_specs_load_without_torch():

@@ -11,7 +11,8 @@ shard it holds: its attention reads the number of local heads off the width of `
 so the same code runs whole (on ``meta`` in the planner, at tp=1) and sharded.
 
 Pipeline parallelism (``plan.pp > 1``) needs the model as a flat sequence of layers, each stage
-building only its own: :meth:`GPT.pipeline_layers` returns them as DeepSpeed ``LayerSpec`` objects.
+building only its own: :meth:`GPT.pipeline_layers` describes them as
+:class:`orch.plans.stage_layers.StageLayer` objects, which the training engine turns into its own.
 Every layer draws its initial weights from a seed of its own (the run's seed and the layer's
 index), so the model built whole and the model built stage by stage start from the same weights.
 """
@@ -26,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from orch.plans.engines import whole_parameters
+from orch.plans.stage_layers import StageLayer
 
 # How AutoTP shards the built-in GPT, in the schema of DeepSpeed's
 # ``tensor_parallel.partition_config.layer_specs`` (deepspeed/module_inject/autotp_config.py):
@@ -211,28 +213,26 @@ class GPT(nn.Module):
     @classmethod
     def pipeline_layers(cls, *, n_layer: int = 2, d_model: int = 128, n_head: int = 4, seq_len: int = 128,
                         vocab_size: int = 256, tie_embeddings: bool = True, dropout: float = 0.0,
-                        fused_attention: bool = True, tp: int = 1) -> list:
-        """The model as DeepSpeed pipeline layers, built lazily by the stage that owns each.
+                        fused_attention: bool = True, tp: int = 1) -> list[StageLayer]:
+        """The model as pipeline stage layers, built lazily by the stage that owns each.
 
         Embedding, the blocks, the final norm and the head: the same modules, weights and
-        arithmetic as :meth:`forward`. A tied head is a ``TiedLayerSpec`` of the embedding, so the
-        first and last stages each hold a copy whose gradients DeepSpeed all-reduces.
+        arithmetic as :meth:`forward`. A tied head shares the embedding (``tie="embed"``), so the
+        first and last stages each hold a copy whose gradients the engine sums across the two.
         """
-        from deepspeed.pipe import LayerSpec, TiedLayerSpec
-
         _check_arguments(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
                          tp=tp, dropout=dropout)
         base = torch.initial_seed()
-        embed = ("embed", Embedding, vocab_size, seq_len, d_model)
-        layers: list = [TiedLayerSpec(*embed, init_seed=layer_seed(base, 0), tied_weight_attr="wte.weight")]
-        layers += [LayerSpec(Block, d_model, n_head, init_seed=layer_seed(base, 1 + i), dropout=dropout,
-                             fused_attention=fused_attention) for i in range(n_layer)]
-        layers.append(LayerSpec(nn.LayerNorm, d_model))
+        embed = (Embedding, vocab_size, seq_len, d_model)
+        tied = {"tie": "embed", "tied_weight_attr": "wte.weight", "init_seed": layer_seed(base, 0)}
+        layers = [StageLayer.of(*embed, **tied)]
+        layers += [StageLayer.of(Block, d_model, n_head, init_seed=layer_seed(base, 1 + i), dropout=dropout,
+                                 fused_attention=fused_attention) for i in range(n_layer)]
+        layers.append(StageLayer.of(nn.LayerNorm, d_model))
         if tie_embeddings:
-            layers.append(TiedLayerSpec(*embed, init_seed=layer_seed(base, 0), forward_fn=tied_logits,
-                                        tied_weight_attr="wte.weight"))
+            layers.append(StageLayer.of(*embed, forward_fn=tied_logits, **tied))
         else:
-            layers.append(LayerSpec(LMHead, d_model, vocab_size, init_seed=layer_seed(base, n_layer + 2)))
+            layers.append(StageLayer.of(LMHead, d_model, vocab_size, init_seed=layer_seed(base, n_layer + 2)))
         return layers
 
     def gradient_checkpointing_enable(self) -> None:

@@ -18,8 +18,8 @@ Each pipeline layer runs the model's own code, so it computes what the unpipelin
 * :class:`FinalNorm` is the base model's final norm.
 * :class:`OutputHead` is the causal LM with its base model replaced by the hidden states: its own
   forward computes the logits (and any scaling of them). With tied input and output embeddings
-  the head is a ``TiedLayerSpec`` of the :class:`InputEmbedding`, whose copy on the last stage
-  DeepSpeed keeps equal to the first stage's.
+  the head shares the :class:`InputEmbedding` (a :class:`~orch.plans.stage_layers.StageLayer`
+  tie), whose copy on the last stage the engine keeps equal to the first stage's.
 
 Weights: part ``k`` (the embedding is 0, decoder layer ``i`` is ``i + 1``, the norm ``N + 1``,
 an untied head ``N + 2``) is initialized by the model's own ``_init_weights`` from
@@ -42,6 +42,7 @@ from torch import nn
 from orch.plans.engines import whole_parameters
 from orch.plans.errors import PipelineRefused
 from orch.plans.meta import meta_device
+from orch.plans.stage_layers import StageLayer
 from orch.workloads.gpt import layer_seed
 
 
@@ -363,24 +364,20 @@ class OutputHead(nn.Module):
         return _logits(self.lm, hidden)
 
 
-def pipeline_layers(**arguments: Any) -> list:
-    """``hf_causal_lm(**arguments)`` as DeepSpeed pipeline layers; :class:`PipelineRefused` if the
+def pipeline_layers(**arguments: Any) -> list[StageLayer]:
+    """``hf_causal_lm(**arguments)`` as pipeline stage layers; :class:`PipelineRefused` if the
     model does not fit *embeddings -> decoder layers -> final norm -> head*."""
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
-
     if arguments.get("pretrained_path"):
         raise PipelineRefused(f"model.pretrained_path={arguments['pretrained_path']!r}: pipeline stages are built "
                               "from model.config only (each stage would load the whole checkpoint)")
     _, s = _model(arguments)
     base = torch.initial_seed()
-    embedding = ("embedding", InputEmbedding, arguments)
-    tied_attr = f"base.{s.embedding}.weight"
-    layers: list = [TiedLayerSpec(*embedding, init_seed=layer_seed(base, 0), tied_weight_attr=tied_attr)]
-    layers += [LayerSpec(DecoderLayer, arguments, i, init_seed=layer_seed(base, 1 + i)) for i in range(s.depth)]
-    layers.append(LayerSpec(FinalNorm, arguments, init_seed=layer_seed(base, s.depth + 1)))
+    tied = {"tie": "embedding", "tied_weight_attr": f"base.{s.embedding}.weight", "init_seed": layer_seed(base, 0)}
+    layers = [StageLayer.of(InputEmbedding, arguments, **tied)]
+    layers += [StageLayer.of(DecoderLayer, arguments, i, init_seed=layer_seed(base, 1 + i)) for i in range(s.depth)]
+    layers.append(StageLayer.of(FinalNorm, arguments, init_seed=layer_seed(base, s.depth + 1)))
     if s.tied:
-        layers.append(TiedLayerSpec(*embedding, init_seed=layer_seed(base, 0), forward_fn=tied_logits,
-                                    tied_weight_attr=tied_attr))
+        layers.append(StageLayer.of(InputEmbedding, arguments, forward_fn=tied_logits, **tied))
     else:
-        layers.append(LayerSpec(OutputHead, arguments, init_seed=layer_seed(base, s.depth + 2)))
+        layers.append(StageLayer.of(OutputHead, arguments, init_seed=layer_seed(base, s.depth + 2)))
     return layers

@@ -9,6 +9,7 @@ import sys
 
 from orch.launchers.job import TrainJob
 from orch.plans.rank_layout import GRID_AXES, ParallelCoords
+from orch.plans.stage_layers import StageLayer
 
 
 def import_deepspeed():
@@ -167,8 +168,37 @@ def pipeline_module(job: TrainJob):
         # DeepSpeed's pipeline hands the last stage the batch's targets alone.
         return objective(outputs, (None, targets))
 
-    return PipelineModule(layers=job.workload.pipeline_layers(), topology=topology, loss_fn=loss_fn,
-                          partition_method=plan.pp_partition, **recompute)
+    return PipelineModule(layers=deepspeed_layers(job.workload.pipeline_layers()), topology=topology,
+                          loss_fn=loss_fn, partition_method=plan.pp_partition, **recompute)
+
+
+def deepspeed_layers(layers: list) -> list:
+    """The model's :class:`~orch.plans.stage_layers.StageLayer` list as DeepSpeed's pipeline layers.
+
+    A tied layer becomes a ``TiedLayerSpec`` under its tie key, any other a ``LayerSpec``. Anything
+    else in the list (DeepSpeed ``LayerSpec`` objects or modules, which a model of its own may still
+    return from ``pipeline_layers()``) is DeepSpeed's already and passes through unchanged.
+    """
+    import torch
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    converted = []
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, StageLayer):
+            converted.append(layer)
+            continue
+        if not (isinstance(layer.module, type) and issubclass(layer.module, torch.nn.Module)):
+            raise TypeError(f"pipeline layer {index} ({layer.name}) is built by a function, and DeepSpeed's "
+                            "pipeline builds layers from nn.Module classes only: give the StageLayer the "
+                            "module's class")
+        if layer.tie is None:
+            converted.append(LayerSpec(layer.module, *layer.args, **layer.kwargs))
+        else:
+            attr = layer.tied_weight_attr
+            converted.append(TiedLayerSpec(layer.tie, layer.module, *layer.args, forward_fn=layer.forward_fn,
+                                           tied_weight_attr=attr if isinstance(attr, str) else list(attr),
+                                           **layer.kwargs))
+    return converted
 
 
 def mark_stage_parameters(module, coords: ParallelCoords) -> None:
