@@ -186,7 +186,7 @@ def resolve_workload(model_cfg: dict, objective_cfg: dict, data_cfg: dict) -> Wo
         pipeline = None
     refusal = None if pipeline else (
         f"{constructor_cfg.get('_target_', 'the model')} cannot be split into pipeline stages: it has no "
-        f"{PIPELINE_LAYERS_METHOD}() classmethod returning its layers as DeepSpeed LayerSpecs")
+        f"{PIPELINE_LAYERS_METHOD}() classmethod returning its layers (orch.plans.stage_layers.StageLayer)")
     return Workload(model_factory=factory, objective=built["objective"], data=built["data"],
                     model_config=constructor_cfg, tp_layer_specs=specs, tp_specs_source=source,
                     pipeline_layers=pipeline, pipeline_refusal=refusal,

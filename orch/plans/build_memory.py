@@ -9,7 +9,7 @@ worker of whatever each worker builds:
   ``deepspeed.zero.Init``, which partitions each parameter as it is created: a worker holds its
   ``1/dp`` share (the worker falls back to building whole when the model's code cannot run
   under ``zero.Init``, and says so);
-* with pipeline parallelism each stage builds only its own layers (DeepSpeed's ``LayerSpec``);
+* with pipeline parallelism each stage builds only its own layers (``StageLayer``s);
 * the FSDP2 engine builds on ``meta`` on every rank and fills the shards from the whole model
   that the run's first worker alone builds, so the node that hosts it holds one whole copy;
 * otherwise, tensor parallelism included (AutoTP shards a model that was built whole), every

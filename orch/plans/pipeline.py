@@ -1,8 +1,9 @@
 """Pipeline stages of a plan: which layers each stage gets, what they hold, and the bubble.
 
-The layers are the model's own pipeline layers (DeepSpeed ``LayerSpec`` objects, see
-orch/workloads/gpt.py), built one at a time on ``meta``: the split is computed with DeepSpeed's own
-partition functions on the same weights ``PipelineModule`` uses, so every stage here is the stage
+The layers are the model's own pipeline layers (:class:`orch.plans.stage_layers.StageLayer`
+objects, or DeepSpeed ``LayerSpec`` ones; see orch/workloads/gpt.py), built one at a time on
+``meta``: the split is computed with DeepSpeed's own partition functions on the same weights
+``PipelineModule`` uses, so every stage here is the stage
 a worker will build. Activations are measured per layer by running the layers in order on
 ``meta``, as the stages will, with the loss on the last.
 """
