@@ -34,9 +34,9 @@ def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_referenc
     assert [r[0].step for r in first.reports] == [5, 10]
     assert [r[0].loss for r in first.reports] == pytest.approx([r[0].loss for r in dp_reference.reports[:2]],
                                                                   abs=2e-3)
-    assert all(f.optimizer.startswith("torch.AdamW") for f in first.worker_facts)
+    assert all(f.model.optimizer.startswith("torch.AdamW") for f in first.worker_facts)
     # Each rank held only its shard of the model after building it.
-    assert all(f.params_on_rank < first.model.param_count for f in first.worker_facts)
+    assert all(f.model.params_on_rank < first.model.param_count for f in first.worker_facts)
     out = io.StringIO()
     resumed = train(sqlite_uri, *checkpoints, "plan.dp=1", "cluster.devices_per_node=1", "plan.grad_accum_steps=2",
                     "plan.precision=fp32", stream=out)
@@ -103,7 +103,7 @@ def test_fsdp2_trains_an_hf_llama_with_tensor_parallelism_in_bf16(local_ray, sql
     assert last[0].loss < first[0].loss - 0.5, (first[0].loss, last[0].loss)
     # Both ranks of the tensor-parallel group read the same batch and hold half of the sharded layers.
     assert first[0].first_batch_digest == first[1].first_batch_digest
-    assert all(f.params_on_rank < result.model.param_count for f in result.worker_facts)
+    assert all(f.model.params_on_rank < result.model.param_count for f in result.worker_facts)
 
 
 def test_the_vit_fsdp_recipe_trains_a_torchvision_model(local_ray, sqlite_uri):

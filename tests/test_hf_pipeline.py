@@ -148,7 +148,7 @@ def test_a_llama_pipeline_follows_the_unpipelined_loss_curve(local_ray, sqlite_u
     # replica running two micro-batches of 4 through two stages (the same 8 samples).
     dp = train(sqlite_uri, *LLAMA, "plan.dp=2", "train.eval_batches=2")
     pp = train(sqlite_uri, *LLAMA, "plan.dp=1", "plan.pp=2", "plan.grad_accum_steps=2", "train.eval_batches=4")
-    assert [f.params_on_rank for f in pp.worker_facts] == [s.params for s in pp.estimate.pipeline]
+    assert [f.model.params_on_rank for f in pp.worker_facts] == [s.params for s in pp.estimate.pipeline]
     losses = [r[0].loss for r in pp.reports]
     assert losses[-1] < losses[0] - 0.5
     assert losses == pytest.approx([r[0].loss for r in dp.reports], abs=PARITY)
@@ -162,8 +162,8 @@ def test_a_tied_qwen2_trains_in_two_stages_and_with_tensor_parallel_stages(local
     pp = train(sqlite_uri, *qwen2)
     grid = train(sqlite_uri, *qwen2, "plan.tp=2", "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5")
     # The embedding's copy on the last stage is counted there too: one more embedding than the model.
-    assert sum(f.params_on_rank for f in pp.worker_facts) == pp.estimate.model.param_count + 256 * 64
-    assert all(f.params_on_rank < s.params for f, s in zip(grid.worker_facts[::2], grid.estimate.pipeline,
+    assert sum(f.model.params_on_rank for f in pp.worker_facts) == pp.estimate.model.param_count + 256 * 64
+    assert all(f.model.params_on_rank < s.params for f, s in zip(grid.worker_facts[::2], grid.estimate.pipeline,
                                                                 strict=True))
     losses = [r[0].loss for r in pp.reports]
     assert losses[-1] < losses[0] - 0.5

@@ -136,8 +136,8 @@ def test_pipelines_follow_the_data_parallel_loss_curve_and_a_3d_checkpoint_resum
     assert [(f.dp_rank, f.pp_rank) for f in pp.worker_facts] == [(0, 0), (0, 1)]
     assert [(f.pp_rank, f.tp_rank) for f in grid.worker_facts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # Each stage holds its own layers only, as the planner split them; tp halves the blocks' share.
-    assert [f.params_on_rank for f in pp.worker_facts] == [s.params for s in pp.estimate.pipeline]
-    assert all(f.params_on_rank < s.params for f, s in zip(grid.worker_facts[::2], grid.estimate.pipeline,
+    assert [f.model.params_on_rank for f in pp.worker_facts] == [s.params for s in pp.estimate.pipeline]
+    assert all(f.model.params_on_rank < s.params for f, s in zip(grid.worker_facts[::2], grid.estimate.pipeline,
                                                                 strict=True))
     # The two ranks of a tensor-parallel group read the same batch on the first stage.
     assert grid.reports[0][0].first_batch_digest == grid.reports[0][1].first_batch_digest

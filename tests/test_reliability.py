@@ -300,7 +300,7 @@ def test_resume_loads_weights_only_and_refuses_a_planted_pickle(local_ray, tmp_p
            "train.checkpoint_every=4", f"plan.zero_stage={stage}", f"train.checkpoint_dir={ckpt}",
            "tracking.enabled=false"]
     first = run_training(*to_typed(compose_config(*run)))
-    assert all(f.built == "zero.Init" for f in first.worker_facts)  # stage 3: no rank held the whole model
+    assert all(f.model.built == "zero.Init" for f in first.worker_facts)  # stage 3: no rank held the whole model
     # Point latest.json back at step 4 (as a crash after it would), so the resume replays 5-6.
     publish(ckpt, 4, None, keep=2)
     resumed = run_training(*to_typed(compose_config(*run, "train.resume=auto")))

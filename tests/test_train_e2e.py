@@ -42,8 +42,8 @@ def assert_trains_as_data_parallel(result, overrides) -> None:
     assert last[0].evaluation["eval_loss"] == last[1].evaluation["eval_loss"]
     if any("zero_stage=3" in o or "zero3" in o for o in overrides):
         # Built under zero.Init: no rank ever held the whole model, not even while building it.
-        assert all(f.built == "zero.Init" for f in result.worker_facts)
-        assert all(0 < f.params_at_build < result.model.param_count for f in result.worker_facts)
+        assert all(f.model.built == "zero.Init" for f in result.worker_facts)
+        assert all(0 < f.model.params_at_build < result.model.param_count for f in result.worker_facts)
 
 
 @pytest.mark.parametrize("overrides", [m[0] for m in MATRIX], ids=[m[1] for m in MATRIX])

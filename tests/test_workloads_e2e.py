@@ -97,7 +97,7 @@ def test_a_hugging_face_model_is_sharded_by_its_own_tensor_parallel_plan(local_r
     losses = [reports[0].loss for reports in result.reports]
     assert losses[-1] < losses[0] - 0.5, losses
     # Each rank holds the replicated embeddings and norms and half of every projection.
-    assert all(f.params_on_rank < result.model.param_count for f in result.worker_facts)
+    assert all(f.model.params_on_rank < result.model.param_count for f in result.worker_facts)
     assert [f.tp_rank for f in result.worker_facts] == [0, 1]
     # The shards are gathered into the whole model, which gives the sharded engine's outputs.
     model, check = exported_model(sqlite_uri, result.run_id)

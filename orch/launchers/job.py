@@ -10,7 +10,8 @@ from orch.plans.optim_settings import OptimSettings
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import TrainSpec
 
-if TYPE_CHECKING:  # its torch import is left to the worker's start-up (TrainWorker.__init__)
+if TYPE_CHECKING:  # their torch imports are left to the worker's start-up (TrainWorker.__init__)
+    from orch.launchers.engines.base import BuiltModel
     from orch.plans.workload import Workload
 
 
@@ -56,20 +57,10 @@ class WorkerFacts:
     pp_rank: int
     start_step: int
     """The step it resumed after (0: a fresh start)."""
-    params_on_rank: int
-    """Parameters this rank's module holds once DeepSpeed has wrapped (and AutoTP sharded) it."""
-    params_at_build: int
-    """Parameters it held right after building the model (ZeRO-3: only its partition)."""
-    built: str
-    """How the model was built: ``zero.Init``, ``whole (...)`` or ``stages``."""
+    model: BuiltModel
+    """What its engine built: how, the parameters it holds, the optimizer that steps them."""
     data_tensor_bytes: int
     """Bytes of tensors the data source holds in this process (not the model's)."""
-    optimizer_note: str | None
-    """Why the optimizer differs from the configured one, if it does."""
-    optimizer: str = ""
-    """The optimizer that steps the parameters, by implementation (``deepspeed.FusedAdam``,
-    ``deepspeed.DeepSpeedCPUAdam``, ``torch.AdamW (fused)``): which kernel a run used is a fact
-    of the node (a CUDA compiler or not), not of the config."""
     peak_tflops: float
     """Measured dense matmul throughput in the training precision."""
     torch_threads: int = 0

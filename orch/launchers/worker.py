@@ -109,9 +109,7 @@ class TrainWorker:
         self.train_batches = self._recorded(self.batches)
         return WorkerFacts(rank=self.rank, pid=os.getpid(), hostname=socket.gethostname(), dp_rank=coords.dp_rank,
                            tp_rank=coords.tp_rank, pp_rank=coords.pp_rank, start_step=self.start_step,
-                           params_on_rank=built.params_on_rank, params_at_build=built.params_at_build,
-                           built=built.built, data_tensor_bytes=data_tensor_bytes,
-                           optimizer_note=built.optimizer_note, optimizer=built.optimizer,
+                           model=built, data_tensor_bytes=data_tensor_bytes,
                            peak_tflops=matmul_tflops(job.plan.precision.value, self.engine.device),
                            torch_threads=torch.get_num_threads())
 

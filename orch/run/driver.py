@@ -369,8 +369,8 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
 
 def _note_setup(worker_facts: list[WorkerFacts], tracker: RunTracker | None) -> None:
     """Tell the user how the workers came up, and record where the ranks really run."""
-    built = worker_facts[0].built
-    if note := worker_facts[0].optimizer_note:
+    built = worker_facts[0].model.built
+    if note := worker_facts[0].model.optimizer_note:
         print(f"note: the optimizer is {note}", file=sys.stderr)
     if built.startswith("whole (zero.Init failed"):
         print(f"note: ZeRO-3 built the model {built}; every rank held the whole model while building it",
@@ -379,7 +379,7 @@ def _note_setup(worker_facts: list[WorkerFacts], tracker: RunTracker | None) -> 
         tracker.log_dict({"ranks": [{k: getattr(f, k) for k in _REALIZED_PLACEMENT} for f in worker_facts]},
                          "plan/placement_realized.json")
         tracker.set_tags({"nodes_used": str(len({f.node_id for f in worker_facts})),
-                          "optimizer": worker_facts[0].optimizer,
+                          "optimizer": worker_facts[0].model.optimizer,
                           "peak_tflops_per_device": f"{mean_peak_tflops(worker_facts):.4f}"})
 
 
