@@ -224,7 +224,7 @@ def predicted_step_times(cases: list[Case], setup: Setup, machine: Machine, work
     from orch.config import register_configs, to_typed
     from orch.launchers.ray_session import ray_session
     from orch.launchers.worker_group import job_env
-    from orch.plans.search_space import search
+    from orch.plans.search.space import search
     from orch.tune.search import measure_speeds, prepare
 
     register_configs()

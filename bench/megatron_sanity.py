@@ -8,7 +8,7 @@ precision, full activation recomputation. Black et al., "GPT-NeoX-20B" (2022): 4
 micro-batch 4, 117 TFLOP/s per GPU.
 
 Each row is predicted by ``orch tune``'s own path (the model probed on ``meta`` through
-``orch.tune.search.prepare``, :func:`orch.plans.cost_model.predict_step`) with ``cluster=a100_8x`` as
+``orch.tune.search.prepare``, :func:`orch.plans.step_time.cost_model.predict_step`) with ``cluster=a100_8x`` as
 declared (no calibration; each GEMM priced at its shape on the A100's 108 SMs), on the built-in GPT at
 the published shape and with the kernels those
 runs had: attention scores written out, softmax and dropout over them (``model.fused_attention=false``;
@@ -51,10 +51,10 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 
 from orch.config import register_configs, to_typed
-from orch.plans.cost_model import Speeds, predict_step
 from orch.plans.resolve import resolve_plan
-from orch.plans.search_space import SearchContext, search
+from orch.plans.search.space import SearchContext, search
 from orch.plans.spec import PlanSpec, Precision
+from orch.plans.step_time.cost_model import Speeds, predict_step
 from orch.tune.result import describe
 from orch.tune.search import prepare
 

@@ -45,7 +45,7 @@ from hydra import compose, initialize_config_module
 from bench.harness import publish
 from orch.config import register_configs, to_typed
 from orch.launchers.ray_session import start_local_ray
-from orch.plans.workload import batch_bytes, move_batch
+from orch.plans.model.workload import batch_bytes, move_batch
 from orch.run.driver import run_training
 from orch.workload import resolve_workload
 

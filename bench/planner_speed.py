@@ -32,7 +32,7 @@ from hydra import compose, initialize_config_module
 from bench.harness import machine, publish
 from orch.config import register_configs, to_typed
 from orch.models import model_factory
-from orch.plans.estimate import ModelProbe, check_plan, estimate_plan
+from orch.plans.memory.estimate import ModelProbe, check_plan, estimate_plan
 from orch.plans.resolve import resolve_plan
 from orch.plans.spec import Offload
 from orch.workload import resolve_workload

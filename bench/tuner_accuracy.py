@@ -42,10 +42,10 @@ from hydra import compose, initialize_config_module
 from bench.harness import format_load, machine
 from orch.config import register_configs, to_typed
 from orch.launchers.ray_session import ray_session
-from orch.plans.cost_model import Speeds, predict_step
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.search_space import search
+from orch.plans.search.space import search
 from orch.plans.spec import Accelerator, Offload, Precision
+from orch.plans.step_time.cost_model import Speeds, predict_step
 from orch.tune.result import TuneResult, describe
 from orch.tune.search import measure_speeds, prepare, tune
 from orch.tune.trials import run_trial

@@ -5,7 +5,7 @@ operations and communication sizes of a layer); every cluster size is then searc
 same probe, as ``orch tune`` does within one run. The first search also measures activations on
 ``meta`` (cached for the later ones), so it is reported apart. Times are absolute seconds on this
 machine and, for growth, relative to the 64-device search in the same process. The model's
-FLOPs and activations are counted at two shallow depths and extrapolated (orch/plans/depth_scaling.py);
+FLOPs and activations are counted at two shallow depths and extrapolated (orch/plans/model/depth_scaling.py);
 the benchmark also counts all 96 layers, as before that, and reports the ratios and whether the
 two counts agree.
 
@@ -24,9 +24,9 @@ import torch
 
 from bench.harness import compose_config, header, publish
 from orch.config import to_typed
-from orch.plans.activations import measure_activations, measure_activations_depth_scaled
-from orch.plans.model_cost import measure_model_cost
-from orch.plans.search_space import search
+from orch.plans.memory.activations import measure_activations, measure_activations_depth_scaled
+from orch.plans.search.space import search
+from orch.plans.step_time.model_cost import measure_model_cost
 from orch.tune.search import prepare
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,15 +14,15 @@ from orch.inputs import declared_violations, validated_plan
 from orch.launchers.placement import rank_layout
 from orch.models import inspect_declared_model
 from orch.plans.cluster_facts import reconcile
-from orch.plans.cost_model import DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S, StepTime, host_threads
 from orch.plans.engines import engine_names, engine_spec
 from orch.plans.errors import PipelineRefused, PlanError, Violation
-from orch.plans.estimate import GIB, ModelProbe, PlanEstimate, check_plan
-from orch.plans.model_facts import ModelFacts
-from orch.plans.prediction import declared_speeds_note
+from orch.plans.memory.estimate import GIB, ModelProbe, PlanEstimate, check_plan
+from orch.plans.model.model_facts import ModelFacts
+from orch.plans.model.workload import Workload
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec, Offload
-from orch.plans.workload import Workload
+from orch.plans.step_time.cost_model import DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S, StepTime, host_threads
+from orch.plans.step_time.prediction import declared_speeds_note
 from orch.workload import resolve_workload
 
 
@@ -218,7 +218,7 @@ def checked_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = N
 
 
 # The top-level keys of `orch check --json`; tools read these names, so they only ever grow.
-# ``per_device`` and every entry of ``stages`` hold orch.plans.estimate.DEVICE_JSON_KEYS.
+# ``per_device`` and every entry of ``stages`` hold orch.plans.memory.estimate.DEVICE_JSON_KEYS.
 CHECK_JSON_KEYS = ("feasible", "world_size", "plan", "model", "per_device", "per_node_host", "stages",
                    "pipeline", "phases", "violations", "suggestions", "attention", "fsdp", "cluster", "placement",
                    "predicted_step")
@@ -228,7 +228,7 @@ CLUSTER_JSON_KEYS = ("source", "notes", "nodes", "devices_per_node", "device_mem
 def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str], step: StepTime) -> dict:
     """The `orch check --json` document: the estimate (:meth:`PlanEstimate.as_json`), the cluster
     it was planned for (``source``: live or declared), the rank placement and the predicted step
-    (:func:`orch.plans.prediction.declared_plan_step`: ``StepTime.as_dict`` and where its speeds come from).
+    (:func:`orch.plans.step_time.prediction.declared_plan_step`: ``StepTime.as_dict`` and where its speeds come from).
 
     Every value is a plain JSON type (``json.dumps`` needs no ``default=``)."""
     doc = estimate.as_json()

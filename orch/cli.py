@@ -140,8 +140,8 @@ def sweep_value(result, metric: str) -> float:
 
 def storage_checks_bounded(typed) -> contextlib.AbstractContextManager:
     """Every check of a storage location the command makes (train.checkpoint_dir, tune.out,
-    data.paths) given up after ``cluster.connect_timeout_s`` (:mod:`orch.plans.locations`)."""
-    from orch.plans.locations import probe_limit
+    data.paths) given up after ``cluster.connect_timeout_s`` (:mod:`orch.plans.storage.locations`)."""
+    from orch.plans.storage.locations import probe_limit
 
     return probe_limit(typed.cluster.connect_timeout_s)
 
@@ -165,7 +165,7 @@ def check_app(cfg: DictConfig) -> None:
     import json
 
     from orch.checking import check_document, checked_run, live_cluster, render
-    from orch.plans.prediction import declared_plan_step
+    from orch.plans.step_time.prediction import declared_plan_step
 
     try:
         typed, model_cfg, _ = to_typed(cfg)
@@ -252,7 +252,7 @@ def _out_directory(command: str, default: Path | None = None) -> Path | None:
     if out is None and default is None:
         return None
     from orch.plans.errors import PlanError, Violation
-    from orch.plans.locations import unwritable_reason
+    from orch.plans.storage.locations import unwritable_reason
 
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         _fail(PlanError([Violation("--out", out, "is an existing file; orch "
@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     from orch import sweeps
 
     sweeps.command = command
-    from orch.plans.locations import exit_past_abandoned_checks
+    from orch.plans.storage.locations import exit_past_abandoned_checks
 
     try:
         with stopped_by_signals():

@@ -156,7 +156,7 @@ class RunConfig:
     model: Any = MISSING
     """The model: ``_target_`` (a torch.nn.Module class or factory) and its arguments."""
     data: Any = MISSING
-    """The data source: ``_target_`` (a orch.plans.workload.DataSource class) and its arguments."""
+    """The data source: ``_target_`` (a orch.plans.model.workload.DataSource class) and its arguments."""
     objective: Any = MISSING
     """The loss: ``_target_`` of a class (instantiated with its arguments) or of a function, called
     as ``(outputs, batch) -> loss``."""

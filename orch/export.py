@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from orch.plans.workload import Workload
+from orch.plans.model.workload import Workload
 
 
 def build_trained(workload: Workload, state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -54,7 +54,7 @@ def log_trained_model(tracker, workload: Workload, exported: dict) -> None:
     """Save the weights, log them and an MLflow pytorch model, and the check batch, to the run."""
     from safetensors.torch import save_file
 
-    from orch.plans.workload import batch_targets
+    from orch.plans.model.workload import batch_targets
 
     model = build_trained(workload, exported["state"])
     _log_model(tracker, model)
@@ -89,7 +89,7 @@ def export_run(uri: str, run_id: str, model_cfg: dict, out: Path | None = None) 
     from orch.models import model_factory, split_model_config
     from orch.plans.engines import engine_names
     from orch.plans.errors import PlanError, Violation
-    from orch.plans.locations import is_remote, local_path
+    from orch.plans.storage.locations import is_remote, local_path
     from orch.tracking.store import RunTracker, open_existing, reading
 
     client = open_existing(uri)

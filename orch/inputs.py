@@ -16,10 +16,10 @@ from orch.config import RunConfig
 from orch.declared import declared_violations
 from orch.launchers.storage import StagingDirError, location_violation, private_staging_root
 from orch.plans.errors import PlanError, Violation
-from orch.plans.locations import is_remote, local_path, unwritable_reason
+from orch.plans.model.workload import DataSource
 from orch.plans.resolve import ResolvedPlan, resolve_plan
 from orch.plans.spec import ClusterSpec, ResumeMode, TrainSpec
-from orch.plans.workload import DataSource
+from orch.plans.storage.locations import is_remote, local_path, unwritable_reason
 from orch.workload import build_data_source
 from orch.workloads.local_files import missing_reason
 

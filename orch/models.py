@@ -10,11 +10,17 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 
-from orch.plans.depth_scaling import DEPTH_SCALED_FROM, SHALLOW_DEPTHS, DeclaredDepth, ShallowModels
 from orch.plans.errors import PlanError
-from orch.plans.model_facts import ModelFacts, inspect_model, inspect_shallow, refuse_oversized, refuse_unbuildable
+from orch.plans.model.depth_scaling import DEPTH_SCALED_FROM, SHALLOW_DEPTHS, DeclaredDepth, ShallowModels
+from orch.plans.model.model_facts import (
+    ModelFacts,
+    inspect_model,
+    inspect_shallow,
+    refuse_oversized,
+    refuse_unbuildable,
+)
+from orch.plans.model.workload import ModelInputs
 from orch.plans.spec import ClusterSpec, Offload, Precision
-from orch.plans.workload import ModelInputs
 
 
 def build_model(model_cfg: dict) -> torch.nn.Module:
@@ -86,7 +92,7 @@ def split_model_config(model_cfg: dict) -> tuple[dict, list[dict] | None]:
 
 
 # The classmethod a model offers to be split into pipeline stages (plan.pp > 1): its layers as
-# orch.plans.stage_layers.StageLayer objects, which each engine turns into its own.
+# orch.plans.parallel.stage_layers.StageLayer objects, which each engine turns into its own.
 PIPELINE_LAYERS_METHOD = "pipeline_layers"
 
 
@@ -94,7 +100,7 @@ def pipeline_layers_factory(model_cfg: dict) -> Callable[..., list] | None:
     """A picklable factory of the model's pipeline layers, or None if the model cannot be pipelined.
 
     The model's ``_target_`` class declares them with a ``pipeline_layers(**same arguments)``
-    classmethod returning :class:`~orch.plans.stage_layers.StageLayer` objects in forward order
+    classmethod returning :class:`~orch.plans.parallel.stage_layers.StageLayer` objects in forward order
     (see orch/workloads/gpt.py): each stage then builds only its own layers. DeepSpeed
     ``LayerSpec`` / ``TiedLayerSpec`` objects are still accepted, for models written against them.
     """
@@ -115,7 +121,7 @@ def build_pipeline_layers(model_cfg: dict, depth: int | None = None) -> list:
 DEPTH_KEY = "n_layer"
 
 # What a model's ``_target_`` may offer when its depth is not a ``n_layer`` argument:
-# ``declared_depth(**arguments) -> orch.plans.depth_scaling.DeclaredDepth | None`` (orch/workloads/hf.py's
+# ``declared_depth(**arguments) -> orch.plans.model.depth_scaling.DeclaredDepth | None`` (orch/workloads/hf.py's
 # reads a Hugging Face config's num_hidden_layers).
 DEPTH_METHOD = "declared_depth"
 
@@ -179,7 +185,7 @@ def inspect_declared_model(model_cfg: dict, inputs: ModelInputs, cluster: Cluste
 
     A deep model (:func:`declared_depth`) is built at two shallow depths only: a model no plan
     could hold on ``cluster`` is refused from their arithmetic before anything of its full
-    depth exists (:func:`orch.plans.model_facts.refuse_unbuildable`). If its layers turn out not to
+    depth exists (:func:`orch.plans.model.model_facts.refuse_unbuildable`). If its layers turn out not to
     be one stack of identical blocks, the counts would not be exact, and a model that cannot be
     built that shallow has its own minimum depth: either is then inspected in full, as a shallow
     model always is.

@@ -1,4 +1,4 @@
-"""The user's workload, resolved once per command from the config into a :class:`orch.plans.workload.Workload`.
+"""The user's workload, resolved once per command from the config into a :class:`orch.plans.model.workload.Workload`.
 
 Every part is declared through Hydra's ``_target_``: the model (any ``torch.nn.Module`` class or
 factory), the objective (a class instantiated with its arguments, or a plain function) and the
@@ -28,9 +28,9 @@ from orch.models import (
 )
 from orch.plans.engines.deepspeed_autotp import specs_from_deepspeed_preset
 from orch.plans.errors import PlanError, Violation
-from orch.plans.meta import meta_device
-from orch.plans.tp_plan import specs_from_tp_plan
-from orch.plans.workload import DataSource, Objective, Workload
+from orch.plans.model.meta import meta_device
+from orch.plans.model.workload import DataSource, Objective, Workload
+from orch.plans.parallel.tp_plan import specs_from_tp_plan
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 """Files a model's constructor may load weights from (torch and safetensors checkpoints)."""
@@ -76,7 +76,7 @@ def build_objective(cfg: dict) -> Objective:
 
 
 _DATASET_SOURCE = "orch.workloads.dataset.DatasetSource"
-# What a data source offers the driver and the workers (orch.plans.workload.DataSource).
+# What a data source offers the driver and the workers (orch.plans.model.workload.DataSource).
 _DATA_SOURCE_METHODS = ("violations", "sizes", "example_batch", "prepare", "datasets", "collate")
 
 
@@ -84,7 +84,7 @@ def build_data_source(cfg: dict) -> DataSource:
     """The data source the config declares (light: paths and settings; workers open the data).
 
     Three ways to declare it: a data source by ``_target_`` (a shipped one, or your own
-    :class:`orch.plans.workload.DataSource`); a map-style torch ``Dataset`` by ``_target_`` (a class
+    :class:`orch.plans.model.workload.DataSource`); a map-style torch ``Dataset`` by ``_target_`` (a class
     or a function returning one), as a model or an objective is declared; or a ``dataset:`` key
     with the fields of ``data=dataset`` and no ``_target_``. The last two become
     ``orch.workloads.dataset.DatasetSource``, which builds the dataset in each worker.
@@ -106,7 +106,7 @@ def build_data_source(cfg: dict) -> DataSource:
                                    f"built a {type(built).__name__}, which is neither a torch Dataset nor a data "
                                    f"source (it has no {', '.join(missing)}).",
                                    "name a map-style torch Dataset class or a function returning one, or a data "
-                                   "source (orch.plans.workload.DataSource)")])
+                                   "source (orch.plans.model.workload.DataSource)")])
     return built
 
 
@@ -186,7 +186,7 @@ def resolve_workload(model_cfg: dict, objective_cfg: dict, data_cfg: dict) -> Wo
         pipeline = None
     refusal = None if pipeline else (
         f"{constructor_cfg.get('_target_', 'the model')} cannot be split into pipeline stages: it has no "
-        f"{PIPELINE_LAYERS_METHOD}() classmethod returning its layers (orch.plans.stage_layers.StageLayer)")
+        f"{PIPELINE_LAYERS_METHOD}() classmethod returning its layers (orch.plans.parallel.stage_layers.StageLayer)")
     return Workload(model_factory=factory, objective=built["objective"], data=built["data"],
                     model_config=constructor_cfg, tp_layer_specs=specs, tp_specs_source=source,
                     pipeline_layers=pipeline, pipeline_refusal=refusal,

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers.config import lm_inputs
-from orch.plans.activations import attention_kernels, measure_activations
-from orch.plans.attention import AttentionKernel, SdpaCall, select_kernel
+from orch.plans.memory.activations import attention_kernels, measure_activations
+from orch.plans.model.attention import AttentionKernel, SdpaCall, select_kernel
 from orch.plans.spec import Accelerator
 
 CPU, GPU = Accelerator.cpu, Accelerator.gpu
@@ -80,7 +80,7 @@ def test_fused_attention_keeps_activations_linear_in_the_sequence(accelerator):
 
 def test_a_grouped_query_llama_is_measured_on_meta_as_it_runs_on_cpu():
     from orch.launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
-    from orch.plans.workload import move_batch
+    from orch.plans.model.workload import move_batch
 
     factory, inputs, seq_len = _llama(), lm_inputs(256), 256
     predicted = measure_activations(factory, micro_batch_size=2, inputs=inputs, dtype=torch.bfloat16,

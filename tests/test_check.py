@@ -15,8 +15,8 @@ from helpers.processes import worker_env
 from orch.checking import CHECK_JSON_KEYS, CLUSTER_JSON_KEYS, check_document, check_run, checked_run
 from orch.config import to_typed
 from orch.plans.errors import OrchError, PlanError
-from orch.plans.estimate import DEVICE_JSON_KEYS, GIB
-from orch.plans.prediction import declared_plan_step
+from orch.plans.memory.estimate import DEVICE_JSON_KEYS, GIB
+from orch.plans.step_time.prediction import declared_plan_step
 
 BIG = ["model=gpt3_175b", "cluster=a100_8x", "cluster.nodes=128", "plan.precision=bf16", "plan.micro_batch_size=1"]
 
@@ -156,7 +156,7 @@ def test_check_says_how_many_threads_an_offloaded_optimizer_steps_on():
 def test_check_predicts_the_declared_plans_step_time_as_tune_prices_it():
     """`orch check` printed memory only; its step time is the tuner's for the same plan."""
     from orch.checking import render
-    from orch.plans.search_space import search
+    from orch.plans.search.space import search
     from orch.tune.search import prepare
 
     overrides = ("plan.zero_stage=2", "cluster.devices_per_node=4", "plan.micro_batch_size=4")
@@ -178,7 +178,7 @@ def test_check_predicts_the_declared_plans_step_time_as_tune_prices_it():
 def test_a_micro_batch_the_model_refuses_in_training_is_a_plan_error_and_the_tuner_skips_it():
     """ResNet-50 on 32x32 images ends in a 1x1 feature map whose BatchNorm refuses one sample in
     training: `orch check` crashed with the raw ValueError and `orch tune` stopped at it."""
-    from orch.plans.search_space import search
+    from orch.plans.search.space import search
     from orch.tune.search import prepare
 
     typed, model_cfg, _ = to_typed(compose_config("experiment=resnet50_bf16", "plan.micro_batch_size=1"))
@@ -216,7 +216,7 @@ def test_rank_layout_puts_tp_inside_nodes_then_stages_then_replicas_across_nodes
     # The same grid as DeepSpeed's topology with our axis order.
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
-    from orch.plans.rank_layout import GRID_AXES
+    from orch.plans.parallel.rank_layout import GRID_AXES
 
     topo = ProcessTopology(axes=list(GRID_AXES), dims=[2, 2, 2])
     for slot in layout:

@@ -33,7 +33,7 @@ from orch.launchers.engines.deepspeed.checkpoint_files import deepspeed_checkpoi
 from orch.launchers.manifest import MANIFEST, CheckpointIntegrityError, read_manifest, verify, write_manifest
 from orch.launchers.safe_load import UnsafeCheckpointError, check_data_only, refused_globals
 from orch.plans.errors import PlanError
-from orch.plans.locations import partial_name, write_whole
+from orch.plans.storage.locations import partial_name, write_whole
 
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 MODEL = "mp_rank_00_model_states.pt"

@@ -11,7 +11,9 @@ import torch
 from helpers.config import compose_config, gpu_plan, lm_inputs
 from orch.config import to_typed
 from orch.models import model_factory
-from orch.plans.cost_model import (
+from orch.plans.memory.estimate import ModelProbe
+from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimizerName, OptimSpec, Precision, TrainSpec
+from orch.plans.step_time.cost_model import (
     DECLARED_BUS_EFFICIENCY,
     DECLARED_MEMORY_EFFICIENCY,
     DECLARED_ZERO3_MODULE_S,
@@ -27,10 +29,8 @@ from orch.plans.cost_model import (
     tp_whole_flops,
     wave_efficiency,
 )
-from orch.plans.estimate import ModelProbe
-from orch.plans.memory_traffic import MemoryTraffic, fused_attention
-from orch.plans.model_cost import measure_model_cost
-from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimizerName, OptimSpec, Precision, TrainSpec
+from orch.plans.step_time.memory_traffic import MemoryTraffic, fused_attention
+from orch.plans.step_time.model_cost import measure_model_cost
 from orch.tune.result import TrainBudget, duration, render
 from orch.workloads.gpt import TP_LAYER_SPECS
 
@@ -194,7 +194,7 @@ def test_gemms_are_recorded_per_tensor_parallel_shard_with_the_dimension_the_bat
     assert Gemm(4, 128, 128, 16, grows="batch") in ones[1] and Gemm(2, 128, 128, 16, grows="batch") in ones[2]
     # A 4-way shard's GEMMs, derived from the 2-way shard's (the dimensions that halved, quartered),
     # are what the 4-way shard itself runs.
-    from orch.plans.model_cost import _divided, _gemm_pass, _shard_pass
+    from orch.plans.step_time.model_cost import _divided, _gemm_pass, _shard_pass
 
     cfg = {"_target_": "orch.workloads.gpt.GPT", "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 128,
            "vocab_size": 256, "tp": 1, "fused_attention": False}

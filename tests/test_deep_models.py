@@ -20,9 +20,9 @@ from helpers.processes import worker_env
 from orch import models
 from orch.checking import check_run
 from orch.config import to_typed
-from orch.plans.depth_scaling import SHALLOW_DEPTHS
 from orch.plans.engines.deepspeed_partition import partition_balanced
 from orch.plans.errors import PlanError
+from orch.plans.model.depth_scaling import SHALLOW_DEPTHS
 from orch.tune.search import prepare
 from orch.workloads.gpt import GPT
 
@@ -92,9 +92,9 @@ def test_a_probe_of_shallow_copies_counts_the_costs_of_the_full_model():
     """FLOPs, kernel launches, all-reduce sizes (what the tuner's cost model reads) at 21 layers."""
     import functools
 
-    from orch.plans.estimate import ModelProbe
-    from orch.plans.model_cost import measure_model_cost
-    from orch.plans.model_facts import inspect_shallow
+    from orch.plans.memory.estimate import ModelProbe
+    from orch.plans.model.model_facts import inspect_shallow
+    from orch.plans.step_time.model_cost import measure_model_cost
     from orch.workloads.gpt import TP_LAYER_SPECS
 
     cfg = {"_target_": "orch.workloads.gpt.GPT", "n_layer": 21, "d_model": 64, "n_head": 4, "seq_len": 64}
@@ -189,9 +189,9 @@ def test_a_hugging_face_decoders_activations_are_carried_from_shallow_copies(che
     full depth) and equal the full count, for the GPU's attention kernels and the CPU's."""
     import json
 
-    from orch.plans.activations import activations_from_shallow, measure_activations
-    from orch.plans.depth_scaling import ShallowModels, repeated_stack, shallow_copy
-    from orch.plans.meta import meta_device
+    from orch.plans.memory.activations import activations_from_shallow, measure_activations
+    from orch.plans.model.depth_scaling import ShallowModels, repeated_stack, shallow_copy
+    from orch.plans.model.meta import meta_device
     from orch.plans.spec import Accelerator
     from orch.workload import resolve_workload
 
@@ -237,7 +237,7 @@ def hf_depths_built(monkeypatch) -> list[int]:
 
 def hf_params(layers: int) -> int:
     """The example model's parameters at ``layers``, on the line through two depths built in full."""
-    from orch.plans.meta import meta_device
+    from orch.plans.model.meta import meta_device
     from orch.workloads.hf import hf_causal_lm
 
     config = compose_config("model=hf_causal_lm").model.config

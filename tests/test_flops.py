@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from helpers.config import lm_inputs
-from orch.plans.flops import training_flops_per_sample
+from orch.plans.step_time.flops import training_flops_per_sample
 from orch.workloads.gpt import GPT
 
 

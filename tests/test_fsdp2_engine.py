@@ -118,7 +118,7 @@ def test_autotp_specs_shard_under_fsdp2_the_layers_deepspeed_and_the_planner_sha
     """The first matching spec decides and a skip leaves its layer whole, as in DeepSpeed's AutoTP
     and the planner's count; a fused layer's spec is refused."""
     from orch.launchers.engines.fsdp2.layout import autotp_styles
-    from orch.plans.tp_plan import layer_kinds
+    from orch.plans.parallel.tp_plan import layer_kinds
 
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4), torch.nn.Linear(4, 4))
     specs = [{"patterns": [r"^3\.weight$"], "partition_type": "skip"},

@@ -9,16 +9,15 @@ import pytest
 
 from helpers.config import compose_config, gpu_plan
 from orch.config import to_typed
-from orch.plans.activations import ActivationBytes
-from orch.plans.cost_model import ModelCost, Speeds, _half_ring_s, predict_step
 from orch.plans.engine_settings import EngineSettings, ZeroStage, engine_settings
 from orch.plans.engines import engine_spec
 from orch.plans.engines.fsdp2_memory import FSDPMesh, FSDPUnits, fsdp_memory, fsdp_mesh, fsdp_units
 from orch.plans.engines.fsdp2_time import fsdp_dp_comm_s
 from orch.plans.errors import PlanError
-from orch.plans.memory import ModelStats
+from orch.plans.memory.activations import ActivationBytes
+from orch.plans.memory.states import ModelStats
 from orch.plans.resolve import resolve_plan
-from orch.plans.search_space import SearchSpace, plan_spec
+from orch.plans.search.space import SearchSpace, plan_spec
 from orch.plans.spec import (
     Accelerator,
     ClusterSpec,
@@ -30,6 +29,7 @@ from orch.plans.spec import (
     Precision,
     TrainSpec,
 )
+from orch.plans.step_time.cost_model import ModelCost, Speeds, _half_ring_s, predict_step
 from orch.tune.plan_file import plan_overrides, plan_values
 
 FSDP2 = "fsdp2"
@@ -204,7 +204,7 @@ def test_hybrid_shards_within_a_node_and_replicates_across():
 
 
 def test_units_are_the_blocks_and_the_root_of_the_model():
-    from orch.plans.meta import meta_device
+    from orch.plans.model.meta import meta_device
     from orch.workloads.gpt import GPT
 
     with meta_device():
@@ -293,7 +293,7 @@ def test_fsdp2_builds_the_model_whole_on_one_worker_of_a_node():
     """The FSDP2 engine builds on meta and fills the shards from rank 0's whole build: a node holds
     the model once (plus the weight files every worker reads), where DeepSpeed's tp plans hold it
     once per worker."""
-    from orch.plans.build_memory import build_memory, build_violation
+    from orch.plans.memory.build import build_memory, build_violation
     cluster = ClusterSpec(nodes=1, devices_per_node=4, host_memory_gib=1)
     stages = []  # no pipeline: not read
     fsdp = resolve_plan(PlanSpec(engine=FSDP2), cluster, TrainSpec())

@@ -14,7 +14,7 @@ from helpers.config import FAST, compose_config
 from orch.checking import check_run
 from orch.config import to_typed
 from orch.plans.errors import PipelineRefused, PlanError
-from orch.plans.tp_plan import specs_from_tp_plan
+from orch.plans.parallel.tp_plan import specs_from_tp_plan
 from orch.workloads.hf import hf_causal_lm
 from orch.workloads.hf_pipeline import detect_structure, pipeline_layers
 

@@ -13,7 +13,7 @@ from helpers.config import compose_config
 from orch.checking import check_run
 from orch.config import to_typed
 from orch.plans.errors import PlanError
-from orch.plans.meta import meta_device
+from orch.plans.model.meta import meta_device
 from orch.workloads.hf import config_from_file, hf_causal_lm
 from orch.workloads.hf_presets import PRESETS_DIR, preset_config_path
 

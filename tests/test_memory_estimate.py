@@ -15,14 +15,14 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs 
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs  # noqa: E402
 
 from helpers.config import lm_inputs
-from orch.plans.activations import (  # noqa: E402
+from orch.plans.engine_settings import EngineSettings, ZeroStage  # noqa: E402
+from orch.plans.memory.activations import (  # noqa: E402
     ActivationBytes,
     gpt_activation_bytes,
     measure_activations,
     saved_activation_bytes,
 )
-from orch.plans.engine_settings import EngineSettings, ZeroStage  # noqa: E402
-from orch.plans.memory import (  # noqa: E402
+from orch.plans.memory.states import (  # noqa: E402
     DevicePhases,
     ModelStateBytes,
     ModelStats,

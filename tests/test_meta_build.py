@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from orch.models import model_factory
-from orch.plans.meta import meta_device
+from orch.plans.model.meta import meta_device
 
 BUILDS = []
 

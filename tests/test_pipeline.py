@@ -11,7 +11,7 @@ from orch.checking import check_run
 from orch.config import to_typed
 from orch.models import pipeline_layers_factory
 from orch.plans.errors import PlanError
-from orch.plans.pipeline import bubble_fraction, measure_pipeline_layers, pipeline_stages
+from orch.plans.parallel.pipeline import bubble_fraction, measure_pipeline_layers, pipeline_stages
 from orch.plans.resolve import resolve_plan
 from orch.plans.spec import ClusterSpec, PlanSpec, TrainSpec
 from orch.workloads.gpt import GPT

@@ -1,4 +1,4 @@
-"""A model's pipeline stages described without an engine (orch/plans/stage_layers.py), and their
+"""A model's pipeline stages described without an engine (orch/plans/parallel/stage_layers.py), and their
 translation into DeepSpeed's pipeline layers; pure, no Ray and no process group."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from helpers.config import compose_config, lm_inputs
 from orch.checking import check_run
 from orch.config import to_typed
 from orch.launchers.engines.deepspeed.building import deepspeed_layers
-from orch.plans.pipeline import measure_pipeline_layers
-from orch.plans.stage_layers import StageLayer
+from orch.plans.parallel.pipeline import measure_pipeline_layers
+from orch.plans.parallel.stage_layers import StageLayer
 from orch.workloads.gpt import GPT, Block, Embedding, LMHead, layer_seed, tied_logits
 
 SMALL = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16}

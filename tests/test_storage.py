@@ -19,7 +19,7 @@ from orch.launchers.checkpoint import CheckpointRecordError, latest, publish_rem
 from orch.launchers.manifest import file_digests
 from orch.launchers.storage import RemoteDir, StagingDirError, location_violation, staging_dir
 from orch.plans.errors import PlanError
-from orch.plans.locations import is_remote, local_path
+from orch.plans.storage.locations import is_remote, local_path
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def test_a_planted_remote_record_cannot_point_outside_the_directory(s3_env):
 def test_a_tuned_plan_is_written_to_object_storage(s3_env):
     from omegaconf import OmegaConf
 
-    from orch.plans.search_space import search
+    from orch.plans.search.space import search
     from orch.tune.plan_file import check_plan_file, train_command, write_plan_file
     from orch.tune.result import TuneResult
     from orch.tune.search import prepare

@@ -24,7 +24,7 @@ from orch.config import to_typed
 from orch.inputs import input_violations
 from orch.launchers.storage import location_violation
 from orch.plans.errors import PlanError
-from orch.plans.locations import open_location, probe_limit
+from orch.plans.storage.locations import open_location, probe_limit
 from orch.tune.plan_file import check_plan_file
 
 ORCH = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"

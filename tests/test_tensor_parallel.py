@@ -9,12 +9,12 @@ import torch
 from helpers.config import FAST, compose_config
 from orch.config import to_typed
 from orch.launchers.engines.deepspeed.config import build_ds_config, tensor_parallel_section
-from orch.plans.cost_model import group_links
 from orch.plans.errors import PlanError
 from orch.plans.optim_settings import optim_settings
-from orch.plans.rank_layout import ParallelCoords, global_rank, group_stride, parallel_coords
+from orch.plans.parallel.rank_layout import ParallelCoords, global_rank, group_stride, parallel_coords
 from orch.plans.resolve import resolve_plan
 from orch.plans.spec import ClusterSpec, OptimSpec, PlanSpec, TrainSpec
+from orch.plans.step_time.cost_model import group_links
 from orch.workloads.gpt import GPT, TP_LAYER_SPECS
 
 # --- pure ----------------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def test_gpt_layer_specs_match_the_layers_meant_and_nothing_else():
 def test_the_planners_tensor_parallel_count_is_what_sharding_leaves_on_a_rank():
     """The parameters counted as split by tp are exactly those the meta shard shrinks: a layer its
     spec skips stays whole in both."""
-    from orch.plans.estimate import _tensor_parallel_params, shard_module
+    from orch.plans.memory.estimate import _tensor_parallel_params, shard_module
 
     specs = [*TP_LAYER_SPECS, {"patterns": [r".*blocks\.0\.mlp\.fc\.weight$"], "partition_type": "skip"}]
     specs = [specs[-1], *specs[:-1]]  # the first matching spec decides: the skip wins for block 0's fc

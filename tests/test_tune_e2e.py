@@ -66,8 +66,8 @@ def test_tune_trials_contain_a_failing_plan_and_log_nested_runs(local_ray, sqlit
 
 def test_calibration_measures_the_workers_and_caches_per_cluster(local_ray, tmp_path):
     from orch.launchers.calibration import calibrate
-    from orch.plans.cost_model import Speeds
     from orch.plans.spec import ClusterSpec
+    from orch.plans.step_time.cost_model import Speeds
 
     declared = Speeds.declared(ClusterSpec())
     kwargs = dict(world_size=2, devices_per_node=2, cpus_per_worker=1.0, gpus_per_worker=0.0,

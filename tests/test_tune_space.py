@@ -12,13 +12,13 @@ from helpers.config import compose_config, gpu_plan, lm_inputs
 from orch.config import to_typed
 from orch.launchers.placement import rank_layout
 from orch.models import model_factory
-from orch.plans.activations import measure_activations
-from orch.plans.cost_model import ModelCost, Speeds, group_links, predict_step
-from orch.plans.flops import training_flops_per_sample
-from orch.plans.model_cost import measure_model_cost
+from orch.plans.memory.activations import measure_activations
 from orch.plans.resolve import ResolvedPlan, resolve_plan
-from orch.plans.search_space import BatchScaledProbe, SearchSpace, plan_spec, search, structural_rejection
+from orch.plans.search.space import BatchScaledProbe, SearchSpace, plan_spec, search, structural_rejection
 from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, PlanSpec, Precision
+from orch.plans.step_time.cost_model import ModelCost, Speeds, group_links, predict_step
+from orch.plans.step_time.flops import training_flops_per_sample
+from orch.plans.step_time.model_cost import measure_model_cost
 from orch.tune.plan_file import plan_overrides, write_plan_file
 from orch.tune.search import declared_global_batch, global_batch_origin, prepare
 from orch.workloads.gpt import TP_LAYER_SPECS
@@ -174,7 +174,7 @@ def test_bubble_is_pp_minus_one_over_micro_batches():
 
 
 def test_workers_sharing_cores_lose_less_to_the_bubble():
-    from orch.plans.cost_model import bubble_micro_batches
+    from orch.plans.step_time.cost_model import bubble_micro_batches
 
     # Devices of their own: pp - 1 micro-batch times, whatever the layout.
     assert [bubble_micro_batches(pp, 1.0) for pp in (1, 2, 4, 8)] == [0, 1, 3, 7]
@@ -225,7 +225,7 @@ def test_tflops_and_tokens_follow_from_the_step_time():
 
 
 def test_measured_model_cost_matches_counted_flops_and_the_gpt_shapes():
-    from orch.plans.estimate import ModelProbe
+    from orch.plans.memory.estimate import ModelProbe
 
     factory = model_factory(SMALL)
     probe = ModelProbe(factory, lm_inputs(128), tp_layer_specs=TP_LAYER_SPECS)
@@ -261,7 +261,7 @@ DEEP = {**SMALL, "n_layer": 12, "d_model": 64, "vocab_size": 512}
 def test_depth_scaled_counts_match_full_counts_of_a_deep_gpt():
     """Counted at depths 2 and 4 and extrapolated to 12: the same FLOPs, kernel launches and
     all-reduce sizes as counting all 12 layers."""
-    from orch.plans.estimate import ModelProbe
+    from orch.plans.memory.estimate import ModelProbe
 
     probe = ModelProbe(model_factory(DEEP), lm_inputs(128), tp_layer_specs=TP_LAYER_SPECS)
     assert measure_model_cost(probe, [1, 2], depth_scaled=True) == measure_model_cost(probe, [1, 2])
@@ -272,7 +272,7 @@ def test_depth_scaled_counts_match_full_counts_of_a_deep_gpt():
 def test_depth_scaled_activations_match_a_full_measurement(shape, monkeypatch):
     """Peaks included: with gradients larger than a layer's activations the peak with gradients
     held moves from the start of backward to its end as the model deepens, and must still match."""
-    from orch.plans import activations
+    from orch.plans.memory import activations
 
     cfg = {**DEEP, **shape}
     with torch.device("meta"):
@@ -290,7 +290,7 @@ def test_depth_scaled_activations_match_a_full_measurement(shape, monkeypatch):
 
 
 def test_depth_scaling_counts_in_full_unless_the_layers_are_identical():
-    from orch.plans.depth_scaling import repeated_stack, shallow_copy
+    from orch.plans.model.depth_scaling import repeated_stack, shallow_copy
 
     with torch.device("meta"):
         deep = model_factory(DEEP)()
@@ -507,7 +507,7 @@ def test_cpu_workers_sharing_cores_get_their_share_of_a_lone_workers_speed():
 
 
 def test_trials_try_each_layout_before_another_zero_stage_of_one():
-    from orch.plans.search_space import plan_layout, trial_candidates
+    from orch.plans.search.space import plan_layout, trial_candidates
 
     typed, model_cfg, _ = to_typed(compose_config("train.global_batch_size=16"))
     space, ctx = prepare(typed, model_cfg, typed.cluster)
@@ -543,8 +543,8 @@ def test_a_trial_is_bounded_by_the_trial_timeout_in_setup_and_in_training():
 
 def test_a_calibration_cache_that_cannot_be_read_or_written_is_measured_again_not_fatal(tmp_path):
     from orch.launchers.calibration import _cache_speeds, _cached_speeds
-    from orch.plans.cost_model import Speeds
     from orch.plans.spec import ClusterSpec
+    from orch.plans.step_time.cost_model import Speeds
 
     speeds = dataclasses.replace(Speeds.declared(ClusterSpec()), source="measured")
     cache = tmp_path / "calibration-0123.json"

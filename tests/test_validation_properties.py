@@ -174,7 +174,7 @@ def test_a_corpus_too_small_for_the_plans_batch_is_refused_naming_the_arithmetic
 
 
 def test_a_models_constructor_error_names_its_argument_or_target():
-    from orch.plans.model_facts import model_refusal
+    from orch.plans.model.model_facts import model_refusal
 
     named = model_refusal(TypeError("__init__() got an unexpected keyword argument 'width'"),
                           {"_target_": "my.Model", "width": 3}, "refused its arguments")

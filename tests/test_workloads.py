@@ -15,8 +15,7 @@ from helpers.config import compose_config
 from orch.checking import check_run
 from orch.config import to_typed
 from orch.plans.errors import PlanError
-from orch.plans.tp_plan import specs_from_tp_plan
-from orch.plans.workload import (
+from orch.plans.model.workload import (
     batch_targets,
     call_model,
     checkpoint_units,
@@ -24,6 +23,7 @@ from orch.plans.workload import (
     move_batch,
     output_tensor,
 )
+from orch.plans.parallel.tp_plan import specs_from_tp_plan
 from orch.workload import resolve_workload
 from orch.workloads.dataset import DatasetSource
 from orch.workloads.images import ImageSource
@@ -432,7 +432,7 @@ def test_multihead_attention_is_measured_on_meta_as_it_runs_on_cpu():
     """nn.MultiheadAttention calls SDPA from inside torch's own Python: on meta it must take the
     CPU flash kernel too, not the math path that saves every attention matrix."""
     from orch.launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
-    from orch.plans.activations import measure_activations
+    from orch.plans.memory.activations import measure_activations
 
     typed, model_cfg, _ = to_typed(compose_config("experiment=vit_zero3_bf16"))
     workload = resolve_workload(model_cfg, typed.objective, typed.data)

@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from helpers.config import compose_config
 from orch.config import to_typed
-from orch.plans.workload import output_tensor
+from orch.plans.model.workload import output_tensor
 from orch.run.driver import run_training
 from orch.workload import build_data_source
 
@@ -27,7 +27,7 @@ def train(sqlite_uri: str, *overrides: str):
 
 
 # ResNet-50 also recomputes its bottleneck blocks: torchvision models have no checkpointing switch
-# of their own, so this is orch.plans.workload.enable_activation_checkpointing wrapping them. It trains
+# of their own, so this is orch.plans.model.workload.enable_activation_checkpointing wrapping them. It trains
 # in fp32 here: on CPUs without bf16 convolution kernels torch takes its slow reference path for
 # bf16 convolutions (see the experiment's file), about 10 s a step on 2 cores against 0.6 s; the
 # ViT covers bf16 with a torchvision model, in 20 steps: bf16 matmuls on such CPUs are about 10x

@@ -35,10 +35,10 @@ import ray
 
 from orch.launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from orch.launchers.worker_group import NoPlacementError, WorkerGroupSpec, place_actors
-from orch.plans.cost_model import Speeds
 from orch.plans.errors import OrchError
-from orch.plans.locations import write_whole
 from orch.plans.spec import Precision
+from orch.plans.step_time.cost_model import Speeds
+from orch.plans.storage.locations import write_whole
 
 _BANDWIDTH_ELEMENTS = 4 * 1024 * 1024  # 16 MB of fp32: large enough that latency is a few percent
 # Part of the cache key: a cache written by older probes is measured again, not misread.
@@ -161,7 +161,7 @@ def _op_overhead_s(device, seconds: float) -> float:
     there is): forward and backward of a small MLP, ops counted as the cost model counts them."""
     import torch
 
-    from orch.plans.model_cost import OpCounter
+    from orch.plans.step_time.model_cost import OpCounter
 
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(4)])
     model.to(device)

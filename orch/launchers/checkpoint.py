@@ -44,7 +44,7 @@ from orch.launchers.manifest import (
 from orch.launchers.manifest import verify as verify_manifest
 from orch.launchers.storage import RemoteDir
 from orch.plans.errors import OrchError, PlanError, Violation, first_line
-from orch.plans.locations import is_remote, local_path, write_whole
+from orch.plans.storage.locations import is_remote, local_path, write_whole
 
 LATEST = "latest.json"
 LOCK = ".orch.lock"
@@ -283,14 +283,14 @@ def _verified(checkpoint_dir: str | os.PathLike, tag: str) -> Manifest:
 
 def _read_remote(checkpoint_dir: str | os.PathLike, read):
     """``read(store)`` of the checkpoint directory's store, given up after ``cluster.connect_timeout_s``
-    (:func:`orch.plans.locations.bounded`) with an error naming train.checkpoint_dir and the setting.
+    (:func:`orch.plans.storage.locations.bounded`) with an error naming train.checkpoint_dir and the setting.
 
     A store that answered the first check can still stall on a later read (the pointer, a
     manifest, a listing): pyarrow's S3 client ignores its request timeout on Linux, and a read
     held open kept `orch train` and `orch export` waiting for minutes, deaf to Ctrl-C, before a raw
     ``OSError``. The wait here ends at the limit, and at once on Ctrl-C or SIGTERM.
     """
-    from orch.plans.locations import StorageTimeout, bounded, probe_limit_s
+    from orch.plans.storage.locations import StorageTimeout, bounded, probe_limit_s
 
     try:
         return bounded(lambda: read(RemoteDir(str(checkpoint_dir), timeout_s=probe_limit_s())))

@@ -16,7 +16,7 @@ from typing import Any
 from orch.launchers.engines.base import Engine
 from orch.launchers.job import TrainJob
 from orch.launchers.storage import RemoteDir, staging_dir
-from orch.plans.locations import is_remote, local_path
+from orch.plans.storage.locations import is_remote, local_path
 
 
 class CheckpointIO:

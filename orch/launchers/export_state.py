@@ -15,7 +15,7 @@ def consolidated_state(engine: Engine, val_batches: Any, rank: int, pp: int) -> 
     """
     import torch
 
-    from orch.plans.workload import move_batch, output_tensor
+    from orch.plans.model.workload import move_batch, output_tensor
 
     if pp > 1:
         return None

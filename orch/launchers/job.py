@@ -12,7 +12,7 @@ from orch.plans.spec import TrainSpec
 
 if TYPE_CHECKING:  # their torch imports are left to the worker's start-up (TrainWorker.__init__)
     from orch.launchers.engines.base import BuiltModel
-    from orch.plans.workload import Workload
+    from orch.plans.model.workload import Workload
 
 
 @dataclass(frozen=True, kw_only=True)

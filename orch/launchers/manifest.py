@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orch.plans.errors import OrchError
-from orch.plans.locations import partial_name, write_whole
+from orch.plans.storage.locations import partial_name, write_whole
 
 MANIFEST = "manifest.json"
 _FORMAT = 1
@@ -86,7 +86,8 @@ def manifest_text(files: dict[str, str], sizes: dict[str, int], layout: dict[str
 
 def write_manifest(folder: str | os.PathLike, layout: dict[str, int | str] | None = None,
                    model: dict | None = None) -> Manifest:
-    """Digest every file under ``folder`` and write the manifest whole (:func:`orch.plans.locations.write_whole`)."""
+    """Digest every file under ``folder`` and write the manifest whole
+    (:func:`orch.plans.storage.locations.write_whole`)."""
     root = Path(folder)
     files, sizes = file_digests(root)
     write_whole(root / MANIFEST, manifest_text(files, sizes, layout, model))

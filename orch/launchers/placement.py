@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from orch.plans.rank_layout import parallel_coords
+from orch.plans.parallel.rank_layout import parallel_coords
 
 
 @dataclass(frozen=True)

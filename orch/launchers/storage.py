@@ -10,7 +10,7 @@ role). Nothing here holds a credential, and a URI that carries one is refused
 (:func:`location_violation`).
 
 Every check that opens a store (:func:`location_violation`) waits at most
-``cluster.connect_timeout_s``, through :mod:`orch.plans.locations` (which also bounds the data
+``cluster.connect_timeout_s``, through :mod:`orch.plans.storage.locations` (which also bounds the data
 sources' checks). Transfers of whole checkpoints are not bounded this way: they take as long as
 their size needs.
 
@@ -30,8 +30,8 @@ from functools import cached_property
 from pathlib import Path
 
 from orch.plans.errors import first_line
-from orch.plans.locations import STORE_FIX, StorageTimeout, bounded, is_remote, open_location, probe_limit_s
-from orch.plans.uris import CREDENTIALS_FIX, carries_credentials
+from orch.plans.storage.locations import STORE_FIX, StorageTimeout, bounded, is_remote, open_location, probe_limit_s
+from orch.plans.storage.uris import CREDENTIALS_FIX, carries_credentials
 
 
 def location_violation(location: str, timeout_s: float | None = None) -> str | None:

@@ -31,7 +31,7 @@ from orch.launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from orch.launchers.step_interval import Interval
 from orch.launchers.torch_threads import match_torch_threads
 from orch.launchers.worker_data import digest, rank_batches
-from orch.plans.rank_layout import parallel_coords
+from orch.plans.parallel.rank_layout import parallel_coords
 
 
 class TrainWorker:
@@ -72,7 +72,7 @@ class TrainWorker:
         """Join the process group, build the engine and this rank's batches; returns facts for the driver.
 
         ``streams`` is this rank's ``(training, evaluation)`` pair of a streamed data source
-        (:class:`orch.plans.workload.StreamingSource`): given to the first rank of each data-parallel
+        (:class:`orch.plans.model.workload.StreamingSource`): given to the first rank of each data-parallel
         replica, which reads it for the replica's other ranks.
         """
         with collector_paused():  # imports and the engine: start-up (orch.launchers.lean_startup)

@@ -8,7 +8,7 @@ import hashlib
 from typing import Any
 
 from orch.launchers.job import TrainJob
-from orch.plans.rank_layout import ParallelCoords, global_rank
+from orch.plans.parallel.rank_layout import ParallelCoords, global_rank
 
 
 def digest(batch) -> str:
@@ -35,7 +35,7 @@ def rank_batches(job: TrainJob, rank: int, coords: ParallelCoords, streams: tupl
     """
     from orch.launchers.batches import ShardedBatches
     from orch.launchers.memory_probe import TensorsMade
-    from orch.plans.workload import StreamingSource
+    from orch.plans.model.workload import StreamingSource
 
     plan, data = job.plan, job.workload.data
     data_tensors = TensorsMade() if job.train.memory_probe_step else contextlib.nullcontext()

@@ -137,7 +137,7 @@ class ClusterSpec:
     """With an address, `orch check` reads nodes and memory from the live cluster instead of
     trusting the declared numbers."""
     # The speeds below feed only `orch tune`'s cost model. Each one left unset (null) takes the
-    # accelerator's default (orch/plans/cost_model.py DECLARED_SPEEDS: a CPU core's, or an A100's), so
+    # accelerator's default (orch/plans/step_time/cost_model.py DECLARED_SPEEDS: a CPU core's, or an A100's), so
     # switching cluster.accelerator switches every speed not set; a speed that is set is kept.
     device_tflops: float | None = None
     """Peak dense matmul TFLOP/s of one device at the plan's precision (A100: 312 bf16, 19.5 fp32;

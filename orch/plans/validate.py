@@ -9,7 +9,7 @@ and the file-system checks, and raises them together before anything starts.
 Fields a rule does not list are checked elsewhere, with the arithmetic that relates them:
 ``plan.*`` degrees and batch sizes, ``cluster.nodes``/``devices_per_node``, ``train.steps``,
 ``train.log_every`` and ``train.global_batch_size`` by :func:`orch.plans.resolve.resolve_plan`;
-the model's arguments by the model's own constructor (see :func:`orch.plans.model_facts.inspect_model`).
+the model's arguments by the model's own constructor (see :func:`orch.plans.model.model_facts.inspect_model`).
 """
 
 from __future__ import annotations

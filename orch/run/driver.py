@@ -35,13 +35,13 @@ from orch.launchers.worker_group import (
     job_env,
 )
 from orch.plans.errors import PlanError, Violation
-from orch.plans.estimate import PlanEstimate
-from orch.plans.flops import training_flops_per_sample
-from orch.plans.model_facts import ModelFacts
+from orch.plans.memory.estimate import PlanEstimate
+from orch.plans.model.model_facts import ModelFacts
+from orch.plans.model.workload import StreamingSource, Workload, data_task_cpus
 from orch.plans.optim_settings import optim_settings
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec, ResumeMode
-from orch.plans.workload import StreamingSource, Workload, data_task_cpus
+from orch.plans.step_time.flops import training_flops_per_sample
 from orch.run.progress import Progress
 from orch.run.resume import checkpoint_dir_lock, signature_of
 from orch.run.startup import Startup, StartupClock

@@ -24,8 +24,8 @@ from orch.declared import declared_violations
 from orch.launchers.ray_session import RaySessionHandle, ray_session_in_background
 from orch.launchers.worker_group import job_env
 from orch.plans.errors import PlanError
-from orch.plans.locations import is_remote
 from orch.plans.resolve import ResolvedPlan, resolve_plan
+from orch.plans.storage.locations import is_remote
 from orch.workloads.schemas import SELF_CONTAINED_SOURCES
 
 

@@ -73,7 +73,7 @@ def signature_of(factory: Callable[[], torch.nn.Module], constructor_cfg: dict, 
     """The model's signature for checkpoint manifests, read on ``meta`` (nothing allocated)."""
     if not uses_checkpoints(train):
         return None
-    from orch.plans.meta import meta_device
+    from orch.plans.model.meta import meta_device
 
     with meta_device():
         module = factory()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from orch.config import TrackingConfig
 from orch.plans.errors import Violation
-from orch.plans.locations import unwritable_reason
+from orch.plans.storage.locations import unwritable_reason
 
 
 def sqlite_database(uri: str) -> Path | None:

@@ -17,8 +17,8 @@ from orch.credentials import redact_text
 from orch.launchers.job import WorkerFacts
 from orch.launchers.placement import rank_layout
 from orch.launchers.worker_group import WorkerHangError
-from orch.plans.estimate import PlanEstimate
-from orch.plans.model_facts import ModelFacts
+from orch.plans.memory.estimate import PlanEstimate
+from orch.plans.model.model_facts import ModelFacts
 from orch.plans.optim_settings import OptimSettings
 from orch.plans.resolve import ResolvedPlan
 from orch.tracking.store import (
@@ -66,7 +66,7 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
     """A new MLflow run with the flattened resolved config as params and the configs as artifacts:
     the engine-neutral optimizer settings for every run, and the engine's own config when it has
     one (``config/<engine>.json``: DeepSpeed's JSON)."""
-    from orch.plans.cost_model import speed_defaults
+    from orch.plans.step_time.cost_model import speed_defaults
 
     # A speed the cluster leaves unset is logged as the default the cost model takes for it (not
     # "None"), and the tag names those defaulted.

@@ -20,8 +20,15 @@ from orch import conf
 from orch.config import RunConfig
 from orch.launchers.storage import RemoteDir, location_violation
 from orch.plans.errors import PlanError, Violation
-from orch.plans.locations import StorageTimeout, bounded, is_remote, probe_limit_s, unwritable_reason, write_whole
 from orch.plans.resolve import ResolvedPlan
+from orch.plans.storage.locations import (
+    StorageTimeout,
+    bounded,
+    is_remote,
+    probe_limit_s,
+    unwritable_reason,
+    write_whole,
+)
 
 if TYPE_CHECKING:
     from orch.tune.result import TuneResult
@@ -32,7 +39,7 @@ _WRITABLE_FIX = "write it to a directory this user can write: tune.out=DIR/plan/
 
 def plan_values(plan: ResolvedPlan) -> dict:
     # Imported here: the search space imports torch, which checking a plan file needs none of.
-    from orch.plans.search_space import plan_spec
+    from orch.plans.search.space import plan_spec
 
     spec = plan_spec(plan)
     return {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(spec).items()}

@@ -9,12 +9,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orch.plans.build_memory import format_bytes
-from orch.plans.cost_model import Speeds, StepTime, declared_speed_values
 from orch.plans.engines import engine_spec
+from orch.plans.memory.build import format_bytes
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.search_space import Candidate, SearchResult
+from orch.plans.search.space import Candidate, SearchResult
 from orch.plans.spec import Accelerator, ClusterSpec, Precision, TrainSpec
+from orch.plans.step_time.cost_model import Speeds, StepTime, declared_speed_values
 from orch.tune.plan_file import train_command
 
 

@@ -1,7 +1,7 @@
 """`orch tune`: search the plan space, rank by predicted step time, confirm the best with short trials.
 
-The pure work (enumeration, pruning, cost model) is :mod:`orch.plans.search_space` and
-:mod:`orch.plans.cost_model`; this module prepares the search (the model probed once), measures the
+The pure work (enumeration, pruning, cost model) is :mod:`orch.plans.search.space` and
+:mod:`orch.plans.step_time.cost_model`; this module prepares the search (the model probed once), measures the
 cluster's speeds on Ray, and runs the search, the trials (:mod:`orch.tune.trials`), the plan
 file (:mod:`orch.tune.plan_file`) and the tuning run (:mod:`orch.tune.tracking`) in order.
 """
@@ -18,14 +18,13 @@ from orch.checking import check_model, check_pipeline, fused_tp_layers, live_clu
 from orch.config import RunConfig
 from orch.inputs import check_inputs, declared_violations
 from orch.models import DEPTH_KEY, build_model, inspect_declared_model
-from orch.plans.cost_model import Speeds
-from orch.plans.depth_scaling import SHALLOW_DEPTHS
 from orch.plans.engines import engine_spec
 from orch.plans.errors import PlanError, Violation
-from orch.plans.meta import meta_device
-from orch.plans.prediction import EXACT_PARAMS_LIMIT, count_model_cost, declared_speeds_note
+from orch.plans.model.depth_scaling import SHALLOW_DEPTHS
+from orch.plans.model.meta import meta_device
+from orch.plans.model.workload import Workload, data_task_cpus
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.search_space import (
+from orch.plans.search.space import (
     BatchScaledProbe,
     SearchContext,
     SearchSpace,
@@ -34,7 +33,8 @@ from orch.plans.search_space import (
     trial_candidates,
 )
 from orch.plans.spec import Accelerator, Offload
-from orch.plans.workload import Workload, data_task_cpus
+from orch.plans.step_time.cost_model import Speeds
+from orch.plans.step_time.prediction import EXACT_PARAMS_LIMIT, count_model_cost, declared_speeds_note
 from orch.tune.plan_file import check_plan_file, plan_overrides, write_plan_file
 from orch.tune.result import TrainBudget, TuneResult
 from orch.tune.tracking import finish_parent, start_parent

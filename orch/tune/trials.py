@@ -11,10 +11,10 @@ from omegaconf import OmegaConf
 
 from orch.config import RunConfig
 from orch.plans.errors import OrchError
+from orch.plans.model.workload import Workload
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.search_space import Candidate, SearchContext, plan_spec
+from orch.plans.search.space import Candidate, SearchContext, plan_spec
 from orch.plans.spec import ResumeMode
-from orch.plans.workload import Workload
 from orch.tune.plan_file import plan_values
 from orch.tune.result import Trial, TuneResult, describe
 

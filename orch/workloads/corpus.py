@@ -90,7 +90,7 @@ _CORPUS_FIX = "point data.path at a text file (optionally .gz), or set data.path
 
 @dataclass(frozen=True, kw_only=True)
 class CorpusSource:
-    """The corpus as a :class:`orch.plans.workload.DataSource`: windows of ``seq_len + 1`` bytes as
+    """The corpus as a :class:`orch.plans.model.workload.DataSource`: windows of ``seq_len + 1`` bytes as
     ``(inputs, next-byte targets)`` pairs; the tail ``val_fraction`` is held out."""
 
     path: str | None = from_schema(CorpusDataConfig, "path")

@@ -17,7 +17,7 @@ import torch
 from hydra.utils import get_object, instantiate
 
 from orch.plans.errors import Violation
-from orch.plans.workload import move_batch
+from orch.plans.model.workload import move_batch
 from orch.workloads.lineage import samples_digest
 from orch.workloads.schemas import DatasetDataConfig
 
@@ -32,7 +32,7 @@ def _cause(error: BaseException) -> BaseException:
 
 
 class DatasetSource:
-    """The user's Dataset as a :class:`orch.plans.workload.DataSource`."""
+    """The user's Dataset as a :class:`orch.plans.model.workload.DataSource`."""
 
     def __init__(self, *, dataset: dict[str, Any], val_dataset: dict[str, Any] | None = _DECLARED.val_dataset,
                  val_fraction: float = _DECLARED.val_fraction, collate: dict[str, Any] | None = _DECLARED.collate,

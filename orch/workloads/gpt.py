@@ -12,7 +12,7 @@ so the same code runs whole (on ``meta`` in the planner, at tp=1) and sharded.
 
 Pipeline parallelism (``plan.pp > 1``) needs the model as a flat sequence of layers, each stage
 building only its own: :meth:`GPT.pipeline_layers` describes them as
-:class:`orch.plans.stage_layers.StageLayer` objects, which the training engine turns into its own.
+:class:`orch.plans.parallel.stage_layers.StageLayer` objects, which the training engine turns into its own.
 Every layer draws its initial weights from a seed of its own (the run's seed and the layer's
 index), so the model built whole and the model built stage by stage start from the same weights.
 """
@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from orch.plans.engines import whole_parameters
-from orch.plans.stage_layers import StageLayer
+from orch.plans.parallel.stage_layers import StageLayer
 
 # How AutoTP shards the built-in GPT, in the schema of DeepSpeed's
 # ``tensor_parallel.partition_config.layer_specs`` (deepspeed/module_inject/autotp_config.py):

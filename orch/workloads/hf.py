@@ -9,7 +9,7 @@ before any worker starts. Only model types transformers ships are built: a confi
 ``auto_map`` points at code of its own is refused before transformers could ask on the terminal
 whether to run it (:func:`_refuse_custom_code`). A deep model's depth is declared to the planner
 (:func:`declared_depth`), which builds two shallow copies instead of it. The model declares its own
-tensor-parallel plan (see :mod:`orch.plans.tp_plan`) and supports ``gradient_checkpointing_enable()``.
+tensor-parallel plan (see :mod:`orch.plans.parallel.tp_plan`) and supports ``gradient_checkpointing_enable()``.
 A decoder of the usual structure is split into pipeline stages by
 :func:`orch.workloads.hf_pipeline.pipeline_layers` (``hf_causal_lm.pipeline_layers``, where the
 orchestrator looks for it).
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from orch.plans.depth_scaling import DeclaredDepth
 from orch.plans.errors import PlanError, Violation
+from orch.plans.model.depth_scaling import DeclaredDepth
 from orch.workloads.hf_pipeline import pipeline_layers, seed_parts
 from orch.workloads.local_files import missing_reason
 

@@ -18,7 +18,7 @@ Each pipeline layer runs the model's own code, so it computes what the unpipelin
 * :class:`FinalNorm` is the base model's final norm.
 * :class:`OutputHead` is the causal LM with its base model replaced by the hidden states: its own
   forward computes the logits (and any scaling of them). With tied input and output embeddings
-  the head shares the :class:`InputEmbedding` (a :class:`~orch.plans.stage_layers.StageLayer`
+  the head shares the :class:`InputEmbedding` (a :class:`~orch.plans.parallel.stage_layers.StageLayer`
   tie), whose copy on the last stage the engine keeps equal to the first stage's.
 
 Weights: part ``k`` (the embedding is 0, decoder layer ``i`` is ``i + 1``, the norm ``N + 1``,
@@ -41,8 +41,8 @@ from torch import nn
 
 from orch.plans.engines import whole_parameters
 from orch.plans.errors import PipelineRefused
-from orch.plans.meta import meta_device
-from orch.plans.stage_layers import StageLayer
+from orch.plans.model.meta import meta_device
+from orch.plans.parallel.stage_layers import StageLayer
 from orch.workloads.gpt import layer_seed
 
 

@@ -63,7 +63,7 @@ class _Folder(torch.utils.data.Dataset):
 
 @dataclass(frozen=True, kw_only=True)
 class ImageSource:
-    """Labelled images as a :class:`orch.plans.workload.DataSource`."""
+    """Labelled images as a :class:`orch.plans.model.workload.DataSource`."""
 
     path: str | None = from_schema(ImagesDataConfig, "path")
     image_size: int = from_schema(ImagesDataConfig, "image_size")

@@ -1,6 +1,6 @@
 """The objectives a run can declare (``objective=causal_lm`` / ``classification``).
 
-An objective is any callable ``(outputs, batch) -> scalar loss`` (see :mod:`orch.plans.workload`):
+An objective is any callable ``(outputs, batch) -> scalar loss`` (see :mod:`orch.plans.model.workload`):
 the same object computes the training loss, the pipeline's ``loss_fn``, the eval loss and the
 planner's measurements on ``meta``. ``metrics(outputs, batch)`` adds what eval reports besides
 the loss.
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from orch.plans.workload import Batch, batch_targets, model_loss, output_tensor
+from orch.plans.model.workload import Batch, batch_targets, model_loss, output_tensor
 
 
 def _targets(batch: Batch, what: str) -> torch.Tensor:

@@ -33,8 +33,8 @@ from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
 from orch.plans.errors import Violation
-from orch.plans.locations import StorageTimeout, bounded, is_remote, open_location, probe_limit_s
-from orch.plans.uris import CREDENTIALS_FIX, carries_credentials
+from orch.plans.storage.locations import StorageTimeout, bounded, is_remote, open_location, probe_limit_s
+from orch.plans.storage.uris import CREDENTIALS_FIX, carries_credentials
 from orch.workloads.schemas import from_schema
 from orch.workloads.text_rows import first_bad_row
 
@@ -194,7 +194,7 @@ def _columns_to_batch(columns: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 @dataclass(frozen=True, kw_only=True)
 class RayDataSource:
-    """Files or URIs streamed through Ray Data, as a :class:`orch.plans.workload.StreamingSource`."""
+    """Files or URIs streamed through Ray Data, as a :class:`orch.plans.model.workload.StreamingSource`."""
 
     paths: list[str] | str = from_schema(RayDataConfig, "paths")
     format: str | None = from_schema(RayDataConfig, "format")
@@ -537,7 +537,7 @@ def _filesystem(location: str):
 
 def _probed(locations: list[str], call: Callable[[], Any]) -> Any:
     """``call()``, given up after ``cluster.connect_timeout_s`` when it reaches a store
-    (:func:`orch.plans.locations.bounded`); local files are read without a limit."""
+    (:func:`orch.plans.storage.locations.bounded`); local files are read without a limit."""
     return bounded(call) if any(is_remote(location) for location in locations) else call()
 
 

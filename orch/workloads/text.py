@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from orch.plans.errors import Violation
-from orch.plans.locations import unwritable_reason
+from orch.plans.storage.locations import unwritable_reason
 from orch.workloads.corpus import BYTE_VOCAB, SHIPPED_CORPUS
 from orch.workloads.lineage import files_digest
 from orch.workloads.local_files import missing_reason
@@ -74,7 +74,7 @@ def _exclusive(path: Path) -> Iterator[None]:
 
 @dataclass(frozen=True, kw_only=True)
 class TextSource:
-    """Packed token windows as a :class:`orch.plans.workload.DataSource`."""
+    """Packed token windows as a :class:`orch.plans.model.workload.DataSource`."""
 
     files: list[str] | str | None = from_schema(TextDataConfig, "files")
     text_field: str = from_schema(TextDataConfig, "text_field")

@@ -4,7 +4,7 @@ from orch.plans.engine_settings import EngineSettings, ZeroStage
 from orch.plans.engines import DeviceMemory, EngineSpec
 from orch.plans.engines.base import schema_default
 from orch.plans.errors import Violation
-from orch.plans.memory import model_state_bytes, step_phases
+from orch.plans.memory.states import model_state_bytes, step_phases
 from orch.plans.spec import FSDPSpec, Offload
 
 

@@ -23,7 +23,7 @@ def compose_config(*overrides: str) -> DictConfig:
 def lm_inputs(seq_len: int):
     """What the planner measures a language model with: windows of ``seq_len`` byte tokens and
     next-token cross-entropy (the default data source and objective)."""
-    from orch.plans.workload import Workload
+    from orch.plans.model.workload import Workload
     from orch.workloads.corpus import CorpusSource
     from orch.workloads.objectives import CausalLM
 

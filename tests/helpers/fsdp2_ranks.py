@@ -42,11 +42,11 @@ def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", ac
              checkpointing: bool = False, hybrid: bool = False, reshard: bool = True, offload: bool = False):
     """A :class:`TrainJob` as the driver builds one, for ``plan.engine=fsdp2`` on CPU workers."""
     from orch.launchers.job import TrainJob
+    from orch.plans.model.workload import Workload
     from orch.plans.optim_settings import optim_settings
+    from orch.plans.parallel.tp_plan import specs_from_tp_plan
     from orch.plans.resolve import ResolvedPlan
     from orch.plans.spec import Accelerator, FSDPSpec, Offload, OptimSpec, Precision, TrainSpec
-    from orch.plans.tp_plan import specs_from_tp_plan
-    from orch.plans.workload import Workload
     from orch.workloads.corpus import CorpusSource
     from orch.workloads.objectives import CausalLM, Classification
 
@@ -110,7 +110,7 @@ def _rank(rank: int, scenario: str, world: int, out: str, port: int, kwargs: dic
 
 def _engine(job, rank: int, world: int):
     from orch.launchers.engines import engine_for
-    from orch.plans.rank_layout import parallel_coords
+    from orch.plans.parallel.rank_layout import parallel_coords
 
     engine = engine_for("fsdp2")
     engine.start(job, "127.0.0.1", int(os.environ["MASTER_PORT"]))

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from orch.launchers.job import TrainJob
-    from orch.plans.rank_layout import ParallelCoords
+    from orch.plans.parallel.rank_layout import ParallelCoords
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +61,7 @@ def mean_objective(model, objective, val_batches: Iterator[Any], batches: int,
     one rank holds the whole forward (not a pipeline stage)."""
     import torch
 
-    from orch.plans.workload import call_model
+    from orch.plans.model.workload import call_model
 
     metrics = getattr(objective, "metrics", None)
     totals: dict[str, float] = {}
@@ -104,7 +104,7 @@ class Engine(ABC):
 
     def to_device(self, batch: Any) -> Any:
         """``batch`` on this rank's device, its floating-point tensors in :attr:`dtype`."""
-        from orch.plans.workload import move_batch
+        from orch.plans.model.workload import move_batch
 
         return move_batch(batch, self.device, self.dtype)
 

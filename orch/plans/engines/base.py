@@ -2,9 +2,9 @@
 
 Every layer asks the engine's spec instead of branching on its name: the plan's rules
 (:func:`orch.plans.resolve.resolve_plan`), its settings (:mod:`orch.plans.engine_settings`), the
-memory of one device and of a node while the model is built (:mod:`orch.plans.estimate`), the fixes
-tried when a plan does not fit, the predicted step (:mod:`orch.plans.prediction`), the tuner's axes
-(:mod:`orch.plans.search_space`) and the plan's description in reports. The spec names the
+memory of one device and of a node while the model is built (:mod:`orch.plans.memory.estimate`), the fixes
+tried when a plan does not fit, the predicted step (:mod:`orch.plans.step_time.prediction`), the tuner's axes
+(:mod:`orch.plans.search.space`) and the plan's description in reports. The spec names the
 runtime class the workers train with (as Ray Train's ``BackendConfig.backend_cls`` names its
 backend), so the launchers find it here too.
 
@@ -24,16 +24,16 @@ from orch.plans.errors import Violation
 from orch.plans.spec import ClusterSpec, FSDPSpec, Offload, OptimSpec, PlanSpec
 
 if TYPE_CHECKING:
-    from orch.plans.activations import ActivationBytes
-    from orch.plans.build_memory import BuildMemory
-    from orch.plans.cost_model import ModelCost, Speeds, StepTime
     from orch.plans.engine_settings import EngineSettings
-    from orch.plans.estimate import ModelProbe
-    from orch.plans.memory import DevicePhases, ModelStateBytes
+    from orch.plans.memory.activations import ActivationBytes
+    from orch.plans.memory.build import BuildMemory
+    from orch.plans.memory.estimate import ModelProbe
+    from orch.plans.memory.states import DevicePhases, ModelStateBytes
     from orch.plans.optim_settings import OptimSettings
-    from orch.plans.pipeline import PipelineStage
+    from orch.plans.parallel.pipeline import PipelineStage
     from orch.plans.resolve import ResolvedPlan
-    from orch.plans.search_space import SearchSpace
+    from orch.plans.search.space import SearchSpace
+    from orch.plans.step_time.cost_model import ModelCost, Speeds, StepTime
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +116,7 @@ class EngineSpec:
     def build_memory(self, plan: ResolvedPlan, cluster: ClusterSpec, *, built_bytes: int, param_count: int,
                      stages: list[PipelineStage], weight_file_bytes: int) -> BuildMemory:
         """One node's host memory while its workers build the model: by default each builds it whole."""
-        from orch.plans.build_memory import GIB, BuildMemory
+        from orch.plans.memory.build import GIB, BuildMemory
 
         return BuildMemory(model=built_bytes, weights=weight_file_bytes,
                            workers=min(cluster.devices_per_node, plan.world_size), how="whole",
@@ -132,7 +132,7 @@ class EngineSpec:
     def step_time(self, plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devices_per_node: int,
                   optim: OptimSpec, probe: ModelProbe | None = None) -> StepTime:
         """The predicted optimizer step (``probe``: the model, when the engine reads more of it)."""
-        from orch.plans.cost_model import predict_step
+        from orch.plans.step_time.cost_model import predict_step
 
         return predict_step(plan, model, speeds, devices_per_node=devices_per_node, optim=optim)
 

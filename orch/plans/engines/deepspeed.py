@@ -1,8 +1,8 @@
 """DeepSpeed as the planner knows it: ZeRO stages 0-3, CPU/NVMe offload, AutoTP and pipelines.
 
 The rules quote DeepSpeed's own limits (each constant says where it asserts them); the memory of
-a device is ZeRO's model states plus the step's phases (:mod:`orch.plans.memory`), stage by stage
-for a pipeline; the step time is :func:`orch.plans.cost_model.predict_step`, which prices the
+a device is ZeRO's model states plus the step's phases (:mod:`orch.plans.memory.states`), stage by stage
+for a pipeline; the step time is :func:`orch.plans.step_time.cost_model.predict_step`, which prices the
 ZeRO stage's collectives. Its runtime is :class:`orch.launchers.engines.deepspeed.DeepSpeedEngine`.
 """
 
@@ -12,7 +12,6 @@ import dataclasses
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
-from orch.plans.build_memory import GIB, BuildMemory
 from orch.plans.engine_settings import (
     ALLGATHER_BUCKET_SIZE,
     BUCKET_ALIGNMENT,
@@ -22,15 +21,16 @@ from orch.plans.engine_settings import (
 )
 from orch.plans.engines.base import Change, DeviceMemory, EngineSpec, halve_micro_batch
 from orch.plans.errors import Violation
+from orch.plans.memory.build import GIB, BuildMemory
 from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, OptimizerName, PlanSpec, Precision
 
 if TYPE_CHECKING:
-    from orch.plans.activations import ActivationBytes
-    from orch.plans.estimate import ModelProbe
-    from orch.plans.memory import ModelStats
-    from orch.plans.pipeline import PipelineStage
+    from orch.plans.memory.activations import ActivationBytes
+    from orch.plans.memory.estimate import ModelProbe
+    from orch.plans.memory.states import ModelStats
+    from orch.plans.parallel.pipeline import PipelineStage
     from orch.plans.resolve import ResolvedPlan
-    from orch.plans.search_space import SearchSpace
+    from orch.plans.search.space import SearchSpace
 
 ZERO_STAGES = (0, 1, 2, 3)
 # ZeRO stages DeepSpeed's pipeline engine trains with: it asserts stage < 2
@@ -125,7 +125,7 @@ class DeepSpeedSpec(EngineSpec):
         (its layers' parameters, its share of the activations times the micro-batches it holds in
         flight), gradients counted as accumulating, since 1F1B runs later forwards while earlier
         micro-batches' gradients sit in ``.grad``."""
-        from orch.plans.pipeline import stage_activations
+        from orch.plans.parallel.pipeline import stage_activations
 
         if plan.pp <= 1:
             return DeviceMemory(per_stage=[_device_phases(plan, optim, engine, probe, probe.stats_for(plan.tp),
@@ -215,7 +215,7 @@ def _offload_violations(plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]
 
 def _device_phases(plan: ResolvedPlan, optim, engine: EngineSettings, probe: ModelProbe, stats: ModelStats,
                    activations: ActivationBytes, grad_accum_steps: int):
-    from orch.plans.memory import model_state_bytes, step_phases
+    from orch.plans.memory.states import model_state_bytes, step_phases
 
     states = model_state_bytes(param_count=stats.param_count, trainable_count=stats.trainable_count,
                                zero_stage=plan.zero_stage, dp=plan.dp, precision=plan.precision,
@@ -229,7 +229,7 @@ def _device_phases(plan: ResolvedPlan, optim, engine: EngineSettings, probe: Mod
 
 def _stage_stats(probe: ModelProbe, stage: PipelineStage, tp: int) -> ModelStats:
     """A stage's parameter counts; its tensor-parallel layers split tp ways, in the model's proportion."""
-    from orch.plans.memory import ModelStats
+    from orch.plans.memory.states import ModelStats
 
     whole, sharded = probe.stats, probe.stats_for(tp)
     keep = sharded.param_count / whole.param_count if whole.param_count else 1.0

@@ -3,7 +3,7 @@
 A model that declares no tensor-parallel plan may still be one of the architectures DeepSpeed
 ships AutoTP presets for (``AutoTPPresets``: BLOOM, ChatGLM, Qwen2, ...), found by the
 ``model_type`` of its Hugging Face config. The preset's specs are written out as the dicts
-``tensor_parallel.partition_config`` takes (:mod:`orch.plans.tp_plan`), so the planner counts the
+``tensor_parallel.partition_config`` takes (:mod:`orch.plans.parallel.tp_plan`), so the planner counts the
 parameters they shard and ``orch check`` verifies that they match the model's parameters, whichever
 engine then trains them.
 """

@@ -12,19 +12,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orch.plans.build_memory import GIB, BuildMemory
 from orch.plans.engine_settings import EngineSettings, ZeroStage
 from orch.plans.engines.base import Change, DeviceMemory, EngineSpec, halve_micro_batch, schema_default
 from orch.plans.errors import Violation
+from orch.plans.memory.build import GIB, BuildMemory
 from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, OptimizerName, PlanSpec, Precision
 
 if TYPE_CHECKING:
-    from orch.plans.activations import ActivationBytes
-    from orch.plans.cost_model import ModelCost, Speeds, StepTime
-    from orch.plans.estimate import ModelProbe
-    from orch.plans.pipeline import PipelineStage
+    from orch.plans.memory.activations import ActivationBytes
+    from orch.plans.memory.estimate import ModelProbe
+    from orch.plans.parallel.pipeline import PipelineStage
     from orch.plans.resolve import ResolvedPlan
-    from orch.plans.search_space import SearchSpace
+    from orch.plans.search.space import SearchSpace
+    from orch.plans.step_time.cost_model import ModelCost, Speeds, StepTime
 
 
 class FSDP2Spec(EngineSpec):

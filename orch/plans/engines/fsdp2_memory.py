@@ -1,7 +1,7 @@
 """How many bytes one rank of an FSDP2 plan needs, part by part, as PyTorch's ``fully_shard`` lays them out.
 
 The FSDP2 engine calls ``fully_shard`` on each repeated block of the model (the blocks activation
-checkpointing recomputes: :func:`orch.plans.workload.checkpoint_units`) and then on the root, which
+checkpointing recomputes: :func:`orch.plans.model.workload.checkpoint_units`) and then on the root, which
 keeps what no block owns (embeddings, the head, final norms). What each rank holds follows
 torch/distributed/fsdp/_fully_shard/ (torch 2.14):
 
@@ -44,12 +44,12 @@ torch/distributed/fsdp/_fully_shard/ (torch 2.14):
 * **HSDP** (``plan.fsdp.hybrid``): the shard group is the data-parallel ranks of one node
   (:func:`orch.plans.engine_settings.fsdp_mesh`); nodes hold replicas.
 
-Activations are measured on ``meta`` exactly as for DeepSpeed (:mod:`orch.plans.activations`), with
+Activations are measured on ``meta`` exactly as for DeepSpeed (:mod:`orch.plans.memory.activations`), with
 the trace cut where backward enters and leaves the repeated layers: these parts are alive at
 different moments, and each phase below pairs them with the activations of its moment (head
 backward, the first block backward reaches, the blocks after it, the last block's
 reduce-scatter). The peak is what is held plus the worst phase, as
-:func:`orch.plans.memory.step_phases` counts DeepSpeed's.
+:func:`orch.plans.memory.states.step_phases` counts DeepSpeed's.
 Notation: Ψ parameters, Φ trainable ones, N the shard group, b the compute dtype's bytes, B the
 largest block, R the root.
 """
@@ -62,11 +62,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from orch.plans.activations import ActivationBytes
 from orch.plans.engine_settings import EngineSettings
-from orch.plans.memory import DevicePhases, ModelStateBytes, ModelStats, PhaseBytes, _optimizer_moment_bytes
+from orch.plans.memory.activations import ActivationBytes
+from orch.plans.memory.states import DevicePhases, ModelStateBytes, ModelStats, PhaseBytes, _optimizer_moment_bytes
+from orch.plans.model.workload import checkpoint_units
 from orch.plans.spec import Offload, OptimizerName, Precision
-from orch.plans.workload import checkpoint_units
 
 if TYPE_CHECKING:
     from orch.plans.resolve import ResolvedPlan
@@ -132,7 +132,7 @@ class Part:
 
     name: str
     kind: str
-    """A :class:`orch.plans.memory.PhaseBytes` field: params, grads, optimizer_states, activations or buffers."""
+    """A :class:`orch.plans.memory.states.PhaseBytes` field: params, grads, optimizer_states, activations or buffers."""
     bytes: int
 
 

@@ -1,7 +1,7 @@
-"""FSDP2's data-parallel time: the term :mod:`orch.plans.cost_model` prices as ZeRO-3's, as FSDP2 runs it.
+"""FSDP2's data-parallel time: the term :mod:`orch.plans.step_time.cost_model` prices as ZeRO-3's, as FSDP2 runs it.
 
 :func:`orch.plans.engine_settings.engine_settings` maps an FSDP2 plan onto ZeRO stage 3 (it shards the same
-states), so :func:`orch.plans.cost_model.predict_step` already prices an all-gather of every parameter
+states), so :func:`orch.plans.step_time.cost_model.predict_step` already prices an all-gather of every parameter
 in forward and backward and a reduce-scatter of the gradients, every micro-batch. FSDP2 differs in
 what it moves and how often (torch/distributed/fsdp/_fully_shard/):
 
@@ -21,7 +21,7 @@ what it moves and how often (torch/distributed/fsdp/_fully_shard/):
   own stream: only what the compute cannot cover stays exposed. CPU workers (gloo) are counted
   without overlap, as the cost model counts every CPU collective.
 
-:func:`predict_fsdp_step` is :func:`orch.plans.cost_model.predict_step` with this term in place of the
+:func:`predict_fsdp_step` is :func:`orch.plans.step_time.cost_model.predict_step` with this term in place of the
 ZeRO-3 one; the FSDP2 spec (:mod:`orch.plans.engines.fsdp2`) answers the planner's step time with
 it, so the cost model itself knows no engine.
 """
@@ -30,7 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from orch.plans.cost_model import (
+from orch.plans.engine_settings import engine_settings
+from orch.plans.engines.fsdp2_memory import fsdp_mesh
+from orch.plans.resolve import ResolvedPlan
+from orch.plans.spec import Accelerator, OptimSpec
+from orch.plans.step_time.cost_model import (
     ModelCost,
     Speeds,
     StepTime,
@@ -40,10 +44,6 @@ from orch.plans.cost_model import (
     group_links,
     predict_step,
 )
-from orch.plans.engine_settings import engine_settings
-from orch.plans.engines.fsdp2_memory import fsdp_mesh
-from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, OptimSpec
 
 REDUCE_BYTES = 4
 """Bytes of one reduced gradient element: the FSDP2 engine reduces in fp32 (``reduce_dtype``)."""
@@ -95,7 +95,7 @@ def fsdp_dp_comm_s(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devi
 
 def predict_fsdp_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devices_per_node: int,
                       optim: OptimSpec, root_params: float = 0.0) -> StepTime:
-    """:func:`orch.plans.cost_model.predict_step` of an FSDP2 plan, its ZeRO-3 data-parallel term
+    """:func:`orch.plans.step_time.cost_model.predict_step` of an FSDP2 plan, its ZeRO-3 data-parallel term
     replaced by :func:`fsdp_dp_comm_s` (rates rescaled to the new total)."""
     step = predict_step(plan, model, speeds, devices_per_node=devices_per_node, optim=optim)
     overlap = engine_settings(plan, optim).overlap_comm and plan.accelerator == Accelerator.gpu

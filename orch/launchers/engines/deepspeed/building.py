@@ -8,8 +8,8 @@ import os
 import sys
 
 from orch.launchers.job import TrainJob
-from orch.plans.rank_layout import GRID_AXES, ParallelCoords
-from orch.plans.stage_layers import StageLayer
+from orch.plans.parallel.rank_layout import GRID_AXES, ParallelCoords
+from orch.plans.parallel.stage_layers import StageLayer
 
 
 def import_deepspeed():
@@ -95,7 +95,7 @@ def build_model(job: TrainJob):
     """
     if job.plan.zero_stage == 3 and job.plan.pp == 1 and job.plan.tp == 1:
         from orch.launchers.engines.deepspeed.zero_init import zero3_build
-        from orch.plans.meta import meta_device
+        from orch.plans.model.meta import meta_device
 
         # zero.Init patches tensor construction; a library imported for the first time inside it
         # fails (torchvision registers tensor subclasses at import; transformers imports a model's
@@ -123,8 +123,8 @@ def refuse_whole_build_beyond_memory(job: TrainJob, reason: str) -> None:
     """
     import psutil
 
-    from orch.plans.memory import model_stats
-    from orch.plans.meta import meta_device
+    from orch.plans.memory.states import model_stats
+    from orch.plans.model.meta import meta_device
 
     with meta_device():
         whole = model_stats(job.workload.model_factory()).built_bytes
@@ -141,7 +141,7 @@ def refuse_whole_build_beyond_memory(job: TrainJob, reason: str) -> None:
 def pipeline_module(job: TrainJob):
     """The model as DeepSpeed pipeline stages; this rank builds only its own stage's layers.
 
-    The grid is ours (:func:`orch.plans.rank_layout.parallel_coords`, axes :data:`GRID_AXES`), handed
+    The grid is ours (:func:`orch.plans.parallel.rank_layout.parallel_coords`, axes :data:`GRID_AXES`), handed
     to DeepSpeed as a ``ProcessTopology``, so the stage, replica and data shard of every rank are
     what ``orch check`` showed. With activation checkpointing each layer with parameters is
     recomputed in backward (``activation_checkpoint_interval=1``), with torch's non-reentrant
@@ -173,7 +173,7 @@ def pipeline_module(job: TrainJob):
 
 
 def deepspeed_layers(layers: list) -> list:
-    """The model's :class:`~orch.plans.stage_layers.StageLayer` list as DeepSpeed's pipeline layers.
+    """The model's :class:`~orch.plans.parallel.stage_layers.StageLayer` list as DeepSpeed's pipeline layers.
 
     A tied layer becomes a ``TiedLayerSpec`` under its tie key, any other a ``LayerSpec``. Anything
     else in the list (DeepSpeed ``LayerSpec`` objects or modules, which a model of its own may still

@@ -21,7 +21,7 @@ from orch.launchers.engines.deepspeed.building import (
     unlink_shared_memory_buffers,
 )
 from orch.launchers.job import TrainJob
-from orch.plans.rank_layout import ParallelCoords
+from orch.plans.parallel.rank_layout import ParallelCoords
 from orch.plans.spec import Precision
 
 
@@ -69,7 +69,7 @@ class DeepSpeedEngine(Engine):
         else:
             module, built = build_model(job)
             if plan.activation_checkpointing:
-                from orch.plans.workload import enable_activation_checkpointing
+                from orch.plans.model.workload import enable_activation_checkpointing
 
                 enable_activation_checkpointing(module)
             mpu = tensor_parallel_groups(job, dist.get_rank(), coords)
@@ -141,7 +141,7 @@ class DeepSpeedEngine(Engine):
     def outputs(self, batch: Any) -> Any:
         import torch
 
-        from orch.plans.workload import call_model
+        from orch.plans.model.workload import call_model
 
         self.engine.eval()
         with torch.no_grad():

@@ -27,7 +27,7 @@ from orch.launchers.checkpoint import UNIVERSAL_SUFFIX, layout_of
 from orch.launchers.manifest import CheckpointIntegrityError, verify, write_manifest
 from orch.launchers.storage import RemoteDir, staging_dir
 from orch.plans.errors import OrchError, PlanError, Violation
-from orch.plans.locations import is_remote, local_path
+from orch.plans.storage.locations import is_remote, local_path
 
 # The layout keys whose change needs a universal checkpoint, and those that may not change at all.
 ELASTIC = ("dp",)

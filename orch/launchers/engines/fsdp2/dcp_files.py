@@ -24,7 +24,7 @@ from typing import Any
 
 from orch.launchers.safe_load import UnsafeCheckpointError
 from orch.plans.errors import first_line
-from orch.plans.locations import write_whole
+from orch.plans.storage.locations import write_whole
 
 CLIENT_STATE = "client_state.json"
 """The loop's state (step, data positions, RNG, layout, loss), written by rank 0."""

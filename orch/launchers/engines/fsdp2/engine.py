@@ -1,7 +1,7 @@
 """PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) behind the engine seam, ``plan.engine=fsdp2``.
 
 The model is built whole on every rank from the same seed, activation checkpointing is switched
-on (:func:`orch.plans.workload.enable_activation_checkpointing`, which keeps parameter names), tensor
+on (:func:`orch.plans.model.workload.enable_activation_checkpointing`, which keeps parameter names), tensor
 parallelism applied through DTensor (:mod:`orch.launchers.engines.fsdp2.layout`) and then each
 repeated block and the root are sharded over the data-parallel ranks. The optimizer and
 schedule are torch's, built from the run's engine-neutral settings (``job.optim``) and equal to a
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from orch.launchers.job import TrainJob
-    from orch.plans.rank_layout import ParallelCoords
+    from orch.plans.parallel.rank_layout import ParallelCoords
 
 
 class FSDP2Engine(Engine):
@@ -60,7 +60,7 @@ class FSDP2Engine(Engine):
         from orch.launchers.engines.fsdp2.layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
         from orch.launchers.engines.fsdp2.torch_optim import build_optimizer, loss_scaler, lr_schedule
         from orch.plans.engine_settings import engine_settings
-        from orch.plans.meta import meta_device
+        from orch.plans.model.meta import meta_device
 
         plan = job.plan
         if plan.pp > 1:
@@ -75,7 +75,7 @@ class FSDP2Engine(Engine):
         if self.dtype is not None:
             cast_float_buffers(model, self.dtype)
         if plan.activation_checkpointing:
-            from orch.plans.workload import enable_activation_checkpointing
+            from orch.plans.model.workload import enable_activation_checkpointing
 
             enable_activation_checkpointing(model)
         dp_mesh, tp_mesh = meshes(plan, self.device.type, coords)
@@ -183,7 +183,7 @@ class FSDP2Engine(Engine):
     def outputs(self, batch: Any) -> Any:
         import torch
 
-        from orch.plans.workload import call_model
+        from orch.plans.model.workload import call_model
 
         self.model.eval()
         try:

@@ -1,7 +1,7 @@
 """How an FSDP2 run lays a model over its ranks: the device meshes, the blocks sharded one by
 one, FSDP2's options from the plan, and tensor parallelism through DTensor.
 
-The rank layout is the project's (:func:`orch.plans.rank_layout.parallel_coords`: tp innermost, dp
+The rank layout is the project's (:func:`orch.plans.parallel.rank_layout.parallel_coords`: tp innermost, dp
 outermost), which a row-major ``(dp, tp)`` mesh reproduces; :func:`meshes` checks that it does.
 """
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    from orch.plans.rank_layout import ParallelCoords
+    from orch.plans.parallel.rank_layout import ParallelCoords
     from orch.plans.resolve import ResolvedPlan
 
 _HF_STYLES = ("colwise", "rowwise")
@@ -115,14 +115,14 @@ def fsdp_options(plan: ResolvedPlan, dp_mesh: DeviceMesh) -> dict[str, Any]:
 
 def autotp_styles(model: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
     """Module name -> 'column' or 'row' for the layers the AutoTP specs shard, matched as DeepSpeed's
-    AutoTP matches them (:func:`orch.plans.tp_plan.split_layers`: the first matching spec decides, a
+    AutoTP matches them (:func:`orch.plans.parallel.tp_plan.split_layers`: the first matching spec decides, a
     ``skip`` or a weight that is not a matrix leaves the layer whole), so both engines and the
     planner shard the same layers.
 
     A fused layer whose spec gives a ``shape`` (the GPT's ``qkv``, three matrices in one) cannot be
     split by a plain column-wise style: it is refused rather than sharded wrongly.
     """
-    from orch.plans.tp_plan import split_layers
+    from orch.plans.parallel.tp_plan import split_layers
 
     fused = [spec for spec in layer_specs
              if spec.get("partition_type") != "skip" and ("shape" in spec or "partition_dim" in spec)]

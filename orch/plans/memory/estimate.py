@@ -1,10 +1,10 @@
 """Per-device and per-node memory of a resolved plan, the verdict, and the fixes that would fit.
 
 Combines the pure pieces: parameter counts of the model built on ``meta``
-(:mod:`orch.plans.memory`), activations measured by running its forward and backward on ``meta``
-(:mod:`orch.plans.activations`), and DeepSpeed's buffers read from the generated DeepSpeed config.
+(:mod:`orch.plans.memory.states`), activations measured by running its forward and backward on ``meta``
+(:mod:`orch.plans.memory.activations`), and DeepSpeed's buffers read from the generated DeepSpeed config.
 The peak of a device is what it holds between steps plus the worst phase of a step
-(:func:`orch.plans.memory.step_phases`). Nothing is allocated, so a 175B-parameter model is checked
+(:func:`orch.plans.memory.states.step_phases`). Nothing is allocated, so a 175B-parameter model is checked
 in seconds.
 """
 
@@ -18,15 +18,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orch.plans.activations import ActivationBytes, activations_from_shallow, attention_kernels, measure_activations
-from orch.plans.attention import KernelLog
-from orch.plans.build_memory import GIB, BuildMemory, build_memory, build_violation, format_bytes
-from orch.plans.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from orch.plans.engine_settings import EngineSettings, ZeroStage, engine_settings
 from orch.plans.engines import engine_spec
 from orch.plans.engines.fsdp2_memory import FSDPUnits, fsdp_units
 from orch.plans.errors import PlanError, Violation, first_line
-from orch.plans.memory import (
+from orch.plans.memory.activations import (
+    ActivationBytes,
+    activations_from_shallow,
+    attention_kernels,
+    measure_activations,
+)
+from orch.plans.memory.build import GIB, BuildMemory, build_memory, build_violation, format_bytes
+from orch.plans.memory.states import (
     DevicePhases,
     MemoryBreakdown,
     ModelStateBytes,
@@ -35,8 +38,11 @@ from orch.plans.memory import (
     model_stats,
     stage3_persistent_params,
 )
-from orch.plans.meta import meta_device
-from orch.plans.pipeline import (
+from orch.plans.model.attention import KernelLog
+from orch.plans.model.depth_scaling import SHALLOW_DEPTHS, ShallowModels
+from orch.plans.model.meta import meta_device
+from orch.plans.model.workload import ModelInputs, batch_bytes, supports_activation_checkpointing
+from orch.plans.parallel.pipeline import (
     PipelineLayer,
     PipelineStage,
     bubble_fraction,
@@ -44,10 +50,9 @@ from orch.plans.pipeline import (
     measure_pipeline_layers,
     pipeline_stages,
 )
+from orch.plans.parallel.tp_plan import split_layers
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision
-from orch.plans.tp_plan import split_layers
-from orch.plans.workload import ModelInputs, batch_bytes, supports_activation_checkpointing
 
 # The keys of one device in `orch check --json` (``per_device`` and each of ``stages``), in bytes
 # but for ``phase``, the step phase the peak falls in.
@@ -210,7 +215,8 @@ class ModelProbe:
         """The model's pipeline layers factory (None: the model cannot be pipelined); with ``shallow``,
         it also takes a depth (``pipeline_layers(2)``: the layers of the model with 2 blocks)."""
         self.shallow = shallow
-        """The model built at two shallow depths, when it is deep (:func:`orch.plans.model_facts.inspect_shallow`):
+        """The model built at two shallow depths, when it is deep
+        (:func:`orch.plans.model.model_facts.inspect_shallow`):
         then every count is carried from them to its depth, and the full-depth model is built
         only if a measurement cannot be carried (see :meth:`_measure`)."""
         self._pipeline = functools.lru_cache(maxsize=None)(self._measure_pipeline)
@@ -337,7 +343,7 @@ def _tensor_parallel_params(module: torch.nn.Module, layer_specs: list[dict]) ->
 
     A spec names a layer's weight; a column-parallel layer's bias is split with it, a
     row-parallel layer's bias stays whole (DeepSpeed's LinearLayer / LinearAllreduce). A layer
-    its spec skips, or whose weight is not a matrix, stays whole (:func:`orch.plans.tp_plan.split_layers`).
+    its spec skips, or whose weight is not a matrix, stays whole (:func:`orch.plans.parallel.tp_plan.split_layers`).
     """
     sharded, trainable = 0, 0
     for name, kind in split_layers(module, layer_specs).items():

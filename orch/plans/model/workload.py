@@ -193,7 +193,7 @@ class Workload:
     tp_specs_source: str | None = None
     """Where the specs came from (model.tp_layer_specs, the model's own tp plan, a DeepSpeed preset)."""
     pipeline_layers: Callable[..., list] | None = None
-    """The model's pipeline layers in forward order (:class:`orch.plans.stage_layers.StageLayer`, or
+    """The model's pipeline layers in forward order (:class:`orch.plans.parallel.stage_layers.StageLayer`, or
     DeepSpeed ``LayerSpec`` objects); None: it cannot be pipelined."""
     pipeline_refusal: str | None = None
     """Why the model cannot be pipelined, when it cannot."""

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from orch.plans.meta import meta_device
-from orch.plans.workload import (
+from orch.plans.model.meta import meta_device
+from orch.plans.model.workload import (
     PROBE_SAMPLES,
     MetaBranches,
     ModelInputs,

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from orch.plans.depth_scaling import SHALLOW_DEPTHS, DeclaredDepth, ShallowModels
 from orch.plans.errors import PlanError, Violation
-from orch.plans.meta import meta_device
-from orch.plans.spec import ClusterSpec, Offload, Precision
-from orch.plans.workload import (
+from orch.plans.model.depth_scaling import SHALLOW_DEPTHS, DeclaredDepth, ShallowModels
+from orch.plans.model.meta import meta_device
+from orch.plans.model.workload import (
     PROBE_SAMPLES,
     MetaBranches,
     ModelInputs,
@@ -21,6 +20,7 @@ from orch.plans.workload import (
     output_tensor,
     supports_activation_checkpointing,
 )
+from orch.plans.spec import ClusterSpec, Offload, Precision
 
 GIB = 1024**3
 
@@ -47,7 +47,7 @@ def inspect_model(factory: Callable[[], torch.nn.Module], inputs: ModelInputs,
                   arguments: Mapping[str, object] | None = None) -> ModelFacts:
     """Build the model on ``meta`` and run one forward pass to check its contract.
 
-    The contract: run on one sample of the data source (:func:`orch.plans.workload.call_model`), its
+    The contract: run on one sample of the data source (:func:`orch.plans.model.workload.call_model`), its
     output goes through the objective to a scalar loss. Nothing is allocated, so a
     model far larger than this machine is inspected in milliseconds. The model is user code: an
     exception of its constructor or forward becomes a :class:`PlanError` naming the argument its
@@ -62,7 +62,7 @@ def inspect_model(factory: Callable[[], torch.nn.Module], inputs: ModelInputs,
 def inspect_shallow(factory_at_depth: Callable[[int], torch.nn.Module], depth: int, inputs: ModelInputs,
                     arguments: Mapping[str, object] | None = None) -> tuple[ModelFacts, ShallowModels]:
     """:func:`inspect_model` of a model of ``depth`` layers, from copies built at two shallow
-    depths (:class:`orch.plans.depth_scaling.ShallowModels`): the full-depth model is never built.
+    depths (:class:`orch.plans.model.depth_scaling.ShallowModels`): the full-depth model is never built.
 
     ``factory_at_depth(d)`` builds the model with ``d`` layers. The parameter counts are carried
     to ``depth`` along their line, exact when the layers are identical.

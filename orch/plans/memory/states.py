@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from orch.plans.activations import ActivationBytes
 from orch.plans.engine_settings import EngineSettings
+from orch.plans.memory.activations import ActivationBytes
 from orch.plans.spec import Accelerator, Offload, OptimizerName, Precision
 
 # Why 10%: PyTorch's CUDA caching allocator rounds every block up (512 B small blocks, 2 MiB
@@ -56,7 +56,7 @@ class ModelStats:
     Adam's per-tensor temporaries are this size."""
     built_bytes: int = 0
     """Bytes of the parameters and buffers in the dtypes the model's constructor creates them in:
-    what building the model whole takes in host memory (:mod:`orch.plans.build_memory`)."""
+    what building the model whole takes in host memory (:mod:`orch.plans.memory.build`)."""
 
 
 def model_stats(module: torch.nn.Module) -> ModelStats:

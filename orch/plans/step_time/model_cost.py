@@ -1,7 +1,7 @@
 """What the step-time model needs from a model, counted on ``meta`` in one forward and backward.
 
 One pass under ``torch.utils.flop_counter.FlopCounterMode`` gives the training FLOPs (as
-:func:`orch.plans.flops.training_flops_per_sample` counts them). Forward hooks on the same pass give
+:func:`orch.plans.step_time.flops.training_flops_per_sample` counts them). Forward hooks on the same pass give
 what communication depends on: the outputs of the row-parallel layers and the inputs of the
 column-parallel ones (tensor-parallel all-reduces) and one repeated layer's output (what crosses a
 pipeline stage boundary), and a dispatch mode counts the operations (kernel launches). The FLOPs
@@ -22,12 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.module_tracker import ModuleTracker
 
-from orch.plans.cost_model import Gemm, ModelCost
-from orch.plans.depth_scaling import SHALLOW_DEPTHS, affine, extrapolate, repeated_stack, shallow_copy
-from orch.plans.estimate import ModelProbe, shard_module
-from orch.plans.memory_traffic import MemoryTraffic, fused_attention
-from orch.plans.tp_plan import split_layers
-from orch.plans.workload import (
+from orch.plans.memory.estimate import ModelProbe, shard_module
+from orch.plans.model.depth_scaling import SHALLOW_DEPTHS, affine, extrapolate, repeated_stack, shallow_copy
+from orch.plans.model.workload import (
     PROBE_SAMPLES,
     MetaBranches,
     ModelInputs,
@@ -37,6 +34,9 @@ from orch.plans.workload import (
     move_batch,
     supports_activation_checkpointing,
 )
+from orch.plans.parallel.tp_plan import split_layers
+from orch.plans.step_time.cost_model import Gemm, ModelCost
+from orch.plans.step_time.memory_traffic import MemoryTraffic, fused_attention
 
 
 class OpCounter(TorchDispatchMode):
@@ -175,7 +175,7 @@ def _divided(whole: list[tuple[int, ...]], halves: list[tuple[int, ...]], tp: in
 
 
 def _carry_gemms(shallow: ModelCost, deeper: ModelCost, depth: int) -> dict[int, tuple]:
-    """GEMM counts at two shallow depths carried to ``depth`` (:func:`orch.plans.depth_scaling.affine`):
+    """GEMM counts at two shallow depths carried to ``depth`` (:func:`orch.plans.model.depth_scaling.affine`):
     a repeated layer's GEMMs grow with depth, the embedding's and the head's stay."""
     carried = {}
     for tp, gemms in deeper.gemms.items():
@@ -186,7 +186,7 @@ def _carry_gemms(shallow: ModelCost, deeper: ModelCost, depth: int) -> dict[int,
 
 def _checkpointed_pass(module: torch.nn.Module, inputs: ModelInputs) -> tuple[int, int]:
     """(FLOPs, ops) of forward + loss + backward with activation checkpointing on, as
-    :func:`orch.plans.flops.training_flops_per_sample` counts them."""
+    :func:`orch.plans.step_time.flops.training_flops_per_sample` counts them."""
     enable_activation_checkpointing(module)
     batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta")
     with FlopCounterMode(display=False) as counter, OpCounter() as ops, MetaBranches():
@@ -204,7 +204,7 @@ def _layer_names(module: torch.nn.Module) -> frozenset[str]:
 
 def _traffic(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: bool) -> int:
     """Bytes the memory-bound kernels of one sample's forward, loss and backward move
-    (:mod:`orch.plans.memory_traffic`), with the model in a 16-bit precision as mixed-precision
+    (:mod:`orch.plans.step_time.memory_traffic`), with the model in a 16-bit precision as mixed-precision
     training runs it (the loss's own fp32 casts stay fp32)."""
     return _traffic_pass(module, inputs, checkpointing=checkpointing).bytes // PROBE_SAMPLES
 
@@ -269,7 +269,7 @@ def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled
     """Count the model's FLOPs and communication sizes for one sample of the probe's data source.
 
     ``depth_scaled``: count copies of the model cut to two shallow depths and extrapolate to its
-    depth (:mod:`orch.plans.depth_scaling`), when its repeated layers are identical: the probe's own
+    depth (:mod:`orch.plans.model.depth_scaling`), when its repeated layers are identical: the probe's own
     shallow copies when it has some (``probe.shallow``). Without ``depth_scaled`` the model is
     counted at its full depth (built for that if the probe has not built it).
     """

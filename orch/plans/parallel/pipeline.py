@@ -1,6 +1,6 @@
 """Pipeline stages of a plan: which layers each stage gets, what they hold, and the bubble.
 
-The layers are the model's own pipeline layers (:class:`orch.plans.stage_layers.StageLayer`
+The layers are the model's own pipeline layers (:class:`orch.plans.parallel.stage_layers.StageLayer`
 objects, or DeepSpeed ``LayerSpec`` ones; see orch/workloads/gpt.py), built one at a time on
 ``meta``: the split is computed with DeepSpeed's own partition functions on the same weights
 ``PipelineModule`` uses, so every stage here is the stage
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from orch.plans.activations import ActivationBytes, _MetaRunsAsOnCpu, _SavedTensors
-from orch.plans.depth_scaling import SHALLOW_DEPTHS
-from orch.plans.meta import meta_device
-from orch.plans.workload import ModelInputs, move_batch
+from orch.plans.memory.activations import ActivationBytes, _MetaRunsAsOnCpu, _SavedTensors
+from orch.plans.model.depth_scaling import SHALLOW_DEPTHS
+from orch.plans.model.meta import meta_device
+from orch.plans.model.workload import ModelInputs, move_batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +108,7 @@ def measure_pipeline_layers(specs: list, *, micro_batch_size: int, inputs: Model
 
 def carry_layers(shallow: list[PipelineLayer], deeper: list[PipelineLayer], depth: int) -> list[PipelineLayer] | None:
     """The pipeline layers of the model at ``depth``, from its layers measured at the two
-    :data:`orch.plans.depth_scaling.SHALLOW_DEPTHS`: the same layers before and after a run of one
+    :data:`orch.plans.model.depth_scaling.SHALLOW_DEPTHS`: the same layers before and after a run of one
     repeated unit (a block, or the few layers making one), with the unit repeated ``depth``
     times. The run's first unit may differ from the others (a Hugging Face decoder's first layer
     saves tensors the later ones reuse): it is then taken as measured and the others repeated

@@ -2,24 +2,24 @@
 `orch check`'s line for the declared plan.
 
 The model's FLOPs, matmul shapes and communication sizes are counted once on the probe
-(:func:`orch.plans.model_cost.measure_model_cost`); the cluster's speeds are what it declares (or the
+(:func:`orch.plans.step_time.model_cost.measure_model_cost`); the cluster's speeds are what it declares (or the
 accelerator's defaults) until `orch tune` measures them on the workers.
 """
 
 from __future__ import annotations
 
-from orch.plans.cost_model import DECLARED_SPEEDS, ModelCost, Speeds, StepTime, speed_defaults
 from orch.plans.engines import engine_spec
-from orch.plans.estimate import ModelProbe
-from orch.plans.model_cost import measure_model_cost
+from orch.plans.memory.estimate import ModelProbe
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import ClusterSpec, OptimSpec, Precision
+from orch.plans.step_time.cost_model import DECLARED_SPEEDS, ModelCost, Speeds, StepTime, speed_defaults
+from orch.plans.step_time.model_cost import measure_model_cost
 
 EXACT_PARAMS_LIMIT = 1_000_000_000
 """Models above this many parameters get their FLOPs and activations counted at two shallow depths
-and extrapolated (:mod:`orch.plans.depth_scaling`), as deep models (``DEPTH_SCALED_FROM`` layers or
+and extrapolated (:mod:`orch.plans.model.depth_scaling`), as deep models (``DEPTH_SCALED_FROM`` layers or
 more) always are, and the tuner measures their activations at one micro-batch size and scales
-them (:class:`orch.plans.search_space.BatchScaledProbe`); smaller ones are counted in full, in ms."""
+them (:class:`orch.plans.search.space.BatchScaledProbe`); smaller ones are counted in full, in ms."""
 
 
 def plan_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, probe: ModelProbe, *, devices_per_node: int,
@@ -52,8 +52,8 @@ def declared_speeds_note(cluster: ClusterSpec, precision: Precision | None = Non
     defaulted = speed_defaults(cluster, precision)
     accelerator = cluster.accelerator.value
     if len(defaulted) == len(DECLARED_SPEEDS[accelerator]):
-        return (f"the {accelerator} defaults of orch/plans/cost_model.py DECLARED_SPEEDS (the cluster config sets "
-                "none; set cluster.device_tflops, ... to declare your own)")
+        return (f"the {accelerator} defaults of orch/plans/step_time/cost_model.py DECLARED_SPEEDS (the cluster "
+                "config sets none; set cluster.device_tflops, ... to declare your own)")
     note = "declared in the cluster config (cluster.device_tflops, ...)"
     if defaulted:
         note += f"; unset, so the {accelerator} defaults: " + ", ".join(

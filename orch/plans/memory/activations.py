@@ -22,8 +22,8 @@ from torch.autograd.graph import _engine_run_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from orch.plans.attention import KernelLog, SdpaCall, run_on_meta, select_kernel
-from orch.plans.depth_scaling import (
+from orch.plans.model.attention import KernelLog, SdpaCall, run_on_meta, select_kernel
+from orch.plans.model.depth_scaling import (
     SHALLOW_DEPTHS,
     PassTrace,
     ShallowModels,
@@ -32,9 +32,8 @@ from orch.plans.depth_scaling import (
     repeated_stack,
     shallow_copy,
 )
-from orch.plans.meta import meta_device
-from orch.plans.spec import Accelerator
-from orch.plans.workload import (
+from orch.plans.model.meta import meta_device
+from orch.plans.model.workload import (
     Batch,
     MetaBranches,
     ModelInputs,
@@ -44,6 +43,7 @@ from orch.plans.workload import (
     move_batch,
     output_tensor,
 )
+from orch.plans.spec import Accelerator
 
 ModelOrFactory = torch.nn.Module | Callable[[], torch.nn.Module]
 
@@ -87,9 +87,9 @@ class ActivationBytes:
 class _MetaRunsAsOn(MetaBranches):
     """Run a model on meta tensors through the code paths it takes on the plan's accelerator.
 
-    Value branches are taken as :class:`orch.plans.workload.MetaBranches` takes them. And every
+    Value branches are taken as :class:`orch.plans.model.workload.MetaBranches` takes them. And every
     ``scaled_dot_product_attention`` call is run through the kernel torch would pick for it on
-    ``accelerator`` (:func:`orch.plans.attention.select_kernel`): with no real device to choose a
+    ``accelerator`` (:func:`orch.plans.model.attention.select_kernel`): with no real device to choose a
     backend for, SDPA on meta falls back to the math path, which saves the T x T attention matrix
     that the fused kernels on CPU and GPU never keep. The kernels chosen are recorded in ``log``.
 
@@ -355,7 +355,7 @@ def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: 
     layer's saved bytes from an uncheckpointed forward give what one layer's recomputation holds
     during backward. A checkpointing model without ModuleLists is charged its whole difference
     as recompute, which is an upper bound. Attention is run through the kernel torch picks on
-    ``accelerator`` (:mod:`orch.plans.attention`).
+    ``accelerator`` (:mod:`orch.plans.model.attention`).
     """
     return _measure_pass(factory_or_module, micro_batch_size, inputs, dtype, checkpointing, accelerator)[0]
 
@@ -366,7 +366,7 @@ def measure_activations_depth_scaled(module: torch.nn.Module, *, micro_batch_siz
     """:func:`measure_activations` of a deep model from copies cut to two shallow depths.
 
     The saved bytes are sums over the layers and extrapolate along a line; the peaks come from
-    the two passes' traces (:func:`orch.plans.depth_scaling.peaks_at_depth`). Counts the full depth
+    the two passes' traces (:func:`orch.plans.model.depth_scaling.peaks_at_depth`). Counts the full depth
     when the model has no single stack of identical layers or a trace breaks the pattern.
     """
     stack = repeated_stack(module)
@@ -384,7 +384,7 @@ def measure_activations_depth_scaled(module: torch.nn.Module, *, micro_batch_siz
 def activations_from_shallow(shallow: ShallowModels, *, micro_batch_size: int, inputs: ModelInputs, dtype: torch.dtype,
                              checkpointing: bool, accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes | None:
     """:func:`measure_activations` at ``shallow.depth`` from the two shallow models' passes; None
-    when a trace breaks the pattern :func:`orch.plans.depth_scaling.peaks_at_depth` needs."""
+    when a trace breaks the pattern :func:`orch.plans.model.depth_scaling.peaks_at_depth` needs."""
     (a, a_trace), (b, b_trace) = (_measure_pass(m, micro_batch_size, inputs, dtype, checkpointing, accelerator)
                                   for m in (shallow.shallow, shallow.deeper))
     peaks = peaks_at_depth(a_trace, b_trace, shallow.depth)

@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import torch
 
-from orch.plans.meta import meta_device
+from orch.plans.model.meta import meta_device
 
 SHALLOW_DEPTHS = (2, 4)
 """The two depths measured. Not 1: with one block, a peak can sit at a different event (the

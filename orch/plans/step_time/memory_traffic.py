@@ -7,7 +7,7 @@ device memory and writing its outputs back, so its time is its bytes over the de
 bandwidth. A dispatch mode sees every such kernel of one forward and backward with the shapes
 and dtypes it runs at, and adds up what it reads and writes:
 
-- matmuls and attention kernels are left out: their time is their FLOPs (:mod:`orch.plans.flops`);
+- matmuls and attention kernels are left out: their time is their FLOPs (:mod:`orch.plans.step_time.flops`);
 - views and metadata ops move nothing;
 - gathers (an embedding lookup, the loss picking the target's log-probability) read only the
   rows they pick: their outputs and index inputs are counted, not the whole table;

@@ -29,7 +29,7 @@ from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import ClusterSpec
 
 if TYPE_CHECKING:  # the plan is resolved before torch is imported (orch.run.early_ray)
-    from orch.plans.pipeline import PipelineStage
+    from orch.plans.parallel.pipeline import PipelineStage
 
 GIB = 1024**3
 

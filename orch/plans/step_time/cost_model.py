@@ -2,7 +2,7 @@
 
 Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans. The model:
 
-- **compute**: the model's training FLOPs, *counted* on ``meta`` (:mod:`orch.plans.flops`, recomputation
+- **compute**: the model's training FLOPs, *counted* on ``meta`` (:mod:`orch.plans.step_time.flops`, recomputation
   included under activation checkpointing), split over ``tp`` and over the pipeline stages as
   DeepSpeed splits whole layers (the busiest stage runs ``ceil(layers / pp)`` of them), at the
   device's sustained matmul throughput for the micro-batch's matmul height; plus a fixed cost per
@@ -11,7 +11,7 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
   On GPUs with a known SM count each GEMM is priced at its shape (:func:`matmul_efficiency`):
   waves of output tiles over the SMs, and a roofline against memory bandwidth for thin ones.
 - **memory-bound kernels**: the bytes the kernels between the matmuls read and write (norms,
-  softmax, activations, dropout, residual adds, casts, the loss; :mod:`orch.plans.memory_traffic`),
+  softmax, activations, dropout, residual adds, casts, the loss; :mod:`orch.plans.step_time.memory_traffic`),
   counted on ``meta`` at tp=1 and on a 2-way shard, so the part tensor parallelism divides is
   known, at the device's sustained memory bandwidth.
 - **end stages**: the work outside the repeated layers is not split over the stages: the last
@@ -49,7 +49,7 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
 
 Every collective is an alpha-beta cost: a latency per ring step plus bytes over the bus bandwidth
 NCCL reaches on the link it crosses, intra-node or inter-node, from the rank layout (tp innermost,
-then pp, then dp: :func:`orch.plans.rank_layout.parallel_coords`); a ring across nodes with several
+then pp, then dp: :func:`orch.plans.parallel.rank_layout.parallel_coords`); a ring across nodes with several
 members on each node runs one channel per network adapter (:meth:`Speeds.bus_gbps`). The optimizer
 step is bound by memory bandwidth, DeepSpeed's mixed-precision casts and the clipping norm included.
 Communication does not overlap compute (tensor parallel all-reduces are synchronous, and CPU plans
@@ -66,7 +66,7 @@ import math
 from dataclasses import dataclass
 
 from orch.plans.engine_settings import ZeroStage, engine_settings
-from orch.plans.rank_layout import group_stride
+from orch.plans.parallel.rank_layout import group_stride
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimizerName, OptimSpec, Precision
 
@@ -306,7 +306,7 @@ def matmul_efficiency(gemms: tuple[tuple[Gemm, int], ...], micro_batch: int, spe
 @dataclass(frozen=True, kw_only=True)
 class ModelCost:
     """What the cost model needs to know about the model, counted on ``meta``
-    (:func:`orch.plans.model_cost.measure_model_cost`)."""
+    (:func:`orch.plans.step_time.model_cost.measure_model_cost`)."""
 
     seq_len: int
     """Tokens per sample (1 for data without tokens): the rows one sample adds to the matmuls."""
@@ -336,7 +336,7 @@ class ModelCost:
     memory_bytes_per_sample: int = 0
     """Bytes the memory-bound kernels (norms, activations, softmax, residual adds, casts, the loss;
     not matmuls or attention) read and write in one sample's forward, loss and backward, with
-    16-bit activations (:mod:`orch.plans.memory_traffic`)."""
+    16-bit activations (:mod:`orch.plans.step_time.memory_traffic`)."""
     memory_bytes_sharded_per_sample: int = 0
     """The part of ``memory_bytes_per_sample`` that tensor parallelism divides by tp (the kernels
     between a column- and a row-parallel layer); the rest runs whole on every rank."""

@@ -11,9 +11,9 @@ offloading everything to the CPU or nothing. Pruning runs cheapest first:
    pp at most the model's layers, what the pipeline and AutoTP engines train with);
 2. :func:`orch.plans.resolve.resolve_plan`, the same validation ``orch train`` applies (whatever it
    refuses is counted under its own message, so rules added there prune here without changes);
-3. the memory estimate (:func:`orch.plans.estimate.estimate_plan`) against one :class:`ModelProbe`.
+3. the memory estimate (:func:`orch.plans.memory.estimate.estimate_plan`) against one :class:`ModelProbe`.
 
-Survivors are ranked by the predicted step time (:mod:`orch.plans.cost_model`; FSDP2's data-parallel
+Survivors are ranked by the predicted step time (:mod:`orch.plans.step_time.cost_model`; FSDP2's data-parallel
 term from :mod:`orch.plans.engines.fsdp2_time`). Every rejection is
 counted by reason, so a user sees why a plan they expected is not there.
 """
@@ -28,13 +28,11 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from orch.plans.activations import ActivationBytes, measure_activations, measure_activations_depth_scaled
-from orch.plans.cost_model import ModelCost, Speeds, StepTime
 from orch.plans.engines import engine_spec
 from orch.plans.errors import PlanError
-from orch.plans.estimate import ModelProbe, PlanEstimate, estimate_plan
-from orch.plans.pipeline import PipelineLayer, PipelineStage, pipeline_stages
-from orch.plans.prediction import plan_step
+from orch.plans.memory.activations import ActivationBytes, measure_activations, measure_activations_depth_scaled
+from orch.plans.memory.estimate import ModelProbe, PlanEstimate, estimate_plan
+from orch.plans.parallel.pipeline import PipelineLayer, PipelineStage, pipeline_stages
 from orch.plans.resolve import ResolvedPlan, divisors, resolve_plan
 from orch.plans.spec import (
     Accelerator,
@@ -46,6 +44,8 @@ from orch.plans.spec import (
     Precision,
     TrainSpec,
 )
+from orch.plans.step_time.cost_model import ModelCost, Speeds, StepTime
+from orch.plans.step_time.prediction import plan_step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +144,7 @@ class BatchScaledProbe(ModelProbe):
         super().__init__(*args, **kwargs)
         self.exact_up_to = max(exact_up_to, 1)
         self.depth_scaled = depth_scaled
-        """Measure on copies cut to two shallow depths and extrapolate (orch.plans.depth_scaling)."""
+        """Measure on copies cut to two shallow depths and extrapolate (orch.plans.model.depth_scaling)."""
 
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
                  tp: int = 1, accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes:

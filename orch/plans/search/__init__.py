@@ -1,0 +1,1 @@
+"""The tuner's search: every plan of a world size and global batch, pruned and ranked."""

@@ -1,0 +1,1 @@
+"""Storage locations: what a path or URI says, and opening one within a time limit."""
