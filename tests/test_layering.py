@@ -1,9 +1,9 @@
 """The package layering, checked on the source: what each of orch's sub-packages may import.
 
 ``orch/plans/`` is the pure core (no Ray, Hydra or MLflow; DeepSpeed only inside its engine spec's
-functions, see tests/test_engine_seam.py); ``orch/launchers/`` runs workers and knows no Hydra; neither knows any particular
-workload: only ``orch/workloads/`` may assume a language model or an image classifier. Imports
-inside functions count too: a lazy import is still a dependency.
+functions, see tests/test_engine_seam.py); ``orch/launchers/`` runs workers and knows no Hydra;
+neither knows any particular workload: only ``orch/workloads/`` may assume a language model or an
+image classifier. Imports inside functions count too: a lazy import is still a dependency.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ from helpers.config import compose_config, lm_inputs
 from orch.checking import check_run
 from orch.config import to_typed
 from orch.launchers.engines.deepspeed.building import deepspeed_layers
+from orch.plans.engines import engine_spec
+from orch.plans.errors import PlanError
 from orch.plans.parallel.pipeline import measure_pipeline_layers
 from orch.plans.parallel.stage_layers import StageLayer
 from orch.workloads.gpt import GPT, Block, Embedding, LMHead, layer_seed, tied_logits
@@ -25,6 +27,20 @@ class LayerSpecGPT(GPT):
     @classmethod
     def pipeline_layers(cls, **arguments) -> list:
         return [_as_layer_spec(layer) for layer in GPT.pipeline_layers(**arguments)]
+
+
+class FunctionBuiltGPT(GPT):
+    """A model whose final norm is built by a function, which DeepSpeed's pipeline cannot take."""
+
+    @classmethod
+    def pipeline_layers(cls, **arguments) -> list:
+        layers = GPT.pipeline_layers(**arguments)
+        layers[-2] = StageLayer.of(_layer_norm, *layers[-2].args)
+        return layers
+
+
+def _layer_norm(width: int) -> nn.Module:
+    return nn.LayerNorm(width)
 
 
 def _as_layer_spec(layer: StageLayer) -> LayerSpec:
@@ -71,12 +87,18 @@ def test_deepspeed_specs_and_modules_a_model_returns_itself_pass_through_unchang
 
 
 def test_a_layer_built_by_a_function_is_measured_but_refused_by_deepspeed():
+    """The planner builds it; DeepSpeed's spec refuses it before any worker starts (`orch check`),
+    and its engine again if a job carries it anyway."""
     def linear(width: int) -> nn.Module:
         return nn.Linear(width, width)
 
     layer = StageLayer.of(linear, 8)
     with torch.device("meta"):
         assert isinstance(layer.build(), nn.Linear)
+    problem = engine_spec("deepspeed").pipeline_layer_problem([StageLayer.of(nn.Linear, 8, 8), layer])
+    assert problem == ("layer 1 (linear) is built by a function, and DeepSpeed's pipeline builds layers from "
+                       "nn.Module classes only")
+    assert engine_spec("deepspeed").pipeline_layer_problem(GPT.pipeline_layers(n_layer=2)) is None
     with pytest.raises(TypeError, match=r"pipeline layer 0 \(linear\) is built by a function"):
         deepspeed_layers([layer])
 
@@ -102,3 +124,14 @@ def test_check_plans_a_model_whose_pipeline_layers_are_deepspeed_specs():
         return check_run(*to_typed(cfg)[:2])[0].stages
 
     assert stages("test_stage_layers.LayerSpecGPT") == stages("orch.workloads.gpt.GPT")
+
+
+def test_check_refuses_a_pipeline_layer_deepspeed_cannot_build_before_any_worker_starts():
+    cfg = compose_config("plan.pp=2", "plan.dp=1", "plan.grad_accum_steps=2",
+                         "model._target_=test_stage_layers.FunctionBuiltGPT")
+    with pytest.raises(PlanError) as refused:
+        check_run(*to_typed(cfg)[:2])
+    assert str(refused.value.violations[0]) == (
+        "plan.pp=2: test_stage_layers.FunctionBuiltGPT's pipeline_layers(): layer 3 (_layer_norm) is built by a "
+        "function, and DeepSpeed's pipeline builds layers from nn.Module classes only. Fix: give each StageLayer the "
+        "module's class (its arguments in args and kwargs), or set plan.pp=1")

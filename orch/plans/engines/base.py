@@ -146,6 +146,11 @@ class EngineSpec:
         """(optimizer, parameter) offload pairs this engine can express at ``zero_stage``."""
         return [(where, where) for where in space.offload]
 
+    def pipeline_layer_problem(self, layers: list) -> str | None:
+        """Why this engine cannot build ``layers`` (a model's ``pipeline_layers()``) into its
+        pipeline, or None; `orch check` asks before any worker starts."""
+        return None
+
     # What the model's code may ask
 
     def whole_parameters(self, params: list) -> AbstractContextManager | None:

@@ -182,6 +182,19 @@ class DeepSpeedSpec(EngineSpec):
                 for off_opt in (space.offload if zero_stage >= 1 else (Offload.none,))
                 for off_param in (space.offload if zero_stage == 3 else (Offload.none,))]
 
+    def pipeline_layer_problem(self, layers: list) -> str | None:
+        """DeepSpeed's ``LayerSpec`` takes an ``nn.Module`` class, not a function that builds one."""
+        from torch import nn
+
+        from orch.plans.parallel.stage_layers import StageLayer
+
+        for index, layer in enumerate(layers):
+            if isinstance(layer, StageLayer) and not (isinstance(layer.module, type)
+                                                      and issubclass(layer.module, nn.Module)):
+                return (f"layer {index} ({layer.name}) is built by a function, and DeepSpeed's pipeline builds "
+                        "layers from nn.Module classes only")
+        return None
+
     def whole_parameters(self, params: list) -> AbstractContextManager | None:
         """``deepspeed.zero.GatheredParameters`` of those ``zero.Init`` partitioned (they carry a ``ds_id``)."""
         partitioned = [p for p in params if hasattr(p, "ds_id")]
