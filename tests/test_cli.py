@@ -7,6 +7,7 @@ import http.server
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -170,6 +171,18 @@ def test_train_with_defaults_tracks_a_local_run(tmp_path):
     assert report.returncode == 0, report.stderr[-2000:]
     assert "throughput" in report.stdout and "MFU" in report.stdout and "restarts   0" in report.stdout
     assert {"loss.png", "memory.png", "throughput.png"} <= {p.name for p in (tmp_path / "rep").iterdir()}
+    # The run checks its plan's prediction: `orch check`'s predicted step (its total and parts) is
+    # tracked, and the report sets the measured step time of the later steps beside it.
+    check = json.loads(orch("check", "--json", cwd=tmp_path).stdout)["predicted_step"]
+    params = runs[0].data.params
+    assert float(params["step_time.predicted.total_s"]) == pytest.approx(check["step_time_s"], rel=1e-5)
+    assert {key.split(".")[-1] for key in params if key.startswith("step_time.predicted.")} == {
+        "total_s", *(f"{part}_s" for part in check["parts_s"])}
+    history = client.get_metric_history(runs[0].info.run_id, "step_time_s")
+    measured = statistics.median(p.value for p in sorted(history, key=lambda p: p.step)[len(history) // 2:])
+    line = next(line for line in report.stdout.splitlines() if line.startswith("step time"))
+    assert f"measured {measured:.4g} s" in line
+    assert f"measured / predicted {measured / float(params['step_time.predicted.total_s']):.2f}" in line
 
 
 @pytest.mark.slow

@@ -41,7 +41,9 @@ from orch.plans.model.workload import StreamingSource, Workload, data_task_cpus
 from orch.plans.optim_settings import optim_settings
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec, ResumeMode
+from orch.plans.step_time.cost_model import StepTime
 from orch.plans.step_time.flops import training_flops_per_sample
+from orch.plans.step_time.prediction import declared_plan_step
 from orch.run.progress import Progress
 from orch.run.resume import checkpoint_dir_lock, signature_of
 from orch.run.startup import Startup, StartupClock
@@ -91,6 +93,9 @@ class PreparedJob:
     job: TrainJob
     group_spec: WorkerGroupSpec
     flops_per_sample: int
+    predicted_step: StepTime | None = None
+    """The plan's step as `orch check` predicts it, at the cluster's declared speeds: the run logs it
+    beside what its steps measure (`orch report` compares them)."""
 
     @property
     def plan(self) -> ResolvedPlan:
@@ -229,7 +234,7 @@ def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, worklo
     """Check the plan, the inputs and the data against ``cluster`` (raising :class:`PlanError`
     with every problem), then build the job the workers run and the worker group's shape.
     ``workload`` and ``plan`` are :func:`orch.checking.resolve_inputs`'s, if it ran."""
-    estimate, facts, _, workload = checked_run(cfg, model_cfg, cluster, workload=workload, plan=plan)
+    estimate, facts, probe, workload = checked_run(cfg, model_cfg, cluster, workload=workload, plan=plan)
     plan = estimate.plan
     data_fits_plan(workload.data, plan)
     if not estimate.feasible:
@@ -250,7 +255,8 @@ def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, worklo
                                  strategy=placement_strategy(cluster.nodes))
     flops = training_flops_per_sample(workload.model_factory, workload, checkpointing=plan.activation_checkpointing)
     return PreparedJob(estimate=estimate, facts=facts, workload=workload, job=job, group_spec=group_spec,
-                       flops_per_sample=flops)
+                       flops_per_sample=flops,
+                       predicted_step=declared_plan_step(plan, cluster, cfg.optim, probe, facts.param_count))
 
 
 def _resume_point(job: TrainJob, cfg: RunConfig, out) -> tuple[TrainJob, Published | None]:
@@ -275,7 +281,8 @@ def open_tracking(cfg: RunConfig, model_cfg: dict, prepared: PreparedJob, publis
     if published and published.run_id:
         return RunTracker.resume(uri=cfg.tracking.uri, run_id=published.run_id)
     tracker = start_tracking(cfg, model_cfg, prepared.plan, prepared.facts, prepared.estimate,
-                             prepared.job.optim, prepared.job.engine_config, config_yaml, tags)
+                             prepared.job.optim, prepared.job.engine_config, config_yaml, tags,
+                             predicted_step=prepared.predicted_step)
     try:
         tracker.log_dataset(prepared.workload.data.describe())
     except Exception as error:  # noqa: BLE001 - a user's data source may raise anything

@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from orch.plans.engines import EngineSpec, engine_names, engine_spec  # noqa: E402
+from orch.tracking.step_prediction import step_time_lines  # noqa: E402
 from orch.tracking.store import open_existing, reading  # noqa: E402
 
 MIB = 1024**2
@@ -180,6 +181,7 @@ def summary(client: MlflowClient, run_id: str) -> str:
     if "tokens_per_s" in m:
         lines.append(f"throughput {m['tokens_per_s']:,.0f} tokens/s, {m.get('tflops_per_device', 0):.4f} TFLOP/s "
                      f"per device, MFU {100 * m.get('mfu', 0):.1f}%")
+    lines += step_time_lines(client, run_id, p)
     if "memory/measured_peak_bytes" in m:
         lines.append(f"memory     predicted peak {int(p.get('memory.predicted.total', 0)) / MIB:.1f} MiB, "
                      f"measured {m['memory/measured_peak_bytes'] / MIB:.1f} MiB per device")

@@ -21,6 +21,8 @@ from orch.plans.memory.estimate import PlanEstimate
 from orch.plans.model.model_facts import ModelFacts
 from orch.plans.optim_settings import OptimSettings
 from orch.plans.resolve import ResolvedPlan
+from orch.plans.step_time.cost_model import StepTime
+from orch.tracking.step_prediction import predicted_step_params
 from orch.tracking.store import (
     RunTracker,
     TrackingUnreachable,
@@ -62,7 +64,7 @@ def address_param(address: str | None) -> str:
 
 def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: ModelFacts,
                     estimate: PlanEstimate, optim: OptimSettings, engine_config: dict | None, config_yaml: str,
-                    extra_tags: dict[str, str]) -> RunTracker:
+                    extra_tags: dict[str, str], predicted_step: StepTime | None = None) -> RunTracker:
     """A new MLflow run with the flattened resolved config as params and the configs as artifacts:
     the engine-neutral optimizer settings for every run, and the engine's own config when it has
     one (``config/<engine>.json``: DeepSpeed's JSON)."""
@@ -77,6 +79,8 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
                       "cluster": {**vars(cfg.cluster), **defaulted, "address": address_param(cfg.cluster.address)}})
     params["model.param_count"] = str(facts.param_count)
     params.update({f"memory.predicted.{k}": str(v) for k, v in estimate.per_device.as_dict().items()})
+    if predicted_step is not None:
+        params.update(predicted_step_params(predicted_step))
     tags = {"world_size": str(plan.world_size), "devices": f"{plan.world_size}x{plan.accelerator.value}",
             "orch.command": "train", **extra_tags}
     if defaulted:

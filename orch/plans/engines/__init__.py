@@ -5,8 +5,10 @@ settings, memory, step time, tuner axes and description) and one runtime package
 names (the shipped ones under ``orch/launchers/engines/``). The built-in specs load on first use,
 so asking for DeepSpeed's never imports FSDP2's modules. Another package adds an engine without
 touching orch, by an entry point in the group :data:`ENTRY_POINT_GROUP` naming its spec
-(``my_engine = "my_package.spec:SPEC"``), as pytest finds its plugins; a process may also call
-:func:`register_engine`. ``plan.engine=<its name>`` then selects it everywhere.
+(``my_engine = "my_package.spec:SPEC"``), as pytest finds its plugins: every process that
+imports orch (the driver, the Ray workers) finds it there. :func:`register_engine` adds one to the
+calling process only (planning in that process; a worker would not know it). ``plan.engine=<its
+name>`` then selects it everywhere.
 """
 
 from __future__ import annotations
