@@ -15,9 +15,10 @@ runs had: attention scores written out, softmax and dropout over them (``model.f
 both codebases predate fused attention kernels), the output layer split over tp as both split it
 (:func:`as_published`), Megatron-LM's dropout of 0.1 (none for NeoX-20B,
 whose config sets it to 0), bf16, with the published
-layout fixed: tp, pp, dp and the global batch; micro-batch 1 for Table 1 (the paper does not give
-it) and 4 for NeoX; activation checkpointing on; ZeRO-0 for Table 1 (the paper predates Megatron's
-distributed optimizer) and ZeRO-1 for NeoX. The NeoX row declares what its cluster differs in:
+layout fixed: tp, pp, dp and the global batch; each Table 1 row's micro-batch as Megatron-LM's
+``examples/sc21/run_table_1.sh`` ran it (16 down to 1) and 4 for NeoX; activation checkpointing
+on; ZeRO-0 for Table 1 (the paper predates Megatron's distributed optimizer) and ZeRO-1 for NeoX.
+The NeoX row declares what its cluster differs in:
 40 GB devices with the 40 GB part's 1555 GB/s, and 100 Gb/s of InfiniBand per GPU (4 adapters
 for 8 GPUs). Its global batch is 1536 (dp 12 x micro-batch 4 x 32), the paper's ~1538 rounded to
 what the layout divides.
@@ -84,12 +85,18 @@ class PublishedRun:
     """Whose FLOPs count the published TFLOP/s used: ``megatron`` or ``neox_2022`` (see :func:`run_flops`)."""
 
 
-TABLE_1 = [PublishedRun(f"{b}B", *row) for b, row in [
-    ("1.7", (24, 2304, 24, 1, 1, 32, 512, 137)), ("3.6", (32, 3072, 30, 2, 1, 64, 512, 138)),
-    ("7.5", (32, 4096, 36, 4, 1, 128, 512, 142)), ("18.4", (48, 6144, 40, 8, 1, 256, 1024, 135)),
-    ("39.1", (64, 8192, 48, 8, 2, 512, 1536, 138)), ("76.1", (80, 10240, 60, 8, 4, 1024, 1792, 140)),
-    ("145.6", (96, 12288, 80, 8, 8, 1536, 2304, 148)), ("310.1", (128, 16384, 96, 8, 16, 1920, 2160, 155)),
-    ("529.6", (128, 20480, 105, 8, 35, 2520, 2520, 163)), ("1008.0", (160, 25600, 128, 8, 64, 3072, 3072, 163))]]
+# (heads, hidden, layers, tp, pp, GPUs, global batch, TFLOP/s) from the paper's Table 1; the
+# micro-batch of each row from Megatron-LM's examples/sc21/run_table_1.sh (MBS), as they ran.
+TABLE_1 = [PublishedRun(f"{b}B", *row, micro_batch=mbs) for b, row, mbs in [
+    ("1.7", (24, 2304, 24, 1, 1, 32, 512, 137), 16), ("3.6", (32, 3072, 30, 2, 1, 64, 512, 138), 16),
+    ("7.5", (32, 4096, 36, 4, 1, 128, 512, 142), 16), ("18.4", (48, 6144, 40, 8, 1, 256, 1024, 135), 8),
+    ("39.1", (64, 8192, 48, 8, 2, 512, 1536, 138), 4), ("76.1", (80, 10240, 60, 8, 4, 1024, 1792, 140), 2),
+    ("145.6", (96, 12288, 80, 8, 8, 1536, 2304, 148), 2), ("310.1", (128, 16384, 96, 8, 16, 1920, 2160, 155), 1),
+    ("529.6", (128, 20480, 105, 8, 35, 2520, 2520, 163), 1), ("1008.0", (160, 25600, 128, 8, 64, 3072, 3072, 163), 1)]]
+INTERLEAVED = {"76.1B": 3, "145.6B": 2, "310.1B": 2, "529.6B": 3}
+"""Virtual pipeline stages per rank of the rows run interleaved (run_table_1.sh's
+``--num-layers-per-virtual-pipeline-stage``: layers / pp / that); orch's pipelines run 1F1B, so
+those rows are predicted with one stage per rank and the bubble that leaves."""
 NEOX = PublishedRun("GPT-NeoX-20B", 64, 6144, 44, 2, 4, 96, 1536, 117, vocab=50432, micro_batch=4, zero_stage=1,
                     dropout=0.0, counted_as="neox_2022",
                     cluster=("cluster.device_memory_gib=40", "cluster.device_memory_gb_per_s=1555",
@@ -186,19 +193,25 @@ def report(rows: list[dict], searches: list[tuple[str, dict]]) -> str:
              "the built-in GPT at each published shape with those runs' "
              "kernels (attention scores written out, `model.fused_attention=false`; dropout 0.1, none for NeoX; "
              "the output layer vocabulary-parallel), "
-             "bf16, activation checkpointing, the published tp/pp/dp and batch. Predicted TFLOP/s per GPU = "
+             "bf16, activation checkpointing, the published tp/pp/dp and batch, and each row's micro-batch as "
+             "Megatron-LM's `examples/sc21/run_table_1.sh` ran it (the `micro` column). Predicted TFLOP/s per GPU = "
              "each run's own FLOPs count (Megatron-LM's formula with recomputation; GPT-NeoX's 2022 count, "
              "6 N + 60 s h l per token, without) / predicted step time.", "",
-             "| run | plan | GPUs | batch | published TFLOP/s/GPU | predicted | error | predicted (counted FLOPs) | "
-             "published step (s) | predicted step (s) | where the predicted step goes |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| run | plan | GPUs | batch | micro | published TFLOP/s/GPU | predicted | error | "
+             "predicted (counted FLOPs) | published step (s) | predicted step (s) | where the predicted step goes |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         run = r["run"]
-        lines.append(f"| {run.name} | {r['plan']} | {run.gpus} | {run.batch} | {run.tflops:g} | {r['predicted']:.0f} | "
+        lines.append(f"| {run.name} | {r['plan']} | {run.gpus} | {run.batch} | {run.micro_batch} | {run.tflops:g} | "
+                     f"{r['predicted']:.0f} | "
                      f"{r['error']:+.1%} | {r['counted']:.0f} | {r['measured_step_s']:.1f} | {r['step_s']:.1f} | "
                      f"{r['parts']} |")
     lines += ["", f"Mean absolute error {statistics.mean(errors):.1%} over {len(rows)} runs (target <= 10%); "
               f"largest {max(errors):.1%} (target <= 15%).", "",
+              "Megatron-LM ran "
+              + ", ".join(f"{name} with {v} virtual stages per rank" for name, v in INTERLEAVED.items())
+              + " (its interleaved 1F1B schedule, whose bubble is 1/v of 1F1B's); orch's pipelines run 1F1B, so "
+              "those rows are predicted with 1F1B's bubble.", "",
               f"{NEOX.name}: no term from the hardware or the run's published settings (cluster, config) accounts "
               "for its gap beyond its own FLOPs count, and none was added; what was checked is in bench/README.md."]
     for within, searched in searches:
