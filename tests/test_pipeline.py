@@ -57,7 +57,7 @@ def test_stages_split_the_layers_as_deepspeed_does():
     layers = measure_pipeline_layers(specs, micro_batch_size=2, inputs=lm_inputs(16), dtype=torch.float32)
     assert [layer.name for layer in layers] == ["Embedding", "Block", "Block", "Block", "Block", "LayerNorm",
                                                 "Embedding"]
-    stages = pipeline_stages(layers, pp=2, method="type:Block", micro_batches=4)
+    stages = pipeline_stages(layers, pp=2, method="type:Block", micro_batches=4, engine="deepspeed")
     assert [(s.start, s.stop) for s in stages] == [(0, 3), (3, 7)]  # two blocks each
     assert [s.in_flight for s in stages] == [2, 1]  # 1F1B: the first stage holds the most
     # Every layer saves activations; the head also holds the logits and the loss's fp32

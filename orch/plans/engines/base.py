@@ -146,6 +146,11 @@ class EngineSpec:
         """(optimizer, parameter) offload pairs this engine can express at ``zero_stage``."""
         return [(where, where) for where in space.offload]
 
+    def pipeline_partition(self, layers: list[tuple[str, int]], pp: int, method: str) -> list[int]:
+        """Stage boundaries (``pp + 1`` indices) of ``layers`` ((class name, trainable parameters)
+        each) split into ``pp`` stages by ``plan.pp_partition=method``, as the engine splits them."""
+        raise ValueError(f"plan.engine={self.name} runs no pipeline stages")
+
     def pipeline_layer_problem(self, layers: list) -> str | None:
         """Why this engine cannot build ``layers`` (a model's ``pipeline_layers()``) into its
         pipeline, or None; `orch check` asks before any worker starts."""

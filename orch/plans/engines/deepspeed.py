@@ -182,6 +182,12 @@ class DeepSpeedSpec(EngineSpec):
                 for off_opt in (space.offload if zero_stage >= 1 else (Offload.none,))
                 for off_param in (space.offload if zero_stage == 3 else (Offload.none,))]
 
+    def pipeline_partition(self, layers: list[tuple[str, int]], pp: int, method: str) -> list[int]:
+        """``PipelineModule._partition_layers``'s split (:mod:`orch.plans.engines.deepspeed_partition`)."""
+        from orch.plans.engines.deepspeed_partition import partition_layers
+
+        return partition_layers(layers, pp, method)
+
     def pipeline_layer_problem(self, layers: list) -> str | None:
         """DeepSpeed's ``LayerSpec`` takes an ``nn.Module`` class, not a function that builds one."""
         from torch import nn

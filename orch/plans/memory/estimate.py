@@ -311,13 +311,14 @@ class ModelProbe:
     def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
         """The plan's pipeline stages; cached, since `orch check` validates the split and then
         estimates it, and the fix search estimates many variants of one plan."""
-        return self._stages(plan.micro_batch_size, plan.precision, plan.pp, plan.pp_partition, plan.grad_accum_steps)
+        return self._stages(plan.micro_batch_size, plan.precision, plan.pp, plan.pp_partition, plan.grad_accum_steps,
+                            plan.engine)
 
     def _split(self, micro_batch_size: int, precision: Precision, pp: int, method: str,
-               micro_batches: int) -> list[PipelineStage]:
+               micro_batches: int, engine: str) -> list[PipelineStage]:
         batch = batch_bytes(self.inputs.example_batch(micro_batch_size))
         return pipeline_stages(self._pipeline(micro_batch_size, precision), pp=pp, method=method,
-                               micro_batches=micro_batches, input_bytes=batch)
+                               micro_batches=micro_batches, engine=engine, input_bytes=batch)
 
     def fsdp_units(self, tp: int = 1) -> FSDPUnits:
         """The model's FSDP2 units (blocks and root) as one tensor-parallel rank holds them: the

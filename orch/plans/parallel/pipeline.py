@@ -129,26 +129,26 @@ def carry_layers(shallow: list[PipelineLayer], deeper: list[PipelineLayer], dept
     return None
 
 
-def partition(layers: list[PipelineLayer], pp: int, method: str) -> list[int]:
-    """Stage boundaries (``pp + 1`` layer indices), as DeepSpeed's ``PipelineModule._partition_layers``
-    draws them (:func:`orch.plans.engines.deepspeed_partition.partition_layers`): the only
-    pipeline engine orch runs.
+def partition(layers: list[PipelineLayer], pp: int, method: str, engine: str) -> list[int]:
+    """Stage boundaries (``pp + 1`` layer indices), as the engine splits the layers
+    (:meth:`orch.plans.engines.base.EngineSpec.pipeline_partition`).
 
     Plain ints: numpy integers would reach the stages' ``start``/``stop`` and from there every JSON
     document (`orch check --json`, MLflow)."""
-    from orch.plans.engines.deepspeed_partition import partition_layers
+    from orch.plans.engines import engine_spec
 
-    return [int(bound) for bound in partition_layers([(layer.name, layer.trainable) for layer in layers], pp,
-                                                     method)]
+    weighed = [(layer.name, layer.trainable) for layer in layers]
+    return [int(bound) for bound in engine_spec(engine).pipeline_partition(weighed, pp, method)]
 
 
-def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_batches: int,
+def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_batches: int, engine: str,
                     input_bytes: int = 0) -> list[PipelineStage]:
-    """The stages of a pp-stage pipeline over ``layers``; a stage may come out empty (see callers).
+    """The stages of a pp-stage pipeline over ``layers``, split as ``engine`` splits them; a stage
+    may come out empty (see callers).
 
     ``input_bytes`` is one micro-batch of the model's input (the token ids).
     """
-    bounds = partition(layers, pp, method)
+    bounds = partition(layers, pp, method, engine)
     stages = []
     for index in range(pp):
         part = layers[bounds[index]:bounds[index + 1]]

@@ -187,15 +187,15 @@ class BatchScaledProbe(ModelProbe):
     def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
         # Stage boundaries depend on the layers' parameters only, and DeepSpeed's balanced
         # partition takes a quarter of a second for a 96-layer model: partition once per
-        # (pp, method), then scale the saved bytes and set the micro-batches in flight per plan.
-        base = self._stage_layout(plan.precision, plan.pp, plan.pp_partition)
+        # (pp, method, engine), then scale the saved bytes and set the micro-batches in flight per plan.
+        base = self._stage_layout(plan.precision, plan.pp, plan.pp_partition, plan.engine)
         return [dataclasses.replace(stage, saved_bytes=stage.saved_bytes * plan.micro_batch_size,
                                     in_flight=min(plan.pp - stage.index, plan.grad_accum_steps))
                 for stage in base]
 
     @functools.cache  # noqa: B019 - one probe per tuning, kept alive by it anyway
-    def _stage_layout(self, precision: Precision, pp: int, method: str) -> list[PipelineStage]:
-        return pipeline_stages(self._pipeline(1, precision), pp=pp, method=method, micro_batches=pp)
+    def _stage_layout(self, precision: Precision, pp: int, method: str, engine: str) -> list[PipelineStage]:
+        return pipeline_stages(self._pipeline(1, precision), pp=pp, method=method, micro_batches=pp, engine=engine)
 
 
 @dataclass(frozen=True, kw_only=True)
