@@ -169,7 +169,8 @@ def summary(client: MlflowClient, run_id: str) -> str:
     run = client.get_run(run_id)
     p, m, t = run.data.params, run.data.metrics, run.data.tags
     # Each engine's own settings, as its spec names them (runs before plan.engine existed: DeepSpeed).
-    sharding = _run_engine(p).tracked_settings if _run_engine(p) else ()
+    spec = _run_engine(p)
+    sharding = spec.tracked_settings if spec else ()
     plan = " ".join(f"{k}={p[f'plan.{k}']}" for k in ("engine", "dp", "tp", "pp", *sharding, "offload_optimizer",
                                                      "activation_checkpointing", "precision", "micro_batch_size",
                                                      "grad_accum_steps") if f"plan.{k}" in p)
