@@ -23,7 +23,7 @@ from orch.plans.model.workload import Workload
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec, Offload
 from orch.plans.step_time.cost_model import DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S, StepTime, host_threads
-from orch.plans.step_time.prediction import declared_speeds_note
+from orch.plans.step_time.profile import cluster_speeds
 from orch.workload import resolve_workload
 
 
@@ -243,7 +243,7 @@ def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str
                       "device_memory_gib": cluster.device_memory_gib, "host_memory_gib": cluster.host_memory_gib}
     plan = estimate.plan
     doc["placement"] = rank_layout(plan.world_size, cluster.devices_per_node, plan.tp, plan.pp)
-    doc["predicted_step"] = {**step.as_dict(), "speeds": declared_speeds_note(cluster, plan.precision)}
+    doc["predicted_step"] = {**step.as_dict(), "speeds": cluster_speeds(cluster, plan.precision)[1]}
     return doc
 
 
@@ -252,8 +252,8 @@ def _step_lines(step: StepTime, plan: ResolvedPlan, cluster: ClusterSpec) -> lis
     parts = ", ".join(f"{name} {seconds:.3g}" for name, seconds in step.as_dict()["parts_s"].items() if seconds > 0)
     return [f"step time  {step.total_s:.3g} s predicted ({parts} s), "
             f"{plan.global_batch_size / step.total_s:,.1f} samples/s",
-            f"  at speeds {declared_speeds_note(cluster, plan.precision)}; `orch tune` measures the cluster's "
-            "own speeds on its workers and confirms the ranking with short trials"]
+            f"  at speeds {cluster_speeds(cluster, plan.precision)[1]}"
+            + ("" if cluster.measured else "; `orch calibrate` measures the cluster's own speeds on its workers")]
 
 
 def _fmt(n: int) -> str:

@@ -46,6 +46,8 @@ commands:
   check    predict per-device memory of the plan and say whether it fits [--json]
   tune     rank the plans that fit by predicted step time (tune.trials=N: confirm the N best
            with short real runs) and write the winner to ./tuned_plans/plan/ [--json]
+  calibrate  measure the cluster's speeds on its workers (at the model's matmul shapes) and write them as
+           a cluster profile, ./tuned_plans/cluster/calibrated.yaml, that check, tune and train then use
   config   print the composed config (same overrides as train)
   runs     list recent runs of tracking.experiment
   report   RUN_ID [--out DIR]: summary of a run and its plots (loss, throughput, memory)
@@ -211,6 +213,23 @@ def tune_app(cfg: DictConfig) -> None:
     except OrchError as error:
         _fail(error)
     print(to_json_text(result, typed.tune.top_k) if _OPTIONS["json"] else render(result, typed.tune.top_k))
+
+
+@hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
+@_ends_quietly_on_a_closed_stdout
+def calibrate_app(cfg: DictConfig) -> None:
+    protect_config(cfg)
+    from orch.cluster_profile import calibrate_cluster, check_profile_file, render
+
+    try:
+        typed, model_cfg, _ = to_typed(cfg)
+        check_profile_file(typed)  # before the model is probed or Ray started
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        with storage_checks_bounded(typed):
+            profile = calibrate_cluster(typed, model_cfg)
+    except OrchError as error:
+        _fail(error)
+    print(render(profile))
 
 
 @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="config")
@@ -415,11 +434,12 @@ def stop_app(cfg: DictConfig) -> None:
         _fail(error)
 
 
-COMMANDS = {"train": train_app, "check": check_app, "tune": tune_app, "config": config_app, "runs": runs_app,
+COMMANDS = {"train": train_app, "check": check_app, "tune": tune_app, "calibrate": calibrate_app,
+            "config": config_app, "runs": runs_app,
             "report": report_app, "export": export_app, "submit": submit_app, "jobs": jobs_app, "logs": logs_app,
             "stop": stop_app}
 
-QUIET_COMMANDS = ("check", "config", "runs", "report", "export", "jobs", "logs", "stop")
+QUIET_COMMANDS = ("check", "calibrate", "config", "runs", "report", "export", "jobs", "logs", "stop")
 """The commands that only read, or act on what already exists: Hydra writes no run directory for them.
 
 By default Hydra records every command in ``outputs/<date>/<time>/`` (the composed config, the

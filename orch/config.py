@@ -129,6 +129,19 @@ class TuneConfig:
 
 
 @dataclass(kw_only=True)
+class CalibrateConfig:
+    """`orch calibrate`: where the cluster profile it measures goes."""
+
+    name: str = "calibrated"
+    """Name of the profile (the cluster=<name> option) when calibrate.out is null."""
+    out: str | None = None
+    """The profile file; null: ./tuned_plans/cluster/<name>.yaml, selected with `--config-dir tuned_plans
+    cluster=<name>` (the directory `orch tune` writes its plans to). A file in a directory named cluster/ is
+    usable as cluster=<its name> with --config-dir <that directory's parent>; never inside the installed
+    package."""
+
+
+@dataclass(kw_only=True)
 class SubmitConfig:
     """`orch submit`: what the Ray Job ships with the run (its runtime environment)."""
 
@@ -166,6 +179,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     train: TrainSpec = field(default_factory=TrainSpec)
     tune: TuneConfig = field(default_factory=TuneConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
     submit: SubmitConfig = field(default_factory=SubmitConfig)
 
 

@@ -172,7 +172,7 @@ def test_check_predicts_the_declared_plans_step_time_as_tune_prices_it():
     assert step.total_s == pytest.approx(tuned.predicted.total_s, rel=1e-6)
     text = render(estimate, typed.cluster, [], step)
     assert f"step time  {step.total_s:.3g} s predicted (compute" in text
-    assert f"{estimate.plan.global_batch_size / step.total_s:,.1f} samples/s" in text and "orch tune" in text
+    assert f"{estimate.plan.global_batch_size / step.total_s:,.1f} samples/s" in text and "orch calibrate" in text
 
 
 def test_a_micro_batch_the_model_refuses_in_training_is_a_plan_error_and_the_tuner_skips_it():

@@ -107,6 +107,35 @@ def test_a_3d_plan_trains_on_both_nodes_with_tensor_parallel_groups_inside_nodes
     assert report.returncode == 0 and (tmp_path / "rep" / "system.png").exists(), report.stderr[-2000:]
 
 
+def test_orch_calibrate_measures_the_link_across_two_nodes(two_node_ray, tmp_path):
+    """One worker per node: the all-reduce across the nodes is measured (inside a node there is
+    nothing to measure and it stays declared), and the profile prices `orch check`."""
+    done = subprocess.run([sys.executable, "-m", "orch", "calibrate", f"cluster.address={two_node_ray['gcs']}",
+                           "cluster.nodes=2", "cluster.devices_per_node=1", f"tune.cache_dir={tmp_path / 'cache'}"],
+                          cwd=tmp_path, env=two_node_ray["env"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "measured 2 node(s), 2 worker(s)" in done.stdout and "across nodes" in done.stdout, done.stdout
+    profile = (tmp_path / "tuned_plans" / "cluster" / "calibrated.yaml").read_text()
+    assert two_node_ray["gcs"] not in profile  # the address is not stored
+    measured = yaml_values(profile)["measured"]
+    assert measured["nodes"] == 2 and measured["workers"] == 2
+    assert measured["sources"]["inter_node_gbps"].startswith("all-reduce probe across nodes")
+    assert measured["sources"]["intra_node_gbps"].startswith("declared (one worker per node")
+    assert measured["inter_node_gbps"] > 0 and measured["inter_latency_s"] > 0
+    check = subprocess.run([sys.executable, "-m", "orch", "check", "--json", "--config-dir", "tuned_plans",
+                            "cluster=calibrated"], cwd=tmp_path, env=two_node_ray["env"], capture_output=True,
+                           text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-3000:]
+    speeds = json.loads(check.stdout)["predicted_step"]["speeds"]
+    assert speeds.startswith("measured by `orch calibrate`") and "on 2 node(s), 2 worker(s)" in speeds, speeds
+
+
+def yaml_values(text: str) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.create(text))
+
+
 def test_a_plan_larger_than_the_cluster_fails_clearly(two_node_ray, tmp_path):
     # Read off the live cluster before anything is reserved ...
     done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.devices_per_node=3", cwd=tmp_path,

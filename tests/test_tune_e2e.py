@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -64,24 +65,44 @@ def test_tune_trials_contain_a_failing_plan_and_log_nested_runs(local_ray, sqlit
     assert "winner (best measured)" in table
 
 
-def test_calibration_measures_the_workers_and_caches_per_cluster(local_ray, tmp_path):
-    from orch.launchers.calibration import calibrate
+def test_orch_calibrate_measures_the_workers_writes_a_profile_and_fills_the_tuners_cache(local_ray, tmp_path,
+                                                                                          monkeypatch):
+    """`orch calibrate` on the local 2-worker cluster: the profile it writes holds what the probes
+    measured (one node: the link across nodes stays declared), prices plans once loaded back, and
+    the tuner's calibration then reads the same speeds from the cache instead of measuring again."""
+    from omegaconf import OmegaConf
+
+    from orch.cluster_profile import calibrate_cluster
+    from orch.cluster_profile import render as render_profile
     from orch.plans.spec import ClusterSpec
     from orch.plans.step_time.cost_model import Speeds
+    from orch.plans.step_time.profile import cluster_speeds
+    from orch.tune.search import measure_speeds, prepare
 
-    declared = Speeds.declared(ClusterSpec())
-    kwargs = dict(world_size=2, devices_per_node=2, cpus_per_worker=1.0, gpus_per_worker=0.0,
-                  env={"DS_ACCELERATOR": "cpu"}, precision="fp32", rows=[64, 1024], k=128, n=512, declared=declared,
-                  cache_dir=str(tmp_path), wait_s=60)
-    speeds, note = calibrate(**kwargs)
-    assert speeds.source == "measured" and note.startswith("measured the cluster")
-    assert [rows for rows, _ in speeds.matmul_tflops] == [64, 1024]
-    assert all(tflops > 0 for _, tflops in speeds.matmul_tflops)
-    # One node: the all-reduce inside it is measured; across nodes stays declared.
+    monkeypatch.chdir(tmp_path)
+    cache = tmp_path / "cache"
+    typed, model_cfg, _ = to_typed(compose_config(f"tune.cache_dir={cache}"))
+    profile = calibrate_cluster(typed, model_cfg)
+    speeds, declared = profile.speeds, Speeds.declared(ClusterSpec())
+    assert speeds.source == "measured" and profile.path == Path("tuned_plans/cluster/calibrated.yaml")
+    assert len(profile.measured.hosts) == 2 and profile.measured.nodes == 1
+    assert all(tflops > 0 for _, tflops in speeds.matmul_tflops) and len(speeds.matmul_tflops) > 1
+    # One node: the all-reduce inside it is measured; across nodes stays declared, and says so.
     assert speeds.intra_node_gbps > 0 and speeds.intra_latency_s > 0
     assert speeds.intra_node_gbps != declared.intra_node_gbps
     assert speeds.inter_node_gbps == declared.inter_node_gbps
+    assert profile.measured.sources["inter_node_gbps"].startswith("declared (one node")
     assert speeds.device_memory_gb_per_s > 0 and speeds.host_memory_gb_per_s >= speeds.device_memory_gb_per_s
-    cached, note = calibrate(**kwargs)
+    text = render_profile(profile)
+    assert "all-reduce bus Gbit/s inside a node" in text and "kept as declared" in text
+    assert "use it: orch check --config-dir tuned_plans cluster=calibrated" in text
+
+    values = OmegaConf.load(profile.path)
+    values.pop("defaults")
+    loaded = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClusterSpec), values))
+    assert cluster_speeds(loaded, typed.plan.precision)[0] == speeds
+
+    space, ctx = prepare(typed, model_cfg, typed.cluster)
+    cached, note = measure_speeds(typed, typed.cluster, space, ctx)
     assert note.startswith("measured speeds from the cache") and cached == speeds
-    assert len(list(tmp_path.glob("calibration-*.json"))) == 1
+    assert len(list(cache.glob("calibration-*.json"))) == 1

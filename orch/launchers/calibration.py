@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import socket
 import statistics
@@ -38,6 +37,7 @@ from orch.launchers.worker_group import NoPlacementError, WorkerGroupSpec, place
 from orch.plans.errors import OrchError
 from orch.plans.spec import Precision
 from orch.plans.step_time.cost_model import Speeds
+from orch.plans.step_time.profile import speeds_problems
 from orch.plans.storage.locations import write_whole
 
 _BANDWIDTH_ELEMENTS = 4 * 1024 * 1024  # 16 MB of fp32: large enough that latency is a few percent
@@ -291,12 +291,27 @@ def _cache_file(cache_dir: str, key: dict) -> Path:
     return Path(os.path.expanduser(cache_dir)) / f"calibration-{digest}.json"
 
 
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What a calibration found: the speeds, and where each came from."""
+
+    speeds: Speeds
+    note: str
+    """Measured now, or read from the cache (and which file)."""
+    hosts: tuple[str, ...]
+    """The workers' hostnames, in rank order."""
+    nodes: int
+    """Ray nodes the workers ran on (several may share a host)."""
+    sources: dict[str, str]
+    """For each speed, the probe that measured it, or why it stayed as declared."""
+
+
 def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float, gpus_per_worker: float,
               env: dict[str, str], precision: str, rows: list[int], k: int, n: int, declared: Speeds,
-              cache_dir: str, wait_s: float = 60.0) -> tuple[Speeds, str]:
+              cache_dir: str, wait_s: float = 60.0, use_cache: bool = True) -> Calibration:
     """The cluster's measured :class:`Speeds` (from the cache when this cluster was measured
-    before), and a note saying which. Numbers a probe cannot measure here (inter-node speeds on
-    one node) stay as declared."""
+    before, unless ``use_cache`` is off), and where each number came from. Numbers a probe cannot
+    measure here (inter-node speeds on one node) stay as declared."""
     spec = WorkerGroupSpec(world_size=world_size, cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker,
                            env=env, wait_s=wait_s)
     bundle = spec.bundle
@@ -311,9 +326,11 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         key = {"probes": _PROBES_VERSION, "hosts": hosts, "per_node": [s.local_world_size for s in slots],
                "precision": precision, "rows": rows, "k": k, "n": n, "bundle": bundle}
         path = _cache_file(cache_dir, key)
-        cached = _cached_speeds(path)
+        cached = _cached_speeds(path) if use_cache else None
         if cached is not None:
-            return cached, f"measured speeds from the cache {path}"
+            nodes = len({slot.node_id for slot in slots})
+            return Calibration(cached, f"measured speeds from the cache {path}", tuple(hosts), nodes,
+                               _sources(gpus_per_worker > 0, nodes, max(s.local_world_size for s in slots)))
         by_node: dict[str, list[int]] = {}
         for slot in slots:
             by_node.setdefault(slot.node_id, []).append(slot.rank)
@@ -359,7 +376,32 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         source="measured")
     measured = f"measured the cluster ({len(by_node)} node(s), {world_size} workers)"
     unwritten = _cache_speeds(path, speeds)
-    return speeds, f"{measured}; " + (f"not cached: {unwritten}" if unwritten else f"cached in {path}")
+    note = f"{measured}; " + (f"not cached: {unwritten}" if unwritten else f"cached in {path}")
+    return Calibration(speeds, note, tuple(hosts), len(by_node), _sources(gpu, len(by_node), per_node))
+
+
+def _sources(gpu: bool, nodes: int, per_node: int) -> dict[str, str]:
+    """Where each of ``speeds``' numbers came from, as a cluster profile records it."""
+    intra = "all-reduce probe inside a node (torch.distributed)"
+    inter = "all-reduce probe across nodes (torch.distributed)"
+    copy = "copy of 64 MB on the worker"
+    sources = {"matmul_tflops": "matmul probe on the worker at the plans' heights, in the training precision",
+               "device_memory_gb_per_s": copy,
+               "intra_node_gbps": intra if per_node > 1 else "declared (one worker per node: no link inside a node)",
+               "intra_latency_s": intra if per_node > 1 else "declared (one worker per node)",
+               "inter_node_gbps": inter if nodes > 1 else "declared (one node: nothing crosses nodes)",
+               "inter_latency_s": inter if nodes > 1 else "declared (one node)",
+               "op_overhead_s": "0 on GPUs (kernels launch asynchronously)" if gpu
+               else "forward and backward of a small MLP, per op",
+               "core_share": "1 on GPUs" if gpu else "the node's cores over its workers' threads"}
+    if gpu:
+        sources.update(host_link_gbps="pinned host-to-device copies", host_memory_gb_per_s="copy in host memory",
+                       host_optimizer_params_per_s="fused CPU AdamW step over 32 M parameters")
+    else:
+        sources.update(host_link_gbps="the worker's copy (host and device are the same memory)",
+                       host_memory_gb_per_s="the worker's copy times the node's workers",
+                       host_optimizer_params_per_s="declared (its probe runs on GPU workers only)")
+    return sources
 
 
 def _cache_speeds(path: Path, speeds: Speeds) -> str | None:
@@ -386,22 +428,4 @@ def _cached_speeds(path: Path) -> Speeds | None:
         speeds = Speeds(**doc, source="measured")
     except (OSError, ValueError, TypeError):
         return None
-    return speeds if _usable(speeds) else None
-
-
-_RATES = ("intra_node_gbps", "inter_node_gbps", "host_link_gbps", "device_memory_gb_per_s", "host_memory_gb_per_s",
-          "core_share", "memory_efficiency", "intra_bus_efficiency", "inter_bus_efficiency")
-"""Speeds the cost model divides by: a cached 0 would fail the tune as a ZeroDivisionError."""
-
-
-def _usable(speeds: Speeds) -> bool:
-    """Whether cached speeds can price a plan: every number finite and not negative, every rate the
-    cost model divides by above 0 (a cache edited by hand, or a measurement that went wrong)."""
-    pairs = (*speeds.matmul_tflops, *speeds.matmul_tiles)
-    scalars = [getattr(speeds, field.name) for field in dataclasses.fields(speeds)
-               if field.name not in ("matmul_tflops", "matmul_tiles", "source")]
-    numbers = scalars + [number for pair in pairs for number in pair]
-    if not speeds.matmul_tflops or not all(isinstance(n, (int, float)) and math.isfinite(n) and n >= 0
-                                           for n in numbers):
-        return False
-    return all(tflops > 0 for _, tflops in speeds.matmul_tflops) and all(getattr(speeds, r) > 0 for r in _RATES)
+    return None if speeds_problems(speeds) else speeds

@@ -108,6 +108,54 @@ class PlanSpec:
 
 
 @dataclass(kw_only=True)
+class MatmulRate:
+    """Sustained matmul throughput at one matmul height."""
+
+    rows: int
+    """Rows of the activation operand (micro-batch x sequence positions)."""
+    tflops: float
+
+
+@dataclass(kw_only=True)
+class MeasuredSpeeds:
+    """A cluster's speeds as `orch calibrate` measured them on its workers: written into the cluster
+    profile it creates, and used by `orch check`, `orch tune` and `orch train`'s predicted step
+    instead of the declared speeds (see orch/plans/step_time/profile.py). Each number is the
+    cost model's :class:`orch.plans.step_time.cost_model.Speeds` field of the same name."""
+
+    precision: Precision
+    """The precision the matmuls were timed in; a plan in another precision uses the declared speeds."""
+    matmul_tflops: list[MatmulRate]
+    """Per worker, by matmul height (the plans' micro-batch x sequence rows)."""
+    matmul_shape: list[int]
+    """(in, out) features of the matmul timed: the model's largest repeated linear layer."""
+    intra_node_gbps: float
+    inter_node_gbps: float
+    intra_latency_s: float
+    inter_latency_s: float
+    intra_bus_efficiency: float = 1.0
+    inter_bus_efficiency: float = 1.0
+    host_link_gbps: float
+    device_memory_gb_per_s: float
+    host_memory_gb_per_s: float
+    host_optimizer_params_per_s: float
+    op_overhead_s: float
+    core_share: float
+    measured_at: str
+    """When the probes ran (UTC, ISO 8601)."""
+    hosts: list[str]
+    """The worker hosts, in rank order."""
+    nodes: int
+    """Ray nodes the workers ran on."""
+    workers: int
+    versions: dict[str, str] = field(default_factory=dict)
+    """orch, torch and Ray versions of the run that measured them."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each speed came from: measured by which probe, or declared (e.g. the inter-node link of
+    a single-node cluster, which nothing could measure)."""
+
+
+@dataclass(kw_only=True)
 class ClusterSpec:
     """The target cluster, declared; the live Ray cluster is checked against it at launch."""
 
@@ -159,6 +207,9 @@ class ClusterSpec:
     device_hour_usd: float | None = None
     """Price of one device for one hour; `orch tune` then prices each plan's time to train
     (null: no cost column)."""
+    measured: MeasuredSpeeds | None = None
+    """Speeds measured on this cluster by `orch calibrate` (the profile it writes sets them); used
+    instead of the declared speeds above. null: the declared ones."""
 
     @property
     def world_size(self) -> int:

@@ -69,6 +69,7 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
     the engine-neutral optimizer settings for every run, and the engine's own config when it has
     one (``config/<engine>.json``: DeepSpeed's JSON)."""
     from orch.plans.step_time.cost_model import speed_defaults
+    from orch.plans.step_time.profile import cluster_speeds, measured_values
 
     # A speed the cluster leaves unset is logged as the default the cost model takes for it (not
     # "None"), and the tag names those defaulted.
@@ -76,11 +77,14 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
     params = flatten({"plan": plan.as_dict(), "model": dict(model_cfg),
                       "data": dict(cfg.data), "objective": dict(cfg.objective), "optim": vars(cfg.optim),
                       "train": vars(cfg.train),
-                      "cluster": {**vars(cfg.cluster), **defaulted, "address": address_param(cfg.cluster.address)}})
+                      "cluster": {**vars(cfg.cluster), **defaulted, "address": address_param(cfg.cluster.address),
+                                  # A cluster profile's speeds, one param each (its matmul rates as JSON).
+                                  "measured": measured_values(cfg.cluster.measured) if cfg.cluster.measured else None}})
     params["model.param_count"] = str(facts.param_count)
     params.update({f"memory.predicted.{k}": str(v) for k, v in estimate.per_device.as_dict().items()})
     if predicted_step is not None:
-        params.update(predicted_step_params(predicted_step))
+        speeds, _ = cluster_speeds(cfg.cluster, plan.precision)
+        params.update(predicted_step_params(predicted_step, speeds.source))
     tags = {"world_size": str(plan.world_size), "devices": f"{plan.world_size}x{plan.accelerator.value}",
             "orch.command": "train", **extra_tags}
     if defaulted:

@@ -13,6 +13,7 @@ import functools
 import sys
 import time
 from contextlib import ExitStack
+from typing import TYPE_CHECKING
 
 from orch.checking import check_model, check_pipeline, fused_tp_layers, live_cluster
 from orch.config import RunConfig
@@ -34,12 +35,16 @@ from orch.plans.search.space import (
 )
 from orch.plans.spec import Accelerator, Offload
 from orch.plans.step_time.cost_model import Speeds
-from orch.plans.step_time.prediction import EXACT_PARAMS_LIMIT, count_model_cost, declared_speeds_note
+from orch.plans.step_time.prediction import EXACT_PARAMS_LIMIT, count_model_cost
+from orch.plans.step_time.profile import cluster_speeds
 from orch.tune.plan_file import check_plan_file, plan_overrides, write_plan_file
 from orch.tune.result import TrainBudget, TuneResult
 from orch.tune.tracking import finish_parent, start_parent
 from orch.tune.trials import pick_winner, run_trial
 from orch.workload import resolve_workload
+
+if TYPE_CHECKING:
+    from orch.launchers.calibration import Calibration
 
 
 def declared_global_batch(cfg: RunConfig, world_size: int) -> int:
@@ -124,7 +129,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
 
     ctx = SearchContext(cluster=cluster, train=cfg.train, optim=cfg.optim, probe=probe,
                         model_cost=count_model_cost(probe, tp_degrees, facts.param_count),
-                        speeds=Speeds.declared(cluster, cfg.plan.precision),
+                        speeds=cluster_speeds(cluster, cfg.plan.precision)[0],
                         tp_problem=tp_problem, plan_problem=plan_problem)
     space = _space(cfg, cluster.world_size, facts.supports_activation_checkpointing)
     # Degrees the model cannot use are left out of the search rather than ranked as failures.
@@ -135,7 +140,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
     return space, ctx
 
 
-def _matmul_shape(probe) -> tuple[int, int]:
+def matmul_shape(probe) -> tuple[int, int]:
     """(in, out) features of the largest linear layer inside the model's repeated layers."""
     import torch
 
@@ -148,20 +153,29 @@ def _matmul_shape(probe) -> tuple[int, int]:
     return big.in_features, big.out_features
 
 
-def measure_speeds(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchContext) -> tuple[Speeds, str]:
-    """The cluster's matmul and all-reduce speeds, probed at the search's matmul shapes (or cached)."""
+def measure_cluster(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchContext, *,
+                    use_cache: bool = True) -> Calibration:
+    """The cluster's matmul, memory and all-reduce speeds, probed at the search's matmul shapes
+    (or cached), with where each came from; what no probe can measure stays as declared."""
     from orch.launchers.calibration import calibrate
     from orch.launchers.worker_group import worker_env
 
-    k, n = _matmul_shape(ctx.probe)
+    k, n = matmul_shape(ctx.probe)
     micro = sorted({spec.micro_batch_size for spec in space.plans()})
     rows = [m * ctx.model_cost.seq_len for m in micro][:8]
     gpu = cluster.accelerator == Accelerator.gpu
     env = worker_env(cluster.accelerator)
     return calibrate(world_size=cluster.world_size, devices_per_node=cluster.devices_per_node,
                      cpus_per_worker=cluster.cpus_per_worker, gpus_per_worker=1.0 if gpu else 0.0, env=env,
-                     precision=cfg.plan.precision.value, rows=rows, k=k, n=n, declared=ctx.speeds,
-                     cache_dir=cfg.tune.cache_dir, wait_s=cluster.wait_s)
+                     precision=cfg.plan.precision.value, rows=rows, k=k, n=n,
+                     declared=Speeds.declared(cluster, cfg.plan.precision), cache_dir=cfg.tune.cache_dir,
+                     wait_s=cluster.wait_s, use_cache=use_cache)
+
+
+def measure_speeds(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchContext) -> tuple[Speeds, str]:
+    """The cluster's measured speeds (or cached ones) and a note saying which."""
+    calibration = measure_cluster(cfg, cluster, space, ctx)
+    return calibration.speeds, calibration.note
 
 
 def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
@@ -184,7 +198,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
               f"{cluster.accelerator.value} devices, global batch {space.global_batch_size} "
               f"({global_batch_origin(cfg, cluster.world_size)})", file=err, flush=True)
         uses_ray = cfg.tune.trials > 0 or cluster.address is not None
-        speeds, note = ctx.speeds, declared_speeds_note(cluster, cfg.plan.precision)
+        speeds, note = ctx.speeds, cluster_speeds(cluster, cfg.plan.precision)[1]
         if uses_ray:
             from orch.launchers.ray_session import ray_session
             from orch.launchers.worker_group import job_env
@@ -197,7 +211,8 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
                                             connect_timeout_s=cfg.cluster.connect_timeout_s,
                                             worker_env=job_env(cluster.accelerator, cfg.train),
                                             object_store=uses_object_store(cfg)))
-            if cfg.tune.calibrate:
+            # A cluster profile's speeds were measured on purpose (`orch calibrate`): kept, not re-measured.
+            if cfg.tune.calibrate and speeds.source != "measured":
                 print("tune: measuring the cluster's speeds on the Ray workers", file=err, flush=True)
                 speeds, note = measure_speeds(cfg, cluster, space, ctx)
                 ctx = dataclasses.replace(ctx, speeds=speeds)

@@ -2,8 +2,9 @@
 `orch check`'s line for the declared plan.
 
 The model's FLOPs, matmul shapes and communication sizes are counted once on the probe
-(:func:`orch.plans.step_time.model_cost.measure_model_cost`); the cluster's speeds are what it declares (or the
-accelerator's defaults) until `orch tune` measures them on the workers.
+(:func:`orch.plans.step_time.model_cost.measure_model_cost`); the cluster's speeds are what its profile
+measured (`orch calibrate`), else what it declares (or the accelerator's defaults), until `orch tune`
+measures them on the workers.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 from orch.plans.engines import engine_spec
 from orch.plans.memory.estimate import ModelProbe
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import ClusterSpec, OptimSpec, Precision
-from orch.plans.step_time.cost_model import DECLARED_SPEEDS, ModelCost, Speeds, StepTime, speed_defaults
+from orch.plans.spec import ClusterSpec, OptimSpec
+from orch.plans.step_time.cost_model import ModelCost, Speeds, StepTime
 from orch.plans.step_time.model_cost import measure_model_cost
+from orch.plans.step_time.profile import cluster_speeds
 
 EXACT_PARAMS_LIMIT = 1_000_000_000
 """Models above this many parameters get their FLOPs and activations counted at two shallow depths
@@ -39,23 +41,9 @@ def count_model_cost(probe: ModelProbe, tp_degrees: list[int], param_count: int)
 
 def declared_plan_step(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe,
                        param_count: int) -> StepTime:
-    """The declared plan's predicted step at the cluster's declared speeds, counted as the tuner
+    """The declared plan's predicted step at the cluster's speeds (its profile's measured ones, else
+    the declared ones: :func:`orch.plans.step_time.profile.cluster_speeds`), counted as the tuner
     counts it (the model costed once, at the plan's tensor-parallel degree)."""
     model = count_model_cost(probe, [plan.tp], param_count)
-    return plan_step(plan, model, Speeds.declared(cluster, plan.precision), probe,
-                     devices_per_node=cluster.devices_per_node, optim=optim)
-
-
-def declared_speeds_note(cluster: ClusterSpec, precision: Precision | None = None) -> str:
-    """Where the declared speeds come from: the cluster config, or the accelerator's defaults for
-    those it leaves unset (at the plan's precision), named with the values used."""
-    defaulted = speed_defaults(cluster, precision)
-    accelerator = cluster.accelerator.value
-    if len(defaulted) == len(DECLARED_SPEEDS[accelerator]):
-        return (f"the {accelerator} defaults of orch/plans/step_time/cost_model.py DECLARED_SPEEDS (the cluster "
-                "config sets none; set cluster.device_tflops, ... to declare your own)")
-    note = "declared in the cluster config (cluster.device_tflops, ...)"
-    if defaulted:
-        note += f"; unset, so the {accelerator} defaults: " + ", ".join(
-            f"cluster.{name}={value:g}" for name, value in defaulted.items())
-    return note
+    speeds, _ = cluster_speeds(cluster, plan.precision)
+    return plan_step(plan, model, speeds, probe, devices_per_node=cluster.devices_per_node, optim=optim)

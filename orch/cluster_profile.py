@@ -1,0 +1,238 @@
+"""`orch calibrate`: measure a cluster's speeds once and write them as a cluster profile.
+
+The profile is a cluster option like the shipped ones (``tuned_plans/cluster/<calibrate.name>.yaml``
+by default, beside the plans `orch tune` writes): the cluster as declared, plus a ``measured``
+section (:class:`orch.plans.spec.MeasuredSpeeds`) that `orch check`, `orch tune` and `orch train`
+then price plans at (:func:`orch.plans.step_time.profile.cluster_speeds`). The probes are the
+tuner's calibration (:mod:`orch.launchers.calibration`), run on the workers as training places
+them, at the composed model's matmul shapes, never read from its cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import os
+import re
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from orch import conf
+from orch.config import RunConfig
+from orch.plans.errors import PlanError, Violation
+from orch.plans.spec import ClusterSpec, MeasuredSpeeds
+from orch.plans.step_time.cost_model import Speeds
+from orch.plans.step_time.profile import measured_values
+from orch.plans.storage.locations import is_remote, unwritable_reason, write_whole
+
+PROFILES_DIR = Path("tuned_plans")
+"""The config directory profiles go to by default: ``tuned_plans/cluster/<name>.yaml``, so one
+``--config-dir tuned_plans`` selects a tuned plan and a measured cluster alike."""
+
+PROFILE_HEADER = "# Written by `orch calibrate`"
+"""How every profile begins: what an existing file must begin with to be replaced."""
+
+_OUT_FIX = "calibrate.out=DIR/cluster/NAME.yaml"
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+_NOT_WRITTEN = ("address", "measured")
+"""Cluster fields a profile leaves out: the address is how this command reached the cluster (pass
+it, or RAY_ADDRESS, as to any command), and ``measured`` is written from the new measurement."""
+
+
+def profile_path(cfg: RunConfig) -> Path:
+    if cfg.calibrate.out:
+        return Path(cfg.calibrate.out).expanduser()
+    return PROFILES_DIR / "cluster" / f"{cfg.calibrate.name}.yaml"
+
+
+def _field(cfg: RunConfig) -> tuple[str, str]:
+    return ("calibrate.out", cfg.calibrate.out) if cfg.calibrate.out else ("calibrate.name", cfg.calibrate.name)
+
+
+def check_profile_file(cfg: RunConfig) -> None:
+    """Refuse, before anything is measured, a profile that would be written where it must not be:
+    a name that is not plain, a URI, a path inside the installed package, a directory, an existing
+    file `orch calibrate` did not write, a name a shipped cluster option takes (Hydra finds the
+    package's option first), or a directory this user cannot write to."""
+    from hydra.core.config_store import ConfigStore
+
+    from orch.tune.plan_file import package_dirs
+
+    name, value = _field(cfg)
+    if not _PLAIN_NAME.fullmatch(cfg.calibrate.name):
+        raise PlanError([Violation("calibrate.name", cfg.calibrate.name, "is not a plain name: the profile is written "
+                                   f"to {PROFILES_DIR}/cluster/<calibrate.name>.yaml and selected as "
+                                   "cluster=<calibrate.name>.", "use letters, digits, '_' and '-' only "
+                                   "(calibrate.name=lab_a100), or calibrate.out=PATH")])
+    if cfg.calibrate.out and is_remote(cfg.calibrate.out):
+        raise PlanError([Violation(name, value, "is a URI; a cluster profile is a config file Hydra reads from a "
+                                   "local --config-dir.", f"write it to a local file: {_OUT_FIX}")])
+    path = profile_path(cfg)
+    real = Path(os.path.realpath(path))
+    for package in package_dirs():
+        if real.is_relative_to(package):
+            raise PlanError([Violation(name, value, f"is inside the installed orch package ({package}), whose files "
+                                       "every command reads; orch calibrate never writes there.",
+                                       f"leave calibrate.out unset for ./{PROFILES_DIR}/cluster/<calibrate.name>.yaml, "
+                                       "or calibrate.out=DIR/cluster/NAME.yaml")])
+    if real.is_dir():
+        raise PlanError([Violation(name, value, "is a directory, not a profile file.",
+                                   f"name a file: {_OUT_FIX}")])
+    if real.exists() and not _begins_with_header(real):
+        raise PlanError([Violation(name, value, f"is an existing file that orch calibrate did not write (it does not "
+                                   f"begin with {PROFILE_HEADER!r}); it is left as it is.",
+                                   "name a new file, or move that one away first if it should be replaced")])
+    shipped = Path(conf.__file__).resolve().parent / "cluster" / path.name
+    registered = path.name in ConfigStore.instance().repo.get("cluster", {})
+    if path.parent.name == "cluster" and (shipped.exists() or registered):
+        raise PlanError([Violation(name, value, f"cluster={path.stem} names a cluster shipped with orch; the profile "
+                                   "could not be selected by that name.", "choose another name (calibrate.name=...)")])
+    if why := unwritable_reason(real.parent):
+        raise PlanError([Violation(name, value, f"the profile cannot be written to {real}: {why}.",
+                                   f"write it to a directory this user can write: {_OUT_FIX}")])
+
+
+def _begins_with_header(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(len(PROFILE_HEADER)) == PROFILE_HEADER
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+@dataclass
+class Profile:
+    """What `orch calibrate` measured and where it wrote it."""
+
+    path: Path
+    cluster: ClusterSpec
+    measured: MeasuredSpeeds
+    declared: Speeds
+    speeds: Speeds
+    seconds: float
+    notes: list[str]
+
+
+def profile_text(cluster: ClusterSpec, measured: MeasuredSpeeds, path: Path) -> str:
+    """The profile file: a header saying what it is and how to use it, the cluster's declared
+    fields (unset speeds left out) and the measured section."""
+    declared = {k: v.value if isinstance(v, enum.Enum) else v for k, v in dataclasses.asdict(cluster).items()
+                if k not in _NOT_WRITTEN and v is not None}
+    doc = {"defaults": ["cluster_schema", "_self_"], **declared, "measured": measured_values(measured)}
+    config_dir = path.parent.parent if path.parent.name == "cluster" else None
+    use = (f"orch check --config-dir {config_dir} cluster={path.stem} (orch tune and orch train alike)"
+           if config_dir is not None else "place it in DIR/cluster/ and pass --config-dir DIR cluster=NAME")
+    header = [f"{PROFILE_HEADER} at {measured.measured_at}: the cluster as declared, with the speeds",
+              f"# measured on its {measured.workers} worker(s) (`measured`). Plans are priced at these speeds.",
+              f"# Use it: {use}",
+              "# cluster.address is not stored: pass it (or RAY_ADDRESS) as to any command. Measure again",
+              "# after the hardware, drivers or torch change: orch calibrate."]
+    return "\n".join(header) + "\n" + OmegaConf.to_yaml(OmegaConf.create(doc))
+
+
+def calibrate_cluster(cfg: RunConfig, model_cfg: dict, *, err=None) -> Profile:
+    """Measure the cluster on its workers and write the profile; see the module docstring."""
+    from orch.checking import live_cluster
+    from orch.inputs import check_inputs, declared_violations
+    from orch.launchers.ray_session import ray_session
+    from orch.launchers.worker_group import job_env
+    from orch.plans.step_time.profile import measured_section
+    from orch.tune.search import matmul_shape, measure_cluster, prepare
+    from orch.workload import resolve_workload
+
+    err = err or sys.stderr
+    try:
+        workload = resolve_workload(model_cfg, cfg.objective, cfg.data)
+    except PlanError as error:
+        raise PlanError(declared_violations(cfg) + error.violations) from None
+    check_inputs(cfg, workload.data)
+    check_profile_file(cfg)
+    with ExitStack() as stack:
+        cluster, notes = stack.enter_context(live_cluster(cfg))
+        space, ctx = prepare(cfg, model_cfg, cluster, workload)
+        stack.enter_context(ray_session(cfg.cluster.address, worker_cpus=cluster.world_size * cluster.cpus_per_worker,
+                                        object_store_gib=cfg.cluster.object_store_memory_gib,
+                                        connect_timeout_s=cfg.cluster.connect_timeout_s,
+                                        worker_env=job_env(cluster.accelerator, cfg.train)))
+        print(f"calibrate: measuring {cluster.nodes} node(s) x {cluster.devices_per_node} "
+              f"{cluster.accelerator.value} worker(s) on Ray", file=err, flush=True)
+        started = time.perf_counter()
+        measured_at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        calibration = measure_cluster(cfg, cluster, space, ctx, use_cache=False)
+        seconds = time.perf_counter() - started
+    import ray
+    import torch
+
+    versions = {"orch": metadata.version("orch"), "torch": str(torch.__version__), "ray": ray.__version__}
+    measured = measured_section(calibration.speeds, precision=cfg.plan.precision,
+                                matmul_shape=matmul_shape(ctx.probe), measured_at=measured_at,
+                                hosts=list(calibration.hosts), nodes=calibration.nodes, versions=versions,
+                                sources=calibration.sources)
+    path = profile_path(cfg)
+    check_profile_file(cfg)  # again: the file may have appeared while the probes ran
+    profiled = dataclasses.replace(cluster, measured=None)
+    try:
+        write_whole(path, profile_text(profiled, measured, path))
+    except OSError as error:
+        name, value = _field(cfg)
+        raise PlanError([Violation(name, value, f"the profile could not be written to {path}: "
+                                   f"{error.strerror or error}.", f"write it elsewhere: {_OUT_FIX}")]) from None
+    return Profile(path=path, cluster=profiled, measured=measured,
+                   declared=Speeds.declared(cluster, cfg.plan.precision), speeds=calibration.speeds,
+                   seconds=seconds, notes=notes)
+
+
+def _comparison_rows(declared: Speeds, measured: Speeds, sources: dict[str, str]) -> list[tuple[str, float, float]]:
+    """(what, declared, measured) for each speed the calibration measured, in the units shown."""
+    rows = [(f"matmul TFLOP/s at {height:,} rows", declared.tflops_at(height), tflops)
+            for height, tflops in measured.matmul_tflops]
+    rows.append(("memory-bound kernels GB/s", declared.sustained_memory_gb_per_s, measured.sustained_memory_gb_per_s))
+    if not sources["intra_node_gbps"].startswith("declared"):
+        rows += [("all-reduce bus Gbit/s inside a node", declared.bus_gbps("intra"), measured.bus_gbps("intra")),
+                 ("all-reduce step latency µs inside a node", declared.intra_latency_s * 1e6,
+                  measured.intra_latency_s * 1e6)]
+    if not sources["inter_node_gbps"].startswith("declared"):
+        rows += [("all-reduce Gbit/s per rank across nodes", declared.inter_node_gbps * declared.inter_bus_efficiency,
+                  measured.inter_node_gbps * measured.inter_bus_efficiency),
+                 ("all-reduce step latency µs across nodes", declared.inter_latency_s * 1e6,
+                  measured.inter_latency_s * 1e6)]
+    rows += [("host link Gbit/s", declared.host_link_gbps, measured.host_link_gbps),
+             ("host memory GB/s per node", declared.host_memory_gb_per_s, measured.host_memory_gb_per_s),
+             ("fixed cost per op µs", declared.op_overhead_s * 1e6, measured.op_overhead_s * 1e6),
+             ("share of a core per worker", declared.core_share, measured.core_share)]
+    if not sources["host_optimizer_params_per_s"].startswith("declared"):
+        rows.append(("host optimizer M params/s", declared.host_optimizer_params_per_s / 1e6,
+                     measured.host_optimizer_params_per_s / 1e6))
+    return rows
+
+
+def render(profile: Profile) -> str:
+    """What was measured, beside what the cluster declared, and how to use the profile."""
+    lines = [f"note: {note}" for note in profile.notes]
+    lines.append(f"measured {profile.measured.nodes} node(s), {profile.measured.workers} worker(s) in "
+                 f"{profile.seconds:.1f} s "
+                 f"({profile.measured.precision.value} matmuls of {profile.measured.matmul_shape[0]} x "
+                 f"{profile.measured.matmul_shape[1]}, the model's largest repeated layer)")
+    lines.append("")
+    lines.append(f"  {'speed':<42} {'declared':>11} {'measured':>11}  measured/declared")
+    for what, declared, measured in _comparison_rows(profile.declared, profile.speeds, profile.measured.sources):
+        ratio = f"{measured / declared:.2f}" if declared else "n/a"
+        lines.append(f"  {what:<42} {declared:>11.4g} {measured:>11.4g}  {ratio}")
+    kept = [name for name, source in profile.measured.sources.items() if source.startswith("declared")]
+    if kept:
+        lines.append(f"  kept as declared (nothing here measures them): {', '.join(kept)}")
+    lines.append("")
+    lines.append(f"written to {profile.path}")
+    if profile.path.parent.name == "cluster":
+        lines.append(f"use it: orch check --config-dir {profile.path.parent.parent} cluster={profile.path.stem} "
+                     "(orch tune and orch train take the same)")
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""Which speeds a prediction uses: the cluster profile's measured ones, or the declared ones.
+
+`orch calibrate` measures a cluster once and writes a cluster profile: the cluster's declaration
+plus a ``measured`` section (:class:`orch.plans.spec.MeasuredSpeeds`). Every prediction (`orch
+check`'s step time, `orch tune`'s ranking, the step `orch train` tracks) then prices the plan at
+those speeds instead of the declared or default ones, and says which it used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from orch.plans.errors import PlanError, Violation
+from orch.plans.spec import ClusterSpec, MatmulRate, MeasuredSpeeds, Precision
+from orch.plans.step_time.cost_model import DECLARED_SPEEDS, Speeds, speed_defaults
+
+_RATES = ("intra_node_gbps", "inter_node_gbps", "host_link_gbps", "device_memory_gb_per_s", "host_memory_gb_per_s",
+          "core_share", "memory_efficiency", "intra_bus_efficiency", "inter_bus_efficiency")
+"""Speeds the cost model divides by: 0 would fail a prediction as a ZeroDivisionError."""
+
+_NOT_NUMBERS = ("matmul_tflops", "matmul_tiles", "source")
+
+
+def speeds_problems(speeds: Speeds) -> list[str]:
+    """What makes ``speeds`` unable to price a plan ('' for none): a number that is not finite or
+    is negative, or a rate the cost model divides by that is 0 (a file edited by hand, or a
+    measurement that went wrong)."""
+    problems = []
+    for field in dataclasses.fields(speeds):
+        value = getattr(speeds, field.name)
+        if field.name in _NOT_NUMBERS:
+            continue
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            problems.append(f"{field.name}={value!r} is not a finite number >= 0")
+        elif field.name in _RATES and value == 0:
+            problems.append(f"{field.name}=0, a rate the step time is divided by")
+    if not speeds.matmul_tflops:
+        problems.append("matmul_tflops is empty")
+    for rows, tflops in speeds.matmul_tflops:
+        if not all(isinstance(n, (int, float)) and math.isfinite(n) for n in (rows, tflops)) or rows < 0 \
+                or tflops <= 0:
+            problems.append(f"matmul_tflops has rows={rows!r} tflops={tflops!r}; each needs rows >= 0 and tflops > 0")
+    return problems
+
+
+def profile_speeds(measured: MeasuredSpeeds) -> Speeds:
+    """The cost model's speeds from a cluster profile's ``measured`` section."""
+    rates = sorted((int(rate.rows), float(rate.tflops)) for rate in measured.matmul_tflops)
+    return Speeds(matmul_tflops=tuple(rates), intra_node_gbps=measured.intra_node_gbps,
+                  inter_node_gbps=measured.inter_node_gbps, intra_latency_s=measured.intra_latency_s,
+                  inter_latency_s=measured.inter_latency_s, intra_bus_efficiency=measured.intra_bus_efficiency,
+                  inter_bus_efficiency=measured.inter_bus_efficiency, host_link_gbps=measured.host_link_gbps,
+                  device_memory_gb_per_s=measured.device_memory_gb_per_s,
+                  host_memory_gb_per_s=measured.host_memory_gb_per_s,
+                  host_optimizer_params_per_s=measured.host_optimizer_params_per_s,
+                  op_overhead_s=measured.op_overhead_s, core_share=measured.core_share,
+                  # Measured matmuls are priced by height, as the calibration timed them.
+                  sm_count=0, source="measured")
+
+
+def measured_section(speeds: Speeds, *, precision: Precision, matmul_shape: tuple[int, int], measured_at: str,
+                     hosts: list[str], nodes: int, versions: dict[str, str], sources: dict[str, str]
+                     ) -> MeasuredSpeeds:
+    """A profile's ``measured`` section for speeds the calibration measured."""
+    return MeasuredSpeeds(
+        precision=precision,
+        matmul_tflops=[MatmulRate(rows=rows, tflops=tflops) for rows, tflops in speeds.matmul_tflops],
+        matmul_shape=list(matmul_shape), intra_node_gbps=speeds.intra_node_gbps,
+        inter_node_gbps=speeds.inter_node_gbps, intra_latency_s=speeds.intra_latency_s,
+        inter_latency_s=speeds.inter_latency_s, intra_bus_efficiency=speeds.intra_bus_efficiency,
+        inter_bus_efficiency=speeds.inter_bus_efficiency, host_link_gbps=speeds.host_link_gbps,
+        device_memory_gb_per_s=speeds.device_memory_gb_per_s, host_memory_gb_per_s=speeds.host_memory_gb_per_s,
+        host_optimizer_params_per_s=speeds.host_optimizer_params_per_s, op_overhead_s=speeds.op_overhead_s,
+        core_share=speeds.core_share, measured_at=measured_at, hosts=list(hosts), nodes=nodes, workers=len(hosts),
+        versions=dict(versions), sources=dict(sources))
+
+
+def measured_values(measured: MeasuredSpeeds) -> dict:
+    """A profile's ``measured`` section as plain JSON/YAML values (the precision by name)."""
+    values = dataclasses.asdict(measured)
+    values["precision"] = Precision(measured.precision).value
+    return values
+
+
+def profile_note(measured: MeasuredSpeeds) -> str:
+    """Where a profile's speeds come from, in one line."""
+    return (f"measured by `orch calibrate` at {measured.measured_at} on {measured.nodes} node(s), {measured.workers} "
+            f"worker(s) (the cluster profile's cluster.measured)")
+
+
+def declared_speeds_note(cluster: ClusterSpec, precision: Precision | None = None) -> str:
+    """Where the declared speeds come from: the cluster config, or the accelerator's defaults for
+    those it leaves unset (at the plan's precision), named with the values used."""
+    defaulted = speed_defaults(cluster, precision)
+    accelerator = cluster.accelerator.value
+    if len(defaulted) == len(DECLARED_SPEEDS[accelerator]):
+        return (f"the {accelerator} defaults of orch/plans/step_time/cost_model.py DECLARED_SPEEDS (the cluster "
+                "config sets none; set cluster.device_tflops, ... to declare your own)")
+    note = "declared in the cluster config (cluster.device_tflops, ...)"
+    if defaulted:
+        note += f"; unset, so the {accelerator} defaults: " + ", ".join(
+            f"cluster.{name}={value:g}" for name, value in defaulted.items())
+    return note
+
+
+def cluster_speeds(cluster: ClusterSpec, precision: Precision | None = None) -> tuple[Speeds, str]:
+    """The speeds to price a plan at on ``cluster``, and a note saying where they come from: the
+    cluster profile's measured speeds when it has them for the plan's precision, else the declared
+    ones (the accelerator's defaults where the cluster declares none)."""
+    measured = cluster.measured
+    if measured is None:
+        return Speeds.declared(cluster, precision), declared_speeds_note(cluster, precision)
+    if precision is not None and Precision(measured.precision) != Precision(precision):
+        return Speeds.declared(cluster, precision), (
+            f"{declared_speeds_note(cluster, precision)}; the cluster profile's matmuls were measured in "
+            f"{Precision(measured.precision).value}, the plan trains in {Precision(precision).value} (`orch calibrate "
+            f"plan.precision={Precision(precision).value}` measures them)")
+    speeds = profile_speeds(measured)
+    if problems := speeds_problems(speeds):
+        raise PlanError([Violation("cluster.measured", "; ".join(problems),
+                                   "cannot price a plan: the cluster profile was edited or its measurement failed.",
+                                   "measure the cluster again with `orch calibrate`, or set cluster.measured=null "
+                                   "to use the declared speeds")])
+    return speeds, profile_note(measured)

@@ -1,0 +1,127 @@
+"""Cluster profiles (`orch calibrate`): the file it writes loads back into the cluster schema, and
+`orch check`, `orch tune` and the tracked prediction price plans at its speeds; where it may be
+written. The measurement itself runs on Ray in tests/test_tune_e2e.py and, across two nodes, in
+tests/test_cluster.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from helpers.config import compose_config
+from helpers.processes import worker_env
+from orch.checking import checked_run
+from orch.cluster_profile import PROFILE_HEADER, check_profile_file, profile_text
+from orch.config import to_typed
+from orch.plans.errors import PlanError
+from orch.plans.spec import ClusterSpec, MeasuredSpeeds, Precision
+from orch.plans.step_time.cost_model import Speeds
+from orch.plans.step_time.prediction import declared_plan_step
+from orch.plans.step_time.profile import cluster_speeds, measured_section, profile_speeds
+
+
+def _measured(cluster: ClusterSpec, precision: Precision = Precision.fp32, **changes) -> MeasuredSpeeds:
+    """A measured section whose speeds differ from the declared ones: matmuls at two heights, a
+    faster copy, a slower link (inputs to the pricing, not a measurement)."""
+    declared = Speeds.declared(cluster, precision)
+    values = {"matmul_tflops": ((64, 0.02), (512, 0.2)), "device_memory_gb_per_s": 40.0, "intra_node_gbps": 4.0,
+              "memory_efficiency": 1.0, "intra_bus_efficiency": 1.0, "sm_count": 0, "source": "measured", **changes}
+    speeds = dataclasses.replace(declared, **values)
+    return measured_section(speeds, precision=precision, matmul_shape=(256, 1024), measured_at="2026-01-02T03:04:05Z",
+                            hosts=["a", "a"], nodes=1, versions={"torch": "x"},
+                            sources={"inter_node_gbps": "declared (one node: nothing crosses nodes)"})
+
+
+def _load(text: str) -> ClusterSpec:
+    """A profile file composed as Hydra composes a cluster option: its values over the schema."""
+    values = OmegaConf.create(text)
+    values.pop("defaults")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClusterSpec), values))
+
+
+def test_a_profile_loads_back_into_the_cluster_schema_and_prices_the_plan_at_its_speeds(tmp_path):
+    typed, model_cfg, _ = to_typed(compose_config("plan.micro_batch_size=4"))
+    measured = _measured(typed.cluster)
+    path = tmp_path / "cluster" / "lab.yaml"
+    text = profile_text(typed.cluster, measured, path)
+    assert text.startswith(PROFILE_HEADER) and f"--config-dir {tmp_path} cluster=lab" in text
+    loaded = _load(text)
+    assert loaded.measured == measured and loaded.address is None
+    assert dataclasses.replace(loaded, measured=None) == typed.cluster
+
+    speeds, note = cluster_speeds(loaded, Precision.fp32)
+    assert speeds == profile_speeds(measured) and speeds.source == "measured"
+    assert speeds.matmul_tflops == ((64, 0.02), (512, 0.2)) and speeds.tflops_at(100) == 0.02
+    assert note.startswith("measured by `orch calibrate` at 2026-01-02T03:04:05Z on 1 node(s), 2 worker(s)")
+    estimate, facts, probe, _ = checked_run(typed, model_cfg)
+    declared = declared_plan_step(estimate.plan, typed.cluster, typed.optim, probe, facts.param_count)
+    profiled = declared_plan_step(estimate.plan, loaded, typed.optim, probe, facts.param_count)
+    assert profiled.total_s != pytest.approx(declared.total_s, rel=0.01)
+    assert profiled.memory_s < declared.memory_s  # the profile's faster copy
+
+    # Another precision's matmul rates do not apply: the declared speeds, and a note saying why.
+    speeds, note = cluster_speeds(loaded, Precision.bf16)
+    assert speeds == Speeds.declared(loaded, Precision.bf16)
+    assert "measured in fp32, the plan trains in bf16 (`orch calibrate plan.precision=bf16`" in note
+
+
+def test_a_profile_that_cannot_price_a_plan_is_refused_naming_the_field():
+    cluster = ClusterSpec()
+    for bad in ({"device_memory_gb_per_s": 0.0}, {"intra_latency_s": float("nan")},
+                {"matmul_tflops": ((64, -1.0),)}):
+        broken = dataclasses.replace(cluster, measured=_measured(cluster, **bad))
+        with pytest.raises(PlanError) as refused:
+            cluster_speeds(broken, Precision.fp32)
+        [violation] = refused.value.violations
+        assert violation.field == "cluster.measured" and "orch calibrate" in violation.fix, violation
+
+
+def test_orch_check_uses_a_profile_from_the_config_dir(tmp_path):
+    """The path a user takes: the profile in ./tuned_plans/cluster/, selected with --config-dir."""
+    typed, _, _ = to_typed(compose_config())
+    profile = tmp_path / "tuned_plans" / "cluster" / "lab.yaml"
+    profile.parent.mkdir(parents=True)
+    profile.write_text(profile_text(typed.cluster, _measured(typed.cluster), profile))
+    done = subprocess.run([sys.executable, "-m", "orch", "check", "--json", "--config-dir", "tuned_plans",
+                           "cluster=lab"], cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    step = json.loads(done.stdout)["predicted_step"]
+    assert step["speeds"].startswith("measured by `orch calibrate` at 2026-01-02T03:04:05Z"), step
+
+
+@pytest.mark.parametrize(("overrides", "field", "says"), [
+    (("calibrate.name=../up",), "calibrate.name", "is not a plain name"),
+    (("calibrate.name=a100_8x",), "calibrate.name", "names a cluster shipped with orch"),
+    (("calibrate.out=s3://bucket/cluster/x.yaml",), "calibrate.out", "is a URI"),
+    (("calibrate.out={package}/conf/cluster/x.yaml",), "calibrate.out", "is inside the installed orch package"),
+    (("calibrate.out={tmp}/mine.yaml",), "calibrate.out", "orch calibrate did not write"),
+    (("calibrate.out={tmp}",), "calibrate.out", "is a directory"),
+])
+def test_where_a_profile_may_not_be_written(tmp_path, monkeypatch, overrides, field, says):
+    import orch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("nodes: 4\n")
+    package = Path(orch.__file__).resolve().parent
+    typed, _, _ = to_typed(compose_config(*(o.format(tmp=tmp_path, package=package) for o in overrides)))
+    with pytest.raises(PlanError) as refused:
+        check_profile_file(typed)
+    [violation] = refused.value.violations
+    assert violation.field == field and says in violation.message, violation
+    assert (tmp_path / "mine.yaml").read_text() == "nodes: 4\n"
+
+
+def test_a_profile_orch_calibrate_wrote_may_be_replaced(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    typed, _, _ = to_typed(compose_config())
+    check_profile_file(typed)  # ./tuned_plans/cluster/calibrated.yaml: nothing there yet
+    path = tmp_path / "tuned_plans" / "cluster" / "calibrated.yaml"
+    path.parent.mkdir(parents=True)
+    path.write_text(profile_text(typed.cluster, _measured(typed.cluster), path))
+    check_profile_file(typed)
