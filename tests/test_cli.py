@@ -177,12 +177,20 @@ def test_train_with_defaults_tracks_a_local_run(tmp_path):
     params = runs[0].data.params
     assert float(params["step_time.predicted.total_s"]) == pytest.approx(check["step_time_s"], rel=1e-5)
     assert {key.split(".")[-1] for key in params if key.startswith("step_time.predicted.")} == {
-        "total_s", *(f"{part}_s" for part in check["parts_s"])}
+        "total_s", "speeds", *(f"{part}_s" for part in check["parts_s"])}
+    assert params["step_time.predicted.speeds"] == "declared"
     history = client.get_metric_history(runs[0].info.run_id, "step_time_s")
     measured = statistics.median(p.value for p in sorted(history, key=lambda p: p.step)[len(history) // 2:])
     line = next(line for line in report.stdout.splitlines() if line.startswith("step time"))
     assert f"measured {measured:.4g} s" in line
     assert f"measured / predicted {measured / float(params['step_time.predicted.total_s']):.2f}" in line
+    # Each phase of sampled steps is measured, set beside the parts predicted for it, the worst named.
+    metrics = runs[0].data.metrics
+    assert all(metrics[f"step_phase/{phase}_s"] > 0 for phase in ("forward", "backward", "optimizer")), metrics
+    phases = [line for line in report.stdout.splitlines() if line.startswith("  ")]
+    assert phases[0].startswith("  forward and backward measured") and "(compute " in phases[0], phases
+    assert phases[1].startswith("  optimizer step       measured") and phases[-1].startswith("  most wrong: ")
+    assert "step_time.png" in {p.name for p in (tmp_path / "rep").iterdir()}
 
 
 @pytest.mark.slow

@@ -105,6 +105,9 @@ def test_a_3d_plan_trains_on_both_nodes_with_tensor_parallel_groups_inside_nodes
     report = subprocess.run([sys.executable, "-m", "orch", "report", run.info.run_id, "--out", "rep"],
                             cwd=tmp_path, env=two_node_ray["env"], capture_output=True, text=True, timeout=300)
     assert report.returncode == 0 and (tmp_path / "rep" / "system.png").exists(), report.stderr[-2000:]
+    # A pipeline schedule runs forward, backward and the step in one call: timed, and compared, whole.
+    assert run.data.metrics["step_phase/pipeline_s"] > 0
+    assert "  pipeline schedule    measured" in report.stdout and (tmp_path / "rep" / "step_time.png").exists()
 
 
 def test_orch_calibrate_measures_the_link_across_two_nodes(two_node_ray, tmp_path):

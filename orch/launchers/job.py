@@ -97,6 +97,9 @@ class StepReport:
     """Peak tensor bytes during the memory-probe step (None at other steps)."""
     measured_state_bytes: int | None = None
     """Tensor bytes held after the memory-probe step (None at other steps)."""
+    phase_time_s: dict[str, float] = field(default_factory=dict)
+    """Mean seconds per step in each phase (forward, backward, optimizer, ...) of the steps sampled
+    since the last report (:mod:`orch.launchers.step_phases`); empty when none was."""
 
     def named_values(self) -> dict[str, float]:
         """Every value reported, by name (``loss``, ``eval_loss``, ...): what a sweep can optimize."""

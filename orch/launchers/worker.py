@@ -153,12 +153,18 @@ class TrainWorker:
         time is part of the interval's ``step_time_s``.
         """
         from orch.launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
+        from orch.launchers.step_phases import phase_clock
 
         job, plan, spec = self.job, self.job.plan, self.job.train
         interval = Interval(samples_per_step=plan.micro_batch_size * plan.grad_accum_steps,
                             tokens_per_sample=job.workload.data.tokens_per_sample)
         measured: dict[str, int] = {}
         on_cuda = getattr(self.engine.device, "type", "cpu") == "cuda"
+        clock = phase_clock(spec.log_every, self.engine.device if on_cuda else None)
+
+        def milestone(phase: str = "") -> None:
+            self.link.milestone()
+            clock.milestone(phase)
         if self.start_step >= spec.steps:
             # Resumed from the last step's checkpoint (a rank died after writing it): no step is
             # left, but the run ends as every run does, with its final report and evaluation.
@@ -173,8 +179,10 @@ class TrainWorker:
             probe = PeakMemoryTracker() if probing and not on_cuda else contextlib.nullcontext()
             if probing and on_cuda:
                 reset_cuda_peak(self.engine.device)
+            clock.begin(step, skip=probing)
             with probe:
-                step_loss = self.engine.train_step(self.train_batches, self.link.milestone)
+                step_loss = self.engine.train_step(self.train_batches, milestone)
+            clock.end()
             interval.add(step_loss, time.perf_counter() - started)
             if probing:
                 measured = (cuda_memory_facts(self.engine.device) if on_cuda else
@@ -187,7 +195,8 @@ class TrainWorker:
             if step % spec.log_every and not last:
                 continue
             evaluating = bool(spec.eval_every and step % spec.eval_every == 0) or last
-            yield self._report(step, interval.mean_loss, interval.rates(), evaluating, **measured)
+            yield self._report(step, interval.mean_loss, interval.rates(), evaluating, phase_time_s=clock.take(),
+                               **measured)
             interval.reset()
 
     def start(self) -> None:

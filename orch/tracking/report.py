@@ -18,7 +18,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from orch.plans.engines import EngineSpec, engine_names, engine_spec  # noqa: E402
-from orch.tracking.step_prediction import step_time_lines  # noqa: E402
+from orch.tracking.step_prediction import (  # noqa: E402
+    PhaseComparison,
+    most_wrong,
+    phase_comparisons,
+    step_time_lines,
+)
 from orch.tracking.store import open_existing, reading  # noqa: E402
 
 MIB = 1024**2
@@ -31,7 +36,8 @@ def _history(client: MlflowClient, run_id: str, key: str) -> tuple[list[int], li
 
 
 def write_plots(client: MlflowClient, run_id: str, out_dir: Path) -> list[Path]:
-    """loss.png, throughput.png and memory.png for a run; returns the files written."""
+    """loss.png, throughput.png, memory.png, and system.png and step_time.png when the run measured
+    them; returns the files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     run = client.get_run(run_id)
     written = []
@@ -66,7 +72,23 @@ def write_plots(client: MlflowClient, run_id: str, out_dir: Path) -> list[Path]:
     written.append(_save(fig, out_dir / "memory.png"))
     if any(key.startswith("system/") for key in run.data.metrics):
         written.append(_save(system_figure(client, run), out_dir / "system.png"))
+    if comparisons := phase_comparisons(client, run_id, params, run.data.metrics):
+        written.append(_save(step_time_figure(comparisons), out_dir / "step_time.png"))
     return written
+
+
+def step_time_figure(comparisons: list[PhaseComparison]):
+    """Predicted and measured seconds per step, phase by phase, side by side."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    positions = range(len(comparisons))
+    ax.bar([i - 0.2 for i in positions], [c.predicted_s for c in comparisons], width=0.4, label="predicted")
+    ax.bar([i + 0.2 for i in positions], [c.measured_s for c in comparisons], width=0.4, label="measured",
+           color="tab:gray")
+    ax.set_xticks(list(positions), [c.name for c in comparisons])
+    worst = most_wrong(comparisons)
+    ax.set(ylabel="seconds per step", title=f"step time by phase (most wrong: {worst.name})")
+    ax.legend()
+    return fig
 
 
 # The system metrics drawn, as MLflow names them, with their axis labels.
@@ -182,7 +204,7 @@ def summary(client: MlflowClient, run_id: str) -> str:
     if "tokens_per_s" in m:
         lines.append(f"throughput {m['tokens_per_s']:,.0f} tokens/s, {m.get('tflops_per_device', 0):.4f} TFLOP/s "
                      f"per device, MFU {100 * m.get('mfu', 0):.1f}%")
-    lines += step_time_lines(client, run_id, p)
+    lines += step_time_lines(client, run_id, p, m)
     if "memory/measured_peak_bytes" in m:
         lines.append(f"memory     predicted peak {int(p.get('memory.predicted.total', 0)) / MIB:.1f} MiB, "
                      f"measured {m['memory/measured_peak_bytes'] / MIB:.1f} MiB per device")

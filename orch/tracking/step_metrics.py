@@ -7,6 +7,7 @@ import math
 
 from orch.launchers.job import StepReport, WorkerFacts
 from orch.plans.resolve import ResolvedPlan
+from orch.tracking.step_prediction import PHASE_METRIC
 
 
 def step_metrics(reports: list[StepReport], plan: ResolvedPlan, flops_per_sample: int,
@@ -33,6 +34,9 @@ def step_metrics(reports: list[StepReport], plan: ResolvedPlan, flops_per_sample
     if peak_tflops > 0:
         metrics["mfu"] = tflops / peak_tflops
     metrics.update(lead.evaluation)
+    # The phases of the slowest rank, whose step is the step time: what it spent its time on.
+    paced_by = max(reports, key=lambda r: r.step_time_s)
+    metrics.update({f"{PHASE_METRIC}/{phase}_s": seconds for phase, seconds in paced_by.phase_time_s.items()})
     if lead.measured_peak_bytes is not None:
         # The most loaded rank is what has to fit; the planner predicts that rank.
         metrics["memory/measured_peak_bytes"] = max(r.measured_peak_bytes for r in reports)

@@ -8,6 +8,7 @@ speeds, else the declared ones) as run params, its total, each part and where th
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,21 +30,114 @@ def predicted_step_params(step: StepTime, speeds: str) -> dict[str, str]:
     return params
 
 
-def step_time_lines(client: MlflowClient, run_id: str, params: dict[str, str]) -> list[str]:
-    """The plan's predicted step beside the median of the run's later half of logged steps (the
-    first steps carry warm-up, the memory probe and the allocator's growth)."""
-    predicted = params.get(f"{PREDICTED_STEP_PARAM}.total_s")
-    history = sorted(client.get_metric_history(run_id, "step_time_s"), key=lambda point: point.step)
-    if predicted is None or not history:
-        return []
+PHASE_METRIC = "step_phase"
+"""The prefix of the measured phases' metrics: ``step_phase/<phase>_s``, the slowest rank's mean
+seconds per sampled step in each phase (:mod:`orch.launchers.step_phases`)."""
+
+_GROUPS = (("forward and backward", ("forward", "backward"),
+            ("compute", "memory", "bubble", "tp", "dp", "pp", "zero3_hooks")),
+           ("optimizer step", ("optimizer",), ("optimizer", "offload")),
+           ("outside the phases", ("other",), ()))
+"""How the predicted parts map onto the phases a step is timed in: forward and backward hold the
+kernels, the tensor-parallel all-reduces, ZeRO-3's gathers and the gradient reduction (every engine
+reduces gradients inside its backward); the optimizer step holds the update and the copies an
+offloaded optimizer makes."""
+
+_PIPELINED = (("pipeline schedule", ("pipeline", "forward", "backward", "optimizer"),
+               ("compute", "memory", "bubble", "tp", "dp", "pp", "zero3_hooks", "optimizer", "offload")),
+              ("outside the phases", ("other",), ()))
+"""A pipeline schedule runs forward, backward and the step in one call: compared as a whole."""
+
+
+@dataclass(frozen=True)
+class PhaseComparison:
+    """One phase of the step (or a group of them), predicted and measured."""
+
+    name: str
+    predicted_s: float
+    measured_s: float
+    parts: tuple[str, ...]
+    """The predicted parts it holds."""
+
+    @property
+    def error_s(self) -> float:
+        return self.measured_s - self.predicted_s
+
+
+def compare_phases(parts_s: dict[str, float], phases_s: dict[str, float]) -> list[PhaseComparison]:
+    """The predicted parts against the measured phases, grouped as both can be split."""
+    groups = _PIPELINED if "pipeline" in phases_s else _GROUPS
+    return [PhaseComparison(name, sum(parts_s.get(part, 0.0) for part in held),
+                            sum(phases_s.get(phase, 0.0) for phase in phases), held)
+            for name, phases, held in groups]
+
+
+def most_wrong(comparisons: list[PhaseComparison]) -> PhaseComparison:
+    """The phase whose prediction is furthest off, in seconds."""
+    return max(comparisons, key=lambda c: abs(c.error_s))
+
+
+def _later_median(client: MlflowClient, run_id: str, key: str) -> tuple[float, int, int] | None:
+    """The median of a metric's later half of logged points (the first steps carry warm-up, the
+    memory probe and the allocator's growth), and the first and last step it covers."""
+    history = sorted(client.get_metric_history(run_id, key), key=lambda point: point.step)
+    if not history:
+        return None
     later = history[len(history) // 2:]
-    measured = statistics.median(point.value for point in later)
+    return statistics.median(point.value for point in later), later[0].step, later[-1].step
+
+
+def predicted_parts(params: dict[str, str]) -> dict[str, float]:
+    """The predicted step's parts a run's params hold, in seconds."""
     prefix = f"{PREDICTED_STEP_PARAM}."
-    parts = {key[len(prefix):-len("_s")]: float(value) for key, value in params.items()
-             if key.startswith(prefix) and key.endswith("_s") and key != f"{prefix}total_s" and float(value) > 0}
-    speeds = params.get(f"{prefix}speeds", "declared")
-    largest = sorted(parts.items(), key=lambda item: -item[1])
-    return [f"step time  measured {measured:.4g} s (median of steps {later[0].step}-{later[-1].step}), predicted "
-            f"{float(predicted):.4g} s at the {speeds} speeds: measured / predicted {measured / float(predicted):.2f}",
-            "           predicted parts: " + ", ".join(f"{name} {seconds:.3g} s" for name, seconds in largest)
-            + " (each part's measured time is not recorded yet)"]
+    return {key[len(prefix):-len("_s")]: float(value) for key, value in params.items()
+            if key.startswith(prefix) and key.endswith("_s") and key != f"{prefix}total_s"}
+
+
+def measured_phases(client: MlflowClient, run_id: str, metrics: dict[str, float]) -> dict[str, float]:
+    """Each measured phase's median over the run's later half of samples."""
+    keys = [key for key in metrics if key.startswith(f"{PHASE_METRIC}/") and key.endswith("_s")]
+    phases = {}
+    for key in keys:
+        median = _later_median(client, run_id, key)
+        if median is not None:
+            phases[key[len(PHASE_METRIC) + 1:-len("_s")]] = median[0]
+    return phases
+
+
+def phase_comparisons(client: MlflowClient, run_id: str, params: dict[str, str],
+                      metrics: dict[str, float]) -> list[PhaseComparison]:
+    """The run's predicted parts against its measured phases ([] when either is missing)."""
+    phases = measured_phases(client, run_id, metrics)
+    if f"{PREDICTED_STEP_PARAM}.total_s" not in params or not phases:
+        return []
+    return compare_phases(predicted_parts(params), phases)
+
+
+def step_time_lines(client: MlflowClient, run_id: str, params: dict[str, str],
+                    metrics: dict[str, float] | None = None) -> list[str]:
+    """The plan's predicted step beside the median of the run's later half of logged steps, then
+    phase by phase, naming the phase whose prediction is furthest off."""
+    predicted = params.get(f"{PREDICTED_STEP_PARAM}.total_s")
+    measured = _later_median(client, run_id, "step_time_s")
+    if predicted is None or measured is None:
+        return []
+    median, first, last = measured
+    speeds = params.get(f"{PREDICTED_STEP_PARAM}.speeds", "declared")
+    lines = [f"step time  measured {median:.4g} s (median of steps {first}-{last}), predicted "
+             f"{float(predicted):.4g} s at the {speeds} speeds: measured / predicted {median / float(predicted):.2f}"]
+    parts = predicted_parts(params)
+    comparisons = phase_comparisons(client, run_id, params, metrics or {})
+    if not comparisons:
+        largest = sorted(((name, s) for name, s in parts.items() if s > 0), key=lambda item: -item[1])
+        return lines + ["           predicted parts: " + ", ".join(f"{name} {s:.3g} s" for name, s in largest)
+                        + " (no phase of its steps was timed)"]
+    for c in comparisons:
+        held = ", ".join(f"{part} {parts[part]:.3g}" for part in c.parts if parts.get(part, 0) > 0)
+        lines.append(f"  {c.name:<20} measured {f'{c.measured_s:.3g} s':>10}  predicted {f'{c.predicted_s:.3g} s':>10}"
+                     + (f"  ({held})" if held else ""))
+    worst = most_wrong(comparisons)
+    ratio = f", {worst.measured_s / worst.predicted_s:.2f}x" if worst.predicted_s > 0 else ""
+    lines.append(f"  most wrong: {worst.name}, {worst.error_s:+.4g} s per step{ratio} (phases: the slowest "
+                 "rank's sampled steps)")
+    return lines

@@ -117,11 +117,14 @@ class Engine(ABC):
         """Build, shard and wrap the model and its optimizer and learning-rate schedule."""
 
     @abstractmethod
-    def train_step(self, batches: Iterator[Any], milestone: Callable[[], None]) -> float:
+    def train_step(self, batches: Iterator[Any], milestone: Callable[[str], None]) -> float:
         """One optimizer step over ``plan.grad_accum_steps`` micro-batches drawn from ``batches``.
 
         Returns this rank's mean micro-batch loss. ``milestone`` is called after every forward,
-        backward and optimizer step, so the driver can tell which rank a stalled run waits for.
+        backward and optimizer step with the phase that ended (``"forward"``, ``"backward"``,
+        ``"optimizer"``; ``"pipeline"`` for a schedule that runs them in one call), so the driver
+        can tell which rank a stalled run waits for and the step's time is measured by phase
+        (:mod:`orch.launchers.step_phases`).
         """
 
     @abstractmethod

@@ -110,22 +110,22 @@ class DeepSpeedEngine(Engine):
         return BuiltModel(built=built, params_at_build=held_at_build, params_on_rank=on_rank,
                           optimizer=describe_optimizer(self.engine.basic_optimizer), optimizer_note=optimizer_note)
 
-    def train_step(self, batches: Iterator[Any], milestone: Callable[[], None]) -> float:
+    def train_step(self, batches: Iterator[Any], milestone: Callable[[str], None]) -> float:
         if self.plan.pp > 1:
             # One call runs every micro-batch through the stages (DeepSpeed's 1F1B schedule) and
             # steps the optimizer; the loss comes back to every stage, averaged.
             loss = self.engine.train_batch(data_iter=batches).item()
             for _ in range(3):
-                milestone()
+                milestone("pipeline")
             return loss
         total = 0.0
         for _ in range(self.plan.grad_accum_steps):
             loss = self.job.workload.loss(self.engine, self.to_device(next(batches)))
-            milestone()
+            milestone("forward")
             self.engine.backward(loss)
-            milestone()
-            self.engine.step()
-            milestone()
+            milestone("backward")
+            self.engine.step()  # the optimizer steps at the last micro-batch only
+            milestone("optimizer")
             total += loss.item()
         return total / self.plan.grad_accum_steps
 

@@ -140,7 +140,7 @@ class FSDP2Engine(Engine):
         dist.broadcast(rng, src=0)
         torch.set_rng_state(rng.cpu())
 
-    def train_step(self, batches: Iterator[Any], milestone: Callable[[], None]) -> float:
+    def train_step(self, batches: Iterator[Any], milestone: Callable[[str], None]) -> float:
         """Forward and backward over ``plan.grad_accum_steps`` micro-batches, each loss scaled by
         their number (as DeepSpeed scales it); then clipping, the optimizer step and the schedule's
         step. Every micro-batch reduce-scatters its gradients into the sharded ones, as ZeRO-2/3
@@ -154,10 +154,10 @@ class FSDP2Engine(Engine):
         total = 0.0
         for _ in range(micro):
             loss = self.job.workload.loss(self.model, self.to_device(next(batches)))
-            milestone()
+            milestone("forward")
             scaled = loss / micro
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            milestone()
+            milestone("backward")
             total += loss.item()
         applied = True
         if self.scaler is not None:
@@ -174,7 +174,7 @@ class FSDP2Engine(Engine):
         if applied:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        milestone()
+        milestone("optimizer")
         return total / micro
 
     def evaluate(self, val_batches: Iterator[Any], batches: int) -> dict[str, float]:

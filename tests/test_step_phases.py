@@ -1,0 +1,44 @@
+"""Timing a step by phase (the clock every rank runs) and setting the phases beside the predicted
+parts (what `orch report` prints): pure logic; the end-to-end runs are in test_cli.py (data
+parallel) and test_cluster.py (a pipeline)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from orch.launchers.step_phases import PhaseClock
+from orch.tracking.step_prediction import compare_phases, most_wrong
+
+
+def test_the_clock_times_sampled_steps_by_phase_and_skips_the_rest():
+    synced = []
+    clock = PhaseClock(every=2, synchronize=lambda: synced.append(1))
+    for step in (1, 2, 3, 4):
+        clock.begin(step, skip=step == 4)  # step 4 is the memory-probe step: not timed
+        time.sleep(0.01)
+        clock.milestone("forward")
+        time.sleep(0.02)
+        clock.milestone("backward")
+        clock.milestone("optimizer")
+        clock.milestone()  # a milestone without a phase, as an engine of older code calls it
+        clock.end()
+    means = clock.take()
+    assert set(means) == {"forward", "backward", "optimizer", "other"}
+    assert means["forward"] == pytest.approx(0.01, abs=0.008) and means["backward"] == pytest.approx(0.02, abs=0.008)
+    assert len(synced) == 6  # only step 2: its start and five phase ends, each after the device's work
+    assert clock.take() == {}  # nothing sampled since
+
+
+def test_phases_are_compared_as_the_engines_can_split_them():
+    parts = {"compute": 2.0, "memory": 1.0, "dp": 0.5, "tp": 0.0, "optimizer": 0.25, "offload": 0.25}
+    forward_backward, optimizer, other = compare_phases(parts, {"forward": 1.0, "backward": 2.0, "optimizer": 1.5,
+                                                                "other": 0.1})
+    assert (forward_backward.predicted_s, forward_backward.measured_s) == (3.5, 3.0)
+    assert (optimizer.predicted_s, optimizer.measured_s) == (0.5, 1.5)
+    assert (other.predicted_s, other.measured_s) == (0.0, 0.1)
+    assert most_wrong([forward_backward, optimizer, other]) is optimizer
+    # A pipeline schedule is one call: the whole step against it.
+    pipelined, outside = compare_phases({**parts, "bubble": 1.0}, {"pipeline": 6.0, "other": 0.0})
+    assert pipelined.name == "pipeline schedule" and (pipelined.predicted_s, pipelined.measured_s) == (5.0, 6.0)
