@@ -14,6 +14,7 @@ from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import ClusterSpec, OptimSpec, Precision
 from orch.plans.step_time.cost_model import DECLARED_SPEEDS, ModelCost, Speeds, StepTime, speed_defaults
 from orch.plans.step_time.model_cost import measure_model_cost
+from orch.plans.step_time.ranges import StepRange, predicted_range
 
 EXACT_PARAMS_LIMIT = 1_000_000_000
 """Models above this many parameters get their FLOPs and activations counted at two shallow depths
@@ -44,6 +45,12 @@ def declared_plan_step(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpe
     model = count_model_cost(probe, [plan.tp], param_count)
     return plan_step(plan, model, Speeds.declared(cluster, plan.precision), probe,
                      devices_per_node=cluster.devices_per_node, optim=optim)
+
+
+def declared_step_range(step: StepTime, plan: ResolvedPlan) -> StepRange:
+    """The P10-P90 range of :func:`declared_plan_step`'s prediction: the cost model's measured error
+    at declared speeds, on the plan's accelerator (:mod:`orch.plans.step_time.ranges`)."""
+    return predicted_range(step.total_s, speeds="declared", accelerator=plan.accelerator.value)
 
 
 def declared_speeds_note(cluster: ClusterSpec, precision: Precision | None = None) -> str:
