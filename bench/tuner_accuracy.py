@@ -235,33 +235,44 @@ def measurements(r: dict) -> dict:
                         "tokens_per_s": t.tokens_per_s} for t in r["grid"]]}
 
 
-def repredict(path: Path, workers: int) -> dict:
-    """A stored grid's measured step times against today's cost model, without training: the same
-    model probed on ``meta``, each stored plan predicted with the speeds stored beside it.
+def repriced(path: Path, workers: int) -> list[tuple[ResolvedPlan, dict, float]]:
+    """A stored grid's trials that ran, each with today's cost model's prediction, without training:
+    the same model probed on ``meta``, each stored plan predicted with the speeds stored beside it.
 
-    Returns the Spearman correlation over the plans that ran, and the measured throughput of the
-    plan the model now ranks first as a share of the grid's best (one trial each, so noisier than
-    the rematch of a full run).
+    Returns (plan, the stored trial, predicted step seconds) per trial, in the stored order.
     """
     stored = json.loads(path.read_text())[f"{workers} workers"]
     typed, model_cfg, _ = config(workers)
     _, ctx = prepare(typed, model_cfg, typed.cluster)
     doc = dict(stored["speeds"], matmul_tflops=tuple(tuple(p) for p in stored["speeds"]["matmul_tflops"]))
     speeds = Speeds(**doc)
-    ok = [t for t in stored["trials"] if t["status"] == "ok"]
-    predicted = []
-    for trial in ok:
+    priced = []
+    for trial in stored["trials"]:
+        if trial["status"] != "ok":
+            continue
         fields = {k: v for k, v in trial["plan"].items() if k in ResolvedPlan.__dataclass_fields__}
         plan = ResolvedPlan(**{**fields, "offload_optimizer": Offload(trial["plan"]["offload_optimizer"]),
                                "offload_param": Offload(trial["plan"]["offload_param"]),
                                "precision": Precision(trial["plan"]["precision"]),
                                "accelerator": Accelerator(trial["plan"]["accelerator"])})
         step = predict_step(plan, ctx.model_cost, speeds, devices_per_node=workers, optim=typed.optim)
-        predicted.append(step.total_s)
-    measured = [t["step_time_s"] for t in ok]
-    first = min(range(len(ok)), key=lambda i: predicted[i])
-    return {"spearman": spearman(predicted, measured), "pick": ok[first]["plan"],
-            "share_in_grid": min(measured) / measured[first], "plans": len(ok)}
+        priced.append((plan, trial, step.total_s))
+    return priced
+
+
+def repredict(path: Path, workers: int) -> dict:
+    """A stored grid's measured step times against today's cost model (:func:`repriced`).
+
+    Returns the Spearman correlation over the plans that ran, and the measured throughput of the
+    plan the model now ranks first as a share of the grid's best (one trial each, so noisier than
+    the rematch of a full run).
+    """
+    priced = repriced(path, workers)
+    predicted = [seconds for _, _, seconds in priced]
+    measured = [trial["step_time_s"] for _, trial, _ in priced]
+    first = min(range(len(priced)), key=lambda i: predicted[i])
+    return {"spearman": spearman(predicted, measured), "pick": priced[first][1]["plan"],
+            "share_in_grid": min(measured) / measured[first], "plans": len(priced)}
 
 
 def main() -> None:

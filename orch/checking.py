@@ -23,6 +23,7 @@ from orch.plans.model.workload import Workload
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec, Offload
 from orch.plans.step_time.cost_model import DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S, StepTime, host_threads
+from orch.plans.step_time.prediction import declared_step_range
 from orch.plans.step_time.profile import cluster_speeds
 from orch.workload import resolve_workload
 
@@ -234,7 +235,8 @@ CLUSTER_JSON_KEYS = ("source", "notes", "nodes", "devices_per_node", "device_mem
 def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str], step: StepTime) -> dict:
     """The `orch check --json` document: the estimate (:meth:`PlanEstimate.as_json`), the cluster
     it was planned for (``source``: live or declared), the rank placement and the predicted step
-    (:func:`orch.plans.step_time.prediction.declared_plan_step`: ``StepTime.as_dict`` and where its speeds come from).
+    (:func:`orch.plans.step_time.prediction.declared_plan_step`: ``StepTime.as_dict``, where its speeds come from
+    and ``range_s``, its P10-P90 from the cost model's measured error: :class:`~orch.plans.step_time.ranges.StepRange`).
 
     Every value is a plain JSON type (``json.dumps`` needs no ``default=``)."""
     doc = estimate.as_json()
@@ -243,15 +245,19 @@ def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str
                       "device_memory_gib": cluster.device_memory_gib, "host_memory_gib": cluster.host_memory_gib}
     plan = estimate.plan
     doc["placement"] = rank_layout(plan.world_size, cluster.devices_per_node, plan.tp, plan.pp)
-    doc["predicted_step"] = {**step.as_dict(), "speeds": cluster_speeds(cluster, plan.precision)[1]}
+    doc["predicted_step"] = {**step.as_dict(), "speeds": cluster_speeds(cluster, plan.precision)[1],
+                             "range_s": declared_step_range(step, plan, cluster).as_json()}
     return doc
 
 
 def _step_lines(step: StepTime, plan: ResolvedPlan, cluster: ClusterSpec) -> list[str]:
-    """The declared plan's predicted step: its time, its parts, and the speeds it assumes."""
+    """The declared plan's predicted step: its time and range, its parts, and the speeds it assumes."""
     parts = ", ".join(f"{name} {seconds:.3g}" for name, seconds in step.as_dict()["parts_s"].items() if seconds > 0)
-    return [f"step time  {step.total_s:.3g} s predicted ({parts} s), "
+    spread = declared_step_range(step, plan, cluster)
+    between = f", P10-P90 {spread.p10:.3g}-{spread.p90:.3g} s" if spread.known else ""
+    return [f"step time  {step.total_s:.3g} s predicted{between} ({parts} s), "
             f"{plan.global_batch_size / step.total_s:,.1f} samples/s",
+            f"  {'range: ' if spread.known else ''}{spread.source}",
             f"  at speeds {cluster_speeds(cluster, plan.precision)[1]}"
             + ("" if cluster.measured else "; `orch calibrate` measures the cluster's own speeds on its workers")]
 

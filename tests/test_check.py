@@ -16,7 +16,8 @@ from orch.checking import CHECK_JSON_KEYS, CLUSTER_JSON_KEYS, check_document, ch
 from orch.config import to_typed
 from orch.plans.errors import OrchError, PlanError
 from orch.plans.memory.estimate import DEVICE_JSON_KEYS, GIB
-from orch.plans.step_time.prediction import declared_plan_step
+from orch.plans.step_time.prediction import declared_plan_step, declared_step_range
+from orch.plans.step_time.ranges import ratio_range
 
 BIG = ["model=gpt3_175b", "cluster=a100_8x", "cluster.nodes=128", "plan.precision=bf16", "plan.micro_batch_size=1"]
 
@@ -173,6 +174,17 @@ def test_check_predicts_the_declared_plans_step_time_as_tune_prices_it():
     text = render(estimate, typed.cluster, [], step)
     assert f"step time  {step.total_s:.3g} s predicted (compute" in text
     assert f"{estimate.plan.global_batch_size / step.total_s:,.1f} samples/s" in text and "orch calibrate" in text
+    # No published or measured case checks the declared CPU speeds (an order of magnitude): no range, and why.
+    assert "  no range: the cost model's error at declared speeds is known for" in text
+    # On declared GPU speeds the published runs' error gives one, on the same line, with where it comes from.
+    gpu, gpu_cfg, _ = to_typed(compose_config(*overrides, "cluster=a100_8x"))
+    estimate, facts, probe, _ = checked_run(gpu, gpu_cfg)
+    step = declared_plan_step(estimate.plan, gpu.cluster, gpu.optim, probe, facts.param_count)
+    spread = declared_step_range(step, estimate.plan, gpu.cluster)
+    text = render(estimate, gpu.cluster, [], step)
+    assert spread.p10 < spread.p90
+    assert f"step time  {step.total_s:.3g} s predicted, P10-P90 {spread.p10:.3g}-{spread.p90:.3g} s (compute" in text
+    assert "  range: P10-P90 of 11 published runs' measured/predicted step time, bench/megatron_sanity.py" in text
 
 
 def test_a_micro_batch_the_model_refuses_in_training_is_a_plan_error_and_the_tuner_skips_it():
@@ -280,6 +292,7 @@ def test_check_json_document_serializes_with_the_documented_keys(devices, dp, tp
     assert len(doc["pipeline"]["stages"]) == (pp if pp > 1 else 0)
     predicted = doc["predicted_step"]
     assert predicted["step_time_s"] == pytest.approx(sum(predicted["parts_s"].values())) and predicted["speeds"]
+    assert tuple(predicted["range_s"]) == ("p10", "p90", "cases", "source")
 
 
 def test_with_json_the_log_lines_go_to_stderr_and_stdout_holds_the_document_only(tmp_path):
@@ -299,6 +312,23 @@ def test_check_json_of_the_pipeline_plan_through_the_command_line(tmp_path):
     assert doc["plan"]["pp"] > 1 and [type(s["start"]) for s in doc["pipeline"]["stages"]] == [int] * doc["plan"]["pp"]
     # The declared plan's step time, as `orch tune` prices it: a pipeline's idle bubble among its parts.
     assert doc["predicted_step"]["parts_s"]["bubble"] > 0 and doc["predicted_step"]["step_time_s"] > 0
+    # Declared CPU speeds: no measured error, so no range, and the reason instead of its source.
+    assert doc["predicted_step"]["range_s"]["p10"] is None
+    assert doc["predicted_step"]["range_s"]["source"].startswith("no range: ")
+
+
+def test_check_json_gives_the_predicted_step_the_range_of_the_cost_models_error(tmp_path):
+    """Declared GPU speeds: P10-P90 of the published runs' measured / predicted step time, times the prediction."""
+    done = orch("check", "--json", "cluster=a100_8x", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    predicted = json.loads(done.stdout)["predicted_step"]
+    spread = predicted["range_s"]
+    assert set(spread) == {"p10", "p90", "cases", "source"}
+    assert 0 < spread["p10"] <= spread["p90"] and spread["cases"] == 11
+    ratios = ratio_range("declared", "gpu")
+    assert (spread["p10"], spread["p90"]) == (pytest.approx(ratios.p10 * predicted["step_time_s"]),
+                                              pytest.approx(ratios.p90 * predicted["step_time_s"]))
+    assert spread["source"] == ratios.source and "bench/megatron_sanity.py" in spread["source"]
 
 
 def test_check_an_fsdp2_plan_names_its_parts_and_engine(tmp_path):

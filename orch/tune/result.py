@@ -15,6 +15,7 @@ from orch.plans.resolve import ResolvedPlan
 from orch.plans.search.space import Candidate, SearchResult
 from orch.plans.spec import Accelerator, ClusterSpec, Precision, TrainSpec
 from orch.plans.step_time.cost_model import Speeds, StepTime, declared_speed_values
+from orch.plans.step_time.ranges import StepRange, ratio_range
 from orch.tune.plan_file import train_command
 
 
@@ -73,6 +74,18 @@ class TrainBudget:
     def predicted_json(self, step: StepTime) -> dict:
         return {"mfu": self.mfu(step), "time_to_train_s": self.time_s(step), "cost_usd": self.cost_usd(step)}
 
+    def range_json(self, step: StepTime, ratios: StepRange) -> dict:
+        """P10 and P90 of the step time, the time to train and the cost (None unpriced): each is the
+        prediction times the same ratios, as the time and the cost are the step time times a constant."""
+        def quantiles(value: float | None) -> dict | None:
+            if value is None:
+                return None
+            scaled = ratios.scaled(value)
+            return {"p10": scaled.p10, "p90": scaled.p90}
+
+        return {"step_time_s": quantiles(step.total_s), "time_to_train_s": quantiles(self.time_s(step)),
+                "cost_usd": quantiles(self.cost_usd(step))}
+
 
 @dataclass(kw_only=True)
 class Trial:
@@ -114,14 +127,22 @@ class TuneResult:
     overrides: list[str] = field(default_factory=list)
     parent_run_id: str | None = None
 
+    def ratio_range(self) -> StepRange | None:
+        """Measured / predicted step time, P10 to P90, for predictions at these speeds on the
+        cluster's accelerator (:func:`orch.plans.step_time.ranges.ratio_range`); None when no plan fits."""
+        if not self.search.ranked:
+            return None
+        return ratio_range(self.speeds.source, self.search.ranked[0].plan.accelerator.value)
+
     def as_json(self, top_k: int) -> dict:
         tried = {id(t.candidate): t for t in self.trials}
         shown = self.search.ranked[:top_k] + [t.candidate for t in self.trials if t.candidate not in
                                               self.search.ranked[:top_k]]
-        candidates = [candidate_json(c, tried.get(id(c)), self.budget) for c in shown]
+        ratios = self.ratio_range()
+        candidates = [candidate_json(c, tried.get(id(c)), self.budget, ratios) for c in shown]
         best = None
         if self.winner:
-            best = {**candidate_json(self.winner, self.winner_trial, self.budget),
+            best = {**candidate_json(self.winner, self.winner_trial, self.budget, ratios),
                     "chosen_by": "measured" if self.winner_trial else "predicted",
                     "plan_file": str(self.plan_file) if self.plan_file else None, "overrides": self.overrides,
                     "train_command": train_command(self)}
@@ -130,13 +151,20 @@ class TuneResult:
                 "rejected": dict(self.search.rejected.most_common()),
                 "speeds": {**dataclasses.asdict(self.speeds), "note": self.speeds_note},
                 "budget": self.budget.as_json() if self.budget else None,
+                "range_ratio": ratios.as_json() if ratios else None,
                 "candidates": candidates, "best": best, "parent_run_id": self.parent_run_id}
 
 
-def candidate_json(c: Candidate, trial: Trial | None, budget: TrainBudget | None = None) -> dict:
+def candidate_json(c: Candidate, trial: Trial | None, budget: TrainBudget | None = None,
+                   ratios: StepRange | None = None) -> dict:
+    """One plan: its predicted step, time to train and cost, their P10-P90 (``range``: None when the
+    cost model's error is not known for these speeds) and its trial's measurements where it ran."""
     doc = {"plan": c.plan.as_dict(), "feasible": c.feasible,
            "predicted": {**c.predicted.as_dict(), "peak_bytes": c.estimate.per_device.total,
                          **(budget.predicted_json(c.predicted) if budget else {})}}
+    if budget:
+        doc["predicted"]["range"] = (budget.range_json(c.predicted, ratios) if ratios and ratios.known
+                                     else None)
     if trial is not None:
         doc["measured"] = trial.measured()
     return doc
@@ -161,16 +189,38 @@ def _mem(n: int | None) -> str:
     return format_bytes(n)
 
 
-def duration(seconds: float) -> str:
-    """A time to train in the unit it reads best in."""
+def _time_unit(seconds: float) -> tuple[str, int]:
+    """The unit a time to train reads best in, and its seconds."""
     for unit, size, limit in (("s", 1, 120), ("min", 60, 120 * 60), ("h", 3600, 72 * 3600)):
         if seconds < limit:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds / 86400:,.1f} d"
+            return unit, size
+    return "d", 86400
+
+
+def _in_unit(seconds: float, size: int) -> str:
+    return f"{seconds / size:,.1f}" if size == 86400 else f"{seconds / size:.3g}"
+
+
+def duration(seconds: float) -> str:
+    """A time to train in the unit it reads best in."""
+    unit, size = _time_unit(seconds)
+    return f"{_in_unit(seconds, size)} {unit}"
+
+
+def duration_range(low: float, high: float) -> str:
+    """Two times to train, the unit said once where both read best in the same one: ``75-80.6 s``."""
+    unit, size = _time_unit(low)
+    if _time_unit(high)[0] != unit:
+        return f"{duration(low)}-{duration(high)}"
+    return f"{_in_unit(low, size)}-{_in_unit(high, size)} {unit}"
 
 
 def _usd(amount: float) -> str:
     return f"${amount:,.0f}" if amount >= 100 else f"${amount:,.2f}"
+
+
+def _usd_range(low: float, high: float) -> str:
+    return f"{_usd(low)}-{_usd(high)}"
 
 
 def _budget_columns(budget: TrainBudget | None, step: StepTime | None) -> str:
@@ -183,6 +233,14 @@ def _budget_columns(budget: TrainBudget | None, step: StepTime | None) -> str:
     mfu = budget.mfu(step)
     text = f" {f'{mfu:.1%}' if mfu is not None else '-':>6} {duration(budget.time_s(step)):>10}"
     return text + (f" {_usd(budget.cost_usd(step)):>12}" if priced else "")
+
+
+def _between(ratios: StepRange, value: float, fmt) -> str:
+    """`` (P10-P90 a-b)`` around a predicted value, ``fmt`` formatting the pair; nothing without a range."""
+    if not ratios.known:
+        return ""
+    scaled = ratios.scaled(value)
+    return f" (P10-P90 {fmt(scaled.p10, scaled.p90)})"
 
 
 def render(result: TuneResult, top_k: int) -> str:
@@ -225,8 +283,12 @@ def render(result: TuneResult, top_k: int) -> str:
         if budget:
             step = result.winner.predicted
             cost = budget.cost_usd(step)
-            lines.append(f"  predicted to train {budget.tokens:,} {unit} in {duration(budget.time_s(step))}"
-                         + (f" for {_usd(cost)}" if cost is not None else ""))
+            ratios = result.ratio_range()
+            time_s = budget.time_s(step)
+            lines.append(f"  predicted to train {budget.tokens:,} {unit} in {duration(time_s)}"
+                         + _between(ratios, time_s, duration_range)
+                         + (f" for {_usd(cost)}{_between(ratios, cost, _usd_range)}" if cost is not None else ""))
+            lines.append(f"  {'range: ' if ratios.known else ''}{ratios.source}")
         if result.plan_file:
             lines.append(f"  written to {result.plan_file}")
             command = train_command(result)

@@ -16,6 +16,7 @@ from orch.plans.spec import ClusterSpec, OptimSpec
 from orch.plans.step_time.cost_model import ModelCost, Speeds, StepTime
 from orch.plans.step_time.model_cost import measure_model_cost
 from orch.plans.step_time.profile import cluster_speeds
+from orch.plans.step_time.ranges import StepRange, predicted_range
 
 EXACT_PARAMS_LIMIT = 1_000_000_000
 """Models above this many parameters get their FLOPs and activations counted at two shallow depths
@@ -47,3 +48,11 @@ def declared_plan_step(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpe
     model = count_model_cost(probe, [plan.tp], param_count)
     speeds, _ = cluster_speeds(cluster, plan.precision)
     return plan_step(plan, model, speeds, probe, devices_per_node=cluster.devices_per_node, optim=optim)
+
+
+def declared_step_range(step: StepTime, plan: ResolvedPlan, cluster: ClusterSpec) -> StepRange:
+    """The P10-P90 range of :func:`declared_plan_step`'s prediction: the cost model's measured error
+    at the kind of speeds it was priced at (the profile's measured ones, or declared), on the plan's
+    accelerator (:mod:`orch.plans.step_time.ranges`)."""
+    speeds, _ = cluster_speeds(cluster, plan.precision)
+    return predicted_range(step.total_s, speeds=speeds.source, accelerator=plan.accelerator.value)
