@@ -191,6 +191,8 @@ class Outcome:
     predicted_peak: int | None = None
     optimizer: str = ""
     export: str = ""
+    phases: list[tuple[str, float, float]] = field(default_factory=list)
+    """(phase, predicted s, measured s) as `orch report` groups them, the prediction the run tracked."""
 
     @property
     def peak_error(self) -> float | None:
@@ -305,6 +307,10 @@ def read_run(outcome: Outcome, tracking_uri: str) -> None:
     peaks = history("memory/measured_peak_bytes")
     outcome.measured_peak = int(max(peaks)) if peaks else None
     outcome.optimizer = run.data.tags.get("optimizer", "")
+    from orch.tracking.step_prediction import phase_comparisons
+
+    outcome.phases = [(c.name, c.predicted_s, c.measured_s)
+                      for c in phase_comparisons(client, run.info.run_id, run.data.params, run.data.metrics)]
     with tempfile.TemporaryDirectory() as tmp:
         estimate = json.loads(Path(client.download_artifacts(run.info.run_id, "plan/estimate.json", tmp)).read_text())
     # CUDA's allocator counts allocated bytes; the planner's reserve is the cache it keeps beyond them.
@@ -443,6 +449,17 @@ def report(setup: Setup, machine: Machine, versions: str, outcomes: list[Outcome
             f"{fmt(o.measured_peak and o.measured_peak / gib, '.2f')} | {err_text} | "
             f"{fmt(o.predicted_step_s, '.3f')} | {fmt(o.step_time_s, '.3f')} | {fmt(ratio, '.2f')} | "
             f"{fmt(o.tflops, '.0f')} | {fmt(o.mfu, '.1%')} | {o.optimizer or '-'} |")
+    phased = [o for o in outcomes if o.phases]
+    if phased:
+        lines += ["", "## Step time by phase", "",
+                  "Each run's own tracked prediction (at the speeds it trained with: declared unless a cluster "
+                  "profile was given) against the phases it timed (`orch report`'s grouping; one step in ten "
+                  "timed, each phase ending in a device synchronisation).", "",
+                  "| case | phase | predicted s | measured s | measured / predicted |", "|---|---|---:|---:|---:|"]
+        for o in phased:
+            for name, predicted, measured in o.phases:
+                ratio = measured / predicted if predicted else None
+                lines.append(f"| {o.case.name} | {name} | {predicted:.4f} | {measured:.4f} | {fmt(ratio, '.2f')} |")
     problems = [f"- **{o.case.name}**: {o.error}" for o in outcomes if o.error]
     exports = [f"- {o.case.name}: {o.export}" for o in outcomes if o.export]
     if exports:

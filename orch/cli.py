@@ -47,7 +47,8 @@ commands:
   tune     rank the plans that fit by predicted step time (tune.trials=N: confirm the N best
            with short real runs) and write the winner to ./tuned_plans/plan/ [--json]
   calibrate  measure the cluster's speeds on its workers (at the model's matmul shapes) and write them as
-           a cluster profile, ./tuned_plans/cluster/calibrated.yaml, that check, tune and train then use
+           a cluster profile, ./tuned_plans/cluster/calibrated.yaml, that check, tune and train then use;
+           --from-run RUN_ID --config-dir tuned_plans cluster=calibrated: correct it by a finished run's phases
   config   print the composed config (same overrides as train)
   runs     list recent runs of tracking.experiment
   report   RUN_ID [--out DIR]: summary of a run and its plots (loss, throughput, memory)
@@ -150,7 +151,7 @@ def storage_checks_bounded(typed) -> contextlib.AbstractContextManager:
 
 # Set by main() from `--json`, which Hydra itself would reject.
 _OPTIONS: dict = {"json": False, "run_id": None, "out": None, "tune": False, "wait": False, "follow": False,
-                  "overrides": [], "config_dir": None}
+                  "overrides": [], "config_dir": None, "from_run": None}
 
 
 def _stdout_for_json_only() -> contextlib.AbstractContextManager:
@@ -223,6 +224,16 @@ def calibrate_app(cfg: DictConfig) -> None:
 
     try:
         typed, model_cfg, _ = to_typed(cfg)
+        if _OPTIONS["from_run"]:
+            from hydra.core.hydra_config import HydraConfig
+
+            from orch.cluster_profile import add_run, profile_file, render_added
+
+            runtime = HydraConfig.get().runtime
+            dirs = [Path(source.path) for source in runtime.config_sources if source.schema == "file"]
+            added = add_run(typed, _OPTIONS["from_run"], profile_file(dirs, runtime.choices.get("cluster", "")))
+            print(render_added(*added))
+            return
         check_profile_file(typed)  # before the model is probed or Ray started
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         with storage_checks_bounded(typed):
@@ -561,6 +572,14 @@ def main(argv: list[str] | None = None) -> int:
         i = rest.index("--out")
         _OPTIONS["out"] = rest[i + 1] if i + 1 < len(rest) else None
         rest = rest[:i] + rest[i + 2:]
+    if "--from-run" in rest and command == "calibrate":  # orch calibrate --from-run RUN_ID
+        i = rest.index("--from-run")
+        _OPTIONS["from_run"] = rest[i + 1] if i + 1 < len(rest) else ""
+        rest = rest[:i] + rest[i + 2:]
+        if not _OPTIONS["from_run"] or "=" in _OPTIONS["from_run"]:
+            print("error: --from-run needs the ID of a finished run (`orch runs` lists them). Fix: orch calibrate "
+                  "--from-run RUN_ID --config-dir tuned_plans cluster=calibrated", file=sys.stderr)
+            return EXIT_USAGE
     for flag in ("--tune", "--wait", "--follow"):
         _OPTIONS[flag[2:]] = flag in rest and command in ("submit", "logs")
         if _OPTIONS[flag[2:]]:

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from orch import conf
 from orch.config import RunConfig
 from orch.plans.errors import PlanError, Violation
-from orch.plans.spec import ClusterSpec, MeasuredSpeeds
+from orch.plans.spec import ClusterSpec, MeasuredSpeeds, PhaseObservation, RunObservation
 from orch.plans.step_time.cost_model import Speeds
 from orch.plans.step_time.profile import measured_values
 from orch.plans.storage.locations import is_remote, unwritable_reason, write_whole
@@ -235,4 +235,93 @@ def render(profile: Profile) -> str:
     if profile.path.parent.name == "cluster":
         lines.append(f"use it: orch check --config-dir {profile.path.parent.parent} cluster={profile.path.stem} "
                      "(orch tune and orch train take the same)")
+    return "\n".join(lines)
+
+
+def profile_file(config_dirs: list[Path], option: str) -> Path | None:
+    """The file of the cluster option ``option`` in the user's config directories (Hydra's
+    ``--config-dir`` and search path), or None when it is not in one (a shipped cluster)."""
+    for directory in config_dirs:
+        candidate = directory / "cluster" / f"{option}.yaml"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _run_plan(params: dict[str, str]) -> str:
+    keys = ("engine", "dp", "tp", "pp", "zero_stage", "offload_optimizer", "activation_checkpointing",
+            "micro_batch_size", "grad_accum_steps", "precision")
+    return " ".join(f"{key}={params[f'plan.{key}']}" for key in keys if f"plan.{key}" in params)
+
+
+def observe_run(client, run_id: str, measured: MeasuredSpeeds) -> RunObservation:
+    """A finished run's phases against the profile's uncorrected prediction of them; refused when
+    the run was not priced at this profile, timed no phase, or is recorded already."""
+    import json
+
+    from mlflow.exceptions import MlflowException
+
+    from orch.tracking.step_prediction import PREDICTED_STEP_PARAM, phase_comparisons
+
+    def refuse(why: str, fix: str) -> PlanError:
+        return PlanError([Violation("--from-run", run_id, why, fix)])
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise refuse("is not a run of this tracking store.", "pass a run ID `orch runs` lists, with the "
+                     "tracking.uri it was tracked in") from None
+    params = run.data.params
+    priced_at = params.get("cluster.measured.measured_at")
+    if priced_at != measured.measured_at:
+        raise refuse(f"was priced at {'the profile measured at ' + priced_at if priced_at else 'declared speeds'}, "
+                     f"not at this profile (measured at {measured.measured_at}): its predicted parts cannot "
+                     "correct this profile's.", "train with this profile (--config-dir DIR cluster=NAME) and pass "
+                     "that run")
+    if any(recorded.run_id == run_id for recorded in measured.runs):
+        raise refuse("is recorded in the profile already.", "pass another finished run")
+    comparisons = phase_comparisons(client, run_id, params, run.data.metrics)
+    if not comparisons:
+        raise refuse("timed no phase of its steps (it stopped before its first report, or ran before orch timed "
+                     "phases).", "train again with this profile and pass that run")
+    # The run's prediction included the profile's corrections of the time: this records the
+    # prediction without them, so that corrections never compound.
+    applied = json.loads(params.get(f"{PREDICTED_STEP_PARAM}.phase_scale", "{}"))
+    phases = [PhaseObservation(phase=c.name, predicted_s=c.predicted_s / applied.get(c.name, 1.0),
+                               measured_s=c.measured_s) for c in comparisons if c.predicted_s > 0]
+    recorded_at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return RunObservation(run_id=run_id, plan=_run_plan(params), recorded_at=recorded_at, phases=phases)
+
+
+def add_run(cfg: RunConfig, run_id: str, path: Path | None) -> tuple[Path, RunObservation, MeasuredSpeeds]:
+    """Record ``run_id``'s phases in the profile the command composed (its file ``path``) and
+    rewrite the file; returns the file, the observation and the profile's new measured section."""
+    from orch.tracking.store import open_existing
+
+    measured = cfg.cluster.measured
+    option_fix = "select the profile `orch calibrate` wrote: --config-dir tuned_plans cluster=calibrated"
+    if measured is None:
+        raise PlanError([Violation("cluster", "(no cluster.measured)", "is not a cluster profile: --from-run "
+                                   "corrects the speeds `orch calibrate` measured.", option_fix)])
+    if path is None or not _begins_with_header(path):
+        raise PlanError([Violation("cluster", str(path or "(a shipped cluster)"), "is not a file `orch calibrate` "
+                                   "wrote in a --config-dir; it is left as it is.", option_fix)])
+    client = open_existing(cfg.tracking.uri)
+    observation = observe_run(client, run_id, measured)
+    updated = dataclasses.replace(measured, runs=[*measured.runs, observation])
+    write_whole(path, profile_text(dataclasses.replace(cfg.cluster, measured=None), updated, path))
+    return path, observation, updated
+
+
+def render_added(path: Path, observation: RunObservation, measured: MeasuredSpeeds) -> str:
+    from orch.plans.step_time.profile import run_corrections
+
+    corrections = run_corrections(measured)
+    lines = [f"run {observation.run_id} ({observation.plan}), by phase:"]
+    for phase in observation.phases:
+        lines.append(f"  {phase.phase:<20} predicted {phase.predicted_s:.4g} s  measured {phase.measured_s:.4g} s  "
+                     f"measured / predicted {phase.measured_s / phase.predicted_s:.2f}")
+    lines.append(f"the profile's corrections now ({len(measured.runs)} run(s), the median per phase): "
+                 + ", ".join(f"{phase} x{scale:.2f}" for phase, scale in sorted(corrections.items())))
+    lines.append(f"written to {path}")
     return "\n".join(lines)

@@ -112,7 +112,8 @@ def test_a_3d_plan_trains_on_both_nodes_with_tensor_parallel_groups_inside_nodes
 
 def test_orch_calibrate_measures_the_link_across_two_nodes(two_node_ray, tmp_path):
     """One worker per node: the all-reduce across the nodes is measured (inside a node there is
-    nothing to measure and it stays declared), and the profile prices `orch check`."""
+    nothing to measure and it stays declared), the profile prices `orch check`, and a run trained
+    with it corrects it phase by phase (`orch calibrate --from-run`)."""
     done = subprocess.run([sys.executable, "-m", "orch", "calibrate", f"cluster.address={two_node_ray['gcs']}",
                            "cluster.nodes=2", "cluster.devices_per_node=1", f"tune.cache_dir={tmp_path / 'cache'}"],
                           cwd=tmp_path, env=two_node_ray["env"], capture_output=True, text=True, timeout=300)
@@ -125,12 +126,45 @@ def test_orch_calibrate_measures_the_link_across_two_nodes(two_node_ray, tmp_pat
     assert measured["sources"]["inter_node_gbps"].startswith("all-reduce probe across nodes")
     assert measured["sources"]["intra_node_gbps"].startswith("declared (one worker per node")
     assert measured["inter_node_gbps"] > 0 and measured["inter_latency_s"] > 0
-    check = subprocess.run([sys.executable, "-m", "orch", "check", "--json", "--config-dir", "tuned_plans",
-                            "cluster=calibrated"], cwd=tmp_path, env=two_node_ray["env"], capture_output=True,
-                           text=True, timeout=300)
-    assert check.returncode == 0, check.stderr[-3000:]
-    speeds = json.loads(check.stdout)["predicted_step"]["speeds"]
-    assert speeds.startswith("measured by `orch calibrate`") and "on 2 node(s), 2 worker(s)" in speeds, speeds
+
+    def check() -> dict:
+        done = subprocess.run([sys.executable, "-m", "orch", "check", "--json", "--config-dir", "tuned_plans",
+                               "cluster=calibrated"], cwd=tmp_path, env=two_node_ray["env"], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout)["predicted_step"]
+
+    before = check()
+    assert before["speeds"].startswith("measured by `orch calibrate`") and "on 2 node(s), 2 worker(s)" in \
+        before["speeds"], before
+    # A run trained with the profile tracks its prediction at the profile's speeds and times its
+    # phases; `--from-run` records them in the profile, which then corrects each phase's parts.
+    done = orch_train(f"cluster.address={two_node_ray['gcs']}", "--config-dir", "tuned_plans", "cluster=calibrated",
+                      cwd=tmp_path, env=two_node_ray["env"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("orch").experiment_id])
+    assert run.data.params["step_time.predicted.speeds"] == "measured"
+    added = subprocess.run([sys.executable, "-m", "orch", "calibrate", "--from-run", run.info.run_id, "--config-dir",
+                            "tuned_plans", "cluster=calibrated"], cwd=tmp_path, env=two_node_ray["env"],
+                           capture_output=True, text=True, timeout=300)
+    assert added.returncode == 0, added.stderr[-3000:]
+    assert "forward and backward predicted" in added.stdout, added.stdout
+    assert "the profile's corrections now (1 run(s)" in added.stdout
+    runs = yaml_values((tmp_path / "tuned_plans" / "cluster" / "calibrated.yaml").read_text())["measured"]["runs"]
+    assert [r["run_id"] for r in runs] == [run.info.run_id]
+    observed = {phase["phase"]: phase for phase in runs[0]["phases"]}
+    after = check()
+    assert "corrected by 1 finished run(s)" in after["speeds"]
+    assert after["range_s"]["p10"] is None and "corrections from finished runs" in after["range_s"]["source"]
+    fb = observed["forward and backward"]
+    scale = fb["measured_s"] / fb["predicted_s"]
+    assert after["parts_s"]["compute"] == pytest.approx(before["parts_s"]["compute"] * scale, rel=1e-4)
+    # The same run twice would count it twice: refused, the profile left as it was.
+    again = subprocess.run([sys.executable, "-m", "orch", "calibrate", "--from-run", run.info.run_id, "--config-dir",
+                            "tuned_plans", "cluster=calibrated"], cwd=tmp_path, env=two_node_ray["env"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "is recorded in the profile already" in again.stderr, again.stderr[-2000:]
 
 
 def yaml_values(text: str) -> dict:

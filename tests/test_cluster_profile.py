@@ -125,3 +125,34 @@ def test_a_profile_orch_calibrate_wrote_may_be_replaced(tmp_path, monkeypatch):
     path.parent.mkdir(parents=True)
     path.write_text(profile_text(typed.cluster, _measured(typed.cluster), path))
     check_profile_file(typed)
+
+
+def test_runs_correct_a_profile_phase_by_phase_by_their_median():
+    from orch.plans.spec import PhaseObservation, RunObservation
+    from orch.plans.step_time.cost_model import StepTime
+    from orch.plans.step_time.phases import scaled_step
+    from orch.plans.step_time.profile import run_corrections
+
+    def run(name: str, fb: tuple[float, float], opt: tuple[float, float]) -> RunObservation:
+        return RunObservation(run_id=name, plan="p", recorded_at="t", phases=[
+            PhaseObservation(phase="forward and backward", predicted_s=fb[0], measured_s=fb[1]),
+            PhaseObservation(phase="optimizer step", predicted_s=opt[0], measured_s=opt[1])])
+
+    cluster = ClusterSpec()
+    measured = dataclasses.replace(_measured(cluster), runs=[run("a", (1.0, 2.0), (0.1, 0.3)),
+                                                             run("b", (1.0, 3.0), (0.1, 0.1)),
+                                                             run("c", (1.0, 2.5), (0.0, 0.2))])
+    # A phase predicted at 0 (no optimizer time in run c) corrects nothing.
+    assert run_corrections(measured) == pytest.approx({"forward and backward": 2.5, "optimizer step": 2.0})
+    speeds, note = cluster_speeds(dataclasses.replace(cluster, measured=measured), Precision.fp32)
+    assert dict(speeds.phase_scale) == pytest.approx({"forward and backward": 2.5, "optimizer step": 2.0})
+    assert "corrected by 3 finished run(s): forward and backward x2.50, optimizer step x2.00" in note
+
+    step = StepTime(compute_s=1.0, memory_s=0.5, bubble_s=0.0, tp_comm_s=0.0, dp_comm_s=0.5, pp_comm_s=0.0,
+                    offload_s=0.25, optimizer_s=0.25, tokens_per_s=100.0, tflops_per_device=1.0)
+    scaled = scaled_step(step, dict(speeds.phase_scale), pipelined=False)
+    assert (scaled.compute_s, scaled.memory_s, scaled.dp_comm_s) == pytest.approx((2.5, 1.25, 1.25))
+    assert (scaled.offload_s, scaled.optimizer_s, scaled.total_s) == pytest.approx((0.5, 0.5, 6.0))
+    assert scaled.tokens_per_s == pytest.approx(100.0 * 2.5 / 6.0)
+    # A pipelined plan takes the whole-schedule correction, which these runs did not measure.
+    assert scaled_step(step, dict(speeds.phase_scale), pipelined=True) == step

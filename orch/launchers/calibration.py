@@ -422,7 +422,7 @@ def _cached_speeds(path: Path) -> Speeds | None:
     try:
         doc = json.loads(path.read_text())
         # JSON has no tuples: the pairs come back as lists.
-        for pairs in ("matmul_tflops", "matmul_tiles"):
+        for pairs in ("matmul_tflops", "matmul_tiles", "phase_scale"):
             if pairs in doc:
                 doc[pairs] = tuple(tuple(pair) for pair in doc[pairs])
         speeds = Speeds(**doc, source="measured")

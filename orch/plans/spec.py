@@ -117,6 +117,28 @@ class MatmulRate:
 
 
 @dataclass(kw_only=True)
+class PhaseObservation:
+    """One phase of a finished run's step: what the profile's speeds predicted and what it measured."""
+
+    phase: str
+    """The phase group, as `orch report` names it (orch/plans/step_time/phases.py)."""
+    predicted_s: float
+    """At the profile's measured speeds, before any correction from runs."""
+    measured_s: float
+
+
+@dataclass(kw_only=True)
+class RunObservation:
+    """A finished run that corrects the profile's predictions (`orch calibrate --from-run RUN_ID`)."""
+
+    run_id: str
+    plan: str
+    """The run's plan, as `orch runs` prints it."""
+    recorded_at: str
+    phases: list[PhaseObservation]
+
+
+@dataclass(kw_only=True)
 class MeasuredSpeeds:
     """A cluster's speeds as `orch calibrate` measured them on its workers: written into the cluster
     profile it creates, and used by `orch check`, `orch tune` and `orch train`'s predicted step
@@ -153,6 +175,9 @@ class MeasuredSpeeds:
     sources: dict[str, str] = field(default_factory=dict)
     """Where each speed came from: measured by which probe, or declared (e.g. the inter-node link of
     a single-node cluster, which nothing could measure)."""
+    runs: list[RunObservation] = field(default_factory=list)
+    """Finished runs priced at these speeds, by phase: each phase group's predicted parts are scaled by
+    the median of its measured / predicted over them (orch/plans/step_time/profile.py)."""
 
 
 @dataclass(kw_only=True)

@@ -7,9 +7,12 @@ speeds, else the declared ones) as run params, its total, each part and where th
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from orch.plans.step_time.phases import phase_groups
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -21,11 +24,15 @@ PREDICTED_STEP_PARAM = "step_time.predicted"
 :meth:`orch.plans.step_time.cost_model.StepTime.as_dict` (compute, memory, bubble, tp, dp, ...)."""
 
 
-def predicted_step_params(step: StepTime, speeds: str) -> dict[str, str]:
-    """The plan's predicted step as run params, its total and each part in seconds, and ``speeds``:
-    where the speeds it was priced at came from (``measured`` by `orch calibrate`, or ``declared``)."""
+def predicted_step_params(step: StepTime, speeds: str, phase_scale: dict[str, float] | None = None
+                          ) -> dict[str, str]:
+    """The plan's predicted step as run params, its total and each part in seconds, ``speeds``: where
+    the speeds it was priced at came from (``measured`` by `orch calibrate`, or ``declared``), and the
+    profile's corrections from finished runs it includes (``phase_scale``, JSON), if any."""
     doc = step.as_dict()
     params = {f"{PREDICTED_STEP_PARAM}.total_s": f"{doc['step_time_s']:.6g}", f"{PREDICTED_STEP_PARAM}.speeds": speeds}
+    if phase_scale:
+        params[f"{PREDICTED_STEP_PARAM}.phase_scale"] = json.dumps(phase_scale, sort_keys=True)
     params.update({f"{PREDICTED_STEP_PARAM}.{part}_s": f"{seconds:.6g}" for part, seconds in doc["parts_s"].items()})
     return params
 
@@ -33,21 +40,6 @@ def predicted_step_params(step: StepTime, speeds: str) -> dict[str, str]:
 PHASE_METRIC = "step_phase"
 """The prefix of the measured phases' metrics: ``step_phase/<phase>_s``, the slowest rank's mean
 seconds per sampled step in each phase (:mod:`orch.launchers.step_phases`)."""
-
-_GROUPS = (("forward and backward", ("forward", "backward"),
-            ("compute", "memory", "bubble", "tp", "dp", "pp", "zero3_hooks")),
-           ("optimizer step", ("optimizer",), ("optimizer", "offload")),
-           ("outside the phases", ("other",), ()))
-"""How the predicted parts map onto the phases a step is timed in: forward and backward hold the
-kernels, the tensor-parallel all-reduces, ZeRO-3's gathers and the gradient reduction (every engine
-reduces gradients inside its backward); the optimizer step holds the update and the copies an
-offloaded optimizer makes."""
-
-_PIPELINED = (("pipeline schedule", ("pipeline", "forward", "backward", "optimizer"),
-               ("compute", "memory", "bubble", "tp", "dp", "pp", "zero3_hooks", "optimizer", "offload")),
-              ("outside the phases", ("other",), ()))
-"""A pipeline schedule runs forward, backward and the step in one call: compared as a whole."""
-
 
 @dataclass(frozen=True)
 class PhaseComparison:
@@ -65,11 +57,11 @@ class PhaseComparison:
 
 
 def compare_phases(parts_s: dict[str, float], phases_s: dict[str, float]) -> list[PhaseComparison]:
-    """The predicted parts against the measured phases, grouped as both can be split."""
-    groups = _PIPELINED if "pipeline" in phases_s else _GROUPS
-    return [PhaseComparison(name, sum(parts_s.get(part, 0.0) for part in held),
-                            sum(phases_s.get(phase, 0.0) for phase in phases), held)
-            for name, phases, held in groups]
+    """The predicted parts against the measured phases, grouped as both can be split
+    (:mod:`orch.plans.step_time.phases`)."""
+    return [PhaseComparison(group.name, sum(parts_s.get(part, 0.0) for part in group.parts),
+                            sum(phases_s.get(phase, 0.0) for phase in group.phases), group.parts)
+            for group in phase_groups("pipeline" in phases_s)]
 
 
 def most_wrong(comparisons: list[PhaseComparison]) -> PhaseComparison:

@@ -84,7 +84,7 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
     params.update({f"memory.predicted.{k}": str(v) for k, v in estimate.per_device.as_dict().items()})
     if predicted_step is not None:
         speeds, _ = cluster_speeds(cfg.cluster, plan.precision)
-        params.update(predicted_step_params(predicted_step, speeds.source))
+        params.update(predicted_step_params(predicted_step, speeds.source, dict(speeds.phase_scale)))
     tags = {"world_size": str(plan.world_size), "devices": f"{plan.world_size}x{plan.accelerator.value}",
             "orch.command": "train", **extra_tags}
     if defaulted:

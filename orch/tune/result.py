@@ -15,7 +15,7 @@ from orch.plans.resolve import ResolvedPlan
 from orch.plans.search.space import Candidate, SearchResult
 from orch.plans.spec import Accelerator, ClusterSpec, Precision, TrainSpec
 from orch.plans.step_time.cost_model import Speeds, StepTime, declared_speed_values
-from orch.plans.step_time.ranges import StepRange, ratio_range
+from orch.plans.step_time.ranges import StepRange, corrected_range, ratio_range
 from orch.tune.plan_file import train_command
 
 
@@ -132,6 +132,8 @@ class TuneResult:
         cluster's accelerator (:func:`orch.plans.step_time.ranges.ratio_range`); None when no plan fits."""
         if not self.search.ranked:
             return None
+        if self.speeds.phase_scale:
+            return corrected_range()
         return ratio_range(self.speeds.source, self.search.ranked[0].plan.accelerator.value)
 
     def as_json(self, top_k: int) -> dict:

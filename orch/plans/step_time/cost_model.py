@@ -192,6 +192,9 @@ class Speeds:
     with the threads of the worker's CPU reservation): measured by calibration on GPU workers,
     else the declared rate per thread times ``cluster.cpus_per_worker``. 0 (speeds stored before
     it existed) leaves only the host's memory bandwidth to bound the step."""
+    phase_scale: tuple[tuple[str, float], ...] = ()
+    """(phase group, factor) pairs: a cluster profile's corrections from finished runs, applied to the
+    parts each phase group holds (:func:`orch.plans.step_time.phases.scaled_step`); none by default."""
     source: str = "declared"
     """'declared' (from the cluster config) or 'measured' (calibrated on the live cluster)."""
 

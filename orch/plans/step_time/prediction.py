@@ -15,8 +15,9 @@ from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import ClusterSpec, OptimSpec
 from orch.plans.step_time.cost_model import ModelCost, Speeds, StepTime
 from orch.plans.step_time.model_cost import measure_model_cost
+from orch.plans.step_time.phases import scaled_step
 from orch.plans.step_time.profile import cluster_speeds
-from orch.plans.step_time.ranges import StepRange, predicted_range
+from orch.plans.step_time.ranges import StepRange, corrected_range, predicted_range
 
 EXACT_PARAMS_LIMIT = 1_000_000_000
 """Models above this many parameters get their FLOPs and activations counted at two shallow depths
@@ -27,9 +28,13 @@ them (:class:`orch.plans.search.space.BatchScaledProbe`); smaller ones are count
 
 def plan_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, probe: ModelProbe, *, devices_per_node: int,
               optim: OptimSpec) -> StepTime:
-    """The predicted step of ``plan`` under its engine, which may read more of the model off the probe."""
-    return engine_spec(plan.engine).step_time(plan, model, speeds, devices_per_node=devices_per_node, optim=optim,
+    """The predicted step of ``plan`` under its engine, which may read more of the model off the probe,
+    with the speeds' phase corrections from finished runs, if any."""
+    step = engine_spec(plan.engine).step_time(plan, model, speeds, devices_per_node=devices_per_node, optim=optim,
                                               probe=probe)
+    if speeds.phase_scale:
+        step = scaled_step(step, dict(speeds.phase_scale), pipelined=plan.pp > 1)
+    return step
 
 
 def count_model_cost(probe: ModelProbe, tp_degrees: list[int], param_count: int) -> ModelCost:
@@ -55,4 +60,6 @@ def declared_step_range(step: StepTime, plan: ResolvedPlan, cluster: ClusterSpec
     at the kind of speeds it was priced at (the profile's measured ones, or declared), on the plan's
     accelerator (:mod:`orch.plans.step_time.ranges`)."""
     speeds, _ = cluster_speeds(cluster, plan.precision)
+    if speeds.phase_scale:
+        return corrected_range()
     return predicted_range(step.total_s, speeds=speeds.source, accelerator=plan.accelerator.value)

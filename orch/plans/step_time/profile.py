@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 
 from orch.plans.errors import PlanError, Violation
 from orch.plans.spec import ClusterSpec, MatmulRate, MeasuredSpeeds, Precision
@@ -19,7 +20,7 @@ _RATES = ("intra_node_gbps", "inter_node_gbps", "host_link_gbps", "device_memory
           "core_share", "memory_efficiency", "intra_bus_efficiency", "inter_bus_efficiency")
 """Speeds the cost model divides by: 0 would fail a prediction as a ZeroDivisionError."""
 
-_NOT_NUMBERS = ("matmul_tflops", "matmul_tiles", "source")
+_NOT_NUMBERS = ("matmul_tflops", "matmul_tiles", "phase_scale", "source")
 
 
 def speeds_problems(speeds: Speeds) -> list[str]:
@@ -37,6 +38,9 @@ def speeds_problems(speeds: Speeds) -> list[str]:
             problems.append(f"{field.name}=0, a rate the step time is divided by")
     if not speeds.matmul_tflops:
         problems.append("matmul_tflops is empty")
+    for phase, scale in speeds.phase_scale:
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            problems.append(f"the runs' correction of {phase!r} is {scale!r}; it needs a finite number > 0")
     for rows, tflops in speeds.matmul_tflops:
         if not all(isinstance(n, (int, float)) and math.isfinite(n) for n in (rows, tflops)) or rows < 0 \
                 or tflops <= 0:
@@ -56,7 +60,18 @@ def profile_speeds(measured: MeasuredSpeeds) -> Speeds:
                   host_optimizer_params_per_s=measured.host_optimizer_params_per_s,
                   op_overhead_s=measured.op_overhead_s, core_share=measured.core_share,
                   # Measured matmuls are priced by height, as the calibration timed them.
-                  sm_count=0, source="measured")
+                  sm_count=0, phase_scale=tuple(sorted(run_corrections(measured).items())), source="measured")
+
+
+def run_corrections(measured: MeasuredSpeeds) -> dict[str, float]:
+    """Each phase group's correction from the profile's finished runs: the median of measured over
+    predicted among the runs that timed it (a group no run predicted time for has none)."""
+    ratios: dict[str, list[float]] = {}
+    for run in measured.runs:
+        for observed in run.phases:
+            if observed.predicted_s > 0 and observed.measured_s > 0:
+                ratios.setdefault(observed.phase, []).append(observed.measured_s / observed.predicted_s)
+    return {phase: statistics.median(values) for phase, values in ratios.items()}
 
 
 def measured_section(speeds: Speeds, *, precision: Precision, matmul_shape: tuple[int, int], measured_at: str,
@@ -85,8 +100,12 @@ def measured_values(measured: MeasuredSpeeds) -> dict:
 
 def profile_note(measured: MeasuredSpeeds) -> str:
     """Where a profile's speeds come from, in one line."""
-    return (f"measured by `orch calibrate` at {measured.measured_at} on {measured.nodes} node(s), {measured.workers} "
+    note = (f"measured by `orch calibrate` at {measured.measured_at} on {measured.nodes} node(s), {measured.workers} "
             f"worker(s) (the cluster profile's cluster.measured)")
+    if corrections := run_corrections(measured):
+        note += f"; corrected by {len(measured.runs)} finished run(s): " + ", ".join(
+            f"{phase} x{scale:.2f}" for phase, scale in sorted(corrections.items()))
+    return note
 
 
 def declared_speeds_note(cluster: ClusterSpec, precision: Precision | None = None) -> str:

@@ -126,3 +126,10 @@ def ratio_range(speeds: str, accelerator: str) -> StepRange:
 def predicted_range(predicted: float, *, speeds: str, accelerator: str) -> StepRange:
     """The P10-P90 range of a value predicted at ``speeds`` on ``accelerator`` devices."""
     return ratio_range(speeds, accelerator).scaled(predicted)
+
+
+def corrected_range() -> StepRange:
+    """No range for a prediction a cluster profile corrected by finished runs: the shipped sets
+    measured the cost model's error without corrections, which would misstate the corrected one's."""
+    return _none("the cluster profile's corrections from finished runs change the error the reference cases "
+                 "measured; `orch report` of the next run shows the corrected prediction's")
