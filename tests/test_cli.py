@@ -191,6 +191,9 @@ def test_train_with_defaults_tracks_a_local_run(tmp_path):
     assert phases[0].startswith("  forward and backward measured") and "(compute " in phases[0], phases
     assert phases[1].startswith("  optimizer step       measured") and phases[-1].startswith("  most wrong: ")
     assert "step_time.png" in {p.name for p in (tmp_path / "rep").iterdir()}
+    # Its prediction was priced at declared speeds: it cannot correct a cluster profile.
+    refused = orch("calibrate", "--from-run", runs[0].info.run_id, cwd=tmp_path)
+    assert refused.returncode == 2 and "is not a cluster profile" in refused.stderr, refused.stderr[-2000:]
 
 
 @pytest.mark.slow
