@@ -154,5 +154,9 @@ def test_runs_correct_a_profile_phase_by_phase_by_their_median():
     assert (scaled.compute_s, scaled.memory_s, scaled.dp_comm_s) == pytest.approx((2.5, 1.25, 1.25))
     assert (scaled.offload_s, scaled.optimizer_s, scaled.total_s) == pytest.approx((0.5, 0.5, 6.0))
     assert scaled.tokens_per_s == pytest.approx(100.0 * 2.5 / 6.0)
-    # A pipelined plan takes the whole-schedule correction, which these runs did not measure.
-    assert scaled_step(step, dict(speeds.phase_scale), pipelined=True) == step
+    # No run timed a pipeline schedule: a pipelined plan takes the same parts' corrections.
+    assert scaled_step(step, dict(speeds.phase_scale), pipelined=True) == scaled
+    # Runs that did correct the whole schedule: every part by its one scale, for either kind of plan.
+    schedule = scaled_step(step, {"pipeline schedule": 2.0}, pipelined=True)
+    assert schedule.total_s == pytest.approx(2 * step.total_s)
+    assert scaled_step(step, {"pipeline schedule": 2.0}, pipelined=False) == schedule

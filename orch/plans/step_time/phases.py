@@ -52,9 +52,14 @@ def phase_groups(pipelined: bool) -> tuple[PhaseGroup, ...]:
 
 def scaled_step(step: StepTime, scales: dict[str, float], *, pipelined: bool) -> StepTime:
     """``step`` with each phase group's parts times its scale (groups without one as they are),
-    and the rates that follow from its total."""
+    and the rates that follow from its total. A kind of step no run timed (a pipelined plan when
+    the runs were not, or the reverse) takes the other kind's scales for the same parts: a pipeline
+    schedule runs the same forward, backward and optimizer work, in one call."""
+    groups = phase_groups(pipelined)
+    if not any(group.name in scales for group in groups):
+        groups = phase_groups(not pipelined)
     changes = {}
-    for group in phase_groups(pipelined):
+    for group in groups:
         scale = scales.get(group.name)
         if scale is None:
             continue
