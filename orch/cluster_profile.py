@@ -142,19 +142,13 @@ def profile_text(cluster: ClusterSpec, measured: MeasuredSpeeds, path: Path) -> 
 def calibrate_cluster(cfg: RunConfig, model_cfg: dict, *, err=None) -> Profile:
     """Measure the cluster on its workers and write the profile; see the module docstring."""
     from orch.checking import live_cluster
-    from orch.inputs import check_inputs, declared_violations
     from orch.launchers.ray_session import ray_session
     from orch.launchers.worker_group import job_env
     from orch.plans.step_time.profile import measured_section
-    from orch.tune.search import matmul_shape, measure_cluster, prepare
-    from orch.workload import resolve_workload
+    from orch.tune.search import checked_workload, matmul_shape, measure_cluster, prepare
 
     err = err or sys.stderr
-    try:
-        workload = resolve_workload(model_cfg, cfg.objective, cfg.data)
-    except PlanError as error:
-        raise PlanError(declared_violations(cfg) + error.violations) from None
-    check_inputs(cfg, workload.data)
+    workload = checked_workload(cfg, model_cfg)
     check_profile_file(cfg)
     with ExitStack() as stack:
         cluster, notes = stack.enter_context(live_cluster(cfg))

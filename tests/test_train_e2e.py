@@ -82,9 +82,12 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
     assert losses == pytest.approx([r[0].loss for r in result.reports])
     assert [m.step for m in client.get_metric_history(result.run_id, "eval_loss")] == [30]
     assert 0 < run.data.metrics["mfu"] < 1.5  # against a measured matmul peak: near or below 1
-    # Every run samples each node's hardware at least once, at its end: a short one has its plot too.
+    # Every run samples each node's hardware at least once, at its end: a short one has its plot too;
+    # and it times the phases of its steps, drawn against their prediction.
     assert {a.path for a in client.list_artifacts(result.run_id, "plots")} == {
-        "plots/loss.png", "plots/throughput.png", "plots/memory.png", "plots/system.png"}
+        "plots/loss.png", "plots/throughput.png", "plots/memory.png", "plots/system.png", "plots/step_time.png"}
+    assert [m.step for m in client.get_metric_history(result.run_id, "step_phase/backward_s")] == [
+        5, 10, 15, 20, 25, 30]
     assert run.data.metrics["memory/rank1/measured_peak_bytes"] > 0
     nodes = sorted(tag.removeprefix("system.") for tag in run.data.tags if tag.startswith("system.node"))
     assert nodes == ["node0"], run.data.tags

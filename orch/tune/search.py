@@ -178,15 +178,22 @@ def measure_speeds(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchConte
     return calibration.speeds, calibration.note
 
 
-def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
-    """Search, optionally calibrate and run trials, and write the winner; see the module docstring."""
-    out = out or sys.stdout
-    err = err or sys.stderr
+def checked_workload(cfg: RunConfig, model_cfg: dict) -> Workload:
+    """The declared model, objective and data resolved, and their inputs checked; a workload that
+    cannot be resolved is reported with every other declared problem at once."""
     try:
         workload = resolve_workload(model_cfg, cfg.objective, cfg.data)
     except PlanError as error:
         raise PlanError(declared_violations(cfg) + error.violations) from None
     check_inputs(cfg, workload.data)
+    return workload
+
+
+def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
+    """Search, optionally calibrate and run trials, and write the winner; see the module docstring."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    workload = checked_workload(cfg, model_cfg)
     check_plan_file(cfg)
     with ExitStack() as stack:
         cluster, notes = stack.enter_context(live_cluster(cfg))
