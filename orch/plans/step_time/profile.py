@@ -45,6 +45,9 @@ def speeds_problems(speeds: Speeds) -> list[str]:
         if not all(isinstance(n, (int, float)) and math.isfinite(n) for n in (rows, tflops)) or rows < 0 \
                 or tflops <= 0:
             problems.append(f"matmul_tflops has rows={rows!r} tflops={tflops!r}; each needs rows >= 0 and tflops > 0")
+    for tile in speeds.matmul_tiles:
+        if not all(isinstance(n, (int, float)) and math.isfinite(n) and n >= 0 for n in tile):
+            problems.append(f"matmul_tiles has {tile!r}; each needs finite numbers >= 0")
     return problems
 
 
