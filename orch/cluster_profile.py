@@ -120,6 +120,8 @@ class Profile:
     speeds: Speeds
     seconds: float
     notes: list[str]
+    references: list = dataclasses.field(default_factory=list)
+    """What became of each reference run (:class:`orch.reference_runs.ReferenceOutcome`)."""
 
 
 def profile_text(cluster: ClusterSpec, measured: MeasuredSpeeds, path: Path) -> str:
@@ -140,49 +142,71 @@ def profile_text(cluster: ClusterSpec, measured: MeasuredSpeeds, path: Path) -> 
 
 
 def calibrate_cluster(cfg: RunConfig, model_cfg: dict, *, err=None) -> Profile:
-    """Measure the cluster on its workers and write the profile; see the module docstring."""
+    """Measure the cluster on its workers, write the profile, then train the reference runs and
+    write it again with their corrections; see the module docstring."""
     from orch.checking import live_cluster
     from orch.launchers.ray_session import ray_session
     from orch.launchers.worker_group import job_env
-    from orch.plans.step_time.profile import measured_section
-    from orch.tune.search import checked_workload, matmul_shape, measure_cluster, prepare
+    from orch.plans.model.workload import data_task_cpus
+    from orch.reference_runs import reference_plans, train_references
+    from orch.run.early_ray import uses_object_store
+    from orch.tune.search import checked_workload, measure_cluster, prepare
 
     err = err or sys.stderr
     workload = checked_workload(cfg, model_cfg)
     check_profile_file(cfg)
+    references = reference_plans(cfg)
+    path = profile_path(cfg)
     with ExitStack() as stack:
         cluster, notes = stack.enter_context(live_cluster(cfg))
         space, ctx = prepare(cfg, model_cfg, cluster, workload)
         stack.enter_context(ray_session(cfg.cluster.address, worker_cpus=cluster.world_size * cluster.cpus_per_worker,
+                                        data_cpus=data_task_cpus(workload.data) if references else 0.0,
                                         object_store_gib=cfg.cluster.object_store_memory_gib,
                                         connect_timeout_s=cfg.cluster.connect_timeout_s,
-                                        worker_env=job_env(cluster.accelerator, cfg.train)))
+                                        worker_env=job_env(cluster.accelerator, cfg.train),
+                                        object_store=bool(references) and uses_object_store(cfg)))
         print(f"calibrate: measuring {cluster.nodes} node(s) x {cluster.devices_per_node} "
               f"{cluster.accelerator.value} worker(s) on Ray", file=err, flush=True)
         started = time.perf_counter()
         measured_at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         calibration = measure_cluster(cfg, cluster, space, ctx, use_cache=False)
         seconds = time.perf_counter() - started
+        measured = _measured_section(cfg, calibration, ctx, measured_at)
+        profiled = dataclasses.replace(cluster, measured=None)
+        # Written before the reference runs: a run that fails or is interrupted loses no measurement.
+        _write_profile(cfg, path, profiled, measured)
+        outcomes = train_references(cfg, model_cfg, references, measured, workload=workload, err=err)
+    observed = [outcome.observation for outcome in outcomes if outcome.observation is not None]
+    if observed:
+        measured = dataclasses.replace(measured, runs=[*measured.runs, *observed])
+        _write_profile(cfg, path, profiled, measured)
+    return Profile(path=path, cluster=profiled, measured=measured,
+                   declared=Speeds.declared(cluster, cfg.plan.precision), speeds=calibration.speeds,
+                   seconds=seconds, notes=notes, references=outcomes)
+
+
+def _measured_section(cfg: RunConfig, calibration, ctx, measured_at: str) -> MeasuredSpeeds:
     import ray
     import torch
 
+    from orch.plans.step_time.profile import measured_section
+    from orch.tune.search import matmul_shape
+
     versions = {"orch": metadata.version("orch"), "torch": str(torch.__version__), "ray": ray.__version__}
-    measured = measured_section(calibration.speeds, precision=cfg.plan.precision,
-                                matmul_shape=matmul_shape(ctx.probe), measured_at=measured_at,
-                                hosts=list(calibration.hosts), nodes=calibration.nodes, versions=versions,
-                                sources=calibration.sources)
-    path = profile_path(cfg)
+    return measured_section(calibration.speeds, precision=cfg.plan.precision, matmul_shape=matmul_shape(ctx.probe),
+                            measured_at=measured_at, hosts=list(calibration.hosts), nodes=calibration.nodes,
+                            versions=versions, sources=calibration.sources)
+
+
+def _write_profile(cfg: RunConfig, path: Path, cluster: ClusterSpec, measured: MeasuredSpeeds) -> None:
     check_profile_file(cfg)  # again: the file may have appeared while the probes ran
-    profiled = dataclasses.replace(cluster, measured=None)
     try:
-        write_whole(path, profile_text(profiled, measured, path))
+        write_whole(path, profile_text(cluster, measured, path))
     except OSError as error:
         name, value = _field(cfg)
         raise PlanError([Violation(name, value, f"the profile could not be written to {path}: "
                                    f"{error.strerror or error}.", f"write it elsewhere: {_OUT_FIX}")]) from None
-    return Profile(path=path, cluster=profiled, measured=measured,
-                   declared=Speeds.declared(cluster, cfg.plan.precision), speeds=calibration.speeds,
-                   seconds=seconds, notes=notes)
 
 
 def _comparison_rows(declared: Speeds, measured: Speeds, sources: dict[str, str]) -> list[tuple[str, float, float]]:
@@ -224,12 +248,31 @@ def render(profile: Profile) -> str:
     kept = [name for name, source in profile.measured.sources.items() if source.startswith("declared")]
     if kept:
         lines.append(f"  kept as declared (nothing here measures them): {', '.join(kept)}")
+    if profile.references:
+        lines.append("")
+        lines += _reference_lines(profile.references)
     lines.append("")
     lines.append(f"written to {profile.path}")
     if profile.path.parent.name == "cluster":
         lines.append(f"use it: orch check --config-dir {profile.path.parent.parent} cluster={profile.path.stem} "
                      "(orch tune and orch train take the same)")
     return "\n".join(lines)
+
+
+def _reference_lines(outcomes: list) -> list[str]:
+    """Each reference run's phases, measured over predicted at the probes' speeds (the correction
+    plans of its kind take), or why it was skipped."""
+    lines = ["reference runs (measured / predicted at the speeds above, by phase; plans of the same kind take "
+             "these corrections):"]
+    for outcome in outcomes:
+        label = outcome.reference.label
+        if outcome.observation is None:
+            lines.append(f"  {label:<52} skipped, {outcome.skipped}")
+            continue
+        ratios = ", ".join(f"{phase.phase} x{phase.measured_s / phase.predicted_s:.2f}"
+                           for phase in outcome.observation.phases if phase.predicted_s > 0)
+        lines.append(f"  {label:<52} {ratios}  (run {outcome.observation.run_id})")
+    return lines
 
 
 def profile_file(config_dirs: list[Path], option: str) -> Path | None:
@@ -248,7 +291,7 @@ def _run_plan(params: dict[str, str]) -> str:
     return " ".join(f"{key}={params[f'plan.{key}']}" for key in keys if f"plan.{key}" in params)
 
 
-def observe_run(client, run_id: str, measured: MeasuredSpeeds) -> RunObservation:
+def observe_run(client, run_id: str, measured: MeasuredSpeeds, *, reference: bool = False) -> RunObservation:
     """A finished run's phases against the profile's uncorrected prediction of them; refused when
     the run was not priced at this profile, timed no phase, or is recorded already."""
     import json
@@ -284,7 +327,8 @@ def observe_run(client, run_id: str, measured: MeasuredSpeeds) -> RunObservation
     phases = [PhaseObservation(phase=c.name, predicted_s=c.predicted_s / applied.get(c.name, 1.0),
                                measured_s=c.measured_s) for c in comparisons if c.predicted_s > 0]
     recorded_at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return RunObservation(run_id=run_id, plan=_run_plan(params), recorded_at=recorded_at, phases=phases)
+    return RunObservation(run_id=run_id, plan=_run_plan(params), recorded_at=recorded_at, phases=phases,
+                          kind=params.get(f"{PREDICTED_STEP_PARAM}.kind", ""), reference=reference)
 
 
 def add_run(cfg: RunConfig, run_id: str, path: Path | None) -> tuple[Path, RunObservation, MeasuredSpeeds]:

@@ -114,8 +114,11 @@ def test_orch_calibrate_measures_the_link_across_two_nodes(two_node_ray, tmp_pat
     """One worker per node: the all-reduce across the nodes is measured (inside a node there is
     nothing to measure and it stays declared), the profile prices `orch check`, and a run trained
     with it corrects it phase by phase (`orch calibrate --from-run`)."""
+    # The probes only (the reference runs are tested on one node, tests/test_tune_e2e.py): the runs
+    # that correct the profile here are the user's own, added with --from-run.
     done = subprocess.run([sys.executable, "-m", "orch", "calibrate", f"cluster.address={two_node_ray['gcs']}",
-                           "cluster.nodes=2", "cluster.devices_per_node=1", f"tune.cache_dir={tmp_path / 'cache'}"],
+                           "cluster.nodes=2", "cluster.devices_per_node=1", f"tune.cache_dir={tmp_path / 'cache'}",
+                           "calibrate.references=[]"],
                           cwd=tmp_path, env=two_node_ray["env"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "measured 2 node(s), 2 worker(s)" in done.stdout and "across nodes" in done.stdout, done.stdout

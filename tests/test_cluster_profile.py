@@ -130,7 +130,7 @@ def test_a_profile_orch_calibrate_wrote_may_be_replaced(tmp_path, monkeypatch):
 def test_runs_correct_a_profile_phase_by_phase_by_their_median():
     from orch.plans.spec import PhaseObservation, RunObservation
     from orch.plans.step_time.cost_model import StepTime
-    from orch.plans.step_time.phases import scaled_step
+    from orch.plans.step_time.phases import applied_scales, scaled_step
     from orch.plans.step_time.profile import run_corrections
 
     def run(name: str, fb: tuple[float, float], opt: tuple[float, float]) -> RunObservation:
@@ -150,13 +150,85 @@ def test_runs_correct_a_profile_phase_by_phase_by_their_median():
 
     step = StepTime(compute_s=1.0, memory_s=0.5, bubble_s=0.0, tp_comm_s=0.0, dp_comm_s=0.5, pp_comm_s=0.0,
                     offload_s=0.25, optimizer_s=0.25, tokens_per_s=100.0, tflops_per_device=1.0)
-    scaled = scaled_step(step, dict(speeds.phase_scale), pipelined=False)
+    scales = dict(speeds.phase_scale)
+    applied = applied_scales(scales, "engine=deepspeed zero_stage=1 offload_optimizer=none", pipelined=False)
+    assert applied == scales  # no run recorded its kind: every plan takes every run's
+    scaled = scaled_step(step, applied)
     assert (scaled.compute_s, scaled.memory_s, scaled.dp_comm_s) == pytest.approx((2.5, 1.25, 1.25))
     assert (scaled.offload_s, scaled.optimizer_s, scaled.total_s) == pytest.approx((0.5, 0.5, 6.0))
     assert scaled.tokens_per_s == pytest.approx(100.0 * 2.5 / 6.0)
     # No run timed a pipeline schedule: a pipelined plan takes the same parts' corrections.
-    assert scaled_step(step, dict(speeds.phase_scale), pipelined=True) == scaled
+    assert applied_scales(scales, "k", pipelined=True) == applied
     # Runs that did correct the whole schedule: every part by its one scale, for either kind of plan.
-    schedule = scaled_step(step, {"pipeline schedule": 2.0}, pipelined=True)
-    assert schedule.total_s == pytest.approx(2 * step.total_s)
-    assert scaled_step(step, {"pipeline schedule": 2.0}, pipelined=False) == schedule
+    for pipelined in (True, False):
+        schedule = scaled_step(step, applied_scales({"pipeline schedule": 2.0}, "k", pipelined=pipelined))
+        assert schedule.total_s == pytest.approx(2 * step.total_s)
+
+
+def test_a_plan_takes_the_corrections_of_the_runs_of_its_kind_else_of_every_run():
+    """Reference runs of several engine settings: each kind's plans take that kind's median, a kind
+    no run trained takes the median over all of them, group by group."""
+    from orch.plans.resolve import ResolvedPlan
+    from orch.plans.spec import Accelerator, Offload, PhaseObservation, RunObservation
+    from orch.plans.step_time.phases import applied_scales, correction_kind
+    from orch.plans.step_time.prediction import plan_corrections
+    from orch.plans.step_time.profile import run_corrections
+
+    def plan(**changes) -> ResolvedPlan:
+        values = dict(dp=2, tp=1, pp=1, world_size=2, zero_stage=1, offload_optimizer=Offload.none,
+                      offload_param=Offload.none, nvme_path=None, activation_checkpointing=False, micro_batch_size=4,
+                      grad_accum_steps=1, precision=Precision.fp32, accelerator=Accelerator.cpu)
+        return ResolvedPlan(**{**values, **changes})
+
+    zero1, zero3 = plan(), plan(zero_stage=3)
+    offloaded = plan(offload_optimizer=Offload.cpu)
+    assert correction_kind(zero1) == "engine=deepspeed zero_stage=1 offload_optimizer=none"
+    assert correction_kind(offloaded) == "engine=deepspeed zero_stage=1 offload_optimizer=cpu"
+
+    def run(name: str, kind: str, fb: float, opt: float | None = None) -> RunObservation:
+        phases = [PhaseObservation(phase="forward and backward", predicted_s=1.0, measured_s=fb)]
+        if opt is not None:
+            phases.append(PhaseObservation(phase="optimizer step", predicted_s=1.0, measured_s=opt))
+        return RunObservation(run_id=name, plan="p", recorded_at="t", phases=phases, kind=kind, reference=True)
+
+    cluster = ClusterSpec()
+    measured = dataclasses.replace(_measured(cluster), runs=[
+        run("a", correction_kind(zero1), 1.2, 8.0), run("b", correction_kind(zero1), 1.4),
+        run("c", correction_kind(zero3), 2.0, 4.0)])
+    corrections = run_corrections(measured)
+    assert corrections["forward and backward"] == pytest.approx(1.4)  # of a, b and c
+    assert corrections["optimizer step"] == pytest.approx(6.0)
+    speeds, _ = cluster_speeds(dataclasses.replace(cluster, measured=measured), Precision.fp32)
+    assert plan_corrections(zero1, speeds) == pytest.approx({"forward and backward": 1.3, "optimizer step": 8.0})
+    assert plan_corrections(zero3, speeds) == pytest.approx({"forward and backward": 2.0, "optimizer step": 4.0})
+    # No run of its kind: the median over every run, each group on its own.
+    assert plan_corrections(offloaded, speeds) == pytest.approx({"forward and backward": 1.4, "optimizer step": 6.0})
+    assert plan_corrections(zero1, Speeds.declared(cluster)) == {}
+    assert applied_scales(dict(speeds.phase_scale), correction_kind(zero3), pipelined=True) == \
+        plan_corrections(zero3, speeds)
+
+
+def test_reference_runs_are_the_declared_plan_under_each_engine_setting_and_bad_ones_are_refused():
+    """calibrate.references: each entry changes the declared plan's engine keys (reset first, so a
+    reference is the same kind whatever the declared engine); a key no plan has, a value it cannot
+    take, too few steps or no tracking store to read the runs back from are refused by name."""
+    from orch.plans.spec import Offload
+    from orch.reference_runs import reference_plans
+
+    typed, _, _ = to_typed(compose_config("plan.zero_stage=3", "plan.offload_optimizer=cpu", "plan.micro_batch_size=2",
+                                          "calibrate.references=[{engine:fsdp2},{zero_stage:1}]"))
+    fsdp2, zero1 = reference_plans(typed)
+    assert (fsdp2.plan.engine, fsdp2.plan.zero_stage, fsdp2.plan.offload_optimizer) == ("fsdp2", 0, Offload.none)
+    assert (zero1.plan.engine, zero1.plan.zero_stage, zero1.plan.offload_optimizer) == ("deepspeed", 1, Offload.none)
+    assert zero1.plan.micro_batch_size == 2 and zero1.label == "zero_stage=1"
+    assert reference_plans(to_typed(compose_config("calibrate.references=[]"))[0]) == []
+
+    for overrides, field, says in (
+            (["calibrate.references=[{zero_stages:1}]"], "calibrate.references[0]", "zero_stages"),
+            (["calibrate.references=[{zero_stage:1},{offload_optimizer:disk}]"], "calibrate.references[1]", "disk"),
+            (["calibrate.reference_steps=3"], "calibrate.reference_steps", "below 4"),
+            (["tracking.enabled=false"], "tracking.enabled", "read back from the tracking store")):
+        with pytest.raises(PlanError) as refused:
+            reference_plans(to_typed(compose_config(*overrides))[0])
+        [violation] = refused.value.violations
+        assert violation.field == field and says in str(refused.value), str(refused.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -66,10 +67,11 @@ def test_tune_trials_contain_a_failing_plan_and_log_nested_runs(local_ray, sqlit
 
 
 def test_orch_calibrate_measures_the_workers_writes_a_profile_and_fills_the_tuners_cache(local_ray, tmp_path,
-                                                                                          monkeypatch):
+                                                                                          sqlite_uri):
     """`orch calibrate` on the local 2-worker cluster: the profile it writes holds what the probes
-    measured (one node: the link across nodes stays declared), prices plans once loaded back, and
-    the tuner's calibration then reads the same speeds from the cache instead of measuring again."""
+    measured (one node: the link across nodes stays declared) and a reference run's phases, which
+    correct the plans of its kind; it prices plans once loaded back, and the tuner's calibration
+    then reads the same speeds from the cache instead of measuring again."""
     from omegaconf import OmegaConf
 
     from orch.cluster_profile import calibrate_cluster
@@ -79,9 +81,10 @@ def test_orch_calibrate_measures_the_workers_writes_a_profile_and_fills_the_tune
     from orch.plans.step_time.profile import cluster_speeds
     from orch.tune.search import measure_speeds, prepare
 
-    monkeypatch.chdir(tmp_path)
     cache = tmp_path / "cache"
-    typed, model_cfg, _ = to_typed(compose_config(f"tune.cache_dir={cache}"))
+    typed, model_cfg, _ = to_typed(compose_config(f"tune.cache_dir={cache}", f"tracking.uri={sqlite_uri}",
+                                                  "calibrate.references=[{engine:deepspeed,zero_stage:1}]",
+                                                  "calibrate.reference_steps=4"))
     profile = calibrate_cluster(typed, model_cfg)
     speeds, declared = profile.speeds, Speeds.declared(ClusterSpec())
     assert speeds.source == "measured" and profile.path == Path("tuned_plans/cluster/calibrated.yaml")
@@ -96,11 +99,24 @@ def test_orch_calibrate_measures_the_workers_writes_a_profile_and_fills_the_tune
     text = render_profile(profile)
     assert "all-reduce bus Gbit/s inside a node" in text and "kept as declared" in text
     assert "use it: orch check --config-dir tuned_plans cluster=calibrated" in text
+    # The reference run: trained at the profile's speeds, its phases recorded with its kind.
+    [outcome] = profile.references
+    assert outcome.skipped is None, outcome.skipped
+    [run] = profile.measured.runs
+    assert run.reference and run.kind == "engine=deepspeed zero_stage=1 offload_optimizer=none"
+    assert {phase.phase for phase in run.phases} >= {"forward and backward", "optimizer step"}
+    assert all(phase.predicted_s > 0 and phase.measured_s > 0 for phase in run.phases)
+    assert "engine=deepspeed zero_stage=1" in text and f"(run {run.run_id})" in text
 
     values = OmegaConf.load(profile.path)
     values.pop("defaults")
     loaded = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClusterSpec), values))
-    assert cluster_speeds(loaded, typed.plan.precision)[0] == speeds
+    assert loaded.measured == profile.measured
+    priced, note = cluster_speeds(loaded, typed.plan.precision)
+    assert dataclasses.replace(priced, phase_scale=()) == speeds and "corrected by 1 finished run(s)" in note
+    fb = next(phase for phase in run.phases if phase.phase == "forward and backward")
+    assert dict(priced.phase_scale)[f"{run.kind}: forward and backward"] == pytest.approx(
+        fb.measured_s / fb.predicted_s)
 
     space, ctx = prepare(typed, model_cfg, typed.cluster)
     cached, note = measure_speeds(typed, typed.cluster, space, ctx)

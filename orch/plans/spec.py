@@ -136,6 +136,13 @@ class RunObservation:
     """The run's plan, as `orch runs` prints it."""
     recorded_at: str
     phases: list[PhaseObservation]
+    kind: str = ""
+    """The plans its corrections apply to first (:func:`orch.plans.step_time.phases.correction_kind`:
+    the engine and its settings, where the optimizer steps); '' for a run that did not record it,
+    which corrects every plan alike."""
+    reference: bool = False
+    """Whether `orch calibrate` trained it as one of its reference runs (``calibrate.references``),
+    rather than a run a user added with ``--from-run``."""
 
 
 @dataclass(kw_only=True)

@@ -24,13 +24,17 @@ PREDICTED_STEP_PARAM = "step_time.predicted"
 :meth:`orch.plans.step_time.cost_model.StepTime.as_dict` (compute, memory, bubble, tp, dp, ...)."""
 
 
-def predicted_step_params(step: StepTime, speeds: str, phase_scale: dict[str, float] | None = None
-                          ) -> dict[str, str]:
+def predicted_step_params(step: StepTime, speeds: str, phase_scale: dict[str, float] | None = None,
+                          kind: str = "") -> dict[str, str]:
     """The plan's predicted step as run params, its total and each part in seconds, ``speeds``: where
-    the speeds it was priced at came from (``measured`` by `orch calibrate`, or ``declared``), and the
-    profile's corrections from finished runs it includes (``phase_scale``, JSON), if any."""
+    the speeds it was priced at came from (``measured`` by `orch calibrate`, or ``declared``), the
+    profile's corrections from finished runs it includes (``phase_scale``, JSON, by phase group), if
+    any, and the plan's ``kind`` (:func:`orch.plans.step_time.phases.correction_kind`): the plans
+    this run's own phases correct once it is added to a profile."""
     doc = step.as_dict()
     params = {f"{PREDICTED_STEP_PARAM}.total_s": f"{doc['step_time_s']:.6g}", f"{PREDICTED_STEP_PARAM}.speeds": speeds}
+    if kind:
+        params[f"{PREDICTED_STEP_PARAM}.kind"] = kind
     if phase_scale:
         params[f"{PREDICTED_STEP_PARAM}.phase_scale"] = json.dumps(phase_scale, sort_keys=True)
     params.update({f"{PREDICTED_STEP_PARAM}.{part}_s": f"{seconds:.6g}" for part, seconds in doc["parts_s"].items()})

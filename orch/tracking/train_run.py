@@ -69,7 +69,9 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
     the engine-neutral optimizer settings for every run, and the engine's own config when it has
     one (``config/<engine>.json``: DeepSpeed's JSON)."""
     from orch.plans.step_time.cost_model import speed_defaults
-    from orch.plans.step_time.profile import cluster_speeds, measured_values
+    from orch.plans.step_time.phases import correction_kind
+    from orch.plans.step_time.prediction import plan_corrections
+    from orch.plans.step_time.profile import cluster_speeds
 
     # A speed the cluster leaves unset is logged as the default the cost model takes for it (not
     # "None"), and the tag names those defaulted.
@@ -79,12 +81,13 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
                       "train": vars(cfg.train),
                       "cluster": {**vars(cfg.cluster), **defaulted, "address": address_param(cfg.cluster.address),
                                   # A cluster profile's speeds, one param each (its matmul rates as JSON).
-                                  "measured": measured_values(cfg.cluster.measured) if cfg.cluster.measured else None}})
+                                  "measured": measured_params(cfg.cluster.measured) if cfg.cluster.measured else None}})
     params["model.param_count"] = str(facts.param_count)
     params.update({f"memory.predicted.{k}": str(v) for k, v in estimate.per_device.as_dict().items()})
     if predicted_step is not None:
         speeds, _ = cluster_speeds(cfg.cluster, plan.precision)
-        params.update(predicted_step_params(predicted_step, speeds.source, dict(speeds.phase_scale)))
+        params.update(predicted_step_params(predicted_step, speeds.source, plan_corrections(plan, speeds),
+                                            correction_kind(plan)))
     tags = {"world_size": str(plan.world_size), "devices": f"{plan.world_size}x{plan.accelerator.value}",
             "orch.command": "train", **extra_tags}
     if defaulted:
@@ -146,3 +149,12 @@ def log_plots(tracker: RunTracker) -> None:
             tracker.client.log_artifacts(tracker.run_id, tmp, "plots")
     except Exception as exc:  # pictures are a convenience; the run's data is already recorded
         print(f"warning: could not log plots ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+
+def measured_params(measured) -> dict:
+    """A cluster profile's ``measured`` section as run params: every speed, and how many finished
+    runs correct it (their phases are in the profile file; as a param they would outgrow MLflow's
+    limit on a param's length as runs are added)."""
+    from orch.plans.step_time.profile import measured_values
+
+    return {**measured_values(measured), "runs": len(measured.runs)}

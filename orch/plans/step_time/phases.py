@@ -50,17 +50,43 @@ def phase_groups(pipelined: bool) -> tuple[PhaseGroup, ...]:
     return PIPELINE_GROUPS if pipelined else STEP_GROUPS
 
 
-def scaled_step(step: StepTime, scales: dict[str, float], *, pipelined: bool) -> StepTime:
-    """``step`` with each phase group's parts times its scale (groups without one as they are),
-    and the rates that follow from its total. A kind of step no run timed (a pipelined plan when
-    the runs were not, or the reverse) takes the other kind's scales for the same parts: a pipeline
-    schedule runs the same forward, backward and optimizer work, in one call."""
-    groups = phase_groups(pipelined)
-    if not any(group.name in scales for group in groups):
-        groups = phase_groups(not pipelined)
+def correction_kind(plan) -> str:
+    """The kind of plan a finished run's corrections carry over to: its engine and the engine's own
+    settings (``engine=deepspeed zero_stage=2``), and where its optimizer steps. These set the
+    work a step does beyond the model's kernels (ZeRO's hooks and bucketed reductions, FSDP2's
+    gathers, an optimizer on the host), which the same corrections describe; the degrees, the
+    micro-batch and recomputation are priced by the cost model itself."""
+    return f"{plan.engine_text()} offload_optimizer={plan.offload_optimizer.value}"
+
+
+def kind_key(kind: str, group: str) -> str:
+    """The key of ``kind``'s own correction of phase group ``group`` in ``Speeds.phase_scale``."""
+    return f"{kind}: {group}"
+
+
+def applied_scales(scales: dict[str, float], kind: str, *, pipelined: bool) -> dict[str, float]:
+    """The corrections a plan of ``kind`` takes, by phase group: each group's from the runs of the
+    same kind where there are any (``kind_key``), else from every run. A kind of step no run timed
+    (a pipelined plan when the runs were not, or the reverse) takes the other kind's groups: a
+    pipeline schedule runs the same forward, backward and optimizer work, in one call."""
+
+    def found(groups: tuple[PhaseGroup, ...]) -> dict[str, float]:
+        out = {}
+        for group in groups:
+            scale = scales.get(kind_key(kind, group.name), scales.get(group.name))
+            if scale is not None:
+                out[group.name] = scale
+        return out
+
+    return found(phase_groups(pipelined)) or found(phase_groups(not pipelined))
+
+
+def scaled_step(step: StepTime, applied: dict[str, float]) -> StepTime:
+    """``step`` with each phase group's parts times its scale in ``applied`` (:func:`applied_scales`;
+    groups without one as they are), and the rates that follow from its total."""
     changes = {}
-    for group in groups:
-        scale = scales.get(group.name)
+    for group in (*STEP_GROUPS, *PIPELINE_GROUPS):
+        scale = applied.get(group.name)
         if scale is None:
             continue
         for part in group.parts:

@@ -15,7 +15,7 @@ from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import ClusterSpec, OptimSpec
 from orch.plans.step_time.cost_model import ModelCost, Speeds, StepTime
 from orch.plans.step_time.model_cost import measure_model_cost
-from orch.plans.step_time.phases import scaled_step
+from orch.plans.step_time.phases import applied_scales, correction_kind, scaled_step
 from orch.plans.step_time.profile import cluster_speeds
 from orch.plans.step_time.ranges import StepRange, corrected_range, predicted_range
 
@@ -29,12 +29,20 @@ them (:class:`orch.plans.search.space.BatchScaledProbe`); smaller ones are count
 def plan_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, probe: ModelProbe, *, devices_per_node: int,
               optim: OptimSpec) -> StepTime:
     """The predicted step of ``plan`` under its engine, which may read more of the model off the probe,
-    with the speeds' phase corrections from finished runs, if any."""
+    with the speeds' phase corrections from finished runs that apply to it, if any (:func:`plan_corrections`)."""
     step = engine_spec(plan.engine).step_time(plan, model, speeds, devices_per_node=devices_per_node, optim=optim,
                                               probe=probe)
-    if speeds.phase_scale:
-        step = scaled_step(step, dict(speeds.phase_scale), pipelined=plan.pp > 1)
+    if applied := plan_corrections(plan, speeds):
+        step = scaled_step(step, applied)
     return step
+
+
+def plan_corrections(plan: ResolvedPlan, speeds: Speeds) -> dict[str, float]:
+    """The phase corrections from finished runs ``plan``'s prediction at ``speeds`` includes, by phase
+    group: those of runs of its kind where there are any, else of every run (none without runs)."""
+    if not speeds.phase_scale:
+        return {}
+    return applied_scales(dict(speeds.phase_scale), correction_kind(plan), pipelined=plan.pp > 1)
 
 
 def count_model_cost(probe: ModelProbe, tp_degrees: list[int], param_count: int) -> ModelCost:

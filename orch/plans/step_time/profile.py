@@ -68,12 +68,19 @@ def profile_speeds(measured: MeasuredSpeeds) -> Speeds:
 
 def run_corrections(measured: MeasuredSpeeds) -> dict[str, float]:
     """Each phase group's correction from the profile's finished runs: the median of measured over
-    predicted among the runs that timed it (a group no run predicted time for has none)."""
+    predicted among the runs that timed it (a group no run predicted time for has none), and the
+    same among the runs of each kind that recorded theirs, under ``kind_key(kind, group)``: a plan
+    takes its own kind's where there are any (:func:`orch.plans.step_time.phases.applied_scales`)."""
+    from orch.plans.step_time.phases import kind_key
+
     ratios: dict[str, list[float]] = {}
     for run in measured.runs:
         for observed in run.phases:
             if observed.predicted_s > 0 and observed.measured_s > 0:
-                ratios.setdefault(observed.phase, []).append(observed.measured_s / observed.predicted_s)
+                ratio = observed.measured_s / observed.predicted_s
+                ratios.setdefault(observed.phase, []).append(ratio)
+                if run.kind:
+                    ratios.setdefault(kind_key(run.kind, observed.phase), []).append(ratio)
     return {phase: statistics.median(values) for phase, values in ratios.items()}
 
 
@@ -106,8 +113,11 @@ def profile_note(measured: MeasuredSpeeds) -> str:
     note = (f"measured by `orch calibrate` at {measured.measured_at} on {measured.nodes} node(s), {measured.workers} "
             f"worker(s) (the cluster profile's cluster.measured)")
     if corrections := run_corrections(measured):
+        kinds = sorted({run.kind for run in measured.runs if run.kind})
         note += f"; corrected by {len(measured.runs)} finished run(s): " + ", ".join(
-            f"{phase} x{scale:.2f}" for phase, scale in sorted(corrections.items()))
+            f"{phase} x{scale:.2f}" for phase, scale in sorted(corrections.items()) if ": " not in phase)
+        if kinds:
+            note += f" over all of them, and each kind's own for plans of the {len(kinds)} kind(s) they ran"
     return note
 
 
