@@ -207,6 +207,18 @@ def test_a_plan_takes_the_corrections_of_the_runs_of_its_kind_else_of_every_run(
     assert applied_scales(dict(speeds.phase_scale), correction_kind(zero3), pipelined=True) == \
         plan_corrections(zero3, speeds)
 
+    # The range of a corrected prediction: each run predicted with the other runs' corrections.
+    from orch.plans.step_time.profile import held_out_ratios, runs_range
+
+    assert held_out_ratios(measured) == pytest.approx([9.2 / 5.4, 1.4 / 1.2, 6.0 / 9.3])
+    ratios = runs_range(measured)
+    low, mid, high = sorted([9.2 / 5.4, 1.4 / 1.2, 6.0 / 9.3])  # interpolated between the sorted ratios
+    assert (ratios.p10, ratios.p90, ratios.cases) == pytest.approx((low + 0.2 * (mid - low), high - 0.2 * (high - mid),
+                                                                    3)), ratios
+    assert "each predicted with the other runs' corrections" in ratios.source
+    one = runs_range(dataclasses.replace(measured, runs=measured.runs[:1]))
+    assert one.p10 is None and "too few for a P10-P90" in one.source
+
 
 def test_reference_runs_are_the_declared_plan_under_each_engine_setting_and_bad_ones_are_refused():
     """calibrate.references: each entry changes the declared plan's engine keys (reset first, so a

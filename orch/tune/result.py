@@ -126,14 +126,18 @@ class TuneResult:
     plan_text: str | None = None
     overrides: list[str] = field(default_factory=list)
     parent_run_id: str | None = None
+    runs_range: StepRange | None = None
+    """The ratio range of predictions a cluster profile's runs corrected
+    (:func:`orch.plans.step_time.profile.runs_range`), when the speeds carry such corrections."""
 
     def ratio_range(self) -> StepRange | None:
         """Measured / predicted step time, P10 to P90, for predictions at these speeds on the
-        cluster's accelerator (:func:`orch.plans.step_time.ranges.ratio_range`); None when no plan fits."""
+        cluster's accelerator (:func:`orch.plans.step_time.ranges.ratio_range`), or over the profile's
+        recorded runs when they corrected the speeds; None when no plan fits."""
         if not self.search.ranked:
             return None
         if self.speeds.phase_scale:
-            return corrected_range()
+            return self.runs_range or corrected_range()
         return ratio_range(self.speeds.source, self.search.ranked[0].plan.accelerator.value)
 
     def as_json(self, top_k: int) -> dict:

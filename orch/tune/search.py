@@ -36,7 +36,7 @@ from orch.plans.search.space import (
 from orch.plans.spec import Accelerator, Offload
 from orch.plans.step_time.cost_model import Speeds
 from orch.plans.step_time.prediction import EXACT_PARAMS_LIMIT, count_model_cost
-from orch.plans.step_time.profile import cluster_speeds
+from orch.plans.step_time.profile import cluster_speeds, runs_range
 from orch.tune.plan_file import check_plan_file, plan_overrides, write_plan_file
 from orch.tune.result import TrainBudget, TuneResult
 from orch.tune.tracking import finish_parent, start_parent
@@ -225,6 +225,7 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
                 ctx = dataclasses.replace(ctx, speeds=speeds)
         print(f"tune: speeds {note}", file=err, flush=True)
         result = TuneResult(search=search(space, ctx), speeds=speeds, speeds_note=note,
+                            runs_range=runs_range(cluster.measured) if cluster.measured is not None else None,
                             global_batch_size=space.global_batch_size,
                             budget=TrainBudget.declared(cfg.train, cluster, space.global_batch_size,
                                                         ctx.probe.inputs.tokens_per_sample, cfg.plan.precision))

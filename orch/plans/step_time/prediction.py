@@ -16,8 +16,8 @@ from orch.plans.spec import ClusterSpec, OptimSpec
 from orch.plans.step_time.cost_model import ModelCost, Speeds, StepTime
 from orch.plans.step_time.model_cost import measure_model_cost
 from orch.plans.step_time.phases import applied_scales, correction_kind, scaled_step
-from orch.plans.step_time.profile import cluster_speeds
-from orch.plans.step_time.ranges import StepRange, corrected_range, predicted_range
+from orch.plans.step_time.profile import cluster_speeds, runs_range
+from orch.plans.step_time.ranges import StepRange, predicted_range
 
 EXACT_PARAMS_LIMIT = 1_000_000_000
 """Models above this many parameters get their FLOPs and activations counted at two shallow depths
@@ -69,5 +69,5 @@ def declared_step_range(step: StepTime, plan: ResolvedPlan, cluster: ClusterSpec
     accelerator (:mod:`orch.plans.step_time.ranges`)."""
     speeds, _ = cluster_speeds(cluster, plan.precision)
     if speeds.phase_scale:
-        return corrected_range()
+        return runs_range(cluster.measured).scaled(step.total_s)
     return predicted_range(step.total_s, speeds=speeds.source, accelerator=plan.accelerator.value)

@@ -15,6 +15,7 @@ import statistics
 from orch.plans.errors import PlanError, Violation
 from orch.plans.spec import ClusterSpec, MatmulRate, MeasuredSpeeds, Precision
 from orch.plans.step_time.cost_model import DECLARED_SPEEDS, Speeds, speed_defaults
+from orch.plans.step_time.ranges import StepRange, held_out_range
 
 _RATES = ("intra_node_gbps", "inter_node_gbps", "host_link_gbps", "device_memory_gb_per_s", "host_memory_gb_per_s",
           "core_share", "memory_efficiency", "intra_bus_efficiency", "inter_bus_efficiency")
@@ -82,6 +83,33 @@ def run_corrections(measured: MeasuredSpeeds) -> dict[str, float]:
                 if run.kind:
                     ratios.setdefault(kind_key(run.kind, observed.phase), []).append(ratio)
     return {phase: statistics.median(values) for phase, values in ratios.items()}
+
+
+def held_out_ratios(measured: MeasuredSpeeds) -> list[float]:
+    """Each recorded run's measured / predicted step time (over the phases it timed and the model
+    priced), its prediction corrected by the *other* runs only, as a plan of its kind would be: how
+    far the corrections carry to a run they did not see. A kind with one run falls back to the
+    median over the others, so the ratios overstate the error of a plan whose kind has a run."""
+    from orch.plans.step_time.phases import applied_scales
+
+    ratios = []
+    for index, run in enumerate(measured.runs):
+        phases = [phase for phase in run.phases if phase.predicted_s > 0 and phase.measured_s > 0]
+        if not phases:
+            continue
+        others = dataclasses.replace(measured, runs=measured.runs[:index] + measured.runs[index + 1:])
+        scales = applied_scales(run_corrections(others), run.kind,
+                                pipelined=any(phase.phase == "pipeline schedule" for phase in phases))
+        predicted = sum(phase.predicted_s * scales.get(phase.phase, 1.0) for phase in phases)
+        ratios.append(sum(phase.measured_s for phase in phases) / predicted)
+    return ratios
+
+
+def runs_range(measured: MeasuredSpeeds) -> StepRange:
+    """The P10-P90 ratio range of a prediction the profile's runs corrected (:func:`held_out_ratios`)."""
+    return held_out_range(held_out_ratios(measured), "recorded runs' measured/predicted step time, each "
+                                                     "predicted with the other runs' corrections (the cluster "
+                                                     "profile's measured.runs)")
 
 
 def measured_section(speeds: Speeds, *, precision: Precision, matmul_shape: tuple[int, int], measured_at: str,

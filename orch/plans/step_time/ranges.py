@@ -128,6 +128,15 @@ def predicted_range(predicted: float, *, speeds: str, accelerator: str) -> StepR
     return ratio_range(speeds, accelerator).scaled(predicted)
 
 
+def held_out_range(ratios: Sequence[float], what: str) -> StepRange:
+    """The P10-P90 of ``ratios``, measured / predicted step time of a cluster profile's recorded runs,
+    each predicted with the corrections of the others only (``what`` says so), or why there is none."""
+    if len(ratios) < 2:
+        return _none(f"{len(ratios)} {what}: too few for a P10-P90")
+    p10, p90 = ratio_quantiles(ratios)
+    return StepRange(p10=p10, p90=p90, cases=len(ratios), source=f"P10-P90 of {len(ratios)} {what}")
+
+
 def corrected_range() -> StepRange:
     """No range for a prediction a cluster profile corrected by finished runs: the shipped sets
     measured the cost model's error without corrections, which would misstate the corrected one's."""
