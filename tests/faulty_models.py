@@ -28,6 +28,16 @@ class SetupHangingGPT(GPT):
             time.sleep(3600)
 
 
+class SlowRankGPT(GPT):
+    """Rank 1 takes 0.1 s longer for every forward pass (a slow device, a slow data path): a
+    straggler, which its peers wait for at the gradient reduction."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.device.type != "meta" and os.environ.get("RANK") == "1":
+            time.sleep(0.1)
+        return super().forward(input_ids)
+
+
 class SetupFailingGPT(GPT):
     """Rank 1 fails to build the model; rank 0 would wait for it in DeepSpeed's first collective."""
 

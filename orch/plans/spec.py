@@ -308,6 +308,12 @@ class TrainSpec:
     hang_timeout_s: float = 900.0
     """A rank that finishes no optimizer step for this long is declared hung: every rank's
     stack is saved to the MLflow run, then the group restarts or fails (0 disables)."""
+    straggler_threshold: float = 0.2
+    """A rank is named a straggler when, in the first phase of the step where the ranks differ, it
+    takes longer than their median by more than this share of the median step time, for
+    straggler_reports reports in a row (a warning, an MLflow tag and events/stragglers.txt; 0: never)."""
+    straggler_reports: int = 3
+    """Reports in a row a rank must be the slow one in the same phase before it is named."""
     setup_timeout_s: float = 1800.0
     """The same for the workers' setup before the first step: rendezvous, DeepSpeed's JIT op
     builds (minutes on a fresh machine), model construction and checkpoint loading (0 disables)."""

@@ -49,6 +49,7 @@ from orch.run.resume import checkpoint_dir_lock, signature_of
 from orch.run.startup import Startup, StartupClock
 from orch.run.startup import describe as describe_startup
 from orch.tracking.step_metrics import MeasurementsOnce, mean_peak_tflops, step_metrics
+from orch.tracking.stragglers import StragglerWatch, rank_phase_metrics
 
 if TYPE_CHECKING:
     from orch.tracking.store import RunTracker
@@ -68,6 +69,8 @@ class TrainResult:
     wall_s: float = 0.0
     startup: dict[str, float] = field(default_factory=dict)
     """Seconds of each start-up phase (orch/run/startup.py), in the order they ran."""
+    stragglers: list = field(default_factory=list)
+    """The ranks named slow, in the order they were (:class:`orch.tracking.stragglers.Straggler`)."""
 
     @property
     def time_to_first_report_s(self) -> float:
@@ -347,11 +350,14 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
     _note_setup(result.worker_facts, tracker)
     on_system = None
     if tracker:
-        from orch.tracking.train_run import SystemMetricsLog
+        from orch.tracking.train_run import SystemMetricsLog, record_stragglers
 
         on_system = SystemMetricsLog(tracker, result.worker_facts)
     peak_tflops = mean_peak_tflops(result.worker_facts)
     measurements = MeasurementsOnce()
+    threshold = job.train.straggler_threshold
+    watch = StragglerWatch(threshold, job.train.straggler_reports,
+                           {facts.rank: facts.hostname for facts in result.worker_facts})
     for reports in group.train(hang_timeout_s=job.train.hang_timeout_s, on_system=on_system):
         if not result.reports:
             clock.mark("first_report")
@@ -365,8 +371,14 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
             continue  # replayed after a restart: tracked the first time
         logged.step = reports[0].step
         metrics = step_metrics(reports, job.plan, prepared.flops_per_sample, peak_tflops)
+        metrics.update(rank_phase_metrics(reports, threshold))
         if tracker:
             tracker.log_metrics(measurements.fresh(metrics), logged.step)
+        if straggler := watch.observe(reports):
+            result.stragglers.append(straggler)
+            print(f"warning: {straggler.message()}", file=sys.stderr, flush=True)
+            if tracker:
+                record_stragglers(tracker, result.stragglers)
         tokens_per_s = metrics.get("tokens_per_s")
         progress.update(logged.step, metrics["loss"], tokens_per_s if tokens_per_s is not None
                         else metrics.get("samples_per_s"), metrics.get("eval_loss"),

@@ -139,6 +139,14 @@ def record_hang(tracker: RunTracker, error: WorkerHangError, attempt: int) -> No
     tracker.set_tags({f"hang.{attempt}.ranks": ",".join(map(str, error.ranks))})
 
 
+def record_stragglers(tracker: RunTracker, stragglers: list) -> None:
+    """Keep the ranks named slow (:mod:`orch.tracking.stragglers`): a tag each, and all of them, in
+    order, in ``events/stragglers.txt``."""
+    latest = stragglers[-1]
+    tracker.set_tags({f"straggler.{len(stragglers)}": latest.message()})
+    tracker.log_text("\n".join(s.message() for s in stragglers) + "\n", "events/stragglers.txt")
+
+
 def log_plots(tracker: RunTracker) -> None:
     """Loss, throughput and memory pictures into the run's ``plots/`` (best effort)."""
     from orch.tracking.report import write_plots
