@@ -170,6 +170,10 @@ def test_train_with_defaults_tracks_a_local_run(tmp_path):
     report = orch("report", runs[0].info.run_id, "--out", "rep", cwd=tmp_path)
     assert report.returncode == 0, report.stderr[-2000:]
     assert "throughput" in report.stdout and "MFU" in report.stdout and "restarts   0" in report.stdout
+    # Where the wall time went: printed at the end of the run, tracked, and in the report.
+    assert "goodput " in done.stdout and "% of " in done.stdout
+    assert 0 < runs[0].data.metrics["goodput"] < 1
+    assert f"goodput    {100 * runs[0].data.metrics['goodput']:.0f}% of " in report.stdout
     assert {"loss.png", "memory.png", "throughput.png"} <= {p.name for p in (tmp_path / "rep").iterdir()}
     # The run checks its plan's prediction: `orch check`'s predicted step (its total and parts) is
     # tracked, and the report sets the measured step time of the later steps beside it.
@@ -177,8 +181,9 @@ def test_train_with_defaults_tracks_a_local_run(tmp_path):
     params = runs[0].data.params
     assert float(params["step_time.predicted.total_s"]) == pytest.approx(check["step_time_s"], rel=1e-5)
     assert {key.split(".")[-1] for key in params if key.startswith("step_time.predicted.")} == {
-        "total_s", "speeds", *(f"{part}_s" for part in check["parts_s"])}
+        "total_s", "speeds", "kind", *(f"{part}_s" for part in check["parts_s"])}
     assert params["step_time.predicted.speeds"] == "declared"
+    assert params["step_time.predicted.kind"] == "engine=deepspeed zero_stage=0 offload_optimizer=none"
     history = client.get_metric_history(runs[0].info.run_id, "step_time_s")
     measured = statistics.median(p.value for p in sorted(history, key=lambda p: p.step)[len(history) // 2:])
     line = next(line for line in report.stdout.splitlines() if line.startswith("step time"))

@@ -119,6 +119,20 @@ def test_killed_workers_restart_from_the_checkpoint_even_after_the_last_one(loca
     assert [m.step for m in client.get_metric_history(result.run_id, "loss")] == [5, 10, 15, 20, 25, 30]
     assert [m.step for m in client.get_metric_history(result.run_id, "eval_loss")] == [30]
     assert latest(ckpt).step == 30
+    # Goodput: the two failures, the replayed steps 11-15, the checkpoints and the final evaluation
+    # each took their share of the wall time, and the shares add up to it.
+    goodput = result.goodput
+    total, attempts = goodput["total"], goodput["attempts"]
+    assert [a["failed"] is not None for a in attempts] == [True, True, False]
+    assert all(a["seconds"]["restart"] > 0 for a in attempts[:2]) and attempts[2]["seconds"]["restart"] == 0
+    assert attempts[1]["seconds"]["redone"] > 0 and attempts[0]["seconds"]["redone"] == 0
+    assert total["checkpoint"] > 0 and attempts[2]["seconds"]["evaluation"] > 0 and total["startup"] > 0
+    kinds = ("training", "startup", "checkpoint", "evaluation", "restart", "redone", "other")
+    assert sum(total[kind] for kind in kinds) == pytest.approx(total["wall"])
+    assert 0 < total["goodput"] < 1 and total["goodput"] == pytest.approx(total["training"] / total["wall"])
+    assert run.data.metrics["goodput"] == pytest.approx(total["goodput"])
+    assert run.data.metrics["goodput/restart_s"] == pytest.approx(total["restart"])
+    assert "goodput.json" in {a.path for a in client.list_artifacts(result.run_id)}
 
 
 def tracked_hang(sqlite_uri: str, run_name: str) -> tuple[str, str, set[str]]:

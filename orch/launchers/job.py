@@ -100,6 +100,12 @@ class StepReport:
     phase_time_s: dict[str, float] = field(default_factory=dict)
     """Mean seconds per step in each phase (forward, backward, optimizer, ...) of the steps sampled
     since the last report (:mod:`orch.launchers.step_phases`); empty when none was."""
+    steps: int = 0
+    """Optimizer steps this report's ``step_time_s`` is the mean of (those since the last report)."""
+    checkpoint_s: float = 0.0
+    """Seconds this rank spent writing checkpoints since the last report."""
+    eval_s: float = 0.0
+    """Seconds this rank spent on this report's evaluation (0 without one)."""
 
     def named_values(self) -> dict[str, float]:
         """Every value reported, by name (``loss``, ``eval_loss``, ...): what a sweep can optimize."""

@@ -140,9 +140,12 @@ class TrainWorker:
     def _report(self, step: int, local_loss: float, rates: dict, evaluating: bool, **measured) -> StepReport:
         """The report of ``step``: the loss averaged over the ranks (a collective every rank joins)."""
         global_loss, = self._mean_over_ranks([local_loss])
+        started = time.perf_counter()
+        evaluation = self.evaluate() if evaluating else {}
         return StepReport(rank=self.rank, step=step, loss=global_loss, local_loss=local_loss, lr=self.engine.lr(),
                           epoch=self.batches.state_dict()["epoch"], first_batch_digest=self.first_batch_digest,
-                          evaluation=self.evaluate() if evaluating else {}, **rates, **measured)
+                          evaluation=evaluation, eval_s=time.perf_counter() - started if evaluating else 0.0,
+                          **rates, **measured)
 
     def train(self) -> Iterator[StepReport]:
         """Run ``train.steps`` optimizer steps; yield a report every ``train.log_every`` steps.
@@ -172,6 +175,7 @@ class TrainWorker:
             nothing = {"step_time_s": float("nan"), "samples_per_s": float("nan"), "tokens_per_s": None}
             yield self._report(spec.steps, self.resumed_loss, nothing, evaluating=True)
             return
+        saved_s = 0.0
         for step in range(self.start_step + 1, spec.steps + 1):
             started = time.perf_counter()
             probing = step == spec.memory_probe_step
@@ -190,14 +194,17 @@ class TrainWorker:
             last = step == spec.steps
             self.link.stepped(step)
             if spec.checkpoint_every and (step % spec.checkpoint_every == 0 or last):
+                saving = time.perf_counter()
                 save_rank_state(self.checkpoints, self.engine, job, step, interval.mean_loss,
                                 self.batches, self.val_batches)
+                saved_s += time.perf_counter() - saving
             if step % spec.log_every and not last:
                 continue
             evaluating = bool(spec.eval_every and step % spec.eval_every == 0) or last
             yield self._report(step, interval.mean_loss, interval.rates(), evaluating, phase_time_s=clock.take(),
-                               **measured)
+                               steps=interval.steps, checkpoint_s=saved_s, **measured)
             interval.reset()
+            saved_s = 0.0
 
     def start(self) -> None:
         """Run :meth:`train` on a thread of its own and return at once; the driver then calls

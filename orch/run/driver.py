@@ -48,6 +48,7 @@ from orch.run.progress import Progress
 from orch.run.resume import checkpoint_dir_lock, signature_of
 from orch.run.startup import Startup, StartupClock
 from orch.run.startup import describe as describe_startup
+from orch.tracking.goodput import GoodputLedger
 from orch.tracking.step_metrics import MeasurementsOnce, mean_peak_tflops, step_metrics
 from orch.tracking.stragglers import StragglerWatch, rank_phase_metrics
 
@@ -69,6 +70,8 @@ class TrainResult:
     wall_s: float = 0.0
     startup: dict[str, float] = field(default_factory=dict)
     """Seconds of each start-up phase (orch/run/startup.py), in the order they ran."""
+    goodput: dict = field(default_factory=dict)
+    """Where the run's wall time went, in total and by attempt (:meth:`orch.tracking.goodput.GoodputLedger.as_dict`)."""
     stragglers: list = field(default_factory=list)
     """The ranks named slow, in the order they were (:class:`orch.tracking.stragglers.Straggler`)."""
 
@@ -210,10 +213,12 @@ def train(checked: CheckedRun, tracker: RunTracker | None, startup: Startup, *, 
     _print_plan(prepared, out)
     status = "FAILED"
     progress = Progress(cfg.train.steps)
+    ledger = GoodputLedger(started=startup.clock.started)
     try:
         startup.ray_up()
-        exported = _attempts(prepared, job, cfg, tracker, result, progress, startup.clock, on_report=on_report,
-                             logged_step=checked.published.step if checked.published else 0, out=out)
+        exported = _attempts(prepared, job, cfg, tracker, result, progress, startup.clock, ledger,
+                             on_report=on_report, logged_step=checked.published.step if checked.published else 0,
+                             out=out)
         startup.ray_done()
         if tracker and exported is not None:
             _log_export(prepared.workload, tracker, exported, out)
@@ -223,6 +228,7 @@ def train(checked: CheckedRun, tracker: RunTracker | None, startup: Startup, *, 
         raise
     finally:
         progress.close()
+        _record_goodput(ledger, result, tracker, out)
         if tracker:
             from orch.tracking.train_run import log_plots
 
@@ -301,8 +307,23 @@ def _print_plan(prepared: PreparedJob, out) -> None:
           file=out, flush=True)
 
 
+def _record_goodput(ledger: GoodputLedger, result: TrainResult, tracker: RunTracker | None, out) -> None:
+    """Where the run's wall time went (:mod:`orch.tracking.goodput`): printed, kept on the result and,
+    when tracked, as metrics and ``goodput.json``."""
+    if not ledger.attempts:
+        return
+    now = time.perf_counter()
+    result.goodput = ledger.as_dict(now)
+    print(ledger.summary(now), file=out, flush=True)
+    if tracker:
+        step = result.reports[-1][0].step if result.reports else 0
+        tracker.log_metrics(ledger.metrics(now), step)
+        tracker.log_dict(result.goodput, "goodput.json")
+
+
 def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: RunTracker | None, result: TrainResult,
-           progress: Progress, clock: StartupClock, *, on_report, logged_step: int, out) -> dict | None:
+           progress: Progress, clock: StartupClock, ledger: GoodputLedger, *, on_report, logged_step: int,
+           out) -> dict | None:
     """Attempts of the worker group until one finishes; a failed one restarts from the latest
     checkpoint while :class:`FailurePolicy` allows (steps replayed after a restart are not logged twice).
     Returns the trained model's consolidated state to log, if one is exported."""
@@ -310,12 +331,14 @@ def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: Run
     logged = _LoggedStep(logged_step)
     failures = 0
     while True:
+        ledger.attempt_started()
         group = WorkerGroup.create(prepared.group_spec)
         clock.mark("workers")
         try:
-            return _attempt(group, prepared, job, tracker, result, progress, clock, on_report=on_report,
+            return _attempt(group, prepared, job, tracker, result, progress, clock, ledger, on_report=on_report,
                             logged=logged, export=cfg.train.export and tracker is not None, out=out)
         except Exception as error:
+            ledger.attempt_failed(type(error).__name__)
             if isinstance(error, WorkerHangError):
                 print(f"hang: {error}", file=out, flush=True)
                 if tracker:
@@ -334,8 +357,8 @@ def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: Run
 
 
 def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: RunTracker | None,
-             result: TrainResult, progress: Progress, clock: StartupClock, *, on_report, logged: _LoggedStep,
-             export: bool, out) -> dict | None:
+             result: TrainResult, progress: Progress, clock: StartupClock, ledger: GoodputLedger, *, on_report,
+             logged: _LoggedStep, export: bool, out) -> dict | None:
     """One attempt: set the group up, train it to the end, gather the trained model when it is
     exported. ``logged`` advances as steps are tracked, and keeps its value when the attempt fails."""
     data = prepared.workload.data
@@ -365,6 +388,7 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
             if tracker:
                 tracker.log_metrics(clock.metrics(), reports[0].step)
         result.reports.append(reports)
+        ledger.reported(reports, redone=reports[0].step <= logged.step)
         if on_report:
             on_report(reports, result.worker_facts)
         if reports[0].step <= logged.step:

@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from orch.plans.engines import EngineSpec, engine_names, engine_spec  # noqa: E402
+from orch.tracking.goodput import LOSSES  # noqa: E402
 from orch.tracking.step_prediction import (  # noqa: E402
     PhaseComparison,
     most_wrong,
@@ -209,6 +210,12 @@ def summary(client: MlflowClient, run_id: str) -> str:
         lines.append(f"memory     predicted peak {int(p.get('memory.predicted.total', 0)) / MIB:.1f} MiB, "
                      f"measured {m['memory/measured_peak_bytes'] / MIB:.1f} MiB per device")
     lines.append(f"restarts   {t.get('restarts', '0')}")
+    if "goodput" in m:
+        shares = [(kind, m.get(f"goodput/{kind}_s", 0.0)) for kind in ("training", *LOSSES)]
+        lines.append(f"goodput    {100 * m['goodput']:.0f}% of {m.get('goodput/wall_s', 0.0):.1f} s wall: "
+                     + ", ".join(f"{kind} {seconds:.1f} s" for kind, seconds in shares if seconds >= 0.05))
+    stragglers = sorted((key for key in t if key.startswith("straggler.")), key=lambda k: int(k.split(".")[1]))
+    lines += [f"straggler  {t[key]}" for key in stragglers]
     return "\n".join(lines)
 
 
