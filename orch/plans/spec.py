@@ -239,6 +239,15 @@ class ClusterSpec:
     device_hour_usd: float | None = None
     """Price of one device for one hour; `orch tune` then prices each plan's time to train
     (null: no cost column)."""
+    mtbf_hours: float | None = None
+    """Mean time between failures of one node, in hours: `orch tune` then predicts each plan's time to
+    train with the checkpoints, restarts and lost work failures cost, and the checkpoint interval that
+    minimizes it (Young/Daly; null: failures not priced)."""
+    storage_gb_per_s: float = 1.0
+    """GB/s one node writes (and reads) a checkpoint at: the predicted save time with mtbf_hours."""
+    restart_s: float = 300.0
+    """Seconds a restart takes before training resumes (rescheduling, start-up, loading the checkpoint):
+    priced with mtbf_hours; a run's goodput/restart_s and goodput/startup_s measure yours."""
     measured: MeasuredSpeeds | None = None
     """Speeds measured on this cluster by `orch calibrate` (the profile it writes sets them); used
     instead of the declared speeds above. null: the declared ones."""

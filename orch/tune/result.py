@@ -13,8 +13,9 @@ from orch.plans.engines import engine_spec
 from orch.plans.memory.build import format_bytes
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.search.space import Candidate, SearchResult
-from orch.plans.spec import Accelerator, ClusterSpec, Precision, TrainSpec
+from orch.plans.spec import Accelerator, ClusterSpec, OptimSpec, Precision, TrainSpec
 from orch.plans.step_time.cost_model import Speeds, StepTime, declared_speed_values
+from orch.plans.step_time.failures import FailureModel, failure_model
 from orch.plans.step_time.ranges import StepRange, corrected_range, ratio_range
 from orch.tune.plan_file import train_command
 
@@ -31,14 +32,19 @@ class TrainBudget:
     """Dense peak TFLOP/s of one device as declared (``cluster.device_tflops`` or the GPU default);
     None on CPU workers, whose declared number is an order of magnitude, not a peak."""
     device_hour_usd: float | None = None
+    failures: FailureModel | None = None
+    """The cluster's declared failures (``cluster.mtbf_hours``): each plan's expected time to train
+    with them and its checkpoint interval (:mod:`orch.plans.step_time.failures`); None: not priced."""
     unit: str = "tokens"
     """What ``tokens`` and the rates count: tokens for a workload whose samples are sequences,
     samples for one whose are not (images, tabular rows), where a 'token' would be a sample."""
 
     @classmethod
     def declared(cls, train: TrainSpec, cluster: ClusterSpec, global_batch_size: int, seq_len: int | None,
-                 precision: Precision | None = None) -> TrainBudget:
-        """``seq_len``: tokens per sample, or None for a workload without tokens."""
+                 precision: Precision | None = None, *, param_count: int | None = None,
+                 optim: OptimSpec | None = None) -> TrainBudget:
+        """``seq_len``: tokens per sample, or None for a workload without tokens; ``param_count`` and
+        ``optim`` size the checkpoint failures are priced with."""
         unit = "tokens" if seq_len else "samples"
         seq_len = seq_len or 1
         if train.tokens:
@@ -49,8 +55,10 @@ class TrainBudget:
                       + (f" x sequence {seq_len}" if unit == "tokens" else ""))
         peak = (declared_speed_values(cluster, precision)["device_tflops"] if cluster.accelerator == Accelerator.gpu
                 else None)
+        failures = (failure_model(cluster, param_count, precision or Precision.fp32, optim)
+                    if param_count is not None and optim is not None else None)
         return cls(tokens=tokens, source=source, devices=cluster.world_size, peak_tflops=peak,
-                   device_hour_usd=cluster.device_hour_usd, unit=unit)
+                   device_hour_usd=cluster.device_hour_usd, failures=failures, unit=unit)
 
     def time_s(self, step: StepTime) -> float:
         """Predicted seconds to train ``tokens`` at the plan's predicted throughput."""
@@ -67,12 +75,26 @@ class TrainBudget:
         device over the device's declared peak."""
         return None if not self.peak_tflops else step.model_tflops_per_device / self.peak_tflops
 
+    def expected_time_s(self, step: StepTime) -> float | None:
+        """The time to train with the declared failures, checkpointing at the best interval (None
+        when failures are not declared)."""
+        return None if self.failures is None else self.time_s(step) * self.failures.factor()
+
     def as_json(self) -> dict:
+        failures = None
+        if self.failures is not None:
+            failures = {**dataclasses.asdict(self.failures), "interval_s": self.failures.interval_s,
+                        "factor": self.failures.factor()}
         return {"tokens": self.tokens, "source": self.source, "devices": self.devices,
-                "peak_tflops": self.peak_tflops, "device_hour_usd": self.device_hour_usd, "unit": self.unit}
+                "peak_tflops": self.peak_tflops, "device_hour_usd": self.device_hour_usd, "unit": self.unit,
+                "failures": failures}
 
     def predicted_json(self, step: StepTime) -> dict:
-        return {"mfu": self.mfu(step), "time_to_train_s": self.time_s(step), "cost_usd": self.cost_usd(step)}
+        doc = {"mfu": self.mfu(step), "time_to_train_s": self.time_s(step), "cost_usd": self.cost_usd(step)}
+        if self.failures is not None:
+            doc["expected_time_to_train_s"] = self.expected_time_s(step)
+            doc["checkpoint_every"] = self.failures.checkpoint_every(step.total_s)
+        return doc
 
     def range_json(self, step: StepTime, ratios: StepRange) -> dict:
         """P10 and P90 of the step time, the time to train and the cost (None unpriced): each is the
@@ -262,6 +284,8 @@ def render(result: TuneResult, top_k: int) -> str:
                         else "; set cluster.device_hour_usd to price it")
                      + ("; MFU: the model's FLOPs (no recomputation) over the declared peak "
                         f"{budget.peak_tflops:g} TFLOP/s" if budget.peak_tflops else ""))
+        if budget.failures is not None:
+            lines.append(f"failures: {budget.failures.describe()}")
     lines += ["", f"{'#':>3}  {'engine':<9} {'plan':<66} {'step s':>9} {unit + '/s':>11} {'TFLOP/s':>8}"
               f"{_budget_columns(budget, None)} {'peak mem':>10}  measured"]
     tried = {id(t.candidate): t for t in result.trials}
@@ -295,6 +319,11 @@ def render(result: TuneResult, top_k: int) -> str:
                          + _between(ratios, time_s, duration_range)
                          + (f" for {_usd(cost)}{_between(ratios, cost, _usd_range)}" if cost is not None else ""))
             lines.append(f"  {'range: ' if ratios.known else ''}{ratios.source}")
+            if budget.failures is not None:
+                expected = budget.expected_time_s(step)
+                lines.append(f"  with failures: {duration(expected)}" + _between(ratios, expected, duration_range)
+                             + f", checkpointing every {budget.failures.checkpoint_every(step.total_s)} steps "
+                             f"(train.checkpoint_every={budget.failures.checkpoint_every(step.total_s)})")
         if result.plan_file:
             lines.append(f"  written to {result.plan_file}")
             command = train_command(result)

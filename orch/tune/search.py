@@ -228,7 +228,8 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
                             runs_range=runs_range(cluster.measured) if cluster.measured is not None else None,
                             global_batch_size=space.global_batch_size,
                             budget=TrainBudget.declared(cfg.train, cluster, space.global_batch_size,
-                                                        ctx.probe.inputs.tokens_per_sample, cfg.plan.precision))
+                                                        ctx.probe.inputs.tokens_per_sample, cfg.plan.precision,
+                                                        param_count=ctx.model_cost.param_count, optim=cfg.optim))
         if not result.search.ranked:
             raise PlanError([Violation("plan", "any", f"none of the {result.search.enumerated} plans of the search "
                                        f"space fits: {dict(result.search.rejected.most_common(5))}.",
