@@ -185,6 +185,12 @@ class Outcome:
     losses: list[float] = field(default_factory=list)
     step_time_s: float | None = None
     predicted_step_s: float | None = None
+    predicted_parts: dict[str, float] = field(default_factory=dict)
+    """The parts of the calibrated prediction (``predicted_step_s``), by name."""
+    kind: str = ""
+    corrected_step_s: float | None = None
+    """The calibrated prediction corrected, phase by phase, by the *other* cases' runs
+    (:func:`held_out_corrections`), as `orch calibrate`'s reference runs correct a profile."""
     tflops: float | None = None
     mfu: float | None = None
     measured_peak: int | None = None
@@ -211,8 +217,10 @@ def orch_command() -> list[str]:
 
 
 def predicted_step_times(cases: list[Case], setup: Setup, machine: Machine, work: Path, log,
-                         notes: list[str]) -> dict[str, float]:
-    """Each case's step time as the tuner's cost model predicts it with speeds measured on this GPU.
+                         notes: list[str]) -> dict[str, tuple]:
+    """Each case's predicted step (a StepTime) and the kind of plan it is
+    (:func:`orch.plans.step_time.phases.correction_kind`), as the tuner's cost model predicts it
+    with speeds measured on this GPU.
 
     Per model, the search space is the cases' own plans (dp=1, the micro-batch, ZeRO 0, 2 and 3,
     offload and activation checkpointing on and off), and the speeds are calibrated on a Ray
@@ -227,6 +235,7 @@ def predicted_step_times(cases: list[Case], setup: Setup, machine: Machine, work
     from orch.launchers.ray_session import ray_session
     from orch.launchers.worker_group import job_env
     from orch.plans.search.space import search
+    from orch.plans.step_time.phases import correction_kind
     from orch.tune.search import measure_speeds, prepare
 
     register_configs()
@@ -266,8 +275,38 @@ def predicted_step_times(cases: list[Case], setup: Setup, machine: Machine, work
                     p = candidate.plan
                     if (p.engine, p.zero_stage, p.offload_optimizer.value, p.offload_param.value,
                             p.activation_checkpointing) == want:
-                        times[case.name] = candidate.predicted.total_s
+                        times[case.name] = (candidate.predicted, correction_kind(p))
     return times
+
+
+def held_out_corrections(outcomes: list[Outcome]) -> None:
+    """Set each finished case's calibrated prediction corrected by the other cases' runs alone: each
+    case is a run of one kind (engine, its settings, offload), and its measured phases against the
+    calibrated prediction's parts correct the others as `orch calibrate`'s reference runs do (the same
+    kind's runs first: the other model's case of that plan). Held out, so no case is predicted from
+    its own run (orch/plans/step_time/profile.py held_out_predictions)."""
+    from orch.plans.spec import PhaseObservation, RunObservation
+    from orch.plans.step_time.phases import phase_groups
+    from orch.plans.step_time.profile import held_out_predictions
+
+    runs, by_run = [], {}
+    for o in outcomes:
+        if o.status != "ok" or not o.phases or not o.predicted_parts:
+            continue
+        measured = {name: seconds for name, _, seconds in o.phases}
+        groups = phase_groups("pipeline schedule" in measured)
+        phases = [PhaseObservation(phase=g.name, predicted_s=sum(o.predicted_parts.get(part, 0.0) for part in g.parts),
+                                   measured_s=measured[g.name]) for g in groups if g.name in measured]
+        run = RunObservation(run_id=o.run_id, plan=o.case.plan, recorded_at="", phases=phases, kind=o.kind)
+        runs.append(run)
+        by_run[id(run)] = o
+    if len(runs) < 2:
+        return
+    for run, predicted, measured in held_out_predictions(runs):
+        outcome = by_run[id(run)]
+        # The phases left out of the prediction (the step's own bookkeeping) add what they measured.
+        outside = (outcome.step_time_s or measured) - measured
+        outcome.corrected_step_s = predicted + max(outside, 0.0)
 
 
 def plan_key(overrides: list[str]) -> tuple[str, int, str, str, bool]:
@@ -435,19 +474,22 @@ def report(setup: Setup, machine: Machine, versions: str, outcomes: list[Outcome
              f"(step time and MFU: median of the logged intervals after the first); command: "
              "`python -m bench.gpu_check` (bench/gpu_smoke.sh)", "",
              "| case | status | loss first → last | falls | predicted peak GiB | measured peak GiB | error | "
-             "predicted step s | measured step s | ratio | TFLOP/s | MFU | optimizer |",
-             "|---|---|---|:-:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "predicted step s | measured step s | ratio | corrected by the other cases s | ratio | TFLOP/s | MFU | "
+             "optimizer |",
+             "|---|---|---|:-:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for o in outcomes:
         falls = "-" if len(o.losses) < 2 else ("yes" if o.losses[-1] < o.losses[0] else "**no**")
         losses = f"{o.losses[0]:.3f} → {o.losses[-1]:.3f}" if o.losses else "-"
         err = o.peak_error
         err_text = "-" if err is None else (f"{err:+.1%}" if abs(err) <= PEAK_TARGET else f"**{err:+.1%}**")
         ratio = (o.predicted_step_s / o.step_time_s) if o.predicted_step_s and o.step_time_s else None
+        corrected = (o.corrected_step_s / o.step_time_s) if o.corrected_step_s and o.step_time_s else None
         lines.append(
             f"| {o.case.name} | {o.status} | {losses} | {falls} | "
             f"{fmt(o.predicted_peak and o.predicted_peak / gib, '.2f')} | "
             f"{fmt(o.measured_peak and o.measured_peak / gib, '.2f')} | {err_text} | "
             f"{fmt(o.predicted_step_s, '.3f')} | {fmt(o.step_time_s, '.3f')} | {fmt(ratio, '.2f')} | "
+            f"{fmt(o.corrected_step_s, '.3f')} | {fmt(corrected, '.2f')} | "
             f"{fmt(o.tflops, '.0f')} | {fmt(o.mfu, '.1%')} | {o.optimizer or '-'} |")
     phased = [o for o in outcomes if o.phases]
     if phased:
@@ -469,7 +511,10 @@ def report(setup: Setup, machine: Machine, versions: str, outcomes: list[Outcome
     if notes:
         lines += ["", "## Notes", "", *(f"- {n}" for n in notes)]
     lines += ["", "Error: (predicted - measured) / measured, target ±10% (the predicted peak less the allocator "
-              "reserve). Ratio: predicted / measured step time. Logs of every command: the `*.log` files "
+              "reserve). Ratio: predicted / measured step time (target after calibration: 0.85-1.15). Corrected by "
+              "the other cases: the calibrated prediction with each phase scaled by the other cases' runs "
+              "(the same plan's on the other model first), as `orch calibrate`'s reference runs correct a profile. "
+              "Logs of every command: the `*.log` files "
               "beside the results when run by bench/gpu_smoke.sh."]
     return "\n".join(lines) + "\n"
 
@@ -581,8 +626,11 @@ def main(argv: list[str] | None = None) -> int:
             outcomes.append(Outcome(case, status=f"not run (budget {args.budget_s:.0f} s spent)"))
             continue
         outcome = run_case(case, setup, machine, work, args.case_timeout_s, log)
-        outcome.predicted_step_s = predicted.get(case.name)
+        if case.name in predicted:
+            step, outcome.kind = predicted[case.name]
+            outcome.predicted_step_s, outcome.predicted_parts = step.total_s, step.as_dict()["parts_s"]
         outcomes.append(outcome)
+        held_out_corrections(outcomes)
         write(outcomes)
     try:
         notes.append(profile_check(cases[0], setup, machine, work, log))

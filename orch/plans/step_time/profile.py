@@ -13,7 +13,7 @@ import math
 import statistics
 
 from orch.plans.errors import PlanError, Violation
-from orch.plans.spec import ClusterSpec, MatmulRate, MeasuredSpeeds, Precision
+from orch.plans.spec import ClusterSpec, MatmulRate, MeasuredSpeeds, Precision, RunObservation
 from orch.plans.step_time.cost_model import DECLARED_SPEEDS, Speeds, speed_defaults
 from orch.plans.step_time.ranges import StepRange, held_out_range
 
@@ -68,14 +68,19 @@ def profile_speeds(measured: MeasuredSpeeds) -> Speeds:
 
 
 def run_corrections(measured: MeasuredSpeeds) -> dict[str, float]:
-    """Each phase group's correction from the profile's finished runs: the median of measured over
-    predicted among the runs that timed it (a group no run predicted time for has none), and the
-    same among the runs of each kind that recorded theirs, under ``kind_key(kind, group)``: a plan
-    takes its own kind's where there are any (:func:`orch.plans.step_time.phases.applied_scales`)."""
+    """Each phase group's correction from the profile's finished runs (:func:`corrections_of`)."""
+    return corrections_of(measured.runs)
+
+
+def corrections_of(runs: list[RunObservation]) -> dict[str, float]:
+    """Each phase group's correction from finished ``runs``: the median of measured over predicted
+    among the runs that timed it (a group no run predicted time for has none), and the same among
+    the runs of each kind that recorded theirs, under ``kind_key(kind, group)``: a plan takes its
+    own kind's where there are any (:func:`orch.plans.step_time.phases.applied_scales`)."""
     from orch.plans.step_time.phases import kind_key
 
     ratios: dict[str, list[float]] = {}
-    for run in measured.runs:
+    for run in runs:
         for observed in run.phases:
             if observed.predicted_s > 0 and observed.measured_s > 0:
                 ratio = observed.measured_s / observed.predicted_s
@@ -85,24 +90,29 @@ def run_corrections(measured: MeasuredSpeeds) -> dict[str, float]:
     return {phase: statistics.median(values) for phase, values in ratios.items()}
 
 
-def held_out_ratios(measured: MeasuredSpeeds) -> list[float]:
-    """Each recorded run's measured / predicted step time (over the phases it timed and the model
-    priced), its prediction corrected by the *other* runs only, as a plan of its kind would be: how
-    far the corrections carry to a run they did not see. A kind with one run falls back to the
-    median over the others, so the ratios overstate the error of a plan whose kind has a run."""
+def held_out_predictions(runs: list[RunObservation]) -> list[tuple[RunObservation, float, float]]:
+    """(run, its predicted seconds corrected by the *other* runs only, its measured seconds), over
+    the phases it timed and the model priced, for each run that has such phases: how far the
+    corrections carry to a run they did not see, as a plan of its kind would take them."""
     from orch.plans.step_time.phases import applied_scales
 
-    ratios = []
-    for index, run in enumerate(measured.runs):
+    out = []
+    for index, run in enumerate(runs):
         phases = [phase for phase in run.phases if phase.predicted_s > 0 and phase.measured_s > 0]
         if not phases:
             continue
-        others = dataclasses.replace(measured, runs=measured.runs[:index] + measured.runs[index + 1:])
-        scales = applied_scales(run_corrections(others), run.kind,
+        scales = applied_scales(corrections_of(runs[:index] + runs[index + 1:]), run.kind,
                                 pipelined=any(phase.phase == "pipeline schedule" for phase in phases))
         predicted = sum(phase.predicted_s * scales.get(phase.phase, 1.0) for phase in phases)
-        ratios.append(sum(phase.measured_s for phase in phases) / predicted)
-    return ratios
+        out.append((run, predicted, sum(phase.measured_s for phase in phases)))
+    return out
+
+
+def held_out_ratios(measured: MeasuredSpeeds) -> list[float]:
+    """Each recorded run's measured / predicted step time, its prediction corrected by the other
+    runs only (:func:`held_out_predictions`). A kind with one run falls back to the median over the
+    others, so the ratios overstate the error of a plan whose kind has a run."""
+    return [measured_s / predicted for _, predicted, measured_s in held_out_predictions(measured.runs)]
 
 
 def runs_range(measured: MeasuredSpeeds) -> StepRange:
