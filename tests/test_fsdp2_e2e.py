@@ -38,9 +38,16 @@ def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_referenc
     # Each rank held only its shard of the model after building it.
     assert all(f.model.params_on_rank < first.model.param_count for f in first.worker_facts)
     out = io.StringIO()
+    # Resumed with checkpoints written in the background (DCP's async_save): step 20's is written
+    # while steps 21-30 train, and published when step 30's (the last, written at once) begins.
     resumed = train(sqlite_uri, *checkpoints, "plan.dp=1", "cluster.devices_per_node=1", "plan.grad_accum_steps=2",
-                    "plan.precision=fp32", stream=out)
+                    "plan.precision=fp32", "train.async_checkpoint=true", stream=out)
     assert "universal" not in out.getvalue()
+    from orch.launchers.manifest import verify
+
+    for step in (20, 30):  # both whole: every file the manifest lists, byte for byte, nothing else
+        assert verify(tmp_path / "ckpt" / f"step_{step:09d}").files
+    assert resumed.goodput["total"]["checkpoint"] > 0
     assert resumed.run_id == first.run_id and resumed.worker_facts[0].start_step == 10
     assert [r[0].step for r in resumed.reports] == [15, 20, 25, 30]
     assert [r[0].loss for r in resumed.reports] == pytest.approx([r[0].loss for r in dp_reference.reports[2:]],

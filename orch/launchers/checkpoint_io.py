@@ -26,6 +26,8 @@ class CheckpointIO:
         self.job, self.rank, self.local_rank, self.world_size = job, rank, local_rank, world_size
         self.location = job.train.checkpoint_dir
         self.remote = is_remote(self.location)
+        self._pending: tuple | None = None
+        """A checkpoint written in the background: (wait for this rank's files, step, layout)."""
 
     def root(self) -> str:
         """Where the engine writes and reads: ``train.checkpoint_dir``, or for a URI this node's
@@ -36,15 +38,16 @@ class CheckpointIO:
 
         return str(staging_dir(self.location, ray.get_runtime_context().get_node_id()))
 
-    def save(self, engine: Engine, step: int, client_state: dict[str, Any]) -> None:
-        """Write this rank's part of the checkpoint of ``step``; rank 0 publishes it once every rank is done."""
+    def save(self, engine: Engine, step: int, client_state: dict[str, Any], *, background: bool = False) -> None:
+        """Write this rank's part of the checkpoint of ``step``; rank 0 publishes it once every rank
+        is done. With ``background`` and an engine that can (:meth:`Engine.save_async`) the files are
+        written while training goes on, and published by :meth:`finish` (the next save calls it):
+        until then the checkpoint has no manifest and no resume reads it."""
         import torch.distributed as dist
 
-        from orch.launchers.checkpoint import publish, publish_remote, tag_for
-        from orch.launchers.manifest import file_digests
+        from orch.launchers.checkpoint import tag_for
 
-        spec = self.job.train
-        layout = client_state["layout"]
+        self.finish()
         root, tag = self.root(), tag_for(step)
         # What an earlier attempt left under this tag (a run resumed from an older checkpoint
         # writes the same steps again) must not end up in this checkpoint's manifest.
@@ -55,8 +58,37 @@ class CheckpointIO:
         if self.remote and self.local_rank == 0:
             shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
         dist.barrier()
+        wait = engine.save_async(root, tag, client_state) if background else None
+        if wait is not None:
+            self._pending = (wait, step, client_state["layout"])
+            return
         engine.save(root, tag, client_state)
         dist.barrier()
+        self._publish(step, client_state["layout"])
+
+    def finish(self) -> None:
+        """Wait for a checkpoint written in the background, then publish it (every rank calls it at
+        the same point of the loop: the next save, or the end of training)."""
+        if self._pending is None:
+            return
+        import torch.distributed as dist
+
+        wait, step, layout = self._pending
+        self._pending = None
+        wait()
+        dist.barrier()
+        self._publish(step, layout)
+
+    def _publish(self, step: int, layout: dict) -> None:
+        """Rank 0 writes the manifest of the checkpoint every rank has written; for a URI, each
+        node's files are digested and uploaded first."""
+        import torch.distributed as dist
+
+        from orch.launchers.checkpoint import publish, publish_remote, tag_for
+        from orch.launchers.manifest import file_digests
+
+        spec = self.job.train
+        root, tag = self.root(), tag_for(step)
         if not self.remote:
             if self.rank == 0:
                 publish(root, step, self.job.run_id, spec.keep_checkpoints, layout=layout,

@@ -20,8 +20,9 @@ class Resumed:
 
 
 def save_rank_state(checkpoints: CheckpointIO, engine: Engine, job: TrainJob, step: int, loss: float,
-                    batches: Any, val_batches: Any) -> None:
-    """Checkpoint ``step``. ``loss`` is this rank's mean training loss over the steps since its
+                    batches: Any, val_batches: Any, *, background: bool = False) -> None:
+    """Checkpoint ``step`` (written in the background when ``background`` and the engine can:
+    :meth:`CheckpointIO.save`). ``loss`` is this rank's mean training loss over the steps since its
     last report: an attempt resumed from the last step's checkpoint has no step left to train,
     and reports it."""
     import torch
@@ -30,7 +31,7 @@ def save_rank_state(checkpoints: CheckpointIO, engine: Engine, job: TrainJob, st
 
     checkpoints.save(engine, step, {
         "step": step, "data": batches.state_dict(), "val_data": val_batches.state_dict(),
-        "rng": torch.get_rng_state(), "layout": layout_of(job.plan), "loss": loss})
+        "rng": torch.get_rng_state(), "layout": layout_of(job.plan), "loss": loss}, background=background)
 
 
 def restore_rank_state(checkpoints: CheckpointIO, engine: Engine, job: TrainJob, tag: str,

@@ -195,8 +195,9 @@ class TrainWorker:
             self.link.stepped(step)
             if spec.checkpoint_every and (step % spec.checkpoint_every == 0 or last):
                 saving = time.perf_counter()
+                # The last step's checkpoint is written at once: the run ends with it published.
                 save_rank_state(self.checkpoints, self.engine, job, step, interval.mean_loss,
-                                self.batches, self.val_batches)
+                                self.batches, self.val_batches, background=spec.async_checkpoint and not last)
                 saved_s += time.perf_counter() - saving
             if step % spec.log_every and not last:
                 continue

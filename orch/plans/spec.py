@@ -299,6 +299,10 @@ class TrainSpec:
     steps run unobserved, at full speed."""
     checkpoint_every: int = 0
     """Write a DeepSpeed checkpoint every this many steps, and at the last step (0: never)."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background where the engine can (FSDP2: DCP's async_save): the step waits
+    only while the state is copied to host memory; the checkpoint is published (resumable) once written, at
+    the next checkpoint, and the last one at once. DeepSpeed's are written in the step."""
     checkpoint_dir: str = "checkpoints"
     """Where checkpoints go: a path (shared by every node of a multi-node run) or a URI of object
     storage (s3://bucket/run, gs://..., file:///...), whose credentials come from the environment."""

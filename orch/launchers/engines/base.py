@@ -146,6 +146,13 @@ class Engine(ABC):
         Every rank calls it; the loop publishes the checkpoint (its manifest) afterwards.
         """
 
+    def save_async(self, root: str, tag: str, client_state: dict[str, Any]) -> Callable[[], None] | None:
+        """Start writing checkpoint ``tag`` in the background and return once the step may go on
+        (the state copied to host memory), with a callable that waits until this rank's files are
+        written; None when the engine cannot (the loop then calls :meth:`save`). Every rank calls
+        it; the loop publishes the checkpoint only after every rank's wait returned."""
+        return None
+
     @abstractmethod
     def load(self, root: str, tag: str) -> dict[str, Any]:
         """Restore model, optimizer and schedule from ``root/tag``, loading nothing that could run

@@ -31,6 +31,8 @@ class FSDP2Engine(Engine):
     """One rank of an FSDP2 run (with DTensor tensor parallelism when ``plan.tp > 1``)."""
 
     name = "fsdp2"
+    _checkpoint_group = None
+    """The gloo group background checkpoint writes coordinate on (:meth:`save_async`), made at the first."""
 
     def start(self, job: TrainJob, master_addr: str, master_port: int) -> None:
         """Join the process group: gloo for CPU workers, NCCL on this rank's current CUDA device
@@ -216,6 +218,24 @@ class FSDP2Engine(Engine):
             scaler = {"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
             write_client_state(folder, {**client_state, "scheduler": self.scheduler.state_dict(), **scaler})
         dist.barrier()
+
+    def save_async(self, root: str, tag: str, client_state: dict[str, Any]) -> Callable[[], None]:
+        """DCP's ``async_save``: the shards are copied to host memory now and written by a thread
+        (its collectives on a gloo group of their own, apart from training's); rank 0 writes the
+        loop's state at once. Returns the wait for the written files."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        from orch.launchers.engines.fsdp2.dcp_files import write_client_state
+
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        folder = os.path.join(root, tag)
+        written = dcp.async_save(self._state(), checkpoint_id=folder, process_group=self._checkpoint_group)
+        if self.rank == 0:
+            scaler = {"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+            write_client_state(folder, {**client_state, "scheduler": self.scheduler.state_dict(), **scaler})
+        return written.result
 
     def load(self, root: str, tag: str) -> dict[str, Any]:
         """Every file of the tag checked against its manifest first, then DCP's load, resharded to
