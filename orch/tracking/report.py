@@ -37,8 +37,8 @@ def _history(client: MlflowClient, run_id: str, key: str) -> tuple[list[int], li
 
 
 def write_plots(client: MlflowClient, run_id: str, out_dir: Path) -> list[Path]:
-    """loss.png, throughput.png, memory.png, and system.png and step_time.png when the run measured
-    them; returns the files written."""
+    """loss.png, throughput.png, memory.png, and system.png, step_time.png and ranks.png (the ranks'
+    phases where they differed) when the run measured them; returns the files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     run = client.get_run(run_id)
     written = []
@@ -75,6 +75,8 @@ def write_plots(client: MlflowClient, run_id: str, out_dir: Path) -> list[Path]:
         written.append(_save(system_figure(client, run), out_dir / "system.png"))
     if comparisons := phase_comparisons(client, run_id, params, run.data.metrics):
         written.append(_save(step_time_figure(comparisons), out_dir / "step_time.png"))
+    if (ranks := rank_phase_figure(client, run)) is not None:
+        written.append(_save(ranks, out_dir / "ranks.png"))
     return written
 
 
@@ -89,6 +91,45 @@ def step_time_figure(comparisons: list[PhaseComparison]):
     worst = most_wrong(comparisons)
     ax.set(ylabel="seconds per step", title=f"step time by phase (most wrong: {worst.name})")
     ax.legend()
+    return fig
+
+
+def rank_phase_figure(client: MlflowClient, run):
+    """Ranks x logged steps: how far each rank's slowest phase ran past the ranks' median there, in
+    ms, from the per-rank phases a run tracks where its ranks differ (:mod:`orch.tracking.stragglers`);
+    None when it tracked none."""
+    import re
+
+    found: dict[int, dict[str, dict[int, float]]] = {}
+    for key in run.data.metrics:
+        if match := re.fullmatch(r"step_phase/rank(\d+)/(\w+)_s", key):
+            rank, phase = int(match[1]), match[2]
+            steps, values = _history(client, run.info.run_id, key)
+            found.setdefault(rank, {})[phase] = dict(zip(steps, values, strict=True))
+    if not found:
+        return None
+    ranks = sorted(found)
+    steps = sorted({step for phases in found.values() for history in phases.values() for step in history})
+    phases = sorted({phase for by_phase in found.values() for phase in by_phase})
+    grid = []
+    for rank in ranks:
+        row = []
+        for step in steps:
+            excess = []
+            for phase in phases:
+                times = [found[r].get(phase, {}).get(step) for r in ranks]
+                times = [t for t in times if t is not None]
+                mine = found[rank].get(phase, {}).get(step)
+                if mine is not None and times:
+                    excess.append(mine - statistics.median(times))
+            row.append(1e3 * max(excess) if excess else float("nan"))
+        grid.append(row)
+    fig, ax = plt.subplots(figsize=(7, 1.5 + 0.35 * len(ranks)))
+    image = ax.imshow(grid, aspect="auto", cmap="Reds", interpolation="nearest")
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_xticks(range(len(steps)), [str(s) for s in steps])
+    ax.set(xlabel="step", title="ms per step past the ranks' median, in each rank's slowest phase")
+    fig.colorbar(image, ax=ax)
     return fig
 
 
