@@ -59,7 +59,8 @@ def assert_the_straggler_is_named(result, sqlite_uri: str) -> None:
     """Rank 1's forward is 0.1 s slower: named once, in its forward (not rank 0, which waits for
     it in the backward), with every rank's phases tracked."""
     [straggler] = result.stragglers
-    assert (straggler.rank, straggler.phase) == (1, "forward") and straggler.excess_s > 0.05, straggler
+    # Over the median of two ranks, their mean: half of the 0.1 s rank 1 sleeps.
+    assert (straggler.rank, straggler.phase) == (1, "forward") and straggler.excess_s > 0.035, straggler
     # Three reports in a row (every 5 steps): the first may still be warming up either rank.
     assert straggler.first_step in (5, 10) and straggler.last_step == straggler.first_step + 10, straggler
     run = MlflowClient(tracking_uri=sqlite_uri).get_run(result.run_id)
