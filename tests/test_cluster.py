@@ -16,7 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from bench.tracking_overhead import launch_mlflow_server, stop, wait_healthy
-from helpers.processes import free_port, kill_tree, processes_mentioning, worker_env
+from helpers.processes import RAY_STOP_GRACE_S, free_port, kill_tree, processes_mentioning, worker_env
 from helpers.tracking_server import ADMIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
@@ -67,7 +67,7 @@ def two_node_ray(s3_store):
         # The client proxy and its session servers name the GCS port, not the temp dir; left
         # running, they would hold the session ports (23000 and up) the next cluster's proxy uses.
         client_servers = processes_mentioning("ray.util.client.server") & processes_mentioning(f":{port}")
-        kill_tree(processes_mentioning(temp_dir) | client_servers)
+        kill_tree(processes_mentioning(temp_dir) | client_servers, grace_s=RAY_STOP_GRACE_S)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

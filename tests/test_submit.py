@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 from test_cluster import env_without_mlflow_credentials, files_holding
 
 from helpers.config import compose_config
-from helpers.processes import free_port, kill_tree, processes_mentioning, worker_env
+from helpers.processes import RAY_STOP_GRACE_S, free_port, kill_tree, processes_mentioning, worker_env
 from helpers.projects import plant_packages_named_like_orchs_parts
 from helpers.tracking_server import ADMIN
 from orch.config import to_typed
@@ -121,7 +121,7 @@ def ray_jobs_head(env: dict[str, str]) -> Iterator[dict]:
     finally:
         # The client proxy names the GCS port, not the temp dir.
         client_servers = processes_mentioning("ray.util.client.server") & processes_mentioning(f":{port}")
-        kill_tree(processes_mentioning(temp_dir) | client_servers)
+        kill_tree(processes_mentioning(temp_dir) | client_servers, grace_s=RAY_STOP_GRACE_S)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
