@@ -238,7 +238,7 @@ def test_a_submitted_job_trains_the_users_own_code_with_the_clusters_credentials
         runs = client.search_runs([experiment.experiment_id]) if experiment else []
         if runs and client.get_metric_history(runs[0].info.run_id, "loss"):
             break
-        time.sleep(2)
+        time.sleep(0.5)
     else:
         pytest.fail("the long job never reported a step")
     stopped = orch("stop", long_id, address, cwd=project, env=head["env"])
