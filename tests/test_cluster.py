@@ -51,8 +51,9 @@ def two_node_ray(s3_store):
     env = {**worker_env(), **s3_store["env"], "RAY_AUTH_TOKEN_PATH": str(token)}
     fault = os.path.join(temp_dir, "fail-next-client-session")
     # The head waits 15 s, not 30, for a client session server to answer before giving up on it
-    # (twice, for the data and the log stream): the injected fault costs ~45 s instead of ~75
-    # (the rest is the client's 30 s reconnect grace period, which the head waits out).
+    # (twice, for the data and the log stream): the injected fault costs ~25 s instead of ~75.
+    # The rest is the client's reconnect grace period, which the head waits out before the failed
+    # session's stream ends: Ray's default of 30 s, 10 s for the killed-worker test's driver.
     head_env = {**env, "PYTHONPATH": f"{FAULTS}{os.pathsep}{env['PYTHONPATH']}", "ORCH_FAULT_CLIENT_SERVER": fault,
                 "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "15", "RAY_AUTH_MODE": "token"}
     try:
@@ -393,8 +394,8 @@ def test_a_killed_worker_restarts_from_checkpoints_on_s3_through_ray_client(two_
                              "train.keep_checkpoints=2",
                              "train.max_failures=1", f"cluster.address={two_node_ray['client']}", "cluster.nodes=2",
                              "cluster.devices_per_node=1"],
-                            cwd=tmp_path, env=two_node_ray["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            cwd=tmp_path, env={**two_node_ray["env"], "RAY_CLIENT_RECONNECT_GRACE_PERIOD": "10"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, killed = [], []
     try:
         for line in proc.stdout:
