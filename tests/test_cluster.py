@@ -181,7 +181,7 @@ def test_a_plan_larger_than_the_cluster_fails_clearly(two_node_ray, tmp_path):
     assert done.returncode == 2, done.stderr[-3000:]
     assert "= 3 workers, but the live cluster has room for 2 1-CPU workers on 2 node(s)" in done.stderr
     # ... and, without discovery, when the placement group cannot be granted within cluster.wait_s.
-    done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.devices_per_node=3", "cluster.wait_s=5",
+    done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.devices_per_node=3", "cluster.wait_s=2",
                       "cluster.discover=false", cwd=tmp_path, env=two_node_ray["env"])
     assert done.returncode == 2, done.stderr[-3000:]
     assert "the plan needs 3 workers with 1 CPU each; the cluster has 2 CPU free" in done.stderr
