@@ -81,7 +81,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> No
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"mlflow server did not start on {url}") from None
-            time.sleep(1)
+            time.sleep(0.2)  # a refused connection answers at once: polling often costs nothing
 
 
 def start_mlflow_server(root: Path) -> tuple[subprocess.Popen, str]:

@@ -16,7 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from bench.tracking_overhead import launch_mlflow_server, stop, wait_healthy
-from helpers.processes import free_port, kill_tree, processes_mentioning, worker_env
+from helpers.processes import RAY_STOP_GRACE_S, free_port, kill_tree, processes_mentioning, worker_env
 from helpers.tracking_server import ADMIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
@@ -51,8 +51,9 @@ def two_node_ray(s3_store):
     env = {**worker_env(), **s3_store["env"], "RAY_AUTH_TOKEN_PATH": str(token)}
     fault = os.path.join(temp_dir, "fail-next-client-session")
     # The head waits 15 s, not 30, for a client session server to answer before giving up on it
-    # (twice, for the data and the log stream): the injected fault costs ~45 s instead of ~75
-    # (the rest is the client's 30 s reconnect grace period, which the head waits out).
+    # (twice, for the data and the log stream): the injected fault costs ~25 s instead of ~75.
+    # The rest is the client's reconnect grace period, which the head waits out before the failed
+    # session's stream ends: Ray's default of 30 s, 10 s for the killed-worker test's driver.
     head_env = {**env, "PYTHONPATH": f"{FAULTS}{os.pathsep}{env['PYTHONPATH']}", "ORCH_FAULT_CLIENT_SERVER": fault,
                 "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "15", "RAY_AUTH_MODE": "token"}
     try:
@@ -67,7 +68,7 @@ def two_node_ray(s3_store):
         # The client proxy and its session servers name the GCS port, not the temp dir; left
         # running, they would hold the session ports (23000 and up) the next cluster's proxy uses.
         client_servers = processes_mentioning("ray.util.client.server") & processes_mentioning(f":{port}")
-        kill_tree(processes_mentioning(temp_dir) | client_servers)
+        kill_tree(processes_mentioning(temp_dir) | client_servers, grace_s=RAY_STOP_GRACE_S)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -184,7 +185,7 @@ def test_a_plan_larger_than_the_cluster_fails_clearly(two_node_ray, tmp_path):
     assert done.returncode == 2, done.stderr[-3000:]
     assert "= 3 workers, but the live cluster has room for 2 1-CPU workers on 2 node(s)" in done.stderr
     # ... and, without discovery, when the placement group cannot be granted within cluster.wait_s.
-    done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.devices_per_node=3", "cluster.wait_s=5",
+    done = orch_train(f"cluster.address={two_node_ray['gcs']}", "cluster.devices_per_node=3", "cluster.wait_s=2",
                       "cluster.discover=false", cwd=tmp_path, env=two_node_ray["env"])
     assert done.returncode == 2, done.stderr[-3000:]
     assert "the plan needs 3 workers with 1 CPU each; the cluster has 2 CPU free" in done.stderr
@@ -397,8 +398,8 @@ def test_a_killed_worker_restarts_from_checkpoints_on_s3_through_ray_client(two_
                              "train.keep_checkpoints=2",
                              "train.max_failures=1", f"cluster.address={two_node_ray['client']}", "cluster.nodes=2",
                              "cluster.devices_per_node=1"],
-                            cwd=tmp_path, env=two_node_ray["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            cwd=tmp_path, env={**two_node_ray["env"], "RAY_CLIENT_RECONNECT_GRACE_PERIOD": "10"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, killed = [], []
     try:
         for line in proc.stdout:

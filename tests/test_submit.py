@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 from test_cluster import env_without_mlflow_credentials, files_holding
 
 from helpers.config import compose_config
-from helpers.processes import free_port, kill_tree, processes_mentioning, worker_env
+from helpers.processes import RAY_STOP_GRACE_S, free_port, kill_tree, processes_mentioning, worker_env
 from helpers.projects import plant_packages_named_like_orchs_parts
 from helpers.tracking_server import ADMIN
 from orch.config import to_typed
@@ -121,7 +121,7 @@ def ray_jobs_head(env: dict[str, str]) -> Iterator[dict]:
     finally:
         # The client proxy names the GCS port, not the temp dir.
         client_servers = processes_mentioning("ray.util.client.server") & processes_mentioning(f":{port}")
-        kill_tree(processes_mentioning(temp_dir) | client_servers)
+        kill_tree(processes_mentioning(temp_dir) | client_servers, grace_s=RAY_STOP_GRACE_S)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -238,7 +238,7 @@ def test_a_submitted_job_trains_the_users_own_code_with_the_clusters_credentials
         runs = client.search_runs([experiment.experiment_id]) if experiment else []
         if runs and client.get_metric_history(runs[0].info.run_id, "loss"):
             break
-        time.sleep(2)
+        time.sleep(0.5)
     else:
         pytest.fail("the long job never reported a step")
     stopped = orch("stop", long_id, address, cwd=project, env=head["env"])

@@ -115,6 +115,12 @@ def is_loopback(ip: str) -> bool:
     return (mapped or address).is_loopback
 
 
+RAY_STOP_GRACE_S = 2.0
+"""The grace a `ray start` cluster's processes get at a test's teardown: its GCS server and its
+autoscaler monitor outlive SIGTERM by more than 15 s (measured), so a longer grace is only waited
+out in full; the raylets and workers are gone within it."""
+
+
 def kill_tree(pids: set[int], grace_s: float = 10.0) -> None:
     """SIGTERM these processes and all below them, then SIGKILL what is left after ``grace_s``."""
     import signal
