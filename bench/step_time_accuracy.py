@@ -210,8 +210,10 @@ def report(result: dict, argv: list[str]) -> str:
     lines.append(f"- the phase timing's own cost (`orch/launchers/step_phases.py`, timed in this process): "
                  f"{1e6 * overhead['sampled_s']:.1f} µs on a sampled step, {1e6 * overhead['other_s']:.2f} µs on "
                  f"any other, {100 * per_step / fastest:.4f}% of the fastest plan's step (target 1%)")
+    # Ray forwards the workers' own log lines to the command's output: left out here.
+    calibration = "\n".join(line for line in result["calibration"].strip().splitlines() if "pid=" not in line)
     lines += ["", f"Calibration (`orch calibrate {' '.join(REFERENCE_BATCH)}`, {result['calibrate_s']:.0f} s with its "
-              "reference runs):", "", "```", result["calibration"].strip(), "```"]
+              "reference runs):", "", "```", calibration, "```"]
     return "\n".join(lines) + "\n"
 
 
