@@ -140,15 +140,13 @@ class CalibrateConfig:
     cluster=<name>` (the directory `orch tune` writes its plans to). A file in a directory named cluster/ is
     usable as cluster=<its name> with --config-dir <that directory's parent>; never inside the installed
     package."""
-    references: list[dict[str, Any]] = field(default_factory=lambda: [
-        {"engine": "deepspeed", "zero_stage": 0}, {"engine": "deepspeed", "zero_stage": 1},
-        {"engine": "deepspeed", "zero_stage": 2}, {"engine": "deepspeed", "zero_stage": 3},
-        {"engine": "deepspeed", "zero_stage": 2, "offload_optimizer": "cpu"}, {"engine": "fsdp2"}])
+    references: list[dict[str, Any]] | None = None
     """The reference runs: each trains the declared plan with these plan.* keys changed (engine, ZeRO stage,
     offload are reset first) for calibrate.reference_steps steps, and its phases, measured against the
     profile's prediction, correct plans of its kind (engine, engine settings, optimizer offload); the probes
     alone do not see an engine's own work (hooks, bucketed reductions, gathers). One that does not fit is
-    skipped, and says why. []: probes only."""
+    skipped, and says why. null: DeepSpeed ZeRO 0-3, ZeRO-2 with CPU offload and FSDP2
+    (orch/reference_runs.py DEFAULT_REFERENCES); []: probes only."""
     reference_steps: int = 10
     """Steps of each reference run; the later half's phases are compared (the first carry warm-up)."""
 

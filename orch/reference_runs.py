@@ -28,6 +28,11 @@ ENGINE_KEYS = ("engine", "zero_stage", "offload_optimizer", "offload_param", "fs
 """The plan's keys that say how its engine runs: reset to their defaults before a reference's own
 keys apply, so that each reference is the same kind whatever the declared plan's engine is."""
 
+DEFAULT_REFERENCES = ({"engine": "deepspeed", "zero_stage": 0}, {"engine": "deepspeed", "zero_stage": 1},
+                      {"engine": "deepspeed", "zero_stage": 2}, {"engine": "deepspeed", "zero_stage": 3},
+                      {"engine": "deepspeed", "zero_stage": 2, "offload_optimizer": "cpu"}, {"engine": "fsdp2"})
+"""The references of ``calibrate.references=null``: every engine setting `orch tune` searches by default."""
+
 MIN_STEPS = 4
 """Fewest steps a reference run may take: its later half is compared, and step 2 probes memory."""
 
@@ -58,19 +63,20 @@ def reference_plans(cfg: RunConfig) -> list[Reference]:
     """The declared plan under each of ``calibrate.references``; a key that is not a plan's, or a
     value it cannot take, is refused naming the entry (before anything is measured)."""
     field = "calibrate.references"
-    if cfg.calibrate.references and cfg.calibrate.reference_steps < MIN_STEPS:
+    changes_each = DEFAULT_REFERENCES if cfg.calibrate.references is None else cfg.calibrate.references
+    if changes_each and cfg.calibrate.reference_steps < MIN_STEPS:
         raise PlanError([Violation("calibrate.reference_steps", cfg.calibrate.reference_steps,
                                    f"is below {MIN_STEPS}: a reference run's later half of steps is compared, and its "
                                    "step 2 probes memory.", f"set calibrate.reference_steps={MIN_STEPS} or more, "
                                    f"or {field}=[] to measure with the probes only")])
-    if cfg.calibrate.references and not cfg.tracking.enabled:
+    if changes_each and not cfg.tracking.enabled:
         raise PlanError([Violation("tracking.enabled", False, "reference runs are read back from the tracking store "
                                    "(their timed phases), and tracking is off.", "leave tracking on, or set "
                                    f"{field}=[] to measure with the probes only")])
     defaults = PlanSpec()
     base = dataclasses.replace(cfg.plan, **{key: getattr(defaults, key) for key in ENGINE_KEYS})
     references = []
-    for index, changes in enumerate(cfg.calibrate.references):
+    for index, changes in enumerate(changes_each):
         changes = dict(changes)
         try:
             plan = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(base), changes))

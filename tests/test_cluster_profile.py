@@ -234,6 +234,11 @@ def test_reference_runs_are_the_declared_plan_under_each_engine_setting_and_bad_
     assert (zero1.plan.engine, zero1.plan.zero_stage, zero1.plan.offload_optimizer) == ("deepspeed", 1, Offload.none)
     assert zero1.plan.micro_batch_size == 2 and zero1.label == "zero_stage=1"
     assert reference_plans(to_typed(compose_config("calibrate.references=[]"))[0]) == []
+    # Unset (null, so that composing a config builds no list): every engine setting the tuner searches.
+    defaults = reference_plans(to_typed(compose_config())[0])
+    assert [r.label for r in defaults] == ["engine=deepspeed zero_stage=0", "engine=deepspeed zero_stage=1",
+                                           "engine=deepspeed zero_stage=2", "engine=deepspeed zero_stage=3",
+                                           "engine=deepspeed zero_stage=2 offload_optimizer=cpu", "engine=fsdp2"]
 
     for overrides, field, says in (
             (["calibrate.references=[{zero_stages:1}]"], "calibrate.references[0]", "zero_stages"),
