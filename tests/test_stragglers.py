@@ -58,3 +58,17 @@ def test_every_ranks_phases_are_tracked_only_where_they_differ():
     assert metrics["step_phase/rank0/backward_s"] == pytest.approx(0.25) and len(metrics) == 9
     even = [report(r, 10, forward=0.1, backward=0.2) for r in range(2)]
     assert rank_phase_metrics(even, threshold=0.1) == {}
+
+
+def test_ranks_are_compared_with_the_ranks_of_their_own_pipeline_stage():
+    """Two stages of two ranks: the last stage runs the head and the loss, longer by design, and is
+    no straggler; a rank slower than its own stage's other rank is."""
+    stages = {0: 0, 1: 0, 2: 1, 3: 1}
+    even = [report(0, 5, forward=0.1, backward=0.2), report(1, 5, forward=0.1, backward=0.2),
+            report(2, 5, forward=0.2, backward=0.1), report(3, 5, forward=0.2, backward=0.1)]
+    assert slow_phase(even, threshold=0.1) is not None  # against every rank: the last stage looks slow
+    assert slow_phase(even, threshold=0.1, stages=stages) is None
+    assert rank_phase_metrics(even, threshold=0.1, stages=stages) == {}
+    slow = even[:3] + [report(3, 5, forward=0.3, backward=0.1)]
+    found = slow_phase(slow, threshold=0.1, stages=stages)
+    assert (found.rank, found.phase) == (3, "forward") and found.excess_s == pytest.approx(0.05)

@@ -379,8 +379,9 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
     peak_tflops = mean_peak_tflops(result.worker_facts)
     measurements = MeasurementsOnce()
     threshold = job.train.straggler_threshold
+    stages = {facts.rank: facts.pp_rank for facts in result.worker_facts}
     watch = StragglerWatch(threshold, job.train.straggler_reports,
-                           {facts.rank: facts.hostname for facts in result.worker_facts})
+                           {facts.rank: facts.hostname for facts in result.worker_facts}, stages)
     for reports in group.train(hang_timeout_s=job.train.hang_timeout_s, on_system=on_system):
         if not result.reports:
             clock.mark("first_report")
@@ -395,7 +396,7 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
             continue  # replayed after a restart: tracked the first time
         logged.step = reports[0].step
         metrics = step_metrics(reports, job.plan, prepared.flops_per_sample, peak_tflops)
-        metrics.update(rank_phase_metrics(reports, threshold))
+        metrics.update(rank_phase_metrics(reports, threshold, stages))
         if tracker:
             tracker.log_metrics(measurements.fresh(metrics), logged.step)
         if straggler := watch.observe(reports):

@@ -5,7 +5,8 @@ the next collective, so every rank's step takes as long as the slowest one. Wher
 does: a rank that computes (or reads its batch) slower spends more time in the phase where that
 happens, and the others spend it waiting in the phase that holds the next collective, later in
 the step. So the ranks' phases are compared in step order (forward, backward, optimizer step,
-what follows), and the first phase in which one rank takes longer than the ranks' median by more
+what follows), and the first phase in which one rank takes longer than its peers' median (the
+ranks of its pipeline stage: stages do different work by design) by more
 than ``train.straggler_threshold`` of the median step names that rank; it is reported once it is
 named in the same phase ``train.straggler_reports`` reports in a row. A slowdown that ends at a
 collective inside the same phase (a rank slow in its backward, whose gradient reduction waits
@@ -41,10 +42,20 @@ class SlowPhase:
         return self.excess_s / self.median_step_s if self.median_step_s > 0 else 0.0
 
 
-def slow_phase(reports: list[StepReport], threshold: float) -> SlowPhase | None:
-    """The first phase, in step order, in which one rank's time exceeds the ranks' median by more
+def slow_phase(reports: list[StepReport], threshold: float, stages: dict[int, int] | None = None
+               ) -> SlowPhase | None:
+    """The first phase, in step order, in which one rank's time exceeds its peers' median by more
     than ``threshold`` of the median step time, and that rank; None when no rank does (or the
-    report timed no phase, or there is one rank)."""
+    report timed no phase, or there is one rank). Peers are the ranks of the same pipeline stage
+    (``stages``: rank -> stage; all ranks when None): different stages do different work by design."""
+    by_stage: dict[int, list[StepReport]] = {}
+    for r in reports:
+        by_stage.setdefault((stages or {}).get(r.rank, 0), []).append(r)
+    found = [slow for group in by_stage.values() if (slow := _slow_phase_among(group, threshold)) is not None]
+    return max(found, key=lambda slow: (-STEP_ORDER.index(slow.phase), slow.share), default=None)
+
+
+def _slow_phase_among(reports: list[StepReport], threshold: float) -> SlowPhase | None:
     timed = [r for r in reports if r.phase_time_s]
     if len(timed) < 2:
         return None
@@ -86,10 +97,12 @@ class StragglerWatch:
     """Names a rank once it is the slow one in the same phase ``reports`` reports in a row; names it
     again only after a report without it."""
 
-    def __init__(self, threshold: float, reports: int, hostnames: dict[int, str] | None = None) -> None:
+    def __init__(self, threshold: float, reports: int, hostnames: dict[int, str] | None = None,
+                 stages: dict[int, int] | None = None) -> None:
         self.threshold = threshold
         self.reports = max(1, reports)
         self.hostnames = hostnames or {}
+        self.stages = stages
         self._streak: list[tuple[int, SlowPhase]] = []
         self._named: tuple[int, str] | None = None
 
@@ -98,7 +111,7 @@ class StragglerWatch:
         streak as it is)."""
         if self.threshold <= 0 or not any(r.phase_time_s for r in reports):
             return None
-        found = slow_phase(reports, self.threshold)
+        found = slow_phase(reports, self.threshold, self.stages)
         if found is None:
             self._streak, self._named = [], None
             return None
@@ -116,11 +129,12 @@ class StragglerWatch:
                          hostname=self.hostnames.get(found.rank, ""))
 
 
-def rank_phase_metrics(reports: list[StepReport], threshold: float) -> dict[str, float]:
-    """Every rank's phases as metrics (``step_phase/rank<r>/<phase>_s``) when the ranks differ in a
-    phase by more than ``threshold`` of the median step (the phases tracked otherwise are the
-    slowest rank's only); nothing when they do not."""
-    if threshold <= 0 or slow_phase(reports, threshold) is None:
+def rank_phase_metrics(reports: list[StepReport], threshold: float, stages: dict[int, int] | None = None
+                       ) -> dict[str, float]:
+    """Every rank's phases as metrics (``step_phase/rank<r>/<phase>_s``) when the ranks of a stage
+    differ in a phase by more than ``threshold`` of the median step (the phases tracked otherwise
+    are the slowest rank's only); nothing when they do not."""
+    if threshold <= 0 or slow_phase(reports, threshold, stages) is None:
         return {}
     from orch.tracking.step_prediction import PHASE_METRIC
 
