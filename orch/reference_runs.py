@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from orch.config import RunConfig
 from orch.plans.errors import OrchError, PlanError, Violation
-from orch.plans.spec import MeasuredSpeeds, PlanSpec, ResumeMode, RunObservation
+from orch.plans.spec import MeasuredSpeeds, PlanSpec, RunObservation
 
 ENGINE_KEYS = ("engine", "zero_stage", "offload_optimizer", "offload_param", "fsdp")
 """The plan's keys that say how its engine runs: reset to their defaults before a reference's own
@@ -91,9 +91,9 @@ def reference_plans(cfg: RunConfig) -> list[Reference]:
 def reference_config(cfg: RunConfig, reference: Reference, measured: MeasuredSpeeds) -> RunConfig:
     """The run config of ``reference``: the declared run with its plan, priced at ``measured``, for
     calibrate.reference_steps steps, every step's phases timed, nothing saved or evaluated."""
-    train = dataclasses.replace(cfg.train, steps=cfg.calibrate.reference_steps, log_every=1, eval_every=0,
-                                eval_batches=1, memory_probe_step=2, checkpoint_every=0, resume=ResumeMode.never,
-                                max_failures=0)
+    from orch.tune.trials import measuring_run
+
+    train = measuring_run(cfg.train, cfg.calibrate.reference_steps)
     tracking = dataclasses.replace(cfg.tracking, run_name=f"{cfg.tracking.run_name or 'calibrate'}-reference"
                                                            f"{reference.index}")
     return dataclasses.replace(cfg, plan=reference.plan, train=train, tracking=tracking,

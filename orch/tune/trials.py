@@ -14,7 +14,7 @@ from orch.plans.errors import OrchError
 from orch.plans.model.workload import Workload
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.search.space import Candidate, SearchContext, plan_spec
-from orch.plans.spec import ResumeMode
+from orch.plans.spec import ResumeMode, TrainSpec
 from orch.tune.plan_file import plan_values
 from orch.tune.result import Trial, TuneResult, describe
 
@@ -32,6 +32,14 @@ def pick_winner(result: TuneResult) -> None:
         result.winner = result.search.ranked[0]
 
 
+def measuring_run(train: TrainSpec, steps: int, **changes) -> TrainSpec:
+    """The loop of a short run made to be measured (a tuner's trial, a calibration's reference run):
+    every step reported and timed, memory probed at step 2, one evaluation batch, nothing saved,
+    resumed or restarted; ``changes`` on top."""
+    return dataclasses.replace(train, steps=steps, log_every=1, eval_every=0, eval_batches=1, memory_probe_step=2,
+                               checkpoint_every=0, resume=ResumeMode.never, max_failures=0, **changes)
+
+
 def trial_config(cfg: RunConfig, plan: ResolvedPlan, index: int, parent_name: str) -> RunConfig:
     steps = max(cfg.tune.trial_steps, 3)
 
@@ -39,11 +47,9 @@ def trial_config(cfg: RunConfig, plan: ResolvedPlan, index: int, parent_name: st
         """A train limit capped at the trial's (0, no limit, becomes the trial's)."""
         return min(limit_s or cfg.tune.trial_timeout_s, cfg.tune.trial_timeout_s)
 
-    train = dataclasses.replace(cfg.train, steps=steps, log_every=1, eval_every=0, eval_batches=1,
-                                memory_probe_step=2, checkpoint_every=0, resume=ResumeMode.never, max_failures=0,
-                                global_batch_size=plan.global_batch_size,
-                                hang_timeout_s=within_trial(cfg.train.hang_timeout_s),
-                                setup_timeout_s=within_trial(cfg.train.setup_timeout_s))
+    train = measuring_run(cfg.train, steps, global_batch_size=plan.global_batch_size,
+                          hang_timeout_s=within_trial(cfg.train.hang_timeout_s),
+                          setup_timeout_s=within_trial(cfg.train.setup_timeout_s))
     tracking = dataclasses.replace(cfg.tracking, run_name=f"{parent_name}-trial{index}")
     return dataclasses.replace(cfg, plan=plan_spec(plan), train=train, tracking=tracking)
 
