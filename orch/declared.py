@@ -10,6 +10,7 @@ import dataclasses
 import types
 
 from orch.config import RunConfig
+from orch.plans.elastic import elastic_violations
 from orch.plans.errors import PlanError, Violation
 from orch.plans.resolve import resolve_plan
 from orch.plans.validate import field_violations
@@ -21,7 +22,7 @@ def declared_violations(cfg: RunConfig) -> list[Violation]:
                 if f.name not in ("model", "data", "objective")}
     if isinstance(cfg.data, dict):
         sections["data"] = types.SimpleNamespace(**{k: v for k, v in cfg.data.items() if not k.startswith("_")})
-    return field_violations(sections)
+    return field_violations(sections) + elastic_violations(cfg.train, cfg.plan)
 
 
 def declared_and_plan_violations(cfg: RunConfig) -> list[Violation]:

@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from bench.tracking_overhead import launch_mlflow_server, stop, wait_healthy
 from helpers.processes import RAY_STOP_GRACE_S, free_port, kill_tree, processes_mentioning, worker_env
+from helpers.ray_cluster import TEST_PATHS
 from helpers.tracking_server import ADMIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
@@ -49,13 +50,17 @@ def two_node_ray(s3_store):
     token = Path(temp_dir, "auth_token")
     token.write_text(secrets.token_hex(32))
     env = {**worker_env(), **s3_store["env"], "RAY_AUTH_TOKEN_PATH": str(token)}
+    env["PYTHONPATH"] = os.pathsep.join([*TEST_PATHS, env["PYTHONPATH"]])  # the tests' recording models
     fault = os.path.join(temp_dir, "fail-next-client-session")
     # The head waits 15 s, not 30, for a client session server to answer before giving up on it
     # (twice, for the data and the log stream): the injected fault costs ~25 s instead of ~75.
     # The rest is the client's reconnect grace period, which the head waits out before the failed
     # session's stream ends: Ray's default of 30 s, 10 s for the killed-worker test's driver.
     head_env = {**env, "PYTHONPATH": f"{FAULTS}{os.pathsep}{env['PYTHONPATH']}", "ORCH_FAULT_CLIENT_SERVER": fault,
-                "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "15", "RAY_AUTH_MODE": "token"}
+                "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "15", "RAY_AUTH_MODE": "token",
+                # A node whose raylet is gone is declared dead after 3 missed health checks a second
+                # apart (Ray's default: 5, 3 s apart): the elastic run's re-plan waits for it.
+                "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
     try:
         subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
                         "--include-dashboard=false", f"--ray-client-server-port={client_port}",
@@ -444,3 +449,84 @@ def test_a_killed_worker_restarts_from_checkpoints_on_s3_through_ray_client(two_
     secret = s3_store["env"]["AWS_SECRET_ACCESS_KEY"]
     config = Path(client.download_artifacts(run.info.run_id, "config/resolved.yaml", str(tmp_path))).read_text()
     assert secret not in json.dumps(run.data.params) and secret not in config and secret not in output
+
+
+def test_an_elastic_run_replans_for_the_surviving_node_and_scales_back_up(two_node_ray, tmp_path):
+    """Two workers a node (ranks 2 and 3 on the second); that node's raylet is killed in step 6, after
+    step 4's checkpoint. The run re-plans for the head's two devices at the same global batch, resumes
+    step 4's checkpoint (a universal one at the new dp), and when a node joins again, returns to its
+    declared plan at the next checkpoint. Every sample of the shuffled order is trained once: none
+    twice, none skipped."""
+    record = tmp_path / "record"
+    record.mkdir()
+    (record / "kill-raylet-at-batch-6").touch()
+    (record / "sleep-per-batch").write_text("0.5")  # the driver asks the group to stop 2 checkpoints later
+    steps, checkpoint_every, global_batch = 16, 4, 8
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orch", "train", f"train.steps={steps}", "train.log_every=2", "train.eval_batches=1",
+         f"train.checkpoint_every={checkpoint_every}", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
+         "train.max_failures=2", "train.elastic.enabled=true", "train.elastic.wait_s=2", "train.export=false",
+         "model=mlp", "model._target_=recording_models.RowRecorder", "model.in_channels=8",
+         f"+model.record_dir={record}",
+         "data=dataset", "data.dataset._target_=recording_models.RowBlobs", "data.dataset.samples=400",
+         "data.dataset.features=8",
+         "objective=classification", "plan.dp=4", "plan.zero_stage=1", "plan.micro_batch_size=2",
+         f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2", "cluster.devices_per_node=2",
+         "cluster.cpus_per_worker=0.5"],
+        cwd=tmp_path, env=two_node_ray["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, joined = [], []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("re-plan 1 ") and not joined:
+                # A node joins again while the re-planned run trains: it goes back up at its next checkpoint.
+                joined.append(subprocess.run([RAY, "start", f"--address={two_node_ray['gcs']}", *NODE],
+                                             env={**two_node_ray["env"], "RAY_AUTH_MODE": "token"},
+                                             capture_output=True, text=True, timeout=120))
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            kill_tree({proc.pid})
+    output = "".join(lines)
+    assert proc.returncode == 0 and joined and joined[0].returncode == 0, output[-4000:]
+    assert not (record / "kill-raylet-at-batch-6").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("orch").experiment_id])[0]
+    assert run.info.status == "FINISHED", output[-4000:]
+    replans = json.loads(Path(client.download_artifacts(run.info.run_id, "events/replans.json", str(tmp_path)))
+                         .read_text())["replans"]
+    down, up = replans
+    assert (down["old_devices"], down["new_devices"], down["resumed_from_step"]) == (4, 2, checkpoint_every)
+    assert down["old_global_batch"] == down["new_global_batch"] == global_batch
+    assert down["new_layout"]["dp"] == 2 and down["predicted_step_s"] > 0 and down["eta_s"] > 0
+    assert (up["old_devices"], up["new_devices"]) == (2, 4) and up["resumed_from_step"] % checkpoint_every == 0
+    assert up["resumed_from_step"] > checkpoint_every and up["new_layout"] == down["old_layout"]
+    assert run.data.tags["replan.1"].startswith("re-plan 1 (2 of 4 devices lost") and "replan.2" in run.data.tags
+    assert run.data.metrics["replans"] == 2 and run.data.metrics["goodput/replan_s"] > 0
+    assert "converting it to a universal checkpoint for dp=2" in output, output[-4000:]
+    # The loss curve goes on: every logged step once, in order, and lower at the end.
+    # Step 4's report died with the node's ranks before the driver read it; every other is logged once.
+    losses = client.get_metric_history(run.info.run_id, "loss")
+    assert {m.step for m in losses} - {4} == set(range(2, steps + 1, 2)) - {4}
+    assert [m.step for m in losses] == sorted({m.step for m in losses}) and losses[-1].value < losses[0].value
+
+    # The data order: one shuffled order of the training rows (DistributedSampler's, seeded with
+    # train.seed and the epoch), of which each attempt trained its steps: the first up to step 4, the
+    # re-planned one up to the scale-up's checkpoint, the last to the end. Their files are told apart
+    # by when they were last written; a step is ``grad_accum_steps`` lines of a rank's file.
+    import torch
+
+    files = sorted(record.glob("rank*.txt"), key=lambda p: p.stat().st_mtime)
+    attempts = [(files[:4], 0, down["resumed_from_step"], down["old_layout"]),
+                (files[4:6], down["resumed_from_step"], up["resumed_from_step"], down["new_layout"]),
+                (files[6:], up["resumed_from_step"], steps, up["new_layout"])]
+    assert len(files) == 10
+    trained = []
+    for attempt_files, first, last, layout in attempts:
+        assert len(attempt_files) == layout["dp"]
+        for path in attempt_files:
+            batches = path.read_text().splitlines()[:(last - first) * layout["grad_accum_steps"]]
+            assert len(batches) == (last - first) * layout["grad_accum_steps"]
+            trained += [int(row) for batch in batches for row in batch.split()]
+    order = torch.randperm(360, generator=torch.Generator().manual_seed(1234)).tolist()  # 400 rows, 10% held out
+    assert len(trained) == steps * global_batch and sorted(trained) == sorted(order[:steps * global_batch])

@@ -46,6 +46,8 @@ class TrainWorker:
         self.device_mapping: DeviceMapping | None = None
         self.link = DriverLink()
         self.start_step = 0
+        self.stop_requested = False
+        """The driver asked the group to stop at its next checkpoint (:meth:`stop_at_next_checkpoint`)."""
 
     def address(self) -> tuple[str, int]:
         """Where this actor, as rank 0, hosts the rendezvous: its node's IP and a port bound there."""
@@ -193,19 +195,42 @@ class TrainWorker:
                             {"measured_peak_bytes": probe.peak, "measured_state_bytes": live_tensor_bytes()})
             last = step == spec.steps
             self.link.stepped(step)
+            stopping = False
             if spec.checkpoint_every and (step % spec.checkpoint_every == 0 or last):
                 saving = time.perf_counter()
                 # The last step's checkpoint is written at once: the run ends with it published.
-                save_rank_state(self.checkpoints, self.engine, job, step, interval.mean_loss,
-                                self.batches, self.val_batches, background=spec.async_checkpoint and not last)
+                # So is one the group stops at.
+                stopping = not last and self._stop_agreed()
+                save_rank_state(self.checkpoints, self.engine, job, step, interval.mean_loss, self.batches,
+                                self.val_batches, background=spec.async_checkpoint and not last and not stopping)
                 saved_s += time.perf_counter() - saving
-            if step % spec.log_every and not last:
+            if step % spec.log_every and not last and not stopping:
                 continue
             evaluating = bool(spec.eval_every and step % spec.eval_every == 0) or last
             yield self._report(step, interval.mean_loss, interval.rates(), evaluating, phase_time_s=clock.take(),
                                steps=interval.steps, checkpoint_s=saved_s, **measured)
             interval.reset()
             saved_s = 0.0
+            if stopping:
+                return  # the driver resumes this checkpoint with another plan
+
+    def stop_at_next_checkpoint(self) -> None:
+        """Stop training after the next checkpoint (with its report) instead of at the last step: an
+        elastic run goes back to its declared plan there. Answered while the step runs."""
+        self.stop_requested = True
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (:meth:`stop_at_next_checkpoint`): the ranks agree through
+        one all-reduce at each checkpoint of an elastic run, so all stop at the same one, whichever
+        of them the driver's request reached first."""
+        if not self.job.train.elastic.enabled:
+            return False
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def start(self) -> None:
         """Run :meth:`train` on a thread of its own and return at once; the driver then calls

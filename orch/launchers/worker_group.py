@@ -157,6 +157,10 @@ class NoPlacementError(WorkerGroupError):
     """The cluster did not grant the actors' resources in time."""
 
 
+class GroupNotPlacedError(WorkerGroupError):
+    """The worker group's devices were not granted in time (an elastic run re-plans on this)."""
+
+
 @dataclass(frozen=True)
 class PlacedActors:
     """Actors of one placement group, one per bundle, ordered by the rank :func:`assign_ranks` gives them."""
@@ -227,7 +231,7 @@ class WorkerGroup:
         try:
             placed = place_actors(TrainWorker, spec, max_concurrency=2)  # stacks() answers during a hung setup()
         except NoPlacementError as error:
-            raise WorkerGroupError(f"{error}. Fix: lower cluster.devices_per_node/cluster.nodes or add nodes.") \
+            raise GroupNotPlacedError(f"{error}. Fix: lower cluster.devices_per_node/cluster.nodes or add nodes.") \
                 from None
         try:
             straddling = straddling_groups(placed.slots, spec.tp)
@@ -334,6 +338,11 @@ class WorkerGroup:
             except Exception as exc:  # a rank too broken to answer is itself worth reporting
                 stacks[rank] = f"<no stack: {type(exc).__name__}: {exc}>"
         return stacks
+
+    def stop_at_next_checkpoint(self) -> None:
+        """Ask every rank to stop after the next checkpoint (:meth:`TrainWorker.stop_at_next_checkpoint`);
+        :meth:`train` then ends after that checkpoint's report."""
+        ray.get([actor.stop_at_next_checkpoint.remote() for actor in self.actors], timeout=30)
 
     def consolidated_state(self, timeout_s: float = 600.0) -> dict | None:
         """The trained weights gathered whole on rank 0 (every rank takes part in ZeRO-3's gather)."""

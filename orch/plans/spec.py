@@ -277,6 +277,27 @@ class OptimSpec:
 
 
 @dataclass(kw_only=True)
+class ElasticSpec:
+    """What a run does when it loses devices (``train.elastic``): re-plan for the survivors and resume
+    from the last checkpoint, instead of waiting for a replacement (or a person) that may not come."""
+
+    enabled: bool = False
+    """On a lost worker, wait wait_s for the plan's devices, then re-plan for the devices left (off:
+    restart at the same size, as train.max_failures allows)."""
+    min_devices: int = 1
+    """The fewest surviving devices worth training on; fewer end the run."""
+    wait_s: float = 30.0
+    """How long a replacement may take to arrive (the whole group placed again) before the re-plan."""
+    batch_tolerance: float = 0.0
+    """How far the global batch may move when the survivors cannot hold it exactly, as a share of it
+    (0: exactly the run's batch, through accumulation)."""
+    scale_up: bool = True
+    """Return to the declared plan at the next checkpoint once the cluster has its devices again."""
+    replan_timeout_s: float = 120.0
+    """A bound on the re-plan's search (the tuner's, on the surviving devices)."""
+
+
+@dataclass(kw_only=True)
 class TrainSpec:
     """The training loop."""
 
@@ -327,6 +348,8 @@ class TrainSpec:
     straggler_reports reports in a row (a warning, an MLflow tag and events/stragglers.txt; 0: never)."""
     straggler_reports: int = 3
     """Reports in a row a rank must be the slow one in the same phase before it is named."""
+    elastic: ElasticSpec = field(default_factory=ElasticSpec)
+    """Re-plan for the surviving devices when a node is lost (off by default)."""
     setup_timeout_s: float = 1800.0
     """The same for the workers' setup before the first step: rendezvous, DeepSpeed's JIT op
     builds (minutes on a fresh machine), model construction and checkpoint loading (0 disables)."""

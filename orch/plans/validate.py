@@ -104,6 +104,11 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("train.hang_timeout_s", 0, MAX_TIMEOUT_S, meaning="seconds; 0 disables hang detection"),
     Bound("tracking.system_metrics_interval_s", 0, MAX_TIMEOUT_S, meaning="seconds; 0 turns system metrics off"),
     Bound("train.setup_timeout_s", 0, MAX_TIMEOUT_S, meaning="seconds; 0 disables the setup deadline"),
+    Bound("train.elastic.min_devices", 1, meaning="the fewest surviving devices a run re-plans for"),
+    Bound("train.elastic.wait_s", 0, MAX_TIMEOUT_S, meaning="seconds a replacement may take; 0 re-plans at once"),
+    Bound("train.elastic.batch_tolerance", 0, 1, high_open=True,
+          meaning="the share the global batch may move by; 0 keeps it exactly"),
+    Bound("train.elastic.replan_timeout_s", 0, MAX_TIMEOUT_S, low_open=True),
     Bound("data.seq_len", 1),
     Bound("data.val_fraction", 0, 1, low_open=True, high_open=True,
           meaning="the tail of the corpus held out for evaluation; both parts must be non-empty"),
@@ -136,7 +141,11 @@ def field_violations(sections: Mapping[str, object], bounds: tuple[Bound, ...] =
         section, name = bound.field.split(".", 1)
         if section not in sections:
             continue
+        # A nested field (``train.elastic.wait_s``) is read through its section's sub-sections.
+        *parents, name = name.split(".")
         spec = sections[section]
+        for parent in parents:
+            spec = getattr(spec, parent, None)
         value = getattr(spec, name, None)  # a data source without this field has nothing to check
         if value is None:
             continue

@@ -19,33 +19,25 @@ from typing import TYPE_CHECKING
 
 from ray.exceptions import RayActorError
 
-from orch.checking import checked_run, live_cluster, resolve_inputs
+from orch.checking import live_cluster, resolve_inputs
 from orch.config import RunConfig
-from orch.inputs import data_fits_plan
 from orch.launchers.checkpoint import Published, resumable
-from orch.launchers.engines import engine_module
 from orch.launchers.job import StepReport, TrainJob, WorkerFacts
-from orch.launchers.placement import placement_strategy
 from orch.launchers.worker_group import (
     WorkerDiedError,
     WorkerFailedError,
     WorkerGroup,
-    WorkerGroupSpec,
     WorkerHangError,
-    job_env,
 )
-from orch.plans.errors import PlanError, Violation
 from orch.plans.memory.estimate import PlanEstimate
 from orch.plans.model.model_facts import ModelFacts
 from orch.plans.model.workload import StreamingSource, Workload, data_task_cpus
-from orch.plans.optim_settings import optim_settings
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, ClusterSpec, ResumeMode
-from orch.plans.step_time.cost_model import StepTime
-from orch.plans.step_time.flops import training_flops_per_sample
-from orch.plans.step_time.prediction import declared_plan_step
+from orch.plans.spec import ClusterSpec, ResumeMode
+from orch.run.elastic import ElasticRun
+from orch.run.prepare import PreparedJob, prepare_job, resume_from
 from orch.run.progress import Progress
-from orch.run.resume import checkpoint_dir_lock, signature_of
+from orch.run.resume import checkpoint_dir_lock
 from orch.run.startup import Startup, StartupClock
 from orch.run.startup import describe as describe_startup
 from orch.tracking.goodput import GoodputLedger
@@ -87,25 +79,6 @@ class TrainResult:
     @property
     def eval_loss(self) -> float | None:
         return self.reports[-1][0].evaluation.get("eval_loss")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PreparedJob:
-    """Everything a run needs before its workers start: the checked plan and what the workers get."""
-
-    estimate: PlanEstimate
-    facts: ModelFacts
-    workload: Workload
-    job: TrainJob
-    group_spec: WorkerGroupSpec
-    flops_per_sample: int
-    predicted_step: StepTime | None = None
-    """The plan's step as `orch check` predicts it, at the cluster's declared speeds: the run logs it
-    beside what its steps measure (`orch report` compares them)."""
-
-    @property
-    def plan(self) -> ResolvedPlan:
-        return self.job.plan
 
 
 @dataclass
@@ -175,6 +148,9 @@ class CheckedRun:
     job: TrainJob
     published: Published | None
     """The checkpoint resumed (train.resume=auto), or None."""
+    model_cfg: dict
+    cluster: ClusterSpec
+    """The cluster the plan was checked against (the live one's facts, when there is an address)."""
 
 
 def check(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, workload: Workload | None, startup: Startup,
@@ -190,7 +166,7 @@ def check(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, workload: Workl
     if cfg.tracking.enabled:
         cfg = startup.tracking_module().opened_tracking(cfg)  # a tracking URI that cannot be used is refused here too
     startup.checked()
-    return CheckedRun(cfg=cfg, prepared=prepared, job=job, published=published)
+    return CheckedRun(cfg=cfg, prepared=prepared, job=job, published=published, model_cfg=model_cfg, cluster=cluster)
 
 
 def track(checked: CheckedRun, model_cfg: dict, config_yaml: str, tags: dict[str, str],
@@ -216,7 +192,9 @@ def train(checked: CheckedRun, tracker: RunTracker | None, startup: Startup, *, 
     ledger = GoodputLedger(started=startup.clock.started)
     try:
         startup.ray_up()
-        exported = _attempts(prepared, job, cfg, tracker, result, progress, startup.clock, ledger,
+        elastic = (ElasticRun(cfg=cfg, model_cfg=checked.model_cfg, cluster=checked.cluster, declared=prepared)
+                   if cfg.train.elastic.enabled else None)
+        exported = _attempts(prepared, job, cfg, tracker, result, progress, startup.clock, ledger, elastic,
                              on_report=on_report, logged_step=checked.published.step if checked.published else 0,
                              out=out)
         startup.ray_done()
@@ -238,43 +216,13 @@ def train(checked: CheckedRun, tracker: RunTracker | None, startup: Startup, *, 
     return result
 
 
-def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, workload: Workload | None = None,
-                plan: ResolvedPlan | None = None) -> PreparedJob:
-    """Check the plan, the inputs and the data against ``cluster`` (raising :class:`PlanError`
-    with every problem), then build the job the workers run and the worker group's shape.
-    ``workload`` and ``plan`` are :func:`orch.checking.resolve_inputs`'s, if it ran."""
-    estimate, facts, probe, workload = checked_run(cfg, model_cfg, cluster, workload=workload, plan=plan)
-    plan = estimate.plan
-    data_fits_plan(workload.data, plan)
-    if not estimate.feasible:
-        if not cfg.train.force:
-            raise PlanError(_with_suggestions(estimate))
-        print("warning: the planner predicts this plan does not fit; launching anyway because train.force=true",
-              file=sys.stderr)
-    optim = optim_settings(plan, cfg.optim, cfg.train.steps)
-    engine_config = engine_module(plan.engine, "driver").engine_config(
-        plan, optim, param_count=facts.param_count, tp_layer_specs=workload.tp_layer_specs)
-    job = TrainJob(plan=plan, optim=optim, engine_config=engine_config, workload=workload, train=cfg.train,
-                   env=job_env(plan.accelerator, cfg.train),
-                   model_signature=signature_of(workload.model_factory, workload.model_config, cfg.train),
-                   system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.enabled else 0.0)
-    group_spec = WorkerGroupSpec(world_size=plan.world_size, cpus_per_worker=cfg.cluster.cpus_per_worker,
-                                 gpus_per_worker=1.0 if plan.accelerator == Accelerator.gpu else 0.0,
-                                 env=job.env, wait_s=cfg.cluster.wait_s, tp=plan.tp,
-                                 strategy=placement_strategy(cluster.nodes))
-    flops = training_flops_per_sample(workload.model_factory, workload, checkpointing=plan.activation_checkpointing)
-    return PreparedJob(estimate=estimate, facts=facts, workload=workload, job=job, group_spec=group_spec,
-                       flops_per_sample=flops,
-                       predicted_step=declared_plan_step(plan, cluster, cfg.optim, probe, facts.param_count))
-
-
 def _resume_point(job: TrainJob, cfg: RunConfig, out) -> tuple[TrainJob, Published | None]:
     """The job pointed at the newest intact checkpoint when train.resume=auto finds one."""
     published = (resumable(cfg.train.checkpoint_dir, job.model_signature)
                  if cfg.train.resume == ResumeMode.auto else None)
     if not published:
         return job, None
-    job = _resume_from(job, cfg, published, out)
+    job = resume_from(job, cfg, published, out)
     print(f"resuming from {cfg.train.checkpoint_dir}/{job.resume_tag} (step {published.step})", file=out)
     return job, published
 
@@ -322,21 +270,34 @@ def _record_goodput(ledger: GoodputLedger, result: TrainResult, tracker: RunTrac
 
 
 def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: RunTracker | None, result: TrainResult,
-           progress: Progress, clock: StartupClock, ledger: GoodputLedger, *, on_report, logged_step: int,
-           out) -> dict | None:
+              progress: Progress, clock: StartupClock, ledger: GoodputLedger, elastic: ElasticRun | None, *,
+              on_report, logged_step: int, out) -> dict | None:
     """Attempts of the worker group until one finishes; a failed one restarts from the latest
     checkpoint while :class:`FailurePolicy` allows (steps replayed after a restart are not logged twice).
+    An elastic run (``elastic``) that lost a worker restarts on the plan's devices if they come back in
+    time, or re-plans for the survivors, and returns to its declared plan when they are back.
     Returns the trained model's consolidated state to log, if one is exported."""
     policy = FailurePolicy(cfg.train.max_failures)
     logged = _LoggedStep(logged_step)
     failures = 0
+    current = prepared
+    placed: WorkerGroup | None = None
+    """A group the elastic wait already placed for the next attempt."""
     while True:
         ledger.attempt_started()
-        group = WorkerGroup.create(prepared.group_spec)
+        group = placed or WorkerGroup.create(current.group_spec)
+        placed = None
         clock.mark("workers")
         try:
-            return _attempt(group, prepared, job, tracker, result, progress, clock, ledger, on_report=on_report,
-                            logged=logged, export=cfg.train.export and tracker is not None, out=out)
+            return _attempt(group, current, job, tracker, result, progress, clock, ledger, elastic,
+                            on_report=on_report, logged=logged,
+                            export=cfg.train.export and tracker is not None, out=out)
+        except ScaleUp:
+            ledger.attempt_stopped("scale-up")
+            group.shutdown()
+            started = time.perf_counter()
+            placed, current, job = elastic.scale_up(current, job, steps_done=logged.step, tracker=tracker, out=out)
+            ledger.replanned(time.perf_counter() - started)
         except Exception as error:
             ledger.attempt_failed(type(error).__name__)
             if isinstance(error, WorkerHangError):
@@ -352,15 +313,27 @@ def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: Run
                                           f"restarts are used up: {error}") from error
                 raise
             job = _prepare_restart(job, cfg, error, failures, logged.step, tracker, out)
+            if elastic is not None and isinstance(error, RayActorError):
+                group.shutdown()  # its devices are free before the group is placed again
+                started = time.perf_counter()
+                placed, current, job = elastic.recover(current, job, error, steps_done=logged.step, tracker=tracker,
+                                                       out=out)
+                ledger.replanned(time.perf_counter() - started)
         finally:
             group.shutdown()
 
 
+class ScaleUp(Exception):  # noqa: N818 - a signal between two functions of this module, not an error
+    """An elastic run's cluster has its declared devices again at a checkpoint: the attempt ends there."""
+
+
 def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: RunTracker | None,
-             result: TrainResult, progress: Progress, clock: StartupClock, ledger: GoodputLedger, *, on_report,
-             logged: _LoggedStep, export: bool, out) -> dict | None:
+             result: TrainResult, progress: Progress, clock: StartupClock, ledger: GoodputLedger,
+             elastic: ElasticRun | None, *, on_report, logged: _LoggedStep, export: bool, out) -> dict | None:
     """One attempt: set the group up, train it to the end, gather the trained model when it is
-    exported. ``logged`` advances as steps are tracked, and keeps its value when the attempt fails."""
+    exported. ``logged`` advances as steps are tracked, and keeps its value when the attempt fails.
+    Raises :class:`ScaleUp` when an elastic run's group stopped at a checkpoint because the declared
+    plan's devices are back."""
     data = prepared.workload.data
     # A streamed source is split afresh for each attempt: a failed attempt's splits are left
     # half-read by workers that are gone.
@@ -382,6 +355,7 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
     stages = {facts.rank: facts.pp_rank for facts in result.worker_facts}
     watch = StragglerWatch(threshold, job.train.straggler_reports,
                            {facts.rank: facts.hostname for facts in result.worker_facts}, stages)
+    stopping = False
     for reports in group.train(hang_timeout_s=job.train.hang_timeout_s, on_system=on_system):
         if not result.reports:
             clock.mark("first_report")
@@ -408,6 +382,13 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
         progress.update(logged.step, metrics["loss"], tokens_per_s if tokens_per_s is not None
                         else metrics.get("samples_per_s"), metrics.get("eval_loss"),
                         unit="tok/s" if tokens_per_s is not None else "samples/s")
+        if elastic is not None and not stopping and elastic.scale_up_ready(prepared):
+            group.stop_at_next_checkpoint()
+            stopping = True
+            print(f"elastic: the cluster has {elastic.declared.group_spec.world_size} devices again; back to the "
+                  "declared plan at the next checkpoint", file=out, flush=True)
+    if stopping and result.reports and result.reports[-1][0].step < job.train.steps:
+        raise ScaleUp  # the group stopped at that checkpoint
     return _gather_export(group, out) if export else None
 
 
@@ -463,27 +444,7 @@ def _prepare_restart(job: TrainJob, cfg: RunConfig, error: Exception, failures: 
         tracker.log_metrics({"restarts": failures}, step=logged_step)
     if published is None:
         return dataclasses.replace(job, resume_tag=None)
-    return _resume_from(job, cfg, published, out)
-
-
-def _resume_from(job: TrainJob, cfg: RunConfig, published: Published, out) -> TrainJob:
-    """The job pointed at ``published``: as written, or converted to a universal checkpoint when
-    it was written with another layout, as the engine's driver part says (raises PlanError for
-    changes nothing can bridge)."""
-    saved_engine = (published.layout or {}).get("engine", "deepspeed")
-    if saved_engine != job.plan.engine:
-        raise PlanError([Violation(
-            "plan.engine", job.plan.engine,
-            f"the checkpoint to resume (step {published.step}) was written by the {saved_engine} engine, whose "
-            "files this engine cannot read.", f"set plan.engine={saved_engine}, or train.resume=never to start fresh")])
-    return engine_module(job.plan.engine, "driver").resume_job(job, published, cfg.train.checkpoint_dir, out)
-
-
-def _with_suggestions(estimate: PlanEstimate) -> list[Violation]:
-    """The planner's violations, with the fixes it found folded into each one."""
-    fixes = "; or ".join(estimate.suggestions) if estimate.suggestions else None
-    return [dataclasses.replace(v, fix=f"{fixes or v.fix} (or set train.force=true to launch anyway)")
-            for v in estimate.violations]
+    return resume_from(job, cfg, published, out)
 
 
 def _print_summary(result: TrainResult, tracker: RunTracker | None, out) -> None:

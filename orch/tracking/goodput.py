@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from orch.launchers.job import StepReport
 
-LOSSES = ("startup", "checkpoint", "evaluation", "restart", "redone", "other")
+LOSSES = ("startup", "checkpoint", "evaluation", "restart", "replan", "redone", "other")
 """Where wall time goes besides training, in the order they are shown."""
 
 
@@ -30,6 +30,8 @@ class Attempt:
     last_report: float | None = None
     ended: float | None = None
     failed: str | None = None
+    stopped: str | None = None
+    """Why an attempt that did not fail ended early (an elastic run's scale-up)."""
 
 
 @dataclass
@@ -75,6 +77,20 @@ class GoodputLedger:
         attempt.seconds["restart"] += now - (attempt.last_report or attempt.started)
         attempt.ended, attempt.failed = now, why
 
+    def attempt_stopped(self, why: str, now: float | None = None) -> None:
+        """The attempt was ended on purpose (an elastic run returns to its declared plan): accounted as
+        a failure is, since the steps after its last report are trained again."""
+        self.attempt_failed(why, now)
+        attempt = self.attempts[-1]
+        attempt.failed, attempt.stopped = None, why
+
+    def replanned(self, seconds: float) -> None:
+        """An elastic run waited for devices and searched a new plan for ``seconds`` after the last
+        attempt ended: counted as the re-plan's, not the restart's."""
+        attempt = self.attempts[-1]
+        attempt.seconds["replan"] += seconds
+        attempt.ended = (attempt.ended or time.perf_counter()) + seconds
+
     def totals(self, now: float | None = None) -> dict[str, float]:
         """Seconds by kind over every attempt, ``wall`` since the run's start and ``goodput``, the
         share of it spent training; what no attempt accounts for (the end: export, the last
@@ -96,7 +112,8 @@ class GoodputLedger:
     def as_dict(self, now: float | None = None) -> dict:
         """The totals and each attempt's seconds (``goodput.json`` in the run)."""
         return {"total": self.totals(now),
-                "attempts": [{"attempt": a.number, "failed": a.failed, "seconds": dict(a.seconds)}
+                "attempts": [{"attempt": a.number, "failed": a.failed, "stopped": a.stopped,
+                              "seconds": dict(a.seconds)}
                              for a in self.attempts]}
 
     def summary(self, now: float | None = None) -> str:

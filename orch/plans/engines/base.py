@@ -16,6 +16,7 @@ and a plan for one engine never loads another's library.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
@@ -71,6 +72,9 @@ class EngineSpec:
     what the one-line plan, the tracked parameters and `orch report` show of it."""
     splits_fused_tp_layers: ClassVar[bool] = True
     """Its tensor parallelism can split fused layers (q, k and v stacked in one weight)."""
+    resume_keeps: ClassVar[tuple[str, ...]] = ("tp", "pp")
+    """The layout keys (:func:`orch.launchers.checkpoint.layout_of`) its checkpoints must be resumed
+    with unchanged; the others (dp, micro-batch, accumulation) may change on resume."""
 
     # What the user declared
 
@@ -82,6 +86,18 @@ class EngineSpec:
         """Why the tuner never runs ``plan`` under this engine, in a few fixed words (they are
         counted across many plans), or None. The long form is :meth:`violations`."""
         return None
+
+    def resume_problem(self, saved: Mapping[str, object], plan: PlanSpec | ResolvedPlan) -> str | None:
+        """Why a checkpoint written with layout ``saved`` cannot resume ``plan``, in a few words, or
+        None. A run that re-plans after losing devices takes only plans its checkpoint resumes."""
+        changed = [key for key in self.resume_keeps if key in saved and saved[key] != getattr(plan, key)]
+        if changed:
+            return f"{self.name} checkpoints resume with the same {' and '.join(changed)}"
+        return None
+
+    def elastic_violations(self, plan: PlanSpec) -> list[Violation]:
+        """Why this plan's checkpoints cannot resume on fewer devices (``train.elastic``), each with its fix."""
+        return []
 
     def setting(self, plan: ResolvedPlan, key: str) -> object:
         """The value of one of :attr:`tracked_settings` in ``plan``."""

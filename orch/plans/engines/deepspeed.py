@@ -52,6 +52,7 @@ class DeepSpeedSpec(EngineSpec):
     summary = "DeepSpeed: ZeRO stages 0-3 (plan.zero_stage), CPU/NVMe offload, AutoTP tensor parallelism, pipelines"
     buffers_label = "DeepSpeed buffers"
     tracked_settings = ("zero_stage",)
+    resume_keeps = ("tp", "pp", "zero_stage")
 
     def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
         v = super().violations(plan, cluster)
@@ -87,6 +88,23 @@ class DeepSpeedSpec(EngineSpec):
         if plan.pp > 1 and plan.offload_param != Offload.none:
             return "parameter offload with pp > 1"
         return None
+
+    def resume_problem(self, saved, plan) -> str | None:
+        if problem := super().resume_problem(saved, plan):
+            return problem
+        if "dp" in saved and saved["dp"] != plan.dp and min(int(saved.get("zero_stage", 0)), plan.zero_stage) < 1:
+            return "a ZeRO-0 checkpoint resumes at the same dp (a universal checkpoint needs ZeRO 1-3)"
+        return None
+
+    def elastic_violations(self, plan: PlanSpec) -> list[Violation]:
+        if plan.zero_stage >= 1:
+            return []
+        return [Violation("plan.zero_stage", plan.zero_stage,
+                          "train.elastic.enabled=true resumes the last checkpoint on fewer devices, at a smaller dp, "
+                          "through a universal checkpoint, which DeepSpeed builds from ZeRO optimizer states; ZeRO-0 "
+                          "writes none.",
+                          "set plan.zero_stage=1 (which also shards the optimizer states), or "
+                          "train.elastic.enabled=false")]
 
     def short_settings(self, plan: ResolvedPlan) -> str:
         return f"zero={plan.zero_stage}"

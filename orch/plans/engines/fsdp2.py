@@ -35,6 +35,8 @@ class FSDP2Spec(EngineSpec):
     buffers_label = "FSDP2 buffers"
     tracked_settings = ("fsdp.reshard_after_forward", "fsdp.hybrid")
     splits_fused_tp_layers = False
+    resume_keeps = ("pp",)
+    """DCP reshards on load: a checkpoint resumes at any dp and tp."""
 
     def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
         """What PyTorch FSDP2 cannot train, or orch's FSDP2 engine does not run."""
