@@ -23,6 +23,7 @@ class RowRecorder(torch.nn.Module):
     reach its N-th batch removes it and kills that node's raylet (its parent process) with SIGKILL:
     a node lost at a known step, once. While ``record_dir/sleep-per-batch`` exists, every training
     batch sleeps the seconds it holds: steps slow enough for the driver to act between two checkpoints.
+    While ``record_dir/slow-rank-R`` exists, rank R sleeps the seconds it holds on top: a straggler.
     """
 
     def __init__(self, in_channels: int, hidden_channels: list[int], record_dir: str):
@@ -38,9 +39,10 @@ class RowRecorder(torch.nn.Module):
                 handle.write(" ".join(str(int(r)) for r in row.tolist()) + "\n")
             self.batches += 1
             self._maybe_die()
-            pause = Path(self.record_dir, "sleep-per-batch")
-            if pause.exists():
-                time.sleep(float(pause.read_text()))
+            for pause in (Path(self.record_dir, "sleep-per-batch"),
+                          Path(self.record_dir, f"slow-rank-{os.environ.get('RANK', '0')}")):
+                if pause.exists():
+                    time.sleep(float(pause.read_text()))
         return self.mlp(x)
 
     def _maybe_die(self) -> None:

@@ -451,21 +451,26 @@ def test_a_killed_worker_restarts_from_checkpoints_on_s3_through_ray_client(two_
     assert secret not in json.dumps(run.data.params) and secret not in config and secret not in output
 
 
-def test_an_elastic_run_replans_for_the_surviving_node_and_scales_back_up(two_node_ray, tmp_path):
+def test_an_elastic_run_replans_for_the_surviving_node_scales_back_up_and_leaves_a_straggler_out(two_node_ray,
+                                                                                                     tmp_path):
     """Two workers a node (ranks 2 and 3 on the second); that node's raylet is killed in step 6, after
     step 4's checkpoint. The run re-plans for the head's two devices at the same global batch, resumes
     step 4's checkpoint (a universal one at the new dp), and when a node joins again, returns to its
-    declared plan at the next checkpoint. Every sample of the shuffled order is trained once: none
-    twice, none skipped."""
+    declared plan at the next checkpoint. Rank 3 then turns slow: named a straggler, its node is left
+    out at the next checkpoint, and the run ends on the other node. Every sample of the shuffled
+    order is trained once: none twice, none skipped."""
     record = tmp_path / "record"
     record.mkdir()
     (record / "kill-raylet-at-batch-6").touch()
     (record / "sleep-per-batch").write_text("0.5")  # the driver asks the group to stop 2 checkpoints later
-    steps, checkpoint_every, global_batch = 16, 4, 8
+    # Steps to spare: on a loaded machine the node may rejoin a report later, and the straggler be
+    # named a report later, each moving the next plan a checkpoint on.
+    steps, checkpoint_every, global_batch = 28, 4, 8
     proc = subprocess.Popen(
         [sys.executable, "-m", "orch", "train", f"train.steps={steps}", "train.log_every=2", "train.eval_batches=1",
          f"train.checkpoint_every={checkpoint_every}", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
-         "train.max_failures=2", "train.elastic.enabled=true", "train.elastic.wait_s=2", "train.export=false",
+         "train.max_failures=2", "train.elastic.enabled=true", "train.elastic.wait_s=2",
+         "train.elastic.exclude_stragglers=true", "train.export=false",
          "model=mlp", "model._target_=recording_models.RowRecorder", "model.in_channels=8",
          f"+model.record_dir={record}",
          "data=dataset", "data.dataset._target_=recording_models.RowBlobs", "data.dataset.samples=400",
@@ -483,6 +488,8 @@ def test_an_elastic_run_replans_for_the_surviving_node_and_scales_back_up(two_no
                 joined.append(subprocess.run([RAY, "start", f"--address={two_node_ray['gcs']}", *NODE],
                                              env={**two_node_ray["env"], "RAY_AUTH_MODE": "token"},
                                              capture_output=True, text=True, timeout=120))
+            if line.startswith("re-plan 2 "):
+                (record / "slow-rank-3").write_text("0.5")  # from the declared plan's next attempt on
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
@@ -495,35 +502,37 @@ def test_an_elastic_run_replans_for_the_surviving_node_and_scales_back_up(two_no
     assert run.info.status == "FINISHED", output[-4000:]
     replans = json.loads(Path(client.download_artifacts(run.info.run_id, "events/replans.json", str(tmp_path)))
                          .read_text())["replans"]
-    down, up = replans
+    assert len(replans) == 3, output[-4000:]
+    down, up, out = replans
     assert (down["old_devices"], down["new_devices"], down["resumed_from_step"]) == (4, 2, checkpoint_every)
     assert down["old_global_batch"] == down["new_global_batch"] == global_batch
     assert down["new_layout"]["dp"] == 2 and down["predicted_step_s"] > 0 and down["eta_s"] > 0
     assert (up["old_devices"], up["new_devices"]) == (2, 4) and up["resumed_from_step"] % checkpoint_every == 0
     assert up["resumed_from_step"] > checkpoint_every and up["new_layout"] == down["old_layout"]
-    assert run.data.tags["replan.1"].startswith("re-plan 1 (2 of 4 devices lost") and "replan.2" in run.data.tags
-    assert run.data.metrics["replans"] == 2 and run.data.metrics["goodput/replan_s"] > 0
+    assert out["why"].startswith("node left out: rank 3 on ") and "is a straggler: forward +" in out["why"]
+    assert (out["old_devices"], out["new_devices"]) == (4, 2) and out["resumed_from_step"] > up["resumed_from_step"]
+    assert run.data.tags["replan.1"].startswith("re-plan 1 (2 of 4 devices lost") and "replan.3" in run.data.tags
+    assert run.data.tags["straggler.1"].startswith("rank 3 on ")
+    assert run.data.metrics["replans"] == 3 and run.data.metrics["goodput/replan_s"] > 0
     assert "converting it to a universal checkpoint for dp=2" in output, output[-4000:]
-    # The loss curve goes on: every logged step once, in order, and lower at the end.
     # Step 4's report died with the node's ranks before the driver read it; every other is logged once.
     losses = client.get_metric_history(run.info.run_id, "loss")
     assert {m.step for m in losses} - {4} == set(range(2, steps + 1, 2)) - {4}
     assert [m.step for m in losses] == sorted({m.step for m in losses}) and losses[-1].value < losses[0].value
 
     # The data order: one shuffled order of the training rows (DistributedSampler's, seeded with
-    # train.seed and the epoch), of which each attempt trained its steps: the first up to step 4, the
-    # re-planned one up to the scale-up's checkpoint, the last to the end. Their files are told apart
-    # by when they were last written; a step is ``grad_accum_steps`` lines of a rank's file.
+    # train.seed and the epoch), of which each attempt trained its steps, up to the checkpoint the
+    # next resumed. The attempts' files are told apart by when they were last written; a step is
+    # ``grad_accum_steps`` lines of a rank's file.
     import torch
 
     files = sorted(record.glob("rank*.txt"), key=lambda p: p.stat().st_mtime)
-    attempts = [(files[:4], 0, down["resumed_from_step"], down["old_layout"]),
-                (files[4:6], down["resumed_from_step"], up["resumed_from_step"], down["new_layout"]),
-                (files[6:], up["resumed_from_step"], steps, up["new_layout"])]
-    assert len(files) == 10
+    bounds = [0, down["resumed_from_step"], up["resumed_from_step"], out["resumed_from_step"], steps]
+    layouts = [down["old_layout"], down["new_layout"], up["new_layout"], out["new_layout"]]
+    assert len(files) == sum(layout["dp"] for layout in layouts)
     trained = []
-    for attempt_files, first, last, layout in attempts:
-        assert len(attempt_files) == layout["dp"]
+    for first, last, layout in zip(bounds[:-1], bounds[1:], layouts, strict=True):
+        attempt_files, files = files[:layout["dp"]], files[layout["dp"]:]
         for path in attempt_files:
             batches = path.read_text().splitlines()[:(last - first) * layout["grad_accum_steps"]]
             assert len(batches) == (last - first) * layout["grad_accum_steps"]

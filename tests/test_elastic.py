@@ -32,6 +32,8 @@ def violations(*overrides: str) -> dict[str, str]:
 def test_an_elastic_run_needs_checkpoints_a_restart_and_checkpoints_that_reshard():
     assert violations(*ELASTIC) == {}
     assert violations("train.elastic.enabled=false") == {}  # off by default, and nothing asked of it then
+    assert "set train.elastic.enabled=true as well" in violations("train.elastic.exclude_stragglers=true")[
+        "train.elastic.exclude_stragglers"]
     found = violations("train.elastic.enabled=true", "plan.zero_stage=0")
     assert set(found) == {"train.checkpoint_every", "train.max_failures", "plan.zero_stage"}
     assert "resumes the survivors from the run's last checkpoint" in found["train.checkpoint_every"]

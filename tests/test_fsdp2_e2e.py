@@ -14,21 +14,29 @@ from mlflow.tracking import MlflowClient
 
 from helpers.config import FAST, compose_config
 from orch.config import to_typed
+from orch.launchers.checkpoint import latest
 from orch.run.driver import run_training
 
 pytestmark = pytest.mark.slow
 
 
-def train(sqlite_uri: str, *overrides: str, stream=None):
+def train(sqlite_uri: str, *overrides: str, stream=None, on_report=None):
     cfg = compose_config(*FAST, f"tracking.uri={sqlite_uri}", "plan.engine=fsdp2", *overrides)
-    return run_training(*to_typed(cfg), stream=stream)
+    return run_training(*to_typed(cfg), stream=stream, on_report=on_report)
 
 
-def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_reference, local_ray, sqlite_uri, tmp_path):
+def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_reference, local_ray, sqlite_uri, tmp_path,
+                                                                     monkeypatch):
     """The same GPT, data order, optimizer and schedule in fp32 as the ZeRO-1 reference: FSDP2's
     losses follow it. Checkpointed at dp=2 through torch.distributed.checkpoint, the run resumes at
     dp=1 (same global batch through accumulation) from the exact step, with no conversion: DCP
-    reshards as it loads."""
+    reshards as it loads. Resumed with background saves, its worker is killed after step 20's began
+    and before it was published: the restart resumes step 10's, the last complete one."""
+    import os
+    import signal
+
+    from orch.launchers import worker_group
+
     checkpoints = ["train.checkpoint_every=10", f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.resume=auto"]
     first = train(sqlite_uri, *checkpoints, "plan.dp=2", "plan.precision=fp32", "train.steps=10")
     assert [r[0].step for r in first.reports] == [5, 10]
@@ -39,22 +47,35 @@ def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_referenc
     assert all(f.model.params_on_rank < first.model.param_count for f in first.worker_facts)
     out = io.StringIO()
     # Resumed with checkpoints written in the background (DCP's async_save): step 20's is written
-    # while steps 21-30 train, and published when step 30's (the last, written at once) begins.
+    # while steps 21-30 train, and published when step 30's (the last, written at once) begins. The
+    # driver sees step 20's report a poll (0.05 s here) after the save began: the worker, killed
+    # then, is a few steps past it at most, far from step 30.
+    monkeypatch.setattr(worker_group, "POLL_INTERVAL_S", 0.05)
+    killed = []
+
+    def kill_during_the_background_save(reports, facts):
+        if reports[0].step == 20 and not killed:
+            killed.append(latest(tmp_path / "ckpt").step)
+            os.kill(facts[0].pid, signal.SIGKILL)
+
     resumed = train(sqlite_uri, *checkpoints, "plan.dp=1", "cluster.devices_per_node=1", "plan.grad_accum_steps=2",
-                    "plan.precision=fp32", "train.async_checkpoint=true", stream=out)
-    assert "universal" not in out.getvalue()
+                    "plan.precision=fp32", "train.async_checkpoint=true", "train.max_failures=1", stream=out,
+                    on_report=kill_during_the_background_save)
+    assert killed == [10]  # step 20's checkpoint was not published when the worker died
+    assert "universal" not in out.getvalue() and "resuming from step 10" in out.getvalue()
     from orch.launchers.manifest import verify
 
     for step in (20, 30):  # both whole: every file the manifest lists, byte for byte, nothing else
         assert verify(tmp_path / "ckpt" / f"step_{step:09d}").files
     assert resumed.goodput["total"]["checkpoint"] > 0
     assert resumed.run_id == first.run_id and resumed.worker_facts[0].start_step == 10
-    assert [r[0].step for r in resumed.reports] == [15, 20, 25, 30]
-    assert [r[0].loss for r in resumed.reports] == pytest.approx([r[0].loss for r in dp_reference.reports[2:]],
-                                                                    abs=5e-3)
+    assert [r[0].step for r in resumed.reports] == [15, 20, 15, 20, 25, 30]  # 15 and 20 trained again
+    assert [r[0].loss for r in resumed.reports[2:]] == pytest.approx([r[0].loss for r in dp_reference.reports[2:]],
+                                                                        abs=5e-3)
     client = MlflowClient(tracking_uri=sqlite_uri)
     run = client.get_run(first.run_id)
     assert run.info.status == "FINISHED" and run.data.params["plan.engine"] == "fsdp2"
+    assert run.data.tags["restart.1.resumed_from_step"] == "10"
     # The engine-neutral optimizer settings are logged; no DeepSpeed JSON, which FSDP2 never reads.
     assert {a.path for a in client.list_artifacts(first.run_id, "config")} == {
         "config/resolved.yaml", "config/optimizer.json"}

@@ -61,8 +61,9 @@ def assert_the_straggler_is_named(result, sqlite_uri: str) -> None:
     [straggler] = result.stragglers
     # Over the median of two ranks, their mean: half of the 0.1 s rank 1 sleeps.
     assert (straggler.rank, straggler.phase) == (1, "forward") and straggler.excess_s > 0.035, straggler
-    # Three reports in a row (every 5 steps): the first may still be warming up either rank.
-    assert straggler.first_step in (5, 10) and straggler.last_step == straggler.first_step + 10, straggler
+    # Three reports in a row (every 5 steps): the first may still be warming up either rank, and on a
+    # machine another test shares (the slow tier runs two files at once) the second too.
+    assert straggler.first_step in (5, 10, 15) and straggler.last_step == straggler.first_step + 10, straggler
     run = MlflowClient(tracking_uri=sqlite_uri).get_run(result.run_id)
     assert run.data.tags["straggler.1"] == straggler.message()
     assert run.data.metrics["step_phase/rank1/forward_s"] > run.data.metrics["step_phase/rank0/forward_s"] + 0.05

@@ -37,6 +37,10 @@ FIRST_POLL_INTERVAL_S = 0.1
 """Polling until the first report arrives: it ends the start-up the user waits through."""
 
 
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label Ray gives every node, holding its node id."""
+
+
 class WorkerGroupError(OrchError):
     """The worker group could not start or a worker failed."""
 
@@ -108,6 +112,8 @@ class WorkerGroupSpec:
     """Environment of the worker processes (set before anything is imported there)."""
     wait_s: float = 120.0
     """How long to wait for the cluster to grant the resources."""
+    excluded_nodes: tuple[str, ...] = ()
+    """Ray node ids no worker may be placed on (an elastic run's straggling nodes)."""
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -182,7 +188,11 @@ def place_actors(actor_class: type, spec: WorkerGroupSpec, *, max_concurrency: i
     the same way. Raises :class:`NoPlacementError` when the cluster does not grant the bundles
     within ``spec.wait_s``; a partial start is torn down.
     """
-    pg = placement_group([spec.bundle] * spec.world_size, strategy=spec.strategy)
+    # Ray labels every node with its id: a bundle's label selector keeps the excluded ones out
+    # (selectors came with Ray 2.49; the argument is given only when a node is excluded).
+    selector = ({"bundle_label_selector": [{NODE_ID_LABEL: f"!in({','.join(spec.excluded_nodes)})"}] * spec.world_size}
+                if spec.excluded_nodes else {})
+    pg = placement_group([spec.bundle] * spec.world_size, strategy=spec.strategy, **selector)
     actors: list = []
     try:
         if not ray.wait([pg.ready()], timeout=spec.wait_s)[0]:

@@ -15,6 +15,10 @@ def elastic_violations(train: TrainSpec, plan: PlanSpec) -> list[Violation]:
     """What an elastic run needs besides its own bounds: checkpoints to resume from, a restart to
     spend, and checkpoints its engine can resume on fewer devices."""
     if not train.elastic.enabled:
+        if train.elastic.exclude_stragglers:
+            return [Violation("train.elastic.exclude_stragglers", True,
+                              "leaving a straggler's node out is a re-plan, which elastic runs make.",
+                              "set train.elastic.enabled=true as well, or train.elastic.exclude_stragglers=false")]
         return []
     found = []
     if not train.checkpoint_every:

@@ -295,6 +295,8 @@ class ElasticSpec:
     """Return to the declared plan at the next checkpoint once the cluster has its devices again."""
     replan_timeout_s: float = 120.0
     """A bound on the re-plan's search (the tuner's, on the surviving devices)."""
+    exclude_stragglers: bool = False
+    """Re-plan without the node of a rank named a straggler, at the next checkpoint."""
 
 
 @dataclass(kw_only=True)

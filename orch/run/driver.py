@@ -292,11 +292,11 @@ def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: Run
             return _attempt(group, current, job, tracker, result, progress, clock, ledger, elastic,
                             on_report=on_report, logged=logged,
                             export=cfg.train.export and tracker is not None, out=out)
-        except ScaleUp:
-            ledger.attempt_stopped("scale-up")
+        except PlanChange:
+            ledger.attempt_stopped("plan change")
             group.shutdown()
             started = time.perf_counter()
-            placed, current, job = elastic.scale_up(current, job, steps_done=logged.step, tracker=tracker, out=out)
+            placed, current, job = elastic.change_plan(current, job, steps_done=logged.step, tracker=tracker, out=out)
             ledger.replanned(time.perf_counter() - started)
         except Exception as error:
             ledger.attempt_failed(type(error).__name__)
@@ -323,8 +323,9 @@ def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: Run
             group.shutdown()
 
 
-class ScaleUp(Exception):  # noqa: N818 - a signal between two functions of this module, not an error
-    """An elastic run's cluster has its declared devices again at a checkpoint: the attempt ends there."""
+class PlanChange(Exception):  # noqa: N818 - a signal between two functions of this module, not an error
+    """An elastic run's group stopped at a checkpoint for a new plan: its declared devices are back, or a
+    straggler's node is to be left out."""
 
 
 def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: RunTracker | None,
@@ -332,8 +333,7 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
              elastic: ElasticRun | None, *, on_report, logged: _LoggedStep, export: bool, out) -> dict | None:
     """One attempt: set the group up, train it to the end, gather the trained model when it is
     exported. ``logged`` advances as steps are tracked, and keeps its value when the attempt fails.
-    Raises :class:`ScaleUp` when an elastic run's group stopped at a checkpoint because the declared
-    plan's devices are back."""
+    Raises :class:`PlanChange` when an elastic run's group stopped at a checkpoint for another plan."""
     data = prepared.workload.data
     # A streamed source is split afresh for each attempt: a failed attempt's splits are left
     # half-read by workers that are gone.
@@ -378,6 +378,12 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
             print(f"warning: {straggler.message()}", file=sys.stderr, flush=True)
             if tracker:
                 record_stragglers(tracker, result.stragglers)
+            if elastic is not None and elastic.spec.exclude_stragglers and not stopping:
+                elastic.exclude(result.worker_facts[straggler.rank].node_id, straggler.message())
+                group.stop_at_next_checkpoint()
+                stopping = True
+                print(f"elastic: leaving rank {straggler.rank}'s node out of the plan from the next checkpoint",
+                      file=out, flush=True)
         tokens_per_s = metrics.get("tokens_per_s")
         progress.update(logged.step, metrics["loss"], tokens_per_s if tokens_per_s is not None
                         else metrics.get("samples_per_s"), metrics.get("eval_loss"),
@@ -388,7 +394,7 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
             print(f"elastic: the cluster has {elastic.declared.group_spec.world_size} devices again; back to the "
                   "declared plan at the next checkpoint", file=out, flush=True)
     if stopping and result.reports and result.reports[-1][0].step < job.train.steps:
-        raise ScaleUp  # the group stopped at that checkpoint
+        raise PlanChange  # the group stopped at that checkpoint
     return _gather_export(group, out) if export else None
 
 

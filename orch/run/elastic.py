@@ -100,6 +100,9 @@ class ElasticRun:
     """The cluster the declared plan was checked against."""
     declared: PreparedJob
     replans: list[Replan] = field(default_factory=list)
+    excluded: dict[str, str] = field(default_factory=dict)
+    """Node ids left out of every later plan (``train.elastic.exclude_stragglers``), and why."""
+    _pending_exclusion: str | None = None
     _next_check: float = 0.0
 
     @property
@@ -124,13 +127,32 @@ class ElasticRun:
         return (None, *self._replan(current, job, survivors, why, started, steps_done=steps_done,
                                     tracker=tracker, out=out))
 
+    def exclude(self, node_id: str, why: str) -> None:
+        """Leave ``node_id`` out from the next plan on (the group stops at its next checkpoint)."""
+        self.excluded[node_id] = why
+        self._pending_exclusion = why
+
+    def change_plan(self, current: PreparedJob, job: TrainJob, *, steps_done: int, tracker: RunTracker | None,
+                    out) -> tuple[WorkerGroup | None, PreparedJob, TrainJob]:
+        """After the group stopped at a checkpoint on the driver's request: a re-plan without an
+        excluded node, or the declared plan once its devices are back (:meth:`scale_up`)."""
+        if self._pending_exclusion is None:
+            return self.scale_up(current, job, steps_done=steps_done, tracker=tracker, out=out)
+        why, self._pending_exclusion = self._pending_exclusion, None
+        started = time.perf_counter()
+        nodes, per_node = surviving_shape(live_slots(self.cluster, self.excluded), self.cluster)
+        self._enough(nodes * per_node)
+        survivors = dataclasses.replace(self.cluster, nodes=nodes, devices_per_node=per_node)
+        return (None, *self._replan(current, job, survivors, f"node left out: {why}", started, steps_done=steps_done,
+                                    tracker=tracker, out=out))
+
     def scale_up_ready(self, current: PreparedJob) -> bool:
         """Whether a re-planned run may go back to its declared plan now: allowed, and the live
         cluster holds the declared plan's devices again (asked of Ray every :data:`SCALE_UP_CHECK_S`)."""
-        if not self.spec.scale_up or current is self.declared or time.monotonic() < self._next_check:
+        if not self.spec.scale_up or current.plan == self.declared.plan or time.monotonic() < self._next_check:
             return False
         self._next_check = time.monotonic() + SCALE_UP_CHECK_S
-        nodes, per_node = surviving_shape(live_slots(self.cluster), self.cluster)
+        nodes, per_node = surviving_shape(live_slots(self.cluster, self.excluded), self.cluster)
         return nodes * per_node >= self.declared.group_spec.world_size
 
     def scale_up(self, current: PreparedJob, job: TrainJob, *, steps_done: int, tracker: RunTracker | None,
@@ -141,7 +163,8 @@ class ElasticRun:
         started = time.perf_counter()
         published = self._published(job)
         try:
-            group = WorkerGroup.create(dataclasses.replace(self.declared.group_spec, wait_s=max(self.spec.wait_s, 0.1)))
+            group = WorkerGroup.create(dataclasses.replace(self._excluding(self.declared).group_spec,
+                                                           wait_s=max(self.spec.wait_s, 0.1)))
         except GroupNotPlacedError:
             print("elastic: the declared plan's devices were taken again before its workers started; training on "
                   "with the current plan", file=out, flush=True)
@@ -151,7 +174,7 @@ class ElasticRun:
             declared_job = resume_from(declared_job, self.cfg, published, out)
         self._record(current, self.declared, f"{self.declared.group_spec.world_size} devices available again",
                      published, started, steps_done=steps_done, tracker=tracker, out=out)
-        return group, self.declared, declared_job
+        return group, self._excluding(self.declared), declared_job
 
     def _survivors(self, current: PreparedJob, not_placed: GroupNotPlacedError) -> ClusterSpec:
         """The cluster left: the largest uniform shape of the alive nodes. Ray counts a lost node alive
@@ -161,23 +184,33 @@ class ElasticRun:
         ``train.elastic.min_devices``."""
         deadline = time.monotonic() + NODE_DEATH_GRACE_S
         while True:
-            nodes, per_node = surviving_shape(live_slots(self.cluster), self.cluster)
+            nodes, per_node = surviving_shape(live_slots(self.cluster, self.excluded), self.cluster)
             if nodes * per_node < current.group_spec.world_size:
                 break
             if time.monotonic() > deadline:
                 raise not_placed
             time.sleep(1.0)
-        if nodes * per_node < self.spec.min_devices:
-            raise ElasticError(f"{nodes * per_node} device(s) survive, fewer than train.elastic.min_devices="
+        self._enough(nodes * per_node)
+        return dataclasses.replace(self.cluster, nodes=nodes, devices_per_node=per_node)
+
+    def _enough(self, devices: int) -> None:
+        if devices < self.spec.min_devices:
+            raise ElasticError(f"{devices} device(s) left, fewer than train.elastic.min_devices="
                                f"{self.spec.min_devices}; the run stops at its last checkpoint. Fix: add nodes and "
                                "resume it (train.resume=auto), or lower train.elastic.min_devices")
-        return dataclasses.replace(self.cluster, nodes=nodes, devices_per_node=per_node)
+
+    def _excluding(self, prepared: PreparedJob) -> PreparedJob:
+        """``prepared`` with its workers kept off the excluded nodes."""
+        if not self.excluded:
+            return prepared
+        spec = dataclasses.replace(prepared.group_spec, excluded_nodes=tuple(sorted(self.excluded)))
+        return dataclasses.replace(prepared, group_spec=spec)
 
     def _replan(self, current: PreparedJob, job: TrainJob, survivors: ClusterSpec, why: str, started: float, *,
                 steps_done: int, tracker: RunTracker | None, out) -> tuple[PreparedJob, TrainJob]:
         published = self._published(job)
         cfg = self._search(current, survivors, published)
-        replanned = prepare_job(cfg, self.model_cfg, survivors, workload=current.workload)
+        replanned = self._excluding(prepare_job(cfg, self.model_cfg, survivors, workload=current.workload))
         new_job = dataclasses.replace(replanned.job, run_id=job.run_id)
         if published is not None:
             new_job = resume_from(new_job, cfg, published, out)
@@ -245,11 +278,12 @@ class ElasticRun:
         return replan
 
 
-def live_slots(cluster: ClusterSpec) -> list[int]:
-    """Workers each alive node of the Ray cluster holds, as ``cluster`` sizes a worker."""
+def live_slots(cluster: ClusterSpec, excluded: dict[str, str] | None = None) -> list[int]:
+    """Workers each alive node of the Ray cluster holds, as ``cluster`` sizes a worker, leaving out the
+    ``excluded`` node ids."""
     slots = []
     for node in ray.nodes():
-        if not node.get("Alive"):
+        if not node.get("Alive") or node.get("NodeID") in (excluded or {}):
             continue
         resources = node.get("Resources", {})
         if cluster.accelerator == Accelerator.gpu:
