@@ -15,32 +15,28 @@ modes are compared too: a background save must not change what is trained.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import SHARED_MACHINE_NOTE, format_load, machine
+from bench.harness import SHARED_MACHINE_NOTE, compose_config, header, publish
 
 SAVES = 4
 EVERY = 5
-RUN = ["plan=fsdp2", "plan.dp=2", "plan.precision=fp32", "plan.micro_batch_size=2", "model.n_embd=512",
+RUN = ["plan=fsdp2", "plan.dp=2", "plan.precision=fp32", "plan.micro_batch_size=2", "model.d_model=512",
        "model.n_layer=8", "model.n_head=8", f"train.steps={SAVES * EVERY}", f"train.log_every={EVERY}",
        f"train.checkpoint_every={EVERY}", "train.eval_batches=1", "train.export=false", "tracking.enabled=false"]
 
 
 def train(background: bool, root: Path) -> dict:
     """One run; the stall of every checkpoint but the last, its losses and wall time."""
-    from hydra import compose, initialize_config_module
-
-    from orch.config import register_configs, to_typed
+    from orch.config import to_typed
     from orch.run.driver import run_training
 
-    register_configs()
-    with initialize_config_module("orch.conf", version_base="1.3"):
-        cfg = compose("config", overrides=[*RUN, f"train.checkpoint_dir={root / ('async' if background else 'sync')}",
-                                           f"train.async_checkpoint={str(background).lower()}"])
+    cfg = compose_config(*RUN, f"train.checkpoint_dir={root / ('async' if background else 'sync')}",
+                         f"train.async_checkpoint={str(background).lower()}")
     started = time.perf_counter()
     result = run_training(*to_typed(cfg))
     stalls = [max(r.checkpoint_s for r in reports) for reports in result.reports[:-1]]
@@ -64,11 +60,7 @@ def main() -> None:
     loss_gap = max(abs(a - b) for run_a, run_b in zip(runs[False], runs[True], strict=True)
                    for a, b in zip(run_a["losses"], run_b["losses"], strict=True))
     lines = [
-        "# Checkpoint stall: background (DCP async_save) against synchronous saves",
-        "",
-        f"`python -m bench.async_checkpoint --repeats {args.repeats}` on {machine()}; load "
-        f"{format_load(os.getloadavg())} at the end.",
-        "",
+        *header("Checkpoint stall: background (DCP async_save) against synchronous saves", sys.argv),
         f"FSDP2, dp=2 on 2 CPU workers, fp32, the built-in GPT at {runs[False][0]['params']:,} parameters; "
         f"a checkpoint every {EVERY} steps, {SAVES - 1} per run timed (the last, written at once in both modes, "
         "left out).",
@@ -87,10 +79,7 @@ def main() -> None:
         "memory copy.",
         SHARED_MACHINE_NOTE,
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text)
+    publish(lines, args.markdown)
 
 
 if __name__ == "__main__":
