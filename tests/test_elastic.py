@@ -14,7 +14,7 @@ from helpers.config import compose_config
 from orch.config import to_typed
 from orch.declared import declared_violations
 from orch.launchers.job import StepReport
-from orch.plans.elastic import batch_sizes_to_try, surviving_shape
+from orch.plans.elastic import batch_sizes_to_try, surviving_shape, surviving_shapes
 from orch.plans.engines import engine_spec
 from orch.plans.spec import ClusterSpec, PlanSpec
 from orch.tracking.goodput import GoodputLedger
@@ -61,6 +61,13 @@ def test_the_survivors_are_the_largest_uniform_shape_of_the_live_nodes(slots, sh
     assert surviving_shape(slots, ClusterSpec(nodes=2, devices_per_node=2)) == shape
 
 
+def test_every_shape_the_survivors_hold_is_tried_largest_first():
+    # 4 nodes of 8 GPUs, one GPU lost: 4 x 7 holds the most devices, but tp=8 needs 8 on a node;
+    # 3 x 8 and 4 x 6 hold as many, and more on a node comes first.
+    shapes = surviving_shapes([8, 8, 7, 8], ClusterSpec(nodes=4, devices_per_node=8))
+    assert shapes[:3] == [(4, 7), (3, 8), (4, 6)] and shapes[-1] == (4, 1) and len(shapes) == 8
+
+
 def test_the_global_batch_moves_only_within_the_tolerance_closest_first():
     assert batch_sizes_to_try(8, 0.0, 2) == [8]
     assert batch_sizes_to_try(3, 0.0, 2) == [3]  # which no plan of 2 devices trains: the search says so
@@ -98,7 +105,7 @@ def test_the_replan_keeps_the_global_batch_engine_and_settings_among_plans_the_c
                       "plan.grad_accum_steps=3")
     survivors = dataclasses.replace(run.cluster, nodes=1)
     published = Published(tag="step_000000010", step=10, run_id=None, layout=layout_of(run.declared.plan))
-    cfg = run._search(run.declared, survivors, published)
+    cfg = run._search(run.declared, [survivors], published)
     assert cfg.cluster == survivors and cfg.train.global_batch_size == 24 == run.declared.plan.global_batch_size
     assert (cfg.plan.dp, cfg.plan.tp, cfg.plan.engine, cfg.plan.zero_stage) == (2, 1, "deepspeed", 1)
     assert cfg.plan.micro_batch_size * cfg.plan.grad_accum_steps == 12
@@ -110,10 +117,11 @@ def test_a_batch_the_survivors_cannot_hold_moves_within_the_tolerance_or_the_run
     run = elastic_run("cluster.devices_per_node=3", "plan.dp=3", "plan.micro_batch_size=1")
     survivors = dataclasses.replace(run.cluster, devices_per_node=2)
     with pytest.raises(ElasticError, match=r"global batch 3 \(train.elastic.batch_tolerance=0\)") as refused:
-        run._search(run.declared, survivors, None)
-    assert "raise train.elastic.batch_tolerance" in str(refused.value)
+        run._search(run.declared, [survivors], None)
+    assert "raise train.elastic.batch_tolerance" in str(refused.value) and "(1x2: nodes x devices)" in str(
+        refused.value)
     run.cfg.train.elastic.batch_tolerance = 0.34
-    cfg = run._search(run.declared, survivors, None)
+    cfg = run._search(run.declared, [survivors], None)
     assert cfg.train.global_batch_size == 2 and cfg.plan.dp == 2  # 2 and 4 are as close: the smaller first
 
 
@@ -122,7 +130,7 @@ def test_a_replan_is_told_with_what_changed_and_kept_in_the_run():
 
     run = elastic_run("cluster.nodes=2", "cluster.devices_per_node=2", "plan.dp=4", "plan.micro_batch_size=2")
     survivors = dataclasses.replace(run.cluster, nodes=1)
-    cfg = run._search(run.declared, survivors, None)
+    cfg = run._search(run.declared, [survivors], None)
     from orch.run.prepare import prepare_job
 
     replanned = prepare_job(cfg, run.model_cfg, survivors, workload=run.declared.workload)
@@ -157,3 +165,17 @@ def test_a_replans_seconds_are_its_own_in_goodput_and_a_stopped_attempt_is_no_fa
     attempts = ledger.as_dict(now=40.0)["attempts"]
     assert [(a["failed"], a["stopped"]) for a in attempts] == [("ActorDiedError", None), (None, "scale-up"),
                                                                 (None, None)]
+
+
+def test_a_smaller_shape_is_taken_when_the_largest_cannot_resume_the_checkpoints_layout():
+    """A DeepSpeed checkpoint at tp=2 resumes only at tp=2: 3 surviving devices of a node cannot hold
+    it, 2 can."""
+    from orch.launchers.checkpoint import Published, layout_of
+
+    run = elastic_run("model=gpt", "data=corpus", "objective=causal_lm", "cluster.devices_per_node=4", "plan.dp=2",
+                      "plan.tp=2", "plan.micro_batch_size=4")
+    published = Published(tag="step_000000010", step=10, run_id=None, layout=layout_of(run.declared.plan))
+    shapes = [dataclasses.replace(run.cluster, devices_per_node=n) for n in (3, 2)]
+    cfg = run._search(run.declared, shapes, published)
+    assert cfg.cluster.devices_per_node == 2 and (cfg.plan.dp, cfg.plan.tp) == (1, 2)
+    assert cfg.plan.micro_batch_size * cfg.plan.grad_accum_steps == 8

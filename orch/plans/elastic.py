@@ -37,18 +37,24 @@ def elastic_violations(train: TrainSpec, plan: PlanSpec) -> list[Violation]:
     return found
 
 
-def surviving_shape(slots_per_node: list[int], declared: ClusterSpec) -> tuple[int, int]:
-    """``(nodes, devices_per_node)`` of the largest uniform shape the live nodes hold, never more
-    nodes or devices per node than declared: a plan is made for nodes of one size, and a node with
-    fewer free slots than the others limits them all, unless leaving it out keeps more devices.
-    ``(0, 0)`` when no node has a slot. Ties keep more devices per node (tensor parallelism stays
-    inside a node)."""
-    best = (0, 0)
+def surviving_shapes(slots_per_node: list[int], declared: ClusterSpec) -> list[tuple[int, int]]:
+    """Every uniform ``(nodes, devices_per_node)`` shape the live nodes hold, most devices first (ties:
+    more devices per node, where tensor parallelism stays inside a node), never more nodes or devices
+    per node than declared: a plan is made for nodes of one size, so a node with fewer free slots
+    limits the others unless it is left out. A re-plan tries them in this order: the largest may
+    allow no plan the checkpoint resumes (8-GPU nodes left with 7 cannot hold tp=8), a smaller one may."""
+    shapes = []
     for per_node in range(1, declared.devices_per_node + 1):
         nodes = min(sum(1 for slots in slots_per_node if slots >= per_node), declared.nodes)
-        if nodes and nodes * per_node >= best[0] * best[1]:
-            best = (nodes, per_node)
-    return best
+        if nodes:
+            shapes.append((nodes, per_node))
+    return sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape[1]), reverse=True)
+
+
+def surviving_shape(slots_per_node: list[int], declared: ClusterSpec) -> tuple[int, int]:
+    """The largest of :func:`surviving_shapes`; ``(0, 0)`` when no node has a slot."""
+    shapes = surviving_shapes(slots_per_node, declared)
+    return shapes[0] if shapes else (0, 0)
 
 
 def batch_sizes_to_try(global_batch: int, tolerance: float, world_size: int) -> list[int]:

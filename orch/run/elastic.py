@@ -27,7 +27,7 @@ import ray
 from orch.config import RunConfig
 from orch.launchers.checkpoint import Published, layout_of, resumable
 from orch.launchers.worker_group import GroupNotPlacedError, WorkerGroup
-from orch.plans.elastic import batch_sizes_to_try, surviving_shape
+from orch.plans.elastic import batch_sizes_to_try, surviving_shape, surviving_shapes
 from orch.plans.engines import engine_spec
 from orch.plans.errors import OrchError
 from orch.plans.spec import Accelerator, ClusterSpec
@@ -122,9 +122,9 @@ class ElasticRun:
             waiting = dataclasses.replace(current.group_spec, wait_s=max(self.spec.wait_s, 0.1))
             return WorkerGroup.create(waiting), current, job
         except GroupNotPlacedError as not_placed:
-            survivors = self._survivors(current, not_placed)
-        why = f"{world - survivors.world_size} of {world} devices lost: {type(error).__name__}"
-        return (None, *self._replan(current, job, survivors, why, started, steps_done=steps_done,
+            shapes = self._survivors(current, not_placed)
+        why = f"{world - shapes[0].world_size} of {world} devices lost: {type(error).__name__}"
+        return (None, *self._replan(current, job, shapes, why, started, steps_done=steps_done,
                                     tracker=tracker, out=out))
 
     def exclude(self, node_id: str, why: str) -> None:
@@ -140,10 +140,8 @@ class ElasticRun:
             return self.scale_up(current, job, steps_done=steps_done, tracker=tracker, out=out)
         why, self._pending_exclusion = self._pending_exclusion, None
         started = time.perf_counter()
-        nodes, per_node = surviving_shape(live_slots(self.cluster, self.excluded), self.cluster)
-        self._enough(nodes * per_node)
-        survivors = dataclasses.replace(self.cluster, nodes=nodes, devices_per_node=per_node)
-        return (None, *self._replan(current, job, survivors, f"node left out: {why}", started, steps_done=steps_done,
+        shapes = self._shapes()
+        return (None, *self._replan(current, job, shapes, f"node left out: {why}", started, steps_done=steps_done,
                                     tracker=tracker, out=out))
 
     def scale_up_ready(self, current: PreparedJob) -> bool:
@@ -176,12 +174,11 @@ class ElasticRun:
                      published, started, steps_done=steps_done, tracker=tracker, out=out)
         return group, self._excluding(self.declared), declared_job
 
-    def _survivors(self, current: PreparedJob, not_placed: GroupNotPlacedError) -> ClusterSpec:
-        """The cluster left: the largest uniform shape of the alive nodes. Ray counts a lost node alive
-        until its health checks fail; until then (at most :data:`NODE_DEATH_GRACE_S`) this waits.
-        Raises ``not_placed`` when every device is still there (the group was not granted for
-        another reason: other jobs hold the devices) and :class:`ElasticError` below
-        ``train.elastic.min_devices``."""
+    def _survivors(self, current: PreparedJob, not_placed: GroupNotPlacedError) -> list[ClusterSpec]:
+        """The clusters left (:meth:`_shapes`), once Ray counts fewer devices than the current plan's: it
+        counts a lost node alive until its health checks fail, and this waits for that (at most
+        :data:`NODE_DEATH_GRACE_S`). Raises ``not_placed`` when every device is still there (the group
+        was not granted for another reason: other jobs hold the devices)."""
         deadline = time.monotonic() + NODE_DEATH_GRACE_S
         while True:
             nodes, per_node = surviving_shape(live_slots(self.cluster, self.excluded), self.cluster)
@@ -190,14 +187,20 @@ class ElasticRun:
             if time.monotonic() > deadline:
                 raise not_placed
             time.sleep(1.0)
-        self._enough(nodes * per_node)
-        return dataclasses.replace(self.cluster, nodes=nodes, devices_per_node=per_node)
+        return self._shapes()
 
-    def _enough(self, devices: int) -> None:
-        if devices < self.spec.min_devices:
-            raise ElasticError(f"{devices} device(s) left, fewer than train.elastic.min_devices="
+    def _shapes(self) -> list[ClusterSpec]:
+        """The uniform clusters the live nodes hold (:func:`orch.plans.elastic.surviving_shapes`), of
+        ``train.elastic.min_devices`` or more, largest first; :class:`ElasticError` when there is none."""
+        shapes = [dataclasses.replace(self.cluster, nodes=nodes, devices_per_node=per_node)
+                  for nodes, per_node in surviving_shapes(live_slots(self.cluster, self.excluded), self.cluster)
+                  if nodes * per_node >= self.spec.min_devices]
+        if not shapes:
+            devices = surviving_shape(live_slots(self.cluster, self.excluded), self.cluster)
+            raise ElasticError(f"{devices[0] * devices[1]} device(s) left, fewer than train.elastic.min_devices="
                                f"{self.spec.min_devices}; the run stops at its last checkpoint. Fix: add nodes and "
                                "resume it (train.resume=auto), or lower train.elastic.min_devices")
+        return shapes
 
     def _excluding(self, prepared: PreparedJob) -> PreparedJob:
         """``prepared`` with its workers kept off the excluded nodes."""
@@ -206,50 +209,55 @@ class ElasticRun:
         spec = dataclasses.replace(prepared.group_spec, excluded_nodes=tuple(sorted(self.excluded)))
         return dataclasses.replace(prepared, group_spec=spec)
 
-    def _replan(self, current: PreparedJob, job: TrainJob, survivors: ClusterSpec, why: str, started: float, *,
+    def _replan(self, current: PreparedJob, job: TrainJob, shapes: list[ClusterSpec], why: str, started: float, *,
                 steps_done: int, tracker: RunTracker | None, out) -> tuple[PreparedJob, TrainJob]:
         published = self._published(job)
-        cfg = self._search(current, survivors, published)
-        replanned = self._excluding(prepare_job(cfg, self.model_cfg, survivors, workload=current.workload))
+        cfg = self._search(current, shapes, published)
+        replanned = self._excluding(prepare_job(cfg, self.model_cfg, cfg.cluster, workload=current.workload))
         new_job = dataclasses.replace(replanned.job, run_id=job.run_id)
         if published is not None:
             new_job = resume_from(new_job, cfg, published, out)
         self._record(current, replanned, why, published, started, steps_done=steps_done, tracker=tracker, out=out)
         return replanned, new_job
 
-    def _search(self, current: PreparedJob, survivors: ClusterSpec, published: Published | None) -> RunConfig:
-        """The run's config at the fastest plan of the survivors its checkpoint can resume, at the
-        closest global batch allowed; raises :class:`ElasticError` when there is none."""
+    def _search(self, current: PreparedJob, shapes: list[ClusterSpec], published: Published | None) -> RunConfig:
+        """The run's config (its ``cluster`` the shape chosen) at the fastest plan its checkpoint can
+        resume on the largest of ``shapes`` that has one, at the closest global batch allowed; raises
+        :class:`ElasticError` when there is none."""
         from orch.plans.search.space import plan_spec, search
         from orch.tune.search import prepare
 
         deadline = time.monotonic() + self.spec.replan_timeout_s
         plan = current.plan
-        base = dataclasses.replace(self.cfg, cluster=survivors)
-        space, ctx = prepare(base, self.model_cfg, survivors, current.workload)
-        # The checkpoint's engine and settings stay: a resume changes the layout, not the engine.
-        space = dataclasses.replace(space, engines=(plan.engine,), zero_stages=(plan.zero_stage,))
         saved = (published.layout or {}) if published else {}
         rules = engine_spec(plan.engine)
         data = current.workload.data
         reasons = []
-        for batch in batch_sizes_to_try(plan.global_batch_size, self.spec.batch_tolerance, survivors.world_size):
-            result = search(dataclasses.replace(space, global_batch_size=batch), ctx)
-            for candidate in result.ranked:
-                if problem := rules.resume_problem(saved, candidate.plan):
-                    reasons.append(problem)
-                    continue
-                if list(data.violations(candidate.plan.dp * candidate.plan.micro_batch_size)):
-                    reasons.append("the data has too few samples")
-                    continue
-                train = dataclasses.replace(self.cfg.train, global_batch_size=batch)
-                return dataclasses.replace(base, plan=plan_spec(candidate.plan), train=train)
-            reasons += [f"{reason} ({count})" for reason, count in result.rejected.most_common(3)]
+        for survivors in shapes:
+            base = dataclasses.replace(self.cfg, cluster=survivors)
+            space, ctx = prepare(base, self.model_cfg, survivors, current.workload)
+            # The checkpoint's engine and settings stay: a resume changes the layout, not the engine.
+            space = dataclasses.replace(space, engines=(plan.engine,), zero_stages=(plan.zero_stage,))
+            for batch in batch_sizes_to_try(plan.global_batch_size, self.spec.batch_tolerance, survivors.world_size):
+                result = search(dataclasses.replace(space, global_batch_size=batch), ctx)
+                for candidate in result.ranked:
+                    if problem := rules.resume_problem(saved, candidate.plan):
+                        reasons.append(problem)
+                        continue
+                    if list(data.violations(candidate.plan.dp * candidate.plan.micro_batch_size)):
+                        reasons.append("the data has too few samples")
+                        continue
+                    train = dataclasses.replace(self.cfg.train, global_batch_size=batch)
+                    return dataclasses.replace(base, plan=plan_spec(candidate.plan), train=train)
+                reasons += [f"{reason} ({count})" for reason, count in result.rejected.most_common(3)]
+                if time.monotonic() > deadline:
+                    break
             if time.monotonic() > deadline:
                 reasons.append(f"the search passed train.elastic.replan_timeout_s={self.spec.replan_timeout_s:g}")
                 break
+        sizes = " or ".join(f"{s.nodes}x{s.devices_per_node}" for s in shapes)
         raise ElasticError(
-            f"no plan of the {survivors.world_size} surviving devices continues the run at global batch "
+            f"no plan of the surviving devices ({sizes}: nodes x devices) continues the run at global batch "
             f"{plan.global_batch_size} (train.elastic.batch_tolerance={self.spec.batch_tolerance:g}): "
             f"{'; '.join(dict.fromkeys(reasons)) or 'none fits'}. Fix: raise train.elastic.batch_tolerance, add "
             "nodes and resume (train.resume=auto), or widen the search (tune.*)")
