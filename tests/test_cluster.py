@@ -539,3 +539,23 @@ def test_an_elastic_run_replans_for_the_surviving_node_scales_back_up_and_leaves
             trained += [int(row) for batch in batches for row in batch.split()]
     order = torch.randperm(360, generator=torch.Generator().manual_seed(1234)).tolist()  # 400 rows, 10% held out
     assert len(trained) == steps * global_batch and sorted(trained) == sorted(order[:steps * global_batch])
+
+    # Without train.elastic, a lost node is what it was: the restart waits cluster.wait_s for the
+    # plan's four devices, which two nodes no longer hold, and the run fails saying so.
+    again = tmp_path / "record-again"
+    again.mkdir()
+    (again / "kill-raylet-at-batch-3").touch()
+    fixed = subprocess.run(
+        [sys.executable, "-m", "orch", "train", "train.steps=8", "train.log_every=2", "train.eval_batches=1",
+         "train.checkpoint_every=2", f"train.checkpoint_dir={tmp_path / 'ckpt-again'}", "train.max_failures=1",
+         "train.export=false", "cluster.wait_s=5", "model=mlp", "model._target_=recording_models.RowRecorder",
+         "model.in_channels=8", f"+model.record_dir={again}", "data=dataset",
+         "data.dataset._target_=recording_models.RowBlobs", "data.dataset.samples=400", "data.dataset.features=8",
+         "objective=classification", "plan.dp=4", "plan.zero_stage=1", "plan.micro_batch_size=2",
+         f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2", "cluster.devices_per_node=2",
+         "cluster.cpus_per_worker=0.5"],
+        cwd=tmp_path, env=two_node_ray["env"], capture_output=True, text=True, timeout=300)
+    # Exit 2, as for any plan the cluster cannot place (a run that lost its node mid-way arguably failed, 1).
+    assert fixed.returncode == 2 and not (again / "kill-raylet-at-batch-3").exists(), fixed.stdout[-3000:]
+    assert "restart 1/1: " in fixed.stdout and "re-plan" not in fixed.stdout + fixed.stderr, fixed.stdout[-3000:]
+    assert "no placement within 5s: the plan needs 4 workers" in fixed.stderr, fixed.stderr[-3000:]
