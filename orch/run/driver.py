@@ -24,6 +24,7 @@ from orch.config import RunConfig
 from orch.launchers.checkpoint import Published, resumable
 from orch.launchers.job import StepReport, TrainJob, WorkerFacts
 from orch.launchers.worker_group import (
+    GroupNotPlacedError,
     WorkerDiedError,
     WorkerFailedError,
     WorkerGroup,
@@ -285,7 +286,7 @@ def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: Run
     """A group the elastic wait already placed for the next attempt."""
     while True:
         ledger.attempt_started()
-        group = placed or WorkerGroup.create(current.group_spec)
+        group = placed or _placed_again(current, failures, elastic)
         placed = None
         clock.mark("workers")
         try:
@@ -321,6 +322,18 @@ def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: Run
                 ledger.replanned(time.perf_counter() - started)
         finally:
             group.shutdown()
+
+
+def _placed_again(prepared: PreparedJob, failures: int, elastic: ElasticRun | None) -> WorkerGroup:
+    """The attempt's worker group. One that cannot be placed after a failure is a failed run (exit 1),
+    not a plan the cluster cannot hold: a node may have been lost, which an elastic run re-plans for."""
+    try:
+        return WorkerGroup.create(prepared.group_spec)
+    except GroupNotPlacedError as error:
+        if not failures or elastic is not None:
+            raise
+        raise WorkerDiedError(f"a worker was lost and the group could not be placed again: {error} A node may be "
+                              "gone: train.elastic.enabled=true re-plans for the devices that survive") from error
 
 
 class PlanChange(Exception):  # noqa: N818 - a signal between two functions of this module, not an error

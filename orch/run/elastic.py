@@ -26,10 +26,9 @@ import ray
 
 from orch.config import RunConfig
 from orch.launchers.checkpoint import Published, layout_of, resumable
-from orch.launchers.worker_group import GroupNotPlacedError, WorkerGroup
+from orch.launchers.worker_group import GroupNotPlacedError, WorkerDiedError, WorkerGroup
 from orch.plans.elastic import batch_sizes_to_try, surviving_shape, surviving_shapes
 from orch.plans.engines import engine_spec
-from orch.plans.errors import OrchError
 from orch.plans.spec import Accelerator, ClusterSpec
 from orch.run.prepare import PreparedJob, prepare_job, resume_from
 
@@ -47,8 +46,8 @@ SCALE_UP_CHECK_S = 2.0
 """How often a re-planned run asks Ray whether the declared plan's devices are back."""
 
 
-class ElasticError(OrchError):
-    """The run lost devices and no plan of the survivors can continue it."""
+class ElasticError(WorkerDiedError):
+    """The run lost devices and no plan of the survivors can continue it (a failed run: exit 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)
