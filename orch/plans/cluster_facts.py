@@ -24,6 +24,12 @@ class NodeFacts:
     """Memory of one GPU of the node (None on CPU-only nodes)."""
 
 
+def worker_slots(cluster: ClusterSpec, cpus: float, gpus: float) -> int:
+    """The workers a node of ``cpus`` and ``gpus`` holds, as ``cluster`` sizes a worker (a GPU each, or
+    ``cluster.cpus_per_worker`` CPUs each)."""
+    return int(gpus) if cluster.accelerator == Accelerator.gpu else int(cpus // cluster.cpus_per_worker)
+
+
 def reconcile(cluster: ClusterSpec, nodes: list[NodeFacts]) -> tuple[ClusterSpec, list[Violation], list[str]]:
     """The cluster to plan for: the declared shape with the live cluster's memory.
 
@@ -33,7 +39,7 @@ def reconcile(cluster: ClusterSpec, nodes: list[NodeFacts]) -> tuple[ClusterSpec
     notes: list[str] = []
     violations: list[Violation] = []
     gpu = cluster.accelerator == Accelerator.gpu
-    per_node = [int(n.gpus) if gpu else int(n.cpus // cluster.cpus_per_worker) for n in nodes]
+    per_node = [worker_slots(cluster, n.cpus, n.gpus) for n in nodes]
     usable = sorted(((slots, n) for slots, n in zip(per_node, nodes, strict=True) if slots >= 1),
                     key=lambda pair: pair[0])
     kind = "GPU" if gpu else f"{cluster.cpus_per_worker:g}-CPU"

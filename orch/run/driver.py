@@ -313,12 +313,12 @@ def _attempts(prepared: PreparedJob, job: TrainJob, cfg: RunConfig, tracker: Run
                     raise WorkerDiedError(f"a worker died and train.max_failures={cfg.train.max_failures} "
                                           f"restarts are used up: {error}") from error
                 raise
-            job = _prepare_restart(job, cfg, error, failures, logged.step, tracker, out)
+            job, published = _prepare_restart(job, cfg, error, failures, logged.step, tracker, out)
             if elastic is not None and isinstance(error, RayActorError):
                 group.shutdown()  # its devices are free before the group is placed again
                 started = time.perf_counter()
-                placed, current, job = elastic.recover(current, job, error, steps_done=logged.step, tracker=tracker,
-                                                       out=out)
+                placed, current, job = elastic.recover(current, job, error, published, steps_done=logged.step,
+                                                       tracker=tracker, out=out)
                 ledger.replanned(time.perf_counter() - started)
         finally:
             group.shutdown()
@@ -450,8 +450,9 @@ def _log_export(workload, tracker: RunTracker, exported: dict, out) -> None:
 
 
 def _prepare_restart(job: TrainJob, cfg: RunConfig, error: Exception, failures: int, logged_step: int,
-                     tracker: RunTracker | None, out) -> TrainJob:
-    """Record why the group failed and point the next attempt at the latest published checkpoint."""
+                     tracker: RunTracker | None, out) -> tuple[TrainJob, Published | None]:
+    """Record why the group failed and point the next attempt at the latest published checkpoint, which is
+    returned too (verifying it reads every file: an elastic re-plan resumes the same one)."""
     cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
     published = resumable(cfg.train.checkpoint_dir, job.model_signature) if cfg.train.checkpoint_every else None
     start = f"step {published.step}" if published else "the beginning (no checkpoint yet)"
@@ -462,8 +463,8 @@ def _prepare_restart(job: TrainJob, cfg: RunConfig, error: Exception, failures: 
                           f"restart.{failures}.resumed_from_step": str(published.step if published else 0)})
         tracker.log_metrics({"restarts": failures}, step=logged_step)
     if published is None:
-        return dataclasses.replace(job, resume_tag=None)
-    return resume_from(job, cfg, published, out)
+        return dataclasses.replace(job, resume_tag=None), None
+    return resume_from(job, cfg, published, out), published
 
 
 def _print_summary(result: TrainResult, tracker: RunTracker | None, out) -> None:

@@ -27,9 +27,10 @@ import ray
 from orch.config import RunConfig
 from orch.launchers.checkpoint import Published, layout_of, resumable
 from orch.launchers.worker_group import GroupNotPlacedError, WorkerDiedError, WorkerGroup
+from orch.plans.cluster_facts import worker_slots
 from orch.plans.elastic import batch_sizes_to_try, surviving_shape, surviving_shapes
 from orch.plans.engines import engine_spec
-from orch.plans.spec import Accelerator, ClusterSpec
+from orch.plans.spec import ClusterSpec
 from orch.run.prepare import PreparedJob, prepare_job, resume_from
 
 if TYPE_CHECKING:
@@ -108,11 +109,12 @@ class ElasticRun:
     def spec(self):
         return self.cfg.train.elastic
 
-    def recover(self, current: PreparedJob, job: TrainJob, error: BaseException, *, steps_done: int,
-                tracker: RunTracker | None, out) -> tuple[WorkerGroup | None, PreparedJob, TrainJob]:
+    def recover(self, current: PreparedJob, job: TrainJob, error: BaseException, published: Published | None, *,
+                steps_done: int, tracker: RunTracker | None, out) -> tuple[WorkerGroup | None, PreparedJob, TrainJob]:
         """After ``error`` lost a worker: the group placed again at the current plan if its devices come
         back within ``train.elastic.wait_s`` (returned, to train on), else the run re-planned for the
-        survivors, with its job pointed at the last checkpoint (no group yet)."""
+        survivors, with its job pointed at ``published``, the last checkpoint the restart found (no group
+        yet)."""
         started = time.perf_counter()
         world = current.group_spec.world_size
         print(f"elastic: a worker was lost ({type(error).__name__}); waiting up to {self.spec.wait_s:g}s for "
@@ -123,7 +125,7 @@ class ElasticRun:
         except GroupNotPlacedError as not_placed:
             shapes = self._survivors(current, not_placed)
         why = f"{world - shapes[0].world_size} of {world} devices lost: {type(error).__name__}"
-        return (None, *self._replan(current, job, shapes, why, started, steps_done=steps_done,
+        return (None, *self._replan(current, job, shapes, why, started, published, steps_done=steps_done,
                                     tracker=tracker, out=out))
 
     def exclude(self, node_id: str, why: str) -> None:
@@ -140,8 +142,8 @@ class ElasticRun:
         why, self._pending_exclusion = self._pending_exclusion, None
         started = time.perf_counter()
         shapes = self._shapes()
-        return (None, *self._replan(current, job, shapes, f"node left out: {why}", started, steps_done=steps_done,
-                                    tracker=tracker, out=out))
+        return (None, *self._replan(current, job, shapes, f"node left out: {why}", started, self._published(job),
+                                    steps_done=steps_done, tracker=tracker, out=out))
 
     def scale_up_ready(self, current: PreparedJob) -> bool:
         """Whether a re-planned run may go back to its declared plan now: allowed, and the live
@@ -191,12 +193,12 @@ class ElasticRun:
     def _shapes(self) -> list[ClusterSpec]:
         """The uniform clusters the live nodes hold (:func:`orch.plans.elastic.surviving_shapes`), of
         ``train.elastic.min_devices`` or more, largest first; :class:`ElasticError` when there is none."""
+        held = surviving_shapes(live_slots(self.cluster, self.excluded), self.cluster)
         shapes = [dataclasses.replace(self.cluster, nodes=nodes, devices_per_node=per_node)
-                  for nodes, per_node in surviving_shapes(live_slots(self.cluster, self.excluded), self.cluster)
-                  if nodes * per_node >= self.spec.min_devices]
+                  for nodes, per_node in held if nodes * per_node >= self.spec.min_devices]
         if not shapes:
-            devices = surviving_shape(live_slots(self.cluster, self.excluded), self.cluster)
-            raise ElasticError(f"{devices[0] * devices[1]} device(s) left, fewer than train.elastic.min_devices="
+            devices = held[0][0] * held[0][1] if held else 0
+            raise ElasticError(f"{devices} device(s) left, fewer than train.elastic.min_devices="
                                f"{self.spec.min_devices}; the run stops at its last checkpoint. Fix: add nodes and "
                                "resume it (train.resume=auto), or lower train.elastic.min_devices")
         return shapes
@@ -208,9 +210,9 @@ class ElasticRun:
         spec = dataclasses.replace(prepared.group_spec, excluded_nodes=tuple(sorted(self.excluded)))
         return dataclasses.replace(prepared, group_spec=spec)
 
-    def _replan(self, current: PreparedJob, job: TrainJob, shapes: list[ClusterSpec], why: str, started: float, *,
-                steps_done: int, tracker: RunTracker | None, out) -> tuple[PreparedJob, TrainJob]:
-        published = self._published(job)
+    def _replan(self, current: PreparedJob, job: TrainJob, shapes: list[ClusterSpec], why: str, started: float,
+                published: Published | None, *, steps_done: int, tracker: RunTracker | None,
+                out) -> tuple[PreparedJob, TrainJob]:
         cfg = self._search(current, shapes, published)
         replanned = self._excluding(prepare_job(cfg, self.model_cfg, cfg.cluster, workload=current.workload))
         new_job = dataclasses.replace(replanned.job, run_id=job.run_id)
@@ -288,13 +290,5 @@ class ElasticRun:
 def live_slots(cluster: ClusterSpec, excluded: dict[str, str] | None = None) -> list[int]:
     """Workers each alive node of the Ray cluster holds, as ``cluster`` sizes a worker, leaving out the
     ``excluded`` node ids."""
-    slots = []
-    for node in ray.nodes():
-        if not node.get("Alive") or node.get("NodeID") in (excluded or {}):
-            continue
-        resources = node.get("Resources", {})
-        if cluster.accelerator == Accelerator.gpu:
-            slots.append(int(resources.get("GPU", 0)))
-        else:
-            slots.append(int(resources.get("CPU", 0) // cluster.cpus_per_worker))
-    return slots
+    return [worker_slots(cluster, node.get("Resources", {}).get("CPU", 0), node.get("Resources", {}).get("GPU", 0))
+            for node in ray.nodes() if node.get("Alive") and node.get("NodeID") not in (excluded or {})]
