@@ -249,3 +249,24 @@ def test_reference_runs_are_the_declared_plan_under_each_engine_setting_and_bad_
             reference_plans(to_typed(compose_config(*overrides))[0])
         [violation] = refused.value.violations
         assert violation.field == field and says in str(refused.value), str(refused.value)
+
+
+def test_a_run_compares_its_steps_with_the_prediction_only_when_priced_at_measured_speeds():
+    """The top of the prediction's P10-P90 range is what a run's steps may take before they are named
+    slower than the plan (:mod:`orch.tracking.plan_slowdown`): only at the profile's measured speeds."""
+    from orch.plans.resolve import ResolvedPlan
+    from orch.plans.spec import Accelerator, Offload
+    from orch.plans.step_time.cost_model import StepTime
+    from orch.plans.step_time.ranges import ratio_range
+    from orch.run.prepare import slowdown_ratio
+
+    plan = ResolvedPlan(dp=2, tp=1, pp=1, world_size=2, zero_stage=1, offload_optimizer=Offload.none,
+                        offload_param=Offload.none, nvme_path=None, activation_checkpointing=False,
+                        micro_batch_size=4, grad_accum_steps=1, precision=Precision.fp32, accelerator=Accelerator.cpu)
+    step = StepTime(compute_s=1.0, memory_s=0.5, bubble_s=0.0, tp_comm_s=0.0, dp_comm_s=0.5, pp_comm_s=0.0,
+                    offload_s=0.0, optimizer_s=0.25, tokens_per_s=100.0, tflops_per_device=1.0)
+    cluster = ClusterSpec()
+    assert slowdown_ratio(step, plan, cluster) is None  # declared speeds: the cost model alone
+    measured = dataclasses.replace(cluster, measured=_measured(cluster))
+    assert slowdown_ratio(step, plan, measured) == pytest.approx(ratio_range("measured", "cpu").p90)
+    assert 1.5 < slowdown_ratio(step, plan, measured) < 3

@@ -52,8 +52,10 @@ def test_publish_is_atomic_and_prunes(tmp_path):
 @pytest.mark.slow
 def test_killed_workers_restart_from_the_checkpoint_even_after_the_last_one(local_ray, sqlite_uri, tmp_path,
                                                                             monkeypatch, capsys):
-    """Rank 1 is killed (a real kill -9) twice in one run. First at step 15: the group restarts
-    from step 10's checkpoint and replays the same losses. Then once step 30's checkpoint, the
+    """Rank 1 is killed (a real kill -9) twice in one run, its checkpoints written in the background
+    (``train.async_checkpoint``). First at step 25, after step 20's checkpoint began and before it
+    was published (at step 30's): the group restarts from step 10's, the last published, and
+    replays the same losses. Then once step 30's checkpoint, the
     last, is published, while the final evaluation runs: the third attempt has no step left, and
     still ends the run with the last step's report (the checkpointed loss) and its evaluation. It
     used to run nothing and report nothing.
@@ -66,15 +68,15 @@ def test_killed_workers_restart_from_the_checkpoint_even_after_the_last_one(loca
     from helpers.processes import free_port
     from orch.launchers import worker_group
 
-    # The first kill must land between the checkpoints of steps 10 and 20. The driver sees step 15
+    # The first kill must land between the checkpoints of steps 20 and 30. The driver sees step 25
     # up to one poll late, and these steps take a few hundredths of a second: at the default
     # half-second poll the workers can already be past step 20.
     monkeypatch.setattr(worker_group, "POLL_INTERVAL_S", 0.05)
     ckpt, killed, facts_seen = tmp_path / "ckpt", [], []
 
-    def kill_rank1_at_step_15(reports, facts):
+    def kill_rank1_at_step_25(reports, facts):
         facts_seen.append(facts)
-        if reports[0].step == 15 and not killed:
+        if reports[0].step == 25 and not killed:
             os.kill(facts[1].pid, signal.SIGKILL)
             killed.append(facts[1].pid)
 
@@ -89,23 +91,25 @@ def test_killed_workers_restart_from_the_checkpoint_even_after_the_last_one(loca
 
     # A long final evaluation keeps rank 1 busy between the last checkpoint and the final report.
     cfg = compose_config(*RUN, "train.eval_batches=40", f"train.checkpoint_dir={ckpt}", "train.max_failures=2",
+                         "train.async_checkpoint=true",
                          f"tracking.uri=http://127.0.0.1:{free_port()}", "tracking.fallback=local",
                          "tracking.run_name=killed")
     watcher = threading.Thread(target=kill_rank1_when_the_last_checkpoint_is_published, daemon=True)
     watcher.start()
-    result = run_training(*to_typed(cfg), on_report=kill_rank1_at_step_15)
+    result = run_training(*to_typed(cfg), on_report=kill_rank1_at_step_25)
     watcher.join(timeout=1)
     assert "tracking in sqlite:///mlflow.db instead" in capsys.readouterr().err
     assert len(killed) == 2, f"killed {killed}: the last checkpoint was never seen published"
     steps = [r[0].step for r in result.reports]
-    # First attempt: 5, 10, 15 (killed after 15's report); the second resumes at 10 and is killed
-    # during the final evaluation, before step 30's report; the third resumes at 30 and reports it.
-    assert steps == [5, 10, 15, 15, 20, 25, 30]
-    first_15, replayed_15 = result.reports[2][0], result.reports[3][0]
-    # Same weights, optimizer, scheduler, data position and RNG: the replayed interval computes
+    # First attempt: 5 to 25 (killed after 25's report); the second resumes at 10 (step 20's
+    # checkpoint was written but never published) and is killed during the final evaluation,
+    # before step 30's report; the third resumes at 30 and reports it.
+    assert steps == [5, 10, 15, 20, 25, 15, 20, 25, 30]
+    # Same weights, optimizer, scheduler, data position and RNG: the replayed intervals compute
     # the same losses. Only the order of floating-point reductions could differ (it does not on
     # this 2-rank gloo group), hence a tolerance far below any real drift.
-    assert replayed_15.loss == pytest.approx(first_15.loss, abs=1e-4)
+    for first, replayed in zip(result.reports[2:5], result.reports[5:8], strict=True):
+        assert replayed[0].loss == pytest.approx(first[0].loss, abs=1e-4)
     assert result.worker_facts[1].pid not in killed
     assert result.worker_facts[0].start_step == 30  # the third attempt had nothing left to train
     final = result.reports[-1][0]

@@ -122,3 +122,25 @@ def test_orch_calibrate_measures_the_workers_writes_a_profile_and_fills_the_tune
     cached, note = measure_speeds(typed, typed.cluster, space, ctx)
     assert note.startswith("measured speeds from the cache") and cached == speeds
     assert len(list(cache.glob("calibration-*.json"))) == 1
+
+    # A profile claiming ten times the speeds measured here: every rank is slower than the plan
+    # predicts, alike, so comparing the ranks names nobody; the plan's prediction does.
+    from orch.run.driver import run_training
+    from orch.tracking.plan_slowdown import PlanSlowdown
+
+    m = loaded.measured
+    boasted = dataclasses.replace(
+        m, runs=[], matmul_tflops=[dataclasses.replace(rate, tflops=10 * rate.tflops) for rate in m.matmul_tflops],
+        intra_node_gbps=10 * m.intra_node_gbps, host_link_gbps=10 * m.host_link_gbps,
+        device_memory_gb_per_s=10 * m.device_memory_gb_per_s, host_memory_gb_per_s=10 * m.host_memory_gb_per_s,
+        host_optimizer_params_per_s=10 * m.host_optimizer_params_per_s, intra_latency_s=m.intra_latency_s / 10,
+        op_overhead_s=m.op_overhead_s / 10)
+    run_cfg, run_model_cfg, run_yaml = to_typed(compose_config(
+        f"tracking.uri={sqlite_uri}", "train.steps=12", "train.log_every=3", "train.eval_batches=1",
+        "train.export=false", "tracking.run_name=boasted-profile"))
+    result = run_training(dataclasses.replace(run_cfg, cluster=dataclasses.replace(loaded, measured=boasted)),
+                          run_model_cfg, run_yaml)
+    slowdowns = [s for s in result.stragglers if isinstance(s, PlanSlowdown)]
+    assert slowdowns and slowdowns[0].measured_s > slowdowns[0].allowed_s > slowdowns[0].predicted_s
+    assert slowdowns[0].message().startswith("the step is slower than the plan predicts: ")
+    assert MlflowClient(sqlite_uri).get_run(result.run_id).data.tags["straggler.1"] == slowdowns[0].message()

@@ -325,7 +325,7 @@ class TrainSpec:
     async_checkpoint: bool = False
     """Write checkpoints in the background where the engine can (FSDP2: DCP's async_save): the step waits
     only while the state is copied to host memory; the checkpoint is published (resumable) once written, at
-    the next checkpoint, and the last one at once. DeepSpeed's are written in the step."""
+    the next checkpoint, and the last one at once. DeepSpeed: its files copied to host memory, written by a thread."""
     checkpoint_dir: str = "checkpoints"
     """Where checkpoints go: a path (shared by every node of a multi-node run) or a URI of object
     storage (s3://bucket/run, gs://..., file:///...), whose credentials come from the environment."""
@@ -347,7 +347,9 @@ class TrainSpec:
     straggler_threshold: float = 0.2
     """A rank is named a straggler when, in the first phase of the step where the ranks differ, it
     takes longer than their median by more than this share of the median step time, for
-    straggler_reports reports in a row (a warning, an MLflow tag and events/stragglers.txt; 0: never)."""
+    straggler_reports reports in a row (a warning, an MLflow tag and events/stragglers.txt; 0: never).
+    A step phase slower than the plan's prediction allows (its P90, plus this share of the predicted step)
+    is named the same way, when the prediction is priced at measured speeds (`orch calibrate`)."""
     straggler_reports: int = 3
     """Reports in a row a rank must be the slow one in the same phase before it is named."""
     elastic: ElasticSpec = field(default_factory=ElasticSpec)

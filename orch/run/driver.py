@@ -42,6 +42,7 @@ from orch.run.resume import checkpoint_dir_lock
 from orch.run.startup import Startup, StartupClock
 from orch.run.startup import describe as describe_startup
 from orch.tracking.goodput import GoodputLedger
+from orch.tracking.plan_slowdown import PlanWatch
 from orch.tracking.step_metrics import MeasurementsOnce, mean_peak_tflops, step_metrics
 from orch.tracking.stragglers import StragglerWatch, rank_phase_metrics
 
@@ -66,7 +67,8 @@ class TrainResult:
     goodput: dict = field(default_factory=dict)
     """Where the run's wall time went, in total and by attempt (:meth:`orch.tracking.goodput.GoodputLedger.as_dict`)."""
     stragglers: list = field(default_factory=list)
-    """The ranks named slow, in the order they were (:class:`orch.tracking.stragglers.Straggler`)."""
+    """The ranks named slow, in the order they were (:class:`orch.tracking.stragglers.Straggler`), and
+    the steps slower than the plan predicts (:class:`orch.tracking.plan_slowdown.PlanSlowdown`)."""
 
     @property
     def time_to_first_report_s(self) -> float:
@@ -366,8 +368,12 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
     measurements = MeasurementsOnce()
     threshold = job.train.straggler_threshold
     stages = {facts.rank: facts.pp_rank for facts in result.worker_facts}
-    watch = StragglerWatch(threshold, job.train.straggler_reports,
-                           {facts.rank: facts.hostname for facts in result.worker_facts}, stages)
+    hostnames = {facts.rank: facts.hostname for facts in result.worker_facts}
+    watch = StragglerWatch(threshold, job.train.straggler_reports, hostnames, stages)
+    plan_watch = None
+    if prepared.slowdown_ratio is not None and prepared.predicted_step is not None:
+        plan_watch = PlanWatch(prepared.predicted_step.as_dict()["parts_s"], prepared.slowdown_ratio, threshold,
+                               job.train.straggler_reports, hostnames)
     stopping = False
     for reports in group.train(hang_timeout_s=job.train.hang_timeout_s, on_system=on_system):
         if not result.reports:
@@ -386,6 +392,11 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
         metrics.update(rank_phase_metrics(reports, threshold, stages))
         if tracker:
             tracker.log_metrics(measurements.fresh(metrics), logged.step)
+        if slowdown := plan_watch and plan_watch.observe(reports):
+            result.stragglers.append(slowdown)
+            print(f"warning: {slowdown.message()}", file=sys.stderr, flush=True)
+            if tracker:
+                record_stragglers(tracker, result.stragglers)
         if straggler := watch.observe(reports):
             result.stragglers.append(straggler)
             print(f"warning: {straggler.message()}", file=sys.stderr, flush=True)

@@ -28,7 +28,8 @@ from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec
 from orch.plans.step_time.cost_model import StepTime
 from orch.plans.step_time.flops import training_flops_per_sample
-from orch.plans.step_time.prediction import declared_plan_step
+from orch.plans.step_time.prediction import declared_plan_step, declared_step_range
+from orch.plans.step_time.profile import cluster_speeds
 from orch.run.resume import signature_of
 
 
@@ -45,6 +46,10 @@ class PreparedJob:
     predicted_step: StepTime | None = None
     """The plan's step as `orch check` predicts it, at the cluster's declared speeds: the run logs it
     beside what its steps measure (`orch report` compares them)."""
+    slowdown_ratio: float | None = None
+    """The top of that prediction's P10-P90 range over the prediction, when it is priced at the
+    cluster's measured speeds and its range is known: a step slower than this (and the threshold)
+    is named (:mod:`orch.tracking.plan_slowdown`); None: not compared."""
 
     @property
     def plan(self) -> ResolvedPlan:
@@ -76,9 +81,19 @@ def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, worklo
                                  env=job.env, wait_s=cfg.cluster.wait_s, tp=plan.tp,
                                  strategy=placement_strategy(cluster.nodes))
     flops = training_flops_per_sample(workload.model_factory, workload, checkpointing=plan.activation_checkpointing)
+    predicted = declared_plan_step(plan, cluster, cfg.optim, probe, facts.param_count)
     return PreparedJob(estimate=estimate, facts=facts, workload=workload, job=job, group_spec=group_spec,
-                       flops_per_sample=flops,
-                       predicted_step=declared_plan_step(plan, cluster, cfg.optim, probe, facts.param_count))
+                       flops_per_sample=flops, predicted_step=predicted,
+                       slowdown_ratio=slowdown_ratio(predicted, plan, cluster))
+
+
+def slowdown_ratio(predicted: StepTime, plan: ResolvedPlan, cluster: ClusterSpec) -> float | None:
+    """:attr:`PreparedJob.slowdown_ratio` of ``predicted``."""
+    speeds, _ = cluster_speeds(cluster, plan.precision)
+    spread = declared_step_range(predicted, plan, cluster)
+    if speeds.source != "measured" or not spread.known or predicted.total_s <= 0:
+        return None
+    return spread.p90 / predicted.total_s
 
 
 def resume_from(job: TrainJob, cfg: RunConfig, published: Published, out) -> TrainJob:

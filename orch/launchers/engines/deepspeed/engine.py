@@ -155,6 +155,15 @@ class DeepSpeedEngine(Engine):
     def save(self, root: str, tag: str, client_state: dict[str, Any]) -> None:
         self.engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
 
+    def save_async(self, root: str, tag: str, client_state: dict[str, Any]) -> Callable[[], None]:
+        """DeepSpeed's own ``save_checkpoint``, its files copied to host memory in the step and
+        written by a thread (:mod:`orch.launchers.engines.deepspeed.background_save`)."""
+        from orch.launchers.engines.deepspeed.background_save import host_copies, write_in_background
+
+        with host_copies(self.engine) as copying:
+            self.engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
+        return write_in_background(copying.configured, copying.queued)
+
     def load(self, root: str, tag: str) -> dict[str, Any]:
         import os
 
