@@ -309,12 +309,14 @@ def held_out_corrections(outcomes: list[Outcome]) -> None:
         outcome.corrected_step_s = predicted + max(outside, 0.0)
 
 
-def plan_key(overrides: list[str]) -> tuple[str, int, str, str, bool]:
-    """(engine, zero stage, optimizer offload, parameter offload, checkpointing) of a case's plan overrides."""
+def plan_key(overrides: list[str]) -> tuple:
+    """(engine, zero stage, optimizer offload, parameter offload, recomputation) of a case's plan overrides."""
+    from orch.plans.spec import Recompute
+
     values = dict(o.split("=", 1) for o in overrides)
     return (values.get("plan.engine", "deepspeed"), int(values.get("plan.zero_stage", 0)),
             values.get("plan.offload_optimizer", "none"),
-            values.get("plan.offload_param", "none"), values.get("plan.activation_checkpointing") == "true")
+            values.get("plan.offload_param", "none"), Recompute.of(values.get("plan.activation_checkpointing", "none")))
 
 
 # --------------------------------------------------------------------------------- the runs

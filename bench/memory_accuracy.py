@@ -6,8 +6,9 @@ in Ray actors, in fp32; a few bf16 plans follow, then tensor- and pipeline-paral
 (tp=2, pp=2, and tp=2 x pp=2 on 4 workers), compared rank by rank: every pipeline stage
 against the planner's row for that stage. Last, the shipped experiments' workloads other than the
 built-in GPT: a Llama-shaped Hugging Face causal LM on tokenized text, a torchvision ViT under
-ZeRO-3 and ResNet-50, in bf16, each also with activation checkpointing; and the FSDP2 engine on
-the built-in GPT, an HF Llama shape and the ViT recipe (``--plans fsdp2``). Each worker measures
+ZeRO-3 and ResNet-50, in bf16, each also with activation checkpointing; the FSDP2 engine on
+the built-in GPT, an HF Llama shape and the ViT recipe (``--plans fsdp2``); and selective
+recomputation on both engines (``--plans recompute``). Each worker measures
 its real peak tensor bytes during ``train.memory_probe_step`` and the tensor bytes it holds after that step
 (orch/launchers/memory_probe.py). The MLflow run of each plan holds both next to the prediction. The
 table compares the most loaded rank against the planner's prediction for it.
@@ -101,7 +102,23 @@ FSDP2_PLANS = [
 ]
 
 
+# Selective recomputation (matmul and attention outputs kept, the rest recomputed) on each engine
+# and memory layout: DeepSpeed's ZeRO stages and its pipeline, FSDP2 on the GPT, an HF Llama shape
+# (through its own switch) and the ViT recipe.
+SELECTIVE = "plan.activation_checkpointing=selective"
+RECOMPUTE_PLANS = [
+    *([f"plan.zero_stage={stage}", SELECTIVE] for stage in range(4)),
+    ["plan.zero_stage=3", "plan.precision=bf16", SELECTIVE],
+    ["plan.dp=1", "plan.pp=2", "plan.grad_accum_steps=2", SELECTIVE],
+    [*FSDP2, "plan.precision=bf16", SELECTIVE],
+    ["model=hf_causal_lm", *FSDP2, "plan.precision=bf16", SELECTIVE],
+    ["experiment=vit_fsdp_bf16", SELECTIVE],
+]
+
+
 def plans(which: str = "all") -> list[list[str]]:
+    if which == "recompute":
+        return RECOMPUTE_PLANS
     if which == "parallel":
         return PARALLEL_PLANS
     if which == "workloads":
@@ -114,7 +131,7 @@ def plans(which: str = "all") -> list[list[str]]:
             continue
         matrix.append([f"plan.zero_stage={stage}", f"plan.offload_optimizer={offload}",
                        f"plan.activation_checkpointing={str(ckpt).lower()}"])
-    return matrix + BF16_PLANS + PARALLEL_PLANS + WORKLOAD_PLANS + FSDP2_PLANS
+    return matrix + BF16_PLANS + PARALLEL_PLANS + WORKLOAD_PLANS + FSDP2_PLANS + RECOMPUTE_PLANS
 
 
 def micro_batch_bytes(workload, micro_batch_size: int, precision: str) -> int:
@@ -213,9 +230,9 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", type=Path, help="also write the table here")
-    parser.add_argument("--plans", choices=("all", "parallel", "workloads", "fsdp2"), default="all",
+    parser.add_argument("--plans", choices=("all", "parallel", "workloads", "fsdp2", "recompute"), default="all",
                         help="all plans, only the tensor- and pipeline-parallel ones, only the experiments', "
-                             "or only the FSDP2 engine's")
+                             "only the FSDP2 engine's, or only selective recomputation's")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every plan")
     args = parser.parse_args()
     store = tempfile.mkdtemp(prefix="orch-bench-")

@@ -21,7 +21,7 @@ from orch.plans.model.depth_scaling import SHALLOW_DEPTHS
 from orch.plans.model.model_facts import ModelFacts
 from orch.plans.model.workload import Workload
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, ClusterSpec, Offload
+from orch.plans.spec import Accelerator, ClusterSpec, Offload, Recompute
 from orch.plans.step_time.cost_model import DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S, StepTime, host_threads
 from orch.plans.step_time.prediction import declared_step_range
 from orch.plans.step_time.profile import cluster_speeds
@@ -38,12 +38,20 @@ def check_model(facts: ModelFacts, cfg: RunConfig, workload: Workload) -> None:
                                   f"the data needs {needed} outputs per position (its vocabulary or classes: "
                                   f"token ids or labels up to {needed - 1}), the model has {facts.output_size}.",
                                   f"make the model's output size {needed} or more"))
-    if cfg.plan.activation_checkpointing and not facts.supports_activation_checkpointing:
-        problems.append(Violation("plan.activation_checkpointing", True,
+    try:
+        recompute = Recompute.of(cfg.plan.activation_checkpointing)
+    except ValueError:  # refused with its fix by the plan's own check
+        recompute = Recompute.none
+    if recompute and not facts.supports_activation_checkpointing:
+        problems.append(Violation("plan.activation_checkpointing", recompute.value,
                                   "the model has no gradient_checkpointing_enable() method and no repeated blocks "
                                   "to checkpoint (ModuleList items, or a Sequential of blocks of one class).",
                                   "implement gradient_checkpointing_enable() on the model, or set "
-                                  "plan.activation_checkpointing=false"))
+                                  "plan.activation_checkpointing=none"))
+    elif recompute == Recompute.selective and facts.selective_problem:
+        problems.append(Violation("plan.activation_checkpointing", recompute.value, f"{facts.selective_problem}.",
+                                  "accept gradient_checkpointing_kwargs in the model's gradient_checkpointing_enable "
+                                  "and pass them to torch.utils.checkpoint, or set plan.activation_checkpointing=full"))
     if problems:
         raise PlanError(problems)
 

@@ -119,7 +119,9 @@ class TuneConfig:
     zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     offload: list[str] = field(default_factory=lambda: ["none", "cpu"])
     """Where optimizer states and (ZeRO-3) parameters may go: none, cpu."""
-    activation_checkpointing: list[bool] = field(default_factory=lambda: [False, True])
+    activation_checkpointing: list[bool | str] = field(default_factory=lambda: ["none", "selective", "full"])
+    """Recomputation policies to try: none, selective, full (true/false: full/none); a model with
+    nothing to checkpoint is tried with none only, one whose own switch takes no policy without selective."""
     micro_batch_sizes: list[int] | None = None
     """Micro-batches to try; null: every power of two dividing the per-replica batch."""
     engines: list[str] = field(default_factory=lambda: ["deepspeed", "fsdp2"])

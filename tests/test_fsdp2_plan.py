@@ -84,6 +84,18 @@ def test_fsdp_settings_under_deepspeed_are_refused_by_name():
                                         "at its default (false)")
 
 
+def test_compile_is_the_fsdp2_engines_and_is_refused_under_deepspeed_with_the_fix():
+    error = refusal(PlanSpec(compile=True))
+    [violation] = error.violations
+    assert (violation.field, violation.value) == ("plan.compile", True)
+    assert violation.fix == "set plan.engine=fsdp2 to compile, or plan.compile=false"
+    plan = resolve_plan(PlanSpec(engine=FSDP2, compile=True), ClusterSpec(), TrainSpec())
+    assert plan.compile and plan.layout_text().endswith(" compile=true") and plan.as_dict()["compile"] is True
+    typed, _, _ = to_typed(compose_config())
+    assert "plan.compile=true" in plan_overrides(plan, typed)
+    assert "compile" not in resolve_plan(PlanSpec(), ClusterSpec(), TrainSpec()).layout_text()
+
+
 def test_the_resolved_plan_is_flat_and_round_trips_through_overrides_and_plan_files():
     plan = resolve_plan(PlanSpec(engine=FSDP2, fsdp=FSDPSpec(reshard_after_forward=False), precision=Precision.bf16),
                         ClusterSpec(), TrainSpec())
@@ -274,8 +286,8 @@ def test_the_search_space_adds_fsdp2_without_pipelines_or_zero_stages():
     assert {(p.offload_optimizer, p.offload_param) for p in fsdp} == {(Offload.none, Offload.none),
                                                                       (Offload.cpu, Offload.cpu)}
     assert {p.fsdp.reshard_after_forward for p in fsdp} == {True, False}
-    # reshard x offload x checkpointing at the one layout without pipelines.
-    assert len(fsdp) == 2 * 2 * 2
+    # reshard x offload x recomputation (none, selective, full) at the one layout without pipelines.
+    assert len(fsdp) == 2 * 2 * 3
     for spec in fsdp:
         resolve_plan(spec, ClusterSpec(devices_per_node=4), TrainSpec(global_batch_size=8))
 

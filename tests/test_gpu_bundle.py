@@ -133,6 +133,7 @@ def test_every_case_of_the_gpu_check_composes_into_a_valid_config(tmp_path):
     from hydra import compose, initialize_config_module
 
     from orch.config import register_configs, to_typed
+    from orch.plans.spec import Recompute
 
     machine = gpu_check.Machine(gpu="test", gpus=1, memory_gib=79.2, host_memory_gib=125, cpus=16)
     register_configs()
@@ -141,7 +142,7 @@ def test_every_case_of_the_gpu_check_composes_into_a_valid_config(tmp_path):
             typed, model_cfg, _ = to_typed(compose("config", overrides=case.overrides(gpu_check.GPU_SETUP, machine,
                                                                                        tmp_path)))
             assert (typed.plan.engine, typed.plan.zero_stage, typed.plan.offload_optimizer.value,
-                    typed.plan.offload_param.value, typed.plan.activation_checkpointing) == \
+                    typed.plan.offload_param.value, Recompute.of(typed.plan.activation_checkpointing)) == \
                 gpu_check.plan_key(gpu_check.PLANS[case.plan])
             assert typed.cluster.accelerator.value == "gpu" and typed.plan.precision.value == "bf16"
             assert typed.cluster.cpus_per_worker == 14 and typed.train.steps == gpu_check.GPU_SETUP.steps

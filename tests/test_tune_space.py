@@ -66,7 +66,7 @@ def test_enumeration_covers_every_factorization_and_reaches_the_global_batch():
         assert p.offload_param == Offload.none or p.zero_stage == 3
         assert p.offload_optimizer == Offload.none or p.zero_stage >= 1
     # dp=8: 32/8 = 4 samples per replica -> micro 1, 2, 4; 9 ZeRO/offload pairs; 2 checkpointing.
-    assert sum(1 for p in plans if p.dp == 8) == 3 * 9 * 2
+    assert sum(1 for p in plans if p.dp == 8) == 3 * 9 * 3
     assert len(plans) == len({dataclasses.astuple(p) for p in plans})
 
 

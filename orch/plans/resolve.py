@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from orch.plans.engines import engine_names, engine_spec
 from orch.plans.errors import PlanError, Violation
-from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, PlanSpec, Precision, TrainSpec
+from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, PlanSpec, Precision, Recompute, TrainSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +26,8 @@ class ResolvedPlan:
     offload_optimizer: Offload
     offload_param: Offload
     nvme_path: str | None
-    activation_checkpointing: bool
+    activation_checkpointing: Recompute
+    """What backward recomputes (true/false given here are taken as full/none)."""
     pp_partition: str = "parameters"
     micro_batch_size: int
     grad_accum_steps: int
@@ -35,6 +36,11 @@ class ResolvedPlan:
     engine: str = "deepspeed"
     """The engine's name (:func:`orch.plans.engines.engine_spec` answers for it)."""
     fsdp: FSDPSpec = field(default_factory=FSDPSpec)
+    compile: bool = False
+    """torch.compile each repeated block."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "activation_checkpointing", Recompute.of(self.activation_checkpointing))
 
     @property
     def global_batch_size(self) -> int:
@@ -56,9 +62,9 @@ class ResolvedPlan:
         """The plan in one line, as its overrides would say it (`orch check` and `orch train` print it)."""
         return (f"{self.engine_text()} dp={self.dp} tp={self.tp} pp={self.pp} "
                 f"offload_optimizer={self.offload_optimizer.value} offload_param={self.offload_param.value} "
-                f"activation_checkpointing={str(self.activation_checkpointing).lower()} "
+                f"activation_checkpointing={self.activation_checkpointing.value} "
                 f"precision={self.precision.value} micro_batch_size={self.micro_batch_size} "
-                f"grad_accum_steps={self.grad_accum_steps}")
+                f"grad_accum_steps={self.grad_accum_steps}" + (" compile=true" if self.compile else ""))
 
     def as_dict(self) -> dict[str, object]:
         """Plain values (enums as strings), for tracking and JSON output, flat: an engine's nested
@@ -123,6 +129,15 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
                            f"set plan.dp={max(world // model_parallel, 1)} (or null), or change "
                            f"cluster.devices_per_node / cluster.nodes to give {dp * model_parallel} workers"))
 
+    try:
+        recompute = Recompute.of(plan.activation_checkpointing)
+    except ValueError:
+        recompute = Recompute.none
+        v.append(Violation("plan.activation_checkpointing", plan.activation_checkpointing,
+                           "is not a recomputation policy.",
+                           "set plan.activation_checkpointing to none, selective or full (true and false "
+                           "mean full and none)"))
+
     # The engine's own rules, after the layout's: its fixes may assume the degrees are sound.
     if plan.engine not in engine_names():
         v.append(Violation("plan.engine", plan.engine, "is not an engine orch has.",
@@ -143,10 +158,10 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
     return ResolvedPlan(
         dp=dp, tp=plan.tp, pp=plan.pp, world_size=world, zero_stage=plan.zero_stage,
         offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param,
-        nvme_path=plan.nvme_path, activation_checkpointing=plan.activation_checkpointing,
+        nvme_path=plan.nvme_path, activation_checkpointing=recompute,
         pp_partition=plan.pp_partition, micro_batch_size=plan.micro_batch_size, grad_accum_steps=plan.grad_accum_steps,
         precision=plan.precision, accelerator=cluster.accelerator, engine=plan.engine,
-        fsdp=dataclasses.replace(plan.fsdp),
+        fsdp=dataclasses.replace(plan.fsdp), compile=plan.compile,
     )
 
 

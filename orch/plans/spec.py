@@ -20,6 +20,36 @@ class Offload(str, Enum):
     nvme = "nvme"
 
 
+class Recompute(str, Enum):
+    """What backward recomputes instead of keeping it from the forward (``plan.activation_checkpointing``).
+
+    ``full`` keeps only each repeated block's input and runs the block's forward again in backward;
+    ``selective`` keeps the outputs of the matmuls and attention (the costly ops) and recomputes the
+    rest (norms, activations, elementwise ops: cheap, and most of the bytes); ``none`` keeps
+    everything. True means full, false none: the values the field took before it had a policy.
+    Truthy when something is recomputed.
+    """
+
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+    def __bool__(self) -> bool:
+        return self is not Recompute.none
+
+    @classmethod
+    def of(cls, value: bool | str | Recompute) -> Recompute:
+        """The policy ``value`` names (a bool or its YAML spelling, or a policy's name); raises
+        ValueError for anything else."""
+        if isinstance(value, bool):
+            return cls.full if value else cls.none
+        text = str(value.value if isinstance(value, Enum) else value).strip().lower()
+        spelled = {"true": cls.full, "false": cls.none}
+        if text in spelled:
+            return spelled[text]
+        return cls(text)
+
+
 @dataclass(kw_only=True)
 class FSDPSpec:
     """PyTorch FSDP2's settings (``plan.engine=fsdp2``); parameters, gradients and optimizer
@@ -97,14 +127,19 @@ class PlanSpec:
     """Keep parameters on cpu or nvme between uses (ZeRO-3 only)."""
     nvme_path: str | None = None
     """Directory for NVMe offload; required when either offload is nvme."""
-    activation_checkpointing: bool = False
-    """Recompute activations in backward instead of keeping them (saves memory, costs compute)."""
+    activation_checkpointing: bool | str = "none"
+    """Recompute activations in backward instead of keeping them: none, selective (keep matmul and
+    attention outputs, recompute the cheap ops) or full (keep only each block's input); true/false
+    mean full/none. Saves memory, costs compute."""
     micro_batch_size: int = 4
     """Samples per worker per forward pass."""
     grad_accum_steps: int = 1
     """Micro-batches accumulated per optimizer step."""
     precision: Precision = Precision.fp32
     """fp32, or bf16/fp16 mixed precision with fp32 master weights."""
+    compile: bool = False
+    """torch.compile each repeated block (FSDP2 engine): its memory-bound ops fused into fewer kernels.
+    The first steps wait for the compilation (tens of seconds per block class on a CPU)."""
 
 
 @dataclass(kw_only=True)

@@ -207,8 +207,13 @@ def _layout_text(plan: ResolvedPlan) -> str:
     """The plan but its engine, compact: the engine's own settings and offload as its spec says them."""
     spec = engine_spec(plan.engine)
     return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} {spec.short_settings(plan)} offload={spec.short_offload(plan)} "
-            f"ckpt={'on' if plan.activation_checkpointing else 'off'} micro={plan.micro_batch_size} "
+            f"ckpt={_recompute_text(plan)} micro={plan.micro_batch_size} "
             f"accum={plan.grad_accum_steps}")
+
+
+def _recompute_text(plan: ResolvedPlan) -> str:
+    """Recomputation, short: off, selective, on (full)."""
+    return {"none": "off", "full": "on"}.get(plan.activation_checkpointing.value, plan.activation_checkpointing.value)
 
 
 def _mem(n: int | None) -> str:

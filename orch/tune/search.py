@@ -33,7 +33,7 @@ from orch.plans.search.space import (
     search,
     trial_candidates,
 )
-from orch.plans.spec import Accelerator, Offload
+from orch.plans.spec import Accelerator, Offload, Recompute
 from orch.plans.step_time.cost_model import Speeds
 from orch.plans.step_time.prediction import EXACT_PARAMS_LIMIT, count_model_cost
 from orch.plans.step_time.profile import cluster_speeds, runs_range
@@ -68,13 +68,23 @@ def global_batch_origin(cfg: RunConfig, world_size: int) -> str:
             f"{cfg.plan.grad_accum_steps} x dp {_declared_dp(cfg, world_size)}; train.global_batch_size sets it")
 
 
-def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool) -> SearchSpace:
+def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool,
+           selective_problem: str | None = None) -> SearchSpace:
     t = cfg.tune
     bad = [o for o in t.offload if o not in ("none", "cpu")]
     if bad:
         raise PlanError([Violation("tune.offload", bad, "the tuner offloads to none or cpu only.",
                                    "set tune.offload=[none,cpu] or a subset")])
-    ckpt = tuple(t.activation_checkpointing) if supports_checkpointing else (False,)
+    try:
+        ckpt = tuple(dict.fromkeys(Recompute.of(value) for value in t.activation_checkpointing))
+    except ValueError:
+        raise PlanError([Violation("tune.activation_checkpointing", list(t.activation_checkpointing),
+                                   "holds a value that is not a recomputation policy.",
+                                   "set tune.activation_checkpointing=[none,selective,full] or a subset")]) from None
+    if not supports_checkpointing:
+        ckpt = (Recompute.none,)
+    elif selective_problem is not None:
+        ckpt = tuple(policy for policy in ckpt if policy != Recompute.selective) or (Recompute.none,)
     return SearchSpace(world_size=world_size, global_batch_size=declared_global_batch(cfg, world_size),
                        precision=cfg.plan.precision, tp=tuple(t.tp) if t.tp else None,
                        pp=tuple(t.pp) if t.pp else None, zero_stages=tuple(t.zero_stages),
@@ -92,7 +102,8 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
     facts, shallow = inspect_declared_model(constructor_cfg, workload, cluster, cfg.plan.precision,
                                             Offload.none,  # the tuner offloads to the CPU at most
                                             factory=workload.model_factory)
-    check_model(dataclasses.replace(facts, supports_activation_checkpointing=True), cfg, workload)
+    check_model(dataclasses.replace(facts, supports_activation_checkpointing=True, selective_problem=None), cfg,
+                workload)
     large = facts.param_count >= EXACT_PARAMS_LIMIT
     probe = BatchScaledProbe(workload.model_factory, workload, tp_layer_specs=tp_layer_specs,
                              pipeline_layers=workload.pipeline_layers,
@@ -131,7 +142,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
                         model_cost=count_model_cost(probe, tp_degrees, facts.param_count),
                         speeds=cluster_speeds(cluster, cfg.plan.precision)[0],
                         tp_problem=tp_problem, plan_problem=plan_problem)
-    space = _space(cfg, cluster.world_size, facts.supports_activation_checkpointing)
+    space = _space(cfg, cluster.world_size, facts.supports_activation_checkpointing, facts.selective_problem)
     # Degrees the model cannot use are left out of the search rather than ranked as failures.
     if workload.pipeline_layers is None:
         space = dataclasses.replace(space, pp=(1,))

@@ -209,6 +209,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = None if tie_embeddings else LMHead(d_model, vocab_size, init_seed=layer_seed(base, n_layer + 2))
         self.activation_checkpointing = False
+        self.checkpoint_kwargs: dict = {}
 
     @classmethod
     def pipeline_layers(cls, *, n_layer: int = 2, d_model: int = 128, n_head: int = 4, seq_len: int = 128,
@@ -235,9 +236,12 @@ class GPT(nn.Module):
             layers.append(StageLayer.of(LMHead, d_model, vocab_size, init_seed=layer_seed(base, n_layer + 2)))
         return layers
 
-    def gradient_checkpointing_enable(self) -> None:
-        """Recompute each block's activations in backward instead of saving them."""
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Recompute each block's activations in backward instead of saving them;
+        ``gradient_checkpointing_kwargs`` go to ``torch.utils.checkpoint.checkpoint`` (Hugging Face's
+        name and meaning: a selective policy's ``context_fn``)."""
         self.activation_checkpointing = True
+        self.checkpoint_kwargs = dict(gradient_checkpointing_kwargs or {})
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[1] > self.seq_len:
@@ -248,7 +252,7 @@ class GPT(nn.Module):
         x = self.embed(input_ids)
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, **{"use_reentrant": False, **self.checkpoint_kwargs})
             else:
                 x = block(x)
         x = self.ln_f(x)

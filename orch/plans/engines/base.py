@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from orch.plans.errors import Violation
-from orch.plans.spec import ClusterSpec, FSDPSpec, Offload, OptimSpec, PlanSpec
+from orch.plans.spec import ClusterSpec, FSDPSpec, Offload, OptimSpec, PlanSpec, Recompute
 
 if TYPE_CHECKING:
     from orch.plans.engine_settings import EngineSettings
@@ -142,7 +142,10 @@ class EngineSpec:
         """Single changes to try, cheapest first, when ``plan`` does not fit."""
         changes: list[Change] = []
         if not plan.activation_checkpointing:
-            changes.append(("turn on plan.activation_checkpointing", {"activation_checkpointing": True}))
+            changes.append(("set plan.activation_checkpointing=selective",
+                            {"activation_checkpointing": Recompute.selective}))
+        if plan.activation_checkpointing != Recompute.full:
+            changes.append(("set plan.activation_checkpointing=full", {"activation_checkpointing": Recompute.full}))
         return changes
 
     def step_time(self, plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devices_per_node: int,

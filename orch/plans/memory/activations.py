@@ -343,7 +343,7 @@ def _blocks_backward(trace: PassTrace) -> dict[str, int]:
 
 
 def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: int, inputs: ModelInputs,
-                        dtype: torch.dtype, checkpointing: bool,
+                        dtype: torch.dtype, checkpointing: bool | str,
                         accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes:
     """Bytes autograd saves for one micro-batch of the model's own code, measured on ``meta``.
 
@@ -361,7 +361,7 @@ def measure_activations(factory_or_module: ModelOrFactory, *, micro_batch_size: 
 
 
 def measure_activations_depth_scaled(module: torch.nn.Module, *, micro_batch_size: int, inputs: ModelInputs,
-                                     dtype: torch.dtype, checkpointing: bool,
+                                     dtype: torch.dtype, checkpointing: bool | str,
                                      accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes:
     """:func:`measure_activations` of a deep model from copies cut to two shallow depths.
 
@@ -382,7 +382,8 @@ def measure_activations_depth_scaled(module: torch.nn.Module, *, micro_batch_siz
 
 
 def activations_from_shallow(shallow: ShallowModels, *, micro_batch_size: int, inputs: ModelInputs, dtype: torch.dtype,
-                             checkpointing: bool, accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes | None:
+                             checkpointing: bool | str,
+                             accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes | None:
     """:func:`measure_activations` at ``shallow.depth`` from the two shallow models' passes; None
     when a trace breaks the pattern :func:`orch.plans.model.depth_scaling.peaks_at_depth` needs."""
     (a, a_trace), (b, b_trace) = (_measure_pass(m, micro_batch_size, inputs, dtype, checkpointing, accelerator)
@@ -394,20 +395,25 @@ def activations_from_shallow(shallow: ShallowModels, *, micro_batch_size: int, i
 
 
 def _measure_pass(factory_or_module: ModelOrFactory, micro_batch_size: int, inputs: ModelInputs, dtype: torch.dtype,
-                  checkpointing: bool, accelerator: Accelerator) -> tuple[ActivationBytes, PassTrace]:
+                  checkpointing: bool | str, accelerator: Accelerator) -> tuple[ActivationBytes, PassTrace]:
     plain = _measure(_build_on_meta(factory_or_module, dtype), micro_batch_size, inputs, accelerator)
     module = _build_on_meta(factory_or_module, dtype)
     if checkpointing:
-        enable_activation_checkpointing(module)
+        enable_activation_checkpointing(module, checkpointing)
     forward_peak, live, pass_trace = _live_peaks(module, micro_batch_size, inputs, accelerator)
     peaks = dict(forward_peak=forward_peak, backward_peak=live.peak, backward_peak_with_grads=live.peak_with_grads,
                  grads_at_backward_peak=live.grads_at_peak, **_blocks_backward(pass_trace))
     if not checkpointing:
         return ActivationBytes(saved=plain.total, recompute_peak=0, **peaks), pass_trace
     checkpointed_module = _build_on_meta(factory_or_module, dtype)
-    enable_activation_checkpointing(checkpointed_module)
+    enable_activation_checkpointing(checkpointed_module, checkpointing)
     checkpointed = _measure(checkpointed_module, micro_batch_size, inputs, accelerator)
     recompute = max(plain.by_layer.values(), default=plain.total - checkpointed.total)
+    if str(getattr(checkpointing, "value", checkpointing)) == "selective":
+        # A layer recomputed selectively rebuilds only what it did not keep (its matmul and
+        # attention outputs stay saved, and are counted in ``saved`` already).
+        recompute = max((kept - checkpointed.by_layer.get(layer, 0) for layer, kept in plain.by_layer.items()),
+                        default=max(plain.total - checkpointed.total, 0))
     return ActivationBytes(saved=checkpointed.total, recompute_peak=recompute, **peaks), pass_trace
 
 
@@ -425,7 +431,7 @@ def attention_kernels(factory_or_module: ModelOrFactory, *, inputs: ModelInputs,
 
 
 def saved_activation_bytes(factory_or_module: ModelOrFactory, *, micro_batch_size: int, inputs: ModelInputs,
-                           dtype: torch.dtype, checkpointing: bool) -> int:
+                           dtype: torch.dtype, checkpointing: bool | str) -> int:
     """Peak activation bytes of one micro-batch: :attr:`ActivationBytes.peak` of the measurement.
 
     Gradients of activations in backward are transient (one layer's worth) and not included.
@@ -435,7 +441,7 @@ def saved_activation_bytes(factory_or_module: ModelOrFactory, *, micro_batch_siz
 
 
 def gpt_activation_bytes(*, n_layer: int, d_model: int, n_head: int, seq_len: int, vocab_size: int,
-                         micro_batch_size: int, bytes_per_elem: int, checkpointing: bool) -> int:
+                         micro_batch_size: int, bytes_per_elem: int, checkpointing: bool | str) -> int:
     """Closed form of :func:`saved_activation_bytes` for orch/workloads/gpt.py.
 
     Korthikanti et al. (2022) count 34·sbh + 5·a·s²·b bytes per layer at 2 bytes per element

@@ -41,7 +41,7 @@ from orch.plans.memory.states import (
 from orch.plans.model.attention import KernelLog
 from orch.plans.model.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from orch.plans.model.meta import meta_device
-from orch.plans.model.workload import ModelInputs, batch_bytes, supports_activation_checkpointing
+from orch.plans.model.workload import ModelInputs, batch_bytes, selective_problem, supports_activation_checkpointing
 from orch.plans.parallel.pipeline import (
     PipelineLayer,
     PipelineStage,
@@ -52,7 +52,7 @@ from orch.plans.parallel.pipeline import (
 )
 from orch.plans.parallel.tp_plan import split_layers
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision
+from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision, Recompute
 
 # The keys of one device in `orch check --json` (``per_device`` and each of ``stages``), in bytes
 # but for ``phase``, the step phase the peak falls in.
@@ -437,6 +437,9 @@ def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
     singles = engine_spec(plan.engine).fixes(plan)
     if not supports_activation_checkpointing(probe.sample):
         singles = [(what, change) for what, change in singles if "activation_checkpointing" not in change]
+    elif selective_problem(probe.sample):
+        singles = [(what, change) for what, change in singles
+                   if change.get("activation_checkpointing") != Recompute.selective]
     found: list[str] = []
     for what, change in singles:
         candidate = _changed(plan, change)

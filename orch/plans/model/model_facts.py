@@ -18,6 +18,7 @@ from orch.plans.model.workload import (
     ModelInputs,
     call_model,
     output_tensor,
+    selective_problem,
     supports_activation_checkpointing,
 )
 from orch.plans.spec import ClusterSpec, Offload, Precision
@@ -38,6 +39,8 @@ class ModelFacts:
     output_size: int
     """Size of the last dimension of the model's output (vocabulary, classes, ...)."""
     supports_activation_checkpointing: bool
+    selective_problem: str | None = None
+    """Why the model cannot recompute selectively (:func:`orch.plans.model.workload.selective_problem`)."""
     modules: int = 0
     """``torch.nn.Module`` objects in the model: each costs a Python object and its dicts, on any
     device, when the model is built."""
@@ -102,6 +105,7 @@ def _facts(module: torch.nn.Module, inputs: ModelInputs, arguments: Mapping[str,
         trainable_count=sum(p.numel() for p in params if p.requires_grad),
         output_size=int(output.shape[-1]) if output.dim() else 1,
         supports_activation_checkpointing=supports_activation_checkpointing(module),
+        selective_problem=selective_problem(module),
         modules=_module_count(module),
     )
 

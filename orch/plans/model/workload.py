@@ -262,38 +262,96 @@ def supports_activation_checkpointing(module: torch.nn.Module) -> bool:
     return callable(getattr(module, "gradient_checkpointing_enable", None)) or bool(checkpoint_units(module))
 
 
-def enable_activation_checkpointing(module: torch.nn.Module) -> None:
-    """Recompute activations in backward instead of saving them.
+def saved_ops() -> list:
+    """The ops selective recomputation keeps the outputs of: the matmuls, attention and convolutions,
+    which are the FLOPs (the ops ``torch.utils.flop_counter`` counts). Everything else in a block
+    (norms, activations, dropout, residual adds, reshapes) is recomputed in backward: cheap in time,
+    and most of a block's activation bytes. Collectives are recomputed too (a tensor-parallel
+    block's all-reduce runs again, as under full recomputation)."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu")
+    return [getattr(aten, name).default for name in names if hasattr(aten, name)]
+
+
+def checkpoint_kwargs(recompute: str) -> dict[str, Any]:
+    """``torch.utils.checkpoint.checkpoint``'s keyword arguments for a recomputation policy
+    (``full`` or ``selective``: :class:`orch.plans.spec.Recompute`, by value). Selective runs
+    under torch's selective-checkpoint contexts with :func:`saved_ops`. Either way the saved
+    tensors pass through any ``saved_tensors_hooks`` around them, as everything else autograd
+    saves does (the planner counts them with such a hook)."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if str(getattr(recompute, "value", recompute)) == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, saved_ops())
+        kwargs["respect_saved_tensors_hooks"] = True
+    return kwargs
+
+
+def selective_problem(module: torch.nn.Module) -> str | None:
+    """Why ``module`` cannot recompute selectively, or None: its own checkpointing switch must take
+    checkpoint arguments (Hugging Face's ``gradient_checkpointing_kwargs``, which the built-in GPT
+    shares); a model without a switch has its blocks wrapped here, which always can."""
+    import inspect
+
+    switch = getattr(module, "gradient_checkpointing_enable", None)
+    if not callable(switch):
+        return None
+    try:
+        parameters = inspect.signature(switch).parameters
+    except (TypeError, ValueError):
+        return None
+    if "gradient_checkpointing_kwargs" in parameters:
+        return None
+    return (f"{type(module).__name__}.gradient_checkpointing_enable() takes no checkpoint arguments "
+            "(gradient_checkpointing_kwargs), so it cannot be told what to keep")
+
+
+def enable_activation_checkpointing(module: torch.nn.Module, recompute: str = "full") -> None:
+    """Recompute activations in backward instead of saving them: every block's (``full``), or all
+    but its matmuls' and attention's outputs (``selective``, :func:`checkpoint_kwargs`).
 
     Through the model's own switch (Hugging Face's name, which the built-in GPT shares) when it
     has one; otherwise each of its :func:`checkpoint_units` runs under ``torch.utils.checkpoint``
     (non-reentrant), the way torchtitan and FSDP's ``checkpoint_wrapper`` wrap blocks, but without
     a wrapper module, so parameter names (and checkpoints, tensor-parallel patterns) are unchanged.
     """
+    selective = str(getattr(recompute, "value", recompute)) == "selective"
     switch = getattr(module, "gradient_checkpointing_enable", None)
     if callable(switch):
-        switch()
+        if not selective:
+            switch()
+            return
+        if problem := selective_problem(module):
+            raise ValueError(problem)
+        switch(gradient_checkpointing_kwargs=checkpoint_kwargs(recompute))
         return
     units = checkpoint_units(module)
     if not units:
         raise ValueError(f"{type(module).__name__} has no gradient_checkpointing_enable() and no repeated blocks "
                          "(ModuleList items, or a Sequential of blocks of one class) to checkpoint")
+    kwargs = checkpoint_kwargs(recompute)
     for unit in units:
-        unit.forward = _Checkpointed(unit.forward)
+        unit.forward = _Checkpointed(unit.forward, kwargs)
 
 
 class _Checkpointed:
     """A block's forward run under ``torch.utils.checkpoint`` while gradients are recorded."""
 
-    def __init__(self, forward: Callable[..., Any]):
+    def __init__(self, forward: Callable[..., Any], checkpoint_kwargs: dict[str, Any]):
         self.forward = forward
+        self.checkpoint_kwargs = checkpoint_kwargs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self.forward, *args, **self.checkpoint_kwargs, **kwargs)
 
 
 class MetaBranches(TorchFunctionMode):

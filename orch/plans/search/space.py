@@ -42,6 +42,7 @@ from orch.plans.spec import (
     OptimSpec,
     PlanSpec,
     Precision,
+    Recompute,
     TrainSpec,
 )
 from orch.plans.step_time.cost_model import ModelCost, Speeds, StepTime
@@ -62,7 +63,7 @@ class SearchSpace:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     offload: tuple[Offload, ...] = (Offload.none, Offload.cpu)
     """Where optimizer states and (with ZeRO-3) parameters may go."""
-    activation_checkpointing: tuple[bool, ...] = (False, True)
+    activation_checkpointing: tuple[Recompute, ...] = (Recompute.none, Recompute.selective, Recompute.full)
     micro_batch_sizes: tuple[int, ...] | None = None
     """Micro-batches to try; None: the powers of two that divide the batch each replica gets."""
     engines: tuple[str, ...] = ("deepspeed",)

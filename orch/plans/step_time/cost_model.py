@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from orch.plans.engine_settings import ZeroStage, engine_settings
 from orch.plans.parallel.rank_layout import group_stride
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimizerName, OptimSpec, Precision
+from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimizerName, OptimSpec, Precision, Recompute
 
 # A large dense GEMM sustains about 80% of the datasheet peak on A100s (cuBLAS bf16 at
 # 8192^3 reaches 250-270 of 312 TFLOP/s); declared peaks are derated by this, measured ones not.
@@ -563,8 +563,10 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     act_bytes = plan.precision.element_bytes
     engine = engine_settings(plan, optim)
 
+    # Selective recomputation keeps every op the FLOPs are in (the matmuls and attention) and runs
+    # the rest of the forward again: the FLOPs of none, the kernels and bytes of full.
     ckpt = plan.activation_checkpointing
-    flops = model.flops_per_sample_checkpointed if ckpt else model.flops_per_sample
+    flops = model.flops_per_sample_checkpointed if ckpt == Recompute.full else model.flops_per_sample
     ops = model.ops_per_micro_batch_checkpointed if ckpt else model.ops_per_micro_batch
     # DeepSpeed splits whole layers between stages, and the 1F1B schedule runs at the pace of the
     # stage with the most: ceil(layers / pp) of them, not layers / pp.

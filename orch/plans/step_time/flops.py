@@ -25,12 +25,13 @@ from orch.plans.model.workload import (
 
 
 def training_flops_per_sample(factory: Callable[[], torch.nn.Module], inputs: ModelInputs, *,
-                              checkpointing: bool = False) -> int:
-    """FLOPs of forward + objective + backward for one sample of the data source (linear in the batch)."""
+                              checkpointing: bool | str = False) -> int:
+    """FLOPs of forward + objective + backward for one sample of the data source (linear in the batch),
+    recomputation included (``checkpointing``: a :class:`orch.plans.spec.Recompute` or a bool)."""
     with meta_device():
         module = factory()
         if checkpointing:
-            enable_activation_checkpointing(module)
+            enable_activation_checkpointing(module, checkpointing)
         batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta")
         with FlopCounterMode(display=False) as counter, MetaBranches():
             loss = inputs.objective(call_model(module, batch), batch)

@@ -145,7 +145,7 @@ def pipeline_module(job: TrainJob):
     to DeepSpeed as a ``ProcessTopology``, so the stage, replica and data shard of every rank are
     what ``orch check`` showed. With activation checkpointing each layer with parameters is
     recomputed in backward (``activation_checkpoint_interval=1``), with torch's non-reentrant
-    checkpoint as the model's own switch uses.
+    checkpoint as the model's own switch uses (selective: under the same policy).
     """
     import functools
 
@@ -153,14 +153,16 @@ def pipeline_module(job: TrainJob):
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
+    from orch.plans.model.workload import checkpoint_kwargs
+
     plan = job.plan
     if job.workload.pipeline_layers is None:
         raise RuntimeError(f"plan.pp={plan.pp} but the job carries no pipeline layers for the model")
     recompute = {}
     if plan.activation_checkpointing:
         recompute = {"activation_checkpoint_interval": 1,
-                     "activation_checkpoint_func": functools.partial(torch.utils.checkpoint.checkpoint,
-                                                                     use_reentrant=False)}
+                     "activation_checkpoint_func": functools.partial(
+                         torch.utils.checkpoint.checkpoint, **checkpoint_kwargs(plan.activation_checkpointing))}
     topology = ProcessTopology(axes=list(GRID_AXES), dims=[plan.dp, plan.pp, plan.tp])
     objective = job.workload.objective
 

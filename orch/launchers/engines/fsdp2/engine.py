@@ -79,14 +79,21 @@ class FSDP2Engine(Engine):
         if plan.activation_checkpointing:
             from orch.plans.model.workload import enable_activation_checkpointing
 
-            enable_activation_checkpointing(model)
+            enable_activation_checkpointing(model, plan.activation_checkpointing)
         dp_mesh, tp_mesh = meshes(plan, self.device.type, coords)
         if tp_mesh is not None:
             apply_tensor_parallel(model, tp_mesh, job.workload.tp_layer_specs)
         options = fsdp_options(plan, dp_mesh)
         blocks = repeated_blocks(model)
         for block in blocks:
+            if plan.compile:
+                # torchtitan's order: tensor parallelism, recomputation, then compile each block
+                # (in place: names and state dicts unchanged), and fully_shard around the compiled
+                # block, whose gathers stay outside the graph.
+                block.compile()
             fully_shard(block, **options)
+        if plan.compile and not blocks:
+            model.compile()  # nothing repeated to compile one at a time
         fully_shard(model, **options)
         if on_meta:
             self._fill_from_rank0(model, job)
@@ -105,6 +112,8 @@ class FSDP2Engine(Engine):
         model.train()
         built = (f"on meta, fully_shard on {len(blocks)} blocks and the root, then filled from rank 0's whole build"
                  if on_meta else f"whole, then fully_shard on {len(blocks)} blocks and the root")
+        if plan.compile:
+            built += f", {'each block' if blocks else 'the model'} compiled (torch.compile)"
         return BuiltModel(built=built, params_at_build=params_at_build, params_on_rank=_local_numel(model),
                           optimizer=describe_optimizer(self.optimizer))
 
