@@ -128,6 +128,8 @@ class TuneConfig:
     """Training engines to try: deepspeed (its ZeRO stages, pipelines) and fsdp2 (plan.engine)."""
     reshard_after_forward: list[bool] = field(default_factory=lambda: [True, False])
     """FSDP2's plan.fsdp.reshard_after_forward values to try (fsdp2 plans only)."""
+    compile: list[bool] = field(default_factory=lambda: [False, True])
+    """plan.compile values to try (true with engines that compile: fsdp2)."""
 
 
 @dataclass(kw_only=True)

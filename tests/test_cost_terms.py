@@ -52,6 +52,30 @@ def test_memory_traffic_counts_what_each_kernel_reads_and_writes():
     assert traffic.bytes == 8 * 64 * 4 + 8 * 8
 
 
+def test_a_compiled_run_of_kernels_reads_its_inputs_and_writes_only_what_outlives_it():
+    """Inside a compiled layer, norm -> GELU -> add fuse into one kernel: the intermediates never
+    reach memory; the output, alive after the pass, is written; a matmul ends the fused run."""
+    from torch.utils.module_tracker import ModuleTracker
+
+    class Block(torch.nn.Module):
+        def forward(self, x, w):
+            y = torch.nn.functional.gelu(torch.nn.functional.layer_norm(x, x.shape[-1:])) + x
+            return y @ w
+
+    block, x = Block(), torch.empty(4, 256, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(256, 256, dtype=torch.bfloat16, device="meta")
+    tensor = x.numel() * 2
+    with ModuleTracker() as tracker, MemoryTraffic(tracker, frozenset({"Block"})) as eager:
+        block(x, w)
+    # layer_norm reads x and writes its output (and its mean and rstd), GELU and the add each read and write.
+    assert eager.bytes >= 6 * tensor
+    with ModuleTracker() as tracker, MemoryTraffic(tracker, frozenset({"Block"}), fused=True) as fused:
+        out = block(x, w)
+    # One kernel: x read once by the norm, again by the add (counted per read), y written for the matmul.
+    assert fused.bytes == 2 * tensor + tensor and fused.kernels_fused_away == 2
+    assert out.shape == (4, 256)
+
+
 def _cost(**model) -> ModelCost:
     cfg = {"_target_": "orch.workloads.gpt.GPT", "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 128,
            "vocab_size": 256, "tp": 1, **model}
@@ -73,6 +97,24 @@ def test_tensor_parallelism_divides_only_the_kernels_between_its_layers():
     cost = _cost()
     assert 0 < cost.memory_bytes_sharded_per_sample < cost.memory_bytes_per_sample
     assert cost.memory_bytes_per_sample_checkpointed > cost.memory_bytes_per_sample  # the forward again
+
+
+def test_compiled_layers_move_fewer_bytes_in_fewer_kernels_and_the_step_is_priced_so():
+    cost = _cost()
+    assert 0 < cost.memory_bytes_per_sample_compiled < cost.memory_bytes_per_sample
+    assert 0 < cost.memory_bytes_per_sample_checkpointed_compiled < cost.memory_bytes_per_sample_checkpointed
+    assert 0 < cost.ops_fused_away_per_micro_batch < cost.ops_per_micro_batch
+    speeds = Speeds.declared(A100)
+    eager = predict_step(_plan(engine="fsdp2", zero_stage=0), cost, speeds, devices_per_node=8, optim=OptimSpec())
+    compiled = predict_step(_plan(engine="fsdp2", zero_stage=0, compile=True), cost, speeds, devices_per_node=8,
+                            optim=OptimSpec())
+    ratio = cost.memory_bytes_per_sample_compiled / cost.memory_bytes_per_sample
+    assert compiled.memory_s == pytest.approx(eager.memory_s * ratio, rel=0.01)
+    assert compiled.total_s < eager.total_s
+    launching = dataclasses.replace(speeds, op_overhead_s=1e-5)  # fewer kernels, fewer launches
+    eager, compiled = (predict_step(_plan(engine="fsdp2", zero_stage=0, compile=c), cost, launching,
+                                    devices_per_node=8, optim=OptimSpec()) for c in (False, True))
+    assert eager.compute_s - compiled.compute_s == pytest.approx(cost.ops_fused_away_per_micro_batch * 1e-5)
 
 
 def _plan(**kw):

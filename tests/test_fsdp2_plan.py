@@ -94,6 +94,13 @@ def test_compile_is_the_fsdp2_engines_and_is_refused_under_deepspeed_with_the_fi
     typed, _, _ = to_typed(compose_config())
     assert "plan.compile=true" in plan_overrides(plan, typed)
     assert "compile" not in resolve_plan(PlanSpec(), ClusterSpec(), TrainSpec()).layout_text()
+    # The tuner tries compile only with the engine that compiles (tune.compile=[false,true] by default).
+    assert typed.tune.compile == [False, True]
+    space = SearchSpace(world_size=4, global_batch_size=8, engines=("deepspeed", FSDP2), tp=(1,), pp=(1,),
+                        compile=(False, True))
+    plans = list(space.plans())
+    assert {p.compile for p in plans if p.engine == "deepspeed"} == {False}
+    assert {p.compile for p in plans if p.engine == FSDP2} == {False, True}
 
 
 def test_the_resolved_plan_is_flat_and_round_trips_through_overrides_and_plan_files():

@@ -208,7 +208,7 @@ def _layout_text(plan: ResolvedPlan) -> str:
     spec = engine_spec(plan.engine)
     return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} {spec.short_settings(plan)} offload={spec.short_offload(plan)} "
             f"ckpt={_recompute_text(plan)} micro={plan.micro_batch_size} "
-            f"accum={plan.grad_accum_steps}")
+            f"accum={plan.grad_accum_steps}" + (" compiled" if plan.compile else ""))
 
 
 def _recompute_text(plan: ResolvedPlan) -> str:

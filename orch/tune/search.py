@@ -91,7 +91,7 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool,
                        offload=tuple(Offload(o) for o in t.offload), activation_checkpointing=ckpt,
                        micro_batch_sizes=tuple(t.micro_batch_sizes) if t.micro_batch_sizes else None,
                        engines=tuple(t.engines),
-                       reshard_after_forward=tuple(t.reshard_after_forward))
+                       reshard_after_forward=tuple(t.reshard_after_forward), compile=tuple(dict.fromkeys(t.compile)))
 
 
 def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None = None,

@@ -75,12 +75,23 @@ class EngineSpec:
     resume_keeps: ClassVar[tuple[str, ...]] = ("tp", "pp")
     """The layout keys (:func:`orch.launchers.checkpoint.layout_of`) its checkpoints must be resumed
     with unchanged; the others (dp, micro-batch, accumulation) may change on resume."""
+    compiles: ClassVar[bool] = False
+    """It runs ``plan.compile`` (torch.compile of each repeated block)."""
 
     # What the user declared
 
     def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
         """What this engine cannot train of ``plan`` on ``cluster``, each with its fix."""
-        return _ignored_fsdp_settings(plan)
+        found = _ignored_fsdp_settings(plan)
+        if plan.compile and not self.compiles:
+            from orch.plans.engines import engine_names, engine_spec
+
+            others = [name for name in engine_names() if engine_spec(name).compiles]
+            found.append(Violation("plan.compile", True,
+                                   f"the {self.name} engine does not compile: torch.compile of each block runs in "
+                                   f"the {', '.join(others)} engine (before sharding).",
+                                   f"set plan.engine={others[0]} to compile, or plan.compile=false"))
+        return found
 
     def rejection(self, plan: PlanSpec) -> str | None:
         """Why the tuner never runs ``plan`` under this engine, in a few fixed words (they are

@@ -56,12 +56,6 @@ class DeepSpeedSpec(EngineSpec):
 
     def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
         v = super().violations(plan, cluster)
-        if plan.compile:
-            v.append(Violation("plan.compile", True,
-                               "compiling each block is the FSDP2 engine's (torch.compile before fully_shard); "
-                               "orch does not compile under DeepSpeed, whose ZeRO hooks and pipeline would each "
-                               "need their own compiled path.",
-                               "set plan.engine=fsdp2 to compile, or plan.compile=false"))
         if plan.zero_stage not in ZERO_STAGES:
             v.append(Violation("plan.zero_stage", plan.zero_stage, "ZeRO stages are 0, 1, 2 and 3.",
                                "set plan.zero_stage to 0, 1, 2 or 3"))

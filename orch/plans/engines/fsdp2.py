@@ -37,6 +37,7 @@ class FSDP2Spec(EngineSpec):
     splits_fused_tp_layers = False
     resume_keeps = ("pp",)
     """DCP reshards on load: a checkpoint resumes at any dp and tp."""
+    compiles = True
 
     def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
         """What PyTorch FSDP2 cannot train, or orch's FSDP2 engine does not run."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -70,6 +71,8 @@ class SearchSpace:
     """Training engines to try (``plan.engine`` values)."""
     reshard_after_forward: tuple[bool, ...] = (True, False)
     """FSDP2's ``plan.fsdp.reshard_after_forward`` values to try."""
+    compile: tuple[bool, ...] = (False,)
+    """``plan.compile`` values to try (true only with engines that compile)."""
 
     def plans(self) -> Iterator[PlanSpec]:
         """Every candidate, offload combinations limited to what each engine can express (ZeRO:
@@ -83,12 +86,17 @@ class SearchSpace:
                     accum = self.global_batch_size // (micro * dp)
                     for engine, stage, fsdp in self._engine_settings(pp):
                         for off_opt, off_param in self._offloads(engine, stage):
-                            for ckpt in self.activation_checkpointing:
+                            for ckpt, compiled in itertools.product(self.activation_checkpointing,
+                                                                    self._compiles(engine)):
                                 yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp,
                                                zero_stage=stage, offload_optimizer=off_opt,
                                                offload_param=off_param, activation_checkpointing=ckpt,
                                                micro_batch_size=micro, grad_accum_steps=accum,
-                                               precision=self.precision)
+                                               precision=self.precision, compile=compiled)
+
+    def _compiles(self, engine: str) -> tuple[bool, ...]:
+        """``plan.compile`` values to try with ``engine``: false only where it does not compile."""
+        return self.compile if engine_spec(engine).compiles else tuple(c for c in self.compile if not c) or (False,)
 
     def _engine_settings(self, pp: int) -> list[tuple[str, int, FSDPSpec]]:
         """(engine, ZeRO stage, FSDP2 settings) to try at pipeline degree ``pp``, as each engine's
@@ -234,7 +242,7 @@ def plan_layout(plan: ResolvedPlan) -> tuple:
     the data-parallel ranks share state; two engines are two layouts, since the cost model's error
     differs between their implementations more than between their stages."""
     return (plan.engine, plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.grad_accum_steps,
-            plan.activation_checkpointing, plan.offload_optimizer, plan.offload_param)
+            plan.activation_checkpointing, plan.offload_optimizer, plan.offload_param, plan.compile)
 
 
 def trial_candidates(ranked: list[Candidate], n: int) -> list[Candidate]:

@@ -346,6 +346,14 @@ class ModelCost:
     memory_bytes_per_sample_checkpointed: int = 0
     """``memory_bytes_per_sample`` with activation checkpointing (the recomputed forward included)."""
     memory_bytes_sharded_per_sample_checkpointed: int = 0
+    memory_bytes_per_sample_compiled: int = 0
+    """``memory_bytes_per_sample`` with the repeated layers compiled (``plan.compile``): their
+    memory-bound kernels fused as inductor fuses them (:mod:`orch.plans.step_time.memory_traffic`);
+    0: not counted (priced as eager)."""
+    memory_bytes_per_sample_checkpointed_compiled: int = 0
+    ops_fused_away_per_micro_batch: int = 0
+    """Memory-bound kernels compiled layers run inside another one: fewer launches."""
+    ops_fused_away_per_micro_batch_checkpointed: int = 0
     flops_outside_layers_per_sample: int = 0
     """The part of the FLOPs outside the repeated layers (the head and the loss, never recomputed):
     one pipeline stage runs it, not a share of it on every stage."""
@@ -568,6 +576,8 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     ckpt = plan.activation_checkpointing
     flops = model.flops_per_sample_checkpointed if ckpt == Recompute.full else model.flops_per_sample
     ops = model.ops_per_micro_batch_checkpointed if ckpt else model.ops_per_micro_batch
+    if plan.compile:
+        ops -= model.ops_fused_away_per_micro_batch_checkpointed if ckpt else model.ops_fused_away_per_micro_batch
     # DeepSpeed splits whole layers between stages, and the 1F1B schedule runs at the pace of the
     # stage with the most: ceil(layers / pp) of them, not layers / pp.
     stage = stage_share(model.n_layers, pp)
@@ -578,6 +588,10 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     whole = model.memory_bytes_per_sample_checkpointed if ckpt else model.memory_bytes_per_sample
     sharded = (model.memory_bytes_sharded_per_sample_checkpointed if ckpt
                else model.memory_bytes_sharded_per_sample)
+    compiled = model.memory_bytes_per_sample_checkpointed_compiled if ckpt else model.memory_bytes_per_sample_compiled
+    if plan.compile and compiled and whole:
+        # Fusion removes the same share of the bytes from the sharded kernels as from the whole.
+        whole, sharded = compiled, round(sharded * compiled / whole)
     # Counted with 16-bit activations: fp32 plans move twice the bytes.
     bytes_per_s = speeds.sustained_memory_gb_per_s * 1e9 * 2 / act_bytes
     stage_flops, stage_bytes = _busiest_stage(model, flops, whole, sharded, stage=stage, tp=tp, pp=pp,

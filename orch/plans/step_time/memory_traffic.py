@@ -13,6 +13,12 @@ and dtypes it runs at, and adds up what it reads and writes:
   rows they pick: their outputs and index inputs are counted, not the whole table;
 - ops that create a tensor (zeros, ones) write it, and read nothing.
 
+Compiled layers (``plan.compile``: torch.compile of each repeated block) are counted with
+``fused=True``, as inductor fuses them: consecutive memory-bound kernels inside a layer, up to the
+next matmul or attention kernel, become one kernel, which reads what it did not produce itself and
+writes only what outlives it (read by a later kernel, or still alive when the pass ends: saved for
+backward, a gradient). An intermediate the fused kernel consumes itself never reaches memory.
+
 Attention is counted as the GPU runs ``scaled_dot_product_attention``: through the fused
 flash/memory-efficient kernels, which never write the sequence x sequence scores (on ``meta``
 torch would otherwise decompose it into matmuls and a softmax over them). CPU workers' torch has a
@@ -22,6 +28,7 @@ fused (flash) attention kernel of its own too.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -73,11 +80,25 @@ class MemoryTraffic(TorchDispatchMode):
     forward and backward: its last stage).
     """
 
-    def __init__(self, tracker=None, layers: frozenset[str] = frozenset()):
+    def __init__(self, tracker=None, layers: frozenset[str] = frozenset(), *, fused: bool = False):
         super().__init__()
         self.bytes = 0
         self._tracker, self._layers = tracker, layers
         self._segments: list[list] = []  # [inside a layer?, bytes] in the order the kernels run
+        self.fused = fused
+        """Count the layers' kernels as inductor fuses them (see the module docstring); needs ``tracker``."""
+        self.kernels_fused_away = 0
+        """Memory-bound kernels that ran inside another one (``fused``): eager's kernels less these."""
+        self._run = 0
+        self._in_run = False
+        self._unwritten: dict[int, tuple[int, int]] = {}
+        """Outputs of fused kernels not yet in memory: storage id -> (bytes, the run that produced it)."""
+
+    def __exit__(self, *exc):
+        # What fused kernels produced and is still alive (saved, gradients) was written.
+        self._add(sum(nbytes for nbytes, _ in self._unwritten.values()))
+        self._unwritten.clear()
+        return super().__exit__(*exc)
 
     def _add(self, nbytes: int) -> None:
         self.bytes += nbytes
@@ -100,10 +121,56 @@ class MemoryTraffic(TorchDispatchMode):
                       if inside[0] < i < inside[-1] and not is_inside)
         return edges, between
 
+    def _inside_layer(self) -> bool:
+        return self._tracker is not None and bool(self._layers & self._tracker.parents)
+
+    def _materialize(self, inputs: list[torch.Tensor]) -> None:
+        """Fused outputs a kernel outside their run reads: written now (once)."""
+        for t in inputs:
+            found = self._unwritten.pop(id(t.untyped_storage()), None)
+            if found is not None:
+                self._add(found[0])
+
+    def _fused_kernel(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        """A memory-bound kernel inside a compiled layer: reads what its run did not produce."""
+        reads = 0
+        for t in inputs:
+            key = id(t.untyped_storage())
+            found = self._unwritten.get(key)
+            if found is not None and found[1] == self._run:
+                continue  # produced in this fused kernel: never in memory
+            if found is not None:
+                self._add(self._unwritten.pop(key)[0])
+            reads += t.numel() * t.element_size()
+        self._add(reads)
+        if self._in_run:
+            self.kernels_fused_away += 1
+        self._in_run = True
+        for t in outputs:
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key not in self._unwritten:
+                weakref.finalize(storage, self._unwritten.pop, key, None).atexit = False
+            self._unwritten[key] = (t.numel() * t.element_size(), self._run)
+
+    def _end_run(self) -> None:
+        if self._in_run:
+            self._run += 1
+            self._in_run = False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in COMPUTE_OPS or func in FREE_OPS or func.is_view:
+        if func in FREE_OPS or func.is_view:
+            return out
+        if self.fused:
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if func not in COMPUTE_OPS and func not in GATHER_OPS and self._inside_layer():
+                self._fused_kernel(inputs, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
+                return out
+            self._materialize(inputs)
+            self._end_run()
+        if func in COMPUTE_OPS:
             return out
         if func in CREATE_OPS:
             self._add(_bytes(out))

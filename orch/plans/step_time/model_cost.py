@@ -210,8 +210,10 @@ def _traffic(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: boo
 
 
 def _traffic_pass(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: bool,
-                  tracked: bool = False) -> MemoryTraffic:
-    """:func:`_traffic`'s pass; ``tracked``: with the bytes outside the repeated layers split off."""
+                  tracked: bool = False, fused: bool = False) -> MemoryTraffic:
+    """:func:`_traffic`'s pass; ``tracked``: with the bytes outside the repeated layers split off;
+    ``fused``: the repeated layers' kernels fused as compiled (which needs the layers tracked)."""
+    tracked = tracked or fused
     module = copy.deepcopy(module).to(torch.bfloat16)
     for param in module.parameters():
         param.grad = None  # a fresh step: no accumulation into the gradients of an earlier pass
@@ -220,7 +222,8 @@ def _traffic_pass(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing
     batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta", torch.bfloat16)
     with contextlib.ExitStack() as stack:
         tracker = stack.enter_context(ModuleTracker()) if tracked else None
-        traffic = stack.enter_context(MemoryTraffic(tracker, _layer_names(module) if tracked else frozenset()))
+        traffic = stack.enter_context(MemoryTraffic(tracker, _layer_names(module) if tracked else frozenset(),
+                                                    fused=fused))
         stack.enter_context(fused_attention())
         stack.enter_context(MetaBranches())
         loss = inputs.objective(call_model(module, batch), batch)
@@ -332,6 +335,8 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
     checkpointable = fresh is not None
     traffic = _traffic_by_tp(probe, module, checkpointing=False, whole=tracked.bytes // PROBE_SAMPLES)
     traffic_ckpt = _traffic_by_tp(probe, module, checkpointing=True) if checkpointable else traffic
+    compiled = _traffic_pass(module, probe.inputs, checkpointing=False, fused=True)
+    compiled_ckpt = _traffic_pass(module, probe.inputs, checkpointing=True, fused=True) if checkpointable else compiled
     return ModelCost(
         seq_len=probe.inputs.tokens_per_sample or 1, flops_per_sample=flops,
         flops_per_sample_checkpointed=checkpointed,
@@ -346,6 +351,10 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
         memory_bytes_per_sample=traffic[0], memory_bytes_sharded_per_sample=traffic[1],
         memory_bytes_per_sample_checkpointed=traffic_ckpt[0],
         memory_bytes_sharded_per_sample_checkpointed=traffic_ckpt[1],
+        memory_bytes_per_sample_compiled=compiled.bytes // PROBE_SAMPLES,
+        memory_bytes_per_sample_checkpointed_compiled=compiled_ckpt.bytes // PROBE_SAMPLES,
+        ops_fused_away_per_micro_batch=compiled.kernels_fused_away,
+        ops_fused_away_per_micro_batch_checkpointed=compiled_ckpt.kernels_fused_away,
         param_modules=sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False))),
         gemms=_gemms_by_tp(probe, module, tp_degrees),
         flops_outside_layers_per_sample=outside_flops, memory_bytes_first_stage_per_sample=first_bytes,
