@@ -100,3 +100,19 @@ def test_the_tuner_tries_every_policy_and_a_plan_that_does_not_fit_is_told_selec
     assert _space(typed, 2, True).activation_checkpointing == tuple(Recompute)
     assert _space(typed, 2, True, "no arguments").activation_checkpointing == (Recompute.none, Recompute.full)
     assert _space(typed, 2, False).activation_checkpointing == (Recompute.none,)
+
+
+def test_deepspeed_refuses_selective_recomputation_with_autotp_which_reduces_in_place():
+    """AutoTP all-reduces a row-parallel output in place; selective recomputation keeps that output and
+    would reduce it again in backward (measured: the losses drift from the run without recomputation,
+    while full recomputation and FSDP2's DTensor tensor parallelism match it)."""
+    typed, _, _ = to_typed(compose_config("plan.tp=2", "plan.zero_stage=1", "plan.activation_checkpointing=selective"))
+    with pytest.raises(PlanError) as refused:
+        resolve_plan(typed.plan, typed.cluster, typed.train)
+    [violation] = refused.value.violations
+    assert violation.field == "plan.activation_checkpointing" and "reduce it a second time" in violation.message
+    assert violation.fix.startswith("set plan.activation_checkpointing=full")
+    for allowed in (["plan.tp=2", "plan.zero_stage=1", "plan.activation_checkpointing=full"],
+                    ["plan.activation_checkpointing=selective"]):
+        typed, _, _ = to_typed(compose_config(*allowed))
+        resolve_plan(typed.plan, typed.cluster, typed.train)

@@ -22,7 +22,7 @@ from orch.plans.engine_settings import (
 from orch.plans.engines.base import Change, DeviceMemory, EngineSpec, halve_micro_batch
 from orch.plans.errors import Violation
 from orch.plans.memory.build import GIB, BuildMemory
-from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, OptimizerName, PlanSpec, Precision
+from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, OptimizerName, PlanSpec, Precision, Recompute
 
 if TYPE_CHECKING:
     from orch.plans.memory.activations import ActivationBytes
@@ -56,6 +56,10 @@ class DeepSpeedSpec(EngineSpec):
 
     def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
         v = super().violations(plan, cluster)
+        if problem := _selective_with_autotp(plan):
+            v.append(Violation("plan.activation_checkpointing", "selective", problem,
+                               "set plan.activation_checkpointing=full, or plan.engine=fsdp2 (whose DTensor "
+                               "tensor parallelism recomputes selectively)"))
         if plan.zero_stage not in ZERO_STAGES:
             v.append(Violation("plan.zero_stage", plan.zero_stage, "ZeRO stages are 0, 1, 2 and 3.",
                                "set plan.zero_stage to 0, 1, 2 or 3"))
@@ -81,6 +85,8 @@ class DeepSpeedSpec(EngineSpec):
         return v + _offload_violations(plan, cluster)
 
     def rejection(self, plan: PlanSpec) -> str | None:
+        if _selective_with_autotp(plan):
+            return "selective recomputation with tp > 1 (AutoTP reduces in place)"
         if plan.tp > 1 and plan.zero_stage not in TP_ZERO_STAGES:
             return f"ZeRO-{plan.zero_stage} with tp > 1 (AutoTP trains with ZeRO {', '.join(map(str, TP_ZERO_STAGES))})"
         if plan.pp > 1 and plan.zero_stage not in PP_ZERO_STAGES:
@@ -277,3 +283,19 @@ def _stage_stats(probe: ModelProbe, stage: PipelineStage, tp: int) -> ModelStats
 
 
 SPEC = DeepSpeedSpec()
+
+
+def _selective_with_autotp(plan: PlanSpec) -> str | None:
+    """Why DeepSpeed cannot recompute ``plan`` selectively, or None. AutoTP all-reduces a
+    row-parallel layer's matmul output in place; selective recomputation keeps that output and
+    runs the all-reduce again in backward, on the kept (already reduced) tensor: measured, the
+    losses drift from the run without recomputation. DTensor's all-reduce returns a new tensor."""
+    try:
+        selective = Recompute.of(plan.activation_checkpointing) == Recompute.selective
+    except ValueError:
+        return None
+    if selective and plan.tp > 1:
+        return (f"DeepSpeed's tensor parallelism (AutoTP, plan.tp={plan.tp}) all-reduces each row-parallel output in "
+                "place, and selective recomputation keeps that output, so backward would reduce it a second time.")
+    return None
+
