@@ -28,12 +28,42 @@ class SetupHangingGPT(GPT):
             time.sleep(3600)
 
 
+SLOW_SAMPLES_LEFT = 0
+"""Samples :class:`SlowRankTokens` still draws slowly in this process (rank 1's)."""
+
+
+class SlowRankTokens(torch.utils.data.Dataset):
+    """Token windows counting up from a random start (inputs, next-token targets: learnable) whose
+    first ``slow_samples`` draws on rank 1 each take ``delay_s`` longer: a rank starved by its data
+    path, then no longer."""
+
+    def __init__(self, samples: int = 2048, seq_len: int = 128, vocab_size: int = 256, slow_samples: int = 0,
+                 delay_s: float = 0.025):
+        global SLOW_SAMPLES_LEFT
+        starts = torch.randint(vocab_size, (samples, 1), generator=torch.Generator().manual_seed(0))
+        self.tokens = (starts + torch.arange(seq_len + 1)) % vocab_size
+        self.delay_s = delay_s
+        if os.environ.get("RANK") == "1":
+            SLOW_SAMPLES_LEFT = slow_samples
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        global SLOW_SAMPLES_LEFT
+        if SLOW_SAMPLES_LEFT > 0:
+            SLOW_SAMPLES_LEFT -= 1
+            time.sleep(self.delay_s)
+        return self.tokens[i, :-1], self.tokens[i, 1:]
+
+
 class SlowRankGPT(GPT):
-    """Rank 1 takes 0.1 s longer for every forward pass (a slow device, a slow data path): a
-    straggler, which its peers wait for at the gradient reduction."""
+    """Rank 1 takes 0.1 s longer for every forward pass (a slow device): a straggler, which its peers
+    wait for at the gradient reduction. With :class:`SlowRankTokens` as its data, only once the slow
+    draws are over: first the data path is slow, then the device."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.device.type != "meta" and os.environ.get("RANK") == "1":
+        if input_ids.device.type != "meta" and os.environ.get("RANK") == "1" and SLOW_SAMPLES_LEFT == 0:
             time.sleep(0.1)
         return super().forward(input_ids)
 

@@ -31,6 +31,29 @@ def test_the_clock_times_sampled_steps_by_phase_and_skips_the_rest():
     assert clock.take() == {}  # nothing sampled since
 
 
+def test_waiting_for_a_batch_is_taken_out_of_the_phase_it_fell_in():
+    clock = PhaseClock(every=1)
+    clock.begin(1)
+    time.sleep(0.01)
+    clock.data_wait(0.03)  # more than the phase lasted: at most the phase's own time is data wait
+    clock.milestone("forward")
+    clock.begin(2)
+    time.sleep(0.03)
+    clock.data_wait(0.02)  # the engine drew its batch inside the forward phase
+    clock.milestone("forward")
+    clock.end()
+    means = clock.take()
+    assert means["data_wait"] == pytest.approx((0.01 + 0.02) / 1, abs=0.008)
+    assert means["forward"] == pytest.approx(0.01, abs=0.008)  # 0 in step 1, 0.01 in step 2, one sample counted
+    clock.begin(3)
+    clock.data_wait(5.0)
+    clock.end()  # not sampled data wait does not leak into a later step
+    clock.begin(4)
+    clock.milestone("forward")
+    clock.end()
+    assert clock.take().get("data_wait", 0.0) < 0.005
+
+
 def test_phases_are_compared_as_the_engines_can_split_them():
     parts = {"compute": 2.0, "memory": 1.0, "dp": 0.5, "tp": 0.0, "optimizer": 0.25, "offload": 0.25}
     forward_backward, optimizer, other = compare_phases(parts, {"forward": 1.0, "backward": 2.0, "optimizer": 1.5,

@@ -13,8 +13,10 @@ pytestmark = pytest.mark.slow
 
 MATRIX = [
     # (overrides, why this combination)
-    (["plan.zero_stage=0", "model._target_=faulty_models.SlowRankGPT"],
-     "plain data parallel, fp32, rank 1 a straggler in its forward"),
+    (["plan.zero_stage=0", "model._target_=faulty_models.SlowRankGPT", "data=dataset",
+      "data.dataset._target_=faulty_models.SlowRankTokens", "~data.dataset.features", "~data.dataset.classes",
+      "+data.dataset.slow_samples=100", "train.steps=50"],
+     "plain data parallel, fp32, rank 1 a straggler in its data, then in its forward"),
     (["plan.zero_stage=1", "plan.precision=bf16"], "sharded optimizer states, bf16"),
     # ZeRO-2 with CPU Adam offload trains in test_mlflow_run_holds_params_metrics_and_artifacts,
     # which makes these assertions on its run too.
@@ -31,7 +33,8 @@ def train(sqlite_uri: str, *overrides: str):
 
 
 def assert_trains_as_data_parallel(result, overrides) -> None:
-    assert [r[0].step for r in result.reports] == [5, 10, 15, 20, 25, 30]
+    steps = 50 if "train.steps=50" in overrides else 30
+    assert [r[0].step for r in result.reports] == list(range(5, steps + 1, 5))
     first, last = result.reports[0], result.reports[-1]
     # The loss falls: from ~ln(256)=5.5 at the start to well below after 30 steps.
     assert last[0].loss < first[0].loss - 0.5, (first[0].loss, last[0].loss)
@@ -56,16 +59,21 @@ def test_training_matrix(local_ray, sqlite_uri, overrides):
 
 
 def assert_the_straggler_is_named(result, sqlite_uri: str) -> None:
-    """Rank 1's forward is 0.1 s slower: named once, in its forward (not rank 0, which waits for
-    it in the backward), with every rank's phases tracked."""
-    [straggler] = result.stragglers
-    # Over the median of two ranks, their mean: half of the 0.1 s rank 1 sleeps.
-    assert (straggler.rank, straggler.phase) == (1, "forward") and straggler.excess_s > 0.035, straggler
+    """Rank 1 draws each of its first 100 samples (25 steps) 0.025 s slower, then its forward is 0.1 s
+    slower: named twice, first waiting for its data, then in its forward (never rank 0, which waits
+    for it in the backward), with every rank's phases tracked."""
+    data, compute = result.stragglers
+    # Over the median of two ranks, their mean: half of the 0.1 s rank 1 loses per step.
+    assert (data.rank, data.phase) == (1, "data_wait") and data.excess_s > 0.035, data
+    assert (compute.rank, compute.phase) == (1, "forward") and compute.excess_s > 0.035, compute
     # Three reports in a row (every 5 steps): the first may still be warming up either rank, and on a
     # machine another test shares (the slow tier runs two files at once) the second too.
-    assert straggler.first_step in (5, 10, 15) and straggler.last_step == straggler.first_step + 10, straggler
+    assert data.first_step in (5, 10, 15) and data.last_step == data.first_step + 10, data
+    assert data.last_step < compute.first_step and compute.first_step in (30, 35, 40), compute
+    assert compute.last_step == compute.first_step + 10, compute
+    assert data.message().startswith("rank 1 on ") and "is a straggler: data wait +" in data.message()
     run = MlflowClient(tracking_uri=sqlite_uri).get_run(result.run_id)
-    assert run.data.tags["straggler.1"] == straggler.message()
+    assert run.data.tags["straggler.1"] == data.message() and run.data.tags["straggler.2"] == compute.message()
     assert run.data.metrics["step_phase/rank1/forward_s"] > run.data.metrics["step_phase/rank0/forward_s"] + 0.05
     # orch report's heatmap of the ranks' phases, logged with the run's plots.
     plots = {a.path for a in MlflowClient(tracking_uri=sqlite_uri).list_artifacts(result.run_id, "plots")}

@@ -5,7 +5,10 @@ Every engine's ``train_step`` calls its ``milestone`` callback when a phase ends
 times only sampled steps (one per ``train.log_every`` steps, never the memory-probe step), and on
 a GPU it waits for the device at each phase's end only on those steps, since timing a phase of
 asynchronous kernels needs a synchronisation that would otherwise cost every step its overlap.
-What no phase covers (the step's own bookkeeping, the loss read back) is ``other``.
+What no phase covers (the step's own bookkeeping, the loss read back) is ``other``. The time a
+step waits for its next batch (the worker's iterator over the data, wherever the engine draws it)
+is taken out of the phase it fell in and counted as ``data_wait``: a rank starved by its data is
+told apart from a slow device.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-PHASES = ("forward", "backward", "optimizer", "pipeline", "other")
-"""The phases a report can hold: ``forward`` (the batch drawn and the loss computed), ``backward``
+PHASES = ("data_wait", "forward", "backward", "optimizer", "pipeline", "other")
+"""The phases a report can hold: ``data_wait`` (drawing the step's batches from the data
+iterator), ``forward`` (the loss computed), ``backward``
 (gradients, and the gradient reduction engines run inside it), ``optimizer`` (the step, and for
 offload the copies it makes), ``pipeline`` (a pipeline schedule that runs forward, backward and the
 step in one call) and ``other``. A milestone without a phase counts as ``other``."""
@@ -30,6 +34,8 @@ class PhaseClock:
         self.last = 0.0
         self.totals: dict[str, float] = {}
         self.samples = 0
+        self._waited = 0.0
+        """Seconds of the running phase spent waiting for data (:meth:`data_wait`)."""
 
     def _now(self) -> float:
         if self.synchronize is not None:
@@ -43,13 +49,22 @@ class PhaseClock:
         if self.sampling:
             self.last = self._now()
 
+    def data_wait(self, seconds: float) -> None:
+        """``seconds`` of the running phase went to drawing a batch."""
+        if self.sampling:
+            self._waited += seconds
+
     def milestone(self, phase: str = "") -> None:
         """The phase ``phase`` just ended."""
         if not self.sampling:
             return
         now = self._now()
         name = phase if phase in PHASES else "other"
-        self.totals[name] = self.totals.get(name, 0.0) + now - self.last
+        waited = min(self._waited, now - self.last)
+        self.totals[name] = self.totals.get(name, 0.0) + now - self.last - waited
+        if waited > 0:
+            self.totals["data_wait"] = self.totals.get("data_wait", 0.0) + waited
+        self._waited = 0.0
         self.last = now
 
     def end(self) -> None:

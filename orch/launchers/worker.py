@@ -48,6 +48,8 @@ class TrainWorker:
         self.start_step = 0
         self.stop_requested = False
         """The driver asked the group to stop at its next checkpoint (:meth:`stop_at_next_checkpoint`)."""
+        self.clock = None
+        """The phase clock of the steps being trained (:mod:`orch.launchers.step_phases`), once training began."""
 
     def address(self) -> tuple[str, int]:
         """Where this actor, as rank 0, hosts the rendezvous: its node's IP and a port bound there."""
@@ -116,8 +118,17 @@ class TrainWorker:
                            torch_threads=torch.get_num_threads())
 
     def _recorded(self, batches):
-        """The training batches, fingerprinting the first this rank reads (tests compare them)."""
-        for batch in batches:
+        """The training batches, fingerprinting the first this rank reads (tests compare them), and
+        the time each took to draw handed to the step's phase clock (``data_wait``)."""
+        found = iter(batches)
+        while True:
+            started = time.perf_counter()
+            try:
+                batch = next(found)
+            except StopIteration:
+                return
+            if self.clock is not None:
+                self.clock.data_wait(time.perf_counter() - started)
             if self.first_batch_digest is None:
                 self.first_batch_digest = digest(batch)
             yield batch
@@ -165,7 +176,7 @@ class TrainWorker:
                             tokens_per_sample=job.workload.data.tokens_per_sample)
         measured: dict[str, int] = {}
         on_cuda = getattr(self.engine.device, "type", "cpu") == "cuda"
-        clock = phase_clock(spec.log_every, self.engine.device if on_cuda else None)
+        clock = self.clock = phase_clock(spec.log_every, self.engine.device if on_cuda else None)
 
         def milestone(phase: str = "") -> None:
             self.link.milestone()

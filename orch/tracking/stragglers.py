@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from orch.launchers.job import StepReport
 
-STEP_ORDER = ("forward", "backward", "optimizer", "pipeline", "other")
+STEP_ORDER = ("data_wait", "forward", "backward", "optimizer", "pipeline", "other")
 """The phases in the order a step runs them (:data:`orch.launchers.step_phases.PHASES`)."""
 
 
@@ -88,7 +88,8 @@ class Straggler:
 
     def message(self) -> str:
         where = f" on {self.hostname}" if self.hostname else ""
-        return (f"rank {self.rank}{where} is a straggler: {self.phase} +{1e3 * self.excess_s:.1f} ms/step "
+        phase = self.phase.replace("_", " ")  # data_wait: "data wait"
+        return (f"rank {self.rank}{where} is a straggler: {phase} +{1e3 * self.excess_s:.1f} ms/step "
                 f"(+{100 * self.share:.0f}% of the ranks' median step) over the ranks' median, steps "
                 f"{self.first_step}-{self.last_step}")
 

@@ -29,7 +29,8 @@ class PhaseGroup:
     parts: tuple[str, ...]
 
 
-OUTSIDE = PhaseGroup("outside the phases", ("other",), ())
+OUTSIDE = PhaseGroup("outside the phases", ("other", "data_wait"), ())
+"""What no predicted part holds: the step's bookkeeping, and waiting for data (the plan assumes none)."""
 
 STEP_GROUPS = (
     # Kernels, tensor-parallel all-reduces, ZeRO-3's gathers and the gradient reduction: every
