@@ -278,9 +278,9 @@ def saved_ops() -> list:
 def checkpoint_kwargs(recompute: str) -> dict[str, Any]:
     """``torch.utils.checkpoint.checkpoint``'s keyword arguments for a recomputation policy
     (``full`` or ``selective``: :class:`orch.plans.spec.Recompute`, by value). Selective runs
-    under torch's selective-checkpoint contexts with :func:`saved_ops`. Either way the saved
-    tensors pass through any ``saved_tensors_hooks`` around them, as everything else autograd
-    saves does (the planner counts them with such a hook)."""
+    under torch's selective-checkpoint contexts with :func:`saved_ops`, and the outputs it keeps
+    pass through any ``saved_tensors_hooks`` around them, as everything else autograd saves does
+    (the planner counts saved tensors with such a hook)."""
     import functools
 
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
