@@ -15,7 +15,7 @@ MATRIX = [
     # (overrides, why this combination)
     (["plan.zero_stage=0", "model._target_=faulty_models.SlowRankGPT", "data=dataset",
       "data.dataset._target_=faulty_models.SlowRankTokens", "~data.dataset.features", "~data.dataset.classes",
-      "+data.dataset.slow_samples=100", "train.steps=50"],
+      "+data.dataset.slow_samples=100", "+data.dataset.delay_s=0.05", "train.steps=50"],
      "plain data parallel, fp32, rank 1 a straggler in its data, then in its forward"),
     (["plan.zero_stage=1", "plan.precision=bf16"], "sharded optimizer states, bf16"),
     # ZeRO-2 with CPU Adam offload trains in test_mlflow_run_holds_params_metrics_and_artifacts,
@@ -59,12 +59,14 @@ def test_training_matrix(local_ray, sqlite_uri, overrides):
 
 
 def assert_the_straggler_is_named(result, sqlite_uri: str) -> None:
-    """Rank 1 draws each of its first 100 samples (25 steps) 0.025 s slower, then its forward is 0.1 s
+    """Rank 1 draws each of its first 100 samples (25 steps) 0.05 s slower, then its forward is 0.1 s
     slower: named twice, first waiting for its data, then in its forward (never rank 0, which waits
-    for it in the backward), with every rank's phases tracked."""
+    for it in the backward), with every rank's phases tracked. (The data's delay is the larger: on a
+    machine another test shares, the ranks' median step grows and a smaller excess falls under the
+    threshold's share of it.)"""
     data, compute = result.stragglers
     # Over the median of two ranks, their mean: half of the 0.1 s rank 1 loses per step.
-    assert (data.rank, data.phase) == (1, "data_wait") and data.excess_s > 0.035, data
+    assert (data.rank, data.phase) == (1, "data_wait") and data.excess_s > 0.07, data
     assert (compute.rank, compute.phase) == (1, "forward") and compute.excess_s > 0.035, compute
     # Three reports in a row (every 5 steps): the first may still be warming up either rank, and on a
     # machine another test shares (the slow tier runs two files at once) the second too.
