@@ -392,22 +392,20 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
         metrics.update(rank_phase_metrics(reports, threshold, stages))
         if tracker:
             tracker.log_metrics(measurements.fresh(metrics), logged.step)
-        if slowdown := plan_watch and plan_watch.observe(reports):
-            result.stragglers.append(slowdown)
-            print(f"warning: {slowdown.message()}", file=sys.stderr, flush=True)
-            if tracker:
-                record_stragglers(tracker, result.stragglers)
-        if straggler := watch.observe(reports):
-            result.stragglers.append(straggler)
-            print(f"warning: {straggler.message()}", file=sys.stderr, flush=True)
-            if tracker:
-                record_stragglers(tracker, result.stragglers)
-            if elastic is not None and elastic.spec.exclude_stragglers and not stopping:
-                elastic.exclude(result.worker_facts[straggler.rank].node_id, straggler.message())
-                group.stop_at_next_checkpoint()
-                stopping = True
-                print(f"elastic: leaving rank {straggler.rank}'s node out of the plan from the next checkpoint",
-                      file=out, flush=True)
+        slowdown = plan_watch.observe(reports) if plan_watch is not None else None
+        straggler = watch.observe(reports)
+        for named in (slowdown, straggler):
+            if named is not None:
+                result.stragglers.append(named)
+                print(f"warning: {named.message()}", file=sys.stderr, flush=True)
+                if tracker:
+                    record_stragglers(tracker, result.stragglers)
+        if straggler is not None and elastic is not None and elastic.spec.exclude_stragglers and not stopping:
+            elastic.exclude(result.worker_facts[straggler.rank].node_id, straggler.message())
+            group.stop_at_next_checkpoint()
+            stopping = True
+            print(f"elastic: leaving rank {straggler.rank}'s node out of the plan from the next checkpoint",
+                  file=out, flush=True)
         tokens_per_s = metrics.get("tokens_per_s")
         progress.update(logged.step, metrics["loss"], tokens_per_s if tokens_per_s is not None
                         else metrics.get("samples_per_s"), metrics.get("eval_loss"),

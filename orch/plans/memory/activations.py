@@ -43,7 +43,7 @@ from orch.plans.model.workload import (
     move_batch,
     output_tensor,
 )
-from orch.plans.spec import Accelerator
+from orch.plans.spec import Accelerator, Recompute
 
 ModelOrFactory = torch.nn.Module | Callable[[], torch.nn.Module]
 
@@ -409,7 +409,7 @@ def _measure_pass(factory_or_module: ModelOrFactory, micro_batch_size: int, inpu
     enable_activation_checkpointing(checkpointed_module, checkpointing)
     checkpointed = _measure(checkpointed_module, micro_batch_size, inputs, accelerator)
     recompute = max(plain.by_layer.values(), default=plain.total - checkpointed.total)
-    if str(getattr(checkpointing, "value", checkpointing)) == "selective":
+    if Recompute.of(checkpointing) is Recompute.selective:
         # A layer recomputed selectively rebuilds only what it did not keep (its matmul and
         # attention outputs stay saved, and are counted in ``saved`` already).
         recompute = max((kept - checkpointed.by_layer.get(layer, 0) for layer, kept in plain.by_layer.items()),

@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from orch.plans.errors import Violation
+from orch.plans.spec import Recompute
 
 Batch = Any
 """A micro-batch as the data source yields it: a tensor, a sequence ``(inputs, targets, ...)``
@@ -286,7 +287,7 @@ def checkpoint_kwargs(recompute: str) -> dict[str, Any]:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     kwargs: dict[str, Any] = {"use_reentrant": False}
-    if str(getattr(recompute, "value", recompute)) == "selective":
+    if Recompute.of(recompute) is Recompute.selective:
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, saved_ops())
         kwargs["respect_saved_tensors_hooks"] = True
     return kwargs
@@ -320,7 +321,7 @@ def enable_activation_checkpointing(module: torch.nn.Module, recompute: str = "f
     (non-reentrant), the way torchtitan and FSDP's ``checkpoint_wrapper`` wrap blocks, but without
     a wrapper module, so parameter names (and checkpoints, tensor-parallel patterns) are unchanged.
     """
-    selective = str(getattr(recompute, "value", recompute)) == "selective"
+    selective = Recompute.of(recompute) is Recompute.selective
     switch = getattr(module, "gradient_checkpointing_enable", None)
     if callable(switch):
         if not selective:
