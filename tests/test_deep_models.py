@@ -182,6 +182,17 @@ def test_the_vectorized_balanced_partition_is_deepspeeds(weights, parts):
     assert partition_balanced(weights, parts) == [int(p) for p in deepspeeds(weights, parts)]
 
 
+def test_the_uniform_partition_is_deepspeeds():
+    """Both engines cut stages with it, without importing DeepSpeed: the same bounds as DeepSpeed's."""
+    from deepspeed.runtime.utils import partition_uniform as deepspeeds
+
+    from orch.plans.engines.deepspeed_partition import partition_uniform
+
+    for items in range(40):
+        for parts in range(1, 12):
+            assert partition_uniform(items, parts) == [int(p) for p in deepspeeds(items, parts)]
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_a_hugging_face_decoders_activations_are_carried_from_shallow_copies(checkpointing, tmp_path):
     """A Llama-shaped decoder's first layer holds tensors the later ones reuse, so its trace is not

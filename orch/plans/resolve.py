@@ -11,7 +11,18 @@ from dataclasses import dataclass, field
 
 from orch.plans.engines import engine_names, engine_spec
 from orch.plans.errors import PlanError, Violation
-from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, PlanSpec, Precision, Recompute, TrainSpec
+from orch.plans.parallel.schedules import schedule_of, schedule_violations
+from orch.plans.spec import (
+    Accelerator,
+    ClusterSpec,
+    FSDPSpec,
+    Offload,
+    PipelineSchedule,
+    PlanSpec,
+    Precision,
+    Recompute,
+    TrainSpec,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +40,10 @@ class ResolvedPlan:
     activation_checkpointing: Recompute
     """What backward recomputes (true/false given here are taken as full/none)."""
     pp_partition: str = "parameters"
+    pp_schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
+    """How micro-batches move through the stages (read only when pp > 1)."""
+    pp_virtual_stages: int = 1
+    """Pipeline stages per rank: the model is cut into pp * pp_virtual_stages stages."""
     micro_batch_size: int
     grad_accum_steps: int
     precision: Precision
@@ -41,6 +56,12 @@ class ResolvedPlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_checkpointing", Recompute.of(self.activation_checkpointing))
+        object.__setattr__(self, "pp_schedule", PipelineSchedule(self.pp_schedule))
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Stages the model is cut into: ``pp * pp_virtual_stages`` (1 without a pipeline)."""
+        return self.pp * self.pp_virtual_stages if self.pp > 1 else 1
 
     @property
     def global_batch_size(self) -> int:
@@ -60,7 +81,10 @@ class ResolvedPlan:
 
     def layout_text(self) -> str:
         """The plan in one line, as its overrides would say it (`orch check` and `orch train` print it)."""
-        return (f"{self.engine_text()} dp={self.dp} tp={self.tp} pp={self.pp} "
+        schedule = ""
+        if self.pp > 1 and (self.pp_schedule != PipelineSchedule.one_f_one_b or self.pp_virtual_stages != 1):
+            schedule = f"pp_schedule={self.pp_schedule.value} pp_virtual_stages={self.pp_virtual_stages} "
+        return (f"{self.engine_text()} dp={self.dp} tp={self.tp} pp={self.pp} {schedule}"
                 f"offload_optimizer={self.offload_optimizer.value} offload_param={self.offload_param.value} "
                 f"activation_checkpointing={self.activation_checkpointing.value} "
                 f"precision={self.precision.value} micro_batch_size={self.micro_batch_size} "
@@ -138,6 +162,9 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
                            "set plan.activation_checkpointing to none, selective or full (true and false "
                            "mean full and none)"))
 
+    v += schedule_violations(plan.pp_schedule, pp=plan.pp, virtual=plan.pp_virtual_stages,
+                             micro_batches=plan.grad_accum_steps)
+
     # The engine's own rules, after the layout's: its fixes may assume the degrees are sound.
     if plan.engine not in engine_names():
         v.append(Violation("plan.engine", plan.engine, "is not an engine orch has.",
@@ -159,7 +186,9 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
         dp=dp, tp=plan.tp, pp=plan.pp, world_size=world, zero_stage=plan.zero_stage,
         offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param,
         nvme_path=plan.nvme_path, activation_checkpointing=recompute,
-        pp_partition=plan.pp_partition, micro_batch_size=plan.micro_batch_size, grad_accum_steps=plan.grad_accum_steps,
+        pp_partition=plan.pp_partition, pp_schedule=schedule_of(plan.pp_schedule),
+        pp_virtual_stages=plan.pp_virtual_stages, micro_batch_size=plan.micro_batch_size,
+        grad_accum_steps=plan.grad_accum_steps,
         precision=plan.precision, accelerator=cluster.accelerator, engine=plan.engine,
         fsdp=dataclasses.replace(plan.fsdp), compile=plan.compile,
     )

@@ -50,6 +50,36 @@ class Recompute(str, Enum):
         return cls(text)
 
 
+class PipelineSchedule(str, Enum):
+    """How micro-batches move through the pipeline stages (``plan.pp_schedule``).
+
+    ``gpipe`` runs every forward, then every backward; ``1f1b`` alternates one forward and one
+    backward once the pipeline is full (DeepSpeed's schedule; same bubble, less memory);
+    ``interleaved_1f1b`` gives each rank ``plan.pp_virtual_stages`` smaller stages, looped
+    (rank r holds stages r, r + pp, ...), cutting the bubble by that factor; ``zero_bubble``
+    interleaves too and splits each backward into the input's gradient and the weights', filling
+    the bubble with the latter; ``zbv`` is the zero-bubble schedule over two stages per rank laid
+    out in a V (rank r holds stages r and 2 * pp - 1 - r). The last three are torch's
+    (``torch.distributed.pipelining``) and run in the fsdp2 engine.
+    """
+
+    gpipe = "gpipe"
+    one_f_one_b = "1f1b"
+    interleaved_1f1b = "interleaved_1f1b"
+    zero_bubble = "zero_bubble"
+    zbv = "zbv"
+
+    @property
+    def interleaved(self) -> bool:
+        """Each rank runs several stages (``plan.pp_virtual_stages`` > 1)."""
+        return self in (PipelineSchedule.interleaved_1f1b, PipelineSchedule.zero_bubble, PipelineSchedule.zbv)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Backward runs as two passes, the input's gradient first and the weights' later."""
+        return self in (PipelineSchedule.zero_bubble, PipelineSchedule.zbv)
+
+
 @dataclass(kw_only=True)
 class FSDPSpec:
     """PyTorch FSDP2's settings (``plan.engine=fsdp2``); parameters, gradients and optimizer
@@ -119,6 +149,12 @@ class PlanSpec:
     """How layers are split into stages (DeepSpeed's PipelineModule partition_method):
     'parameters' balances parameter counts, 'uniform' layer counts, 'type:REGEX' the layers whose
     class name matches (e.g. 'type:Block' balances transformer blocks)."""
+    pp_schedule: str = "1f1b"
+    """The pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble or zbv (see
+    :class:`PipelineSchedule`); DeepSpeed runs 1f1b only, the fsdp2 engine all five."""
+    pp_virtual_stages: int = 1
+    """Pipeline stages per rank: 1 for gpipe and 1f1b, 2 or more for interleaved_1f1b and
+    zero_bubble, 2 for zbv. The model is cut into pp * pp_virtual_stages stages."""
     zero_stage: int = 0
     """ZeRO stage 0-3: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
     offload_optimizer: Offload = Offload.none

@@ -226,14 +226,15 @@ class GPT(nn.Module):
         base = torch.initial_seed()
         embed = (Embedding, vocab_size, seq_len, d_model)
         tied = {"tie": "embed", "tied_weight_attr": "wte.weight", "init_seed": layer_seed(base, 0)}
-        layers = [StageLayer.of(*embed, **tied)]
+        layers = [StageLayer.of(*embed, names={"": "embed."}, **tied)]
         layers += [StageLayer.of(Block, d_model, n_head, init_seed=layer_seed(base, 1 + i), dropout=dropout,
-                                 fused_attention=fused_attention) for i in range(n_layer)]
-        layers.append(StageLayer.of(nn.LayerNorm, d_model))
+                                 fused_attention=fused_attention, names={"": f"blocks.{i}."}) for i in range(n_layer)]
+        layers.append(StageLayer.of(nn.LayerNorm, d_model, names={"": "ln_f."}))
         if tie_embeddings:
-            layers.append(StageLayer.of(*embed, forward_fn=tied_logits, **tied))
+            layers.append(StageLayer.of(*embed, forward_fn=tied_logits, names={"": "embed."}, **tied))
         else:
-            layers.append(StageLayer.of(LMHead, d_model, vocab_size, init_seed=layer_seed(base, n_layer + 2)))
+            layers.append(StageLayer.of(LMHead, d_model, vocab_size, init_seed=layer_seed(base, n_layer + 2),
+                                        names={"": "lm_head."}))
         return layers
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:

@@ -372,12 +372,16 @@ def pipeline_layers(**arguments: Any) -> list[StageLayer]:
                               "from model.config only (each stage would load the whole checkpoint)")
     _, s = _model(arguments)
     base = torch.initial_seed()
-    tied = {"tie": "embedding", "tied_weight_attr": f"base.{s.embedding}.weight", "init_seed": layer_seed(base, 0)}
+    tied = {"tie": "embedding", "tied_weight_attr": f"base.{s.embedding}.weight", "init_seed": layer_seed(base, 0),
+            "names": {"base.": f"{s.base}.", "head.": ""}}
     layers = [StageLayer.of(InputEmbedding, arguments, **tied)]
-    layers += [StageLayer.of(DecoderLayer, arguments, i, init_seed=layer_seed(base, 1 + i)) for i in range(s.depth)]
-    layers.append(StageLayer.of(FinalNorm, arguments, init_seed=layer_seed(base, s.depth + 1)))
+    layers += [StageLayer.of(DecoderLayer, arguments, i, init_seed=layer_seed(base, 1 + i), names={"": ""})
+               for i in range(s.depth)]
+    layers.append(StageLayer.of(FinalNorm, arguments, init_seed=layer_seed(base, s.depth + 1),
+                                names={"norm.": f"{s.base}.{s.norm}."}))
     if s.tied:
         layers.append(StageLayer.of(InputEmbedding, arguments, forward_fn=tied_logits, **tied))
     else:
-        layers.append(StageLayer.of(OutputHead, arguments, init_seed=layer_seed(base, s.depth + 2)))
+        layers.append(StageLayer.of(OutputHead, arguments, init_seed=layer_seed(base, s.depth + 2),
+                                    names={"lm.": ""}))
     return layers

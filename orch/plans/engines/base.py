@@ -77,12 +77,25 @@ class EngineSpec:
     with unchanged; the others (dp, micro-batch, accumulation) may change on resume."""
     compiles: ClassVar[bool] = False
     """It runs ``plan.compile`` (torch.compile of each repeated block)."""
+    reads_fsdp_settings: ClassVar[bool] = False
+    """It reads ``plan.fsdp.*`` (elsewhere a setting changed there is refused as ignored)."""
+    pipeline_schedules: ClassVar[tuple[str, ...]] = ("1f1b",)
+    """The ``plan.pp_schedule`` values it runs (:class:`orch.plans.spec.PipelineSchedule`)."""
 
     # What the user declared
 
     def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
         """What this engine cannot train of ``plan`` on ``cluster``, each with its fix."""
-        found = _ignored_fsdp_settings(plan)
+        found = [] if self.reads_fsdp_settings else _ignored_fsdp_settings(plan)
+        if plan.pp > 1 and str(plan.pp_schedule) not in self.pipeline_schedules:
+            from orch.plans.engines import engine_names, engine_spec
+
+            others = [name for name in engine_names() if str(plan.pp_schedule) in engine_spec(name).pipeline_schedules]
+            fix = f"set plan.pp_schedule={self.pipeline_schedules[0]}"
+            found.append(Violation("plan.pp_schedule", plan.pp_schedule,
+                                   f"the {self.name} engine runs the pipeline schedules "
+                                   f"{', '.join(self.pipeline_schedules)}.",
+                                   fix + (f", or plan.engine={others[0]}" if others else "")))
         if plan.compile and not self.compiles:
             from orch.plans.engines import engine_names, engine_spec
 
@@ -96,6 +109,8 @@ class EngineSpec:
     def rejection(self, plan: PlanSpec) -> str | None:
         """Why the tuner never runs ``plan`` under this engine, in a few fixed words (they are
         counted across many plans), or None. The long form is :meth:`violations`."""
+        if plan.pp > 1 and str(plan.pp_schedule) not in self.pipeline_schedules:
+            return f"pipeline schedule {plan.pp_schedule} (the engine runs {', '.join(self.pipeline_schedules)})"
         return None
 
     def resume_problem(self, saved: Mapping[str, object], plan: PlanSpec | ResolvedPlan) -> str | None:

@@ -85,6 +85,8 @@ class DeepSpeedSpec(EngineSpec):
         return v + _offload_violations(plan, cluster)
 
     def rejection(self, plan: PlanSpec) -> str | None:
+        if problem := super().rejection(plan):
+            return problem
         if _selective_with_autotp(plan):
             return "selective recomputation with tp > 1 (AutoTP reduces in place)"
         if plan.tp > 1 and plan.zero_stage not in TP_ZERO_STAGES:

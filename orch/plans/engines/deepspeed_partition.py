@@ -6,7 +6,8 @@ O(layers^2 x stages) steps, 5 s for a 2000-layer model split in two, minutes for
 loop over the last split point is one numpy operation over all of them; every value is computed
 by the same float operations, and the chosen split point is the last one of least cost, as
 DeepSpeed's ``>=`` keeps it, so the parts are DeepSpeed's (tests/test_deep_models.py compares
-the two on random weights).
+the two on random weights). The fsdp2 engine cuts its stages with the same functions, so a
+model is split alike under either engine; nothing here imports DeepSpeed.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ def partition_layers(layers: list[tuple[str, int]], num_parts: int, method: str)
     """Stage boundaries of ``layers`` ((class name, trainable parameters) each) by the
     ``PipelineModule`` partition ``method``: ``uniform`` layer counts, ``parameters`` balanced
     trainable parameters, ``type:REGEX`` balanced counts of the layers whose class name matches."""
-    from deepspeed.runtime.utils import partition_uniform
-
     if method == "uniform":
         return partition_uniform(num_items=len(layers), num_parts=num_parts)
     if method == "parameters":
@@ -33,10 +32,17 @@ def partition_layers(layers: list[tuple[str, int]], num_parts: int, method: str)
     raise ValueError(f"unknown pipeline partition method {method!r}")
 
 
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """``deepspeed.runtime.utils.partition_uniform``: equal counts, the first parts one item more
+    when they do not divide; with fewer items than parts, one item each and empty parts last."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    return [p * chunk + min(p, residual) for p in range(num_parts + 1)]
+
+
 def partition_balanced(weights: list[int], num_parts: int) -> list[int]:
     """Stage boundaries (``num_parts + 1`` indices into ``weights``), as DeepSpeed's function."""
-    from deepspeed.runtime.utils import partition_uniform
-
     n, m = len(weights), num_parts
     if n <= m:
         return partition_uniform(n, m)

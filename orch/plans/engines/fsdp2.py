@@ -35,17 +35,32 @@ class FSDP2Spec(EngineSpec):
     buffers_label = "FSDP2 buffers"
     tracked_settings = ("fsdp.reshard_after_forward", "fsdp.hybrid")
     splits_fused_tp_layers = False
-    resume_keeps = ("pp",)
-    """DCP reshards on load: a checkpoint resumes at any dp and tp."""
+    resume_keeps = ()
+    """DCP reshards on load, and pipeline stages save under the whole model's names: a checkpoint
+    resumes at any dp, tp and pp."""
     compiles = True
+    reads_fsdp_settings = True
+    pipeline_schedules = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv")
 
     def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
         """What PyTorch FSDP2 cannot train, or orch's FSDP2 engine does not run."""
-        found = []
-        if plan.pp > 1:
-            found.append(Violation("plan.pp", plan.pp,
-                                   "pipeline plans are DeepSpeed's: the FSDP2 engine trains without pipeline stages.",
-                                   "set plan.engine=deepspeed or plan.pp=1"))
+        from orch.plans.engines.deepspeed import PP_PARTITIONS
+
+        found = super().violations(plan, cluster)
+        if plan.pp > 1 and plan.pp_partition not in PP_PARTITIONS and not (
+                plan.pp_partition.startswith("type:") and len(plan.pp_partition) > len("type:")):
+            found.append(Violation("plan.pp_partition", plan.pp_partition,
+                                   "is not a partition method (DeepSpeed's PipelineModule's, which both engines use).",
+                                   "set plan.pp_partition to parameters, uniform or type:REGEX (e.g. type:Block)"))
+        schedule = str(plan.pp_schedule)
+        if plan.pp > 1 and schedule in ("zero_bubble", "zbv") and plan.fsdp.reshard_after_forward:
+            # Measured: with resharding, torch's weight-gradient pass (stage_backward_weight) leaves
+            # every gradient of the last stage unset.
+            found.append(Violation("plan.fsdp.reshard_after_forward", True,
+                                   f"the {schedule} schedule computes the weights' gradients in a pass of its "
+                                   "own, after the input's, from the parameters the forward used: FSDP2 must keep "
+                                   "them gathered from forward to backward.",
+                                   "set plan.fsdp.reshard_after_forward=false, or plan.pp_schedule=interleaved_1f1b"))
         default_stage = schema_default("zero_stage")
         if plan.zero_stage != default_stage:
             found.append(Violation("plan.zero_stage", plan.zero_stage,
@@ -135,6 +150,13 @@ class FSDP2Spec(EngineSpec):
         root = probe.fsdp_units(plan.tp).root if probe is not None else 0
         return predict_fsdp_step(plan, model, speeds, devices_per_node=devices_per_node, optim=optim,
                                  root_params=root)
+
+    def pipeline_partition(self, layers: list[tuple[str, int]], pp: int, method: str) -> list[int]:
+        """DeepSpeed's split (:mod:`orch.plans.engines.deepspeed_partition`, which imports no DeepSpeed),
+        into ``pp`` stages (``plan.pp * plan.pp_virtual_stages``), so a model is cut alike under both engines."""
+        from orch.plans.engines.deepspeed_partition import partition_layers
+
+        return partition_layers(layers, pp, method)
 
     def search_settings(self, space: SearchSpace, pp: int) -> list[tuple[int, FSDPSpec]]:
         """Never pipelined; the schema's ZeRO stage (FSDP2 reads none), resharding on and off."""

@@ -335,6 +335,12 @@ def enable_activation_checkpointing(module: torch.nn.Module, recompute: str = "f
     if not units:
         raise ValueError(f"{type(module).__name__} has no gradient_checkpointing_enable() and no repeated blocks "
                          "(ModuleList items, or a Sequential of blocks of one class) to checkpoint")
+    checkpoint_blocks(units, recompute)
+
+
+def checkpoint_blocks(units: list[torch.nn.Module], recompute: str = "full") -> None:
+    """Run each of ``units`` under ``torch.utils.checkpoint`` with the ``recompute`` policy, in
+    place (no wrapper module: names unchanged). A pipeline stage's blocks are checkpointed so."""
     kwargs = checkpoint_kwargs(recompute)
     for unit in units:
         unit.forward = _Checkpointed(unit.forward, kwargs)

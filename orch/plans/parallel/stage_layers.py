@@ -44,6 +44,11 @@ class StageLayer:
     forward_fn: Callable[[nn.Module, Any], Any] | None = None
     """How a tied copy runs, ``forward_fn(module, x)`` (logits from the embedding's weight); None:
     the module's own forward."""
+    names: Mapping[str, str] = field(default_factory=dict)
+    """Where the layer's state sits in the whole model: a prefix of its own parameter and buffer
+    names -> the whole model's (``{"": "blocks.3."}``), the first matching key applying. With
+    names, a pipelined checkpoint holds the whole model's state dict (the fsdp2 engine resumes it
+    at any pp); empty: the layer is saved as ``pipeline.<index>.``."""
 
     def __post_init__(self) -> None:
         if not callable(self.module):
@@ -57,10 +62,11 @@ class StageLayer:
     @classmethod
     def of(cls, module: Callable[..., nn.Module], *args: Any, tie: str | None = None,
            tied_weight_attr: str | tuple[str, ...] = "weight",
-           forward_fn: Callable[[nn.Module, Any], Any] | None = None, **kwargs: Any) -> StageLayer:
+           forward_fn: Callable[[nn.Module, Any], Any] | None = None, names: Mapping[str, str] | None = None,
+           **kwargs: Any) -> StageLayer:
         """``module(*args, **kwargs)`` as a stage layer, written as the call it stands for."""
         return cls(module=module, args=args, kwargs=kwargs, tie=tie, tied_weight_attr=tied_weight_attr,
-                   forward_fn=forward_fn)
+                   forward_fn=forward_fn, names=dict(names or {}))
 
     @property
     def name(self) -> str:

@@ -20,13 +20,15 @@ import torch
 _STYLES = {"colwise": "column", "rowwise": "row"}
 
 
-def layer_kinds(module: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
+def layer_kinds(module: torch.nn.Module, layer_specs: list[dict],
+                match_names: dict[str, str] | None = None) -> dict[str, str]:
     """Module name -> partition type ('column', 'row', 'skip') for each module of ``module`` whose
     ``weight`` is a parameter that an AutoTP layer spec names.
 
     As in DeepSpeed's AutoTP, a spec's patterns are regexes matched at the start of
     ``<module>.weight``, a spec without ``partition_type`` is column-parallel, and the first
-    matching pattern, in spec order, decides.
+    matching pattern, in spec order, decides. ``match_names`` (module name -> the name to match,
+    a pipeline stage's layers by the whole model's names) renames before matching.
     """
     patterns = [(re.compile(p), spec.get("partition_type", "column"))
                 for spec in layer_specs for p in spec.get("patterns", [])]
@@ -34,16 +36,18 @@ def layer_kinds(module: torch.nn.Module, layer_specs: list[dict]) -> dict[str, s
     for name, layer in module.named_modules():
         if not isinstance(getattr(layer, "weight", None), torch.nn.Parameter):
             continue
-        matched = [kind for pattern, kind in patterns if pattern.match(f"{name}.weight")]
+        matched_name = (match_names or {}).get(name, name)
+        matched = [kind for pattern, kind in patterns if pattern.match(f"{matched_name}.weight")]
         if matched:
             kinds[name] = matched[0]
     return kinds
 
 
-def split_layers(module: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
+def split_layers(module: torch.nn.Module, layer_specs: list[dict],
+                 match_names: dict[str, str] | None = None) -> dict[str, str]:
     """Module name -> 'column' or 'row' for the layers tensor parallelism splits: those
     :func:`layer_kinds` finds, less the ones their spec skips and any whose weight is not a matrix."""
-    return {name: kind for name, kind in layer_kinds(module, layer_specs).items()
+    return {name: kind for name, kind in layer_kinds(module, layer_specs, match_names).items()
             if kind != "skip" and module.get_submodule(name).weight.dim() == 2}
 
 

@@ -31,6 +31,9 @@ class FSDP2Engine(Engine):
     """One rank of an FSDP2 run (with DTensor tensor parallelism when ``plan.tp > 1``)."""
 
     name = "fsdp2"
+    pipeline = None
+    """This rank's pipeline stages and schedule, with pp > 1
+    (:class:`orch.launchers.engines.fsdp2.pipeline.Pipeline`)."""
     _checkpoint_group = None
     """The gloo group background checkpoint writes coordinate on (:meth:`save_async`), made at the first."""
 
@@ -60,15 +63,12 @@ class FSDP2Engine(Engine):
 
         from orch.launchers.engines.base import describe_optimizer
         from orch.launchers.engines.fsdp2.layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
-        from orch.launchers.engines.fsdp2.torch_optim import build_optimizer, loss_scaler, lr_schedule
-        from orch.plans.engine_settings import engine_settings
         from orch.plans.model.meta import meta_device
 
         plan = job.plan
-        if plan.pp > 1:
-            raise RuntimeError(f"plan.pp={plan.pp}: pipeline parallelism runs on DeepSpeed only; set "
-                               "plan.engine=deepspeed, or plan.pp=1")
         self.dtype = None if plan.precision.value == "fp32" else plan.precision.dtype
+        if plan.pp > 1:
+            return self._build_pipeline(job, coords)
         on_meta = self.world_size > 1
         torch.manual_seed(job.train.seed)
         with meta_device() if on_meta else contextlib.nullcontext():
@@ -80,10 +80,10 @@ class FSDP2Engine(Engine):
             from orch.plans.model.workload import enable_activation_checkpointing
 
             enable_activation_checkpointing(model, plan.activation_checkpointing)
-        dp_mesh, tp_mesh = meshes(plan, self.device.type, coords)
-        if tp_mesh is not None:
-            apply_tensor_parallel(model, tp_mesh, job.workload.tp_layer_specs)
-        options = fsdp_options(plan, dp_mesh)
+        mesh = meshes(plan, self.device.type, coords)
+        if mesh.tp is not None:
+            apply_tensor_parallel(model, mesh.tp, job.workload.tp_layer_specs)
+        options = fsdp_options(plan, mesh.dp)
         blocks = repeated_blocks(model)
         for block in blocks:
             if plan.compile:
@@ -101,20 +101,52 @@ class FSDP2Engine(Engine):
         # C++ side); the worker builds with the collector paused and then freezes what survived
         # (orch.launchers.lean_startup), which would keep them for the whole run. One collection frees them.
         gc.collect()
-        self.model = model
-        scaling = job.optim.loss_scaling
-        # The planner counts the kernel's temporaries from the same settings (orch.plans.engines.fsdp2_memory).
-        fused = engine_settings(plan, job.optim).fused_adam
-        self.optimizer = build_optimizer(model.parameters(), job.optim, self.device.type, fused=fused)
-        self.scheduler = lr_schedule(self.optimizer, job.optim.schedule)
-        self.clip = job.optim.grad_clip
-        self.scaler = loss_scaler(scaling, self.device.type) if scaling.enabled else None
-        model.train()
+        self._optimize(model, job)
         built = (f"on meta, fully_shard on {len(blocks)} blocks and the root, then filled from rank 0's whole build"
                  if on_meta else f"whole, then fully_shard on {len(blocks)} blocks and the root")
         if plan.compile:
             built += f", {'each block' if blocks else 'the model'} compiled (torch.compile)"
         return BuiltModel(built=built, params_at_build=params_at_build, params_on_rank=_local_numel(model),
+                          optimizer=describe_optimizer(self.optimizer))
+
+    def _optimize(self, model: Any, job: TrainJob) -> None:
+        """The optimizer, schedule, clipping and loss scaling of ``model`` (wrapped and sharded)."""
+        from orch.launchers.engines.fsdp2.torch_optim import build_optimizer, loss_scaler, lr_schedule
+        from orch.plans.engine_settings import engine_settings
+
+        self.model = model
+        scaling = job.optim.loss_scaling
+        # The planner counts the kernel's temporaries from the same settings (orch.plans.engines.fsdp2_memory).
+        fused = engine_settings(job.plan, job.optim).fused_adam
+        self.optimizer = build_optimizer(model.parameters(), job.optim, self.device.type, fused=fused)
+        self.scheduler = lr_schedule(self.optimizer, job.optim.schedule)
+        self.clip = job.optim.grad_clip
+        self.scaler = loss_scaler(scaling, self.device.type) if scaling.enabled else None
+        model.train()
+
+    def _build_pipeline(self, job: TrainJob, coords: ParallelCoords) -> BuiltModel:
+        """This rank's pipeline stages (:mod:`orch.launchers.engines.fsdp2.pipeline`), each built
+        from its layers' own seeds, so no rank builds the whole model."""
+        from orch.launchers.engines.base import describe_optimizer
+        from orch.launchers.engines.fsdp2.layout import fsdp_options, meshes
+        from orch.launchers.engines.fsdp2.pipeline import build_pipeline
+
+        plan = job.plan
+        if self.dtype is not None and plan.precision.value == "fp16":
+            raise RuntimeError("plan.precision=fp16 with plan.pp > 1: the fsdp2 engine's pipeline trains in bf16 or "
+                               "fp32 (no loss scaling across stages); set plan.precision=bf16")
+        mesh = meshes(plan, self.device.type, coords)
+        self.pipeline = build_pipeline(job, coords, self.device, mesh, fsdp_options(plan, mesh.dp))
+        if self.dtype is not None:
+            cast_float_buffers(self.pipeline.stages, self.dtype)
+        gc.collect()
+        self._optimize(self.pipeline.stages, job)
+        held = sum(p.numel() for p in self.pipeline.stages.parameters())
+        built = (f"stages {self.pipeline.stages.indices} of {self.pipeline.stages.layout.stages} "
+                 f"({plan.pp_schedule.value}), each built from its layers' seeds, fully_shard on each block and stage")
+        if plan.compile:
+            built += ", each block compiled (torch.compile)"
+        return BuiltModel(built=built, params_at_build=held, params_on_rank=_local_numel(self.pipeline.stages),
                           optimizer=describe_optimizer(self.optimizer))
 
     def _fill_from_rank0(self, model: Any, job: TrainJob) -> None:
@@ -162,6 +194,19 @@ class FSDP2Engine(Engine):
         every rank, and the schedule does not advance, as in DeepSpeed.
         """
         micro = self.job.plan.grad_accum_steps
+        if self.pipeline is not None:
+            from orch.launchers.engines.fsdp2 import pipeline
+
+            loss = pipeline.train_step(self.pipeline, batches, micro, self.to_device)
+            milestone("pipeline")
+            if self.clip > 0:
+                clip_grad_norm(self.model.parameters(), self.clip, pp_group=self.pipeline.pp_group,
+                               skip=self.pipeline.stages.duplicate_copies())
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            milestone("optimizer")
+            return loss
         total = 0.0
         for _ in range(micro):
             loss = self.job.workload.loss(self.model, self.to_device(next(batches)))
@@ -189,6 +234,11 @@ class FSDP2Engine(Engine):
         return total / micro
 
     def evaluate(self, val_batches: Iterator[Any], batches: int) -> dict[str, float]:
+        if self.pipeline is not None:
+            from orch.launchers.engines.fsdp2 import pipeline
+
+            return pipeline.evaluate(self.pipeline, val_batches, batches, self.job.workload.objective,
+                                     self.to_device)
         return mean_objective(self.model, self.job.workload.objective, val_batches, batches, self.to_device)
 
     def outputs(self, batch: Any) -> Any:
@@ -196,6 +246,8 @@ class FSDP2Engine(Engine):
 
         from orch.plans.model.workload import call_model
 
+        if self.pipeline is not None:
+            raise RuntimeError("a pipelined model's outputs come from its last stage alone: not compared here")
         self.model.eval()
         try:
             with torch.no_grad():
@@ -206,11 +258,22 @@ class FSDP2Engine(Engine):
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def _own_state(self) -> dict[str, Any]:
+        """Model and optimizer state under this rank's names; the optimizer's flattened
+        (``state.<name>.<key>``), so a pipeline stage's part of it is keyed by parameter too."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
         return {"model": model_state, "optimizer": optimizer_state}
+
+    def _state(self) -> dict[str, Any]:
+        """What is saved: the state under the whole model's names (a pipeline stage's renamed,
+        :class:`orch.launchers.engines.fsdp2.pipeline.StateNames`)."""
+        state = self._own_state()
+        if self.pipeline is not None:
+            state = {part: self.pipeline.names.to_save(values) for part, values in state.items()}
+        return state
 
     def save(self, root: str, tag: str, client_state: dict[str, Any]) -> None:
         """DCP's files of model and optimizer (each rank its shards) and, from rank 0, the loop's
@@ -249,7 +312,7 @@ class FSDP2Engine(Engine):
     def load(self, root: str, tag: str) -> dict[str, Any]:
         """Every file of the tag checked against its manifest first, then DCP's load, resharded to
         this run's layout; returns the loop's state (its tensors rebuilt from JSON)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         from orch.launchers.engines.fsdp2.dcp_files import checked_metadata, load_checked, read_client_state
         from orch.launchers.manifest import verify
@@ -257,10 +320,18 @@ class FSDP2Engine(Engine):
         folder = os.path.join(root, tag)
         verify(folder)
         checked_metadata(folder)  # refused here, by every rank, before DCP reads anything
-        state = self._state()
-        load_checked(state, folder)
+        own = self._own_state()
+        if self.pipeline is None:
+            state = own
+            load_checked(state, folder)
+        else:
+            names = self.pipeline.names
+            state = {part: names.to_load(values) for part, values in own.items()}
+            load_checked(state, folder)
+            state = {part: names.loaded(list(own[part]), state[part]) for part in own}
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
         client_state = read_client_state(folder)
         self.scheduler.load_state_dict(client_state.pop("scheduler"))
         scaler = client_state.pop("grad_scaler", None)
@@ -273,30 +344,43 @@ class FSDP2Engine(Engine):
         on rank 0; the names are the unwrapped model's (FSDP2 and the checkpointing keep them)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if self.pipeline is not None:
+            raise RuntimeError("a pipeline-parallel model is not consolidated: each stage holds other layers")
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.rank == 0 else None
 
 
-def clip_grad_norm(parameters: Iterator[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(parameters: Iterator[torch.nn.Parameter], max_norm: float, *, pp_group: Any = None,
+                   skip: set[int] = frozenset()) -> float:
     """Scale the gradients so that their global L2 norm is at most ``max_norm``; returns the norm.
 
     ``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms into one tensor, which fails
     when the parameters live on different meshes: with tensor parallelism the sharded layers are on
     the (dp, tp) mesh and the replicated ones (norms, embeddings) on the dp mesh alone. Each mesh's
-    norm is reduced over its own ranks (``full_tensor``), then the squares are summed.
+    norm is reduced over its own ranks (``full_tensor``), then the squares are summed. A pipeline
+    stage's squares are summed over the pipeline ranks (``pp_group``), each shared weight counted
+    once: the copies in ``skip`` (ids) are left out of the norm, not out of the scaling.
     """
     import torch
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in parameters if p.grad is not None]
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
     groups: dict[Any, list[torch.Tensor]] = {}
-    for grad in grads:
-        groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    for p in params:
+        if p.grad is not None and id(p) not in skip:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
     squares = 0.0
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, 2.0)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares += float(norm) ** 2
+    if pp_group is not None:
+        device = grads[0].device if grads else torch.device("cpu")
+        summed = torch.tensor(squares, dtype=torch.float64, device=device)
+        dist.all_reduce(summed, group=pp_group)
+        squares = float(summed)
     total = squares ** 0.5
     scale = max_norm / (total + 1e-6)
     if scale < 1.0:

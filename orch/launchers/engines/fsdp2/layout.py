@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orch.plans.engines.fsdp2_memory import fsdp_mesh
@@ -58,13 +59,26 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def meshes(plan: ResolvedPlan, device_type: str,
-           coords: ParallelCoords) -> tuple[DeviceMesh, DeviceMesh | None]:
-    """The data-parallel mesh FSDP2 shards over and the tensor-parallel one (None at tp=1).
+@dataclass(frozen=True)
+class Meshes:
+    """The device meshes of an fsdp2 run."""
 
-    With ``plan.fsdp.hybrid`` the data-parallel mesh is 2-D, (replicate, shard), its shard
-    dimension the data-parallel ranks of one node (``LOCAL_WORLD_SIZE / tp``): parameters are
-    sharded inside a node and replicated across nodes, so the all-gathers stay on the node's links.
+    dp: DeviceMesh
+    """What FSDP2 shards over (2-D, replicate x shard, with ``plan.fsdp.hybrid``)."""
+    tp: DeviceMesh | None = None
+    """The tensor-parallel ranks (None at tp=1)."""
+    pp: DeviceMesh | None = None
+    """The pipeline ranks at this rank's dp and tp coordinates (None at pp=1)."""
+
+
+def meshes(plan: ResolvedPlan, device_type: str, coords: ParallelCoords) -> Meshes:
+    """The data-parallel mesh FSDP2 shards over, the tensor-parallel and the pipeline ones.
+
+    One N-D mesh, ``(dp, pp, tp)`` row-major as the project's rank layout is
+    (:func:`orch.plans.parallel.rank_layout.parallel_coords`: tp innermost, dp outermost).
+    With ``plan.fsdp.hybrid`` the data-parallel dimension is 2-D, (replicate, shard), its shard
+    dimension the data-parallel ranks of one node (``LOCAL_WORLD_SIZE / (tp * pp)``): parameters
+    are sharded inside a node and replicated across nodes, so the all-gathers stay on the node's links.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -73,24 +87,26 @@ def meshes(plan: ResolvedPlan, device_type: str,
         # The planner's mesh (orch.plans.engine_settings.fsdp_mesh), at the workers this node really holds.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
         layout = fsdp_mesh(plan, local)
-        if local % plan.tp or layout.shard * layout.replicate != plan.dp:
+        if local % (plan.tp * plan.pp) or layout.shard * layout.replicate != plan.dp:
             raise RuntimeError(f"plan.fsdp.hybrid: the {local} workers per node (LOCAL_WORLD_SIZE) must be a multiple "
-                               f"of plan.tp({plan.tp}) and hold a divisor of plan.dp({plan.dp}) replicas; set "
-                               "plan.fsdp.hybrid=false or change the workers per node")
+                               f"of plan.tp({plan.tp}) * plan.pp({plan.pp}) and hold a divisor of plan.dp({plan.dp}) "
+                               "replicas; set plan.fsdp.hybrid=false or change the workers per node")
         dims, names = [layout.replicate, layout.shard], ["dp_replicate", "dp_shard"]
-    if plan.tp > 1:
-        dims, names = [*dims, plan.tp], [*names, "tp"]
+    dp_names = tuple(names)
+    for name, degree in (("pp", plan.pp), ("tp", plan.tp)):
+        if degree > 1:
+            dims, names = [*dims, degree], [*names, name]
     mesh = init_device_mesh(device_type, tuple(dims), mesh_dim_names=tuple(names))
-    dp_names = tuple(n for n in names if n != "tp")
-    dp_mesh = mesh[dp_names] if plan.tp > 1 else mesh
-    tp_mesh = mesh["tp"] if plan.tp > 1 else None
-    where = mesh.get_coordinate()
-    dp_rank = where[0] * dims[1] + where[1] if plan.fsdp.hybrid else where[0]
-    placed = (dp_rank, where[-1] if plan.tp > 1 else 0)
-    if placed != (coords.dp_rank, coords.tp_rank):
-        raise RuntimeError(f"rank {mesh.get_rank()}: the device mesh placed it at (dp_rank, tp_rank) = {placed}, "
-                           f"the orchestrator at {(coords.dp_rank, coords.tp_rank)}")
-    return dp_mesh, tp_mesh
+    found = Meshes(dp=mesh[dp_names] if len(names) > len(dp_names) else mesh,
+                   tp=mesh["tp"] if plan.tp > 1 else None, pp=mesh["pp"] if plan.pp > 1 else None)
+    where = dict(zip(names, mesh.get_coordinate(), strict=True))
+    dp_rank = where["dp_replicate"] * dims[1] + where["dp_shard"] if plan.fsdp.hybrid else where["dp_shard"]
+    placed = (dp_rank, where.get("tp", 0), where.get("pp", 0))
+    expected = (coords.dp_rank, coords.tp_rank, coords.pp_rank)
+    if placed != expected:
+        raise RuntimeError(f"rank {mesh.get_rank()}: the device mesh placed it at (dp_rank, tp_rank, pp_rank) = "
+                           f"{placed}, the orchestrator at {expected}")
+    return found
 
 
 def fsdp_options(plan: ResolvedPlan, dp_mesh: DeviceMesh) -> dict[str, Any]:
@@ -113,7 +129,8 @@ def fsdp_options(plan: ResolvedPlan, dp_mesh: DeviceMesh) -> dict[str, Any]:
     return options
 
 
-def autotp_styles(model: torch.nn.Module, layer_specs: list[dict]) -> dict[str, str]:
+def autotp_styles(model: torch.nn.Module, layer_specs: list[dict],
+                  match_names: dict[str, str] | None = None) -> dict[str, str]:
     """Module name -> 'column' or 'row' for the layers the AutoTP specs shard, matched as DeepSpeed's
     AutoTP matches them (:func:`orch.plans.parallel.tp_plan.split_layers`: the first matching spec decides, a
     ``skip`` or a weight that is not a matrix leaves the layer whole), so both engines and the
@@ -129,34 +146,39 @@ def autotp_styles(model: torch.nn.Module, layer_specs: list[dict]) -> dict[str, 
     if fused:
         raise RuntimeError(f"tensor-parallel spec {fused[0]} splits a fused layer, which plan.engine=fsdp2 cannot "
                            "shard with DTensor's column/row styles; set plan.engine=deepspeed (AutoTP) or plan.tp=1")
-    return split_layers(model, layer_specs)
+    return split_layers(model, layer_specs, match_names)
 
 
-def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_specs: list[dict] | None) -> int:
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_specs: list[dict] | None, *,
+                          match_names: dict[str, str] | None = None, hf_plan: dict | None = None) -> int:
     """Shard ``model``'s linear layers over ``tp_mesh`` with DTensor's column- and row-wise styles;
     returns how many were sharded.
 
-    The model's own Hugging Face tensor-parallel plan (``model._tp_plan``, module patterns with
-    ``*`` for a layer index) is used where it has one; otherwise the workload's AutoTP layer
-    specs (regexes over ``<module>.weight``, :func:`autotp_styles`).
+    The model's own Hugging Face tensor-parallel plan (``model._tp_plan``, or ``hf_plan``: module
+    patterns with ``*`` for a layer index) is used where it has one; otherwise the workload's
+    AutoTP layer specs (regexes over ``<module>.weight``, :func:`autotp_styles`). A pipeline
+    stage is matched by the whole model's names (``match_names``: its module names -> the
+    model's), so its layers are sharded as the unpipelined model's are.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
               "column": ColwiseParallel, "row": RowwiseParallel}
     names = [name for name, module in model.named_modules() if name]
+    as_named = match_names or {name: name for name in names}
     plan: dict[str, Any] = {}
-    hf_plan = getattr(model, "_tp_plan", None)
+    if hf_plan is None:
+        hf_plan = getattr(model, "_tp_plan", None)
     if isinstance(hf_plan, dict) and hf_plan:
         for pattern, style in hf_plan.items():
             if style not in _HF_STYLES:
                 continue
             body = r"\d+".join(re.escape(part) for part in pattern.split("*"))
             for name in names:
-                if re.fullmatch(body, name):
+                if re.fullmatch(body, as_named.get(name, name)):
                     plan[name] = styles[style]()
     else:
-        plan = {name: styles[kind]() for name, kind in autotp_styles(model, layer_specs or []).items()}
+        plan = {name: styles[kind]() for name, kind in autotp_styles(model, layer_specs or [], match_names).items()}
     if not plan:
         raise RuntimeError(f"plan.tp={tp_mesh.size()}, but no layer of {type(model).__name__} matched its tensor-"
                            "parallel plan: every rank would hold and compute the whole model")

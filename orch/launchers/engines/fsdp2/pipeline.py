@@ -1,0 +1,493 @@
+"""Pipeline stages for the fsdp2 engine (``plan.pp > 1``): torch's ``torch.distributed.pipelining``
+over the model's neutral pipeline layers (:class:`orch.plans.parallel.stage_layers.StageLayer`).
+
+The layers are cut into ``pp * pp_virtual_stages`` stages as the planner cuts them
+(:meth:`orch.plans.engines.fsdp2.FSDP2Spec.pipeline_partition`); each rank builds only the
+stages its schedule gives it (:func:`orch.plans.parallel.schedules.stages_of_rank`), each an
+:class:`StageModule` that FSDP2 shards over the data-parallel ranks, block by block, and torch's
+``PipelineStage`` runs. The loss is the workload's objective on the last stage.
+
+Names: a layer that says where its state sits in the whole model (``StageLayer.names``) is
+saved under those names, so a pipelined checkpoint is the unpipelined model's and resumes at
+any pp (and dp, tp: DCP reshards). Layers sharing a weight (a tied embedding and output head)
+each keep a copy; their gradients are summed across the copies before the optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from orch.plans.parallel.schedules import rank_of_stage, stages_of_rank
+from orch.plans.parallel.stage_layers import StageLayer
+from orch.plans.spec import PipelineSchedule
+
+if TYPE_CHECKING:
+    from orch.plans.resolve import ResolvedPlan
+
+
+class StageModule(nn.Module):
+    """Layers ``[start, stop)`` of the pipeline as one module, run in order; a tied copy runs
+    through its ``forward_fn``. Layers of one tie key within the stage share one module."""
+
+    def __init__(self, specs: list[StageLayer], start: int, stop: int):
+        super().__init__()
+        self.start, self.stop = start, stop
+        self.layers = nn.ModuleList()
+        self._forward_fns: list[Callable[[nn.Module, Any], Any] | None] = []
+        shared: dict[str, nn.Module] = {}
+        for spec in specs[start:stop]:
+            module = shared.get(spec.tie) if spec.tie is not None else None
+            if module is None:
+                module = spec.build()
+                if spec.tie is not None:
+                    shared[spec.tie] = module
+            self.layers.append(module)
+            self._forward_fns.append(spec.forward_fn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for module, forward_fn in zip(self.layers, self._forward_fns, strict=True):
+            x = forward_fn(module, x) if forward_fn is not None else module(x)
+        return x
+
+
+def whole_name(spec: StageLayer, own: str, index: int) -> str:
+    """The whole model's name for ``own``, a name inside layer ``index`` (``spec``): the first of
+    ``spec.names`` whose key prefixes it, replaced; without names, ``pipeline.<index>.<own>``
+    (a checkpoint that then resumes only at the same cut)."""
+    for prefix, replacement in spec.names.items():
+        if own.startswith(prefix) or own + "." == prefix:
+            return (replacement + own[len(prefix):]).rstrip(".")
+    return f"pipeline.{index}.{own}".rstrip(".")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where the layers are cut: stage ``s`` runs layers ``bounds[s]:bounds[s + 1]``."""
+
+    bounds: list[int]
+    schedule: PipelineSchedule
+    pp: int
+    virtual: int
+
+    @property
+    def stages(self) -> int:
+        return len(self.bounds) - 1
+
+    def mine(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank ``pp_rank`` runs."""
+        return stages_of_rank(pp_rank, self.pp, self.virtual, self.schedule)
+
+    def rank_of(self, stage: int) -> int:
+        return rank_of_stage(stage, self.pp, self.virtual, self.schedule)
+
+    def stage_of_layer(self, layer: int) -> int:
+        return next(s for s in range(self.stages) if self.bounds[s] <= layer < self.bounds[s + 1])
+
+
+def cut(specs: list[StageLayer], plan: ResolvedPlan) -> Cut:
+    """The stage bounds of ``specs`` under ``plan``, as the planner splits them."""
+    from orch.plans.engines import engine_spec
+
+    weighed = [(spec.name, _trainable(spec)) for spec in specs]
+    bounds = [int(b) for b in engine_spec(plan.engine).pipeline_partition(weighed, plan.pipeline_stages,
+                                                                          plan.pp_partition)]
+    empty = [s for s in range(len(bounds) - 1) if bounds[s] == bounds[s + 1]]
+    if empty:
+        raise RuntimeError(f"pipeline stage(s) {empty} of {len(bounds) - 1} got no layer "
+                           f"(plan.pp_partition={plan.pp_partition}, bounds {bounds}); set a smaller plan.pp or "
+                           "plan.pp_virtual_stages, or plan.pp_partition=uniform")
+    return Cut(bounds=bounds, schedule=plan.pp_schedule, pp=plan.pp, virtual=plan.pp_virtual_stages)
+
+
+def _trainable(spec: StageLayer) -> int:
+    from orch.plans.model.meta import meta_device
+
+    with meta_device():
+        module = spec.build()
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def block_class(specs: list[StageLayer]) -> Callable[..., nn.Module] | None:
+    """The repeated layer (the transformer block): the module most of the layers are built from,
+    if one is built more than once. FSDP2 shards each such layer as a unit and recomputation
+    wraps them."""
+    counts = Counter(spec.module for spec in specs if spec.tie is None)
+    if not counts:
+        return None
+    module, count = counts.most_common(1)[0]
+    return module if count > 1 else None
+
+
+class Stages(nn.Module):
+    """This rank's stages, by stage index (``"2"``): one module the optimizer, DCP and the
+    engine's other parts see, whose parameter names :meth:`whole_names` maps to the model's."""
+
+    def __init__(self, specs: list[StageLayer], layout: Cut, pp_rank: int):
+        super().__init__()
+        self.specs, self.layout = specs, layout
+        self.indices = layout.mine(pp_rank)
+        self.parts = nn.ModuleDict({str(s): StageModule(specs, layout.bounds[s], layout.bounds[s + 1])
+                                    for s in self.indices})
+
+    def whole_names(self) -> dict[str, str]:
+        """Every parameter's and buffer's name here -> its name in the whole model."""
+        names = {}
+        for stage, part in self.parts.items():
+            for j, module in enumerate(part.layers):
+                index = part.start + j
+                for own, _ in [*module.named_parameters(remove_duplicate=False),
+                               *module.named_buffers(remove_duplicate=False)]:
+                    names[f"parts.{stage}.layers.{j}.{own}"] = whole_name(self.specs[index], own, index)
+        return names
+
+    def tie_copies(self) -> dict[str, list[nn.Parameter]]:
+        """For each tie key, this rank's copies of the shared weight (one per stage holding it)."""
+        copies: dict[str, list[nn.Parameter]] = {}
+        for part in self.parts.values():
+            seen: set[int] = set()
+            for j, module in enumerate(part.layers):
+                spec = self.specs[part.start + j]
+                if spec.tie is None or id(module) in seen:
+                    continue
+                seen.add(id(module))
+                for attr in (spec.tied_weight_attr if isinstance(spec.tied_weight_attr, tuple)
+                             else (spec.tied_weight_attr,)):
+                    copies.setdefault(f"{spec.tie}:{attr}", []).append(module.get_parameter(attr))
+        return copies
+
+    def tie_ranks(self) -> dict[str, list[int]]:
+        """For each tie key, the pipeline ranks holding a copy (across every rank, not only this one)."""
+        holders: dict[str, set[int]] = {}
+        for index, spec in enumerate(self.specs):
+            if spec.tie is not None:
+                for attr in (spec.tied_weight_attr if isinstance(spec.tied_weight_attr, tuple)
+                             else (spec.tied_weight_attr,)):
+                    holders.setdefault(f"{spec.tie}:{attr}", set()).add(
+                        self.layout.rank_of(self.layout.stage_of_layer(index)))
+        return {key: sorted(ranks) for key, ranks in holders.items()}
+
+    def duplicate_copies(self) -> set[int]:
+        """ids of the tie copies that are not their weight's first (counted once in a norm)."""
+        first = {}
+        for index, spec in enumerate(self.specs):
+            if spec.tie is not None:
+                first.setdefault(spec.tie, self.layout.stage_of_layer(index))
+        duplicates: set[int] = set()
+        for stage, part in self.parts.items():
+            for j, module in enumerate(part.layers):
+                spec = self.specs[part.start + j]
+                if spec.tie is not None and int(stage) != first[spec.tie]:
+                    duplicates.update(id(p) for p in module.parameters())
+        return duplicates
+
+
+def sync_tied_gradients(stages: Stages, groups: dict[str, Any]) -> None:
+    """Sum each shared weight's gradient over its copies (on this rank, then over the pipeline
+    ranks of ``groups[key]``) and give every copy the sum: what the one weight of the whole
+    model gets. Copies are sharded alike over the data-parallel ranks, so local shards add up;
+    a copy without a gradient (its stage never used it) takes part with zeros."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    for key, copies in stages.tie_copies().items():
+        for p in copies:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies]
+        total = torch.stack(local).sum(0) if len(local) > 1 else local[0].clone()
+        if groups.get(key) is not None:
+            dist.all_reduce(total, group=groups[key])
+        for grad in local:
+            grad.copy_(total)
+
+
+def tie_groups(stages: Stages, plan: ResolvedPlan, coords) -> dict[str, Any]:
+    """For each tie key held on more than one pipeline rank, the process group of those ranks at
+    this rank's data- and tensor-parallel coordinates. Every rank creates every coordinate's
+    group (as ``new_group`` requires), in the same order."""
+    import torch.distributed as dist
+
+    from orch.plans.parallel.rank_layout import global_rank
+
+    mine: dict[str, Any] = {}
+    for key, ranks in stages.tie_ranks().items():
+        if len(ranks) < 2:
+            continue
+        for dp_rank in range(plan.dp):
+            for tp_rank in range(plan.tp):
+                members = [global_rank(dp_rank, r, tp_rank, tp=plan.tp, pp=plan.pp) for r in ranks]
+                group = dist.new_group(members)
+                if (dp_rank, tp_rank) == (coords.dp_rank, coords.tp_rank):
+                    mine[key] = group
+    return mine
+
+
+def pipeline_schedule(stages: list[Any], plan: ResolvedPlan, loss_fn: Callable[[Any, Any], torch.Tensor]):
+    """torch's schedule object for ``plan.pp_schedule`` over this rank's ``PipelineStage`` objects."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    kind = {PipelineSchedule.gpipe: ScheduleGPipe, PipelineSchedule.one_f_one_b: Schedule1F1B,
+            PipelineSchedule.interleaved_1f1b: ScheduleInterleaved1F1B,
+            PipelineSchedule.zero_bubble: ScheduleInterleavedZeroBubble,
+            PipelineSchedule.zbv: ScheduleZBVZeroBubble}[plan.pp_schedule]
+    m = plan.grad_accum_steps
+    if plan.pp_schedule.interleaved:
+        return kind(stages, n_microbatches=m, loss_fn=loss_fn)
+    return kind(stages[0], n_microbatches=m, loss_fn=loss_fn)
+
+
+def stage_input(batch: Any) -> torch.Tensor:
+    """The first stage's input: a pipelined workload's batches are ``(inputs, targets, ...)``."""
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0]
+    raise TypeError(f"a pipelined model's batches are (inputs, targets) tuples, not {type(batch).__name__}: "
+                    "the first stage takes the inputs, the objective on the last stage the whole batch")
+
+
+def stage_target(batch: Any) -> torch.Tensor:
+    """The last stage's targets: the second item of a pipelined workload's ``(inputs, targets)``."""
+    if isinstance(batch, (list, tuple)) and len(batch) > 1 and isinstance(batch[1], torch.Tensor):
+        return batch[1]
+    raise TypeError("a pipelined model's batches are (inputs, targets) tuples: the objective on the last stage "
+                    "takes the targets")
+
+
+def draw(batches: Iterator[Any], count: int, to_device: Callable[[Any], Any]) -> list[Any]:
+    """``count`` micro-batches from ``batches``, on this rank's device."""
+    return [to_device(next(batches)) for _ in range(count)]
+
+
+def whole_key(key: str, names: dict[str, str], ordered: list[str]) -> tuple[str, str | None]:
+    """``key`` of a model state dict or of DCP's flattened optimizer state dict with its
+    parameter name replaced by the whole model's, and that parameter's own name (None when the
+    key names no parameter or buffer of ``names``)."""
+    head, rest = "", key
+    for kind in ("state.", "param_groups."):
+        if key.startswith(kind):
+            head, rest = kind, key[len(kind):]
+            break
+    for own in ordered:
+        if rest == own or rest.startswith(own + "."):
+            return head + names[own] + rest[len(own):], own
+    return key, None
+
+
+class StateNames:
+    """Renames this rank's state dicts to the whole model's names and back (see the module docstring).
+
+    A copy of a shared weight other than its first stage's (and the rest of that copy's layer:
+    the last stage's tied embedding also holds position embeddings it never trains) is left out
+    of what is saved, so each name is written once, from its trained copy; on load it is filled
+    from the first copy's saved state, so every copy starts equal again."""
+
+    def __init__(self, stages: Stages):
+        self.names = stages.whole_names()
+        self.ordered = sorted(self.names, key=len, reverse=True)
+        duplicates = stages.duplicate_copies()
+        self.duplicate_names = {f"parts.{s}.layers.{j}.{own}"
+                                for s, part in stages.parts.items() for j, module in enumerate(part.layers)
+                                for own, p in module.named_parameters(remove_duplicate=False) if id(p) in duplicates}
+
+    def to_save(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` under the whole model's names, copies of shared weights left out."""
+        out = {}
+        for key, value in state.items():
+            whole, own = whole_key(key, self.names, self.ordered)
+            if own not in self.duplicate_names:
+                out[whole] = value
+        return out
+
+    def to_load(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What DCP loads into: ``state`` under the whole model's names, each name once (a copy
+        whose first copy is on this rank too is filled from it, :meth:`loaded`)."""
+        out = {}
+        for key, value in sorted(state.items(), key=lambda item: whole_key(item[0], self.names, self.ordered)[1]
+                                 in self.duplicate_names):
+            whole, _ = whole_key(key, self.names, self.ordered)
+            out.setdefault(whole, value)
+        return out
+
+    def loaded(self, own_keys: list[str], loaded: dict[str, Any]) -> dict[str, Any]:
+        """The loaded state under this rank's own names again, every copy of a shared weight
+        given its first copy's values."""
+        return {key: loaded[whole_key(key, self.names, self.ordered)[0]] for key in own_keys}
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of a pipelined fsdp2 run."""
+
+    stages: Stages
+    schedule: Any
+    """torch's schedule over this rank's ``PipelineStage`` objects."""
+    first: bool
+    """This rank runs the first stage (it feeds the inputs)."""
+    last: bool
+    """This rank runs the last stage (it computes the loss)."""
+    last_rank: int
+    """The pipeline rank that runs the last stage (the losses come from it)."""
+    pp_group: Any
+    tied: dict[str, Any]
+    """Process groups summing shared weights' gradients (:func:`tie_groups`)."""
+    names: StateNames
+    device: torch.device
+
+
+def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str, Any]) -> Pipeline:
+    """Build this rank's stages from the workload's pipeline layers (seeded per layer, so each
+    starts as the whole model's layer does), then tensor parallelism (matched on the whole
+    model's names), recomputation and compile of each block, FSDP2 over the data-parallel mesh
+    (each block, then each stage) and torch's pipeline stages and schedule."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    from orch.launchers.engines.fsdp2.layout import apply_tensor_parallel
+
+    plan = job.plan
+    if job.workload.pipeline_layers is None:
+        raise RuntimeError(f"plan.pp={plan.pp}: {job.workload.pipeline_refusal or 'the model has no pipeline layers'}")
+    torch.manual_seed(job.train.seed)
+    specs = job.workload.pipeline_layers()
+    layout = cut(specs, plan)
+    stages = Stages(specs, layout, coords.pp_rank)
+    if meshes.tp is not None:
+        names = {name: whole_name_of_module(stages, name) for name, _ in stages.named_modules() if name}
+        apply_tensor_parallel(stages, meshes.tp, job.workload.tp_layer_specs, match_names=names,
+                              hf_plan=_hf_tp_plan(job))
+    block = block_class(specs)
+    blocks = [m for part in stages.parts.values() for m, spec in zip(part.layers, specs[part.start:part.stop],
+                                                                      strict=True)
+              if block is not None and spec.module is block]
+    if plan.activation_checkpointing:
+        from orch.plans.model.workload import checkpoint_blocks
+
+        checkpoint_blocks(blocks, plan.activation_checkpointing)
+    for module in blocks:
+        if plan.compile:
+            module.compile()
+        fully_shard(module, **options)
+    pipeline_stages = []
+    for index, part in stages.parts.items():
+        # Each stage is an FSDP root of its own; torch's split backward (the zero-bubble
+        # schedules) needs the parameters the forward used, which plan.fsdp.reshard_after_forward=false
+        # keeps (the planner requires it with them).
+        fully_shard(part, **options)
+        pipeline_stages.append(PipelineStage(part, int(index), layout.stages, device, group=meshes.pp.get_group()))
+    objective = job.workload.objective
+
+    def loss_fn(outputs, targets):
+        # As DeepSpeed's pipeline: the last stage gets the batch's targets alone (torch infers the
+        # gradients' shapes by running the loss on them, so they must be a tensor).
+        return objective(outputs, (None, targets))
+
+    schedule = pipeline_schedule(pipeline_stages, plan, loss_fn)
+    return Pipeline(stages=stages, schedule=schedule, first=0 in stages.indices,
+                    last=layout.stages - 1 in stages.indices, last_rank=layout.rank_of(layout.stages - 1),
+                    pp_group=meshes.pp.get_group(), tied=tie_groups(stages, plan, coords), names=StateNames(stages),
+                    device=device)
+
+
+def whole_name_of_module(stages: Stages, name: str) -> str:
+    """The whole model's name of submodule ``name`` of ``stages`` (``parts.<s>.layers.<j>.<rest>``)."""
+    parts = name.split(".", 4)
+    if len(parts) < 4 or parts[0] != "parts" or parts[2] != "layers":
+        return name
+    part = stages.parts[parts[1]]
+    index = part.start + int(parts[3])
+    return whole_name(stages.specs[index], parts[4] if len(parts) > 4 else "", index)
+
+
+def _hf_tp_plan(job) -> dict | None:
+    """The whole model's Hugging Face tensor-parallel plan (read off a build on ``meta``), if it has one."""
+    from orch.plans.model.meta import meta_device
+
+    with meta_device():
+        whole = job.workload.model_factory()
+    plan = getattr(whole, "_tp_plan", None)
+    return plan if isinstance(plan, dict) and plan else None
+
+
+def train_step(pipeline: Pipeline, batches: Iterator[Any], micro: int, to_device) -> float:
+    """One step's micro-batches through the schedule (forward, backward; gradients scaled by
+    ``1 / micro`` as accumulation scales them), shared weights' gradients summed; returns the
+    mean micro-batch loss, which the last stage computes and sends to its pipeline peers."""
+    drawn = draw(batches, micro, to_device)
+    losses: list[torch.Tensor] = []
+    pipeline.schedule.step(arg_mbs=[(stage_input(b),) for b in drawn],
+                           target_mbs=[stage_target(b) for b in drawn], losses=losses)
+    sync_tied_gradients(pipeline.stages, pipeline.tied)
+    return _mean_loss(pipeline, losses)
+
+
+def _mean_loss(pipeline: Pipeline, losses: list[torch.Tensor]) -> float:
+    """The mean of the last stage's ``losses``, on every rank of its pipeline group."""
+    import torch.distributed as dist
+
+    mean = torch.zeros((), device=pipeline.device)
+    if pipeline.last:
+        mean = torch.stack([loss.detach().float() for loss in losses]).mean().to(pipeline.device)
+    dist.broadcast(mean, group=pipeline.pp_group, group_src=pipeline.last_rank)
+    return float(mean)
+
+
+def evaluate(pipeline: Pipeline, val_batches: Iterator[Any], batches: int, objective, to_device) -> dict[str, float]:
+    """The held-out loss over ``batches`` micro-batches, each passed through the stages in order
+    (:func:`forward_only`), the loss on the last stage. Not through the training schedule:
+    evaluation needs no overlap, and torch's zero-bubble V schedule cannot run forward alone."""
+    total = 0.0
+    pipeline.stages.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(batches):
+                batch = to_device(next(val_batches))
+                out = forward_only(pipeline, stage_input(batch))
+                loss = [objective(out, (None, stage_target(batch)))] if pipeline.last else []
+                total += _mean_loss(pipeline, loss)
+    finally:
+        pipeline.stages.train()
+    return {"loss": total / batches}
+
+
+_HEADER = 8
+"""Integers describing an activation sent between stages: its dtype's index, its rank, its shape."""
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+
+
+def forward_only(pipeline: Pipeline, x: torch.Tensor) -> torch.Tensor | None:
+    """One micro-batch through every stage in order: each rank runs its stages when their turn
+    comes and sends the output to the next stage's rank (shape first, then the tensor). Returns
+    the last stage's output on the rank running it, None elsewhere."""
+    import torch.distributed as dist
+
+    layout, group = pipeline.stages.layout, pipeline.pp_group
+    me = dist.get_group_rank(group, dist.get_rank())
+    for stage in range(layout.stages):
+        owner = layout.rank_of(stage)
+        before = layout.rank_of(stage - 1) if stage > 0 else owner
+        if owner == me:
+            if before != me:
+                header = torch.zeros(_HEADER, dtype=torch.int64, device=pipeline.device)
+                dist.recv(header, group=group, group_src=before)
+                shape = [int(d) for d in header[2:2 + int(header[1])]]
+                x = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=pipeline.device)
+                dist.recv(x, group=group, group_src=before)
+            x = pipeline.stages.parts[str(stage)](x)
+        elif before == me:
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=pipeline.device)
+            header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+            header[2:2 + x.dim()] = torch.tensor(x.shape)
+            dist.send(header, group=group, group_dst=owner)
+            dist.send(x.contiguous(), group=group, group_dst=owner)
+    return x if pipeline.last else None

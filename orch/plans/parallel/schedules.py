@@ -1,0 +1,163 @@
+"""Pipeline schedules as arithmetic: which stages a rank runs, what a schedule demands of the
+plan, the bubble it leaves and the micro-batches whose activations it holds at once.
+
+Pure functions of the degrees (no torch): the planner, the tuner and the engine share them, so
+the stages a worker builds are the stages the plan priced.
+
+Terms, per micro-batch and per rank (its ``v`` stages together): ``F`` the forward, ``B`` the
+backward to the inputs (activation gradients), ``W`` the backward to the weights. A backward is
+``B + W``; schedules that do not split backward run them together.
+
+Bubbles (idle time per step, in those units), from the papers that introduced each schedule:
+
+* GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2019): ``(p - 1)(F + B + W)``; 1F1B
+  only holds fewer micro-batches.
+* Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): each of the ``v`` stages of a rank is
+  ``1/v`` of its layers, so the fill and drain take ``1/v`` as long: ``(p - 1)(F + B + W) / v``.
+* Zero bubble (Qi et al. 2024, ZB-H1 ordering, looped as torch's interleaved zero bubble):
+  weight gradients are deferred into the drain: ``(p - 1)(F + B - W) / v``.
+* ZB-V (the same paper, two stages per rank in a V): ``(p - 1)(F + B - 2W) / v``, none at all
+  when a weight gradient takes as long as the input's, at the memory of 1F1B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orch.plans.errors import Violation
+from orch.plans.spec import PipelineSchedule
+
+
+def schedule_of(value: PipelineSchedule | str) -> PipelineSchedule:
+    """The schedule ``value`` names; ValueError for anything else."""
+    return value if isinstance(value, PipelineSchedule) else PipelineSchedule(str(value).strip().lower())
+
+
+def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: PipelineSchedule) -> list[int]:
+    """The stage indices (of ``pp * virtual``) pipeline rank ``pp_rank`` runs, in order.
+
+    Looped (torch's interleaved schedules, Megatron-LM's): rank ``r`` runs ``r, r + pp, ...``.
+    V-shaped (ZB-V): rank ``r`` runs ``r`` and ``2 * pp - 1 - r``, so the first and last stages
+    sit on rank 0 and a micro-batch turns around on rank ``pp - 1`` without a transfer."""
+    if schedule is PipelineSchedule.zbv:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def rank_of_stage(stage: int, pp: int, virtual: int, schedule: PipelineSchedule) -> int:
+    """The pipeline rank that runs ``stage``."""
+    return next(r for r in range(pp) if stage in stages_of_rank(r, pp, virtual, schedule))
+
+
+def schedule_violations(schedule: PipelineSchedule | str, *, pp: int, virtual: int, micro_batches: int,
+                        layers: int | None = None) -> list[Violation]:
+    """What ``plan.pp_schedule``, ``plan.pp_virtual_stages`` and the micro-batches of a step
+    (``plan.grad_accum_steps``) must satisfy together; ``layers`` (the model's pipeline layers,
+    when known) must give every stage one."""
+    try:
+        kind = schedule_of(schedule)
+    except ValueError:
+        return [Violation("plan.pp_schedule", schedule, "is not a pipeline schedule.",
+                          "set plan.pp_schedule to " + ", ".join(s.value for s in PipelineSchedule))]
+    found = []
+    if pp <= 1:
+        return found  # no pipeline: the schedule is not read
+    if virtual < 1:
+        found.append(Violation("plan.pp_virtual_stages", virtual, "must be at least 1.",
+                               "set plan.pp_virtual_stages=1 or more"))
+        return found
+    if kind is PipelineSchedule.zbv and virtual != 2:
+        found.append(Violation("plan.pp_virtual_stages", virtual,
+                               "the zbv schedule runs exactly two stages per rank (a V).",
+                               "set plan.pp_virtual_stages=2 with plan.pp_schedule=zbv"))
+    elif kind.interleaved and virtual < 2:
+        found.append(Violation("plan.pp_virtual_stages", virtual,
+                               f"the {kind.value} schedule interleaves several stages per rank.",
+                               f"set plan.pp_virtual_stages=2 or more with plan.pp_schedule={kind.value}, or "
+                               "plan.pp_schedule=1f1b"))
+    elif not kind.interleaved and virtual != 1:
+        found.append(Violation("plan.pp_virtual_stages", virtual,
+                               f"the {kind.value} schedule runs one stage per rank.",
+                               "set plan.pp_virtual_stages=1, or plan.pp_schedule=interleaved_1f1b to run "
+                               f"{virtual} stages per rank"))
+    if found:
+        return found
+    if kind is PipelineSchedule.one_f_one_b and micro_batches < pp:
+        # torch's Schedule1F1B refuses it; DeepSpeed's runs it, with most stages idle.
+        found.append(Violation("plan.grad_accum_steps", micro_batches,
+                               f"the 1f1b schedule needs at least as many micro-batches per step as stages "
+                               f"(pp={pp}).",
+                               f"set plan.grad_accum_steps={pp} or more"))
+    if kind in (PipelineSchedule.interleaved_1f1b, PipelineSchedule.zero_bubble):
+        rounds = max(1, micro_batches // pp)
+        if micro_batches % rounds:
+            found.append(Violation("plan.grad_accum_steps", micro_batches,
+                                   f"the {kind.value} schedule runs micro-batches in rounds of pp({pp}): "
+                                   f"{micro_batches} is not a multiple of its {rounds} rounds.",
+                                   f"set plan.grad_accum_steps to a multiple of {pp}"))
+    if layers is not None and layers < pp * virtual:
+        found.append(Violation("plan.pp_virtual_stages", virtual,
+                               f"pp({pp}) * pp_virtual_stages({virtual}) = {pp * virtual} stages, but the model "
+                               f"has {layers} pipeline layers.",
+                               f"set plan.pp_virtual_stages={max(layers // pp, 1)} or less, or a smaller plan.pp"))
+    return found
+
+
+@dataclass(frozen=True)
+class BackwardSplit:
+    """A micro-batch's work on one rank, as shares of its forward plus backward."""
+
+    forward: float
+    """F: the forward (with full recomputation, the recomputed forward is part of B instead)."""
+    inputs: float
+    """B: the backward to the inputs."""
+    weights: float
+    """W: the backward to the weights."""
+
+    @classmethod
+    def of_matmuls(cls, recompute_share: float = 0.0) -> BackwardSplit:
+        """A matmul-bound layer: each of the backward's two matmuls costs what the forward's does
+        (F = B = W); ``recompute_share`` (of a forward) runs again before B."""
+        total = 3.0 + recompute_share
+        return cls(forward=1.0 / total, inputs=(1.0 + recompute_share) / total, weights=1.0 / total)
+
+
+def bubble_micro_batches(schedule: PipelineSchedule, pp: int, virtual: int,
+                         split: BackwardSplit | None = None) -> float:
+    """Idle time a step loses to filling and draining the pipeline, in micro-batch times (one
+    micro-batch's forward and backward on one rank): the module docstring's bubbles."""
+    if pp <= 1:
+        return 0.0
+    split = split or BackwardSplit.of_matmuls()
+    f, b, w = split.forward, split.inputs, split.weights
+    per_fill = {
+        PipelineSchedule.gpipe: f + b + w,
+        PipelineSchedule.one_f_one_b: f + b + w,
+        PipelineSchedule.interleaved_1f1b: (f + b + w) / virtual,
+        PipelineSchedule.zero_bubble: max(0.0, f + b - w) / virtual,
+        PipelineSchedule.zbv: max(0.0, f + b - 2 * w) / virtual,
+    }[schedule]
+    return (pp - 1) * per_fill
+
+
+def micro_batches_in_flight(schedule: PipelineSchedule, pp: int, virtual: int, micro_batches: int,
+                            pp_rank: int = 0) -> float:
+    """Micro-batches whose activations (of all of a rank's stages) pipeline rank ``pp_rank`` holds
+    at its peak, in units of one micro-batch through all its layers.
+
+    GPipe holds every micro-batch of the step; 1F1B ``pp - r``; interleaved 1F1B (and the
+    looped zero-bubble schedule, which defers only weight gradients) adds the warm-up of the
+    extra stages, ``pp + (pp - 1 - 2r) / v`` for rank ``r`` (Megatron-LM's
+    ``p (1 + (p - 1) / (p v))`` on rank 0); ZB-V holds what 1F1B's first rank does, ``pp``.
+    Never more than the step's micro-batches."""
+    if pp <= 1:
+        return 1.0
+    if schedule is PipelineSchedule.gpipe:
+        held = float(micro_batches)
+    elif schedule is PipelineSchedule.one_f_one_b:
+        held = float(pp - pp_rank)
+    elif schedule is PipelineSchedule.zbv:
+        held = float(pp)
+    else:
+        held = pp + (pp - 1 - 2 * pp_rank) / virtual
+    return max(1.0, min(held, float(micro_batches)))
