@@ -1,0 +1,84 @@
+"""`orch train plan.engine=fsdp2 plan.pp=2`: torch's pipeline schedules in real Ray actors.
+
+Each schedule must compute what the unpipelined model computes: the same layers from the same
+seeds, the same micro-batches, gradients averaged alike. So the losses of the first steps equal
+the pp=1 run's, and a pipelined checkpoint (saved under the whole model's names) resumes at
+another dp, tp and pp. The schedule arithmetic and the renaming are unit-tested in
+tests/test_pipeline_schedules.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from helpers.config import compose_config
+from orch.config import to_typed
+from orch.run.driver import run_training
+
+pytestmark = pytest.mark.slow
+
+STEPS = ["train.steps=10", "train.log_every=1", "train.eval_batches=2", "plan.micro_batch_size=4",
+         "plan.grad_accum_steps=2"]
+
+
+def train(sqlite_uri: str, *overrides: str):
+    cfg = compose_config(*STEPS, f"tracking.uri={sqlite_uri}", "plan.engine=fsdp2", *overrides)
+    return run_training(*to_typed(cfg))
+
+
+def losses(result) -> list[float]:
+    return [r[0].loss for r in result.reports]
+
+
+def test_gpt_pipeline_schedules_give_the_unpipelined_losses(local_ray, sqlite_uri):
+    """GPT of 4 blocks (7 pipeline layers) at pp=2: 1F1B with selective recomputation, interleaved
+    1F1B over 2 stages per rank with full recomputation, and ZB-V (its two stages in a V, the tied
+    embedding and head both on rank 0): the first 10 losses are the pp=1 run's."""
+    gpt = ["model.n_layer=4"]
+    reference = train(sqlite_uri, *gpt, "cluster.devices_per_node=1")
+    expected = losses(reference)
+    assert len(expected) == 10 and expected[-1] < expected[0]
+    runs = {
+        "1f1b": ["plan.pp_schedule=1f1b", "plan.activation_checkpointing=selective"],
+        "interleaved_1f1b": ["plan.pp_schedule=interleaved_1f1b", "plan.pp_virtual_stages=2",
+                             "plan.activation_checkpointing=full"],
+        "zbv": ["plan.pp_schedule=zbv", "plan.pp_virtual_stages=2", "plan.fsdp.reshard_after_forward=false"],
+    }
+    for schedule, overrides in runs.items():
+        result = train(sqlite_uri, *gpt, "plan.pp=2", *overrides)
+        assert result.plan.pp == 2 and result.plan.pp_schedule.value == schedule
+        assert losses(result) == pytest.approx(expected, abs=1e-4), schedule
+        # Each rank built only its own stages.
+        assert all(f.model.params_on_rank < result.model.param_count for f in result.worker_facts)
+        assert "stages" in result.worker_facts[0].model.built
+
+
+def test_a_pipelined_checkpoint_resumes_at_another_dp_tp_and_pp(local_ray, sqlite_uri, tmp_path):
+    """A Llama-shaped Hugging Face decoder checkpointed at (dp=2, pp=2) on 4 workers resumes, from
+    the same step and with the same global batch, at (dp=2, pp=1), at (dp=1, tp=2) and at
+    (tp=2, pp=2): DCP reshards the whole model's names whichever stage wrote them, and the runs go
+    on to the same losses."""
+    # Four workers on the tests' 2-CPU Ray: half a CPU each.
+    hf = ["model=hf_causal_lm", "model.config.num_hidden_layers=4", "cluster.cpus_per_worker=0.5"]
+    ckpt = tmp_path / "ckpt"
+    first = train(sqlite_uri, *hf, "cluster.devices_per_node=4", "plan.dp=2", "plan.pp=2", "train.steps=5",
+                  "train.checkpoint_every=5", f"train.checkpoint_dir={ckpt}")
+    assert (first.plan.dp, first.plan.pp) == (2, 2) and len(first.reports) == 5
+    layouts = {
+        "dp=2 pp=1": ["cluster.devices_per_node=2", "plan.dp=2"],
+        "dp=1 tp=2": ["cluster.devices_per_node=2", "plan.tp=2", "plan.grad_accum_steps=4"],
+        "tp=2 pp=2": ["cluster.devices_per_node=4", "plan.tp=2", "plan.pp=2", "plan.grad_accum_steps=4"],
+    }
+    resumed = {}
+    for name, overrides in layouts.items():
+        folder = tmp_path / name.replace(" ", "_").replace("=", "")
+        shutil.copytree(ckpt, folder)
+        result = train(sqlite_uri, *hf, *overrides, "train.resume=auto", f"train.checkpoint_dir={folder}")
+        assert [r[0].step for r in result.reports] == [6, 7, 8, 9, 10], name
+        resumed[name] = losses(result)
+    reference = resumed.pop("dp=2 pp=1")
+    assert reference[-1] < first.reports[-1][0].loss
+    for name, found in resumed.items():
+        assert found == pytest.approx(reference, abs=1e-3), name
