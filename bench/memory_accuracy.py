@@ -8,7 +8,8 @@ against the planner's row for that stage. Last, the shipped experiments' workloa
 built-in GPT: a Llama-shaped Hugging Face causal LM on tokenized text, a torchvision ViT under
 ZeRO-3 and ResNet-50, in bf16, each also with activation checkpointing; the FSDP2 engine on
 the built-in GPT, an HF Llama shape and the ViT recipe (``--plans fsdp2``); and selective
-recomputation on both engines (``--plans recompute``). Each worker measures
+recomputation on both engines (``--plans recompute``); the FSDP2 engine's pipeline schedules
+(``--plans pipeline``). Each worker measures
 its real peak tensor bytes during ``train.memory_probe_step`` and the tensor bytes it holds after that step
 (orch/launchers/memory_probe.py). The MLflow run of each plan holds both next to the prediction. The
 table compares the most loaded rank against the planner's prediction for it.
@@ -116,9 +117,24 @@ RECOMPUTE_PLANS = [
 ]
 
 
+PIPE = ["plan.engine=fsdp2", "plan.zero_stage=0", "plan.pp=2"]
+PIPELINE_PLANS = [
+    [*PIPE, "plan.dp=1", "plan.grad_accum_steps=2"],
+    [*PIPE, "plan.dp=1", "plan.grad_accum_steps=4", "plan.pp_schedule=gpipe"],
+    [*PIPE, "plan.dp=1", "plan.grad_accum_steps=4", "plan.pp_schedule=interleaved_1f1b", "plan.pp_virtual_stages=2"],
+    [*PIPE, "plan.dp=1", "plan.grad_accum_steps=4", "plan.pp_schedule=zbv", "plan.pp_virtual_stages=2",
+     "plan.fsdp.reshard_after_forward=false"],
+    [*PIPE, "plan.dp=1", "plan.grad_accum_steps=2", "plan.activation_checkpointing=full"],
+    [*PIPE, "plan.dp=2", "plan.grad_accum_steps=2", *FOUR_WORKERS],
+]
+"""The fsdp2 engine's pipeline stages: each schedule, recomputation, and data parallel across stages."""
+
+
 def plans(which: str = "all") -> list[list[str]]:
     if which == "recompute":
         return RECOMPUTE_PLANS
+    if which == "pipeline":
+        return PIPELINE_PLANS
     if which == "parallel":
         return PARALLEL_PLANS
     if which == "workloads":
@@ -131,7 +147,7 @@ def plans(which: str = "all") -> list[list[str]]:
             continue
         matrix.append([f"plan.zero_stage={stage}", f"plan.offload_optimizer={offload}",
                        f"plan.activation_checkpointing={str(ckpt).lower()}"])
-    return matrix + BF16_PLANS + PARALLEL_PLANS + WORKLOAD_PLANS + FSDP2_PLANS + RECOMPUTE_PLANS
+    return matrix + BF16_PLANS + PARALLEL_PLANS + WORKLOAD_PLANS + FSDP2_PLANS + RECOMPUTE_PLANS + PIPELINE_PLANS
 
 
 def micro_batch_bytes(workload, micro_batch_size: int, precision: str) -> int:
@@ -230,9 +246,10 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", type=Path, help="also write the table here")
-    parser.add_argument("--plans", choices=("all", "parallel", "workloads", "fsdp2", "recompute"), default="all",
+    parser.add_argument("--plans", choices=("all", "parallel", "workloads", "fsdp2", "recompute", "pipeline"), default="all",
                         help="all plans, only the tensor- and pipeline-parallel ones, only the experiments', "
-                             "only the FSDP2 engine's, or only selective recomputation's")
+                             "only the FSDP2 engine's, only selective recomputation's, or only the FSDP2 "
+                             "engine's pipeline schedules")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every plan")
     args = parser.parse_args()
     store = tempfile.mkdtemp(prefix="orch-bench-")

@@ -129,7 +129,8 @@ def check_pipeline(probe: ModelProbe, plan: ResolvedPlan, model_cfg: dict,
         weighted = sum(1 for layer in layers if layer.trainable)
         raise PlanError([Violation("plan.pp", plan.pp,
                                    f"{target} has {len(layers)} pipeline layers, {weighted} of them with parameters; "
-                                   f"split {plan.pp} ways by plan.pp_partition={plan.pp_partition}, stage(s) "
+                                   f"split {plan.pipeline_stages} ways by plan.pp_partition={plan.pp_partition}, "
+                                   "stage(s) "
                                    f"{', '.join(map(str, empty))} would get no parameters to train.",
                                    f"set plan.pp to at most {weighted}, or use more layers (model.n_layer)")])
 
@@ -347,7 +348,7 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = (), 
         for stage, memory in zip(estimate.pipeline, estimate.stages, strict=True):
             names = _layer_names(stage.layers)
             lines.append(f"  stage {stage.index}: layers {stage.start}-{stage.stop - 1} ({names}), "
-                         f"{stage.params:,} params, {stage.in_flight} micro-batch(es) in flight, "
+                         f"{stage.params:,} params, {stage.in_flight:g} micro-batch(es) in flight, "
                          f"peak {_fmt(memory.total).strip()}")
         bubble = estimate.bubble
         lines.append(f"  bubble (pp-1)/micro-batches = {bubble:.0%} of the compute time idle"

@@ -206,7 +206,11 @@ def describe(plan: ResolvedPlan) -> str:
 def _layout_text(plan: ResolvedPlan) -> str:
     """The plan but its engine, compact: the engine's own settings and offload as its spec says them."""
     spec = engine_spec(plan.engine)
-    return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} {spec.short_settings(plan)} offload={spec.short_offload(plan)} "
+    pipeline = ""
+    if plan.pp > 1:
+        pipeline = plan.pp_schedule.value + (f"/v{plan.pp_virtual_stages}" if plan.pp_virtual_stages > 1 else "") + " "
+    return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} {pipeline}{spec.short_settings(plan)} "
+            f"offload={spec.short_offload(plan)} "
             f"ckpt={_recompute_text(plan)} micro={plan.micro_batch_size} "
             f"accum={plan.grad_accum_steps}" + (" compiled" if plan.compile else ""))
 

@@ -81,6 +81,22 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool,
         raise PlanError([Violation("tune.activation_checkpointing", list(t.activation_checkpointing),
                                    "holds a value that is not a recomputation policy.",
                                    "set tune.activation_checkpointing=[none,selective,full] or a subset")]) from None
+    from orch.plans.parallel.schedules import schedule_of
+
+    try:
+        kinds = [schedule_of(name) for name in t.pp_schedule]
+    except ValueError:
+        raise PlanError([Violation("tune.pp_schedule", list(t.pp_schedule), "holds a value that is not a pipeline "
+                                   "schedule.", "set tune.pp_schedule to a subset of [gpipe,1f1b,interleaved_1f1b,"
+                                   "zero_bubble,zbv]")]) from None
+    if any(v < 2 for v in t.pp_virtual_stages):
+        raise PlanError([Violation("tune.pp_virtual_stages", list(t.pp_virtual_stages),
+                                   "the interleaved schedules run 2 or more stages per rank.",
+                                   "set tune.pp_virtual_stages to values of 2 or more, e.g. [2,4]")])
+    schedules = tuple(dict.fromkeys(
+        (kind, v) for kind in kinds
+        for v in ((2,) if kind.value == "zbv" else tuple(t.pp_virtual_stages) if kind.interleaved else (1,)))) or (
+        (schedule_of("1f1b"), 1),)
     if not supports_checkpointing:
         ckpt = (Recompute.none,)
     elif selective_problem is not None:
@@ -91,7 +107,8 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool,
                        offload=tuple(Offload(o) for o in t.offload), activation_checkpointing=ckpt,
                        micro_batch_sizes=tuple(t.micro_batch_sizes) if t.micro_batch_sizes else None,
                        engines=tuple(t.engines),
-                       reshard_after_forward=tuple(t.reshard_after_forward), compile=tuple(dict.fromkeys(t.compile)))
+                       reshard_after_forward=tuple(t.reshard_after_forward), compile=tuple(dict.fromkeys(t.compile)),
+                       pp_schedules=schedules)
 
 
 def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None = None,

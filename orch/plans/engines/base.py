@@ -87,12 +87,13 @@ class EngineSpec:
     def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
         """What this engine cannot train of ``plan`` on ``cluster``, each with its fix."""
         found = [] if self.reads_fsdp_settings else _ignored_fsdp_settings(plan)
-        if plan.pp > 1 and str(plan.pp_schedule) not in self.pipeline_schedules:
+        if plan.pp > 1 and _schedule_name(plan.pp_schedule) not in self.pipeline_schedules:
             from orch.plans.engines import engine_names, engine_spec
 
-            others = [name for name in engine_names() if str(plan.pp_schedule) in engine_spec(name).pipeline_schedules]
+            schedule = _schedule_name(plan.pp_schedule)
+            others = [name for name in engine_names() if schedule in engine_spec(name).pipeline_schedules]
             fix = f"set plan.pp_schedule={self.pipeline_schedules[0]}"
-            found.append(Violation("plan.pp_schedule", plan.pp_schedule,
+            found.append(Violation("plan.pp_schedule", schedule,
                                    f"the {self.name} engine runs the pipeline schedules "
                                    f"{', '.join(self.pipeline_schedules)}.",
                                    fix + (f", or plan.engine={others[0]}" if others else "")))
@@ -109,7 +110,7 @@ class EngineSpec:
     def rejection(self, plan: PlanSpec) -> str | None:
         """Why the tuner never runs ``plan`` under this engine, in a few fixed words (they are
         counted across many plans), or None. The long form is :meth:`violations`."""
-        if plan.pp > 1 and str(plan.pp_schedule) not in self.pipeline_schedules:
+        if plan.pp > 1 and _schedule_name(plan.pp_schedule) not in self.pipeline_schedules:
             return f"pipeline schedule {plan.pp_schedule} (the engine runs {', '.join(self.pipeline_schedules)})"
         return None
 
@@ -235,3 +236,8 @@ def _ignored_fsdp_settings(plan: PlanSpec) -> list[Violation]:
                                    f"set plan.engine=fsdp2 to use it, or leave plan.fsdp.{f.name} at its default "
                                    f"({str(default).lower()})"))
     return found
+
+
+def _schedule_name(value: object) -> str:
+    """``plan.pp_schedule`` as its name, given as the name or the enum member."""
+    return str(getattr(value, "value", value))

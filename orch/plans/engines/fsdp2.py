@@ -10,10 +10,18 @@ Its memory is counted part by part as ``fully_shard`` lays it out
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from orch.plans.engine_settings import EngineSettings, ZeroStage
-from orch.plans.engines.base import Change, DeviceMemory, EngineSpec, halve_micro_batch, schema_default
+from orch.plans.engines.base import (
+    Change,
+    DeviceMemory,
+    EngineSpec,
+    _schedule_name,
+    halve_micro_batch,
+    schema_default,
+)
 from orch.plans.errors import Violation
 from orch.plans.memory.build import GIB, BuildMemory
 from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, OptimizerName, PlanSpec, Precision
@@ -52,7 +60,11 @@ class FSDP2Spec(EngineSpec):
             found.append(Violation("plan.pp_partition", plan.pp_partition,
                                    "is not a partition method (DeepSpeed's PipelineModule's, which both engines use).",
                                    "set plan.pp_partition to parameters, uniform or type:REGEX (e.g. type:Block)"))
-        schedule = str(plan.pp_schedule)
+        schedule = _schedule_name(plan.pp_schedule)
+        if plan.pp > 1 and schedule in self.pipeline_schedules:
+            from orch.plans.parallel.schedules import torch_schedule_violations
+
+            found += torch_schedule_violations(schedule, pp=plan.pp, micro_batches=plan.grad_accum_steps)
         if plan.pp > 1 and schedule in ("zero_bubble", "zbv") and plan.fsdp.reshard_after_forward:
             # Measured: with resharding, torch's weight-gradient pass (stage_backward_weight) leaves
             # every gradient of the last stage unset.
@@ -113,14 +125,66 @@ class FSDP2Spec(EngineSpec):
                       engine: EngineSettings, activations: ActivationBytes) -> DeviceMemory:
         from orch.plans.engines.fsdp2_memory import fsdp_memory, fsdp_mesh
 
+        if plan.pp > 1:
+            return self._pipeline_memory(plan, cluster, optim, probe, engine, activations)
         fsdp = fsdp_memory(engine, mesh=fsdp_mesh(plan, cluster.devices_per_node), model=probe.stats_for(plan.tp),
                            units=probe.fsdp_units(plan.tp), activations=activations, precision=plan.precision,
                            optimizer=optim.name, momentum=optim.momentum, grad_accum_steps=plan.grad_accum_steps)
         return DeviceMemory(per_stage=[(fsdp.states, fsdp.device_phases())], detail=fsdp)
 
+    def _pipeline_memory(self, plan: ResolvedPlan, cluster: ClusterSpec, optim, probe: ModelProbe,
+                         engine: EngineSettings, activations: ActivationBytes) -> DeviceMemory:
+        """Each pipeline rank's stages as FSDP2 shards them: its layers' parameters, the blocks among
+        them as units and the rest as its stages' roots, and the activations of the micro-batches
+        its schedule holds in flight (:func:`orch.plans.parallel.pipeline.rank_stages`)."""
+        from collections import Counter
+
+        from orch.plans.engines.deepspeed import _stage_stats
+        from orch.plans.engines.fsdp2_memory import FSDPUnits, fsdp_memory, fsdp_mesh
+        from orch.plans.parallel.pipeline import rank_stages, stage_activations
+        from orch.plans.parallel.schedules import stages_of_rank
+
+        layers = probe.pipeline_layer_facts(plan)
+        ranks = rank_stages(probe.stages(plan), layers, schedule=plan.pp_schedule, pp=plan.pp,
+                            virtual=plan.pp_virtual_stages, micro_batches=plan.grad_accum_steps)
+        total_saved = sum(layer.saved_bytes for layer in layers)
+        counts = Counter(layer.name for layer in layers)
+        block, repeats = counts.most_common(1)[0]
+        whole_units = probe.fsdp_units(plan.tp)
+        per_stage, details = [], []
+        stages = probe.stages(plan)
+        for rank in ranks:
+            stats = _stage_stats(probe, rank, plan.tp)
+            keep = stats.param_count / rank.params if rank.params else 1.0
+            mine = [i for s in stages_of_rank(rank.index, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
+                    for i in range(stages[s].start, stages[s].stop)]
+            root = round(keep * sum(layers[i].params for i in mine if layers[i].name != block or repeats < 2))
+            root = min(root, stats.param_count)
+            units = FSDPUnits(root=root, root_trainable=min(root, stats.trainable_count),
+                              largest_block=min(whole_units.largest_block, stats.param_count - root),
+                              largest_block_trainable=min(whole_units.largest_block_trainable,
+                                                          stats.trainable_count - root),
+                              blocks=stats.param_count - root)
+            fsdp = fsdp_memory(engine, mesh=fsdp_mesh(plan, cluster.devices_per_node), model=stats, units=units,
+                               activations=stage_activations(activations, rank, total_saved),
+                               precision=plan.precision, optimizer=optim.name, momentum=optim.momentum,
+                               grad_accum_steps=max(plan.grad_accum_steps, 2))
+            phases = fsdp.device_phases()
+            held = dataclasses.replace(phases.held, buffers=phases.held.buffers + rank.buffer_bytes)
+            per_stage.append((fsdp.states, dataclasses.replace(phases, held=held)))
+            details.append(fsdp)
+        worst = max(range(len(per_stage)), key=lambda i: per_stage[i][1].held.total + per_stage[i][1].binding.total)
+        return DeviceMemory(per_stage=per_stage, pipeline=ranks, detail=details[worst])
+
     def build_memory(self, plan: ResolvedPlan, cluster: ClusterSpec, *, built_bytes: int, param_count: int,
                      stages: list[PipelineStage], weight_file_bytes: int) -> BuildMemory:
-        """One worker builds the model whole and the others on meta (it broadcasts the weights)."""
+        """One worker builds the model whole and the others on meta (it broadcasts the weights);
+        with pipeline stages, each builds only its own stages' layers."""
+        if plan.pp > 1:
+            per_param = built_bytes / param_count if param_count else 0
+            return BuildMemory(model=round(max(stage.params for stage in stages) * per_param),
+                               weights=weight_file_bytes, workers=min(cluster.devices_per_node, plan.world_size),
+                               how="pipeline stage", capacity=int(cluster.host_memory_gib * GIB))
         if plan.world_size <= 1:
             return super().build_memory(plan, cluster, built_bytes=built_bytes, param_count=param_count,
                                         stages=stages, weight_file_bytes=weight_file_bytes)
@@ -158,10 +222,19 @@ class FSDP2Spec(EngineSpec):
 
         return partition_layers(layers, pp, method)
 
+    def rejection(self, plan: PlanSpec) -> str | None:
+        if problem := super().rejection(plan):
+            return problem
+        if plan.pp > 1 and _schedule_name(plan.pp_schedule) in ("zero_bubble", "zbv") and \
+                plan.fsdp.reshard_after_forward:
+            return "a zero-bubble schedule with resharding after forward"
+        if plan.pp > 1 and _schedule_name(plan.pp_schedule) == "1f1b" and plan.grad_accum_steps < plan.pp:
+            return "torch's 1f1b with fewer micro-batches than stages"
+        return None
+
     def search_settings(self, space: SearchSpace, pp: int) -> list[tuple[int, FSDPSpec]]:
-        """Never pipelined; the schema's ZeRO stage (FSDP2 reads none), resharding on and off."""
-        if pp > 1:
-            return []
+        """The schema's ZeRO stage (FSDP2 reads none), resharding on and off (the zero-bubble
+        schedules take only off: :meth:`rejection`)."""
         stage = schema_default("zero_stage")
         return [(stage, FSDPSpec(reshard_after_forward=r)) for r in space.reshard_after_forward]
 

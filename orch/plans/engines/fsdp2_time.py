@@ -29,6 +29,7 @@ it, so the cost model itself knows no engine.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from orch.plans.engine_settings import engine_settings
 from orch.plans.engines.fsdp2_memory import fsdp_mesh
@@ -61,18 +62,22 @@ def fsdp_dp_comm_s(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devi
     mesh = fsdp_mesh(plan, devices_per_node)
     if mesh.shard <= 1 and mesh.replicate <= 1:
         return 0.0
-    tp, m = plan.tp, plan.grad_accum_steps
+    tp, pp, m = plan.tp, plan.pp, plan.grad_accum_steps
+    # A pipeline rank shards only its stages' layers: 1/pp of the blocks (the root's share, the
+    # embedding and head, sits on the first and last stage: counted whole, the busiest rank's).
+    layers = max(math.ceil(model.n_layers / pp), 1)
     params = model.tp_param_count.get(tp, model.param_count / tp)
     root = min(root_params, params)
-    blocks = params - root
-    units = max(model.n_layers, 1) + (1 if root else 0)
+    blocks = (params - root) / pp
+    params = blocks + root
+    units = layers + (1 if root else 0)
     b = plan.precision.element_bytes
     lat = {"intra": speeds.intra_latency_s, "inter": speeds.inter_latency_s}
-    # The shard group: consecutive data-parallel ranks, tp ranks apart (pp is 1 under FSDP2).
-    shard_link = group_links(tp * mesh.shard, devices_per_node, tp, 1).dp
-    shard_bw = speeds.bus_gbps(shard_link, _members_per_node(tp, mesh.shard, devices_per_node))
+    # The shard group: consecutive data-parallel ranks, tp * pp ranks apart.
+    shard_link = group_links(tp * pp * mesh.shard, devices_per_node, tp, pp).dp
+    shard_bw = speeds.bus_gbps(shard_link, _members_per_node(tp * pp, mesh.shard, devices_per_node))
     block_gathers = 2 if plan.fsdp.reshard_after_forward else 1
-    gather_calls = max(model.n_layers, 1) * block_gathers + (1 if root else 0)
+    gather_calls = layers * block_gathers + (1 if root else 0)
     per_micro = 0.0
     if mesh.shard > 1:
         gathered = b * (blocks * block_gathers + root)

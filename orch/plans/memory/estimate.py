@@ -45,7 +45,6 @@ from orch.plans.model.workload import ModelInputs, batch_bytes, selective_proble
 from orch.plans.parallel.pipeline import (
     PipelineLayer,
     PipelineStage,
-    bubble_fraction,
     carry_layers,
     measure_pipeline_layers,
     pipeline_stages,
@@ -116,8 +115,15 @@ class PlanEstimate:
 
     @property
     def bubble(self) -> float:
-        """Pipeline idle time relative to useful work, (pp - 1) / micro-batches (0 without pp)."""
-        return bubble_fraction(self.plan.pp, self.plan.grad_accum_steps) if self.plan.pp > 1 else 0.0
+        """Pipeline idle time relative to useful work under the plan's schedule (0 without pp):
+        (pp - 1) / micro-batches for 1F1B, less for the interleaved and zero-bubble ones
+        (:func:`orch.plans.parallel.schedules.bubble_micro_batches`)."""
+        from orch.plans.parallel.schedules import bubble_micro_batches
+
+        if self.plan.pp <= 1:
+            return 0.0
+        return bubble_micro_batches(self.plan.pp_schedule, self.plan.pp, self.plan.pp_virtual_stages) / max(
+            self.plan.grad_accum_steps, 1)
 
     def as_json(self) -> dict:
         """The stable ``orch check --json`` document (other tools read these names)."""
@@ -311,8 +317,8 @@ class ModelProbe:
     def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
         """The plan's pipeline stages; cached, since `orch check` validates the split and then
         estimates it, and the fix search estimates many variants of one plan."""
-        return self._stages(plan.micro_batch_size, plan.precision, plan.pp, plan.pp_partition, plan.grad_accum_steps,
-                            plan.engine)
+        return self._stages(plan.micro_batch_size, plan.precision, plan.pipeline_stages, plan.pp_partition,
+                            plan.grad_accum_steps, plan.engine)
 
     def _split(self, micro_batch_size: int, precision: Precision, pp: int, method: str,
                micro_batches: int, engine: str) -> list[PipelineStage]:

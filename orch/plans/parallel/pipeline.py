@@ -49,7 +49,7 @@ class PipelineStage:
     largest_param: int
     saved_bytes: int
     """Saved activations of one micro-batch in this stage."""
-    in_flight: int
+    in_flight: float
     """Micro-batches whose activations the stage holds at once under DeepSpeed's 1F1B schedule:
     ``min(pp - stage, micro-batches)`` (``TrainSchedule.num_pipe_buffers``); the first stage holds most."""
     buffer_bytes: int = 0
@@ -181,7 +181,7 @@ def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved:
     stage with layers pays whole), plus the saved tensors, inputs and outputs of the micro-batches
     it holds in flight meanwhile."""
     share = stage.saved_bytes / total_saved if total_saved else 0.0
-    waiting = (stage.in_flight - 1) * round(whole.saved * share) + stage.in_flight_bytes
+    waiting = round((stage.in_flight - 1) * round(whole.saved * share)) + stage.in_flight_bytes
     recompute = whole.recompute_peak if stage.saved_bytes else 0
 
     def scaled(x: int) -> int:
@@ -205,3 +205,33 @@ def bubble_fraction(pp: int, micro_batches: int) -> float:
     """Idle time of the pipeline relative to its useful work: ``(pp - 1) / micro-batches``
     (GPipe / Megatron-LM's bubble; 1F1B has the same bubble, with less memory)."""
     return (pp - 1) / micro_batches if micro_batches else float("inf")
+
+
+def rank_stages(stages: list[PipelineStage], layers: list[PipelineLayer], *, schedule, pp: int, virtual: int,
+                micro_batches: int) -> list[PipelineStage]:
+    """Each pipeline rank's stages as one (torch's schedules, where a rank runs
+    ``pp_virtual_stages`` of the ``pp * pp_virtual_stages`` stages,
+    :func:`orch.plans.parallel.schedules.stages_of_rank`).
+
+    A rank holds the activations of :func:`orch.plans.parallel.schedules.micro_batches_in_flight`
+    micro-batches through all its layers, and each in-flight micro-batch's outputs (what its
+    stages send on) until their backward. torch's ``PipelineStage`` allocates, once, a receive
+    buffer per micro-batch for each input it receives and for each output's gradient
+    (``_prepare_forward_infra`` / ``_prepare_backward_infra``): those are its buffers.
+    """
+    from orch.plans.parallel.schedules import micro_batches_in_flight, stages_of_rank
+
+    last = len(stages) - 1
+    ranks = []
+    for rank in range(pp):
+        mine = [stages[s] for s in stages_of_rank(rank, pp, virtual, schedule)]
+        received = sum(layers[s.start - 1].output_bytes for s in mine if 0 < s.start <= len(layers))
+        sent = sum(layers[s.stop - 1].output_bytes for s in mine if s.index < last and s.stop > s.start)
+        held = micro_batches_in_flight(schedule, pp, virtual, micro_batches, rank)  # an average: may be fractional
+        ranks.append(PipelineStage(
+            index=rank, start=min(s.start for s in mine), stop=max(s.stop for s in mine),
+            layers=[name for s in mine for name in s.layers], params=sum(s.params for s in mine),
+            trainable=sum(s.trainable for s in mine), largest_param=max(s.largest_param for s in mine),
+            saved_bytes=sum(s.saved_bytes for s in mine), in_flight=held,
+            buffer_bytes=micro_batches * (received + sent), in_flight_bytes=round(held * sent)))
+    return ranks

@@ -49,6 +49,16 @@ def rank_of_stage(stage: int, pp: int, virtual: int, schedule: PipelineSchedule)
     return next(r for r in range(pp) if stage in stages_of_rank(r, pp, virtual, schedule))
 
 
+def torch_schedule_violations(schedule: PipelineSchedule | str, *, pp: int, micro_batches: int) -> list[Violation]:
+    """What torch's schedule objects refuse at construction: ``Schedule1F1B`` fewer micro-batches
+    than stages (DeepSpeed's 1F1B runs them, most stages idle)."""
+    if pp > 1 and schedule_of(schedule) is PipelineSchedule.one_f_one_b and micro_batches < pp:
+        return [Violation("plan.grad_accum_steps", micro_batches,
+                          f"torch's 1f1b schedule needs at least as many micro-batches per step as stages (pp={pp}).",
+                          f"set plan.grad_accum_steps={pp} or more")]
+    return []
+
+
 def schedule_violations(schedule: PipelineSchedule | str, *, pp: int, virtual: int, micro_batches: int,
                         layers: int | None = None) -> list[Violation]:
     """What ``plan.pp_schedule``, ``plan.pp_virtual_stages`` and the micro-batches of a step
@@ -82,12 +92,6 @@ def schedule_violations(schedule: PipelineSchedule | str, *, pp: int, virtual: i
                                f"{virtual} stages per rank"))
     if found:
         return found
-    if kind is PipelineSchedule.one_f_one_b and micro_batches < pp:
-        # torch's Schedule1F1B refuses it; DeepSpeed's runs it, with most stages idle.
-        found.append(Violation("plan.grad_accum_steps", micro_batches,
-                               f"the 1f1b schedule needs at least as many micro-batches per step as stages "
-                               f"(pp={pp}).",
-                               f"set plan.grad_accum_steps={pp} or more"))
     if kind in (PipelineSchedule.interleaved_1f1b, PipelineSchedule.zero_bubble):
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds:

@@ -41,6 +41,7 @@ from orch.plans.spec import (
     FSDPSpec,
     Offload,
     OptimSpec,
+    PipelineSchedule,
     PlanSpec,
     Precision,
     Recompute,
@@ -73,6 +74,9 @@ class SearchSpace:
     """FSDP2's ``plan.fsdp.reshard_after_forward`` values to try."""
     compile: tuple[bool, ...] = (False,)
     """``plan.compile`` values to try (true only with engines that compile)."""
+    pp_schedules: tuple[tuple[PipelineSchedule, int], ...] = ((PipelineSchedule.one_f_one_b, 1),)
+    """(``plan.pp_schedule``, ``plan.pp_virtual_stages``) pairs to try with pp > 1, each with the
+    engines that run the schedule."""
 
     def plans(self) -> Iterator[PlanSpec]:
         """Every candidate, offload combinations limited to what each engine can express (ZeRO:
@@ -86,13 +90,22 @@ class SearchSpace:
                     accum = self.global_batch_size // (micro * dp)
                     for engine, stage, fsdp in self._engine_settings(pp):
                         for off_opt, off_param in self._offloads(engine, stage):
-                            for ckpt, compiled in itertools.product(self.activation_checkpointing,
-                                                                    self._compiles(engine)):
+                            for ckpt, compiled, (schedule, virtual) in itertools.product(
+                                    self.activation_checkpointing, self._compiles(engine),
+                                    self._schedules(engine, pp)):
                                 yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp,
                                                zero_stage=stage, offload_optimizer=off_opt,
                                                offload_param=off_param, activation_checkpointing=ckpt,
                                                micro_batch_size=micro, grad_accum_steps=accum,
-                                               precision=self.precision, compile=compiled)
+                                               precision=self.precision, compile=compiled,
+                                               pp_schedule=schedule.value, pp_virtual_stages=virtual)
+
+    def _schedules(self, engine: str, pp: int) -> list[tuple[PipelineSchedule, int]]:
+        """(schedule, stages per rank) pairs to try with ``engine`` at ``pp``: the default alone
+        without a pipeline, else those of :attr:`pp_schedules` the engine runs."""
+        runs = engine_spec(engine).pipeline_schedules
+        found = [(s, v) for s, v in self.pp_schedules if s.value in runs] if pp > 1 else []
+        return found or [(PipelineSchedule.one_f_one_b, 1)]
 
     def _compiles(self, engine: str) -> tuple[bool, ...]:
         """``plan.compile`` values to try with ``engine``: false only where it does not compile."""
@@ -197,9 +210,9 @@ class BatchScaledProbe(ModelProbe):
         # Stage boundaries depend on the layers' parameters only, and DeepSpeed's balanced
         # partition takes a quarter of a second for a 96-layer model: partition once per
         # (pp, method, engine), then scale the saved bytes and set the micro-batches in flight per plan.
-        base = self._stage_layout(plan.precision, plan.pp, plan.pp_partition, plan.engine)
+        base = self._stage_layout(plan.precision, plan.pipeline_stages, plan.pp_partition, plan.engine)
         return [dataclasses.replace(stage, saved_bytes=stage.saved_bytes * plan.micro_batch_size,
-                                    in_flight=min(plan.pp - stage.index, plan.grad_accum_steps))
+                                    in_flight=min(plan.pipeline_stages - stage.index, plan.grad_accum_steps))
                 for stage in base]
 
     @functools.cache  # noqa: B019 - one probe per tuning, kept alive by it anyway
@@ -242,7 +255,8 @@ def plan_layout(plan: ResolvedPlan) -> tuple:
     the data-parallel ranks share state; two engines are two layouts, since the cost model's error
     differs between their implementations more than between their stages."""
     return (plan.engine, plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.grad_accum_steps,
-            plan.activation_checkpointing, plan.offload_optimizer, plan.offload_param, plan.compile)
+            plan.activation_checkpointing, plan.offload_optimizer, plan.offload_param, plan.compile,
+            plan.pp_schedule, plan.pp_virtual_stages)
 
 
 def trial_candidates(ranked: list[Candidate], n: int) -> list[Candidate]:
@@ -327,5 +341,7 @@ def search(space: SearchSpace, ctx: SearchContext) -> SearchResult:
 def plan_spec(plan: ResolvedPlan) -> PlanSpec:
     """The declarable plan (``orch/conf/plan/*.yaml``, ``orch train`` overrides) of a resolved one."""
     resolved = {f.name for f in dataclasses.fields(plan)}
-    return PlanSpec(**{f.name: copy.copy(getattr(plan, f.name)) for f in dataclasses.fields(PlanSpec)
+    spec = PlanSpec(**{f.name: copy.copy(getattr(plan, f.name)) for f in dataclasses.fields(PlanSpec)
                        if f.name in resolved})
+    spec.pp_schedule = plan.pp_schedule.value  # declared as its name
+    return spec

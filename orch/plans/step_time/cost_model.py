@@ -27,7 +27,10 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
   transfers of DeepSpeed's pipeline engine), on devices of their own. Workers that time-share a
   CPU node's cores (``Speeds.core_share`` < 1) lose less: a stage idle in the fill or drain gives
   its cores to the busy ones, and cores sit idle only while fewer stages are busy than the cores
-  can serve (:func:`bubble_micro_batches`).
+  can serve (:func:`bubble_micro_batches`). The other schedules of the fsdp2 engine idle their
+  share of that (:func:`schedule_share`; :mod:`orch.plans.parallel.schedules` gives each schedule's
+  bubble and where it comes from), and an interleaved one sends every micro-batch across all
+  ``pp * pp_virtual_stages`` stage boundaries.
 - **tensor parallelism**: one all-reduce of a row-parallel layer's output in forward and one of a
   column-parallel layer's input gradient in backward (DeepSpeed AutoTP's ``RowParallel`` /
   ``ColumnParallel``), again in the recomputed forward; sizes read off the model on ``meta``.
@@ -562,6 +565,18 @@ def bubble_micro_batches(pp: int, core_share: float) -> float:
     return 2 * sum(max(0.0, core_share - k / pp) for k in range(1, pp))
 
 
+def schedule_share(plan: ResolvedPlan) -> float:
+    """The plan's pipeline bubble as a share of 1F1B's (1 for gpipe and 1f1b)."""
+    from orch.plans.parallel.schedules import BackwardSplit
+    from orch.plans.parallel.schedules import bubble_micro_batches as schedule_bubble
+
+    if plan.pp <= 1:
+        return 1.0
+    split = BackwardSplit.of_matmuls(1.0 if plan.activation_checkpointing == Recompute.full else 0.0)
+    return schedule_bubble(plan.pp_schedule, plan.pp, plan.pp_virtual_stages, split) / (
+        (plan.pp - 1) * (split.forward + split.inputs + split.weights))
+
+
 def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devices_per_node: int,
                  optim: OptimSpec) -> StepTime:
     """Seconds of one optimizer step of ``plan`` on the slowest device (see the module docstring)."""
@@ -626,11 +641,15 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     compute_s = m * per_micro_s
     memory_s = m * memory_per_micro_s
     tp_comm_s = m * tp_per_micro_s
-    pp_comm_s = m * pp_per_micro_s
+    # An interleaved schedule sends each micro-batch across every one of its pp * v stage boundaries.
+    pp_comm_s = m * pp_per_micro_s * (plan.pp_virtual_stages if pp > 1 else 1)
     # 1F1B: in the fill and the drain a stage waits for whole micro-batch times of the stages
-    # before and after it, each its compute, memory-bound kernels, all-reduces and transfers.
-    bubble_s = bubble_micro_batches(pp, speeds.core_share) * (per_micro_s + memory_per_micro_s + tp_per_micro_s
-                                                              + pp_per_micro_s)
+    # before and after it, each its compute, memory-bound kernels, all-reduces and transfers. The
+    # other schedules shorten the fill and drain by their share of 1F1B's (p - 1) micro-batches
+    # (orch.plans.parallel.schedules: 1/v interleaved; the weights' backward moved into it for the
+    # zero-bubble ones, F = B = W for matmuls, full recomputation adding a forward to B).
+    bubble_s = bubble_micro_batches(pp, speeds.core_share) * schedule_share(plan) * (
+        per_micro_s + memory_per_micro_s + tp_per_micro_s + pp_per_micro_s)
 
     # Parameters of this device: its tensor-parallel shard of its stage's layers.
     params = model.tp_param_count.get(tp, model.param_count / tp) / pp

@@ -426,7 +426,10 @@ def train_step(pipeline: Pipeline, batches: Iterator[Any], micro: int, to_device
     drawn = draw(batches, micro, to_device)
     losses: list[torch.Tensor] = []
     pipeline.schedule.step(arg_mbs=[(stage_input(b),) for b in drawn],
-                           target_mbs=[stage_target(b) for b in drawn], losses=losses)
+                           target_mbs=[stage_target(b) for b in drawn], losses=losses,
+                           # The last stage would keep every micro-batch's output (the logits) to
+                           # return them merged: nothing here reads them.
+                           return_outputs=False)
     sync_tied_gradients(pipeline.stages, pipeline.tied)
     return _mean_loss(pipeline, losses)
 

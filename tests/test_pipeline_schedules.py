@@ -1,0 +1,155 @@
+"""Pipeline schedules as arithmetic and as plan rules, and a pipelined model's names: pure, no
+process group (the schedules running in Ray actors are tests/test_pipeline_e2e.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orch.plans.errors import PlanError
+from orch.plans.parallel.schedules import (
+    BackwardSplit,
+    bubble_micro_batches,
+    micro_batches_in_flight,
+    rank_of_stage,
+    schedule_violations,
+    stages_of_rank,
+)
+from orch.plans.resolve import resolve_plan
+from orch.plans.spec import ClusterSpec, FSDPSpec, PipelineSchedule, PlanSpec, TrainSpec
+
+S = PipelineSchedule
+
+
+def test_looped_and_v_shaped_stage_placement():
+    assert [stages_of_rank(r, 4, 2, S.interleaved_1f1b) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [stages_of_rank(r, 4, 2, S.zbv) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [stages_of_rank(r, 2, 1, S.one_f_one_b) for r in range(2)] == [[0], [1]]
+    for schedule, v in ((S.zero_bubble, 3), (S.zbv, 2), (S.gpipe, 1)):
+        for stage in range(4 * v):
+            assert stage in stages_of_rank(rank_of_stage(stage, 4, v, schedule), 4, v, schedule)
+
+
+@pytest.mark.parametrize(("schedule", "virtual", "micro", "field", "words"), [
+    ("zbv", 1, 4, "plan.pp_virtual_stages", "exactly two stages per rank"),
+    ("zbv", 3, 4, "plan.pp_virtual_stages", "exactly two stages per rank"),
+    ("interleaved_1f1b", 1, 4, "plan.pp_virtual_stages", "interleaves several stages"),
+    ("1f1b", 2, 4, "plan.pp_virtual_stages", "one stage per rank"),
+    ("zero_bubble", 2, 5, "plan.grad_accum_steps", "not a multiple of its 2 rounds"),
+    ("bogus", 1, 4, "plan.pp_schedule", "is not a pipeline schedule"),
+])
+def test_schedule_rules_name_the_field_and_the_fix(schedule, virtual, micro, field, words):
+    found = schedule_violations(schedule, pp=2, virtual=virtual, micro_batches=micro)
+    assert [v.field for v in found] == [field]
+    assert words in found[0].message and found[0].fix
+
+
+def test_schedules_are_not_read_without_a_pipeline_and_interleaving_needs_layers():
+    assert schedule_violations("zbv", pp=1, virtual=1, micro_batches=1) == []
+    assert schedule_violations("interleaved_1f1b", pp=2, virtual=2, micro_batches=3) == []
+    found = schedule_violations("interleaved_1f1b", pp=4, virtual=2, micro_batches=8, layers=6)
+    assert [v.field for v in found] == ["plan.pp_virtual_stages"] and "8 stages" in found[0].message
+
+
+def test_bubbles_follow_the_papers():
+    """1F1B idles p - 1 micro-batches; interleaving divides that by v; zero bubble moves the
+    weights' backward into it (F = B = W: a third left, over v); ZB-V leaves none."""
+    assert bubble_micro_batches(S.one_f_one_b, 4, 1) == pytest.approx(3)
+    assert bubble_micro_batches(S.gpipe, 4, 1) == pytest.approx(3)
+    assert bubble_micro_batches(S.interleaved_1f1b, 4, 2) == pytest.approx(1.5)
+    assert bubble_micro_batches(S.zero_bubble, 4, 2) == pytest.approx(0.5)
+    assert bubble_micro_batches(S.zbv, 4, 2) == pytest.approx(0.0)
+    # A recomputed forward lengthens B: ZB-V then idles (F + B - 2W) = 1/4 of a micro-batch per fill.
+    assert bubble_micro_batches(S.zbv, 4, 2, BackwardSplit.of_matmuls(1.0)) == pytest.approx(3 * 0.25 / 2)
+    assert bubble_micro_batches(S.one_f_one_b, 1, 1) == 0
+
+
+def test_micro_batches_held_per_schedule():
+    """GPipe holds the step's every micro-batch, 1F1B pp - r, interleaved 1F1B Megatron-LM's
+    p + (p - 1 - 2r) / v, ZB-V what 1F1B's first rank holds."""
+    assert micro_batches_in_flight(S.gpipe, 4, 1, 16) == 16
+    assert [micro_batches_in_flight(S.one_f_one_b, 4, 1, 16, r) for r in range(4)] == [4, 3, 2, 1]
+    assert micro_batches_in_flight(S.interleaved_1f1b, 4, 2, 16, 0) == pytest.approx(4 + 3 / 2)
+    assert micro_batches_in_flight(S.zbv, 4, 2, 16, 3) == 4
+    assert micro_batches_in_flight(S.gpipe, 4, 1, 2) == 2
+
+
+def _resolve(**plan) -> object:
+    return resolve_plan(PlanSpec(**plan), ClusterSpec(nodes=1, devices_per_node=4), TrainSpec())
+
+
+def test_engines_refuse_the_schedules_they_do_not_run():
+    with pytest.raises(PlanError) as raised:
+        _resolve(engine="deepspeed", pp=2, pp_schedule="zbv", pp_virtual_stages=2, grad_accum_steps=4)
+    assert [v.field for v in raised.value.violations] == ["plan.pp_schedule"]
+    assert "plan.engine=fsdp2" in raised.value.violations[0].fix
+    with pytest.raises(PlanError) as raised:
+        _resolve(engine="fsdp2", pp=2, pp_schedule="zbv", pp_virtual_stages=2, grad_accum_steps=4)
+    assert [v.field for v in raised.value.violations] == ["plan.fsdp.reshard_after_forward"]
+    with pytest.raises(PlanError) as raised:
+        _resolve(engine="fsdp2", pp=2, grad_accum_steps=1)
+    assert [v.field for v in raised.value.violations] == ["plan.grad_accum_steps"]
+    # DeepSpeed's own 1F1B runs fewer micro-batches than stages.
+    assert _resolve(engine="deepspeed", pp=2, grad_accum_steps=1).pp == 2
+
+
+def test_a_resolved_pipeline_plan_says_its_schedule():
+    plan = _resolve(engine="fsdp2", pp=2, pp_schedule="zbv", pp_virtual_stages=2, grad_accum_steps=4,
+                    fsdp=FSDPSpec(reshard_after_forward=False))
+    assert plan.pp_schedule is S.zbv and plan.pipeline_stages == 4
+    assert "pp_schedule=zbv pp_virtual_stages=2" in plan.layout_text()
+    assert plan.as_dict()["pp_schedule"] == "zbv"
+    assert "pp_schedule" not in _resolve(engine="fsdp2", pp=2, grad_accum_steps=2).layout_text()
+
+
+def _whole_names(specs, layout) -> tuple[set[str], list]:
+    from orch.launchers.engines.fsdp2.pipeline import Stages, StateNames
+
+    torch.manual_seed(0)
+    names, ranks = set(), []
+    for rank in range(layout.pp):
+        stages = Stages(specs, layout, rank)
+        state = stages.state_dict()
+        saved = StateNames(stages).to_save(state)
+        names |= set(saved)
+        ranks.append((stages, state, saved))
+    return names, ranks
+
+
+@pytest.mark.parametrize("schedule", [S.one_f_one_b, S.interleaved_1f1b, S.zbv])
+def test_pipeline_stages_save_under_the_whole_gpts_names(schedule):
+    """Every stage's state, renamed, is the unpipelined GPT's state dict: together the ranks
+    save every name of it, each once (the head's copy of the tied embedding is left out), so a
+    checkpoint resumes at any pp."""
+    from orch.launchers.engines.fsdp2.pipeline import Cut, StateNames
+    from orch.workloads.gpt import GPT
+
+    specs = GPT.pipeline_layers(n_layer=4, d_model=32, n_head=2, seq_len=16, vocab_size=64)
+    virtual = 1 if schedule is S.one_f_one_b else 2
+    bounds = [0, 2, 7] if virtual == 1 else [0, 2, 3, 4, 7]
+    names, ranks = _whole_names(specs, Cut(bounds=bounds, schedule=schedule, pp=2, virtual=virtual))
+    whole = set(GPT(n_layer=4, d_model=32, n_head=2, seq_len=16, vocab_size=64).state_dict())
+    assert names == whole
+    assert sum(len(saved) for _, _, saved in ranks) == len(whole)
+    # Loading: a rank holding the head's copy fills it from the embedding's saved name.
+    holder = next(stages for stages, _, _ in ranks if any(k.endswith("wte.weight") for k in StateNames(stages)
+                                                          .to_load(stages.state_dict())))
+    loaded = StateNames(holder).to_load(holder.state_dict())
+    assert "embed.wte.weight" in loaded
+    back = StateNames(holder).loaded(list(holder.state_dict()), loaded)
+    copies = [key for key in back if key.endswith("wte.weight")]
+    assert copies and all(back[key] is loaded["embed.wte.weight"] for key in copies)
+
+
+def test_pipeline_stages_of_a_hugging_face_decoder_save_under_its_names():
+    from orch.launchers.engines.fsdp2.pipeline import Cut
+    from orch.workloads.hf import hf_causal_lm
+    from orch.workloads.hf_pipeline import pipeline_layers
+
+    config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 32,
+              "tie_word_embeddings": True}
+    torch.manual_seed(0)
+    specs = pipeline_layers(config=config)
+    names, _ = _whole_names(specs, Cut(bounds=[0, 2, 5], schedule=S.one_f_one_b, pp=2, virtual=1))
+    assert names == set(hf_causal_lm(config=config).state_dict())
