@@ -344,10 +344,18 @@ def test_check_an_fsdp2_plan_names_its_parts_and_engine(tmp_path):
                  "reduce-scatter input, one block (fp32)", "sharded gradients (fp32)", "FSDP2 buffers"):
         assert part in out, part
     assert "verdict  FITS with fsdp2:" in out
-    refused = orch("check", "plan.engine=fsdp2", "plan.pp=2", cwd=tmp_path)
+    # Pipeline stages under torch's schedules: the zero-bubble ones keep the gathered parameters.
+    zbv = ("plan.engine=fsdp2", "plan.pp=2", "plan.pp_schedule=zbv", "plan.pp_virtual_stages=2",
+           "plan.grad_accum_steps=4", "model.n_layer=4")
+    refused = orch("check", *zbv, cwd=tmp_path)
     assert refused.returncode == 2
-    assert "plan.pp=2: pipeline plans are DeepSpeed's" in refused.stderr
-    assert "Fix: set plan.engine=deepspeed or plan.pp=1" in refused.stderr
+    assert "plan.fsdp.reshard_after_forward=True: the zbv schedule" in refused.stderr
+    assert "Fix: set plan.fsdp.reshard_after_forward=false" in refused.stderr
+    piped = orch("check", *zbv, "plan.fsdp.reshard_after_forward=false", cwd=tmp_path)
+    assert piped.returncode == 0, piped.stderr
+    assert "pp=2 pp_schedule=zbv pp_virtual_stages=2" in piped.stdout
+    # Rank 0 runs the first and the last stage (the V): the embedding, its tied copy in the head.
+    assert "stage 0: layers 0-6 (Embedding, Block x 2, LayerNorm, Embedding)" in piped.stdout
     # The built-in GPT's fused qkv cannot be split by DTensor's styles: refused before any worker.
     fused = orch("check", "plan.engine=fsdp2", "plan.tp=2", cwd=tmp_path)
     assert fused.returncode == 2

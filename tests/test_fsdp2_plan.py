@@ -44,11 +44,11 @@ def refusal(plan: PlanSpec, cluster: ClusterSpec | None = None) -> PlanError:
 # --- validation ----------------------------------------------------------------------------------
 
 def test_fsdp2_refuses_every_deepspeed_only_setting_at_once_naming_field_and_fix():
-    error = refusal(PlanSpec(engine=FSDP2, pp=2, zero_stage=3, offload_param=Offload.cpu))
-    assert [v.field for v in error.violations] == ["plan.pp", "plan.zero_stage", "plan.offload_param"]
-    pp, stage, offload = error.violations
-    assert pp.message.startswith("pipeline plans are DeepSpeed's")
-    assert pp.fix == "set plan.engine=deepspeed or plan.pp=1"
+    error = refusal(PlanSpec(engine=FSDP2, pp=2, grad_accum_steps=2, zero_stage=3, offload_param=Offload.cpu,
+                             pp_partition="bogus"))
+    assert [v.field for v in error.violations] == ["plan.pp_partition", "plan.zero_stage", "plan.offload_param"]
+    partition, stage, offload = error.violations
+    assert partition.fix.startswith("set plan.pp_partition to parameters, uniform or type:REGEX")
     assert "always shards parameters, gradients and optimizer states" in stage.message
     assert "plan.zero_stage at its default (0)" in stage.fix
     assert "(plan.offload_optimizer=none)" in offload.message
@@ -282,21 +282,30 @@ def test_prediction_picks_the_engine_and_credits_prefetch_on_gpus():
 
 # --- the tuner's search space --------------------------------------------------------------------
 
-def test_the_search_space_adds_fsdp2_without_pipelines_or_zero_stages():
+def test_the_search_space_adds_fsdp2_with_its_schedules_and_without_zero_stages():
+    from orch.plans.spec import PipelineSchedule
+
+    schedules = ((PipelineSchedule.one_f_one_b, 1), (PipelineSchedule.zbv, 2))
     space = SearchSpace(world_size=4, global_batch_size=8, tp=(1,), pp=(1, 2), zero_stages=(0, 1, 2, 3),
-                        engines=("deepspeed", FSDP2), micro_batch_sizes=(2,))
+                        engines=("deepspeed", FSDP2), micro_batch_sizes=(2,), pp_schedules=schedules)
     plans = list(space.plans())
     fsdp = [p for p in plans if p.engine == FSDP2]
     deepspeed = [p for p in plans if p.engine == "deepspeed"]
-    assert deepspeed == list(dataclasses.replace(space, engines=("deepspeed",)).plans())
-    assert {p.pp for p in fsdp} == {1} and {p.zero_stage for p in fsdp} == {0}
+    # DeepSpeed runs 1f1b only: its plans are those of a space without other schedules.
+    assert deepspeed == list(dataclasses.replace(space, engines=("deepspeed",), pp_schedules=schedules[:1]).plans())
+    assert {p.pp for p in fsdp} == {1, 2} and {p.zero_stage for p in fsdp} == {0}
     assert {(p.offload_optimizer, p.offload_param) for p in fsdp} == {(Offload.none, Offload.none),
                                                                       (Offload.cpu, Offload.cpu)}
     assert {p.fsdp.reshard_after_forward for p in fsdp} == {True, False}
-    # reshard x offload x recomputation (none, selective, full) at the one layout without pipelines.
-    assert len(fsdp) == 2 * 2 * 3
+    # reshard x offload x recomputation (none, selective, full), at pp=1 and, with both schedules, at pp=2.
+    assert len([p for p in fsdp if p.pp == 1]) == 2 * 2 * 3
+    assert {(p.pp_schedule, p.pp_virtual_stages) for p in fsdp if p.pp == 2} == {("1f1b", 1), ("zbv", 2)}
+    assert len([p for p in fsdp if p.pp == 2]) == 2 * 2 * 3 * 2
     for spec in fsdp:
-        resolve_plan(spec, ClusterSpec(devices_per_node=4), TrainSpec(global_batch_size=8))
+        if spec.pp == 1 or spec.pp_schedule == "1f1b" or not spec.fsdp.reshard_after_forward:
+            resolve_plan(spec, ClusterSpec(devices_per_node=4), TrainSpec(global_batch_size=8))
+        else:  # the zero-bubble schedules keep the gathered parameters: the tuner counts why not
+            assert engine_spec(FSDP2).rejection(spec) == "a zero-bubble schedule with resharding after forward"
 
 
 def test_an_unknown_engine_in_the_search_space_is_refused_before_anything_runs():
