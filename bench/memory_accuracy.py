@@ -246,7 +246,8 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", type=Path, help="also write the table here")
-    parser.add_argument("--plans", choices=("all", "parallel", "workloads", "fsdp2", "recompute", "pipeline"), default="all",
+    parser.add_argument("--plans", choices=("all", "parallel", "workloads", "fsdp2", "recompute", "pipeline"),
+                        default="all",
                         help="all plans, only the tensor- and pipeline-parallel ones, only the experiments', "
                              "only the FSDP2 engine's, only selective recomputation's, or only the FSDP2 "
                              "engine's pipeline schedules")
