@@ -62,12 +62,16 @@ def test_the_gpt_describes_its_layers_with_the_embedding_and_the_tied_head_shari
     assert first.kwargs == head.kwargs == {"init_seed": layer_seed(3, 0)}
     assert layers[2].args == (32, 2) and layers[2].kwargs["init_seed"] == layer_seed(3, 2)
     assert [layer.tie for layer in layers[1:-1]] == [None] * 3
+    # Where each layer's state sits in the whole GPT (the fsdp2 pipeline saves under those names).
+    assert [dict(layer.names) for layer in layers] == [{"": "embed."}, {"": "blocks.0."}, {"": "blocks.1."},
+                                                       {"": "ln_f."}, {"": "embed."}]
 
 
 def test_an_untied_gpt_head_is_a_layer_of_its_own():
     torch.manual_seed(3)
     head = GPT.pipeline_layers(**SMALL, tie_embeddings=False)[-1]
-    assert head == StageLayer(module=LMHead, args=(32, 256), kwargs={"init_seed": layer_seed(3, 4)})
+    assert head == StageLayer(module=LMHead, args=(32, 256), kwargs={"init_seed": layer_seed(3, 4)},
+                              names={"": "lm_head."})
 
 
 def test_deepspeed_gets_its_own_specs_with_the_same_classes_arguments_and_tie_keys():

@@ -207,7 +207,7 @@ def _layout_text(plan: ResolvedPlan) -> str:
     """The plan but its engine, compact: the engine's own settings and offload as its spec says them."""
     spec = engine_spec(plan.engine)
     pipeline = ""
-    if plan.pp > 1:
+    if plan.pp > 1 and (plan.pp_schedule.value != "1f1b" or plan.pp_virtual_stages > 1):
         pipeline = plan.pp_schedule.value + (f"/v{plan.pp_virtual_stages}" if plan.pp_virtual_stages > 1 else "") + " "
     return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} {pipeline}{spec.short_settings(plan)} "
             f"offload={spec.short_offload(plan)} "
