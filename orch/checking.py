@@ -344,14 +344,20 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = (), 
     if estimate.engine_detail is not None:
         lines += estimate.engine_detail.report_lines(d.phase, _fmt)
     if estimate.pipeline:
-        lines += ["", f"pipeline stages ({p.pp_partition} partition; {p.grad_accum_steps} micro-batches per step)"]
+        schedule = p.pp_schedule.value + (f", {p.pp_virtual_stages} stages per rank" if p.pp_virtual_stages > 1
+                                          else "")
+        per_rank = len(estimate.pipeline) < p.pipeline_stages  # several stages per rank: one row per rank
+        lines += ["", f"pipeline {'ranks' if per_rank else 'stages'} ({p.pp_partition} partition; {schedule} "
+                      f"schedule; {p.grad_accum_steps} micro-batches per step)"]
         for stage, memory in zip(estimate.pipeline, estimate.stages, strict=True):
             names = _layer_names(stage.layers)
-            lines.append(f"  stage {stage.index}: layers {stage.start}-{stage.stop - 1} ({names}), "
+            lines.append(f"  {'rank' if per_rank else 'stage'} {stage.index}: layers {stage.start}-{stage.stop - 1} "
+                         f"({names}), "
                          f"{stage.params:,} params, {stage.in_flight:g} micro-batch(es) in flight, "
                          f"peak {_fmt(memory.total).strip()}")
         bubble = estimate.bubble
-        lines.append(f"  bubble (pp-1)/micro-batches = {bubble:.0%} of the compute time idle"
+        lines.append(f"  bubble {'(pp-1)' if schedule == '1f1b' else '(' + schedule + ' schedule)'}/micro-batches = "
+                     f"{bubble:.0%} of the compute time idle"
                      + (f"; raise plan.grad_accum_steps (>= {4 * p.pp} keeps it under 25%)" if bubble > 0.25 else ""))
     lines += ["", "host memory per node",
               f"  {'offloaded states':<20}{_fmt(h.offloaded)}"]

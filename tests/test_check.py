@@ -355,7 +355,8 @@ def test_check_an_fsdp2_plan_names_its_parts_and_engine(tmp_path):
     assert piped.returncode == 0, piped.stderr
     assert "pp=2 pp_schedule=zbv pp_virtual_stages=2" in piped.stdout
     # Rank 0 runs the first and the last stage (the V): the embedding, its tied copy in the head.
-    assert "stage 0: layers 0-6 (Embedding, Block x 2, LayerNorm, Embedding)" in piped.stdout
+    assert "pipeline ranks (parameters partition; zbv, 2 stages per rank schedule;" in piped.stdout
+    assert "rank 0: layers 0-6 (Embedding, Block x 2, LayerNorm, Embedding)" in piped.stdout
     # The built-in GPT's fused qkv cannot be split by DTensor's styles: refused before any worker.
     fused = orch("check", "plan.engine=fsdp2", "plan.tp=2", cwd=tmp_path)
     assert fused.returncode == 2
