@@ -58,13 +58,13 @@ class SlowRankTokens(torch.utils.data.Dataset):
 
 
 class SlowRankGPT(GPT):
-    """Rank 1 takes 0.1 s longer for every forward pass (a slow device): a straggler, which its peers
+    """Rank 1 takes 0.2 s longer for every forward pass (a slow device): a straggler, which its peers
     wait for at the gradient reduction. With :class:`SlowRankTokens` as its data, only once the slow
     draws are over: first the data path is slow, then the device."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.device.type != "meta" and os.environ.get("RANK") == "1" and SLOW_SAMPLES_LEFT == 0:
-            time.sleep(0.1)
+            time.sleep(0.2)
         return super().forward(input_ids)
 
 

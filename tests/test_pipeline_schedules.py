@@ -103,7 +103,7 @@ def test_a_resolved_pipeline_plan_says_its_schedule():
 
 
 def _whole_names(specs, layout) -> tuple[set[str], list]:
-    from orch.launchers.engines.fsdp2.pipeline import Stages, StateNames
+    from orch.launchers.engines.fsdp2.pipeline_stages import Stages, StateNames
 
     torch.manual_seed(0)
     names, ranks = set(), []
@@ -121,7 +121,7 @@ def test_pipeline_stages_save_under_the_whole_gpts_names(schedule):
     """Every stage's state, renamed, is the unpipelined GPT's state dict: together the ranks
     save every name of it, each once (the head's copy of the tied embedding is left out), so a
     checkpoint resumes at any pp."""
-    from orch.launchers.engines.fsdp2.pipeline import Cut, StateNames
+    from orch.launchers.engines.fsdp2.pipeline_stages import Cut, StateNames
     from orch.workloads.gpt import GPT
 
     specs = GPT.pipeline_layers(n_layer=4, d_model=32, n_head=2, seq_len=16, vocab_size=64)
@@ -142,7 +142,7 @@ def test_pipeline_stages_save_under_the_whole_gpts_names(schedule):
 
 
 def test_pipeline_stages_of_a_hugging_face_decoder_save_under_its_names():
-    from orch.launchers.engines.fsdp2.pipeline import Cut
+    from orch.launchers.engines.fsdp2.pipeline_stages import Cut
     from orch.workloads.hf import hf_causal_lm
     from orch.workloads.hf_pipeline import pipeline_layers
 

@@ -59,15 +59,15 @@ def test_training_matrix(local_ray, sqlite_uri, overrides):
 
 
 def assert_the_straggler_is_named(result, sqlite_uri: str) -> None:
-    """Rank 1 draws each of its first 100 samples (25 steps) 0.05 s slower, then its forward is 0.1 s
+    """Rank 1 draws each of its first 100 samples (25 steps) 0.05 s slower, then its forward is 0.2 s
     slower: named twice, first waiting for its data, then in its forward (never rank 0, which waits
-    for it in the backward), with every rank's phases tracked. (The data's delay is the larger: on a
+    for it in the backward), with every rank's phases tracked. (Both delays are 0.2 s a step: on a
     machine another test shares, the ranks' median step grows and a smaller excess falls under the
-    threshold's share of it.)"""
+    threshold's share of it, as a 0.1 s forward did beside the 4-worker pipeline tests.)"""
     data, compute = result.stragglers
-    # Over the median of two ranks, their mean: half of the 0.1 s rank 1 loses per step.
+    # Over the median of two ranks, their mean: half of the 0.2 s rank 1 loses per step.
     assert (data.rank, data.phase) == (1, "data_wait") and data.excess_s > 0.07, data
-    assert (compute.rank, compute.phase) == (1, "forward") and compute.excess_s > 0.035, compute
+    assert (compute.rank, compute.phase) == (1, "forward") and compute.excess_s > 0.07, compute
     # Three reports in a row (every 5 steps): the first may still be warming up either rank, and on a
     # machine another test shares (the slow tier runs two files at once) the second too.
     assert data.first_step in (5, 10, 15) and data.last_step == data.first_step + 10, data

@@ -269,7 +269,7 @@ class FSDP2Engine(Engine):
 
     def _state(self) -> dict[str, Any]:
         """What is saved: the state under the whole model's names (a pipeline stage's renamed,
-        :class:`orch.launchers.engines.fsdp2.pipeline.StateNames`)."""
+        :class:`orch.launchers.engines.fsdp2.pipeline_stages.StateNames`)."""
         state = self._own_state()
         if self.pipeline is not None:
             state = {part: self.pipeline.names.to_save(values) for part, values in state.items()}
