@@ -77,11 +77,7 @@ class DeepSpeedSpec(EngineSpec):
                                f"(plan.pp={plan.pp}): it partitions gradients itself, stage by stage.",
                                f"set plan.zero_stage={max(PP_ZERO_STAGES)}, or plan.pp=1 to keep "
                                f"ZeRO-{plan.zero_stage}"))
-        if plan.pp_partition not in PP_PARTITIONS and not (plan.pp_partition.startswith("type:")
-                                                            and len(plan.pp_partition) > len("type:")):
-            v.append(Violation("plan.pp_partition", plan.pp_partition,
-                               "is not a partition method of DeepSpeed's PipelineModule.",
-                               "set plan.pp_partition to parameters, uniform or type:REGEX (e.g. type:Block)"))
+        v += partition_violations(plan, "is not a partition method of DeepSpeed's PipelineModule.")
         return v + _offload_violations(plan, cluster)
 
     def rejection(self, plan: PlanSpec) -> str | None:
@@ -285,6 +281,16 @@ def _stage_stats(probe: ModelProbe, stage: PipelineStage, tp: int) -> ModelStats
 
 
 SPEC = DeepSpeedSpec()
+
+
+def partition_violations(plan: PlanSpec, message: str) -> list[Violation]:
+    """``plan.pp_partition`` refused with ``message`` unless it is a method of DeepSpeed's
+    ``PipelineModule`` (both engines cut stages with it)."""
+    method = plan.pp_partition
+    if method in PP_PARTITIONS or (method.startswith("type:") and len(method) > len("type:")):
+        return []
+    return [Violation("plan.pp_partition", method, message,
+                      "set plan.pp_partition to parameters, uniform or type:REGEX (e.g. type:Block)")]
 
 
 def _selective_with_autotp(plan: PlanSpec) -> str | None:

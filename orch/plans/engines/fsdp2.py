@@ -52,14 +52,12 @@ class FSDP2Spec(EngineSpec):
 
     def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
         """What PyTorch FSDP2 cannot train, or orch's FSDP2 engine does not run."""
-        from orch.plans.engines.deepspeed import PP_PARTITIONS
+        from orch.plans.engines.deepspeed import partition_violations
 
         found = super().violations(plan, cluster)
-        if plan.pp > 1 and plan.pp_partition not in PP_PARTITIONS and not (
-                plan.pp_partition.startswith("type:") and len(plan.pp_partition) > len("type:")):
-            found.append(Violation("plan.pp_partition", plan.pp_partition,
-                                   "is not a partition method (DeepSpeed's PipelineModule's, which both engines use).",
-                                   "set plan.pp_partition to parameters, uniform or type:REGEX (e.g. type:Block)"))
+        if plan.pp > 1:
+            found += partition_violations(
+                plan, "is not a partition method (DeepSpeed's PipelineModule's, which both engines use).")
         schedule = _schedule_name(plan.pp_schedule)
         if plan.pp > 1 and schedule in self.pipeline_schedules:
             from orch.plans.parallel.schedules import torch_schedule_violations

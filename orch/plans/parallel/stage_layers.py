@@ -69,6 +69,12 @@ class StageLayer:
                    forward_fn=forward_fn, names=dict(names or {}))
 
     @property
+    def tied_weights(self) -> tuple[str, ...]:
+        """:attr:`tied_weight_attr` as a tuple of attribute paths."""
+        attr = self.tied_weight_attr
+        return attr if isinstance(attr, tuple) else (attr,)
+
+    @property
     def name(self) -> str:
         """The module's name, for messages."""
         return getattr(self.module, "__name__", type(self.module).__name__)

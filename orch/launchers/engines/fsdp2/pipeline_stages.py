@@ -155,8 +155,7 @@ class Stages(nn.Module):
                 if spec.tie is None or id(module) in seen:
                     continue
                 seen.add(id(module))
-                for attr in (spec.tied_weight_attr if isinstance(spec.tied_weight_attr, tuple)
-                             else (spec.tied_weight_attr,)):
+                for attr in spec.tied_weights:
                     copies.setdefault(f"{spec.tie}:{attr}", []).append(module.get_parameter(attr))
         return copies
 
@@ -165,8 +164,7 @@ class Stages(nn.Module):
         holders: dict[str, set[int]] = {}
         for index, spec in enumerate(self.specs):
             if spec.tie is not None:
-                for attr in (spec.tied_weight_attr if isinstance(spec.tied_weight_attr, tuple)
-                             else (spec.tied_weight_attr,)):
+                for attr in spec.tied_weights:
                     holders.setdefault(f"{spec.tie}:{attr}", set()).add(
                         self.layout.rank_of(self.layout.stage_of_layer(index)))
         return {key: sorted(ranks) for key, ranks in holders.items()}
