@@ -38,8 +38,9 @@ EXIT_BROKEN_PIPE = 128 + 13
 CONFIG_ERRORS = (HydraException, OmegaConfBaseException, YAMLError)
 # Lines of a short error message at most (the rest is in the traceback).
 MAX_MESSAGE_LINES = 4
-# Where tracebacks of unexpected errors are written.
-LOG_DIR = Path(tempfile.gettempdir()) / "orch-errors"
+LOG_DIR_NAME = "orch-errors"
+"""Where tracebacks of unexpected errors are written, in the temporary directory of the moment
+(``TMPDIR`` as the command sees it, not as it was when this module was imported)."""
 
 
 class Reported(OrchError):
@@ -161,8 +162,9 @@ def config_message(error: BaseException) -> str:
 
 def write_traceback(error: BaseException, command: str) -> Path:
     """The error's traceback in a new file only this user can read, credentials redacted."""
-    LOG_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = LOG_DIR / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    log_dir = Path(tempfile.gettempdir()) / LOG_DIR_NAME
+    log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = log_dir / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as log:
         log.write(f"orch {redact_text(' '.join(sys.argv[1:]))}\n\n")

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from helpers.config import compose_config
-from helpers.processes import worker_env
+from helpers.orch_command import orch_run
 from orch.checking import CHECK_JSON_KEYS, CLUSTER_JSON_KEYS, check_document, check_run, checked_run
 from orch.config import to_typed
 from orch.plans.errors import OrchError, PlanError
@@ -28,8 +27,7 @@ def check(*overrides: str):
 
 
 def orch(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orch", *args], cwd=cwd, env=worker_env(),
-                          capture_output=True, text=True, timeout=300)
+    return orch_run(args, cwd=cwd, timeout=300)
 
 
 def test_zero_stages_shrink_the_model_states_per_device():

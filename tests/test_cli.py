@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from helpers.orch_command import orch_popen, orch_run
 from helpers.processes import alive, descendants, is_loopback, listening_sockets, worker_env
 
 
 def orch(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orch", *args], cwd=cwd, env=worker_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return orch_run(args, cwd=cwd, timeout=timeout)
 
 
 def _assert_all_exit(spawned, within_s: float = 30) -> None:
@@ -58,9 +58,8 @@ def test_bad_values_and_paths_are_refused_together_before_ray_or_mlflow(tmp_path
 
     ray_tmp = tmp_path / "raytmp"
     ray_tmp.mkdir()
-    done = subprocess.run([sys.executable, "-m", "orch", "train", "model.n_layer=0"], cwd=tmp_path,
-                          env={**worker_env(), "RAY_TMPDIR": str(ray_tmp)}, capture_output=True, text=True,
-                          timeout=120)
+    done = orch_run(["train", "model.n_layer=0"], cwd=tmp_path, env={**worker_env(), "RAY_TMPDIR": str(ray_tmp)},
+                    timeout=120)
     assert done.returncode == 2 and "model.n_layer=0: orch.workloads.gpt.GPT refused its arguments" in done.stderr
     assert "Started a local Ray instance" not in done.stderr + done.stdout and "Traceback" not in done.stderr
     assert not (tmp_path / "mlflow.db").exists()
@@ -121,8 +120,9 @@ def test_a_reader_that_stops_early_ends_orch_quietly_as_sigpipe_would(tmp_path):
     reader, writer = os.pipe()
     os.close(reader)
     with os.fdopen(writer, "w") as stdout:
-        done = subprocess.run([sys.executable, "-m", "orch", "check"], cwd=tmp_path, env=worker_env(),
-                              stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120)
+        with orch_popen(["check"], cwd=tmp_path, stdout=stdout, stderr=subprocess.PIPE, text=True) as proc:
+            _, err = proc.communicate(timeout=120)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, None, err)
     assert done.returncode == 128 + 13, done.stderr
     assert "BrokenPipe" not in done.stderr and "Traceback" not in done.stderr
 
@@ -130,9 +130,9 @@ def test_a_reader_that_stops_early_ends_orch_quietly_as_sigpipe_would(tmp_path):
 def test_a_reader_that_stops_after_a_line_ends_orch_without_hydras_error_line(tmp_path):
     """`orch check --json ... | head -1`: the document (about 140 KB, more than a pipe holds) is
     cut off after its first line; Hydra wrote "Error executing job with overrides" for it."""
-    proc = subprocess.Popen([sys.executable, "-m", "orch", "check", "--json", "model=gpt3_175b",
-                             "cluster=a100_8x", "cluster.nodes=128", "plan.precision=bf16", "plan.pp=8", "plan.tp=8"],
-                            cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = orch_popen(["check", "--json", "model=gpt3_175b", "cluster=a100_8x", "cluster.nodes=128",
+                       "plan.precision=bf16", "plan.pp=8", "plan.tp=8"],
+                      cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().startswith("{")
     proc.stdout.close()
     err = proc.stderr.read()
@@ -285,9 +285,9 @@ def test_sigterm_while_the_workers_set_up_exits_143_and_the_workers_never_saw_th
         f"_target_: slow.Net\nstarted: {started}\nrecord: {record}\nnames: {json.dumps(names)}\n")
     env = {**worker_env(), "MLFLOW_TRACKING_PASSWORD": "pw-123", "AWS_SECRET_ACCESS_KEY": "key-456",
            "GITHUB_TOKEN": "tok-789", "ORCH_TEST_PLAIN": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "orch", "train", "--config-dir", "conf", "model=slow",
-                             "data=dataset", "objective=classification", "train.steps=5"], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = orch_popen(["train", "--config-dir", "conf", "model=slow", "data=dataset", "objective=classification",
+                       "train.steps=5"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True)
     deadline = time.monotonic() + 300
     while not started.exists():
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
@@ -335,10 +335,8 @@ def test_an_unreachable_cluster_fails_within_connect_timeout(tmp_path, command, 
         (ray_tmp / "ray").mkdir(parents=True)
         (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{recorded_port}")
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "orch", command, f"cluster.address={address}",
-                               "cluster.connect_timeout_s=2", *extra], cwd=tmp_path,
-                              env={**worker_env(), "RAY_TMPDIR": str(ray_tmp)}, capture_output=True, text=True,
-                              timeout=300)
+        done = orch_run([command, f"cluster.address={address}", "cluster.connect_timeout_s=2", *extra],
+                        cwd=tmp_path, env={**worker_env(), "RAY_TMPDIR": str(ray_tmp)}, timeout=300)
         took_s = time.monotonic() - started
     print(f"{command} {address}: exit {done.returncode} after {took_s:.1f}s")
     assert done.returncode == 2, done.stderr[-3000:]

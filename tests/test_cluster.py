@@ -16,6 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from bench.tracking_overhead import launch_mlflow_server, stop, wait_healthy
+from helpers.orch_command import orch_popen, orch_run
 from helpers.processes import RAY_STOP_GRACE_S, free_port, kill_tree, processes_mentioning, worker_env
 from helpers.ray_cluster import TEST_PATHS
 from helpers.tracking_server import ADMIN
@@ -28,8 +29,8 @@ NODE = ["--num-cpus=1", "--object-store-memory=200000000", "--disable-usage-stat
 
 
 def orch_train(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orch", "train", "train.steps=10", "train.log_every=5",
-                           *args], cwd=cwd, env=env or worker_env(), capture_output=True, text=True, timeout=600)
+    return orch_run(["train", "train.steps=10", "train.log_every=5",
+                     *args], cwd=cwd, env=env or worker_env(), timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +109,7 @@ def test_a_3d_plan_trains_on_both_nodes_with_tensor_parallel_groups_inside_nodes
         # Each sample at the training step its node had reached: in order, within the run's 10 steps.
         steps = [m.step for m in cpu]
         assert steps == sorted(steps) and all(0 <= step <= 10 for step in steps), steps
-    report = subprocess.run([sys.executable, "-m", "orch", "report", run.info.run_id, "--out", "rep"],
-                            cwd=tmp_path, env=two_node_ray["env"], capture_output=True, text=True, timeout=300)
+    report = orch_run(["report", run.info.run_id, "--out", "rep"], cwd=tmp_path, env=two_node_ray["env"], timeout=300)
     assert report.returncode == 0 and (tmp_path / "rep" / "system.png").exists(), report.stderr[-2000:]
     # A pipeline schedule runs forward, backward and the step in one call: timed, and compared, whole.
     assert run.data.metrics["step_phase/pipeline_s"] > 0
@@ -122,10 +122,9 @@ def test_orch_calibrate_measures_the_link_across_two_nodes(two_node_ray, tmp_pat
     with it corrects it phase by phase (`orch calibrate --from-run`)."""
     # The probes only (the reference runs are tested on one node, tests/test_tune_e2e.py): the runs
     # that correct the profile here are the user's own, added with --from-run.
-    done = subprocess.run([sys.executable, "-m", "orch", "calibrate", f"cluster.address={two_node_ray['gcs']}",
-                           "cluster.nodes=2", "cluster.devices_per_node=1", f"tune.cache_dir={tmp_path / 'cache'}",
-                           "calibrate.references=[]"],
-                          cwd=tmp_path, env=two_node_ray["env"], capture_output=True, text=True, timeout=300)
+    done = orch_run(["calibrate", f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2",
+                     "cluster.devices_per_node=1", f"tune.cache_dir={tmp_path / 'cache'}",
+                     "calibrate.references=[]"], cwd=tmp_path, env=two_node_ray["env"], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "measured 2 node(s), 2 worker(s)" in done.stdout and "across nodes" in done.stdout, done.stdout
     profile = (tmp_path / "tuned_plans" / "cluster" / "calibrated.yaml").read_text()
@@ -137,9 +136,8 @@ def test_orch_calibrate_measures_the_link_across_two_nodes(two_node_ray, tmp_pat
     assert measured["inter_node_gbps"] > 0 and measured["inter_latency_s"] > 0
 
     def check() -> dict:
-        done = subprocess.run([sys.executable, "-m", "orch", "check", "--json", "--config-dir", "tuned_plans",
-                               "cluster=calibrated"], cwd=tmp_path, env=two_node_ray["env"], capture_output=True,
-                              text=True, timeout=300)
+        done = orch_run(["check", "--json", "--config-dir", "tuned_plans",
+                         "cluster=calibrated"], cwd=tmp_path, env=two_node_ray["env"], timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout)["predicted_step"]
 
@@ -154,9 +152,8 @@ def test_orch_calibrate_measures_the_link_across_two_nodes(two_node_ray, tmp_pat
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     [run] = client.search_runs([client.get_experiment_by_name("orch").experiment_id])
     assert run.data.params["step_time.predicted.speeds"] == "measured"
-    added = subprocess.run([sys.executable, "-m", "orch", "calibrate", "--from-run", run.info.run_id, "--config-dir",
-                            "tuned_plans", "cluster=calibrated"], cwd=tmp_path, env=two_node_ray["env"],
-                           capture_output=True, text=True, timeout=300)
+    added = orch_run(["calibrate", "--from-run", run.info.run_id, "--config-dir", "tuned_plans",
+                      "cluster=calibrated"], cwd=tmp_path, env=two_node_ray["env"], timeout=300)
     assert added.returncode == 0, added.stderr[-3000:]
     assert "forward and backward predicted" in added.stdout, added.stdout
     assert "the profile's corrections now (1 run(s)" in added.stdout
@@ -171,9 +168,8 @@ def test_orch_calibrate_measures_the_link_across_two_nodes(two_node_ray, tmp_pat
     scale = fb["measured_s"] / fb["predicted_s"]
     assert after["parts_s"]["compute"] == pytest.approx(before["parts_s"]["compute"] * scale, rel=1e-4)
     # The same run twice would count it twice: refused, the profile left as it was.
-    again = subprocess.run([sys.executable, "-m", "orch", "calibrate", "--from-run", run.info.run_id, "--config-dir",
-                            "tuned_plans", "cluster=calibrated"], cwd=tmp_path, env=two_node_ray["env"],
-                           capture_output=True, text=True, timeout=300)
+    again = orch_run(["calibrate", "--from-run", run.info.run_id, "--config-dir", "tuned_plans",
+                      "cluster=calibrated"], cwd=tmp_path, env=two_node_ray["env"], timeout=300)
     assert again.returncode == 2 and "is recorded in the profile already" in again.stderr, again.stderr[-2000:]
 
 
@@ -240,8 +236,7 @@ def test_credentials_in_the_uri_reach_an_auth_server_and_are_written_nowhere(mlf
                      ["report", run_id, "--out", "rep", f"tracking.uri={server['with_password']}"],
                      ["runs", "--config-dir", str(user_conf), "tracking=team", "hydra.run.dir=outputs/team-runs"],
                      ["config", "--config-dir", str(user_conf), "tracking=team", "hydra.run.dir=outputs/team-config"]):
-            done = subprocess.run([sys.executable, "-m", "orch", *args], cwd=work, env=env,
-                                  capture_output=True, text=True, timeout=300)
+            done = orch_run([*args], cwd=work, env=env, timeout=300)
             assert done.returncode == 0, (args, done.stderr[-3000:])
             commands.append(done)
         assert run_id[:12] in commands[1].stdout and run_id[:12] in commands[3].stdout  # both credentials worked
@@ -267,8 +262,7 @@ def test_refused_credentials_are_a_clear_error(mlflow_auth_server, tmp_path, mon
 
     url = mlflow_auth_server["url"]
     wrong = f"http://{ADMIN}:Wrong-pw@{url.removeprefix('http://')}"
-    done = subprocess.run([sys.executable, "-m", "orch", "runs", f"tracking.uri={wrong}"], cwd=tmp_path,
-                          env=env_without_mlflow_credentials(), capture_output=True, text=True, timeout=120)
+    done = orch_run(["runs", f"tracking.uri={wrong}"], cwd=tmp_path, env=env_without_mlflow_credentials(), timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
     assert (f"error: tracking.uri={url}: the MLflow server refused the credentials of user 'admin' (HTTP 401). "
             "Fix: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD") in done.stderr
@@ -313,18 +307,16 @@ def client_session_logs(temp_dir: str) -> set[str]:
 def test_check_reads_the_live_cluster(two_node_ray, tmp_path):
     import json
 
-    done = subprocess.run([sys.executable, "-m", "orch", "check", "--json",
-                           f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2", "cluster.devices_per_node=1",
-                           "cluster.host_memory_gib=0.5"], cwd=tmp_path, env=two_node_ray["env"], capture_output=True,
-                          text=True, timeout=300)
+    done = orch_run(["check", "--json", f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2",
+                     "cluster.devices_per_node=1",
+                     "cluster.host_memory_gib=0.5"], cwd=tmp_path, env=two_node_ray["env"], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(done.stdout)
     assert doc["cluster"]["source"] == "live"
     assert doc["cluster"]["host_memory_gib"] > 1  # this machine's memory, not the declared 0.5
     assert any("cluster.host_memory_gib: declared 0.5" in n for n in doc["cluster"]["notes"])
-    too_many = subprocess.run([sys.executable, "-m", "orch", "check", f"cluster.address={two_node_ray['gcs']}",
-                               "cluster.nodes=3", "cluster.devices_per_node=1"], cwd=tmp_path, env=two_node_ray["env"],
-                              capture_output=True, text=True, timeout=300)
+    too_many = orch_run(["check", f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=3",
+                         "cluster.devices_per_node=1"], cwd=tmp_path, env=two_node_ray["env"], timeout=300)
     assert too_many.returncode == 2 and "the live cluster has room for 2" in too_many.stderr
 
 
@@ -398,13 +390,12 @@ def test_a_killed_worker_restarts_from_checkpoints_on_s3_through_ray_client(two_
     Path(two_node_ray["fail_next_client_session"]).touch()
     sessions_before = client_session_logs(two_node_ray["temp_dir"])
     ckpt = f"s3://{s3_store['bucket']}/killed"
-    proc = subprocess.Popen([sys.executable, "-m", "orch", "train", "train.steps=60", "train.log_every=5",
-                             "train.eval_batches=1", "train.checkpoint_every=20", f"train.checkpoint_dir={ckpt}",
-                             "train.keep_checkpoints=2",
-                             "train.max_failures=1", f"cluster.address={two_node_ray['client']}", "cluster.nodes=2",
-                             "cluster.devices_per_node=1"],
-                            cwd=tmp_path, env={**two_node_ray["env"], "RAY_CLIENT_RECONNECT_GRACE_PERIOD": "10"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = orch_popen(["train", "train.steps=60", "train.log_every=5", "train.eval_batches=1",
+                       "train.checkpoint_every=20", f"train.checkpoint_dir={ckpt}", "train.keep_checkpoints=2",
+                       "train.max_failures=1", f"cluster.address={two_node_ray['client']}", "cluster.nodes=2",
+                       "cluster.devices_per_node=1"], cwd=tmp_path,
+                      env={**two_node_ray["env"], "RAY_CLIENT_RECONNECT_GRACE_PERIOD": "10"}, stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True)
     lines, killed = [], []
     try:
         for line in proc.stdout:
@@ -466,19 +457,17 @@ def test_an_elastic_run_replans_for_the_surviving_node_scales_back_up_and_leaves
     # Steps to spare: on a loaded machine the node may rejoin a report later, and the straggler be
     # named a report later, each moving the next plan a checkpoint on.
     steps, checkpoint_every, global_batch = 28, 4, 8
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orch", "train", f"train.steps={steps}", "train.log_every=2", "train.eval_batches=1",
-         f"train.checkpoint_every={checkpoint_every}", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
-         "train.max_failures=2", "train.elastic.enabled=true", "train.elastic.wait_s=2",
-         "train.elastic.exclude_stragglers=true", "train.export=false",
-         "model=mlp", "model._target_=recording_models.RowRecorder", "model.in_channels=8",
-         f"+model.record_dir={record}",
-         "data=dataset", "data.dataset._target_=recording_models.RowBlobs", "data.dataset.samples=400",
-         "data.dataset.features=8",
-         "objective=classification", "plan.dp=4", "plan.zero_stage=1", "plan.micro_batch_size=2",
-         f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2", "cluster.devices_per_node=2",
-         "cluster.cpus_per_worker=0.5"],
-        cwd=tmp_path, env=two_node_ray["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = orch_popen(["train", f"train.steps={steps}", "train.log_every=2", "train.eval_batches=1",
+                       f"train.checkpoint_every={checkpoint_every}", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
+                       "train.max_failures=2", "train.elastic.enabled=true", "train.elastic.wait_s=2",
+                       "train.elastic.exclude_stragglers=true", "train.export=false", "model=mlp",
+                       "model._target_=recording_models.RowRecorder", "model.in_channels=8",
+                       f"+model.record_dir={record}", "data=dataset", "data.dataset._target_=recording_models.RowBlobs",
+                       "data.dataset.samples=400", "data.dataset.features=8", "objective=classification", "plan.dp=4",
+                       "plan.zero_stage=1", "plan.micro_batch_size=2", f"cluster.address={two_node_ray['gcs']}",
+                       "cluster.nodes=2", "cluster.devices_per_node=2",
+                       "cluster.cpus_per_worker=0.5"], cwd=tmp_path, env=two_node_ray["env"], stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True)
     lines, joined = [], []
     try:
         for line in proc.stdout:
@@ -545,16 +534,15 @@ def test_an_elastic_run_replans_for_the_surviving_node_scales_back_up_and_leaves
     again = tmp_path / "record-again"
     again.mkdir()
     (again / "kill-raylet-at-batch-3").touch()
-    fixed = subprocess.run(
-        [sys.executable, "-m", "orch", "train", "train.steps=8", "train.log_every=2", "train.eval_batches=1",
-         "train.checkpoint_every=2", f"train.checkpoint_dir={tmp_path / 'ckpt-again'}", "train.max_failures=1",
-         "train.export=false", "cluster.wait_s=5", "model=mlp", "model._target_=recording_models.RowRecorder",
-         "model.in_channels=8", f"+model.record_dir={again}", "data=dataset",
-         "data.dataset._target_=recording_models.RowBlobs", "data.dataset.samples=400", "data.dataset.features=8",
-         "objective=classification", "plan.dp=4", "plan.zero_stage=1", "plan.micro_batch_size=2",
-         f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2", "cluster.devices_per_node=2",
-         "cluster.cpus_per_worker=0.5"],
-        cwd=tmp_path, env=two_node_ray["env"], capture_output=True, text=True, timeout=300)
+    fixed = orch_run(["train", "train.steps=8", "train.log_every=2", "train.eval_batches=1", "train.checkpoint_every=2",
+                      f"train.checkpoint_dir={tmp_path / 'ckpt-again'}", "train.max_failures=1", "train.export=false",
+                      "cluster.wait_s=5", "model=mlp", "model._target_=recording_models.RowRecorder",
+                      "model.in_channels=8", f"+model.record_dir={again}", "data=dataset",
+                      "data.dataset._target_=recording_models.RowBlobs", "data.dataset.samples=400",
+                      "data.dataset.features=8", "objective=classification", "plan.dp=4", "plan.zero_stage=1",
+                      "plan.micro_batch_size=2", f"cluster.address={two_node_ray['gcs']}", "cluster.nodes=2",
+                      "cluster.devices_per_node=2",
+                      "cluster.cpus_per_worker=0.5"], cwd=tmp_path, env=two_node_ray["env"], timeout=300)
     assert fixed.returncode == 1 and not (again / "kill-raylet-at-batch-3").exists(), fixed.stdout[-3000:]
     assert "restart 1/1: " in fixed.stdout and "re-plan 1" not in fixed.stdout + fixed.stderr, fixed.stdout[-3000:]
     assert ("a worker was lost and the group could not be placed again: no placement within 5s: the plan needs 4 "

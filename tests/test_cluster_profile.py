@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from helpers.config import compose_config
-from helpers.processes import worker_env
+from helpers.orch_command import orch_run
 from orch.checking import checked_run
 from orch.cluster_profile import PROFILE_HEADER, check_profile_file, profile_text
 from orch.config import to_typed
@@ -88,8 +86,7 @@ def test_orch_check_uses_a_profile_from_the_config_dir(tmp_path):
     profile = tmp_path / "tuned_plans" / "cluster" / "lab.yaml"
     profile.parent.mkdir(parents=True)
     profile.write_text(profile_text(typed.cluster, _measured(typed.cluster), profile))
-    done = subprocess.run([sys.executable, "-m", "orch", "check", "--json", "--config-dir", "tuned_plans",
-                           "cluster=lab"], cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
+    done = orch_run(["check", "--json", "--config-dir", "tuned_plans", "cluster=lab"], cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     step = json.loads(done.stdout)["predicted_step"]
     assert step["speeds"].startswith("measured by `orch calibrate` at 2026-01-02T03:04:05Z"), step

@@ -5,10 +5,11 @@ check` run in their project directory: by ``_target_`` alone as a model is decla
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers.orch_command import orch_run
 
 USER_CODE = '''
 import torch
@@ -62,9 +63,8 @@ def project(tmp_path):
 
 def check(project: Path, data: str) -> subprocess.CompletedProcess:
     (project / "conf" / "data" / "mine.yaml").write_text(data)
-    orch = str(Path(sys.executable).with_name("orch"))
-    return subprocess.run([orch, "check", "--config-dir", "conf", "model=mine", "objective=mine", "data=mine"],
-                          cwd=project, capture_output=True, text=True, timeout=300)
+    return orch_run(["check", "--config-dir", "conf", "model=mine", "objective=mine",
+                     "data=mine"], cwd=project, timeout=300)
 
 
 @pytest.mark.parametrize("data", ["_target_: mine.Points\nsamples: 64\n", "_target_: mine.points\n",

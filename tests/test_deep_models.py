@@ -7,8 +7,6 @@ How long a check takes is measured by hand (bench/planner_speed.py), not asserte
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.config import compose_config, lm_inputs
-from helpers.processes import worker_env
+from helpers.orch_command import orch_run
 from orch import models
 from orch.checking import check_run
 from orch.config import to_typed
@@ -164,8 +162,7 @@ def test_a_model_that_cannot_be_built_shallow_is_inspected_at_its_depth(depths_b
 
 @pytest.mark.parametrize("command", ["check", "train"])
 def test_an_absurd_depth_is_refused_with_exit_code_2_and_no_ray_output(command, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "orch", command, "model.n_layer=10000000", "train.force=true"],
-                          cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
+    done = orch_run([command, "model.n_layer=10000000", "train.force=true"], cwd=tmp_path, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "model.n_layer=10000000" in done.stderr and "Traceback" not in done.stderr
     assert "Started a local Ray instance" not in done.stderr
@@ -261,9 +258,8 @@ def hf_params(layers: int) -> int:
 def test_a_2000_layer_hugging_face_model_is_checked_from_shallow_copies(tmp_path):
     """`orch check` built all 2000 layers on meta and gave no answer in 120 s; the timeout only
     guards against that hang (how long a check takes is measured in bench/, not here)."""
-    done = subprocess.run([sys.executable, "-m", "orch", "check", "--json", "model=hf_causal_lm",
-                           "model.config.num_hidden_layers=2000"],
-                          cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
+    done = orch_run(["check", "--json", "model=hf_causal_lm",
+                     "model.config.num_hidden_layers=2000"], cwd=tmp_path, timeout=120)
     assert done.returncode == 1, done.stderr[-3000:]  # it does not fit 8 GiB devices: an answer all the same
     assert json.loads(done.stdout)["model"]["param_count"] == hf_params(2000)
 

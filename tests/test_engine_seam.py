@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers.config import REPO
+from helpers.orch_command import orch_run
 from helpers.processes import worker_env
 from orch.launchers.engines import DRIVER_PARTS, engine_module
 from orch.plans.engines import BUILT_IN, ENTRY_POINT_GROUP, engine_names, engine_spec
@@ -109,8 +110,7 @@ def test_an_engine_from_outside_orch_is_checked_like_the_shipped_ones(tmp_path):
     env = _installed_example(tmp_path)
 
     def check(*overrides: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "orch", "check", *overrides], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
+        return orch_run(["check", *overrides], cwd=tmp_path, env=env, timeout=300)
 
     ddp, zero0 = check("--json", "plan.engine=ddp_example"), check("--json", "plan.zero_stage=0")
     assert ddp.returncode == 0, ddp.stderr

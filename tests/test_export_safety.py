@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from helpers.processes import worker_env
+from helpers.orch_command import orch_run
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ TAG = "step_000000004"
 
 
 def orch(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([ORCH, *args], cwd=cwd, env=worker_env(), capture_output=True, text=True, timeout=300)
+    return orch_run([*args], cwd=cwd, timeout=300)
 
 
 @pytest.fixture(scope="module")

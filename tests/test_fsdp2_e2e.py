@@ -13,6 +13,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from helpers.config import FAST, compose_config
+from helpers.orch_command import orch_run
 from orch.config import to_typed
 from orch.launchers.checkpoint import latest
 from orch.run.driver import run_training
@@ -97,10 +98,7 @@ def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_referenc
     assert exported and all(t.dtype == torch.float32 for t in exported.values())
     # A shard cut short, its manifest rewritten to match (as whoever can write the directory can):
     # `orch export` names the file and exits 2, with the error as a JSON document under --json.
-    import subprocess
-    import sys
 
-    from helpers.processes import worker_env
     from orch.launchers.manifest import read_manifest, write_manifest
 
     newest = tmp_path / "ckpt" / "step_000000030"
@@ -108,9 +106,8 @@ def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_referenc
     shard.write_bytes(shard.read_bytes()[:64])
     recorded = read_manifest(newest)
     write_manifest(newest, layout=recorded.layout, model=recorded.model)
-    done = subprocess.run([sys.executable, "-m", "orch", "export", resumed.run_id, "--out", "bad", "--json",
-                           f"tracking.uri={sqlite_uri}"], cwd=tmp_path, env=worker_env(), capture_output=True,
-                          text=True, timeout=300)
+    done = orch_run(["export", resumed.run_id, "--out", "bad", "--json",
+                     f"tracking.uri={sqlite_uri}"], cwd=tmp_path, timeout=300)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert f"checkpoint file {shard} is cut short: 64 bytes" in json.loads(done.stdout)["error"]["message"]
     assert "Traceback" not in done.stderr and f"{shard} is cut short" in done.stderr

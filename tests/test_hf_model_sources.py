@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers.config import compose_config
-from helpers.processes import worker_env
+from helpers.orch_command import orch_run
 from orch.checking import check_run
 from orch.config import to_typed
 from orch.model_sources import prefer_command_line_source
@@ -31,8 +30,7 @@ def check(*overrides: str):
 
 
 def orch(tmp_path, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orch", *args], cwd=tmp_path, env=worker_env(),
-                          input=stdin, capture_output=True, text=True, timeout=120)
+    return orch_run([*args], cwd=tmp_path, input=stdin, timeout=120)
 
 
 def custom_code_directory(directory, marker) -> None:

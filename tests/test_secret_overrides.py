@@ -7,14 +7,13 @@ variables withheld from workers, `orch submit`'s ``submit.env`` and every comman
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 from test_cluster import env_without_mlflow_credentials, files_holding
 
+from helpers.orch_command import orch_run
 from helpers.processes import free_port
 from orch.credentials import (
     CLUSTER_CREDENTIALS_FIX,
@@ -129,10 +128,9 @@ def test_a_credential_override_is_refused_before_anything_is_written_printed_or_
     key = override.lstrip("+").partition("=")[0]
     key = "hydra.job.env_set.DB_PASSWD" if key == "hydra.job.env_set" else key
     nothing_listens = f"http://127.0.0.1:{free_port()}"  # refused before any connection is tried
-    done = subprocess.run([sys.executable, "-m", "orch", *arguments, f"tracking.uri={nothing_listens}",
-                           f"cluster.address={nothing_listens}" if command == "submit" else "train.steps=1"],
-                          cwd=tmp_path, env=env_without_mlflow_credentials(), capture_output=True, text=True,
-                          timeout=300)
+    done = orch_run([*arguments, f"tracking.uri={nothing_listens}",
+                     f"cluster.address={nothing_listens}" if command == "submit" else "train.steps=1"],
+                    cwd=tmp_path, env=env_without_mlflow_credentials(), timeout=300)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
     fix = CLUSTER_CREDENTIALS_FIX if command == "submit" else f"export {key.rpartition('.')[2]} in the shell"
     assert f"  - {key} (its name holds " in done.stderr and fix in done.stderr, done.stderr[-3000:]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers.config import compose_config
+from helpers.orch_command import orch_run
 from orch.config import to_typed
 from orch.inputs import validated_plan
 from orch.launchers.checkpoint import CheckpointRecordError, latest, publish_remote, resumable, tag_for
@@ -178,8 +179,6 @@ def test_train_refuses_a_staging_directory_others_could_enter_before_ray_starts(
     """The workers refused it (StagingDirError) only after Ray and the workers had started; the
     driver checks it with the checkpoint location, as the user ran it."""
     import os
-    import subprocess
-    import sys
 
     from helpers.processes import worker_env
 
@@ -187,9 +186,9 @@ def test_train_refuses_a_staging_directory_others_could_enter_before_ray_starts(
     (node_tmp / f"orch-staging-{os.getuid()}").mkdir(parents=True, mode=0o777)
     (node_tmp / f"orch-staging-{os.getuid()}").chmod(0o777)
     location = f"s3://{s3_env['bucket']}/staged-run"
-    done = subprocess.run([sys.executable, "-m", "orch", "train", "train.steps=2", "train.resume=auto",
-                           f"train.checkpoint_dir={location}"], cwd=tmp_path,
-                          env={**worker_env(), "TMPDIR": str(node_tmp)}, capture_output=True, text=True, timeout=300)
+    done = orch_run(["train", "train.steps=2", "train.resume=auto",
+                     f"train.checkpoint_dir={location}"], cwd=tmp_path, env={**worker_env(),
+                     "TMPDIR": str(node_tmp)}, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"train.checkpoint_dir='{location}'" in done.stderr and "mode 0777" in done.stderr, done.stderr
     assert "Fix: remove" in done.stderr, done.stderr

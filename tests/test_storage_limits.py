@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from helpers.config import compose_config
+from helpers.orch_command import orch_run
 from helpers.processes import worker_env
 from orch.cli import storage_checks_bounded
 from orch.config import to_typed
@@ -229,9 +230,8 @@ def test_train_and_export_give_up_a_store_that_stalls_after_its_check(s3_store, 
     env = {**worker_env(), **s3_store["env"], "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}
     location, uri = "s3://orch/stalls-after-its-check", f"sqlite:///{tmp_path}/mlflow.db"
     try:
-        train = subprocess.run([ORCH, "train", "train.steps=2", "train.resume=auto", f"train.checkpoint_dir={location}",
-                                "cluster.connect_timeout_s=2", f"tracking.uri={uri}"], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=240)
+        train = orch_run(["train", "train.steps=2", "train.resume=auto", f"train.checkpoint_dir={location}",
+                          "cluster.connect_timeout_s=2", f"tracking.uri={uri}"], cwd=tmp_path, env=env, timeout=240)
         assert proxy.stalled.is_set(), train.stderr[-3000:]
         assert train.returncode == 2, train.stderr[-3000:]
         assert f"train.checkpoint_dir='{location}'" in train.stderr and "timed out after 2 s" in train.stderr
@@ -241,9 +241,8 @@ def test_train_and_export_give_up_a_store_that_stalls_after_its_check(s3_store, 
         run_id = client.create_run(client.create_experiment("stalls")).info.run_id
         client.log_param(run_id, "train.checkpoint_dir", location)
         proxy.stalled.clear()
-        export = subprocess.run([ORCH, "export", run_id, f"tracking.uri={uri}", "cluster.connect_timeout_s=2",
-                                 "--out", str(tmp_path / "model")], cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=240)
+        export = orch_run(["export", run_id, f"tracking.uri={uri}", "cluster.connect_timeout_s=2", "--out",
+                           str(tmp_path / "model")], cwd=tmp_path, env=env, timeout=240)
         assert proxy.stalled.is_set(), export.stderr[-3000:]
         assert export.returncode == 2, export.stderr[-3000:]
         assert "train.checkpoint_dir" in export.stderr and "timed out after 2 s" in export.stderr

@@ -25,6 +25,7 @@ from mlflow.tracking import MlflowClient
 from test_cluster import env_without_mlflow_credentials, files_holding
 
 from helpers.config import compose_config
+from helpers.orch_command import orch_run
 from helpers.processes import RAY_STOP_GRACE_S, free_port, kill_tree, processes_mentioning, worker_env
 from helpers.projects import plant_packages_named_like_orchs_parts
 from helpers.tracking_server import ADMIN
@@ -148,8 +149,7 @@ def job_info(head: dict, job_id: str) -> dict:
 
 
 def orch(*args: str, cwd, env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orch", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return orch_run([*args], cwd=cwd, env=env, timeout=600)
 
 
 def user_project(tmp_path: Path) -> Path:

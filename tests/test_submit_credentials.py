@@ -9,13 +9,11 @@ tracking server's credentials are in tests/test_submit.py.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from test_cluster import env_without_mlflow_credentials, files_holding
 
 from helpers.config import compose_config
+from helpers.orch_command import orch_run
 from helpers.processes import free_port
 from orch.config import to_typed
 from orch.plans.errors import PlanError
@@ -90,9 +88,8 @@ def test_a_tracking_server_that_does_not_answer_here_is_left_to_the_cluster_to_c
                                      ["submit", "tracking.uri=http://127.0.0.1:1"]])
 def test_job_commands_keep_a_password_in_the_address_out_of_what_they_print_and_write(command, tmp_path):
     port = free_port()  # no Jobs server: each command fails, after Hydra wrote its copies of the overrides
-    done = subprocess.run([sys.executable, "-m", "orch", *command,
-                           f"cluster.address=http://ops:{SECRET}@127.0.0.1:{port}"], cwd=tmp_path,
-                          env=env_without_mlflow_credentials(), capture_output=True, text=True, timeout=300)
+    done = orch_run([*command, f"cluster.address=http://ops:{SECRET}@127.0.0.1:{port}"], cwd=tmp_path,
+                    env=env_without_mlflow_credentials(), timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"cluster.address=http://127.0.0.1:{port}" in done.stderr
     assert SECRET not in done.stdout + done.stderr

@@ -6,21 +6,19 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from helpers.processes import worker_env
+from helpers.orch_command import orch_run
 
 SHORT = ["train.steps=4", "train.log_every=2", "train.eval_batches=1"]
 
 
 def orch(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orch", *args], cwd=cwd, env=worker_env(),
-                          capture_output=True, text=True, timeout=900)
+    return orch_run([*args], cwd=cwd, timeout=900)
 
 
 def runs_of(tmp_path) -> tuple[MlflowClient, list]:

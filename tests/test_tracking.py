@@ -5,13 +5,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from helpers.processes import worker_env
+from helpers.orch_command import orch_run
 from orch.credentials import (
     PASSWORD_ENV,
     USERNAME_ENV,
@@ -130,8 +129,7 @@ def test_report_takes_the_short_run_ids_orch_runs_shows_and_refuses_an_ambiguous
     shared, alike = next((first, ids) for first, ids in runs.items() if len(ids) > 1)
 
     def orch(*args):
-        return subprocess.run([ORCH, *args], cwd=tmp_path, env=worker_env(), capture_output=True, text=True,
-                              timeout=300)
+        return orch_run([*args], cwd=tmp_path, timeout=300)
 
     listed = orch("runs")
     assert listed.returncode == 0 and alike[0][:12] in listed.stdout and alike[0] not in listed.stdout, listed.stdout
@@ -151,9 +149,8 @@ def test_no_written_or_printed_copy_of_the_config_holds_a_password(tmp_path):
     # Hydra writes the overrides and the composed config to outputs/*/.hydra/ before any of
     # orch's code runs; a Ray address with userinfo stays usable in memory but is scrubbed there.
     secret = "Pw-5e2b1c"
-    done = subprocess.run([sys.executable, "-m", "orch", "config", f"tracking.uri=http://u:{secret}@h:5000",
-                           f"cluster.address=ray://u:{secret}@head:10001", "hydra.run.dir=out"],
-                          cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
+    done = orch_run(["config", f"tracking.uri=http://u:{secret}@h:5000", f"cluster.address=ray://u:{secret}@head:10001",
+                     "hydra.run.dir=out"], cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "uri: http://h:5000\n" in done.stdout and "address: ray://head:10001\n" in done.stdout
     assert secret not in done.stdout + done.stderr

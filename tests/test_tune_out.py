@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers.config import compose_config
+from helpers.orch_command import orch_run
 from helpers.processes import worker_env
 from orch.config import to_typed
 from orch.plans.errors import PlanError
@@ -24,8 +25,7 @@ ORCH = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"
 
 
 def orch_tune(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([ORCH, "tune", "train.global_batch_size=16", "tune.pp=[1]", *overrides], cwd=cwd,
-                          env=worker_env(), capture_output=True, text=True, timeout=300)
+    return orch_run(["tune", "train.global_batch_size=16", "tune.pp=[1]", *overrides], cwd=cwd, timeout=300)
 
 
 def refused(done: subprocess.CompletedProcess, field: str, value: str, why: str, fix: str) -> bool:
@@ -121,8 +121,8 @@ def test_on_object_storage_too_only_a_tuned_plan_is_replaced(tmp_path, s3_store)
     env = {**worker_env(), **s3_store["env"]}
 
     def tune(out: str) -> subprocess.CompletedProcess:
-        return subprocess.run([ORCH, "tune", "train.global_batch_size=16", "tune.pp=[1]", f"tune.out={out}"],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        return orch_run(["tune", "train.global_batch_size=16", "tune.pp=[1]",
+                         f"tune.out={out}"], cwd=tmp_path, env=env, timeout=300)
 
     notes = f"s3://{bucket}/plans/notes.yaml"
     assert refused(tune(notes), "tune.out", notes, "is an existing file that orch tune did not write",

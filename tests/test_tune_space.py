@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers.config import compose_config, gpu_plan, lm_inputs
+from helpers.orch_command import orch_run
 from orch.config import to_typed
 from orch.launchers.placement import rank_layout
 from orch.models import model_factory
@@ -362,14 +363,10 @@ def test_a_gpu_declared_over_the_cpu_preset_gets_gpu_speeds_except_those_given()
 
 def test_orch_tune_json_from_the_command_line(tmp_path):
     import json
-    import subprocess
-    import sys
 
-    from helpers.processes import worker_env
 
     def orch(*args):
-        return subprocess.run([sys.executable, "-m", "orch", "tune", *args], cwd=tmp_path, env=worker_env(),
-                              capture_output=True, text=True, timeout=300)
+        return orch_run(["tune", *args], cwd=tmp_path, timeout=300)
 
     out = tmp_path / "winner.yaml"
     done = orch("--json", f"tune.out={out}", "tune.top_k=3", "train.global_batch_size=16")
@@ -391,19 +388,12 @@ def test_orch_tune_prices_a_gpu_declared_over_the_cpu_preset_at_gpu_speeds(tmp_p
     """`orch tune cluster.accelerator=gpu cluster.device_tflops=312` for GPT-3 175B at tp=8 pp=8 on
     64 GPUs: the optimizer step was priced at the CPU preset's 5 GB/s memory bandwidth (16.8 s)."""
     import json
-    import os
-    import shutil
-    import subprocess
-    import sys
 
-    from helpers.processes import worker_env
 
-    orch = shutil.which("orch", path=os.path.dirname(sys.executable)) or "orch"
-    done = subprocess.run([orch, "tune", "--json", "model=gpt3_175b", "cluster.accelerator=gpu",
-                           "cluster.device_tflops=312", "cluster.nodes=8", "cluster.devices_per_node=8",
-                           "cluster.device_memory_gib=80", "cluster.host_memory_gib=1024", "plan.precision=bf16",
-                           "tune.tp=[8]", "tune.pp=[8]", "tune.offload=[none]"],
-                          cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
+    done = orch_run(["tune", "--json", "model=gpt3_175b", "cluster.accelerator=gpu", "cluster.device_tflops=312",
+                     "cluster.nodes=8", "cluster.devices_per_node=8", "cluster.device_memory_gib=80",
+                     "cluster.host_memory_gib=1024", "plan.precision=bf16", "tune.tp=[8]", "tune.pp=[8]",
+                     "tune.offload=[none]"], cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(done.stdout)
     speeds = doc["speeds"]

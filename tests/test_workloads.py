@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from helpers.config import compose_config
+from helpers.orch_command import orch_run
 from orch.checking import check_run
 from orch.config import to_typed
 from orch.plans.errors import PlanError
@@ -155,14 +156,10 @@ def test_text_files_that_cannot_work_are_refused_naming_the_field(tmp_path):
 def test_files_that_fail_far_in_are_refused_before_any_worker_naming_the_file_and_line(tmp_path):
     """Files whose first rows are fine: the tokenizer would fail in the workers (exit 1, a
     traceback); pickled weights would be unpickled there. `orch` refuses each up front, exit 2."""
-    import subprocess
-    import sys
 
-    from helpers.processes import worker_env
 
     def orch(*args):
-        return subprocess.run([sys.executable, "-m", "orch", *args], cwd=tmp_path, env=worker_env(),
-                              capture_output=True, text=True, timeout=300)
+        return orch_run([*args], cwd=tmp_path, timeout=300)
 
     lines = ["ASCII only, as far as the first rows go\n"] * 3000
     (tmp_path / "notes.txt").write_bytes("".join(lines).encode() + "caf\xe9 au lait\n".encode("latin-1"))
@@ -278,14 +275,10 @@ def test_the_experiments_full_size_counterparts_are_planned_for_a_gpu_cluster(na
 
 
 def test_orch_export_needs_a_run_and_refuses_an_unknown_one(tmp_path):
-    import subprocess
-    import sys
 
-    from helpers.processes import worker_env
 
     def orch(*args):
-        return subprocess.run([sys.executable, "-m", "orch", *args], cwd=tmp_path, env=worker_env(),
-                              capture_output=True, text=True, timeout=120)
+        return orch_run([*args], cwd=tmp_path, timeout=120)
 
     missing = orch("export")
     assert missing.returncode == 2 and "orch export needs a run id" in missing.stderr

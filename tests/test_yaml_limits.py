@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.processes import worker_env
+from helpers.orch_command import orch_run
 from orch.yaml_limits import ConfigFileRefusedError, check_yaml_file, config_dirs
 
 # Nine levels of nine aliases: ten lines that stand for 387 million strings.
@@ -44,7 +42,6 @@ def test_the_directories_hydra_would_search_are_found_on_the_command_line():
 def test_an_alias_bomb_in_a_config_dir_is_refused_at_once_naming_the_file(tmp_path, command):
     (tmp_path / "conf" / "model").mkdir(parents=True)
     (tmp_path / "conf" / "model" / "bomb.yaml").write_text(BOMB)
-    done = subprocess.run([sys.executable, "-m", "orch", command, "--config-dir", "conf", "model=bomb"],
-                          cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
+    done = orch_run([command, "--config-dir", "conf", "model=bomb"], cwd=tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "config file conf/model/bomb.yaml: its aliases (*name) expand to more than 1,000,000 values" in done.stderr
