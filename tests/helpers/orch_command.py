@@ -5,8 +5,9 @@ interpreter that spends seconds of CPU importing them for each command.
 :func:`orch_run` answers as :func:`subprocess.run` does and :func:`orch_popen` as
 :class:`subprocess.Popen`; the command is the same real process either way (its pid, exit code,
 signals, streams, working directory and environment are its own). Tests of what happens while orch
-is imported (start-up order, a user's folders named like orch's packages) use a fresh interpreter:
-``fresh=True``, or :mod:`subprocess` with ``[sys.executable, "-m", "orch", ...]``.
+is imported (start-up order, a user's folders named like orch's packages, ``-X importtime``) start
+a fresh interpreter with :mod:`subprocess`, ``[sys.executable, "-m", "orch", ...]``, as do the
+README's verbatim runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import io
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -53,17 +55,18 @@ def _socket_path() -> str:
         proc.kill()
         raise RuntimeError(f"the orch zygote did not start: see {folder}/zygote.log")
     _zygote.update(proc=proc, path=path)
-    atexit.register(_stop, proc)
+    atexit.register(_stop, proc, folder)
     return path
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, folder: str) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _stream(spec, default_fd: int) -> tuple[int, object | None, bool]:
