@@ -29,8 +29,7 @@ NODE = ["--num-cpus=1", "--object-store-memory=200000000", "--disable-usage-stat
 
 
 def orch_train(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return orch_run(["train", "train.steps=10", "train.log_every=5", *args], cwd=cwd, env=env or worker_env(),
-                    timeout=600)
+    return orch_run(["train", "train.steps=10", "train.log_every=5", *args], cwd=cwd, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")
