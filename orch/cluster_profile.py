@@ -172,6 +172,8 @@ def calibrate_cluster(cfg: RunConfig, model_cfg: dict, *, err=None) -> Profile:
         measured_at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         calibration = measure_cluster(cfg, cluster, space, ctx, use_cache=False)
         seconds = time.perf_counter() - started
+        if calibration.disturbed:
+            notes = [*notes, calibration.disturbed]
         measured = _measured_section(cfg, calibration, ctx, measured_at)
         profiled = dataclasses.replace(cluster, measured=None)
         # Written before the reference runs: a run that fails or is interrupted loses no measurement.

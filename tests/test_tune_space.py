@@ -496,6 +496,53 @@ def test_cpu_workers_sharing_cores_get_their_share_of_a_lone_workers_speed():
     assert cpu_share({**alone, "threads": 2}, workers_on_node=2)["share"] == 0.5
 
 
+def test_a_calibration_says_when_other_work_shared_the_host_with_its_probes():
+    """Rates measured beside other work are the shared host's: the H200 check's host-memory probe
+    read 16 GB/s instead of about 195 while compilers ran. The node's busy cores less the probing
+    workers' own are the other work; over a quarter of the cores (and over one) is said."""
+    from orch.launchers.calibration import disturbance
+
+    quiet = {"node-a": [{"busy_cores": 14.2, "own_cores": 13.9, "cpus": 16}]}
+    assert disturbance(quiet) == ""
+    # Two GPU workers of one node probe at once: both their cores are theirs, not other work.
+    pair = {"node-a": [{"busy_cores": 28.0, "own_cores": 14.0, "cpus": 32}, {"busy_cores": 27.5, "own_cores": 13.5,
+                                                                               "cpus": 32}]}
+    assert disturbance(pair) == ""
+    busy = {"node-a": [{"busy_cores": 15.8, "own_cores": 2.1, "cpus": 16}],
+            "node-b": [{"busy_cores": 3.0, "own_cores": 2.9, "cpus": 16}]}
+    said = disturbance(busy)
+    assert "other processes kept 13.7 of node-a's 16 cores busy" in said and "node-b" not in said
+    assert "`orch calibrate` when the node is otherwise idle" in said
+    # One core of other work on a 2-core machine is not over one core.
+    assert disturbance({"ci": [{"busy_cores": 1.9, "own_cores": 0.9, "cpus": 2}]}) == ""
+
+
+def test_the_calibrations_load_sample_sees_processes_that_compete_with_its_probe():
+    """A real probe (the host copy) beside busy-looping processes, one more than the cores: the
+    sample of /proc/stat and of the probe's own CPU time finds the others' work."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from orch.launchers.calibration import _copy_gb_per_s, disturbance, node_cpu_times, probe_load
+
+    cpus = os.cpu_count() or 1
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cpus + 1)]
+    try:
+        before = node_cpu_times()
+        _copy_gb_per_s(torch.device("cpu"), seconds=0.6)
+        after = node_cpu_times()
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    load = probe_load(before, after)
+    assert load["cpus"] == cpus and 0 < load["own_cores"] < load["busy_cores"] <= cpus + 0.5
+    assert "other processes kept" in disturbance({"here": [load]})
+
+
 def test_trials_try_each_layout_before_another_zero_stage_of_one():
     from orch.plans.search.space import plan_layout, trial_candidates
 

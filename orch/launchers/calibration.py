@@ -66,6 +66,7 @@ class CalibrationWorker:
 
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         dtype = Precision(precision).dtype
+        before = node_cpu_times()
         b = torch.randn(k, n, dtype=dtype, device=device)
         tflops = []
         for m in rows:
@@ -80,6 +81,9 @@ class CalibrationWorker:
             facts["host_gb_per_s"] = _copy_gb_per_s(torch.device("cpu"), seconds)
             facts["host_link_gbps"] = _host_link_gbps(device, seconds)
             facts["host_optimizer_params_per_s"] = _host_adam_params_per_s(seconds)
+        after = node_cpu_times()
+        if before is not None and after is not None:
+            facts["load"] = probe_load(before, after)
         return facts
 
     def communication(self, rank: int, world_size: int, master: tuple[str, int], node_groups: list[list[int]],
@@ -114,6 +118,56 @@ class CalibrationWorker:
             return out
         finally:
             dist.destroy_process_group()
+
+
+def node_cpu_times() -> tuple[float, float, float] | None:
+    """(CPU seconds the node's processors have been busy, CPU seconds this process has used, a
+    wall-clock reading), or None where the kernel does not say (no ``/proc/stat``)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 8:
+        return None
+    # user, nice, system, idle, iowait, irq, softirq, steal: busy is all but idle and iowait (steal,
+    # time the hypervisor gave to others, is as lost to the probes as another process's).
+    busy = sum(fields) - fields[3] - fields[4]
+    return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
+
+
+def probe_load(before: tuple[float, float, float], after: tuple[float, float, float]) -> dict:
+    """The node's busy cores and this process's own over a probe, from two :func:`node_cpu_times`."""
+    wall = max(after[2] - before[2], 1e-9)
+    return {"busy_cores": (after[0] - before[0]) / wall, "own_cores": (after[1] - before[1]) / wall,
+            "cpus": os.cpu_count() or 1}
+
+
+BUSY_SHARE = 0.25
+"""Other work on more than this share of a node's cores (and on more than one core) while its
+probes ran makes a calibration *disturbed*: its rates are those of a shared host, not the node's."""
+
+
+def disturbance(loads_by_node: dict[str, list[dict]]) -> str:
+    """What other work ran on the nodes while their workers probed, or "" when none worth saying.
+
+    A node's workers probe at the same time, so the work that was not theirs is the node's busy
+    cores over the probe less the cores they used themselves. On an H200 machine, probes run while
+    compilers kept its 16 cores busy read host memory at 16 GB/s instead of about 195
+    (bench/results/gpu_smoke-nvidia-h200.md): a disturbed host-side rate can be off tenfold.
+    """
+    said = []
+    for host, loads in loads_by_node.items():
+        if not loads:
+            continue
+        others = max(load["busy_cores"] for load in loads) - sum(load["own_cores"] for load in loads)
+        cpus = loads[0]["cpus"]
+        if others > max(1.0, BUSY_SHARE * cpus):
+            said.append(f"other processes kept {others:.1f} of {host}'s {cpus} cores busy")
+    if not said:
+        return ""
+    return ("measured on a busy host (" + "; ".join(said) + " while the probes ran), so the host-side speeds "
+            "may be far below the node's: measure again with `orch calibrate` when the node is otherwise idle")
 
 
 def _best_time(call, device, seconds: float, windows: int = 3) -> float:
@@ -304,6 +358,8 @@ class Calibration:
     """Ray nodes the workers ran on (several may share a host)."""
     sources: dict[str, str]
     """For each speed, the probe that measured it, or why it stayed as declared."""
+    disturbed: str = ""
+    """What other work ran on the nodes while they were measured (:func:`disturbance`), or ""."""
 
 
 def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float, gpus_per_worker: float,
@@ -338,8 +394,8 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         # training). CPU workers of one node share its cores: probed together, each would time
         # an arbitrary mix of contended and free windows, so one worker per node measures a core
         # on its own and the node's share per worker is applied after (see cpu_share).
-        probed = actors if gpus_per_worker else [actors[ranks[0]] for ranks in by_node.values()]
-        compute = ray.get([a.compute.remote(rows, k, n, precision) for a in probed])
+        probed = list(range(len(actors))) if gpus_per_worker else [ranks[0] for ranks in by_node.values()]
+        compute = ray.get([actors[rank].compute.remote(rows, k, n, precision) for rank in probed])
         if not gpus_per_worker:
             compute = [cpu_share(facts, len(ranks)) for facts, ranks in zip(compute, by_node.values(), strict=True)]
         master = ray.get(actors[0].address.remote())
@@ -377,7 +433,17 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
     measured = f"measured the cluster ({len(by_node)} node(s), {world_size} workers)"
     unwritten = _cache_speeds(path, speeds)
     note = f"{measured}; " + (f"not cached: {unwritten}" if unwritten else f"cached in {path}")
-    return Calibration(speeds, note, tuple(hosts), len(by_node), _sources(gpu, len(by_node), per_node))
+    loads: dict[str, list[dict]] = {}
+    for rank, facts in zip(probed, compute, strict=True):
+        if "load" in facts:  # by host: Ray nodes started on one machine share its processors
+            loads.setdefault(hosts[rank], []).append(facts["load"])
+    disturbed = disturbance(loads)
+    sources = _sources(gpu, len(by_node), per_node)
+    if disturbed:
+        note = f"{note}; {disturbed}"
+        sources = {name: source if source.startswith("declared") else f"{source} ({disturbed.split(', so ')[0]})"
+                   for name, source in sources.items()}
+    return Calibration(speeds, note, tuple(hosts), len(by_node), sources, disturbed)
 
 
 def _sources(gpu: bool, nodes: int, per_node: int) -> dict[str, str]:
