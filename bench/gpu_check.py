@@ -67,6 +67,12 @@ class Setup:
     seq_len: int
     steps: int
 
+    @property
+    def profiled_step(self) -> int:
+        """The step run under torch's profiler (``train.profile_steps``): the last but one, warm, and
+        alone in no report interval, so that the interval's step time has an unprofiled step."""
+        return self.steps - 1
+
 
 # The optimizer preset's learning rate (3e-3) suits the shipped small models; at 1B parameters it
 # made the loss jump on an H100 (5.8 -> 11.6 -> 5.5): the check uses a 1B model's. At 3e-4 the
@@ -119,7 +125,7 @@ class Case:
                      f"train.checkpoint_dir={work / 'checkpoints' / self.name}"]
         return [*setup.models[self.model], *PLANS[self.plan], *machine.cluster_overrides(), "plan.dp=1",
                 "plan.precision=bf16", f"plan.micro_batch_size={setup.micro_batch}", f"train.steps={setup.steps}",
-                f"train.log_every={LOG_EVERY}", "train.eval_batches=2",
+                f"train.log_every={LOG_EVERY}", "train.eval_batches=2", f"train.profile_steps=[{setup.profiled_step}]",
                 f"tracking.uri=sqlite:///{work / 'mlflow.db'}", "tracking.experiment=gpu-check",
                 f"tracking.run_name={self.name}", *extra]
 
@@ -200,6 +206,8 @@ class Outcome:
     export: str = ""
     phases: list[tuple[str, float, float]] = field(default_factory=list)
     """(phase, predicted s, measured s) as `orch report` groups them, the prediction the run tracked."""
+    profile: dict[str, float] = field(default_factory=dict)
+    """The profiled step's kernel seconds by kind of work (the run's ``profile/<kind>_s``), and ``wall``."""
 
     @property
     def peak_error(self) -> float | None:
@@ -349,6 +357,8 @@ def read_run(outcome: Outcome, tracking_uri: str) -> None:
     peaks = history("memory/measured_peak_bytes")
     outcome.measured_peak = int(max(peaks)) if peaks else None
     outcome.optimizer = run.data.tags.get("optimizer", "")
+    outcome.profile = {key.removeprefix("profile/").removesuffix("_s"): value for key, value in run.data.metrics.items()
+                       if key.startswith("profile/") and not key.startswith("profile/rank")}
     from orch.tracking.step_prediction import phase_comparisons
 
     outcome.phases = [(c.name, c.predicted_s, c.measured_s)
@@ -496,15 +506,41 @@ def report(setup: Setup, machine: Machine, versions: str, outcomes: list[Outcome
             f"{fmt(o.tflops, '.0f')} | {fmt(o.mfu, '.1%')} | {o.optimizer or '-'} |")
     phased = [o for o in outcomes if o.phases]
     if phased:
+        from orch.plans.step_time.phases import phase_groups
+
+        groups = {g.name: g.parts for g in phase_groups(pipelined=False)}
         lines += ["", "## Step time by phase", "",
                   "Each run's own tracked prediction (at the speeds it trained with: declared unless a cluster "
-                  "profile was given) against the phases it timed (`orch report`'s grouping; one step in ten "
-                  "timed, each phase ending in a device synchronisation).", "",
-                  "| case | phase | predicted s | measured s | measured / predicted |", "|---|---|---:|---:|---:|"]
+                  "profile was given) and the prediction at the speeds calibrated on this GPU, against the phases "
+                  "it timed (`orch report`'s grouping; one step in ten timed, each phase ending in a device "
+                  "synchronisation).", "",
+                  "| case | phase | tracked prediction s | calibrated prediction s | measured s | "
+                  "measured / tracked | measured / calibrated |", "|---|---|---:|---:|---:|---:|---:|"]
         for o in phased:
             for name, predicted, measured in o.phases:
                 ratio = measured / predicted if predicted else None
-                lines.append(f"| {o.case.name} | {name} | {predicted:.4f} | {measured:.4f} | {fmt(ratio, '.2f')} |")
+                calibrated = (sum(o.predicted_parts.get(part, 0.0) for part in groups.get(name, ()))
+                              if o.predicted_parts else None)
+                against = measured / calibrated if calibrated else None
+                lines.append(f"| {o.case.name} | {name} | {predicted:.4f} | {fmt(calibrated, '.4f')} | "
+                             f"{measured:.4f} | {fmt(ratio, '.2f')} | {fmt(against, '.2f')} |")
+    profiled = [o for o in outcomes if o.profile]
+    if profiled:
+        kinds = ["matmul", "attention", "elementwise", "communication", "copies", "optimizer"]
+        lines += ["", f"## Step {setup.profiled_step} under torch's profiler", "",
+                  "Kernel time by kind of work (`train.profile_steps`: each kernel under the operator that launched "
+                  "it; the optimizer's, whatever runs inside torch's `Optimizer.step`), beside the calibrated "
+                  "prediction's parts that price the same work: compute (matmuls and attention), memory-bound "
+                  "kernels, and the optimizer step with its offload copies. The profiler slows the step (wall).", "",
+                  "| case | wall s | " + " | ".join(f"{k} s" for k in kinds) + " | predicted compute s | "
+                  "predicted memory-bound s | predicted optimizer + offload s |",
+                  "|---|" + "---:|" * (len(kinds) + 4)]
+        for o in profiled:
+            parts = o.predicted_parts
+            lines.append(f"| {o.case.name} | {fmt(o.profile.get('wall'), '.4f')} | "
+                         + " | ".join(fmt(o.profile.get(k), '.4f') for k in kinds) + " | "
+                         f"{fmt(parts.get('compute'), '.4f')} | {fmt(parts.get('memory'), '.4f')} | "
+                         f"{fmt(parts and parts.get('optimizer', 0.0) + parts.get('offload', 0.0), '.4f')} |")
     problems = [f"- **{o.case.name}**: {o.error}" for o in outcomes if o.error]
     exports = [f"- {o.case.name}: {o.export}" for o in outcomes if o.export]
     if exports:

@@ -21,19 +21,27 @@ from helpers.tracking_server import auth_server
 
 
 @pytest.fixture(scope="session")
-def dp_reference(tmp_path_factory, migrated_store):
+def dp_reference_uri(tmp_path_factory, migrated_store):
+    """The tracking store of :func:`dp_reference`."""
+    store = tmp_path_factory.mktemp("dp-reference")
+    shutil.copyfile(migrated_store, store / "mlflow.db")
+    return f"sqlite:///{store}/mlflow.db"
+
+
+@pytest.fixture(scope="session")
+def dp_reference(dp_reference_uri):
     """The data-parallel run other layouts are compared with: dp=2, micro-batch 4, ZeRO-1, ``FAST``.
 
     Trained once per session, on the tests' shared Ray, and shared: tp, pp and universal-checkpoint
-    tests all follow this curve, each to its own justified tolerance.
+    tests all follow this curve, each to its own justified tolerance. Step 7 runs under the profiler
+    (tests/test_step_profile.py), which changes no loss.
     """
     from orch.config import to_typed
     from orch.run.driver import run_training
 
     use_shared_ray()
-    store = tmp_path_factory.mktemp("dp-reference")
-    shutil.copyfile(migrated_store, store / "mlflow.db")
-    cfg = compose_config(*FAST, f"tracking.uri=sqlite:///{store}/mlflow.db", "plan.dp=2", "plan.zero_stage=1")
+    cfg = compose_config(*FAST, f"tracking.uri={dp_reference_uri}", "plan.dp=2", "plan.zero_stage=1",
+                         "train.profile_steps=[7]")
     return run_training(*to_typed(cfg))
 
 

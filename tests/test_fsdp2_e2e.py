@@ -122,14 +122,23 @@ def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_referenc
 def test_fsdp2_trains_an_hf_llama_with_tensor_parallelism_in_bf16(local_ray, sqlite_uri):
     """The Hugging Face Llama shape on a (dp=1, tp=2) mesh: DTensor shards its layers by the
     model's own tensor-parallel plan, FSDP2 wraps each decoder layer, bf16 mixed precision, and
-    selective recomputation through the model's own switch (``gradient_checkpointing_kwargs``)."""
+    selective recomputation through the model's own switch (``gradient_checkpointing_kwargs``).
+    Step 12 runs under the profiler: the tensor-parallel all-reduces show as communication."""
+    out = io.StringIO()
     result = train(sqlite_uri, "model=hf_causal_lm", "plan.tp=2", "plan.precision=bf16",
-                   "plan.activation_checkpointing=selective")
+                   "plan.activation_checkpointing=selective", "train.profile_steps=[12]", stream=out)
     first, last = result.reports[0], result.reports[-1]
     assert last[0].loss < first[0].loss - 0.5, (first[0].loss, last[0].loss)
     # Both ranks of the tensor-parallel group read the same batch and hold half of the sharded layers.
     assert first[0].first_batch_digest == first[1].first_batch_digest
     assert all(f.model.params_on_rank < result.model.param_count for f in result.worker_facts)
+    profiled = next(reports for reports in result.reports if reports[0].step == 15)
+    for report in profiled:
+        profile, = report.profiles
+        for kind in ("matmul", "attention", "communication", "optimizer"):
+            assert profile.seconds.get(kind, 0) > 0, (report.rank, kind, profile.seconds)
+    assert "profile: step 12 profiled (operator CPU time" in out.getvalue()
+    assert "profile: traces of step 12 in the MLflow run under profile/step12/" in out.getvalue()
 
 
 def test_the_vit_fsdp_recipe_trains_a_torchvision_model(local_ray, sqlite_uri):

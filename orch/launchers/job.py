@@ -106,6 +106,9 @@ class StepReport:
     """Seconds this rank spent writing checkpoints since the last report."""
     eval_s: float = 0.0
     """Seconds this rank spent on this report's evaluation (0 without one)."""
+    profiles: list = field(default_factory=list)
+    """The steps since the last report that ran under the profiler (``train.profile_steps``):
+    :class:`orch.launchers.step_profile.StepProfile`, each with its trace."""
 
     def named_values(self) -> dict[str, float]:
         """Every value reported, by name (``loss``, ``eval_loss``, ...): what a sweep can optimize."""

@@ -111,6 +111,10 @@ class TrainWorker:
             self.start_step, self.resumed_loss = resumed.step, resumed.loss
         self.first_batch_digest: str | None = None
         self.train_batches = self._recorded(self.batches)
+        if job.train.profile_steps:
+            from orch.launchers.step_profile import prepare_profiler
+
+            prepare_profiler()
         return WorkerFacts(rank=self.rank, pid=os.getpid(), hostname=socket.gethostname(), dp_rank=coords.dp_rank,
                            tp_rank=coords.tp_rank, pp_rank=coords.pp_rank, start_step=self.start_step,
                            model=built, data_tensor_bytes=data_tensor_bytes,
@@ -170,6 +174,7 @@ class TrainWorker:
         """
         from orch.launchers.memory_probe import PeakMemoryTracker, live_tensor_bytes
         from orch.launchers.step_phases import phase_clock
+        from orch.launchers.step_profile import StepProfile, profiled_step
 
         job, plan, spec = self.job, self.job.plan, self.job.train
         interval = Interval(samples_per_step=plan.micro_batch_size * plan.grad_accum_steps,
@@ -189,6 +194,7 @@ class TrainWorker:
             yield self._report(spec.steps, self.resumed_loss, nothing, evaluating=True)
             return
         saved_s = 0.0
+        profiles: list[StepProfile] = []
         for step in range(self.start_step + 1, spec.steps + 1):
             started = time.perf_counter()
             probing = step == spec.memory_probe_step
@@ -196,11 +202,15 @@ class TrainWorker:
             probe = PeakMemoryTracker() if probing and not on_cuda else contextlib.nullcontext()
             if probing and on_cuda:
                 reset_cuda_peak(self.engine.device)
-            clock.begin(step, skip=probing)
-            with probe:
+            # A profiled step is slowed by its profiler: left out of the phase timing and the rates.
+            profiling = step in spec.profile_steps
+            clock.begin(step, skip=probing or profiling)
+            profiler = profiled_step(step, self.engine.device) if profiling else contextlib.nullcontext([])
+            with probe, profiler as taken:
                 step_loss = self.engine.train_step(self.train_batches, milestone)
             clock.end()
-            interval.add(step_loss, time.perf_counter() - started)
+            interval.add(step_loss, time.perf_counter() - started, timed=not profiling)
+            profiles += taken
             if probing:
                 measured = (cuda_memory_facts(self.engine.device) if on_cuda else
                             {"measured_peak_bytes": probe.peak, "measured_state_bytes": live_tensor_bytes()})
@@ -219,9 +229,9 @@ class TrainWorker:
                 continue
             evaluating = bool(spec.eval_every and step % spec.eval_every == 0) or last
             yield self._report(step, interval.mean_loss, interval.rates(), evaluating, phase_time_s=clock.take(),
-                               steps=interval.steps, checkpoint_s=saved_s, **measured)
+                               steps=interval.timed_steps, checkpoint_s=saved_s, profiles=profiles, **measured)
             interval.reset()
-            saved_s = 0.0
+            saved_s, profiles = 0.0, []
             if stopping:
                 return  # the driver resumes this checkpoint with another plan
 

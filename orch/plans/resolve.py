@@ -111,6 +111,24 @@ def _check_positive(field: str, value: int, violations: list[Violation]) -> None
         violations.append(Violation(field, value, "must be at least 1.", f"set {field}=1 or more"))
 
 
+def _check_profile_steps(train: TrainSpec, violations: list[Violation]) -> None:
+    """Profiled steps must be steps of the run, and not the memory-probe step, whose tensor tracker
+    would slow the step the profiler times."""
+    steps = list(train.profile_steps)
+    if outside := [step for step in steps if not 1 <= step <= train.steps]:
+        violations.append(Violation("train.profile_steps", steps,
+                                    f"step(s) {outside} are not among the run's steps 1..{train.steps} "
+                                    f"(train.steps={train.steps}).",
+                                    f"name steps from 1 to {train.steps}, e.g. train.profile_steps=[{train.steps}]"))
+    if train.memory_probe_step and train.memory_probe_step in steps:
+        other = next((s for s in range(train.steps, 0, -1) if s != train.memory_probe_step), 1)
+        violations.append(Violation("train.profile_steps", steps,
+                                    f"step {train.memory_probe_step} is train.memory_probe_step, whose memory "
+                                    "tracker slows the step the profiler would record.",
+                                    f"profile another step (e.g. train.profile_steps=[{other}]), or move "
+                                    "train.memory_probe_step"))
+
+
 def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> ResolvedPlan:
     """Return the resolved plan, or raise :class:`PlanError` listing every problem."""
     v: list[Violation] = []
@@ -121,6 +139,7 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
         _check_positive(f"plan.{name}", getattr(plan, name), v)
     _check_positive("train.steps", train.steps, v)
     _check_positive("train.log_every", train.log_every, v)
+    _check_profile_steps(train, v)
 
     tp_fits_node = plan.tp < 1 or cluster.devices_per_node < 1 or cluster.devices_per_node % plan.tp == 0
     if not tp_fits_node:

@@ -391,6 +391,10 @@ class TrainSpec:
     memory_probe_step: int = 2
     """Measure every worker's real peak tensor memory during this step (0 disables); later
     steps run unobserved, at full speed."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Run these steps under torch's profiler on every rank: each rank's trace (Chrome JSON, gzipped)
+    goes to the MLflow run under profile/, and the time by kind of work (matmul, attention, element-wise,
+    communication, copies, optimizer) is logged and printed. A profiled step is left out of the step time."""
     checkpoint_every: int = 0
     """Write a DeepSpeed checkpoint every this many steps, and at the last step (0: never)."""
     async_checkpoint: bool = False

@@ -392,6 +392,10 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
         metrics.update(rank_phase_metrics(reports, threshold, stages))
         if tracker:
             tracker.log_metrics(measurements.fresh(metrics), logged.step)
+        if any(r.profiles for r in reports):
+            from orch.tracking.profiles import record_profiles
+
+            record_profiles(tracker, reports, out)
         slowdown = plan_watch.observe(reports) if plan_watch is not None else None
         straggler = watch.observe(reports)
         for named in (slowdown, straggler):

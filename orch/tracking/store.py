@@ -489,6 +489,18 @@ class RunTracker:
     def log_text(self, text: str, artifact_file: str) -> None:
         self._best_effort(artifact_file, lambda: self.client.log_text(self.run_id, text, artifact_file))
 
+    def log_bytes(self, data: bytes, artifact_file: str) -> None:
+        """A binary artifact (a profiler's gzipped trace) at ``artifact_file`` in the run."""
+        import tempfile
+
+        def log() -> None:
+            folder, _, name = artifact_file.rpartition("/")
+            with tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / name).write_bytes(data)
+                self.client.log_artifact(self.run_id, str(Path(tmp) / name), folder or None)
+
+        self._best_effort(artifact_file, log)
+
     def log_figure(self, figure, artifact_file: str) -> None:
         self._best_effort(artifact_file, lambda: self.client.log_figure(self.run_id, figure, artifact_file))
 

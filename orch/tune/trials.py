@@ -37,7 +37,8 @@ def measuring_run(train: TrainSpec, steps: int, **changes) -> TrainSpec:
     every step reported and timed, memory probed at step 2, one evaluation batch, nothing saved,
     resumed or restarted; ``changes`` on top."""
     return dataclasses.replace(train, steps=steps, log_every=1, eval_every=0, eval_batches=1, memory_probe_step=2,
-                               checkpoint_every=0, resume=ResumeMode.never, max_failures=0, **changes)
+                               profile_steps=[], checkpoint_every=0, resume=ResumeMode.never, max_failures=0,
+                               **changes)
 
 
 def trial_config(cfg: RunConfig, plan: ResolvedPlan, index: int, parent_name: str) -> RunConfig:

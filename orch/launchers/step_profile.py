@@ -1,0 +1,159 @@
+"""One training step under torch's profiler: where its time went, by kind of work, and its trace.
+
+The phase timers (:mod:`orch.launchers.step_phases`) say how long the forward, the backward and
+the optimizer step took; they cannot say which of a phase's kernels did: whether a slow backward
+is its matmuls, its element-wise work or its collectives, which are the cost model's separate
+terms (compute, memory-bound kernels, communication, optimizer, offload copies). A step named in
+``train.profile_steps`` runs under :class:`torch.profiler.profile` instead, as torchtitan's
+``profiling`` and Accelerate's ``ProfileKwargs`` do, and its work is summed by kind:
+
+- on a GPU, the kernels' device time, each kernel counted under the operator that launched it;
+- on a CPU, the operators' own (self) CPU time.
+
+Operators are sorted by name (matmul, attention, communication, copies) and by what encloses
+them: everything inside torch's ``Optimizer.step`` and ``Optimizer.zero_grad`` records (every
+``torch.optim.Optimizer`` subclass, DeepSpeed's FusedAdam and CPU Adam among them) is the
+optimizer's. The rest is element-wise and other memory-bound work. The trace itself (Chrome's
+JSON format, gzipped) goes to the run for Perfetto or ``chrome://tracing``.
+
+The profiler slows the step it records, so that step is left out of the reported step time and
+of the phase timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("matmul", "attention", "element-wise and other", "communication", "copies", "optimizer")
+"""The kinds of work a profiled step's time is summed by, in the order they are shown."""
+
+_MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::addmv",
+                      "aten::mv", "aten::dot", "aten::_int_mm", "aten::addbmm", "aten::_addmm_activation"})
+_COPIES = frozenset({"aten::copy_", "aten::_to_copy", "aten::fill_", "aten::zero_", "aten::_pin_memory"})
+_OPTIMIZER_RECORDS = ("Optimizer.step#", "Optimizer.zero_grad#")
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """One rank's profile of one step (:func:`profiled_step`)."""
+
+    step: int
+    wall_s: float
+    """The step's wall-clock time under the profiler (slower than unprofiled)."""
+    clock: str
+    """What ``seconds`` counts: ``"device"`` (kernel time on the GPU) or ``"cpu"`` (operators' own CPU time)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Time by kind of work (:data:`KINDS`)."""
+    trace_gz: bytes = b""
+    """The step's trace in Chrome's JSON format, gzipped."""
+
+    @property
+    def busy_s(self) -> float:
+        return sum(self.seconds.values())
+
+
+def kind_of(name: str, enclosing: list[str]) -> str:
+    """The kind of work (:data:`KINDS`) of an operator named ``name`` inside the records ``enclosing``."""
+    if any(outer.startswith(_OPTIMIZER_RECORDS) for outer in [name, *enclosing]):
+        return "optimizer"
+    lowered = name.lower()
+    if (lowered.startswith("c10d::") or "nccl" in lowered or "gloo" in lowered
+            or lowered in ("record_param_comms", "allreduce", "all_gather", "reduce_scatter")):
+        return "communication"
+    if name in _MATMULS:
+        return "matmul"
+    if "attention" in lowered or "flash" in lowered:
+        return "attention"
+    if name in _COPIES or lowered.startswith("memcpy") or lowered.startswith("memset"):
+        return "copies"
+    return "element-wise and other"
+
+
+def time_by_kind(events: list[Any], *, device: bool) -> dict[str, float]:
+    """Seconds of ``events`` (torch's ``FunctionEvent``s of one profile) by kind of work: their own
+    device time when ``device`` (kernels under the operator that launched them), else their own CPU time."""
+    totals = dict.fromkeys(KINDS, 0.0)
+    for event in events:
+        if getattr(event, "device_type", None) is not None and str(event.device_type) != "DeviceType.CPU":
+            continue  # a kernel itself: counted under the CPU operator that launched it
+        micros = event.self_device_time_total if device else event.self_cpu_time_total
+        if micros <= 0:
+            continue
+        enclosing, parent = [], event.cpu_parent
+        while parent is not None:
+            enclosing.append(parent.name)
+            parent = parent.cpu_parent
+        totals[kind_of(event.name, enclosing)] += micros / 1e6
+    return {kind: seconds for kind, seconds in totals.items() if seconds > 0}
+
+
+def prepare_profiler() -> None:
+    """Start torch's profiler library on the calling (the worker's main) thread, once, quietly.
+
+    Kineto registers itself on the thread that imported torch and prints an error ("External
+    init callback must run in same thread") to the process's stderr when a profiler first starts
+    on another one, as a Ray actor's method and training threads are, although profiling works;
+    this first, empty start is made with that stream pointed away. It also logs each start and
+    stop: ``KINETO_LOG_LEVEL`` (read at its first use) keeps it quiet unless the user set a level.
+    """
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            with profile(activities=[ProfilerActivity.CPU]):
+                pass
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def profiled_step(step: int, device: Any) -> Iterator[list[StepProfile]]:
+    """Profile what runs inside; the :class:`StepProfile` is appended to the yielded list at the end."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = getattr(device, "type", "cpu") == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])]
+    out: list[StepProfile] = []
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        yield out
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - started
+    seconds = time_by_kind(list(prof.events()), device=on_cuda)
+    out.append(StepProfile(step=step, wall_s=wall, clock="device" if on_cuda else "cpu", seconds=seconds,
+                           trace_gz=_trace_gz(prof)))
+
+
+def _trace_gz(prof: Any) -> bytes:
+    """The profile's Chrome trace, gzipped (torch writes it to a file only)."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as trace:
+            return gzip.compress(trace.read(), compresslevel=6)
+    finally:
+        os.unlink(path)
+
+
+def summary(profile: StepProfile) -> str:
+    """One line: the step's time by kind of work."""
+    what = "kernel time" if profile.clock == "device" else "operator CPU time"
+    parts = ", ".join(f"{kind} {profile.seconds[kind]:.3f} s" for kind in KINDS if kind in profile.seconds)
+    return f"step {profile.step} profiled ({what} {profile.busy_s:.3f} s of {profile.wall_s:.3f} s wall): {parts}"

@@ -1,0 +1,114 @@
+"""`train.profile_steps`: a step under torch's profiler, its time by kind of work, its trace in the run.
+
+The summing is checked on a real profile of a real step here; the end-to-end runs (DeepSpeed in
+the shared dp=2 reference run, FSDP2 with tensor parallelism in tests/test_fsdp2_e2e.py) check
+that every rank's profile reaches the MLflow run.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from helpers.config import FAST, compose_config
+from orch.config import to_typed
+from orch.plans.errors import PlanError
+from orch.plans.resolve import resolve_plan
+
+
+def test_kinds_of_work_come_from_the_operator_and_what_encloses_it():
+    from orch.launchers.step_profile import kind_of
+
+    assert kind_of("aten::mm", []) == kind_of("aten::addmm", ["aten::linear"]) == "matmul"
+    assert kind_of("aten::_flash_attention_forward", []) == "attention"
+    assert kind_of("aten::_scaled_dot_product_flash_attention_for_cpu", []) == "attention"
+    assert kind_of("c10d::allreduce_", []) == kind_of("nccl:all_reduce", []) == "communication"
+    assert kind_of("record_param_comms", []) == kind_of("gloo:all_gather", []) == "communication"
+    assert kind_of("aten::copy_", []) == kind_of("Memcpy HtoD (Pinned -> Device)", []) == "copies"
+    assert kind_of("aten::gelu", []) == kind_of("aten::native_layer_norm", []) == "element-wise and other"
+    # Whatever an optimizer's step runs is the optimizer's, its foreach additions and copies too; the
+    # record itself holds the time of an extension's own kernel (DeepSpeed's FusedAdam, CPU Adam).
+    assert kind_of("aten::_foreach_add_", ["Optimizer.step#AdamW.step"]) == "optimizer"
+    assert kind_of("aten::copy_", ["aten::to", "Optimizer.step#DeepSpeedCPUAdam.step"]) == "optimizer"
+    assert kind_of("Optimizer.step#FusedAdam.step", []) == "optimizer"
+    assert kind_of("aten::zero_", ["Optimizer.zero_grad#AdamW.zero_grad"]) == "optimizer"
+
+
+def test_a_profiled_step_is_summed_by_kind_of_work_and_keeps_its_trace():
+    """A real step (forward with attention, backward, clipping, AdamW) under the real profiler."""
+    import torch
+
+    from orch.launchers.step_profile import prepare_profiler, profiled_step, summary
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(32, 64)
+    prepare_profiler()
+    with profiled_step(7, torch.device("cpu")) as taken:
+        attended = torch.nn.functional.scaled_dot_product_attention(x[None], x[None], x[None])[0]
+        model(attended).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    profile, = taken
+    assert profile.step == 7 and profile.clock == "cpu"
+    for kind in ("matmul", "attention", "element-wise and other", "optimizer"):
+        assert profile.seconds[kind] > 0, (kind, profile.seconds)
+    assert 0 < profile.busy_s <= profile.wall_s
+    trace = json.loads(gzip.decompress(profile.trace_gz))
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert "aten::mm" in names and any(str(name).startswith("Optimizer.step#AdamW") for name in names)
+    assert summary(profile).startswith("step 7 profiled (operator CPU time ")
+
+
+def test_a_profiled_step_stays_out_of_the_reported_step_time():
+    from orch.launchers.step_interval import Interval
+
+    interval = Interval(samples_per_step=4, tokens_per_sample=None)
+    interval.add(2.0, 0.1)
+    interval.add(4.0, 5.0, timed=False)  # under the profiler
+    interval.add(3.0, 0.3)
+    assert interval.mean_loss == 3.0 and interval.timed_steps == 2
+    assert interval.rates()["step_time_s"] == pytest.approx(0.2)
+    interval.reset()
+    interval.add(1.0, 5.0, timed=False)  # an interval of the profiled step alone still has a time
+    assert interval.rates()["step_time_s"] == 5.0 and interval.timed_steps == 1
+
+
+@pytest.mark.parametrize(("steps", "said"), [
+    ("[31]", "train.profile_steps=[31]: step(s) [31] are not among the run's steps 1..30 (train.steps=30). "
+             "Fix: name steps from 1 to 30, e.g. train.profile_steps=[30]"),
+    ("[0,5]", "train.profile_steps=[0, 5]: step(s) [0] are not among the run's steps 1..30"),
+    ("[2]", "train.profile_steps=[2]: step 2 is train.memory_probe_step, whose memory tracker slows the step the "
+            "profiler would record. Fix: profile another step (e.g. train.profile_steps=[30]), or move "
+            "train.memory_probe_step"),
+])
+def test_profiled_steps_must_be_steps_of_the_run_and_not_the_memory_probe(steps, said):
+    typed, _, _ = to_typed(compose_config(*FAST, f"train.profile_steps={steps}"))
+    with pytest.raises(PlanError) as raised:
+        resolve_plan(typed.plan, typed.cluster, typed.train)
+    assert said in str(raised.value)
+
+
+@pytest.mark.slow
+def test_every_rank_of_a_deepspeed_run_profiles_its_step_into_the_run(dp_reference, dp_reference_uri):
+    """The shared dp=2 ZeRO-1 reference run profiles step 7 (conftest): each rank's trace is an
+    artifact of the run, the slowest rank's time by kind a metric, and step 7 is out of the
+    step time of the report that holds it (steps 6-10)."""
+    from mlflow.tracking import MlflowClient
+
+    report = next(reports for reports in dp_reference.reports if reports[0].step == 10)
+    assert all(r.steps == 4 for r in report)  # step 7 left out
+    profiles = {r.rank: r.profiles for r in report}
+    assert sorted(profiles) == [0, 1] and all(len(p) == 1 and p[0].step == 7 for p in profiles.values())
+    for (profile,) in profiles.values():
+        # Gloo's all-reduce of ZeRO-1's gradients, DeepSpeed's optimizer (its FusedAdam on CPU is torch's AdamW).
+        for kind in ("matmul", "communication", "optimizer"):
+            assert profile.seconds.get(kind, 0) > 0, (kind, profile.seconds)
+    client = MlflowClient(dp_reference_uri)
+    metrics = client.get_run(dp_reference.run_id).data.metrics
+    assert metrics["profile/matmul_s"] > 0 and metrics["profile/rank1/optimizer_s"] > 0
+    traces = [a.path for a in client.list_artifacts(dp_reference.run_id, "profile/step7")]
+    assert traces == ["profile/step7/rank0.trace.json.gz", "profile/step7/rank1.trace.json.gz"]
