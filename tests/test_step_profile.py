@@ -77,6 +77,26 @@ def test_a_profiled_step_stays_out_of_the_reported_step_time():
     assert interval.rates()["step_time_s"] == 5.0 and interval.timed_steps == 1
 
 
+def test_a_profiled_steps_kinds_of_work_meet_the_predicted_parts_that_price_them():
+    from orch.tracking.step_prediction import compare_parts, most_wrong, profiled_kinds
+
+    metrics = {"profile/matmul_s": 0.08, "profile/attention_s": 0.02, "profile/elementwise_s": 0.05,
+               "profile/optimizer_s": 0.03, "profile/copies_s": 0.01, "profile/wall_s": 0.25,
+               "profile/rank1/matmul_s": 0.09, "step_phase/forward_s": 0.1}
+    kinds = profiled_kinds(metrics)
+    assert kinds == {"matmul": 0.08, "attention": 0.02, "elementwise": 0.05, "optimizer": 0.03, "copies": 0.01,
+                     "wall": 0.25}
+    parts = {"compute": 0.09, "memory": 0.02, "bubble": 0.0, "tp": 0.0, "dp": 0.0, "pp": 0.0, "offload": 0.005,
+             "optimizer": 0.01, "zero3_hooks": 0.0}
+    rows = compare_parts(parts, kinds)
+    # No communication either way: no row for it.
+    assert [row.name for row in rows] == ["compute (matmul, attention)", "memory-bound (element-wise, other)",
+                                          "optimizer and offload copies"]
+    assert [row.predicted_s for row in rows] == pytest.approx([0.09, 0.02, 0.015])
+    assert [row.measured_s for row in rows] == pytest.approx([0.10, 0.05, 0.04])
+    assert most_wrong(compare_parts(parts, kinds)).name == "memory-bound (element-wise, other)"
+
+
 @pytest.mark.parametrize(("steps", "said"), [
     ("[31]", "train.profile_steps=[31]: step(s) [31] are not among the run's steps 1..30 (train.steps=30). "
              "Fix: name steps from 1 to 30, e.g. train.profile_steps=[30]"),
@@ -112,3 +132,11 @@ def test_every_rank_of_a_deepspeed_run_profiles_its_step_into_the_run(dp_referen
     assert metrics["profile/matmul_s"] > 0 and metrics["profile/rank1/optimizer_s"] > 0
     traces = [a.path for a in client.list_artifacts(dp_reference.run_id, "profile/step7")]
     assert traces == ["profile/step7/rank0.trace.json.gz", "profile/step7/rank1.trace.json.gz"]
+    # `orch report`'s step-time lines set the profiled kinds beside the predicted parts.
+    from orch.tracking.step_prediction import step_time_lines
+
+    run = client.get_run(dp_reference.run_id)
+    lines = step_time_lines(client, dp_reference.run_id, run.data.params, run.data.metrics)
+    assert "profiled step 7: the slowest rank's operators' CPU time by kind of work" in "\n".join(lines)
+    assert any(line.strip().startswith("compute (matmul, attention)") for line in lines)
+    assert lines[-1].startswith("  most wrong part: ")

@@ -30,6 +30,7 @@ def record_profiles(tracker, reports: list, out) -> None:
         print(f"profile: {summary(slowest)} (rank {rank}, the slowest of {len(ranked)})", file=out, flush=True)
         if tracker is None:
             continue
+        tracker.set_tags({f"{PROFILE_METRIC}.clock": slowest.clock})
         metrics = {f"{PROFILE_METRIC}/{profile_metric_name(kind)}_s": s for kind, s in slowest.seconds.items()}
         metrics[f"{PROFILE_METRIC}/wall_s"] = slowest.wall_s
         for r, profile in ranked:

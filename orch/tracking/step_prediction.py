@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orch.plans.step_time.phases import phase_groups
+from orch.tracking.profiles import PROFILE_METRIC
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -71,6 +72,57 @@ def compare_phases(parts_s: dict[str, float], phases_s: dict[str, float]) -> lis
 def most_wrong(comparisons: list[PhaseComparison]) -> PhaseComparison:
     """The phase whose prediction is furthest off, in seconds."""
     return max(comparisons, key=lambda c: abs(c.error_s))
+
+
+PROFILED_PARTS = (
+    ("compute (matmul, attention)", ("compute",), ("matmul", "attention")),
+    ("memory-bound (element-wise, other)", ("memory",), ("elementwise",)),
+    ("communication", ("tp", "dp", "pp"), ("communication",)),
+    ("optimizer and offload copies", ("optimizer", "offload"), ("optimizer", "copies")),
+)
+"""(name, predicted parts, profiled kinds of work) that price and measure the same work: a profiled
+step (``train.profile_steps``, :mod:`orch.launchers.step_profile`) splits what phase timers cannot,
+the matmuls of a backward from its element-wise kernels and its collectives. ZeRO-3's hooks and a
+pipeline's bubble are host time and waiting, which no kind of work holds."""
+
+
+def compare_parts(parts_s: dict[str, float], kinds_s: dict[str, float]) -> list[PhaseComparison]:
+    """The predicted parts against a profiled step's time by kind of work, where either is non-zero."""
+    rows = [PhaseComparison(name, sum(parts_s.get(part, 0.0) for part in parts),
+                            sum(kinds_s.get(kind, 0.0) for kind in kinds), parts)
+            for name, parts, kinds in PROFILED_PARTS]
+    return [row for row in rows if row.predicted_s > 0 or row.measured_s > 0]
+
+
+def profiled_kinds(metrics: dict[str, float]) -> dict[str, float]:
+    """The last profiled step's seconds by kind of work, the slowest rank's (``profile/<kind>_s``),
+    and its ``wall``."""
+    prefix = f"{PROFILE_METRIC}/"
+    return {key[len(prefix):-len("_s")]: value for key, value in metrics.items()
+            if key.startswith(prefix) and key.endswith("_s") and "/" not in key[len(prefix):]}
+
+
+def profiled_part_lines(client: MlflowClient, run_id: str, params: dict[str, str],
+                        metrics: dict[str, float]) -> list[str]:
+    """The predicted parts beside the last profiled step's kinds of work, naming the part furthest off
+    ([] when the run profiled no step or tracked no prediction)."""
+    kinds = profiled_kinds(metrics)
+    if not kinds or f"{PREDICTED_STEP_PARAM}.total_s" not in params:
+        return []
+    rows = compare_parts(predicted_parts(params), kinds)
+    history = client.get_metric_history(run_id, f"{PROFILE_METRIC}/wall_s")
+    step = max((point.step for point in history), default=None)
+    clock = client.get_run(run_id).data.tags.get(f"{PROFILE_METRIC}.clock", "")
+    what = {"device": "kernel time", "cpu": "operators' CPU time"}.get(clock, "time")
+    lines = [f"profiled step {step}: the slowest rank's {what} by kind of work, {kinds.get('wall', 0.0):.4g} s wall "
+             "under the profiler"]
+    for row in rows:
+        lines.append(f"  {row.name:<36} measured {f'{row.measured_s:.3g} s':>10}  "
+                     f"predicted {f'{row.predicted_s:.3g} s':>10}")
+    worst = most_wrong(rows)
+    ratio = f", {worst.measured_s / worst.predicted_s:.2f}x" if worst.predicted_s > 0 else ""
+    lines.append(f"  most wrong part: {worst.name}, {worst.error_s:+.4g} s per step{ratio}")
+    return lines
 
 
 def _later_median(client: MlflowClient, run_id: str, key: str) -> tuple[float, int, int] | None:
@@ -136,4 +188,4 @@ def step_time_lines(client: MlflowClient, run_id: str, params: dict[str, str],
     ratio = f", {worst.measured_s / worst.predicted_s:.2f}x" if worst.predicted_s > 0 else ""
     lines.append(f"  most wrong: {worst.name}, {worst.error_s:+.4g} s per step{ratio} (phases: the slowest "
                  "rank's sampled steps)")
-    return lines
+    return lines + profiled_part_lines(client, run_id, params, metrics or {})
