@@ -27,13 +27,31 @@ def test_kinds_of_work_come_from_the_operator_and_what_encloses_it():
     assert kind_of("c10d::allreduce_", []) == kind_of("nccl:all_reduce", []) == "communication"
     assert kind_of("record_param_comms", []) == kind_of("gloo:all_gather", []) == "communication"
     assert kind_of("aten::copy_", []) == kind_of("Memcpy HtoD (Pinned -> Device)", []) == "copies"
+    assert kind_of("_c10d_functional::wait_tensor", []) == "communication"  # FSDP2's functional collectives
     assert kind_of("aten::gelu", []) == kind_of("aten::native_layer_norm", []) == "element-wise and other"
+    # A framework record's own CPU time is Python: host time. On a device it is kernels it launched itself.
+    assert kind_of("FSDP::pre_forward (blocks.0)", []) == kind_of("PythonSubclass", []) == "host"
+    assert kind_of("autograd::engine::evaluate_function: AddmmBackward0", []) == "host"
+    assert kind_of("## Call CompiledFxGraph ##", [], device=True) == "element-wise and other"
     # Whatever an optimizer's step runs is the optimizer's, its foreach additions and copies too; the
     # record itself holds the time of an extension's own kernel (DeepSpeed's FusedAdam, CPU Adam).
     assert kind_of("aten::_foreach_add_", ["Optimizer.step#AdamW.step"]) == "optimizer"
     assert kind_of("aten::copy_", ["aten::to", "Optimizer.step#DeepSpeedCPUAdam.step"]) == "optimizer"
     assert kind_of("Optimizer.step#FusedAdam.step", []) == "optimizer"
     assert kind_of("aten::zero_", ["Optimizer.zero_grad#AdamW.zero_grad"]) == "optimizer"
+    # Everything in the step's optimizer phase (gradient clipping too) is the optimizer's.
+    assert kind_of("aten::linalg_vector_norm", [], phase="optimizer") == "optimizer"
+    assert kind_of("aten::mm", [], phase="backward") == "matmul"
+
+
+def test_an_operator_knows_its_phase_from_the_innermost_phase_range():
+    from orch.launchers.step_profile import phase_of
+
+    phases = ["forward", "backward", "optimizer"]
+    assert phase_of(["aten::linear", "orch.phase#2", "ProfilerStep"], phases) == "optimizer"
+    assert phase_of(["orch.phase#0"], phases) == "forward"
+    assert phase_of(["orch.phase#3"], phases) == "other"  # after the last milestone
+    assert phase_of(["aten::linear"], phases) == ""
 
 
 def test_a_profiled_step_is_summed_by_kind_of_work_and_keeps_its_trace():
@@ -44,15 +62,23 @@ def test_a_profiled_step_is_summed_by_kind_of_work_and_keeps_its_trace():
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     optimizer = torch.optim.AdamW(model.parameters())
-    x = torch.randn(32, 64)
+    x, big = torch.randn(32, 64), torch.randn(768, 768)
     prepare_profiler()
-    with profiled_step(7, torch.device("cpu")) as taken:
+    named = []
+    with profiled_step(7, torch.device("cpu"), named.append) as profiled:
         attended = torch.nn.functional.scaled_dot_product_attention(x[None], x[None], x[None])[0]
-        model(attended).pow(2).mean().backward()
+        loss = model(attended).pow(2).mean()
+        profiled.milestone("forward")
+        loss.backward()
+        profiled.milestone("backward")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        big @ big  # a matmul in the optimizer phase is the optimizer's work, not a model matmul
         optimizer.step()
         optimizer.zero_grad()
-    profile, = taken
+        profiled.milestone("optimizer")
+    assert named == ["forward", "backward", "optimizer"]  # the engine's milestones still reach the worker
+    profile, = profiled.profiles
+    assert profile.seconds["optimizer"] > profile.seconds["matmul"]
     assert profile.step == 7 and profile.clock == "cpu"
     for kind in ("matmul", "attention", "element-wise and other", "optimizer"):
         assert profile.seconds[kind] > 0, (kind, profile.seconds)
@@ -60,6 +86,7 @@ def test_a_profiled_step_is_summed_by_kind_of_work_and_keeps_its_trace():
     trace = json.loads(gzip.decompress(profile.trace_gz))
     names = {event.get("name") for event in trace["traceEvents"]}
     assert "aten::mm" in names and any(str(name).startswith("Optimizer.step#AdamW") for name in names)
+    assert {"orch.phase#0", "orch.phase#1", "orch.phase#2", "orch.phase#3"} <= names
     assert summary(profile).startswith("step 7 profiled (operator CPU time ")
 
 

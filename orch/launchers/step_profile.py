@@ -10,11 +10,17 @@ terms (compute, memory-bound kernels, communication, optimizer, offload copies).
 - on a GPU, the kernels' device time, each kernel counted under the operator that launched it;
 - on a CPU, the operators' own (self) CPU time.
 
-Operators are sorted by name (matmul, attention, communication, copies) and by what encloses
-them: everything inside torch's ``Optimizer.step`` and ``Optimizer.zero_grad`` records (every
-``torch.optim.Optimizer`` subclass, DeepSpeed's FusedAdam and CPU Adam among them) is the
-optimizer's. The rest is element-wise and other memory-bound work. The trace itself (Chrome's
-JSON format, gzipped) goes to the run for Perfetto or ``chrome://tracing``.
+Operators are sorted by the step's phase and by name; on a CPU, the own time of framework
+records that are not operators (FSDP's hooks, autograd's bookkeeping, DTensor's dispatch) is
+*host* time, the Python between operators. The engine names each phase as it ends
+(its milestones); in a profiled step each phase is also a record range (``orch.phase#<i>``), so
+every operator knows its phase: whatever runs in the optimizer step's phase (the update, gradient
+clipping, an offloaded optimizer's copies) is the optimizer's, as is whatever runs inside torch's
+``Optimizer.step`` and ``Optimizer.zero_grad`` records (every ``torch.optim.Optimizer`` subclass,
+DeepSpeed's FusedAdam and CPU Adam among them) wherever it falls. The rest is sorted by name
+(matmul, attention, communication, copies), and what is left is element-wise and other
+memory-bound work. The trace itself (Chrome's JSON format, gzipped) goes to the run for Perfetto
+or ``chrome://tracing``, its phases marked.
 
 The profiler slows the step it records, so that step is left out of the reported step time and
 of the phase timing.
@@ -27,17 +33,20 @@ import gzip
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("matmul", "attention", "element-wise and other", "communication", "copies", "optimizer")
+KINDS = ("matmul", "attention", "element-wise and other", "communication", "copies", "optimizer", "host")
 """The kinds of work a profiled step's time is summed by, in the order they are shown."""
 
 _MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::addmv",
                       "aten::mv", "aten::dot", "aten::_int_mm", "aten::addbmm", "aten::_addmm_activation"})
 _COPIES = frozenset({"aten::copy_", "aten::_to_copy", "aten::fill_", "aten::zero_", "aten::_pin_memory"})
 _OPTIMIZER_RECORDS = ("Optimizer.step#", "Optimizer.zero_grad#")
+_OPERATORS = ("aten::", "prims::", "c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param_comms")
+"""Names of operators (work) rather than of framework records (FSDP's ``FSDP::pre_forward``,
+autograd's ``evaluate_function``, DTensor's ``PythonSubclass``), whose own CPU time is Python."""
 
 
 @dataclass(frozen=True)
@@ -59,39 +68,96 @@ class StepProfile:
         return sum(self.seconds.values())
 
 
-def kind_of(name: str, enclosing: list[str]) -> str:
-    """The kind of work (:data:`KINDS`) of an operator named ``name`` inside the records ``enclosing``."""
-    if any(outer.startswith(_OPTIMIZER_RECORDS) for outer in [name, *enclosing]):
+PHASE_RANGE = "orch.phase#"
+"""The record range of a profiled step's ``i``-th phase: ``orch.phase#<i>`` (:class:`PhaseRanges`)."""
+
+
+def kind_of(name: str, enclosing: list[str], phase: str = "", *, device: bool = False) -> str:
+    """The kind of work (:data:`KINDS`) of an operator named ``name`` inside the records ``enclosing``
+    (innermost first), in the step's phase ``phase``, its time counted on the device or not."""
+    if phase == "optimizer" or any(outer.startswith(_OPTIMIZER_RECORDS) for outer in [name, *enclosing]):
         return "optimizer"
     lowered = name.lower()
-    if (lowered.startswith("c10d::") or "nccl" in lowered or "gloo" in lowered
-            or lowered in ("record_param_comms", "allreduce", "all_gather", "reduce_scatter")):
+    if "c10d" in lowered or "nccl" in lowered or "gloo" in lowered or lowered == "record_param_comms":
         return "communication"
     if name in _MATMULS:
         return "matmul"
-    if "attention" in lowered or "flash" in lowered:
+    if name.startswith("aten::") and ("attention" in lowered or "flash" in lowered):
         return "attention"
     if name in _COPIES or lowered.startswith("memcpy") or lowered.startswith("memset"):
         return "copies"
+    if not device and not name.startswith(_OPERATORS):
+        # A framework record's own CPU time is its Python (hooks, DTensor dispatch, autograd's
+        # bookkeeping); on a device, what a record launches itself is kernels (compiled, extensions).
+        return "host"
     return "element-wise and other"
 
 
-def time_by_kind(events: list[Any], *, device: bool) -> dict[str, float]:
+def phase_of(enclosing: list[str], phases: list[str]) -> str:
+    """The phase an operator ran in, from the innermost phase range around it (:class:`PhaseRanges`);
+    ``""`` outside them."""
+    for outer in enclosing:
+        if outer.startswith(PHASE_RANGE):
+            index = int(outer[len(PHASE_RANGE):])
+            return phases[index] if index < len(phases) else "other"
+    return ""
+
+
+def time_by_kind(events: list[Any], *, device: bool, phases: list[str] = ()) -> dict[str, float]:
     """Seconds of ``events`` (torch's ``FunctionEvent``s of one profile) by kind of work: their own
-    device time when ``device`` (kernels under the operator that launched them), else their own CPU time."""
+    device time when ``device`` (kernels under the operator that launched them), else their own CPU
+    time. ``phases`` names the step's phase ranges in order."""
     totals = dict.fromkeys(KINDS, 0.0)
     for event in events:
         if getattr(event, "device_type", None) is not None and str(event.device_type) != "DeviceType.CPU":
             continue  # a kernel itself: counted under the CPU operator that launched it
         micros = event.self_device_time_total if device else event.self_cpu_time_total
-        if micros <= 0:
-            continue
+        if micros <= 0 or event.name.startswith(PHASE_RANGE):
+            continue  # a phase range's own time is the Python between operators, no kind of work
         enclosing, parent = [], event.cpu_parent
         while parent is not None:
             enclosing.append(parent.name)
             parent = parent.cpu_parent
-        totals[kind_of(event.name, enclosing)] += micros / 1e6
+        totals[kind_of(event.name, enclosing, phase_of(enclosing, list(phases)), device=device)] += micros / 1e6
     return {kind: seconds for kind, seconds in totals.items() if seconds > 0}
+
+
+class PhaseRanges:
+    """Each phase of a profiled step as a record range, ``orch.phase#<i>``, opened at the step's start
+    and at each milestone, closed at the next: the profile's operators then know their phase."""
+
+    def __init__(self) -> None:
+        self.phases: list[str] = []
+        self._range: Any = None
+        self._open()
+
+    def _open(self) -> None:
+        from torch.profiler import record_function
+
+        self._range = record_function(f"{PHASE_RANGE}{len(self.phases)}")
+        self._range.__enter__()
+
+    def milestone(self, phase: str = "") -> None:
+        """The phase ``phase`` ended (the engine's milestone); the next one starts."""
+        self._range.__exit__(None, None, None)
+        self.phases.append(phase or "other")
+        self._open()
+
+    def close(self) -> None:
+        self._range.__exit__(None, None, None)
+
+
+class ProfiledStep:
+    """What :func:`profiled_step` yields: the milestone to give the engine, and the profile once done."""
+
+    def __init__(self, milestone: Callable[[str], None]) -> None:
+        self._milestone = milestone
+        self.ranges = PhaseRanges()
+        self.profiles: list[StepProfile] = []
+
+    def milestone(self, phase: str = "") -> None:
+        self._milestone(phase)
+        self.ranges.milestone(phase)
 
 
 def prepare_profiler() -> None:
@@ -121,23 +187,27 @@ def prepare_profiler() -> None:
 
 
 @contextlib.contextmanager
-def profiled_step(step: int, device: Any) -> Iterator[list[StepProfile]]:
-    """Profile what runs inside; the :class:`StepProfile` is appended to the yielded list at the end."""
+def profiled_step(step: int, device: Any, milestone: Callable[[str], None]) -> Iterator[ProfiledStep]:
+    """Profile the step run inside, whose engine calls the yielded object's ``milestone`` (which
+    calls ``milestone``); its :class:`StepProfile` is in the object's ``profiles`` at the end."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = getattr(device, "type", "cpu") == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])]
-    out: list[StepProfile] = []
     with profile(activities=activities) as prof:
         started = time.perf_counter()
-        yield out
+        profiled = ProfiledStep(milestone)
+        try:
+            yield profiled
+        finally:
+            profiled.ranges.close()
         if on_cuda:
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - started
-    seconds = time_by_kind(list(prof.events()), device=on_cuda)
-    out.append(StepProfile(step=step, wall_s=wall, clock="device" if on_cuda else "cpu", seconds=seconds,
-                           trace_gz=_trace_gz(prof)))
+    seconds = time_by_kind(list(prof.events()), device=on_cuda, phases=profiled.ranges.phases)
+    profiled.profiles.append(StepProfile(step=step, wall_s=wall, clock="device" if on_cuda else "cpu",
+                                         seconds=seconds, trace_gz=_trace_gz(prof)))
 
 
 def _trace_gz(prof: Any) -> bytes:

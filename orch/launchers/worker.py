@@ -205,12 +205,14 @@ class TrainWorker:
             # A profiled step is slowed by its profiler: left out of the phase timing and the rates.
             profiling = step in spec.profile_steps
             clock.begin(step, skip=probing or profiling)
-            profiler = profiled_step(step, self.engine.device) if profiling else contextlib.nullcontext([])
-            with probe, profiler as taken:
-                step_loss = self.engine.train_step(self.train_batches, milestone)
+            profiler = profiled_step(step, self.engine.device, milestone) if profiling else contextlib.nullcontext()
+            with probe, profiler as profiled:
+                step_loss = self.engine.train_step(self.train_batches,
+                                                   profiled.milestone if profiled is not None else milestone)
             clock.end()
             interval.add(step_loss, time.perf_counter() - started, timed=not profiling)
-            profiles += taken
+            if profiled is not None:
+                profiles += profiled.profiles
             if probing:
                 measured = (cuda_memory_facts(self.engine.device) if on_cuda else
                             {"measured_peak_bytes": probe.peak, "measured_state_bytes": live_tensor_bytes()})

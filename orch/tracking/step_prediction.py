@@ -79,11 +79,12 @@ PROFILED_PARTS = (
     ("memory-bound (element-wise, other)", ("memory",), ("elementwise",)),
     ("communication", ("tp", "dp", "pp"), ("communication",)),
     ("optimizer and offload copies", ("optimizer", "offload"), ("optimizer", "copies")),
+    ("host: framework Python, ZeRO-3 hooks", ("zero3_hooks",), ("host",)),
 )
 """(name, predicted parts, profiled kinds of work) that price and measure the same work: a profiled
 step (``train.profile_steps``, :mod:`orch.launchers.step_profile`) splits what phase timers cannot,
-the matmuls of a backward from its element-wise kernels and its collectives. ZeRO-3's hooks and a
-pipeline's bubble are host time and waiting, which no kind of work holds."""
+the matmuls of a backward from its element-wise kernels and its collectives. A pipeline's bubble
+is waiting, which no kind of work holds."""
 
 
 def compare_parts(parts_s: dict[str, float], kinds_s: dict[str, float]) -> list[PhaseComparison]:
