@@ -254,9 +254,12 @@ def test_tampered_checkpoint_is_refused_before_dcp_reads_it(gpt_run, tmp_path):
 def test_hf_llama_at_tp2_uses_its_own_tp_plan_and_resumes_at_tp1(tmp_path):
     """dp=1 x tp=2 in fp32, blocks kept gathered after forward and checkpointed through the model's
     own switch: the sharded model's first loss is the unsharded one's, to fp32 rounding; its
-    checkpoint loads into one unsharded rank."""
+    checkpoint loads into one unsharded rank. A large gradient, its DTensors on two meshes (the
+    sharded layers' (dp, tp) and the replicated ones' dp), is clipped to exactly the global norm asked."""
     found = _spawn("train_and_save", 2, tmp_path, model="llama", tp=2, precision="fp32", reshard=False,
-                   checkpointing=True)
+                   checkpointing=True, check_clip=True)
+    before, after = found["clipped"]
+    assert before > 5 and after == pytest.approx(0.5, rel=1e-4)
     resumed = _spawn("resume", 1, tmp_path, model="llama", precision="fp32")
     assert resumed["weights_equal"] and resumed["step"] == 6
     assert resumed["eval"]["loss"] == pytest.approx(found["eval"]["loss"], rel=1e-5)

@@ -122,10 +122,24 @@ def _shapes(state: dict) -> dict[str, list[int]]:
     return {name: list(tensor.shape) for name, tensor in state.items()}
 
 
+def _clipped_norms(engine, job, model: str) -> list[float]:
+    """The gradient norm of a large loss before and after the engine clips it to 0.5 (its gradients
+    are then dropped): the scaling must bring DTensors of every mesh to the same global norm."""
+    from orch.launchers.engines.fsdp2.engine import clip_grad_norm
+
+    (job.workload.loss(engine.model, batch(model, 0)) * 1e3).backward()
+    before = clip_grad_norm(engine.model.parameters(), 0.5)
+    after = clip_grad_norm(engine.model.parameters(), 1e9)
+    engine.optimizer.zero_grad(set_to_none=True)
+    return [before, after]
+
+
 def train_and_save(rank: int, world: int, out: Path, *, model: str, tp: int = 1, steps: int = 6,
-                   checkpointing: bool = False, accum: int = 2, precision: str = "bf16", **plan: bool) -> dict:
+                   checkpointing: bool = False, accum: int = 2, precision: str = "bf16", check_clip: bool = False,
+                   **plan: bool) -> dict:
     """Train ``steps`` steps, save and publish a checkpoint, and consolidate the weights (``plan``:
-    :func:`make_job`'s hybrid, reshard and offload)."""
+    :func:`make_job`'s hybrid, reshard and offload); with ``check_clip``, clip a large gradient
+    (:func:`_clipped_norms`) before saving."""
     from orch.launchers.checkpoint import publish, tag_for
 
     job = make_job(model, world=world, tp=tp, accum=accum, steps=steps + 4, checkpointing=checkpointing,
@@ -136,6 +150,7 @@ def train_and_save(rank: int, world: int, out: Path, *, model: str, tp: int = 1,
     for _ in range(steps):
         losses.append(engine.train_step(source, lambda phase="": None))
         lrs.append(engine.lr())
+    clipped = _clipped_norms(engine, job, model) if check_clip else None
     evaluation = engine.evaluate(iter([batch(model, 0)]), 1)
     root = out / "checkpoints"
     engine.save(str(root), tag_for(steps), {"step": steps, "rng": torch.get_rng_state(), "layout": {"dp": world // tp}})
@@ -145,7 +160,7 @@ def train_and_save(rank: int, world: int, out: Path, *, model: str, tp: int = 1,
     torch.distributed.barrier()
     full = engine.consolidated_state()
     found = {"losses": losses, "lrs": lrs, "eval": evaluation, "built": built.built, "optimizer": built.optimizer,
-             "params_at_build": built.params_at_build, "params_on_rank": built.params_on_rank}
+             "params_at_build": built.params_at_build, "params_on_rank": built.params_on_rank, "clipped": clipped}
     if rank == 0:
         torch.manual_seed(job.train.seed)
         whole = MODELS[model]()
