@@ -274,6 +274,10 @@ def _reference_lines(outcomes: list) -> list[str]:
         ratios = ", ".join(f"{phase.phase} x{phase.measured_s / phase.predicted_s:.2f}"
                            for phase in outcome.observation.phases if phase.predicted_s > 0)
         lines.append(f"  {label:<52} {ratios}  (run {outcome.observation.run_id})")
+        if outcome.observation.parts:
+            lines.append(f"  {'':<52} its profiled step by kind of work: " + ", ".join(
+                f"{part.phase} x{part.measured_s / part.predicted_s:.2f}" if part.predicted_s > 0
+                else f"{part.phase} {part.measured_s:.3g} s (priced at nothing)" for part in outcome.observation.parts))
     return lines
 
 
@@ -300,7 +304,7 @@ def observe_run(client, run_id: str, measured: MeasuredSpeeds, *, reference: boo
 
     from mlflow.exceptions import MlflowException
 
-    from orch.tracking.step_prediction import PREDICTED_STEP_PARAM, phase_comparisons
+    from orch.tracking.step_prediction import PREDICTED_STEP_PARAM, part_comparisons, phase_comparisons
 
     def refuse(why: str, fix: str) -> PlanError:
         return PlanError([Violation("--from-run", run_id, why, fix)])
@@ -328,9 +332,11 @@ def observe_run(client, run_id: str, measured: MeasuredSpeeds, *, reference: boo
     applied = json.loads(params.get(f"{PREDICTED_STEP_PARAM}.phase_scale", "{}"))
     phases = [PhaseObservation(phase=c.name, predicted_s=c.predicted_s / applied.get(c.name, 1.0),
                                measured_s=c.measured_s) for c in comparisons if c.predicted_s > 0]
+    parts = [PhaseObservation(phase=c.name, predicted_s=c.predicted_s, measured_s=c.measured_s)
+             for c in part_comparisons(params, run.data.metrics, uncorrected=True)]
     recorded_at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return RunObservation(run_id=run_id, plan=_run_plan(params), recorded_at=recorded_at, phases=phases,
-                          kind=params.get(f"{PREDICTED_STEP_PARAM}.kind", ""), reference=reference)
+                          kind=params.get(f"{PREDICTED_STEP_PARAM}.kind", ""), reference=reference, parts=parts)
 
 
 def add_run(cfg: RunConfig, run_id: str, path: Path | None) -> tuple[Path, RunObservation, MeasuredSpeeds]:

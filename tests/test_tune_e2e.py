@@ -107,6 +107,10 @@ def test_orch_calibrate_measures_the_workers_writes_a_profile_and_fills_the_tune
     assert {phase.phase for phase in run.phases} >= {"forward and backward", "optimizer step"}
     assert all(phase.predicted_s > 0 and phase.measured_s > 0 for phase in run.phases)
     assert "engine=deepspeed zero_stage=1" in text and f"(run {run.run_id})" in text
+    # Its last step but one ran under the profiler: its kinds of work against the parts pricing them.
+    parts = {part.phase: part for part in run.parts}
+    assert parts["compute (matmul, attention)"].predicted_s > 0 and parts["compute (matmul, attention)"].measured_s > 0
+    assert "its profiled step by kind of work: compute (matmul, attention) x" in text
 
     values = OmegaConf.load(profile.path)
     values.pop("defaults")

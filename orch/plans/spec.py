@@ -214,6 +214,11 @@ class RunObservation:
     reference: bool = False
     """Whether `orch calibrate` trained it as one of its reference runs (``calibrate.references``),
     rather than a run a user added with ``--from-run``."""
+    parts: list[PhaseObservation] = field(default_factory=list)
+    """Its last profiled step (``train.profile_steps``; a reference run profiles one) by the parts
+    that price each kind of work (``phase`` names the part, as `orch report` does), against the
+    profile's uncorrected prediction: which part of a phase its correction stands for. Recorded,
+    not applied: corrections stay per phase. Empty when no step was profiled."""
 
 
 @dataclass(kw_only=True)

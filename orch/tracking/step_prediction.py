@@ -103,14 +103,31 @@ def profiled_kinds(metrics: dict[str, float]) -> dict[str, float]:
             if key.startswith(prefix) and key.endswith("_s") and "/" not in key[len(prefix):]}
 
 
+def part_comparisons(params: dict[str, str], metrics: dict[str, float], *,
+                     uncorrected: bool = False) -> list[PhaseComparison]:
+    """A run's predicted parts against its last profiled step's kinds of work ([] when it profiled
+    none or tracked no prediction). ``uncorrected``: each part as priced before the profile's
+    corrections by phase, which the run's prediction included (a profile's record of the run)."""
+    kinds = profiled_kinds(metrics)
+    if not kinds or f"{PREDICTED_STEP_PARAM}.total_s" not in params:
+        return []
+    parts = predicted_parts(params)
+    if uncorrected:
+        applied = json.loads(params.get(f"{PREDICTED_STEP_PARAM}.phase_scale", "{}"))
+        pipelined = any(key.startswith(f"{PHASE_METRIC}/pipeline") for key in metrics)
+        group_of = {part: group.name for group in phase_groups(pipelined) for part in group.parts}
+        parts = {part: s / applied.get(group_of.get(part, ""), 1.0) for part, s in parts.items()}
+    return compare_parts(parts, kinds)
+
+
 def profiled_part_lines(client: MlflowClient, run_id: str, params: dict[str, str],
                         metrics: dict[str, float]) -> list[str]:
     """The predicted parts beside the last profiled step's kinds of work, naming the part furthest off
     ([] when the run profiled no step or tracked no prediction)."""
-    kinds = profiled_kinds(metrics)
-    if not kinds or f"{PREDICTED_STEP_PARAM}.total_s" not in params:
+    rows = part_comparisons(params, metrics)
+    if not rows:
         return []
-    rows = compare_parts(predicted_parts(params), kinds)
+    kinds = profiled_kinds(metrics)
     history = client.get_metric_history(run_id, f"{PROFILE_METRIC}/wall_s")
     step = max((point.step for point in history), default=None)
     clock = client.get_run(run_id).data.tags.get(f"{PROFILE_METRIC}.clock", "")

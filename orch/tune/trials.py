@@ -36,9 +36,9 @@ def measuring_run(train: TrainSpec, steps: int, **changes) -> TrainSpec:
     """The loop of a short run made to be measured (a tuner's trial, a calibration's reference run):
     every step reported and timed, memory probed at step 2, one evaluation batch, nothing saved,
     resumed or restarted; ``changes`` on top."""
-    return dataclasses.replace(train, steps=steps, log_every=1, eval_every=0, eval_batches=1, memory_probe_step=2,
-                               profile_steps=[], checkpoint_every=0, resume=ResumeMode.never, max_failures=0,
-                               **changes)
+    measuring = {"steps": steps, "log_every": 1, "eval_every": 0, "eval_batches": 1, "memory_probe_step": 2,
+                 "profile_steps": [], "checkpoint_every": 0, "resume": ResumeMode.never, "max_failures": 0}
+    return dataclasses.replace(train, **{**measuring, **changes})
 
 
 def trial_config(cfg: RunConfig, plan: ResolvedPlan, index: int, parent_name: str) -> RunConfig:
