@@ -173,7 +173,9 @@ def calibrate_cluster(cfg: RunConfig, model_cfg: dict, *, err=None) -> Profile:
         calibration = measure_cluster(cfg, cluster, space, ctx, use_cache=False)
         seconds = time.perf_counter() - started
         if calibration.disturbed:
-            notes = [*notes, calibration.disturbed]
+            from orch.launchers.calibration import disturbed_note
+
+            notes = [*notes, disturbed_note(calibration.disturbed)]
         measured = _measured_section(cfg, calibration, ctx, measured_at)
         profiled = dataclasses.replace(cluster, measured=None)
         # Written before the reference runs: a run that fails or is interrupted loses no measurement.

@@ -149,7 +149,8 @@ probes ran makes a calibration *disturbed*: its rates are those of a shared host
 
 
 def disturbance(loads_by_node: dict[str, list[dict]]) -> str:
-    """What other work ran on the nodes while their workers probed, or "" when none worth saying.
+    """What other work ran on the nodes while their workers probed (``other processes kept 13.7 of
+    HOST's 16 cores busy``), or "" when none worth saying.
 
     A node's workers probe at the same time, so the work that was not theirs is the node's busy
     cores over the probe less the cores they used themselves. On an H200 machine, probes run while
@@ -164,10 +165,13 @@ def disturbance(loads_by_node: dict[str, list[dict]]) -> str:
         cpus = loads[0]["cpus"]
         if others > max(1.0, BUSY_SHARE * cpus):
             said.append(f"other processes kept {others:.1f} of {host}'s {cpus} cores busy")
-    if not said:
-        return ""
-    return ("measured on a busy host (" + "; ".join(said) + " while the probes ran), so the host-side speeds "
-            "may be far below the node's: measure again with `orch calibrate` when the node is otherwise idle")
+    return "; ".join(said)
+
+
+def disturbed_note(disturbed: str) -> str:
+    """What a calibration's note says of a :func:`disturbance`."""
+    return (f"measured on a busy host ({disturbed} while the probes ran), so the host-side speeds may be far below "
+            "the node's: measure again with `orch calibrate` when the node is otherwise idle")
 
 
 def _best_time(call, device, seconds: float, windows: int = 3) -> float:
@@ -359,7 +363,8 @@ class Calibration:
     sources: dict[str, str]
     """For each speed, the probe that measured it, or why it stayed as declared."""
     disturbed: str = ""
-    """What other work ran on the nodes while they were measured (:func:`disturbance`), or ""."""
+    """What other work ran on the nodes while they were measured (:func:`disturbance`), or "";
+    :func:`disturbed_note` says it."""
 
 
 def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float, gpus_per_worker: float,
@@ -440,8 +445,8 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
     disturbed = disturbance(loads)
     sources = _sources(gpu, len(by_node), per_node)
     if disturbed:
-        note = f"{note}; {disturbed}"
-        sources = {name: source if source.startswith("declared") else f"{source} ({disturbed.split(', so ')[0]})"
+        note = f"{note}; {disturbed_note(disturbed)}"
+        sources = {name: source if source.startswith("declared") else f"{source} (on a busy host: {disturbed})"
                    for name, source in sources.items()}
     return Calibration(speeds, note, tuple(hosts), len(by_node), sources, disturbed)
 
