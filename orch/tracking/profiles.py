@@ -19,7 +19,7 @@ def record_profiles(tracker, reports: list, out) -> None:
     """The profiled steps of one logged step's reports (``train.profile_steps``): each rank's trace
     as ``profile/step<N>/rank<r>.trace.json.gz``, their time by kind of work as metrics, and the
     slowest rank's summary printed."""
-    from orch.launchers.step_profile import summary
+    from orch.launchers.step_profile import KINDS, summary
 
     by_step: dict[int, list] = {}
     for report in reports:
@@ -31,11 +31,12 @@ def record_profiles(tracker, reports: list, out) -> None:
         if tracker is None:
             continue
         tracker.set_tags({f"{PROFILE_METRIC}.clock": slowest.clock})
-        metrics = {f"{PROFILE_METRIC}/{profile_metric_name(kind)}_s": s for kind, s in slowest.seconds.items()}
+        # Every kind, 0 where none ran: a run's latest values are then all the last profiled step's.
+        metrics = {f"{PROFILE_METRIC}/{profile_metric_name(kind)}_s": slowest.seconds.get(kind, 0.0) for kind in KINDS}
         metrics[f"{PROFILE_METRIC}/wall_s"] = slowest.wall_s
         for r, profile in ranked:
-            metrics.update({f"{PROFILE_METRIC}/rank{r}/{profile_metric_name(kind)}_s": s
-                            for kind, s in profile.seconds.items()})
+            metrics.update({f"{PROFILE_METRIC}/rank{r}/{profile_metric_name(kind)}_s": profile.seconds.get(kind, 0.0)
+                            for kind in KINDS})
             tracker.log_bytes(profile.trace_gz, f"{PROFILE_METRIC}/step{step}/rank{r}.trace.json.gz")
         tracker.log_metrics(metrics, step)
         print(f"profile: traces of step {step} in the MLflow run under {PROFILE_METRIC}/step{step}/ (open them in "
