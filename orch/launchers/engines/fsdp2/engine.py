@@ -367,13 +367,9 @@ def clip_grad_norm(parameters: Iterator[torch.nn.Parameter], max_norm: float, *,
 
     params = list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None and id(p) not in skip:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
     squares = 0.0
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, 2.0)
+    for group in _by_mesh([p for p in params if id(p) not in skip]).values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares += float(norm) ** 2
     if pp_group is not None:
@@ -387,18 +383,24 @@ def clip_grad_norm(parameters: Iterator[torch.nn.Parameter], max_norm: float, *,
     return total
 
 
+def _by_mesh(params: list[torch.nn.Parameter]) -> dict[Any, list[torch.nn.Parameter]]:
+    """The parameters with gradients, by their gradient's device mesh (None for a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    return groups
+
+
 def scale_gradients(params: list[torch.nn.Parameter], max_norm: float, total: float) -> None:
     """Scale the gradients of ``params`` by ``max_norm / total`` with torch's own clipping, one foreach
     multiply per mesh's gradients (DTensors of different meshes cannot share one): a loop of
     per-gradient multiplies costs a DTensor dispatch each (bench/fsdp2_clip.py)."""
     import torch
-    from torch.distributed.tensor import DTensor
 
-    by_mesh: dict[Any, list[torch.nn.Parameter]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    for group in by_mesh.values():
+    for group in _by_mesh(params).values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, torch.tensor(total, dtype=torch.float64))
 
 
