@@ -109,33 +109,38 @@ def train_references(cfg: RunConfig, model_cfg: dict, references: list[Reference
     """Train each reference on the Ray this process is connected to and observe its phases against
     ``measured``'s prediction; a reference that does not fit, or fails, is skipped with its reason
     (the others still run)."""
+    from orch.launchers.worker_pool import reusing_workers
+
+    err = err or sys.stderr
+    with reusing_workers():  # one reference's workers serve the next: their start-up is paid once
+        return [_train_reference(cfg, model_cfg, reference, len(references), measured, workload, err)
+                for reference in references]
+
+
+def _train_reference(cfg: RunConfig, model_cfg: dict, reference: Reference, count: int, measured: MeasuredSpeeds,
+                     workload, err) -> ReferenceOutcome:
     from orch.cluster_profile import observe_run
     from orch.run.driver import run_training
     from orch.tracking.store import open_existing
 
-    err = err or sys.stderr
-    outcomes = []
-    for reference in references:
-        outcome = ReferenceOutcome(reference)
-        outcomes.append(outcome)
-        print(f"calibrate: reference run {reference.index + 1}/{len(references)}: {reference.label}, "
-              f"{cfg.calibrate.reference_steps} steps", file=err, flush=True)
-        run_cfg = reference_config(cfg, reference, measured)
-        yaml = OmegaConf.to_yaml(OmegaConf.create({"model": model_cfg, "plan": OmegaConf.structured(run_cfg.plan),
-                                                   "train": OmegaConf.structured(run_cfg.train)}))
-        try:
-            result = run_training(run_cfg, model_cfg, yaml, stream=err, workload=workload,
-                                  tags={"orch.calibrate.reference": reference.label})
-        except Exception as error:  # contained: one reference that does not fit must not lose the profile
-            first = str(error).strip().splitlines()
-            kind = "does not fit" if isinstance(error, PlanError) else f"failed ({type(error).__name__})"
-            outcome.skipped = f"{kind}: {first[0][:300] if first else ''}"
-            print(f"calibrate: reference run {reference.index + 1} skipped, {outcome.skipped}", file=err, flush=True)
-            continue
-        try:
-            outcome.observation = observe_run(open_existing(cfg.tracking.uri), result.run_id, measured,
-                                              reference=True)
-        except OrchError as error:
-            outcome.skipped = f"not comparable: {str(error).strip().splitlines()[0][:300]}"
-            print(f"calibrate: reference run {reference.index + 1} skipped, {outcome.skipped}", file=err, flush=True)
-    return outcomes
+    outcome = ReferenceOutcome(reference)
+    print(f"calibrate: reference run {reference.index + 1}/{count}: {reference.label}, "
+          f"{cfg.calibrate.reference_steps} steps", file=err, flush=True)
+    run_cfg = reference_config(cfg, reference, measured)
+    yaml = OmegaConf.to_yaml(OmegaConf.create({"model": model_cfg, "plan": OmegaConf.structured(run_cfg.plan),
+                                               "train": OmegaConf.structured(run_cfg.train)}))
+    try:
+        result = run_training(run_cfg, model_cfg, yaml, stream=err, workload=workload,
+                              tags={"orch.calibrate.reference": reference.label})
+    except Exception as error:  # contained: one reference that does not fit must not lose the profile
+        first = str(error).strip().splitlines()
+        kind = "does not fit" if isinstance(error, PlanError) else f"failed ({type(error).__name__})"
+        outcome.skipped = f"{kind}: {first[0][:300] if first else ''}"
+        print(f"calibrate: reference run {reference.index + 1} skipped, {outcome.skipped}", file=err, flush=True)
+        return outcome
+    try:
+        outcome.observation = observe_run(open_existing(cfg.tracking.uri), result.run_id, measured, reference=True)
+    except OrchError as error:
+        outcome.skipped = f"not comparable: {str(error).strip().splitlines()[0][:300]}"
+        print(f"calibrate: reference run {reference.index + 1} skipped, {outcome.skipped}", file=err, flush=True)
+    return outcome

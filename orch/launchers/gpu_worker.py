@@ -46,3 +46,26 @@ def reset_cuda_peak(device) -> None:
 
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
+
+
+def release_cached_device_memory() -> None:
+    """Give the caching allocator's free blocks back to the GPU, and start its statistics anew, so
+    that a reused worker's next run measures its own memory (nothing on a CPU worker)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def leftover_tensor_bytes() -> int:
+    """The tensor bytes this process still holds: on a GPU what CUDA's allocator has handed out,
+    on a CPU every live tensor's storage (:func:`orch.launchers.memory_probe.live_tensor_bytes`)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.memory_allocated()
+    from orch.launchers.memory_probe import live_tensor_bytes
+
+    return live_tensor_bytes()

@@ -28,3 +28,12 @@ class RendezvousHost:
         self.address: tuple[str, int] = (ip, self._listener.getsockname()[1])
         self._store = TCPStore(ip, self.address[1], None, True, wait_for_workers=False, multi_tenant=True,
                                master_listen_fd=self._listener.fileno())
+
+    def close(self) -> None:
+        """Stop the store's server and free its port (a reused worker hosts each run's store anew).
+
+        The store owns the listening socket's descriptor and closes it when it goes, so the Python
+        socket lets go of it first: closing it twice could close a descriptor reused meanwhile.
+        """
+        self._listener.detach()
+        self._store = None

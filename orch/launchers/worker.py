@@ -22,16 +22,29 @@ from orch.launchers.devices import DeviceMapping
 from orch.launchers.driver_link import DriverLink, thread_stacks
 from orch.launchers.engines import Engine, engine_for
 from orch.launchers.export_state import consolidated_state
-from orch.launchers.gpu_worker import accelerator_ids, cuda_memory_facts, reset_cuda_peak, use_device
+from orch.launchers.gpu_worker import (
+    accelerator_ids,
+    cuda_memory_facts,
+    leftover_tensor_bytes,
+    release_cached_device_memory,
+    reset_cuda_peak,
+    use_device,
+)
 from orch.launchers.job import PollStatus, StepReport, TrainJob, WorkerFacts
 from orch.launchers.lean_startup import collector_paused
 from orch.launchers.placement import RankSlot
+from orch.launchers.process_baseline import ProcessBaseline
 from orch.launchers.rank_state import restore_rank_state, save_rank_state
 from orch.launchers.rendezvous import AGENT_STORE_ENV, RendezvousHost
 from orch.launchers.step_interval import Interval
 from orch.launchers.torch_threads import match_torch_threads
 from orch.launchers.worker_data import digest, rank_batches
 from orch.plans.parallel.rank_layout import parallel_coords
+
+REUSABLE_LEFTOVER_BYTES = 1 << 20
+"""The most tensor bytes a reset worker may still hold and be reused. DeepSpeed's ZeRO-3 leaves
+its partitions held through autograd's C++ hook nodes, out of the collector's reach; kept, they
+would be counted in the next run's measured memory and, on a GPU, take from its device."""
 
 
 class TrainWorker:
@@ -42,14 +55,22 @@ class TrainWorker:
             import torch  # noqa: F401
 
             match_torch_threads()
-        self.engine: Engine | None = None
+        self.baseline = ProcessBaseline.now()
+        """This process before its first run: a reused worker goes back to it (:meth:`reset`)."""
         self.device_mapping: DeviceMapping | None = None
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """The state a run begins from."""
+        self.engine: Engine | None = None
         self.link = DriverLink()
         self.start_step = 0
         self.stop_requested = False
         """The driver asked the group to stop at its next checkpoint (:meth:`stop_at_next_checkpoint`)."""
         self.clock = None
         """The phase clock of the steps being trained (:mod:`orch.launchers.step_phases`), once training began."""
+        self.rendezvous: RendezvousHost | None = None
+        """The process group's store, hosted here when this actor is rank 0 (:meth:`address`)."""
 
     def address(self) -> tuple[str, int]:
         """Where this actor, as rank 0, hosts the rendezvous: its node's IP and a port bound there."""
@@ -273,6 +294,30 @@ class TrainWorker:
     def consolidated_state(self) -> dict | None:
         """The whole model's weights on rank 0 (:func:`orch.launchers.export_state.consolidated_state`)."""
         return consolidated_state(self.engine, self.val_batches, self.rank, self.job.plan.pp)
+
+    def reset(self) -> bool:
+        """Leave the finished run behind so that this process can serve the driver's next run
+        (:mod:`orch.launchers.worker_pool`): the process group and its store go, the engine and
+        the run's data are dropped, and the environment, import path and user modules are put
+        back as they were before the first run. ``False`` when the training thread is still
+        running, or when more than :data:`REUSABLE_LEFTOVER_BYTES` of tensors outlive the run
+        (something the collector cannot free still holds them): such a worker is not reused."""
+        thread = getattr(self.link, "thread", None)
+        if thread is not None:
+            thread.join(timeout=10)
+            if thread.is_alive():
+                return False
+        self.shutdown()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+        mapping = self.device_mapping
+        for name in [name for name in vars(self) if name not in ("baseline", "device_mapping")]:
+            delattr(self, name)
+        self._fresh()
+        self.device_mapping = mapping
+        self.baseline.restore()
+        release_cached_device_memory()
+        return leftover_tensor_bytes() <= REUSABLE_LEFTOVER_BYTES
 
     def shutdown(self) -> None:
         self.link.stop()

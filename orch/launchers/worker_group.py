@@ -19,6 +19,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from orch.launchers import worker_pool
 from orch.launchers.gpu_sharing import share_gpus
 from orch.launchers.job import PollStatus, StepReport, TrainJob, WorkerFacts
 from orch.launchers.passthrough import passthrough_env
@@ -36,6 +37,9 @@ POLL_INTERVAL_S = 0.5
 FIRST_POLL_INTERVAL_S = 0.1
 """Polling until the first report arrives: it ends the start-up the user waits through."""
 
+
+RESET_TIMEOUT_S = 30.0
+"""How long a finished group's actors have to reset themselves for the next run before they are killed."""
 
 NODE_ID_LABEL = "ray.io/node-id"
 """The label Ray gives every node, holding its node id."""
@@ -190,6 +194,7 @@ def place_actors(actor_class: type, spec: WorkerGroupSpec, *, max_concurrency: i
     """
     # Ray labels every node with its id: a bundle's label selector keeps the excluded ones out
     # (selectors came with Ray 2.49; the argument is given only when a node is excluded).
+    worker_pool.release_idle()  # idle workers hold devices these actors may need
     selector = ({"bundle_label_selector": [{NODE_ID_LABEL: f"!in({','.join(spec.excluded_nodes)})"}] * spec.world_size}
                 if spec.excluded_nodes else {})
     pg = placement_group([spec.bundle] * spec.world_size, strategy=spec.strategy, **selector)
@@ -235,14 +240,22 @@ class WorkerGroup:
         self.actors = actors
         self.slots = slots
         self.facts: list[WorkerFacts] = []
+        self.finished = False
+        """Every rank finished its training and reported it (:meth:`train` ended normally)."""
 
     @classmethod
     def create(cls, spec: WorkerGroupSpec) -> WorkerGroup:
-        try:
-            placed = place_actors(TrainWorker, spec, max_concurrency=2)  # stacks() answers during a hung setup()
-        except NoPlacementError as error:
-            raise GroupNotPlacedError(f"{error}. Fix: lower cluster.devices_per_node/cluster.nodes or add nodes.") \
-                from None
+        """The group's actors: the pool's idle ones when a run of the same shape left them
+        (:mod:`orch.launchers.worker_pool`), new ones otherwise."""
+        kept = worker_pool.take(TrainWorker, _pooled_shape(spec))
+        if kept is not None:
+            placed, slots = kept, kept.slots
+        else:
+            try:
+                placed = place_actors(TrainWorker, spec, max_concurrency=2)  # stacks() answers during a hung setup()
+            except NoPlacementError as error:
+                raise GroupNotPlacedError(f"{error}. Fix: lower cluster.devices_per_node/cluster.nodes or add nodes.") \
+                    from None
         try:
             straddling = straddling_groups(placed.slots, spec.tp)
             if straddling:
@@ -250,7 +263,8 @@ class WorkerGroup:
                     f"Ray placed tensor-parallel group(s) {straddling} across nodes (tp={spec.tp}): the "
                     "cluster's free devices are spread unevenly over its nodes. Fix: free whole nodes, "
                     "or set plan.tp to a divisor of the free devices of every node")
-            slots = share_gpus(placed.actors, placed.slots) if spec.gpus_per_worker else placed.slots
+            if kept is None:
+                slots = share_gpus(placed.actors, placed.slots) if spec.gpus_per_worker else placed.slots
             return cls(spec, placed.pg, placed.actors, slots)
         except BaseException:
             placed.release()
@@ -327,6 +341,7 @@ class WorkerGroup:
                 reports = by_step.pop(step)
                 yield [reports[r] for r in sorted(reports)]
             if all(poll.done for poll in polls) and not by_step:
+                self.finished = True
                 return
             stalled = [r for r, poll in enumerate(polls)
                        if not poll.done and hang_timeout_s and poll.since_progress_s > hang_timeout_s]
@@ -360,8 +375,14 @@ class WorkerGroup:
         return states[0]
 
     def shutdown(self) -> None:
-        """Stop every actor and release the placement group; safe to call twice."""
+        """Stop every actor and release the placement group; safe to call twice. Within
+        :func:`orch.launchers.worker_pool.reusing_workers`, a group that finished its training
+        resets its actors and leaves them to the next group of its shape instead."""
         if self._pg is None:
+            return
+        if self.finished and worker_pool.pooling() and self._reset():
+            worker_pool.keep(TrainWorker, _pooled_shape(self.spec), PlacedActors(self._pg, self.actors, self.slots))
+            self._pg = None
             return
         try:
             ray.get([a.shutdown.remote() for a in self.actors], timeout=10)
@@ -372,3 +393,15 @@ class WorkerGroup:
         remove_placement_group(self._pg)
         self._pg = None
 
+    def _reset(self) -> bool:
+        """Whether every actor left its run behind (:meth:`TrainWorker.reset`) in time."""
+        try:
+            return all(ray.get([a.reset.remote() for a in self.actors], timeout=RESET_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - a worker that cannot reset is killed, as any other
+            return False
+
+
+def _pooled_shape(spec: WorkerGroupSpec) -> WorkerGroupSpec:
+    """What decides whether a group's actors can serve another group: everything but the tp degree
+    (checked against the actors' slots each time) and the placement wait."""
+    return dataclasses.replace(spec, tp=1, wait_s=0.0)

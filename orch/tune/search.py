@@ -268,8 +268,11 @@ def tune(cfg: RunConfig, model_cfg: dict, *, out=None, err=None) -> TuneResult:
             result.parent_run_id = tracker.run_id
         status = "FAILED"
         try:
-            for index, candidate in enumerate(trial_candidates(result.search.ranked, cfg.tune.trials), start=1):
-                result.trials.append(run_trial(cfg, model_cfg, candidate, index, ctx, result, err, workload))
+            from orch.launchers.worker_pool import reusing_workers
+
+            with reusing_workers():  # a trial's workers serve the next one: their start-up is paid once
+                for index, candidate in enumerate(trial_candidates(result.search.ranked, cfg.tune.trials), start=1):
+                    result.trials.append(run_trial(cfg, model_cfg, candidate, index, ctx, result, err, workload))
             pick_winner(result)
             result.plan_file = write_plan_file(result.winner.plan, cfg, model_cfg, cluster, result)
             result.overrides = plan_overrides(result.winner.plan, cfg)

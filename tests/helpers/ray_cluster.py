@@ -10,10 +10,13 @@ import pytest
 import ray
 
 from helpers.config import REPO
+from orch.launchers.worker_pool import reusing_workers
 
 TEST_PATHS = [str(REPO), str(REPO / "tests")]
 """Where the workers import the tests' own modules from (recording models, faulty models)."""
 OBJECT_STORE_BYTES = 300 * 1024**2
+_reuse = contextlib.ExitStack()
+"""The shared Ray's block of worker reuse, closed (its idle workers released) with it."""
 _shared_ray_up = False
 """Whether the Ray up in this process is the tests' shared one (:func:`use_shared_ray`)."""
 
@@ -30,17 +33,21 @@ def use_shared_ray() -> None:
 
     Tests that train in this process share one Ray instead of starting one per module; a test or
     fixture that needs a Ray of its own (other settings, another environment) or none at all
-    calls :func:`release_shared_ray` first.
+    calls :func:`release_shared_ray` first. Runs on the shared Ray reuse the workers of the run
+    before them when they have its shape (:mod:`orch.launchers.worker_pool`), as `orch tune`'s
+    trials do: most of a short run's cost is its workers' start-up.
     """
     global _shared_ray_up
     if not ray.is_initialized():
         start_test_ray()
         _shared_ray_up = True
+        _reuse.enter_context(reusing_workers())
 
 
 def release_shared_ray() -> None:
     """Shut the shared Ray down when it is the Ray up in this process."""
     global _shared_ray_up
+    _reuse.close()
     if _shared_ray_up and ray.is_initialized():
         ray.shutdown()
     _shared_ray_up = False

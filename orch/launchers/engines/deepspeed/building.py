@@ -34,6 +34,39 @@ def import_deepspeed():
     return deepspeed
 
 
+_PRISTINE_GROUPS: dict[str, type] | None = None
+"""The names of ``deepspeed.utils.groups``' empty caches before this process first joined a process
+group, with the type each starts as (``dict`` or ``None``)."""
+
+
+def remember_pristine_groups() -> None:
+    """Note DeepSpeed's empty process-group caches, once per process, before it first fills them."""
+    global _PRISTINE_GROUPS
+    if _PRISTINE_GROUPS is None:
+        from deepspeed.utils import groups
+
+        _PRISTINE_GROUPS = {name: type(value) for name, value in vars(groups).items()
+                            if not name.startswith("__") and (value is None or (type(value) is dict and not value))}
+
+
+def forget_process_groups() -> None:
+    """Empty the caches in which DeepSpeed keeps its process groups and its communication backend.
+
+    They are module globals (``deepspeed.comm.comm.cdb``, the world, data, expert and tensor
+    parallel groups of ``deepspeed.utils.groups``) and outlive ``destroy_process_group``: the next
+    run of a reused process (:mod:`orch.launchers.worker_pool`) would be handed groups of a process
+    group that is gone. Emptied, DeepSpeed builds them anew, as in a new process.
+    """
+    if _PRISTINE_GROUPS is None:
+        return
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.utils import groups
+
+    ds_comm.cdb = None
+    for name, kind in _PRISTINE_GROUPS.items():
+        setattr(groups, name, {} if kind is dict else None)
+
+
 def ninja_on_path() -> None:
     """Put this interpreter's scripts directory first on PATH when ``ninja`` is there.
 

@@ -12,10 +12,12 @@ from orch.launchers.engines.base import BuiltModel, Engine, cast_float_buffers, 
 from orch.launchers.engines.deepspeed.building import (
     PipelineTensorGrid,
     build_model,
+    forget_process_groups,
     import_deepspeed,
     mark_stage_parameters,
     ninja_on_path,
     pipeline_module,
+    remember_pristine_groups,
     share_pipeline_groups_with_autotp,
     tensor_parallel_groups,
     unlink_shared_memory_buffers,
@@ -42,6 +44,7 @@ class DeepSpeedEngine(Engine):
         warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
         self.job, self.plan = job, job.plan
         backend = "gloo" if self.plan.accelerator.value == "cpu" else "nccl"
+        remember_pristine_groups()
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         unlink_shared_memory_buffers(master_addr, master_port)
         import torch
@@ -198,3 +201,15 @@ class DeepSpeedEngine(Engine):
         if dist.get_rank() != 0:
             return None
         return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
+
+    def shutdown(self) -> None:
+        """Release the engine (DeepSpeed's ``destroy``: its optimizer's gradient hooks, which hold
+        the optimizer's flat buffers through autograd's C++ nodes where Python's collector cannot
+        free them), leave the process group, and empty DeepSpeed's caches of it
+        (:func:`forget_process_groups`). A worker reused for another run starts from nothing."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.destroy()
+            self.engine = None
+        super().shutdown()
+        forget_process_groups()
