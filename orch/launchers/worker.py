@@ -316,6 +316,7 @@ class TrainWorker:
         self._fresh()
         self.device_mapping = mapping
         self.baseline.restore()
+        match_torch_threads()  # the thread pool as placed, whatever the user's code set it to
         release_cached_device_memory()
         return leftover_tensor_bytes() <= REUSABLE_LEFTOVER_BYTES
 
