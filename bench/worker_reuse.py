@@ -16,27 +16,24 @@ from __future__ import annotations
 import argparse
 import io
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import ray
 
-from bench.harness import machine, machine_cpu_s
+from bench.harness import compose_config, header, machine_cpu_s, publish
 
 PLANS = (["plan.zero_stage=1"], ["plan.engine=fsdp2"])
 
 
 def _run(uri: str, index: int):
-    from hydra import compose, initialize_config_module
-
-    from orch.config import register_configs, to_typed
+    from orch.config import to_typed
     from orch.run.driver import run_training
 
-    register_configs()
-    overrides = ["train.steps=10", "train.log_every=5", "train.eval_batches=1", "plan.micro_batch_size=4",
-                 "train.export=false", f"tracking.uri={uri}", *PLANS[index % len(PLANS)]]
-    with initialize_config_module("orch.conf", version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+    cfg = compose_config("train.steps=10", "train.log_every=5", "train.eval_batches=1", "plan.micro_batch_size=4",
+                         "train.export=false", f"tracking.uri={uri}", *PLANS[index % len(PLANS)])
     return run_training(*to_typed(cfg), stream=io.StringIO())
 
 
@@ -68,8 +65,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
-    import tempfile
-
     store = tempfile.mkdtemp(prefix="bench-reuse-")
     uri = f"sqlite:///{store}/mlflow.db"
     start_local_ray(num_cpus=2, object_store_memory=300 * 1024**2)
@@ -84,17 +79,15 @@ def main() -> None:
                for reuse, rounds in found.items()}
     rows = [("wall time per run (s)", "wall_s"), ("start-up per run (s)", "startup_s"),
             ("machine CPU per run (s)", "cpu_s")]
-    lines = [f"# {args.runs} consecutive 10-step runs in one driver (dp=2 on 2 CPU workers, ZeRO-1 and FSDP2 "
-             f"in turn), {args.rounds} alternating rounds", "", machine(), "",
+    title = (f"{args.runs} consecutive 10-step runs in one driver (dp=2 on 2 CPU workers, ZeRO-1 and FSDP2 in "
+             f"turn), {args.rounds} alternating rounds")
+    lines = [*header(title, sys.argv),
              "| per run, median of the rounds | new workers each run | reused workers | reused / new |",
              "|---|---:|---:|---:|"]
     for label, key in rows:
         new, reused = medians[False][key], medians[True][key]
         lines.append(f"| {label} | {new:.2f} | {reused:.2f} | {reused / new:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text)
+    publish(lines, args.markdown)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 A reused worker (:mod:`orch.launchers.worker_pool`) must meet its next run as a new process would
 in everything a run can change: the environment variables a job set, the import path, and the
-user's own modules (a model or objective with module-level state, or code that changed on disk
-between two runs of a sweep). Installed code (the standard library, site-packages, orch itself)
+user's own modules (a model or objective with module-level state, or code edited on disk
+between two trials). Installed code (the standard library, site-packages, orch itself)
 and compiled extensions stay imported: keeping them is the point, and an extension module cannot
 be unloaded anyway.
 """

@@ -43,8 +43,8 @@ from orch.plans.parallel.rank_layout import parallel_coords
 
 REUSABLE_LEFTOVER_BYTES = 1 << 20
 """The most tensor bytes a reset worker may still hold and be reused. DeepSpeed's ZeRO-3 leaves
-its partitions held through autograd's C++ hook nodes, out of the collector's reach; kept, they
-would be counted in the next run's measured memory and, on a GPU, take from its device."""
+its partitions held from outside Python after ``destroy``, out of the collector's reach; kept,
+they would be counted in the next run's measured memory and, on a GPU, take from its device."""
 
 
 class TrainWorker:
