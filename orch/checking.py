@@ -90,6 +90,30 @@ def check_tensor_parallel(probe: ModelProbe, plan: ResolvedPlan, workload: Workl
                                    f"({', '.join(map(str, fused))}), which plan.engine={plan.engine} cannot shard: its "
                                    "column- and row-wise styles split a weight evenly and would mix the fused parts.",
                                    f"set plan.engine={' or '.join(able)} (which split fused layers), or plan.tp=1")])
+    if plan.sequence_parallel:
+        check_sequence_parallel(probe, plan, target)
+
+
+def check_sequence_parallel(probe: ModelProbe, plan: ResolvedPlan, target: str = "the model") -> None:
+    """``plan.sequence_parallel``: the model has the blocks it splits the sequence between, and its
+    sequence divides evenly over the tensor-parallel ranks."""
+    if problem := sequence_parallel_problem(probe, plan.tp):
+        raise PlanError([Violation("plan.sequence_parallel", True, f"{target}: {problem}.",
+                                   "set plan.sequence_parallel=false")])
+
+
+def sequence_parallel_problem(probe: ModelProbe, tp: int) -> str | None:
+    """Why ``probe``'s model cannot split its sequence ``tp`` ways, or None."""
+    layout = probe.sequence_parallel
+    if isinstance(layout, str):
+        return layout
+    tokens = probe.inputs.tokens_per_sample
+    if not tokens:
+        return "its samples have no sequence dimension to split"
+    if tokens % tp:
+        return (f"its sequence of {tokens} does not split evenly over plan.tp={tp} ranks "
+                f"({tokens} % {tp} = {tokens % tp})")
+    return None
 
 
 def fused_tp_layers(workload: Workload) -> list[list[str]]:

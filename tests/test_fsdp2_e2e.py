@@ -157,3 +157,21 @@ def test_fsdp2_compiles_each_block_and_follows_the_same_curve(dp_reference, loca
     assert all("each block compiled (torch.compile)" in f.model.built for f in result.worker_facts)
     assert [r[0].loss for r in result.reports] == pytest.approx([r[0].loss for r in dp_reference.reports[:2]],
                                                                   abs=2e-3)
+
+
+def test_sequence_parallelism_follows_the_tensor_parallel_curve(local_ray, sqlite_uri):
+    """``plan.sequence_parallel=true`` on the Hugging Face Llama shape at tp=2: the norms and residual
+    adds run on half the sequence each (DTensor's ``SequenceParallel``, the row-parallel layers
+    reduce-scattering), the losses are tensor parallelism's alone, in fp32, and the plan is tracked."""
+    runs = {split: train(sqlite_uri, "model=hf_causal_lm", "plan.tp=2", "plan.dp=1", "plan.precision=fp32",
+                         f"plan.sequence_parallel={split}", "train.steps=10", "train.export=false")
+            for split in ("false", "true")}
+    assert all("the sequence split over the 2 tensor-parallel ranks" in f.model.built
+               for f in runs["true"].worker_facts)
+    assert not any("sequence split" in f.model.built for f in runs["false"].worker_facts)
+    whole, split = ([r[0].loss for r in run.reports] for run in runs.values())
+    assert len(split) == 2 and split == pytest.approx(whole, rel=1e-5)
+    whole_eval, split_eval = (run.reports[-1][0].evaluation["eval_loss"] for run in runs.values())
+    assert split_eval == pytest.approx(whole_eval, rel=1e-5)
+    params = MlflowClient(sqlite_uri).get_run(runs["true"].run_id).data.params
+    assert params["plan.sequence_parallel"] == "True"

@@ -53,6 +53,8 @@ class ResolvedPlan:
     fsdp: FSDPSpec = field(default_factory=FSDPSpec)
     compile: bool = False
     """torch.compile each repeated block."""
+    sequence_parallel: bool = False
+    """Split the residual stream along the sequence over the tensor-parallel ranks."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_checkpointing", Recompute.of(self.activation_checkpointing))
@@ -88,7 +90,8 @@ class ResolvedPlan:
                 f"offload_optimizer={self.offload_optimizer.value} offload_param={self.offload_param.value} "
                 f"activation_checkpointing={self.activation_checkpointing.value} "
                 f"precision={self.precision.value} micro_batch_size={self.micro_batch_size} "
-                f"grad_accum_steps={self.grad_accum_steps}" + (" compile=true" if self.compile else ""))
+                f"grad_accum_steps={self.grad_accum_steps}" + (" compile=true" if self.compile else "")
+                + (" sequence_parallel=true" if self.sequence_parallel else ""))
 
     def as_dict(self) -> dict[str, object]:
         """Plain values (enums as strings), for tracking and JSON output, flat: an engine's nested
@@ -209,7 +212,7 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
         pp_virtual_stages=plan.pp_virtual_stages, micro_batch_size=plan.micro_batch_size,
         grad_accum_steps=plan.grad_accum_steps,
         precision=plan.precision, accelerator=cluster.accelerator, engine=plan.engine,
-        fsdp=dataclasses.replace(plan.fsdp), compile=plan.compile,
+        fsdp=dataclasses.replace(plan.fsdp), compile=plan.compile, sequence_parallel=plan.sequence_parallel,
     )
 
 

@@ -176,6 +176,10 @@ class PlanSpec:
     compile: bool = False
     """torch.compile each repeated block (FSDP2 engine): its memory-bound ops fused into fewer kernels.
     The first steps wait for the compilation (tens of seconds per block class on a CPU)."""
+    sequence_parallel: bool = False
+    """With tp > 1, split the residual stream along the sequence as well (FSDP2 engine): norms and
+    residual adds run on 1/tp of it, and their activations shrink by tp; the all-reduces become
+    all-gathers and reduce-scatters of the same bytes."""
 
 
 @dataclass(kw_only=True)

@@ -212,7 +212,8 @@ def _layout_text(plan: ResolvedPlan) -> str:
     return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} {pipeline}{spec.short_settings(plan)} "
             f"offload={spec.short_offload(plan)} "
             f"ckpt={_recompute_text(plan)} micro={plan.micro_batch_size} "
-            f"accum={plan.grad_accum_steps}" + (" compiled" if plan.compile else ""))
+            f"accum={plan.grad_accum_steps}" + (" compiled" if plan.compile else "")
+            + (" seq-parallel" if plan.sequence_parallel else ""))
 
 
 def _recompute_text(plan: ResolvedPlan) -> str:

@@ -15,7 +15,7 @@ import time
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
-from orch.checking import check_model, check_pipeline, fused_tp_layers, live_cluster
+from orch.checking import check_model, check_pipeline, fused_tp_layers, live_cluster, sequence_parallel_problem
 from orch.config import RunConfig
 from orch.inputs import check_inputs, declared_violations
 from orch.models import DEPTH_KEY, build_model, inspect_declared_model
@@ -108,7 +108,7 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool,
                        micro_batch_sizes=tuple(t.micro_batch_sizes) if t.micro_batch_sizes else None,
                        engines=tuple(t.engines),
                        reshard_after_forward=tuple(t.reshard_after_forward), compile=tuple(dict.fromkeys(t.compile)),
-                       pp_schedules=schedules)
+                       sequence_parallel=tuple(dict.fromkeys(t.sequence_parallel)), pp_schedules=schedules)
 
 
 def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None = None,
@@ -147,6 +147,8 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
     def plan_problem(plan: ResolvedPlan) -> str | None:
         if plan.tp > 1 and not engine_spec(plan.engine).splits_fused_tp_layers and fused_tp_layers(workload):
             return f"{plan.engine} cannot split the model's fused tensor-parallel layers"
+        if plan.sequence_parallel and sequence_parallel_problem(probe, plan.tp):
+            return "the model's sequence cannot be split over tp"
         if plan.pp <= 1:
             return None
         try:

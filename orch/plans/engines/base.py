@@ -81,6 +81,9 @@ class EngineSpec:
     """It reads ``plan.fsdp.*`` (elsewhere a setting changed there is refused as ignored)."""
     pipeline_schedules: ClassVar[tuple[str, ...]] = ("1f1b",)
     """The ``plan.pp_schedule`` values it runs (:class:`orch.plans.spec.PipelineSchedule`)."""
+    sequence_parallel: ClassVar[bool] = False
+    """It splits the residual stream along the sequence over the tensor-parallel ranks
+    (``plan.sequence_parallel``, without a pipeline)."""
 
     # What the user declared
 
@@ -105,13 +108,37 @@ class EngineSpec:
                                    f"the {self.name} engine does not compile: torch.compile of each block runs in "
                                    f"the {', '.join(others)} engine (before sharding).",
                                    f"set plan.engine={others[0]} to compile, or plan.compile=false"))
+        if plan.sequence_parallel:
+            found += self._sequence_parallel_violations(plan)
         return found
+
+    def _sequence_parallel_violations(self, plan: PlanSpec) -> list[Violation]:
+        """Why this engine cannot split the sequence for ``plan`` (``plan.sequence_parallel=true``)."""
+        if not self.sequence_parallel:
+            from orch.plans.engines import engine_names, engine_spec
+
+            others = [name for name in engine_names() if engine_spec(name).sequence_parallel]
+            return [Violation("plan.sequence_parallel", True,
+                              f"the {self.name} engine's tensor parallelism keeps the whole sequence on every rank; "
+                              f"sequence parallelism runs in the {', '.join(others)} engine.",
+                              f"set plan.engine={others[0]}, or plan.sequence_parallel=false")]
+        if plan.tp <= 1:
+            return [Violation("plan.sequence_parallel", True,
+                              f"sequence parallelism splits the sequence over the tensor-parallel ranks, and "
+                              f"plan.tp={plan.tp}.", "set plan.tp to 2 or more, or plan.sequence_parallel=false")]
+        if plan.pp > 1:
+            return [Violation("plan.sequence_parallel", True,
+                              f"the {self.name} engine splits the sequence without a pipeline only "
+                              f"(plan.pp={plan.pp}).", "set plan.pp=1, or plan.sequence_parallel=false")]
+        return []
 
     def rejection(self, plan: PlanSpec) -> str | None:
         """Why the tuner never runs ``plan`` under this engine, in a few fixed words (they are
         counted across many plans), or None. The long form is :meth:`violations`."""
         if plan.pp > 1 and _schedule_name(plan.pp_schedule) not in self.pipeline_schedules:
             return f"pipeline schedule {plan.pp_schedule} (the engine runs {', '.join(self.pipeline_schedules)})"
+        if plan.sequence_parallel and self._sequence_parallel_violations(plan):
+            return "sequence parallelism (tp > 1, pp = 1, fsdp2)"
         return None
 
     def resume_problem(self, saved: Mapping[str, object], plan: PlanSpec | ResolvedPlan) -> str | None:

@@ -47,6 +47,7 @@ class FSDP2Spec(EngineSpec):
     """DCP reshards on load, and pipeline stages save under the whole model's names: a checkpoint
     resumes at any dp, tp and pp."""
     compiles = True
+    sequence_parallel = True
     reads_fsdp_settings = True
     pipeline_schedules = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv")
 

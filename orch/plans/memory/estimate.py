@@ -49,6 +49,11 @@ from orch.plans.parallel.pipeline import (
     measure_pipeline_layers,
     pipeline_stages,
 )
+from orch.plans.parallel.sequence_parallel import (
+    SequenceParallelLayout,
+    sequence_parallel_layout,
+    split_sequence_on_meta,
+)
 from orch.plans.parallel.tp_plan import split_layers
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision, Recompute
@@ -170,6 +175,12 @@ def shard_on_meta(factory: Callable[[], torch.nn.Module], layer_specs: list[dict
         return shard_module(factory(), layer_specs, tp)
 
 
+def _on_meta(factory: Callable[[], torch.nn.Module],
+             change: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
+    with meta_device():
+        return change(factory())
+
+
 # The size attributes DeepSpeed's AutoTP divides by tp on every module above a sharded layer
 # (``AutoTP.update_mp_params``), so code that reshapes by its head count sees its own share.
 _TP_SIZE_ATTRIBUTES = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_attention_heads", "num_attn_heads",
@@ -265,16 +276,21 @@ class ModelProbe:
             trainable_count=self.stats.trainable_count - sharded_trainable + -(-sharded_trainable // tp))
 
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
-                 tp: int = 1, accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes:
+                 tp: int = 1, accelerator: Accelerator = Accelerator.cpu,
+                 sequence_parallel: bool = False) -> ActivationBytes:
         args = dict(micro_batch_size=micro_batch_size, inputs=self.inputs, dtype=precision.dtype,
                     checkpointing=checkpointing, accelerator=accelerator)
+
+        def sharded(module: torch.nn.Module) -> torch.nn.Module:
+            module = shard_module(module, self.tp_layer_specs, tp)
+            return split_sequence_on_meta(module, self.tp_layer_specs, tp) if sequence_parallel else module
+
         if self.shallow is not None:
-            shallow = self.shallow if tp <= 1 else self.shallow.map(
-                lambda m: shard_module(copy.deepcopy(m), self.tp_layer_specs, tp))
+            shallow = self.shallow if tp <= 1 else self.shallow.map(lambda m: sharded(copy.deepcopy(m)))
             carried = activations_from_shallow(shallow, **args)
             if carried is not None:
                 return carried
-        factory = self.factory if tp <= 1 else functools.partial(shard_on_meta, self.factory, self.tp_layer_specs, tp)
+        factory = self.factory if tp <= 1 else functools.partial(_on_meta, self.factory, sharded)
         return measure_activations(factory, **args)
 
     def activations(self, plan: ResolvedPlan) -> ActivationBytes:
@@ -282,7 +298,7 @@ class ModelProbe:
         (a BatchNorm needs two values per channel: one sample at a 1x1 feature map is refused)."""
         try:
             return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing, plan.tp,
-                                     plan.accelerator)
+                                     plan.accelerator, plan.sequence_parallel and plan.tp > 1)
         except ValueError as error:
             raise PlanError([Violation(
                 "plan.micro_batch_size", plan.micro_batch_size,
@@ -336,6 +352,13 @@ class ModelProbe:
             stats = self.stats_for(tp)
             self._fsdp_units[tp] = dataclasses.replace(units, blocks=max(stats.param_count - units.root, 0))
         return self._fsdp_units[tp]
+
+    @functools.cached_property
+    def sequence_parallel(self) -> SequenceParallelLayout | str:
+        """Where sequence parallelism splits the model (:mod:`orch.plans.parallel.sequence_parallel`),
+        or why it cannot; read off a module with the model's layers (a shallow copy's blocks are the
+        full depth's)."""
+        return sequence_parallel_layout(self.sample, split_layers(self.sample, self.tp_layer_specs))
 
     def persistent_params(self, engine: EngineSettings) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (under the persistence threshold)."""

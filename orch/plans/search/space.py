@@ -74,6 +74,9 @@ class SearchSpace:
     """FSDP2's ``plan.fsdp.reshard_after_forward`` values to try."""
     compile: tuple[bool, ...] = (False,)
     """``plan.compile`` values to try (true only with engines that compile)."""
+    sequence_parallel: tuple[bool, ...] = (False,)
+    """``plan.sequence_parallel`` values to try (true only with tp > 1, without a pipeline, with
+    engines that split the sequence)."""
     pp_schedules: tuple[tuple[PipelineSchedule, int], ...] = ((PipelineSchedule.one_f_one_b, 1),)
     """(``plan.pp_schedule``, ``plan.pp_virtual_stages``) pairs to try with pp > 1, each with the
     engines that run the schedule."""
@@ -90,15 +93,16 @@ class SearchSpace:
                     accum = self.global_batch_size // (micro * dp)
                     for engine, stage, fsdp in self._engine_settings(pp):
                         for off_opt, off_param in self._offloads(engine, stage):
-                            for ckpt, compiled, (schedule, virtual) in itertools.product(
+                            for ckpt, compiled, (schedule, virtual), sequence in itertools.product(
                                     self.activation_checkpointing, self._compiles(engine),
-                                    self._schedules(engine, pp)):
+                                    self._schedules(engine, pp), self._sequence_parallel(engine, tp, pp)):
                                 yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp,
                                                zero_stage=stage, offload_optimizer=off_opt,
                                                offload_param=off_param, activation_checkpointing=ckpt,
                                                micro_batch_size=micro, grad_accum_steps=accum,
                                                precision=self.precision, compile=compiled,
-                                               pp_schedule=schedule.value, pp_virtual_stages=virtual)
+                                               pp_schedule=schedule.value, pp_virtual_stages=virtual,
+                                               sequence_parallel=sequence)
 
     def _schedules(self, engine: str, pp: int) -> list[tuple[PipelineSchedule, int]]:
         """(schedule, stages per rank) pairs to try with ``engine`` at ``pp``: the default alone
@@ -110,6 +114,12 @@ class SearchSpace:
     def _compiles(self, engine: str) -> tuple[bool, ...]:
         """``plan.compile`` values to try with ``engine``: false only where it does not compile."""
         return self.compile if engine_spec(engine).compiles else tuple(c for c in self.compile if not c) or (False,)
+
+    def _sequence_parallel(self, engine: str, tp: int, pp: int) -> tuple[bool, ...]:
+        """``plan.sequence_parallel`` values to try: false only where the sequence cannot be split."""
+        if tp > 1 and pp == 1 and engine_spec(engine).sequence_parallel:
+            return self.sequence_parallel
+        return tuple(s for s in self.sequence_parallel if not s) or (False,)
 
     def _engine_settings(self, pp: int) -> list[tuple[str, int, FSDPSpec]]:
         """(engine, ZeRO stage, FSDP2 settings) to try at pipeline degree ``pp``, as each engine's
@@ -169,20 +179,23 @@ class BatchScaledProbe(ModelProbe):
         """Measure on copies cut to two shallow depths and extrapolate (orch.plans.model.depth_scaling)."""
 
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
-                 tp: int = 1, accelerator: Accelerator = Accelerator.cpu) -> ActivationBytes:
+                 tp: int = 1, accelerator: Accelerator = Accelerator.cpu,
+                 sequence_parallel: bool = False) -> ActivationBytes:
         if tp > 1 and self.exact_up_to == 1:
             # A large model in a hurry: measuring every tensor-parallel shard on meta costs seconds
             # each; the unsharded activations are an upper bound (tp only divides them).
             return self._activations(micro_batch_size, precision, checkpointing, 1, accelerator)
         if micro_batch_size <= self.exact_up_to:
             if tp > 1 or self.shallow is not None:  # a shallow probe carries its counts in any case
-                return super()._measure(micro_batch_size, precision, checkpointing, tp, accelerator)
+                return super()._measure(micro_batch_size, precision, checkpointing, tp, accelerator,
+                                        sequence_parallel)
             measure = measure_activations_depth_scaled if self.depth_scaled else measure_activations
             return measure(self.module, micro_batch_size=micro_batch_size, inputs=self.inputs,
                            dtype=precision.dtype, checkpointing=checkpointing, accelerator=accelerator)
         m2 = 1 << (self.exact_up_to.bit_length() - 1)  # the largest power of two measured exactly
-        high = self._activations(m2, precision, checkpointing, tp, accelerator)
-        low = self._activations(m2 // 2, precision, checkpointing, tp, accelerator) if m2 > 1 else None
+        high = self._activations(m2, precision, checkpointing, tp, accelerator, sequence_parallel)
+        low = (self._activations(m2 // 2, precision, checkpointing, tp, accelerator, sequence_parallel)
+               if m2 > 1 else None)
 
         def scale(name: str) -> int:
             b = getattr(high, name)
@@ -256,7 +269,7 @@ def plan_layout(plan: ResolvedPlan) -> tuple:
     differs between their implementations more than between their stages."""
     return (plan.engine, plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.grad_accum_steps,
             plan.activation_checkpointing, plan.offload_optimizer, plan.offload_param, plan.compile,
-            plan.pp_schedule, plan.pp_virtual_stages)
+            plan.pp_schedule, plan.pp_virtual_stages, plan.sequence_parallel)
 
 
 def trial_candidates(ranked: list[Candidate], n: int) -> list[Candidate]:

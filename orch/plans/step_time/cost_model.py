@@ -607,6 +607,13 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     if plan.compile and compiled and whole:
         # Fusion removes the same share of the bytes from the sharded kernels as from the whole.
         whole, sharded = compiled, round(sharded * compiled / whole)
+    if plan.sequence_parallel and tp > 1:
+        # Sequence parallelism runs the layers' norms and residual adds on 1/tp of the sequence as
+        # well: all their bytes are divided by tp, the embedding's, head's and loss's stay whole. Its
+        # reduce-scatters and all-gathers move the all-reduces' bytes in as many ring steps, so the
+        # tensor-parallel traffic below is unchanged.
+        outside = model.memory_bytes_first_stage_per_sample + model.memory_bytes_last_stage_per_sample
+        sharded = max(sharded, whole - outside)
     # Counted with 16-bit activations: fp32 plans move twice the bytes.
     bytes_per_s = speeds.sustained_memory_gb_per_s * 1e9 * 2 / act_bytes
     stage_flops, stage_bytes = _busiest_stage(model, flops, whole, sharded, stage=stage, tp=tp, pp=pp,

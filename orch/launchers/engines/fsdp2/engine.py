@@ -62,7 +62,13 @@ class FSDP2Engine(Engine):
         from torch.distributed.fsdp import fully_shard
 
         from orch.launchers.engines.base import describe_optimizer
-        from orch.launchers.engines.fsdp2.layout import apply_tensor_parallel, fsdp_options, meshes, repeated_blocks
+        from orch.launchers.engines.fsdp2.layout import (
+            apply_tensor_parallel,
+            fsdp_options,
+            meshes,
+            repeated_blocks,
+            sequence_layout,
+        )
         from orch.plans.model.meta import meta_device
 
         plan = job.plan
@@ -82,7 +88,9 @@ class FSDP2Engine(Engine):
             enable_activation_checkpointing(model, plan.activation_checkpointing)
         mesh = meshes(plan, self.device.type, coords)
         if mesh.tp is not None:
-            apply_tensor_parallel(model, mesh.tp, job.workload.tp_layer_specs)
+            apply_tensor_parallel(model, mesh.tp, job.workload.tp_layer_specs,
+                                  sequence=sequence_layout(model, job.workload.tp_layer_specs) if plan.sequence_parallel
+                                  else None)
         options = fsdp_options(plan, mesh.dp)
         blocks = repeated_blocks(model)
         for block in blocks:
@@ -106,6 +114,8 @@ class FSDP2Engine(Engine):
                  if on_meta else f"whole, then fully_shard on {len(blocks)} blocks and the root")
         if plan.compile:
             built += f", {'each block' if blocks else 'the model'} compiled (torch.compile)"
+        if plan.sequence_parallel:
+            built += f", the sequence split over the {plan.tp} tensor-parallel ranks"
         return BuiltModel(built=built, params_at_build=params_at_build, params_on_rank=_local_numel(model),
                           optimizer=describe_optimizer(self.optimizer))
 

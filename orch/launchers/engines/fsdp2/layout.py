@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from orch.plans.parallel.rank_layout import ParallelCoords
+    from orch.plans.parallel.sequence_parallel import SequenceParallelLayout
     from orch.plans.resolve import ResolvedPlan
 
 _HF_STYLES = ("colwise", "rowwise")
@@ -150,7 +151,8 @@ def autotp_styles(model: torch.nn.Module, layer_specs: list[dict],
 
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_specs: list[dict] | None, *,
-                          match_names: dict[str, str] | None = None, hf_plan: dict | None = None) -> int:
+                          match_names: dict[str, str] | None = None, hf_plan: dict | None = None,
+                          sequence: SequenceParallelLayout | None = None) -> int:
     """Shard ``model``'s linear layers over ``tp_mesh`` with DTensor's column- and row-wise styles;
     returns how many were sharded.
 
@@ -158,7 +160,8 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
     patterns with ``*`` for a layer index) is used where it has one; otherwise the workload's
     AutoTP layer specs (regexes over ``<module>.weight``, :func:`autotp_styles`). A pipeline
     stage is matched by the whole model's names (``match_names``: its module names -> the
-    model's), so its layers are sharded as the unpipelined model's are.
+    model's), so its layers are sharded as the unpipelined model's are. With ``sequence``, the
+    residual stream is split along the sequence as well (:func:`apply_sequence_parallel`).
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -182,5 +185,68 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
     if not plan:
         raise RuntimeError(f"plan.tp={tp_mesh.size()}, but no layer of {type(model).__name__} matched its tensor-"
                            "parallel plan: every rank would hold and compute the whole model")
+    if sequence is not None:
+        from torch.distributed.tensor import Shard
+
+        from orch.plans.parallel.sequence_parallel import SEQUENCE_DIM
+
+        for name in sequence.row_layers:
+            plan[name] = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM))
     parallelize_module(model, tp_mesh, plan)
+    if sequence is not None:
+        apply_sequence_parallel(model, tp_mesh, sequence)
     return len(plan)
+
+
+def sequence_layout(model: torch.nn.Module, layer_specs: list[dict] | None) -> SequenceParallelLayout:
+    """Where ``plan.sequence_parallel`` splits ``model`` (the planner checked that it can)."""
+    from orch.plans.parallel.sequence_parallel import sequence_parallel_layout
+    from orch.plans.parallel.tp_plan import split_layers
+
+    layout = sequence_parallel_layout(model, split_layers(model, layer_specs or []))
+    if isinstance(layout, str):
+        raise RuntimeError(f"plan.sequence_parallel=true: {layout}; set plan.sequence_parallel=false")
+    return layout
+
+
+def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layout: SequenceParallelLayout) -> None:
+    """Split ``model``'s residual stream along the sequence over ``tp_mesh`` (``plan.sequence_parallel``),
+    after :func:`apply_tensor_parallel` sharded its linear layers, the row-parallel ones with
+    their outputs reduce-scattered to the slice.
+
+    DTensor's styles, as torchtitan lays out a decoder: each norm runs on its slice
+    (``SequenceParallel``, its weight replicated, its gradient summed over the slices) and its
+    output is all-gathered (``PrepareModuleOutput`` to ``Replicate``); a block norm's output stays
+    a DTensor, so the column-parallel layers' partial input gradients are reduce-scattered back to
+    the slice in one collective; the final norm's is a plain tensor for the replicated head. Each
+    row-parallel layer reduce-scatters to the slice instead of all-reducing. The first block's
+    input is split where it enters the block, not at the embedding: a model computes its positions
+    and masks from the embedding's output, which keeps the whole sequence.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
+    from torch.distributed.tensor.parallel import SequenceParallel as SequenceParallelStyle
+
+    from orch.plans.parallel.sequence_parallel import SEQUENCE_DIM
+
+    sequence = Shard(SEQUENCE_DIM)
+    norms = (*layout.block_norms, layout.final_norm)
+    parallelize_module(model, tp_mesh, {name: SequenceParallelStyle(sequence_dim=SEQUENCE_DIM, use_local_output=False)
+                                        for name in norms})
+    gathers = {name: PrepareModuleOutput(output_layouts=sequence, desired_output_layouts=Replicate(),
+                                         use_local_output=name == layout.final_norm)
+               for name in norms}
+    parallelize_module(model, tp_mesh, gathers)
+
+    def split_input(_module, args, kwargs):
+        # The whole hidden states, the same on every rank, to this rank's slice; backward all-gathers
+        # the slices' gradients for the embedding.
+        def split(hidden):
+            return DTensor.from_local(hidden, tp_mesh, [Replicate()], run_check=False).redistribute(
+                tp_mesh, [sequence]).to_local()
+
+        if args:
+            return (split(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": split(kwargs["hidden_states"])}
+
+    model.get_submodule(layout.first_block).register_forward_pre_hook(split_input, with_kwargs=True)
