@@ -9,7 +9,7 @@ built-in GPT: a Llama-shaped Hugging Face causal LM on tokenized text, a torchvi
 ZeRO-3 and ResNet-50, in bf16, each also with activation checkpointing; the FSDP2 engine on
 the built-in GPT, an HF Llama shape and the ViT recipe (``--plans fsdp2``); and selective
 recomputation on both engines (``--plans recompute``); the FSDP2 engine's pipeline schedules
-(``--plans pipeline``). Each worker measures
+(``--plans pipeline``); sequence parallelism on an HF Llama shape (``--plans sequence``). Each worker measures
 its real peak tensor bytes during ``train.memory_probe_step`` and the tensor bytes it holds after that step
 (orch/launchers/memory_probe.py). The MLflow run of each plan holds both next to the prediction. The
 table compares the most loaded rank against the planner's prediction for it.
@@ -130,11 +130,25 @@ PIPELINE_PLANS = [
 """The fsdp2 engine's pipeline stages: each schedule, recomputation, and data parallel across stages."""
 
 
+SPLIT = ["model=hf_causal_lm", "plan.engine=fsdp2", "plan.zero_stage=0", "plan.dp=1", "plan.tp=2"]
+SEQUENCE_PLANS = [
+    [*SPLIT, "plan.precision=fp32", "plan.sequence_parallel=false"],
+    [*SPLIT, "plan.precision=fp32", "plan.sequence_parallel=true"],
+    [*SPLIT, "plan.precision=bf16", "plan.sequence_parallel=true"],
+    [*SPLIT, "plan.precision=bf16", "plan.sequence_parallel=true", SELECTIVE],
+    [*SPLIT, "plan.precision=bf16", "plan.sequence_parallel=false", "plan.activation_checkpointing=full"],
+    [*SPLIT, "plan.precision=bf16", "plan.sequence_parallel=true", "plan.activation_checkpointing=full"],
+]
+"""Sequence parallelism on an HF Llama shape at tp=2, beside tensor parallelism alone."""
+
+
 def plans(which: str = "all") -> list[list[str]]:
     if which == "recompute":
         return RECOMPUTE_PLANS
     if which == "pipeline":
         return PIPELINE_PLANS
+    if which == "sequence":
+        return SEQUENCE_PLANS
     if which == "parallel":
         return PARALLEL_PLANS
     if which == "workloads":
@@ -147,7 +161,8 @@ def plans(which: str = "all") -> list[list[str]]:
             continue
         matrix.append([f"plan.zero_stage={stage}", f"plan.offload_optimizer={offload}",
                        f"plan.activation_checkpointing={str(ckpt).lower()}"])
-    return matrix + BF16_PLANS + PARALLEL_PLANS + WORKLOAD_PLANS + FSDP2_PLANS + RECOMPUTE_PLANS + PIPELINE_PLANS
+    return (matrix + BF16_PLANS + PARALLEL_PLANS + WORKLOAD_PLANS + FSDP2_PLANS + RECOMPUTE_PLANS + PIPELINE_PLANS
+            + SEQUENCE_PLANS)
 
 
 def micro_batch_bytes(workload, micro_batch_size: int, precision: str) -> int:
@@ -246,7 +261,8 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", type=Path, help="also write the table here")
-    parser.add_argument("--plans", choices=("all", "parallel", "workloads", "fsdp2", "recompute", "pipeline"),
+    parser.add_argument("--plans", choices=("all", "parallel", "workloads", "fsdp2", "recompute", "pipeline",
+                                                 "sequence"),
                         default="all",
                         help="all plans, only the tensor- and pipeline-parallel ones, only the experiments', "
                              "only the FSDP2 engine's, only selective recomputation's, or only the FSDP2 "
