@@ -97,16 +97,19 @@ def check_tensor_parallel(probe: ModelProbe, plan: ResolvedPlan, workload: Workl
 def check_sequence_parallel(probe: ModelProbe, plan: ResolvedPlan, target: str = "the model") -> None:
     """``plan.sequence_parallel``: the model has the blocks it splits the sequence between, and its
     sequence divides evenly over the tensor-parallel ranks."""
-    if problem := sequence_parallel_problem(probe, plan.tp):
+    if problem := sequence_parallel_problem(probe, plan.tp, plan.pp):
         raise PlanError([Violation("plan.sequence_parallel", True, f"{target}: {problem}.",
                                    "set plan.sequence_parallel=false")])
 
 
-def sequence_parallel_problem(probe: ModelProbe, tp: int) -> str | None:
-    """Why ``probe``'s model cannot split its sequence ``tp`` ways, or None."""
+def sequence_parallel_problem(probe: ModelProbe, tp: int, pp: int = 1) -> str | None:
+    """Why ``probe``'s model cannot split its sequence ``tp`` ways (in ``pp`` pipeline stages), or None."""
     layout = probe.sequence_parallel
     if isinstance(layout, str):
         return layout
+    if pp > 1 and not probe.pipeline_takes_split_sequence:
+        return ("its pipeline layers do not take a split sequence (no layer class has a sequence_shards attribute, "
+                "which the Hugging Face decoders' have)")
     tokens = probe.inputs.tokens_per_sample
     if not tokens:
         return "its samples have no sequence dimension to split"

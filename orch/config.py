@@ -131,7 +131,7 @@ class TuneConfig:
     compile: list[bool] = field(default_factory=lambda: [False, True])
     """plan.compile values to try (true with engines that compile: fsdp2)."""
     sequence_parallel: list[bool] = field(default_factory=lambda: [False, True])
-    """plan.sequence_parallel values to try (true with tp > 1, pp = 1, and engines that split the sequence: fsdp2)."""
+    """plan.sequence_parallel values to try (true with tp > 1 and engines that split the sequence: fsdp2)."""
     pp_schedule: list[str] = field(default_factory=lambda: ["1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])
     """Pipeline schedules to try with pp > 1, each where an engine runs it (deepspeed: 1f1b only)."""
     pp_virtual_stages: list[int] = field(default_factory=lambda: [2, 4])

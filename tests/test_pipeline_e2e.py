@@ -58,8 +58,8 @@ def test_gpt_pipeline_schedules_give_the_unpipelined_losses(local_ray, sqlite_ur
 def test_a_pipelined_checkpoint_resumes_at_another_dp_tp_and_pp(local_ray, sqlite_uri, tmp_path):
     """A Llama-shaped Hugging Face decoder checkpointed at (dp=2, pp=2) on 4 workers resumes, from
     the same step and with the same global batch, at (dp=2, pp=1), at (dp=1, tp=2) and at
-    (tp=2, pp=2): DCP reshards the whole model's names whichever stage wrote them, and the runs go
-    on to the same losses."""
+    (tp=2, pp=2) with the sequence split over tp: DCP reshards the whole model's names whichever
+    stage wrote them, and the runs go on to the same losses."""
     # Four workers on the tests' 2-CPU Ray: half a CPU each.
     hf = ["model=hf_causal_lm", "model.config.num_hidden_layers=4", "cluster.cpus_per_worker=0.5"]
     ckpt = tmp_path / "ckpt"
@@ -69,7 +69,8 @@ def test_a_pipelined_checkpoint_resumes_at_another_dp_tp_and_pp(local_ray, sqlit
     layouts = {
         "dp=2 pp=1": ["cluster.devices_per_node=2", "plan.dp=2"],
         "dp=1 tp=2": ["cluster.devices_per_node=2", "plan.tp=2", "plan.grad_accum_steps=4"],
-        "tp=2 pp=2": ["cluster.devices_per_node=4", "plan.tp=2", "plan.pp=2", "plan.grad_accum_steps=4"],
+        "tp=2 pp=2 sequence-parallel": ["cluster.devices_per_node=4", "plan.tp=2", "plan.pp=2",
+                                        "plan.grad_accum_steps=4", "plan.sequence_parallel=true"],
     }
     resumed = {}
     for name, overrides in layouts.items():

@@ -7,14 +7,22 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.config import compose_config
-from orch.checking import checked_run
+from helpers.config import compose_config, lm_inputs
+from orch.checking import checked_run, sequence_parallel_problem
 from orch.config import to_typed
+from orch.models import model_factory
 from orch.plans.errors import PlanError
-from orch.plans.parallel.sequence_parallel import sequence_parallel_layout, split_sequence_on_meta
+from orch.plans.memory.estimate import ModelProbe
+from orch.plans.parallel.sequence_parallel import (
+    SequenceParallelLayout,
+    sequence_parallel_layout,
+    split_sequence_on_meta,
+    stage_layout,
+)
 from orch.plans.parallel.tp_plan import specs_from_tp_plan, split_layers
 from orch.plans.resolve import resolve_plan
 from orch.plans.step_time.prediction import declared_plan_step
+from orch.workloads.gpt import GPT, TP_LAYER_SPECS
 
 HF_TP = ("model=hf_causal_lm", "plan.engine=fsdp2", "plan.tp=2", "plan.dp=1")
 
@@ -105,17 +113,41 @@ def test_plans_that_cannot_split_the_sequence_are_refused_with_the_field_and_the
     assert message in violation.message and violation.fix.startswith(fix)
 
 
-def test_a_pipeline_is_refused_and_a_sequence_that_does_not_split_evenly_is_refused():
-    typed, _, _ = to_typed(compose_config(*HF_TP, "plan.sequence_parallel=true", "cluster.devices_per_node=4",
-                                          "plan.pp=2"))
-    with pytest.raises(PlanError, match=r"without a pipeline only \(plan.pp=2\)"):
-        resolve_plan(typed.plan, typed.cluster, typed.train)
+def test_a_sequence_that_does_not_split_evenly_is_refused():
     typed, model_cfg, _ = to_typed(compose_config(*HF_TP, "plan.sequence_parallel=true", "data.seq_len=63"))
     with pytest.raises(PlanError) as refused:
         checked_run(typed, model_cfg)
     [violation] = refused.value.violations
     assert violation.field == "plan.sequence_parallel"
     assert "its sequence of 63 does not split evenly over plan.tp=2 ranks (63 % 2 = 1)" in violation.message
+
+
+def test_a_pipeline_splits_the_sequence_only_through_layers_that_take_it():
+    """A pipeline stage after the first receives its slice of the sequence: its layers must compute
+    positions and masks for the whole one (the Hugging Face decoders' ``sequence_shards``); the
+    built-in GPT's blocks do not say they can."""
+    typed, model_cfg, _ = to_typed(compose_config(*HF_TP, "plan.sequence_parallel=true", "plan.pp=2",
+                                                  "cluster.devices_per_node=4", "plan.grad_accum_steps=2"))
+    estimate, _, probe, _ = checked_run(typed, model_cfg)
+    assert estimate.feasible and probe.pipeline_takes_split_sequence
+    gpt = {"_target_": "orch.workloads.gpt.GPT", "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 128,
+           "vocab_size": 256, "tp": 1}
+    probe = ModelProbe(model_factory(gpt), lm_inputs(128), tp_layer_specs=TP_LAYER_SPECS,
+                       pipeline_layers=lambda: GPT.pipeline_layers(**{k: v for k, v in gpt.items() if k != "_target_"}))
+    assert not isinstance(probe.sequence_parallel, str)
+    assert sequence_parallel_problem(probe, 2) is None
+    assert "its pipeline layers do not take a split sequence" in sequence_parallel_problem(probe, 2, 2)
+
+
+def test_a_stage_sees_the_layout_under_its_own_names_and_one_module_per_layer():
+    whole = SequenceParallelLayout(first_block="m.layers.0", block_norms=("m.layers.0.norm", "m.layers.1.norm"),
+                                   final_norm="m.norm", row_layers=("m.layers.0.proj", "m.layers.1.proj"))
+    later = stage_layout(whole, {"s.1.layer": "m.layers.1", "s.1.layer.norm": "m.layers.1.norm",
+                                 "s.1.layer.proj": "m.layers.1.proj", "s.2.norm": "m.norm", "s.2": ""})
+    assert later == SequenceParallelLayout(first_block=None, block_norms=("s.1.layer.norm",), final_norm="s.2.norm",
+                                           row_layers=("s.1.layer.proj",))
+    with pytest.raises(ValueError, match="stage modules s.0.base.norm and s.2.norm both stand for m.norm"):
+        stage_layout(whole, {"s.0.base.norm": "m.norm", "s.2.norm": "m.norm"})
 
 
 def test_the_tuner_tries_it_only_where_an_engine_splits_the_sequence():
@@ -125,6 +157,7 @@ def test_the_tuner_tries_it_only_where_an_engine_splits_the_sequence():
     assert list(typed.tune.sequence_parallel) == [False, True]
     plans = list(_space(typed, 4, True).plans())
     split = [p for p in plans if p.sequence_parallel]
-    assert split and all(p.engine == "fsdp2" and p.tp > 1 and p.pp == 1 for p in split)
+    assert split and all(p.engine == "fsdp2" and p.tp > 1 for p in split)
     assert {(p.engine, p.tp, p.pp) for p in split} == {(p.engine, p.tp, p.pp) for p in plans
-                                                       if p.engine == "fsdp2" and p.tp > 1 and p.pp == 1}
+                                                       if p.engine == "fsdp2" and p.tp > 1}
+    assert any(p.pp > 1 for p in split)

@@ -147,7 +147,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
     def plan_problem(plan: ResolvedPlan) -> str | None:
         if plan.tp > 1 and not engine_spec(plan.engine).splits_fused_tp_layers and fused_tp_layers(workload):
             return f"{plan.engine} cannot split the model's fused tensor-parallel layers"
-        if plan.sequence_parallel and sequence_parallel_problem(probe, plan.tp):
+        if plan.sequence_parallel and sequence_parallel_problem(probe, plan.tp, plan.pp):
             return "the model's sequence cannot be split over tp"
         if plan.pp <= 1:
             return None

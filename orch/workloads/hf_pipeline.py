@@ -318,6 +318,11 @@ class DecoderLayer(nn.Module):
     shards it.
     """
 
+    sequence_shards: int = 1
+    """Set by an engine that splits the sequence (sequence parallelism) when the hidden states reach
+    this layer as one of that many slices: the arguments (positions, mask) are then computed for
+    the whole sequence."""
+
     def __init__(self, arguments: dict[str, Any], index: int, init_seed: int | None = None):
         super().__init__()
         model, s = _model(arguments)
@@ -333,7 +338,12 @@ class DecoderLayer(nn.Module):
         return getattr(self, base)[layers][index]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        args, kwargs = self.layer_arguments(hidden, self.index)
+        whole = hidden
+        if self.sequence_shards > 1:  # only the shape, dtype and device are read
+            shape = list(hidden.shape)
+            shape[1] *= self.sequence_shards
+            whole = hidden.new_empty(shape)
+        args, kwargs = self.layer_arguments(whole, self.index)
         out = self.layer(hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 

@@ -83,7 +83,7 @@ class EngineSpec:
     """The ``plan.pp_schedule`` values it runs (:class:`orch.plans.spec.PipelineSchedule`)."""
     sequence_parallel: ClassVar[bool] = False
     """It splits the residual stream along the sequence over the tensor-parallel ranks
-    (``plan.sequence_parallel``, without a pipeline)."""
+    (``plan.sequence_parallel``)."""
 
     # What the user declared
 
@@ -126,10 +126,6 @@ class EngineSpec:
             return [Violation("plan.sequence_parallel", True,
                               f"sequence parallelism splits the sequence over the tensor-parallel ranks, and "
                               f"plan.tp={plan.tp}.", "set plan.tp to 2 or more, or plan.sequence_parallel=false")]
-        if plan.pp > 1:
-            return [Violation("plan.sequence_parallel", True,
-                              f"the {self.name} engine splits the sequence without a pipeline only "
-                              f"(plan.pp={plan.pp}).", "set plan.pp=1, or plan.sequence_parallel=false")]
         return []
 
     def rejection(self, plan: PlanSpec) -> str | None:
@@ -138,7 +134,7 @@ class EngineSpec:
         if plan.pp > 1 and _schedule_name(plan.pp_schedule) not in self.pipeline_schedules:
             return f"pipeline schedule {plan.pp_schedule} (the engine runs {', '.join(self.pipeline_schedules)})"
         if plan.sequence_parallel and self._sequence_parallel_violations(plan):
-            return "sequence parallelism (tp > 1, pp = 1, fsdp2)"
+            return "sequence parallelism (tp > 1, fsdp2)"
         return None
 
     def resume_problem(self, saved: Mapping[str, object], plan: PlanSpec | ResolvedPlan) -> str | None:

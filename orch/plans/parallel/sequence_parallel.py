@@ -33,12 +33,14 @@ SEQUENCE_DIM = 1
 class SequenceParallelLayout:
     """Module names (``named_modules``) sequence parallelism acts on."""
 
-    first_block: str
-    """The first repeated block: its input is split along the sequence."""
+    first_block: str | None
+    """The first repeated block: its input is split along the sequence (None: a pipeline stage
+    without it, whose input arrives split)."""
     block_norms: tuple[str, ...]
     """The norms inside the blocks: run on a slice, their outputs all-gathered."""
-    final_norm: str
-    """The norm after the last block: runs on a slice, its output all-gathered for the head."""
+    final_norm: str | None
+    """The norm after the last block: runs on a slice, its output all-gathered for the head (None: a
+    pipeline stage without it, whose output leaves split)."""
     row_layers: tuple[str, ...]
     """The row-parallel layers closing each residual branch: outputs reduce-scattered to a slice."""
 
@@ -94,6 +96,21 @@ def sequence_parallel_layout(model: nn.Module, kinds: dict[str, str]) -> Sequenc
                                   row_layers=tuple(row_layers))
 
 
+def stage_layout(whole: SequenceParallelLayout, names: dict[str, str]) -> SequenceParallelLayout:
+    """``whole`` (the whole model's layout) as one pipeline stage sees it: ``names`` maps the
+    stage's module names to the whole model's, one module per whole name; what the stage does not
+    hold is left out."""
+    wanted = {whole.first_block, whole.final_norm, *whole.block_norms, *whole.row_layers}
+    own: dict[str, str] = {}
+    for name, whole_name in names.items():
+        if whole_name in wanted and own.setdefault(whole_name, name) != name:
+            raise ValueError(f"stage modules {own[whole_name]} and {name} both stand for {whole_name}")
+    return SequenceParallelLayout(first_block=own.get(whole.first_block or ""),
+                                  block_norms=tuple(own[n] for n in whole.block_norms if n in own),
+                                  final_norm=own.get(whole.final_norm or ""),
+                                  row_layers=tuple(own[n] for n in whole.row_layers if n in own))
+
+
 def split_sequence_on_meta(module: nn.Module, layer_specs: list[dict], tp: int) -> nn.Module:
     """``module`` (one tensor-parallel rank's shard on ``meta``, :func:`orch.plans.memory.estimate.shard_module`)
     with its residual stream cut to ``1/tp`` of the sequence as sequence parallelism runs it, for
@@ -125,7 +142,7 @@ def split_sequence_on_meta(module: nn.Module, layer_specs: list[dict], tp: int) 
         return cut(output)
 
     module.get_submodule(layout.first_block).register_forward_pre_hook(cut_input, with_kwargs=True)
-    for name in (*layout.block_norms, layout.final_norm):
+    for name in (*layout.block_norms, *([layout.final_norm] if layout.final_norm else [])):
         module.get_submodule(name).register_forward_hook(gathered)
     for name in layout.row_layers:
         module.get_submodule(name).register_forward_hook(cut_output)

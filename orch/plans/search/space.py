@@ -75,8 +75,8 @@ class SearchSpace:
     compile: tuple[bool, ...] = (False,)
     """``plan.compile`` values to try (true only with engines that compile)."""
     sequence_parallel: tuple[bool, ...] = (False,)
-    """``plan.sequence_parallel`` values to try (true only with tp > 1, without a pipeline, with
-    engines that split the sequence)."""
+    """``plan.sequence_parallel`` values to try (true only with tp > 1, with engines that split the
+    sequence)."""
     pp_schedules: tuple[tuple[PipelineSchedule, int], ...] = ((PipelineSchedule.one_f_one_b, 1),)
     """(``plan.pp_schedule``, ``plan.pp_virtual_stages``) pairs to try with pp > 1, each with the
     engines that run the schedule."""
@@ -95,7 +95,7 @@ class SearchSpace:
                         for off_opt, off_param in self._offloads(engine, stage):
                             for ckpt, compiled, (schedule, virtual), sequence in itertools.product(
                                     self.activation_checkpointing, self._compiles(engine),
-                                    self._schedules(engine, pp), self._sequence_parallel(engine, tp, pp)):
+                                    self._schedules(engine, pp), self._sequence_parallel(engine, tp)):
                                 yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp,
                                                zero_stage=stage, offload_optimizer=off_opt,
                                                offload_param=off_param, activation_checkpointing=ckpt,
@@ -115,9 +115,9 @@ class SearchSpace:
         """``plan.compile`` values to try with ``engine``: false only where it does not compile."""
         return self.compile if engine_spec(engine).compiles else tuple(c for c in self.compile if not c) or (False,)
 
-    def _sequence_parallel(self, engine: str, tp: int, pp: int) -> tuple[bool, ...]:
+    def _sequence_parallel(self, engine: str, tp: int) -> tuple[bool, ...]:
         """``plan.sequence_parallel`` values to try: false only where the sequence cannot be split."""
-        if tp > 1 and pp == 1 and engine_spec(engine).sequence_parallel:
+        if tp > 1 and engine_spec(engine).sequence_parallel:
             return self.sequence_parallel
         return tuple(s for s in self.sequence_parallel if not s) or (False,)
 

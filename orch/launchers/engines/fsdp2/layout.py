@@ -230,7 +230,7 @@ def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layout:
     from orch.plans.parallel.sequence_parallel import SEQUENCE_DIM
 
     sequence = Shard(SEQUENCE_DIM)
-    norms = (*layout.block_norms, layout.final_norm)
+    norms = (*layout.block_norms, *([layout.final_norm] if layout.final_norm else []))
     parallelize_module(model, tp_mesh, {name: SequenceParallelStyle(sequence_dim=SEQUENCE_DIM, use_local_output=False)
                                         for name in norms})
     gathers = {name: PrepareModuleOutput(output_layouts=sequence, desired_output_layouts=Replicate(),
@@ -249,4 +249,5 @@ def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layout:
             return (split(args[0]), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": split(kwargs["hidden_states"])}
 
-    model.get_submodule(layout.first_block).register_forward_pre_hook(split_input, with_kwargs=True)
+    if layout.first_block is not None:
+        model.get_submodule(layout.first_block).register_forward_pre_hook(split_input, with_kwargs=True)

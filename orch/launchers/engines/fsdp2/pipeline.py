@@ -19,6 +19,7 @@ from orch.launchers.engines.fsdp2.pipeline_stages import Stages, StateNames, blo
 from orch.plans.spec import PipelineSchedule
 
 if TYPE_CHECKING:
+    from orch.plans.parallel.sequence_parallel import SequenceParallelLayout
     from orch.plans.resolve import ResolvedPlan
 
 
@@ -143,8 +144,10 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
     stages = Stages(specs, layout, coords.pp_rank)
     if meshes.tp is not None:
         names = {name: whole_name_of_module(stages, name) for name, _ in stages.named_modules() if name}
+        whole = _whole_on_meta(job)
+        sequence = _stage_sequence_layout(stages, names, whole, job, plan.tp) if plan.sequence_parallel else None
         apply_tensor_parallel(stages, meshes.tp, job.workload.tp_layer_specs, match_names=names,
-                              hf_plan=_hf_tp_plan(job))
+                              hf_plan=_hf_tp_plan(whole), sequence=sequence)
     block = block_class(specs)
     blocks = [m for part in stages.parts.values() for m, spec in zip(part.layers, specs[part.start:part.stop],
                                                                       strict=True)
@@ -178,14 +181,45 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
                     device=device)
 
 
-def _hf_tp_plan(job) -> dict | None:
-    """The whole model's Hugging Face tensor-parallel plan (read off a build on ``meta``), if it has one."""
+def _whole_on_meta(job) -> torch.nn.Module:
+    """The whole model built on ``meta``, to read its tensor-parallel plan and layout off."""
     from orch.plans.model.meta import meta_device
 
     with meta_device():
-        whole = job.workload.model_factory()
+        return job.workload.model_factory()
+
+
+def _hf_tp_plan(whole: torch.nn.Module) -> dict | None:
+    """The whole model's Hugging Face tensor-parallel plan, if it has one."""
     plan = getattr(whole, "_tp_plan", None)
     return plan if isinstance(plan, dict) and plan else None
+
+
+def _stage_sequence_layout(stages: Stages, names: dict[str, str], whole: torch.nn.Module, job,
+                           tp: int) -> SequenceParallelLayout:
+    """Where sequence parallelism splits this rank's stages: the whole model's layout
+    (:func:`orch.launchers.engines.fsdp2.layout.sequence_layout`) under the stages' names. Every
+    pipeline layer holding blocks after the first is told its input arrives as one of ``tp``
+    slices (``sequence_shards``: it computes positions and masks for the whole sequence); a model
+    whose pipeline layers do not take that is refused, as the planner refuses it."""
+    from orch.launchers.engines.fsdp2.layout import sequence_layout
+    from orch.plans.parallel.sequence_parallel import stage_layout
+
+    # A stage may hold stand-ins under a layer's name (the input embedding's copy of the base model
+    # has an identity where the final norm was): only modules with parameters are the layer.
+    held = {name: whole_name for name, whole_name in names.items()
+            if next(stages.get_submodule(name).parameters(), None) is not None}
+    layout = stage_layout(sequence_layout(whole, job.workload.tp_layer_specs), held)
+    takers = [module for part in stages.parts.values() for module in part.layers
+              if hasattr(module, "sequence_shards")]
+    if not takers:
+        raise RuntimeError("plan.sequence_parallel=true with plan.pp > 1: the model's pipeline layers do not take "
+                           "a split sequence (no sequence_shards attribute); set plan.sequence_parallel=false")
+    first = stages.get_submodule(layout.first_block) if layout.first_block else None
+    for module in takers:
+        if first is None or not any(sub is first for sub in module.modules()):
+            module.sequence_shards = tp
+    return layout
 
 
 def train_step(pipeline: Pipeline, batches: Iterator[Any], micro: int, to_device) -> float:
