@@ -17,7 +17,6 @@ from orch.plans.cluster_facts import reconcile
 from orch.plans.engines import engine_names, engine_spec
 from orch.plans.errors import PipelineRefused, PlanError, Violation
 from orch.plans.memory.estimate import GIB, ModelProbe, PlanEstimate, check_plan
-from orch.plans.model.depth_scaling import SHALLOW_DEPTHS
 from orch.plans.model.model_facts import ModelFacts
 from orch.plans.model.workload import Workload
 from orch.plans.resolve import ResolvedPlan
@@ -146,8 +145,7 @@ def check_pipeline(probe: ModelProbe, plan: ResolvedPlan, model_cfg: dict,
                                    f"{target} cannot be split into pipeline stages by its pipeline_layers(): {error}.",
                                    "set plan.pp=1, or use a model whose pipeline_layers() accepts it "
                                    "(see docs/workloads.md)")]) from None
-    sample = probe.pipeline_layers(SHALLOW_DEPTHS[0]) if probe.shallow is not None else probe.pipeline_layers()
-    if problem := engine_spec(plan.engine).pipeline_layer_problem(sample):
+    if problem := engine_spec(plan.engine).pipeline_layer_problem(probe.pipeline_sample):
         raise PlanError([Violation("plan.pp", plan.pp, f"{target}'s pipeline_layers(): {problem}.",
                                    "give each StageLayer the module's class (its arguments in args and kwargs), "
                                    "or set plan.pp=1")])

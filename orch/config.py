@@ -130,8 +130,11 @@ class TuneConfig:
     """FSDP2's plan.fsdp.reshard_after_forward values to try (fsdp2 plans only)."""
     compile: list[bool] = field(default_factory=lambda: [False, True])
     """plan.compile values to try (true with engines that compile: fsdp2)."""
-    sequence_parallel: list[bool] = field(default_factory=lambda: [False, True])
-    """plan.sequence_parallel values to try (true with tp > 1 and engines that split the sequence: fsdp2)."""
+    sequence_parallel: list[bool] = field(default_factory=lambda: [True])
+    """plan.sequence_parallel values to try where it applies (tp > 1, engines that split the sequence:
+    fsdp2; elsewhere false). The cost model never prices a split sequence above an unsplit one (the same
+    bytes on the wire, less memory and memory-bound work), so by default only the split is tried;
+    [false,true] tries both."""
     pp_schedule: list[str] = field(default_factory=lambda: ["1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])
     """Pipeline schedules to try with pp > 1, each where an engine runs it (deepspeed: 1f1b only)."""
     pp_virtual_stages: list[int] = field(default_factory=lambda: [2, 4])

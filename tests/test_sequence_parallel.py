@@ -150,14 +150,19 @@ def test_a_stage_sees_the_layout_under_its_own_names_and_one_module_per_layer():
         stage_layout(whole, {"s.0.base.norm": "m.norm", "s.2.norm": "m.norm"})
 
 
-def test_the_tuner_tries_it_only_where_an_engine_splits_the_sequence():
-    from orch.tune.search import _space
+def test_the_tuner_splits_the_sequence_where_an_engine_can_and_the_model_allows():
+    from orch.tune.search import _space, prepare
 
     typed, _, _ = to_typed(compose_config("tune.engines=[deepspeed,fsdp2]", "tune.zero_stages=[1]"))
-    assert list(typed.tune.sequence_parallel) == [False, True]
+    assert list(typed.tune.sequence_parallel) == [True]
     plans = list(_space(typed, 4, True).plans())
     split = [p for p in plans if p.sequence_parallel]
     assert split and all(p.engine == "fsdp2" and p.tp > 1 for p in split)
-    assert {(p.engine, p.tp, p.pp) for p in split} == {(p.engine, p.tp, p.pp) for p in plans
-                                                       if p.engine == "fsdp2" and p.tp > 1}
-    assert any(p.pp > 1 for p in split)
+    assert not any(p.engine == "fsdp2" and p.tp > 1 and not p.sequence_parallel for p in plans)
+    assert any(p.pp > 1 for p in split) and any(p.tp == 1 for p in plans if p.engine == "fsdp2")
+    both = to_typed(compose_config("tune.engines=[fsdp2]", "tune.sequence_parallel=[false,true]"))[0]
+    assert {p.sequence_parallel for p in _space(both, 4, True).plans() if p.tp > 1} == {False, True}
+    # A model whose sequence cannot be split (images) keeps its tensor-parallel plans, unsplit.
+    typed, model_cfg, _ = to_typed(compose_config("experiment=vit_fsdp_bf16", "tune.engines=[fsdp2]"))
+    space, _ = prepare(typed, model_cfg, typed.cluster)
+    assert space.sequence_parallel == (False,)

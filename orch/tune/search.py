@@ -167,6 +167,9 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
         space = dataclasses.replace(space, pp=(1,))
     if not tp_layer_specs:
         space = dataclasses.replace(space, tp=(1,))
+    if isinstance(probe.sequence_parallel, str) or not probe.inputs.tokens_per_sample:
+        # A model whose sequence cannot be split keeps its tensor-parallel plans, unsplit.
+        space = dataclasses.replace(space, sequence_parallel=(False,))
     return space, ctx
 
 

@@ -361,13 +361,19 @@ class ModelProbe:
         return sequence_parallel_layout(self.sample, split_layers(self.sample, self.tp_layer_specs))
 
     @functools.cached_property
+    def pipeline_sample(self) -> list | None:
+        """The model's pipeline layers, of a shallow copy when there is one (what their kinds are
+        read off), built once: building them instantiates the model's config (tens of
+        milliseconds), and the tuner asks for every pipelined plan."""
+        if self.pipeline_layers is None:
+            return None
+        return self.pipeline_layers(SHALLOW_DEPTHS[0]) if self.shallow is not None else self.pipeline_layers()
+
+    @property
     def pipeline_takes_split_sequence(self) -> bool:
         """The model's pipeline layers take a sequence that arrives split (a layer class declares
         ``sequence_shards``, as :class:`orch.workloads.hf_pipeline.DecoderLayer` does)."""
-        if self.pipeline_layers is None:
-            return False
-        layers = self.pipeline_layers(SHALLOW_DEPTHS[0]) if self.shallow is not None else self.pipeline_layers()
-        return any(hasattr(layer.module, "sequence_shards") for layer in layers)
+        return any(hasattr(layer.module, "sequence_shards") for layer in self.pipeline_sample or [])
 
     def persistent_params(self, engine: EngineSettings) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (under the persistence threshold)."""

@@ -181,9 +181,11 @@ class BatchScaledProbe(ModelProbe):
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
                  tp: int = 1, accelerator: Accelerator = Accelerator.cpu,
                  sequence_parallel: bool = False) -> ActivationBytes:
-        if tp > 1 and self.exact_up_to == 1:
+        if tp > 1 and self.exact_up_to == 1 and not sequence_parallel:
             # A large model in a hurry: measuring every tensor-parallel shard on meta costs seconds
-            # each; the unsharded activations are an upper bound (tp only divides them).
+            # each; the unsharded activations are an upper bound (tp only divides them). Not with
+            # sequence parallelism: dividing nearly all of them by tp is its point, and a plan
+            # that needs it to fit would be dropped.
             return self._activations(micro_batch_size, precision, checkpointing, 1, accelerator)
         if micro_batch_size <= self.exact_up_to:
             if tp > 1 or self.shallow is not None:  # a shallow probe carries its counts in any case
