@@ -11,10 +11,10 @@ reduce-scatter and an all-gather); the activations and the memory-bound work out
 layers shrink by ``tp``.
 
 The layout is read off the module tree, for any model whose repeated blocks are pre-norm
-residual blocks over ``[batch, sequence, hidden]`` tensors (the built-in GPT, Hugging Face
-decoders, a ViT encoder): each block holds its norms as direct children, one per row-parallel
-layer (a norm opens each residual branch, a row-parallel layer closes it), and the final norm is
-a sibling of the block stack. A model of another shape gets a reason instead of a layout. The
+residual blocks over ``[batch, sequence, hidden]`` tensors (Hugging Face decoders such as Llama,
+Mistral and Qwen2): each block holds its norms as direct children, one per row-parallel layer (a
+norm opens each residual branch, a row-parallel layer closes it), and the final norm is a sibling
+of the block stack. A model of another shape gets a reason instead of a layout. The
 fsdp2 engine applies the layout with DTensor's styles, the planner measures activations with it
 on ``meta``. Only torch is imported here.
 """

@@ -247,6 +247,9 @@ def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layout:
 
         if args:
             return (split(args[0]), *args[1:]), kwargs
+        if "hidden_states" not in kwargs:
+            raise RuntimeError(f"plan.sequence_parallel=true: {layout.first_block} was called without its input as "
+                               "the first argument or hidden_states=; set plan.sequence_parallel=false")
         return args, {**kwargs, "hidden_states": split(kwargs["hidden_states"])}
 
     if layout.first_block is not None:
