@@ -339,10 +339,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         whole = hidden
-        if self.sequence_shards > 1:  # only the shape, dtype and device are read
+        if self.sequence_shards > 1:
+            # Only the shape, dtype and device are read: a broadcast view allocates nothing.
             shape = list(hidden.shape)
             shape[1] *= self.sequence_shards
-            whole = hidden.new_empty(shape)
+            whole = hidden.new_empty(()).expand(shape)
         args, kwargs = self.layer_arguments(whole, self.index)
         out = self.layer(hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out

@@ -164,17 +164,6 @@ class PlanEstimate:
              {self.engine_detail.json_key: self.engine_detail.as_json(self.per_device.phase)})
 
 
-def shard_on_meta(factory: Callable[[], torch.nn.Module], layer_specs: list[dict], tp: int) -> torch.nn.Module:
-    """The model as one tensor-parallel rank holds it, on ``meta``: every layer an AutoTP spec
-    names gets the shapes of its shard (column-parallel: output rows / tp, with its bias;
-    row-parallel: input columns / tp, bias whole), as DeepSpeed's LinearLayer and LinearAllreduce
-    keep them. Running the model's own forward on it gives the activations of one rank: the
-    sharded layers' outputs and inputs shrink by tp, the rest stay whole (the row-parallel
-    all-reduce changes values, not shapes, so it is not needed on meta)."""
-    with meta_device():
-        return shard_module(factory(), layer_specs, tp)
-
-
 def _on_meta(factory: Callable[[], torch.nn.Module],
              change: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
     with meta_device():
@@ -189,7 +178,12 @@ _TP_SIZE_ATTRIBUTES = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_atten
 
 
 def shard_module(module: torch.nn.Module, layer_specs: list[dict], tp: int) -> torch.nn.Module:
-    """:func:`shard_on_meta` of a meta module (changed in place, and returned)."""
+    """``module`` (on ``meta``) as one tensor-parallel rank holds it, changed in place and returned:
+    every layer an AutoTP spec names gets the shapes of its shard (column-parallel: output rows / tp, with its bias;
+    row-parallel: input columns / tp, bias whole), as DeepSpeed's LinearLayer and LinearAllreduce
+    keep them. Running the model's own forward on it gives the activations of one rank: the
+    sharded layers' outputs and inputs shrink by tp, the rest stay whole (the row-parallel
+    all-reduce changes values, not shapes, so it is not needed on meta)."""
     sharded: list[str] = []
     for name, kind in split_layers(module, layer_specs).items():
         layer = module.get_submodule(name)
