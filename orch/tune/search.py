@@ -167,8 +167,9 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
         space = dataclasses.replace(space, pp=(1,))
     if not tp_layer_specs:
         space = dataclasses.replace(space, tp=(1,))
-    if isinstance(probe.sequence_parallel, str) or not probe.inputs.tokens_per_sample:
-        # A model whose sequence cannot be split keeps its tensor-parallel plans, unsplit.
+    if sequence_parallel_problem(probe, tp=1):
+        # A model whose sequence cannot be split at all (whatever the degrees: asked at tp=1)
+        # keeps its tensor-parallel plans, unsplit.
         space = dataclasses.replace(space, sequence_parallel=(False,))
     return space, ctx
 

@@ -51,7 +51,7 @@ from orch.plans.parallel.pipeline import (
 )
 from orch.plans.parallel.sequence_parallel import (
     SequenceParallelLayout,
-    sequence_parallel_layout,
+    layout_of,
     split_sequence_on_meta,
 )
 from orch.plans.parallel.tp_plan import split_layers
@@ -352,7 +352,7 @@ class ModelProbe:
         """Where sequence parallelism splits the model (:mod:`orch.plans.parallel.sequence_parallel`),
         or why it cannot; read off a module with the model's layers (a shallow copy's blocks are the
         full depth's)."""
-        return sequence_parallel_layout(self.sample, split_layers(self.sample, self.tp_layer_specs))
+        return layout_of(self.sample, self.tp_layer_specs)
 
     @functools.cached_property
     def pipeline_sample(self) -> list | None:

@@ -16,7 +16,7 @@ Mistral and Qwen2): each block holds its norms as direct children, one per row-p
 norm opens each residual branch, a row-parallel layer closes it), and the final norm is a sibling
 of the block stack. A model of another shape gets a reason instead of a layout. The
 fsdp2 engine applies the layout with DTensor's styles, the planner measures activations with it
-on ``meta``. Only torch is imported here.
+on ``meta``. Only torch (and the pure tensor-parallel plan reader) is imported here.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
+
+from orch.plans.parallel.tp_plan import split_layers
 
 SEQUENCE_DIM = 1
 """The sequence dimension of the residual stream, ``[batch, sequence, hidden]``."""
@@ -96,6 +98,12 @@ def sequence_parallel_layout(model: nn.Module, kinds: dict[str, str]) -> Sequenc
                                   row_layers=tuple(row_layers))
 
 
+def layout_of(model: nn.Module, layer_specs: list[dict] | None) -> SequenceParallelLayout | str:
+    """:func:`sequence_parallel_layout` of ``model`` under tensor parallelism by the AutoTP
+    ``layer_specs``, which say its row-parallel layers."""
+    return sequence_parallel_layout(model, split_layers(model, layer_specs or []))
+
+
 def stage_layout(whole: SequenceParallelLayout, names: dict[str, str]) -> SequenceParallelLayout:
     """``whole`` (the whole model's layout) as one pipeline stage sees it: ``names`` maps the
     stage's module names to the whole model's, one module per whole name; what the stage does not
@@ -121,9 +129,7 @@ def split_sequence_on_meta(module: nn.Module, layer_specs: list[dict], tp: int) 
     column-parallel layers whole. Changed in place (forward hooks), and returned."""
     import torch
 
-    from orch.plans.parallel.tp_plan import split_layers
-
-    layout = sequence_parallel_layout(module, split_layers(module, layer_specs))
+    layout = layout_of(module, layer_specs)
     if isinstance(layout, str):
         raise ValueError(layout)
 

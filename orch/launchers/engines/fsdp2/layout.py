@@ -200,10 +200,9 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
 
 def sequence_layout(model: torch.nn.Module, layer_specs: list[dict] | None) -> SequenceParallelLayout:
     """Where ``plan.sequence_parallel`` splits ``model`` (the planner checked that it can)."""
-    from orch.plans.parallel.sequence_parallel import sequence_parallel_layout
-    from orch.plans.parallel.tp_plan import split_layers
+    from orch.plans.parallel.sequence_parallel import layout_of
 
-    layout = sequence_parallel_layout(model, split_layers(model, layer_specs or []))
+    layout = layout_of(model, layer_specs)
     if isinstance(layout, str):
         raise RuntimeError(f"plan.sequence_parallel=true: {layout}; set plan.sequence_parallel=false")
     return layout
