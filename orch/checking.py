@@ -118,6 +118,23 @@ def sequence_parallel_problem(probe: ModelProbe, tp: int, pp: int = 1) -> str | 
     return None
 
 
+def check_context_parallel(probe: ModelProbe, plan: ResolvedPlan, target: str = "the model") -> None:
+    """``plan.cp > 1``: the model runs on a part of the sequence (it takes the tokens' positions),
+    and the sequence cuts into ``2 * cp`` equal chunks."""
+    if problem := context_parallel_problem(probe, plan.cp, plan.tp, plan.sequence_parallel):
+        raise PlanError([Violation("plan.cp", plan.cp, f"{target}: {problem}.", "set plan.cp=1")])
+
+
+def context_parallel_problem(probe: ModelProbe, cp: int, tp: int = 1, sequence_parallel: bool = False) -> str | None:
+    """Why ``probe``'s model cannot split each sample's sequence over ``cp`` ranks, or None."""
+    from orch.plans.parallel.context_parallel import forward_problem, sequence_problem
+
+    tokens = probe.inputs.tokens_per_sample
+    if not tokens:
+        return "its samples have no sequence dimension to split"
+    return forward_problem(probe.sample) or sequence_problem(tokens, cp, tp, sequence_parallel)
+
+
 def fused_tp_layers(workload: Workload) -> list[list[str]]:
     """The patterns of the layer specs that split a fused weight (q, k and v stacked: ``shape`` or
     ``partition_dim``), which FSDP2's tensor parallelism cannot: DTensor's column- and row-wise
@@ -254,6 +271,8 @@ def checked_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = N
         check_tensor_parallel(probe, plan, workload)
     if plan.pp > 1:
         check_pipeline(probe, plan, constructor_cfg, workload.pipeline_refusal)
+    if plan.cp > 1:
+        check_context_parallel(probe, plan, workload.model_config.get("_target_", "the model"))
 
     return check_plan(plan, cluster, cfg.optim, probe), facts, probe, workload
 
@@ -278,7 +297,7 @@ def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str
                       "notes": list(notes), "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
                       "device_memory_gib": cluster.device_memory_gib, "host_memory_gib": cluster.host_memory_gib}
     plan = estimate.plan
-    doc["placement"] = rank_layout(plan.world_size, cluster.devices_per_node, plan.tp, plan.pp)
+    doc["placement"] = rank_layout(plan.world_size, cluster.devices_per_node, plan.tp, plan.pp, plan.cp)
     doc["predicted_step"] = {**step.as_dict(), "speeds": cluster_speeds(cluster, plan.precision)[1],
                              "range_s": declared_step_range(step, plan, cluster).as_json()}
     return doc
@@ -303,13 +322,15 @@ def _fmt(n: int) -> str:
 
 
 def _placement_lines(layout: list[dict[str, int]], max_nodes: int = 8) -> list[str]:
-    """One line per node: its ranks and their (dp, pp, tp) coordinates."""
+    """One line per node: its ranks and their (dp, pp, tp) coordinates, (dp, pp, cp, tp) where the
+    sequence is split."""
     by_node: dict[int, list[dict[str, int]]] = {}
     for slot in layout:
         by_node.setdefault(slot["node"], []).append(slot)
-    lines = ["placement (rank: dp,pp,tp)"]
+    axes = ("dp", "pp", "cp", "tp") if layout and "cp_rank" in layout[0] else ("dp", "pp", "tp")
+    lines = [f"placement (rank: {','.join(axes)})"]
     for node, slots in list(by_node.items())[:max_nodes]:
-        lines.append(f"  node {node}: " + " ".join(f"{s['rank']}:{s['dp_rank']},{s['pp_rank']},{s['tp_rank']}"
+        lines.append(f"  node {node}: " + " ".join(f"{s['rank']}:" + ",".join(str(s[f"{a}_rank"]) for a in axes)
                                                    for s in slots))
     if len(by_node) > max_nodes:
         lines.append(f"  ... {len(by_node) - max_nodes} more nodes laid out the same way")
@@ -399,7 +420,7 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = (), 
         lines.append(f"  {'building the model':<20}{_fmt(b.total)}  ({builders}"
                      + (f" + {_fmt(b.weights).strip()} of weight files" if b.weights else "") + ")")
     lines.append("")
-    lines += _placement_lines(rank_layout(p.world_size, cluster.devices_per_node, p.tp, p.pp)) + [""]
+    lines += _placement_lines(rank_layout(p.world_size, cluster.devices_per_node, p.tp, p.pp, p.cp)) + [""]
     if step is not None:
         lines += _step_lines(step, p, cluster) + [""]
     if estimate.feasible:

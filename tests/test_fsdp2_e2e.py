@@ -175,3 +175,18 @@ def test_sequence_parallelism_follows_the_tensor_parallel_curve(local_ray, sqlit
     assert split_eval == pytest.approx(whole_eval, rel=1e-5)
     params = MlflowClient(sqlite_uri).get_run(runs["true"].run_id).data.params
     assert params["plan.sequence_parallel"] == "True"
+
+
+def test_context_parallelism_follows_the_whole_sequence_curve(local_ray, sqlite_uri):
+    """``plan.cp=2``: each rank runs the Hugging Face Llama shape on half of every sequence (head-tail
+    chunks, keys and values gathered for attention), and the losses and eval loss are the whole
+    sequence's (the tp=2 run beside it, whose ranks each see it all), in fp32."""
+    runs = {layout: train(sqlite_uri, "model=hf_causal_lm", "plan.dp=1", "plan.precision=fp32", *layout,
+                          "train.steps=10", "train.export=false")
+            for layout in (("plan.tp=2",), ("plan.cp=2",))}
+    whole, split = runs.values()
+    assert all("each sample's sequence split over 2 context-parallel ranks" in f.model.built
+               for f in split.worker_facts)
+    assert [r[0].loss for r in split.reports] == pytest.approx([r[0].loss for r in whole.reports], rel=1e-4)
+    assert split.reports[-1][0].evaluation["eval_loss"] == pytest.approx(
+        whole.reports[-1][0].evaluation["eval_loss"], rel=1e-4)

@@ -35,14 +35,20 @@ def assign_ranks(node_ids: list[str]) -> list[RankSlot]:
     return slots  # type: ignore[return-value]
 
 
-def rank_layout(world_size: int, devices_per_node: int, tp: int, pp: int = 1) -> list[dict[str, int]]:
-    """Where every rank of a plan runs, as launched: node, local rank, dp, pp and tp coordinates.
+def rank_layout(world_size: int, devices_per_node: int, tp: int, pp: int = 1, cp: int = 1) -> list[dict[str, int]]:
+    """Where every rank of a plan runs, as launched: node, local rank, dp, pp, cp and tp coordinates
+    (cp only where the plan splits the sequence).
 
     Nodes fill in order (:func:`assign_ranks` keeps a node's ranks contiguous) and tp is the
     innermost dimension, so tensor-parallel groups share a node and dp replicas span nodes.
     """
-    return [{"rank": r, "node": r // devices_per_node, "local_rank": r % devices_per_node,
-             **asdict(parallel_coords(r, world_size, tp, pp))} for r in range(world_size)]
+    layout = []
+    for r in range(world_size):
+        coords = asdict(parallel_coords(r, world_size, tp, pp, cp))
+        if cp == 1:
+            del coords["cp_rank"]
+        layout.append({"rank": r, "node": r // devices_per_node, "local_rank": r % devices_per_node, **coords})
+    return layout
 
 
 def placement_strategy(nodes: int) -> str:

@@ -122,7 +122,7 @@ class TrainWorker:
         self.engine = engine_for(job.plan.engine)
         self.engine.start(job, master_addr, master_port)
         torch.manual_seed(job.train.seed)
-        coords = parallel_coords(self.rank, world_size, job.plan.tp, job.plan.pp)
+        coords = parallel_coords(self.rank, world_size, job.plan.tp, job.plan.pp, job.plan.cp)
         built = self.engine.build(job, coords)
         self.batches, self.val_batches, data_tensor_bytes = rank_batches(job, self.rank, coords, streams)
         self.checkpoints = CheckpointIO(job, self.rank, self.local_rank, world_size)

@@ -56,7 +56,7 @@ def rank_batches(job: TrainJob, rank: int, coords: ParallelCoords, streams: tupl
 def _streamed_batches(job: TrainJob, rank: int, coords: ParallelCoords, streams: tuple[Any, Any] | None):
     """Training and evaluation batches of a streamed source, shared within each replica.
 
-    A replica's readers are its ranks that take batches: every tensor-parallel rank, of the
+    A replica's readers are its ranks that take batches: every tensor- and context-parallel rank, of the
     first and the last pipeline stage only (the stages between receive activations). Every
     rank creates every replica's group, as ``new_group`` requires, in the same order.
     """
@@ -68,8 +68,8 @@ def _streamed_batches(job: TrainJob, rank: int, coords: ParallelCoords, streams:
     readers_of = []
     for dp_rank in range(plan.dp):
         stages = sorted({0, plan.pp - 1})
-        readers_of.append([global_rank(dp_rank, stage, tp_rank, tp=plan.tp, pp=plan.pp)
-                           for stage in stages for tp_rank in range(plan.tp)])
+        readers_of.append([global_rank(dp_rank, stage, tp_rank, tp=plan.tp, pp=plan.pp, cp_rank=cp_rank, cp=plan.cp)
+                           for stage in stages for cp_rank in range(plan.cp) for tp_rank in range(plan.tp)])
     groups = [dist.new_group(ranks, backend="gloo") if len(ranks) > 1 else None for ranks in readers_of]
     readers = readers_of[coords.dp_rank]
     group = groups[coords.dp_rank]

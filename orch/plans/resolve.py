@@ -33,6 +33,8 @@ class ResolvedPlan:
     tp: int
     pp: int
     world_size: int
+    cp: int = 1
+    """Ranks each sample's sequence is split over; they read the same samples, as tp ranks do."""
     zero_stage: int
     offload_optimizer: Offload
     offload_param: Offload
@@ -86,7 +88,8 @@ class ResolvedPlan:
         schedule = ""
         if self.pp > 1 and (self.pp_schedule != PipelineSchedule.one_f_one_b or self.pp_virtual_stages != 1):
             schedule = f"pp_schedule={self.pp_schedule.value} pp_virtual_stages={self.pp_virtual_stages} "
-        return (f"{self.engine_text()} dp={self.dp} tp={self.tp} pp={self.pp} {schedule}"
+        context = f"cp={self.cp} " if self.cp > 1 else ""
+        return (f"{self.engine_text()} dp={self.dp} tp={self.tp} pp={self.pp} {context}{schedule}"
                 f"offload_optimizer={self.offload_optimizer.value} offload_param={self.offload_param.value} "
                 f"activation_checkpointing={self.activation_checkpointing.value} "
                 f"precision={self.precision.value} micro_batch_size={self.micro_batch_size} "
@@ -138,7 +141,7 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
     world = cluster.world_size
     for name in ("nodes", "devices_per_node"):
         _check_positive(f"cluster.{name}", getattr(cluster, name), v)
-    for name in ("tp", "pp", "micro_batch_size", "grad_accum_steps"):
+    for name in ("tp", "pp", "cp", "micro_batch_size", "grad_accum_steps"):
         _check_positive(f"plan.{name}", getattr(plan, name), v)
     _check_positive("train.steps", train.steps, v)
     _check_positive("train.log_every", train.log_every, v)
@@ -155,21 +158,23 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
                            f"set plan.tp to a divisor of {cluster.devices_per_node}: "
                            f"{', '.join(str(d) for d in divisors(cluster.devices_per_node))}"))
 
-    model_parallel = max(plan.tp, 1) * max(plan.pp, 1)
+    model_parallel = max(plan.tp, 1) * max(plan.pp, 1) * max(plan.cp, 1)
+    product = f"tp({plan.tp}) * pp({plan.pp})" + (f" * cp({plan.cp})" if plan.cp != 1 else "")
     dp = plan.dp
     if dp is None:
         if world >= 1 and world % model_parallel and tp_fits_node:
-            v.append(Violation("plan.tp", plan.tp,
-                               f"tp({plan.tp}) * pp({plan.pp}) = {model_parallel} does not divide "
+            v.append(Violation("plan.cp" if plan.cp != 1 else "plan.tp", plan.cp if plan.cp != 1 else plan.tp,
+                               f"{product} = {model_parallel} does not divide "
                                f"the world size {world} (cluster.nodes={cluster.nodes} * "
                                f"cluster.devices_per_node={cluster.devices_per_node}).",
-                               "choose tp and pp whose product divides the world size"))
+                               "choose tp, pp" + (" and cp" if plan.cp != 1 else "") +
+                               " whose product divides the world size"))
         dp = max(world // model_parallel, 1)
     elif dp < 1:
         v.append(Violation("plan.dp", dp, "must be at least 1.", "set plan.dp=1 or more, or null to fill the cluster"))
     elif dp * model_parallel != world:
         v.append(Violation("plan.dp", dp,
-                           f"dp({dp}) * tp({plan.tp}) * pp({plan.pp}) = {dp * model_parallel} != world size "
+                           f"dp({dp}) * {product} = {dp * model_parallel} != world size "
                            f"{world} (cluster.nodes={cluster.nodes} * cluster.devices_per_node="
                            f"{cluster.devices_per_node}).",
                            f"set plan.dp={max(world // model_parallel, 1)} (or null), or change "
@@ -205,7 +210,7 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
     if v:
         raise PlanError(v)
     return ResolvedPlan(
-        dp=dp, tp=plan.tp, pp=plan.pp, world_size=world, zero_stage=plan.zero_stage,
+        dp=dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, world_size=world, zero_stage=plan.zero_stage,
         offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param,
         nvme_path=plan.nvme_path, activation_checkpointing=recompute,
         pp_partition=plan.pp_partition, pp_schedule=schedule_of(plan.pp_schedule),

@@ -140,11 +140,14 @@ class PlanSpec:
     fsdp: FSDPSpec = field(default_factory=FSDPSpec)
     """FSDP2's settings; read only when engine is fsdp2."""
     dp: int | None = None
-    """Data-parallel degree; null takes what the cluster leaves: world_size / (tp * pp)."""
+    """Data-parallel degree; null takes what the cluster leaves: world_size / (tp * pp * cp)."""
     tp: int = 1
     """Tensor-parallel degree (layers split across devices)."""
     pp: int = 1
     """Pipeline stages; each optimizer step runs grad_accum_steps micro-batches through them."""
+    cp: int = 1
+    """Context-parallel degree (FSDP2 engine): each sample's sequence is split over cp ranks, which
+    gather each layer's keys and values for attention; activations shrink by cp."""
     pp_partition: str = "parameters"
     """How layers are split into stages (DeepSpeed's PipelineModule partition_method):
     'parameters' balances parameter counts, 'uniform' layer counts, 'type:REGEX' the layers whose

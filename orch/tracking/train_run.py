@@ -101,7 +101,8 @@ def start_tracking(cfg: RunConfig, model_cfg: dict, plan: ResolvedPlan, facts: M
     if engine_config is not None:
         tracker.log_dict(engine_config, f"config/{plan.engine}.json")
     tracker.log_dict(estimate.as_json(), "plan/estimate.json")
-    tracker.log_dict({"placement": rank_layout(plan.world_size, cfg.cluster.devices_per_node, plan.tp, plan.pp)},
+    placement = rank_layout(plan.world_size, cfg.cluster.devices_per_node, plan.tp, plan.pp, plan.cp)
+    tracker.log_dict({"placement": placement},
                      "plan/placement.json")
     tracker.log_metrics({"memory/predicted_peak_bytes": estimate.per_device.total}, step=0)
     return tracker

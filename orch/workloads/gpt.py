@@ -154,8 +154,10 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(seq_len, d_model)
         _initialize(self, init_seed)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` ([1 or batch, tokens]) number tokens that are a part of a longer sequence
+        (context parallelism); by default the tokens are positions 0, 1, ..."""
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None else position_ids
         return self.wte(input_ids) + self.wpe(pos)
 
 
@@ -244,13 +246,13 @@ class GPT(nn.Module):
         self.activation_checkpointing = True
         self.checkpoint_kwargs = dict(gradient_checkpointing_kwargs or {})
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.shape[1] > self.seq_len:
             # Positions past the learned table would index out of range (silently so on meta).
             raise ValueError(f"input of {input_ids.shape[1]} tokens is longer than model.seq_len({self.seq_len}): "
                              "the model learns one position embedding per token; set data.seq_len to at most "
                              "model.seq_len")
-        x = self.embed(input_ids)
+        x = self.embed(input_ids, position_ids)
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, **{"use_reentrant": False, **self.checkpoint_kwargs})

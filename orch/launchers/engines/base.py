@@ -54,11 +54,13 @@ def describe_optimizer(optimizer) -> str:
 
 
 def mean_objective(model, objective, val_batches: Iterator[Any], batches: int,
-                   to_device: Callable[[Any], Any]) -> dict[str, float]:
+                   to_device: Callable[[Any], Any],
+                   run: Callable[[Any, Any], tuple[Any, Any]] | None = None) -> dict[str, float]:
     """The objective's loss and its own metrics (its optional ``metrics(outputs, batch)``) on
     ``batches`` held-out batches, each a mean over them; ``model`` is put in evaluation mode for
     it and back in training mode after. What every engine's :meth:`Engine.evaluate` computes when
-    one rank holds the whole forward (not a pipeline stage)."""
+    one rank holds the whole forward (not a pipeline stage). ``run(model, batch)`` returns the
+    outputs and the batch they answer, where the rank runs on a part of it (context parallelism)."""
     import torch
 
     from orch.plans.model.workload import call_model
@@ -70,7 +72,10 @@ def mean_objective(model, objective, val_batches: Iterator[Any], batches: int,
         with torch.no_grad():
             for _ in range(batches):
                 batch = to_device(next(val_batches))
-                outputs = call_model(model, batch)
+                if run is None:
+                    outputs = call_model(model, batch)
+                else:
+                    outputs, batch = run(model, batch)
                 found = {"loss": objective(outputs, batch), **(metrics(outputs, batch) if metrics else {})}
                 for name, value in found.items():
                     totals[name] = totals.get(name, 0.0) + float(value)

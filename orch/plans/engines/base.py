@@ -84,6 +84,8 @@ class EngineSpec:
     sequence_parallel: ClassVar[bool] = False
     """It splits the residual stream along the sequence over the tensor-parallel ranks
     (``plan.sequence_parallel``)."""
+    context_parallel: ClassVar[bool] = False
+    """It splits each sample's sequence over ``plan.cp`` ranks, attention gathering keys and values."""
 
     # What the user declared
 
@@ -110,6 +112,30 @@ class EngineSpec:
                                    f"set plan.engine={others[0]} to compile, or plan.compile=false"))
         if plan.sequence_parallel:
             found += self._sequence_parallel_violations(plan)
+        if plan.cp > 1:
+            found += self._context_parallel_violations(plan)
+        return found
+
+    def _context_parallel_violations(self, plan: PlanSpec) -> list[Violation]:
+        """Why this engine cannot split each sample's sequence over ``plan.cp`` ranks."""
+        if not self.context_parallel:
+            from orch.plans.engines import engine_names, engine_spec
+
+            others = [name for name in engine_names() if engine_spec(name).context_parallel]
+            return [Violation("plan.cp", plan.cp,
+                              f"the {self.name} engine keeps each sample's whole sequence on a rank; context "
+                              f"parallelism runs in the {', '.join(others)} engine.",
+                              f"set plan.engine={others[0]}, or plan.cp=1")]
+        found = []
+        if plan.pp > 1:
+            found.append(Violation("plan.cp", plan.cp,
+                                   f"context parallelism runs without pipeline stages, and plan.pp={plan.pp}.",
+                                   "set plan.pp=1, or plan.cp=1"))
+        if plan.compile:
+            found.append(Violation("plan.cp", plan.cp,
+                                   "context parallelism's attention (keys and values gathered over the cp ranks) "
+                                   "is not compiled: plan.compile=true would trace its collectives into each block.",
+                                   "set plan.compile=false, or plan.cp=1"))
         return found
 
     def _sequence_parallel_violations(self, plan: PlanSpec) -> list[Violation]:
@@ -135,6 +161,8 @@ class EngineSpec:
             return f"pipeline schedule {plan.pp_schedule} (the engine runs {', '.join(self.pipeline_schedules)})"
         if plan.sequence_parallel and self._sequence_parallel_violations(plan):
             return "sequence parallelism (tp > 1, fsdp2)"
+        if plan.cp > 1 and self._context_parallel_violations(plan):
+            return "context parallelism (fsdp2, pp=1, no compile)"
         return None
 
     def resume_problem(self, saved: Mapping[str, object], plan: PlanSpec | ResolvedPlan) -> str | None:

@@ -48,6 +48,7 @@ class FSDP2Spec(EngineSpec):
     resumes at any dp, tp and pp."""
     compiles = True
     sequence_parallel = True
+    context_parallel = True
     reads_fsdp_settings = True
     pipeline_schedules = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv")
 
@@ -72,6 +73,11 @@ class FSDP2Spec(EngineSpec):
                                    "own, after the input's, from the parameters the forward used: FSDP2 must keep "
                                    "them gathered from forward to backward.",
                                    "set plan.fsdp.reshard_after_forward=false, or plan.pp_schedule=interleaved_1f1b"))
+        if plan.cp > 1 and plan.fsdp.hybrid:
+            found.append(Violation("plan.fsdp.hybrid", True,
+                                   f"with plan.cp={plan.cp} FSDP2 shards over the data- and context-parallel ranks "
+                                   "together; hybrid sharding of that pair is not built.",
+                                   "set plan.fsdp.hybrid=false, or plan.cp=1"))
         default_stage = schema_default("zero_stage")
         if plan.zero_stage != default_stage:
             found.append(Violation("plan.zero_stage", plan.zero_stage,

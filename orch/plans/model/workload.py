@@ -33,13 +33,14 @@ PROBE_SAMPLES = 2
 BatchNorm in training mode refuse the batch (it needs two values per channel)."""
 
 
-def call_model(module: torch.nn.Module, batch: Batch) -> Any:
-    """Run ``module`` on ``batch`` the way Hugging Face code expects."""
+def call_model(module: torch.nn.Module, batch: Batch, **extra: Any) -> Any:
+    """Run ``module`` on ``batch`` the way Hugging Face code expects; ``extra`` keyword arguments
+    (a part of the sequence's ``position_ids``) go with it."""
     if isinstance(batch, Mapping):
-        return module(**batch)
+        return module(**batch, **extra)
     if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
-        return module(batch[0])
-    return module(batch)
+        return module(batch[0], **extra)
+    return module(batch, **extra)
 
 
 def output_tensor(outputs: Any) -> torch.Tensor:

@@ -36,6 +36,9 @@ class FSDP2Engine(Engine):
     (:class:`orch.launchers.engines.fsdp2.pipeline.Pipeline`)."""
     _checkpoint_group = None
     """The gloo group background checkpoint writes coordinate on (:meth:`save_async`), made at the first."""
+    context = None
+    """This rank's part of each sequence, with ``plan.cp > 1``
+    (:class:`orch.launchers.engines.fsdp2.context.ContextSplit`)."""
 
     def start(self, job: TrainJob, master_addr: str, master_port: int) -> None:
         """Join the process group: gloo for CPU workers, NCCL on this rank's current CUDA device
@@ -87,6 +90,10 @@ class FSDP2Engine(Engine):
 
             enable_activation_checkpointing(model, plan.activation_checkpointing)
         mesh = meshes(plan, self.device.type, coords)
+        if mesh.cp is not None:
+            from orch.launchers.engines.fsdp2.context import ContextSplit
+
+            self.context = ContextSplit(mesh.cp)
         if mesh.tp is not None:
             apply_tensor_parallel(model, mesh.tp, job.workload.tp_layer_specs,
                                   sequence=sequence_layout(model, job.workload.tp_layer_specs) if plan.sequence_parallel
@@ -116,6 +123,8 @@ class FSDP2Engine(Engine):
             built += f", {'each block' if blocks else 'the model'} compiled (torch.compile)"
         if plan.sequence_parallel:
             built += f", the sequence split over the {plan.tp} tensor-parallel ranks"
+        if plan.cp > 1:
+            built += f", each sample's sequence split over {plan.cp} context-parallel ranks"
         return BuiltModel(built=built, params_at_build=params_at_build, params_on_rank=_local_numel(model),
                           optimizer=describe_optimizer(self.optimizer))
 
@@ -218,13 +227,16 @@ class FSDP2Engine(Engine):
             milestone("optimizer")
             return loss
         total = 0.0
-        for _ in range(micro):
-            loss = self.job.workload.loss(self.model, self.to_device(next(batches)))
-            milestone("forward")
-            scaled = loss / micro
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            milestone("backward")
-            total += loss.item()
+        with self.context.attention() if self.context is not None else contextlib.nullcontext():
+            for _ in range(micro):
+                loss = self._loss(self.to_device(next(batches)))
+                milestone("forward")
+                scaled = loss / micro
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                milestone("backward")
+                total += loss.item()
+        if self.context is not None:
+            total = self.context.mean(total)
         applied = True
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -243,13 +255,25 @@ class FSDP2Engine(Engine):
         milestone("optimizer")
         return total / micro
 
+    def _loss(self, batch: Any) -> torch.Tensor:
+        """The training loss on ``batch``: on this rank's part of its sequence with ``plan.cp > 1``."""
+        if self.context is None:
+            return self.job.workload.loss(self.model, batch)
+        outputs, part = self.context.call(self.model, batch)
+        return self.job.workload.objective(outputs, part)
+
     def evaluate(self, val_batches: Iterator[Any], batches: int) -> dict[str, float]:
         if self.pipeline is not None:
             from orch.launchers.engines.fsdp2 import pipeline
 
             return pipeline.evaluate(self.pipeline, val_batches, batches, self.job.workload.objective,
                                      self.to_device)
-        return mean_objective(self.model, self.job.workload.objective, val_batches, batches, self.to_device)
+        if self.context is None:
+            return mean_objective(self.model, self.job.workload.objective, val_batches, batches, self.to_device)
+        with self.context.attention():
+            found = mean_objective(self.model, self.job.workload.objective, val_batches, batches, self.to_device,
+                                   run=self.context.call)
+        return {name: self.context.mean(value) for name, value in found.items()}
 
     def outputs(self, batch: Any) -> Any:
         import torch
@@ -258,6 +282,8 @@ class FSDP2Engine(Engine):
 
         if self.pipeline is not None:
             raise RuntimeError("a pipelined model's outputs come from its last stage alone: not compared here")
+        if self.context is not None:
+            raise RuntimeError("with plan.cp > 1 each rank's outputs cover its part of the sequence: not compared here")
         self.model.eval()
         try:
             with torch.no_grad():

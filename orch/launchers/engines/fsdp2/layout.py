@@ -65,21 +65,27 @@ class Meshes:
     """The device meshes of an fsdp2 run."""
 
     dp: DeviceMesh
-    """What FSDP2 shards over (2-D, replicate x shard, with ``plan.fsdp.hybrid``)."""
+    """What FSDP2 shards over (2-D, replicate x shard, with ``plan.fsdp.hybrid``; the data- and
+    context-parallel ranks together, flattened, with ``plan.cp > 1``)."""
     tp: DeviceMesh | None = None
     """The tensor-parallel ranks (None at tp=1)."""
     pp: DeviceMesh | None = None
     """The pipeline ranks at this rank's dp and tp coordinates (None at pp=1)."""
+    cp: DeviceMesh | None = None
+    """The context-parallel ranks, which split each sample's sequence (None at cp=1)."""
 
 
 def meshes(plan: ResolvedPlan, device_type: str, coords: ParallelCoords) -> Meshes:
-    """The data-parallel mesh FSDP2 shards over, the tensor-parallel and the pipeline ones.
+    """The data-parallel mesh FSDP2 shards over, the tensor-parallel, pipeline and context-parallel ones.
 
-    One N-D mesh, ``(dp, pp, tp)`` row-major as the project's rank layout is
+    One N-D mesh, ``(dp, pp, cp, tp)`` row-major as the project's rank layout is
     (:func:`orch.plans.parallel.rank_layout.parallel_coords`: tp innermost, dp outermost).
     With ``plan.fsdp.hybrid`` the data-parallel dimension is 2-D, (replicate, shard), its shard
     dimension the data-parallel ranks of one node (``LOCAL_WORLD_SIZE / (tp * pp)``): parameters
     are sharded inside a node and replicated across nodes, so the all-gathers stay on the node's links.
+    With ``plan.cp > 1`` FSDP2 shards over the data- and context-parallel ranks together (one
+    flattened dimension, as torchtitan's ``dp_shard_cp``): the context-parallel ranks hold the same
+    parameters, and their gradients are averaged with the data-parallel ones'.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -94,19 +100,24 @@ def meshes(plan: ResolvedPlan, device_type: str, coords: ParallelCoords) -> Mesh
                                "replicas; set plan.fsdp.hybrid=false or change the workers per node")
         dims, names = [layout.replicate, layout.shard], ["dp_replicate", "dp_shard"]
     dp_names = tuple(names)
-    for name, degree in (("pp", plan.pp), ("tp", plan.tp)):
+    for name, degree in (("pp", plan.pp), ("cp", plan.cp), ("tp", plan.tp)):
         if degree > 1:
             dims, names = [*dims, degree], [*names, name]
     mesh = init_device_mesh(device_type, tuple(dims), mesh_dim_names=tuple(names))
-    found = Meshes(dp=mesh[dp_names] if len(names) > len(dp_names) else mesh,
-                   tp=mesh["tp"] if plan.tp > 1 else None, pp=mesh["pp"] if plan.pp > 1 else None)
+    if plan.cp > 1:
+        # pp is 1 with cp (the planner refuses both), so dp and cp are neighbours in the mesh.
+        dp_mesh = mesh[(*dp_names, "cp")]._flatten(mesh_dim_name="dp_shard_cp")
+    else:
+        dp_mesh = mesh[dp_names] if len(names) > len(dp_names) else mesh
+    found = Meshes(dp=dp_mesh, tp=mesh["tp"] if plan.tp > 1 else None, pp=mesh["pp"] if plan.pp > 1 else None,
+                   cp=mesh["cp"] if plan.cp > 1 else None)
     where = dict(zip(names, mesh.get_coordinate(), strict=True))
     dp_rank = where["dp_replicate"] * dims[1] + where["dp_shard"] if plan.fsdp.hybrid else where["dp_shard"]
-    placed = (dp_rank, where.get("tp", 0), where.get("pp", 0))
-    expected = (coords.dp_rank, coords.tp_rank, coords.pp_rank)
+    placed = (dp_rank, where.get("tp", 0), where.get("pp", 0), where.get("cp", 0))
+    expected = (coords.dp_rank, coords.tp_rank, coords.pp_rank, coords.cp_rank)
     if placed != expected:
-        raise RuntimeError(f"rank {mesh.get_rank()}: the device mesh placed it at (dp_rank, tp_rank, pp_rank) = "
-                           f"{placed}, the orchestrator at {expected}")
+        raise RuntimeError(f"rank {mesh.get_rank()}: the device mesh placed it at (dp_rank, tp_rank, pp_rank, cp_rank) "
+                           f"= {placed}, the orchestrator at {expected}")
     return found
 
 
