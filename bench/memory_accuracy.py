@@ -9,7 +9,8 @@ built-in GPT: a Llama-shaped Hugging Face causal LM on tokenized text, a torchvi
 ZeRO-3 and ResNet-50, in bf16, each also with activation checkpointing; the FSDP2 engine on
 the built-in GPT, an HF Llama shape and the ViT recipe (``--plans fsdp2``); and selective
 recomputation on both engines (``--plans recompute``); the FSDP2 engine's pipeline schedules
-(``--plans pipeline``); sequence parallelism on an HF Llama shape (``--plans sequence``). Each worker measures
+(``--plans pipeline``); sequence parallelism on an HF Llama shape (``--plans sequence``); context
+parallelism on the built-in GPT and the HF Llama shape (``--plans context``). Each worker measures
 its real peak tensor bytes during ``train.memory_probe_step`` and the tensor bytes it holds after that step
 (orch/launchers/memory_probe.py). The MLflow run of each plan holds both next to the prediction. The
 table compares the most loaded rank against the planner's prediction for it.
@@ -141,6 +142,17 @@ SEQUENCE_PLANS = [
 ]
 """Sequence parallelism on an HF Llama shape at tp=2, beside tensor parallelism alone."""
 
+CONTEXT = ["plan.engine=fsdp2", "plan.zero_stage=0", "plan.dp=1", "plan.cp=2"]
+CONTEXT_PLANS = [
+    [*CONTEXT, "plan.precision=fp32"],
+    [*CONTEXT, "plan.precision=bf16", "plan.activation_checkpointing=full"],
+    [*CONTEXT, "model=hf_causal_lm", "plan.precision=fp32"],
+    [*CONTEXT, "model=hf_causal_lm", "plan.precision=bf16"],
+    [*CONTEXT, "model=hf_causal_lm", "plan.precision=bf16", SELECTIVE],
+    [*CONTEXT, "model=hf_causal_lm", "plan.precision=bf16", "plan.activation_checkpointing=full"],
+]
+"""Context parallelism at cp=2: the built-in GPT and an HF Llama shape (grouped-query attention)."""
+
 
 def plans(which: str = "all") -> list[list[str]]:
     if which == "recompute":
@@ -149,6 +161,8 @@ def plans(which: str = "all") -> list[list[str]]:
         return PIPELINE_PLANS
     if which == "sequence":
         return SEQUENCE_PLANS
+    if which == "context":
+        return CONTEXT_PLANS
     if which == "parallel":
         return PARALLEL_PLANS
     if which == "workloads":
@@ -162,7 +176,7 @@ def plans(which: str = "all") -> list[list[str]]:
         matrix.append([f"plan.zero_stage={stage}", f"plan.offload_optimizer={offload}",
                        f"plan.activation_checkpointing={str(ckpt).lower()}"])
     return (matrix + BF16_PLANS + PARALLEL_PLANS + WORKLOAD_PLANS + FSDP2_PLANS + RECOMPUTE_PLANS + PIPELINE_PLANS
-            + SEQUENCE_PLANS)
+            + SEQUENCE_PLANS + CONTEXT_PLANS)
 
 
 def micro_batch_bytes(workload, micro_batch_size: int, precision: str) -> int:
@@ -262,7 +276,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     parser.add_argument("--plans", choices=("all", "parallel", "workloads", "fsdp2", "recompute", "pipeline",
-                                                 "sequence"),
+                                                 "sequence", "context"),
                         default="all",
                         help="all plans, only the tensor- and pipeline-parallel ones, only the experiments', "
                              "only the FSDP2 engine's, only selective recomputation's, or only the FSDP2 "

@@ -135,6 +135,10 @@ class TuneConfig:
     fsdp2; elsewhere false). The cost model never prices a split sequence above an unsplit one (the same
     bytes on the wire, less memory and memory-bound work), so by default only the split is tried;
     [false,true] tries both."""
+    cp: list[int] | None = None
+    """Context-parallel degrees to try (fsdp2, without pipeline stages); null: 1, and for sequences of
+    more than 16K tokens the powers of two up to 8 that leave each rank at least 16K of them
+    (below that the gathers of keys and values are not worth their latency)."""
     pp_schedule: list[str] = field(default_factory=lambda: ["1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])
     """Pipeline schedules to try with pp > 1, each where an engine runs it (deepspeed: 1f1b only)."""
     pp_virtual_stages: list[int] = field(default_factory=lambda: [2, 4])

@@ -77,7 +77,7 @@ def most_wrong(comparisons: list[PhaseComparison]) -> PhaseComparison:
 PROFILED_PARTS = (
     ("compute (matmul, attention)", ("compute",), ("matmul", "attention")),
     ("memory-bound (element-wise, other)", ("memory",), ("elementwise",)),
-    ("communication", ("tp", "dp", "pp"), ("communication",)),
+    ("communication", ("tp", "dp", "pp", "cp"), ("communication",)),
     ("optimizer and offload copies", ("optimizer", "offload"), ("optimizer", "copies")),
     ("host: framework Python, ZeRO-3 hooks", ("zero3_hooks",), ("host",)),
 )

@@ -209,7 +209,8 @@ def _layout_text(plan: ResolvedPlan) -> str:
     pipeline = ""
     if plan.pp > 1 and (plan.pp_schedule.value != "1f1b" or plan.pp_virtual_stages > 1):
         pipeline = plan.pp_schedule.value + (f"/v{plan.pp_virtual_stages}" if plan.pp_virtual_stages > 1 else "") + " "
-    return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} {pipeline}{spec.short_settings(plan)} "
+    context = f"cp={plan.cp} " if plan.cp > 1 else ""
+    return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} {context}{pipeline}{spec.short_settings(plan)} "
             f"offload={spec.short_offload(plan)} "
             f"ckpt={_recompute_text(plan)} micro={plan.micro_batch_size} "
             f"accum={plan.grad_accum_steps}" + (" compiled" if plan.compile else "")

@@ -15,7 +15,14 @@ import time
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
-from orch.checking import check_model, check_pipeline, fused_tp_layers, live_cluster, sequence_parallel_problem
+from orch.checking import (
+    check_model,
+    check_pipeline,
+    context_parallel_problem,
+    fused_tp_layers,
+    live_cluster,
+    sequence_parallel_problem,
+)
 from orch.config import RunConfig
 from orch.inputs import check_inputs, declared_violations
 from orch.models import DEPTH_KEY, build_model, inspect_declared_model
@@ -55,7 +62,7 @@ def declared_global_batch(cfg: RunConfig, world_size: int) -> int:
 
 
 def _declared_dp(cfg: RunConfig, world_size: int) -> int:
-    return cfg.plan.dp or max(world_size // (cfg.plan.tp * cfg.plan.pp), 1)
+    return cfg.plan.dp or max(world_size // (cfg.plan.tp * cfg.plan.pp * cfg.plan.cp), 1)
 
 
 def global_batch_origin(cfg: RunConfig, world_size: int) -> str:
@@ -111,6 +118,24 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool,
                        sequence_parallel=tuple(dict.fromkeys(t.sequence_parallel)), pp_schedules=schedules)
 
 
+CONTEXT_TOKENS_PER_RANK = 16384
+"""The fewest tokens per rank the tuner splits a sequence down to by default (``tune.cp`` null)."""
+
+
+def _context_degrees(declared: list[int] | None, seq_len: int | None) -> tuple[int, ...]:
+    """``tune.cp``, or by default 1 and the powers of two up to 8 that leave each rank at least
+    :data:`CONTEXT_TOKENS_PER_RANK` tokens of a ``seq_len`` sequence."""
+    if declared:
+        if any(c < 1 for c in declared):
+            raise PlanError([Violation("tune.cp", list(declared), "holds a degree below 1.",
+                                       "set tune.cp to degrees of 1 or more, e.g. [1,2,4]")])
+        return tuple(dict.fromkeys(declared))
+    found = [1]
+    while seq_len and found[-1] < 8 and seq_len // (found[-1] * 2) >= CONTEXT_TOKENS_PER_RANK:
+        found.append(found[-1] * 2)
+    return tuple(found)
+
+
 def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None = None,
             ) -> tuple[SearchSpace, SearchContext]:
     """The search space and everything fixed during the search (the model probed once)."""
@@ -149,6 +174,8 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
             return f"{plan.engine} cannot split the model's fused tensor-parallel layers"
         if plan.sequence_parallel and sequence_parallel_problem(probe, plan.tp, plan.pp):
             return "the model's sequence cannot be split over tp"
+        if plan.cp > 1 and context_parallel_problem(probe, plan.cp, plan.tp, plan.sequence_parallel):
+            return "the model's sequence cannot be split over cp"
         if plan.pp <= 1:
             return None
         try:
@@ -162,6 +189,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
                         speeds=cluster_speeds(cluster, cfg.plan.precision)[0],
                         tp_problem=tp_problem, plan_problem=plan_problem)
     space = _space(cfg, cluster.world_size, facts.supports_activation_checkpointing, facts.selective_problem)
+    space = dataclasses.replace(space, cp=_context_degrees(cfg.tune.cp, workload.tokens_per_sample))
     # Degrees the model cannot use are left out of the search rather than ranked as failures.
     if workload.pipeline_layers is None:
         space = dataclasses.replace(space, pp=(1,))

@@ -89,7 +89,8 @@ def fsdp_mesh(plan: ResolvedPlan, devices_per_node: int) -> FSDPMesh:
     ranks of one node (``devices_per_node / tp`` of them; a tensor-parallel group stays in a node)
     and replicates across nodes; otherwise every data-parallel rank holds one shard."""
     if not plan.fsdp.hybrid:
-        return FSDPMesh(shard=plan.dp)
+        # Context-parallel ranks hold the same parameters: FSDP2 shards over them too.
+        return FSDPMesh(shard=plan.dp * plan.cp)
     per_node = max(devices_per_node // max(plan.tp * plan.pp, 1), 1)
     shard = min(plan.dp, per_node)
     return FSDPMesh(shard=shard, replicate=max(plan.dp // shard, 1))

@@ -10,10 +10,12 @@ kept as a cross-check of the measurement.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +114,20 @@ class _MetaRunsAsOn(MetaBranches):
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
+        cp = _CONTEXT_PARALLEL.get()
+        if cp > 1:
+            # The engine's attention over a part of the sequence (orch.plans.parallel.context_parallel),
+            # each rank's keys and values standing in for the others' in the gather.
+            from orch.plans.parallel.context_parallel import split_attention
+
+            token = _CONTEXT_PARALLEL.set(1)
+            try:
+                return split_attention(query, key, value, gather=lambda t: torch.cat([t] * cp, dim=2), cp_rank=0,
+                                       cp=cp, sdpa=self._attention, attn_mask=attn_mask, dropout_p=dropout_p,
+                                       is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                       grouped_keys=self.accelerator != Accelerator.gpu)
+            finally:
+                _CONTEXT_PARALLEL.reset(token)
         kernel = select_kernel(self.accelerator, SdpaCall.of(query, key, value, attn_mask, dropout_p))
         self.log.record(kernel)
         return run_on_meta(kernel, query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -139,6 +155,21 @@ class _MetaRunsAsOnCpu(_MetaRunsAsOn):
 
 
 _SDPA = F.scaled_dot_product_attention
+
+_CONTEXT_PARALLEL = contextvars.ContextVar("context_parallel", default=1)
+"""The context-parallel degree attention runs at on meta (:func:`context_parallel_on_meta`)."""
+
+
+@contextlib.contextmanager
+def context_parallel_on_meta(cp: int) -> Iterator[None]:
+    """Within it, attention measured on meta runs as a rank of ``cp`` context-parallel ranks runs it:
+    its queries a part of the sequence, the keys and values gathered whole. Rank 0's part is
+    measured: every rank keeps as many tokens and gathers as many keys."""
+    token = _CONTEXT_PARALLEL.set(cp)
+    try:
+        yield
+    finally:
+        _CONTEXT_PARALLEL.reset(token)
 
 
 class _SavedTensors:

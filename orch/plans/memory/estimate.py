@@ -26,6 +26,7 @@ from orch.plans.memory.activations import (
     ActivationBytes,
     activations_from_shallow,
     attention_kernels,
+    context_parallel_on_meta,
     measure_activations,
 )
 from orch.plans.memory.build import GIB, BuildMemory, build_memory, build_violation, format_bytes
@@ -42,6 +43,7 @@ from orch.plans.model.attention import KernelLog
 from orch.plans.model.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from orch.plans.model.meta import meta_device
 from orch.plans.model.workload import ModelInputs, batch_bytes, selective_problem, supports_activation_checkpointing
+from orch.plans.parallel.context_parallel import LocalSequenceInputs
 from orch.plans.parallel.pipeline import (
     PipelineLayer,
     PipelineStage,
@@ -271,8 +273,19 @@ class ModelProbe:
 
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
                  tp: int = 1, accelerator: Accelerator = Accelerator.cpu,
-                 sequence_parallel: bool = False) -> ActivationBytes:
-        args = dict(micro_batch_size=micro_batch_size, inputs=self.inputs, dtype=precision.dtype,
+                 sequence_parallel: bool = False, cp: int = 1) -> ActivationBytes:
+        if cp > 1:
+            # One context-parallel rank: its part of every sequence, attention over the gathered keys.
+            with context_parallel_on_meta(cp):
+                return self._measure_inputs(LocalSequenceInputs(self.inputs, cp), micro_batch_size, precision,
+                                            checkpointing, tp, accelerator, sequence_parallel)
+        return self._measure_inputs(self.inputs, micro_batch_size, precision, checkpointing, tp, accelerator,
+                                    sequence_parallel)
+
+    def _measure_inputs(self, inputs: ModelInputs, micro_batch_size: int, precision: Precision,
+                        checkpointing: bool, tp: int, accelerator: Accelerator,
+                        sequence_parallel: bool) -> ActivationBytes:
+        args = dict(micro_batch_size=micro_batch_size, inputs=inputs, dtype=precision.dtype,
                     checkpointing=checkpointing, accelerator=accelerator)
 
         def sharded(module: torch.nn.Module) -> torch.nn.Module:
@@ -292,7 +305,7 @@ class ModelProbe:
         (a BatchNorm needs two values per channel: one sample at a 1x1 feature map is refused)."""
         try:
             return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing, plan.tp,
-                                     plan.accelerator, plan.sequence_parallel and plan.tp > 1)
+                                     plan.accelerator, plan.sequence_parallel and plan.tp > 1, plan.cp)
         except ValueError as error:
             raise PlanError([Violation(
                 "plan.micro_batch_size", plan.micro_batch_size,

@@ -83,7 +83,8 @@ def call_kwargs(model: Any, positions: Any) -> dict[str, Any]:
 
 def split_attention(query, key, value, *, gather: Callable[[Any], Any], cp_rank: int, cp: int,
                     sdpa: Callable[..., Any], attn_mask: Any = None, dropout_p: float = 0.0,
-                    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False):
+                    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                    grouped_keys: bool | None = None):
     """Causal ``scaled_dot_product_attention`` of this rank's queries over every rank's keys and values.
 
     ``query``, ``key`` and ``value`` hold this rank's two chunks (:func:`chunk_order`) along dim 2;
@@ -91,7 +92,8 @@ def split_attention(query, key, value, *, gather: Callable[[Any], Any], cp_rank:
     backward reduce-scatters, or a stand-in on meta); ``sdpa`` is torch's own function. Each local
     chunk attends to the whole sequence's keys up to its end, causal aligned to the bottom right;
     the first chunk of the sequence (its keys as long as its queries) needs no mask. A CUDA kernel
-    that takes a mask does not take grouped-query keys, so there they are expanded to the queries' heads.
+    that takes a mask does not take grouped-query keys, so there they are expanded to the queries'
+    heads (``grouped_keys``: whether the kernel takes them; by default, off CUDA).
     """
     import torch
 
@@ -107,7 +109,9 @@ def split_attention(query, key, value, *, gather: Callable[[Any], Any], cp_rank:
     natural = [placed.index(chunk) for chunk in range(2 * cp)]
     keys = torch.cat([keys.narrow(dim, i * size, size) for i in natural], dim)
     values = torch.cat([values.narrow(dim, i * size, size) for i in natural], dim)
-    if enable_gqa and query.device.type == "cuda" and keys.shape[1] != query.shape[1]:
+    if grouped_keys is None:
+        grouped_keys = query.device.type != "cuda"
+    if enable_gqa and not grouped_keys and keys.shape[1] != query.shape[1]:
         groups = query.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
         enable_gqa = False
@@ -118,6 +122,38 @@ def split_attention(query, key, value, *, gather: Callable[[Any], Any], cp_rank:
         outputs.append(sdpa(query.narrow(dim, i * size, size), keys.narrow(dim, 0, end), values.narrow(dim, 0, end),
                             dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa, **causal))
     return torch.cat(outputs, dim)
+
+
+class LocalSequenceInputs:
+    """A workload's inputs as one of ``cp`` context-parallel ranks runs the model: every tensor of
+    the example batch that runs along the sequence cut to the rank's tokens (the planner measures
+    a rank's activations and work from it)."""
+
+    def __init__(self, inputs: Any, cp: int) -> None:
+        self.whole = inputs
+        self.cp = cp
+        self.objective = inputs.objective
+        tokens = inputs.tokens_per_sample
+        self.tokens_per_sample = tokens // cp if tokens else tokens
+
+    def example_batch(self, batch_size: int) -> Any:
+        import torch
+
+        batch = self.whole.example_batch(batch_size)
+        seq_len = self.whole.tokens_per_sample
+
+        def cut(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if value.dim() >= 2 and value.shape[SEQUENCE_DIM] == seq_len:
+                    return value.narrow(SEQUENCE_DIM, 0, seq_len // self.cp)
+                return value
+            if isinstance(value, dict):
+                return {key: cut(item) for key, item in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(cut(item) for item in value)
+            return value
+
+        return cut(batch)
 
 
 def lower_right_mask(queries: int, keys: int, device: Any):

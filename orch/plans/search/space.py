@@ -77,6 +77,9 @@ class SearchSpace:
     sequence_parallel: tuple[bool, ...] = (False,)
     """``plan.sequence_parallel`` values to try (true only with tp > 1, with engines that split the
     sequence)."""
+    cp: tuple[int, ...] = (1,)
+    """Context-parallel degrees to try (above 1 only without pipeline stages, with engines that
+    split the sequence that way, uncompiled)."""
     pp_schedules: tuple[tuple[PipelineSchedule, int], ...] = ((PipelineSchedule.one_f_one_b, 1),)
     """(``plan.pp_schedule``, ``plan.pp_virtual_stages``) pairs to try with pp > 1, each with the
     engines that run the schedule."""
@@ -84,25 +87,27 @@ class SearchSpace:
     def plans(self) -> Iterator[PlanSpec]:
         """Every candidate, offload combinations limited to what each engine can express (ZeRO:
         parameter offload only at stage 3, optimizer offload from stage 1; FSDP2: both or none)."""
-        for tp in self.tp or divisors(self.world_size):
-            for pp in self.pp or divisors(self.world_size):
-                if self.world_size % (tp * pp):
-                    continue
-                dp = self.world_size // (tp * pp)
-                for micro in self._micro_batches(dp):
-                    accum = self.global_batch_size // (micro * dp)
-                    for engine, stage, fsdp in self._engine_settings(pp):
-                        for off_opt, off_param in self._offloads(engine, stage):
-                            for ckpt, compiled, (schedule, virtual), sequence in itertools.product(
-                                    self.activation_checkpointing, self._compiles(engine),
-                                    self._schedules(engine, pp), self._sequence_parallel(engine, tp)):
-                                yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp,
-                                               zero_stage=stage, offload_optimizer=off_opt,
-                                               offload_param=off_param, activation_checkpointing=ckpt,
-                                               micro_batch_size=micro, grad_accum_steps=accum,
-                                               precision=self.precision, compile=compiled,
-                                               pp_schedule=schedule.value, pp_virtual_stages=virtual,
-                                               sequence_parallel=sequence)
+        for tp, pp, cp in itertools.product(self.tp or divisors(self.world_size),
+                                            self.pp or divisors(self.world_size), self.cp):
+            if self.world_size % (tp * pp * cp) or (cp > 1 and pp > 1):
+                continue
+            dp = self.world_size // (tp * pp * cp)
+            for micro in self._micro_batches(dp):
+                accum = self.global_batch_size // (micro * dp)
+                for engine, stage, fsdp in self._engine_settings(pp):
+                    if cp > 1 and not engine_spec(engine).context_parallel:
+                        continue
+                    for off_opt, off_param in self._offloads(engine, stage):
+                        for ckpt, compiled, (schedule, virtual), sequence in itertools.product(
+                                self.activation_checkpointing, self._compiles(engine, cp),
+                                self._schedules(engine, pp), self._sequence_parallel(engine, tp)):
+                            yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp, cp=cp,
+                                           zero_stage=stage, offload_optimizer=off_opt,
+                                           offload_param=off_param, activation_checkpointing=ckpt,
+                                           micro_batch_size=micro, grad_accum_steps=accum,
+                                           precision=self.precision, compile=compiled,
+                                           pp_schedule=schedule.value, pp_virtual_stages=virtual,
+                                           sequence_parallel=sequence)
 
     def _schedules(self, engine: str, pp: int) -> list[tuple[PipelineSchedule, int]]:
         """(schedule, stages per rank) pairs to try with ``engine`` at ``pp``: the default alone
@@ -111,9 +116,12 @@ class SearchSpace:
         found = [(s, v) for s, v in self.pp_schedules if s.value in runs] if pp > 1 else []
         return found or [(PipelineSchedule.one_f_one_b, 1)]
 
-    def _compiles(self, engine: str) -> tuple[bool, ...]:
-        """``plan.compile`` values to try with ``engine``: false only where it does not compile."""
-        return self.compile if engine_spec(engine).compiles else tuple(c for c in self.compile if not c) or (False,)
+    def _compiles(self, engine: str, cp: int = 1) -> tuple[bool, ...]:
+        """``plan.compile`` values to try with ``engine``: false only where it does not compile, or
+        the sequence is split over context-parallel ranks (their attention is not compiled)."""
+        if engine_spec(engine).compiles and cp == 1:
+            return self.compile
+        return tuple(c for c in self.compile if not c) or (False,)
 
     def _sequence_parallel(self, engine: str, tp: int) -> tuple[bool, ...]:
         """``plan.sequence_parallel`` values to try: false only where the sequence cannot be split."""
@@ -180,23 +188,23 @@ class BatchScaledProbe(ModelProbe):
 
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
                  tp: int = 1, accelerator: Accelerator = Accelerator.cpu,
-                 sequence_parallel: bool = False) -> ActivationBytes:
+                 sequence_parallel: bool = False, cp: int = 1) -> ActivationBytes:
         if tp > 1 and self.exact_up_to == 1 and not sequence_parallel:
             # A large model in a hurry: measuring every tensor-parallel shard on meta costs seconds
             # each; the unsharded activations are an upper bound (tp only divides them). Not with
             # sequence parallelism: dividing nearly all of them by tp is its point, and a plan
             # that needs it to fit would be dropped.
-            return self._activations(micro_batch_size, precision, checkpointing, 1, accelerator)
+            return self._activations(micro_batch_size, precision, checkpointing, 1, accelerator, False, cp)
         if micro_batch_size <= self.exact_up_to:
-            if tp > 1 or self.shallow is not None:  # a shallow probe carries its counts in any case
+            if tp > 1 or cp > 1 or self.shallow is not None:  # a shallow probe carries its counts in any case
                 return super()._measure(micro_batch_size, precision, checkpointing, tp, accelerator,
-                                        sequence_parallel)
+                                        sequence_parallel, cp)
             measure = measure_activations_depth_scaled if self.depth_scaled else measure_activations
             return measure(self.module, micro_batch_size=micro_batch_size, inputs=self.inputs,
                            dtype=precision.dtype, checkpointing=checkpointing, accelerator=accelerator)
         m2 = 1 << (self.exact_up_to.bit_length() - 1)  # the largest power of two measured exactly
-        high = self._activations(m2, precision, checkpointing, tp, accelerator, sequence_parallel)
-        low = (self._activations(m2 // 2, precision, checkpointing, tp, accelerator, sequence_parallel)
+        high = self._activations(m2, precision, checkpointing, tp, accelerator, sequence_parallel, cp)
+        low = (self._activations(m2 // 2, precision, checkpointing, tp, accelerator, sequence_parallel, cp)
                if m2 > 1 else None)
 
         def scale(name: str) -> int:
@@ -271,7 +279,7 @@ def plan_layout(plan: ResolvedPlan) -> tuple:
     differs between their implementations more than between their stages."""
     return (plan.engine, plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.grad_accum_steps,
             plan.activation_checkpointing, plan.offload_optimizer, plan.offload_param, plan.compile,
-            plan.pp_schedule, plan.pp_virtual_stages, plan.sequence_parallel)
+            plan.pp_schedule, plan.pp_virtual_stages, plan.sequence_parallel, plan.cp)
 
 
 def trial_candidates(ranked: list[Candidate], n: int) -> list[Candidate]:

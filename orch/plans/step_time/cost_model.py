@@ -365,6 +365,11 @@ class ModelCost:
     (the embedding's lookup and its backward): the first pipeline stage's, whole on every tp rank."""
     memory_bytes_last_stage_per_sample: int = 0
     """Those between (the head, the loss and their backward): the last pipeline stage's."""
+    attention_kv_per_sample: int = 0
+    """Elements of the keys and values one sample's forward gives ``scaled_dot_product_attention``,
+    over every call: what context parallelism gathers per sample (tp = 1)."""
+    attention_calls: int = 0
+    """``scaled_dot_product_attention`` calls in one forward."""
     gemms: dict[int, tuple[tuple[Gemm, int], ...]] = dataclasses.field(default_factory=dict)
     """By tensor-parallel degree: the GEMMs one rank runs in one sample's forward, loss and backward
     (shape at micro-batch 1, and how many times), for :func:`matmul_efficiency`."""
@@ -394,18 +399,20 @@ class StepTime:
     """The model's FLOPs without recomputation per second and device: what MFU divides by the peak."""
     zero3_hooks_s: float = 0.0
     """Host time of DeepSpeed ZeRO-3's per-module fetch and release hooks (:data:`DECLARED_ZERO3_MODULE_S`)."""
+    cp_comm_s: float = 0.0
+    """Context parallelism's gathers of keys and values (and the reduce-scatters of their gradients)."""
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.memory_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s
-                + self.offload_s + self.optimizer_s + self.zero3_hooks_s)
+                + self.offload_s + self.optimizer_s + self.zero3_hooks_s + self.cp_comm_s)
 
     def as_dict(self) -> dict[str, float]:
         return {"step_time_s": self.total_s, "tokens_per_s": self.tokens_per_s,
                 "tflops_per_device": self.tflops_per_device, "model_tflops_per_device": self.model_tflops_per_device,
                 "parts_s": {"compute": self.compute_s, "memory": self.memory_s, "bubble": self.bubble_s,
                             "tp": self.tp_comm_s, "dp": self.dp_comm_s, "pp": self.pp_comm_s, "offload": self.offload_s,
-                            "optimizer": self.optimizer_s, "zero3_hooks": self.zero3_hooks_s}}
+                            "optimizer": self.optimizer_s, "zero3_hooks": self.zero3_hooks_s, "cp": self.cp_comm_s}}
 
 
 @dataclass(frozen=True)
@@ -415,23 +422,25 @@ class Links:
     tp: str
     pp: str
     dp: str
+    cp: str = "intra"
 
 
-def group_links(world_size: int, devices_per_node: int, tp: int, pp: int) -> Links:
-    """Links of the tp, pp and dp groups under the launch layout ``rank = (dp_rank * pp + pp_rank) * tp + tp_rank``.
+def group_links(world_size: int, devices_per_node: int, tp: int, pp: int, cp: int = 1) -> Links:
+    """Links of the tp, cp, pp and dp groups under the launch layout
+    ``rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank``.
 
     Nodes hold consecutive ranks. A group crosses nodes when two of its members are on different
     nodes; every group of a kind has the same shape, so the first one decides. Closed form (no
     per-rank loop): a 1024-rank layout is classified in microseconds.
     """
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * cp)
 
     def crosses(stride: int, size: int) -> str:
         # members are 0, stride, 2*stride, ... (size of them): same node iff the last is on node 0.
         return "inter" if size > 1 and (size - 1) * stride >= devices_per_node else "intra"
 
-    return Links(tp=crosses(group_stride("tp", tp, pp), tp), pp=crosses(group_stride("pp", tp, pp), pp),
-                 dp=crosses(group_stride("dp", tp, pp), dp))
+    return Links(tp=crosses(group_stride("tp", tp, pp, cp), tp), pp=crosses(group_stride("pp", tp, pp, cp), pp),
+                 dp=crosses(group_stride("dp", tp, pp, cp), dp), cp=crosses(group_stride("cp", tp, pp, cp), cp))
 
 
 def _bytes_per_s(gbps: float) -> float:
@@ -581,7 +590,8 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
                  optim: OptimSpec) -> StepTime:
     """Seconds of one optimizer step of ``plan`` on the slowest device (see the module docstring)."""
     dp, tp, pp, m, mb = plan.dp, plan.tp, plan.pp, plan.grad_accum_steps, plan.micro_batch_size
-    links = group_links(plan.world_size, devices_per_node, tp, pp)
+    cp = plan.cp
+    links = group_links(plan.world_size, devices_per_node, tp, pp, cp)
     lat = {"intra": speeds.intra_latency_s, "inter": speeds.inter_latency_s}
     act_bytes = plan.precision.element_bytes
     engine = engine_settings(plan, optim)
@@ -598,8 +608,13 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     stage = stage_share(model.n_layers, pp)
     # GPUs: each GEMM at its shape (waves of tiles over the SMs, memory-bound when thin), the
     # recomputed forward at the forward's mix; CPUs: the calibrated rate for the matmul height.
-    rate = speeds.tflops_at(mb * model.seq_len) * 1e12
-    efficiency = matmul_efficiency(model.gemms.get(tp, ()), mb, speeds, flops_per_s=rate, element_bytes=act_bytes)
+    # Context parallelism: each rank runs 1/cp of every sample's tokens, and as much of its
+    # attention (the head-tail chunks balance the causal mask's work); ``rank_samples`` is the share of a
+    # micro-batch's work one rank does.
+    rank_samples = mb / cp
+    rate = speeds.tflops_at(max(mb * model.seq_len // cp, 1)) * 1e12
+    efficiency = matmul_efficiency(model.gemms.get(tp, ()), rank_samples, speeds, flops_per_s=rate,
+                                   element_bytes=act_bytes)
     whole = model.memory_bytes_per_sample_checkpointed if ckpt else model.memory_bytes_per_sample
     sharded = (model.memory_bytes_sharded_per_sample_checkpointed if ckpt
                else model.memory_bytes_sharded_per_sample)
@@ -619,8 +634,8 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     stage_flops, stage_bytes = _busiest_stage(model, flops, whole, sharded, stage=stage, tp=tp, pp=pp,
                                               flops_per_s=rate * efficiency, bytes_per_s=bytes_per_s,
                                               core_share=speeds.core_share)
-    per_micro_s = stage_flops * mb / (rate * efficiency) + ops * stage * speeds.op_overhead_s
-    memory_per_micro_s = stage_bytes * mb / bytes_per_s
+    per_micro_s = stage_flops * rank_samples / (rate * efficiency) + ops * stage * speeds.op_overhead_s
+    memory_per_micro_s = stage_bytes * rank_samples / bytes_per_s
 
     tp_per_micro_s = 0.0
     if tp > 1:
@@ -628,9 +643,9 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         # recomputation) and backward ones.
         forward_passes = 2 if ckpt else 1
         tp_bw = speeds.bus_gbps(links.tp)
-        fwd = _allreduce_s(model.row_parallel_out_per_sample * mb * act_bytes * stage, tp, tp_bw, lat[links.tp],
-                           calls=math.ceil(model.row_parallel_layers * stage))
-        bwd = _allreduce_s(model.column_parallel_in_per_sample * mb * act_bytes * stage, tp, tp_bw,
+        fwd = _allreduce_s(model.row_parallel_out_per_sample * rank_samples * act_bytes * stage, tp, tp_bw,
+                           lat[links.tp], calls=math.ceil(model.row_parallel_layers * stage))
+        bwd = _allreduce_s(model.column_parallel_in_per_sample * rank_samples * act_bytes * stage, tp, tp_bw,
                            lat[links.tp], calls=math.ceil(model.column_parallel_layers * stage))
         tp_per_micro_s = forward_passes * fwd + bwd
 
@@ -644,6 +659,17 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         p2p_bytes = model.boundary_per_sample * mb * act_bytes
         gather_s = (_half_ring_s(p2p_bytes, tp, speeds.bus_gbps(links.tp), lat[links.tp]) if tp > 1 else 0.0)
         pp_per_micro_s = 2 * (p2p_bytes / tp / _bytes_per_s(speeds.bus_gbps(links.pp)) + lat[links.pp] + gather_s)
+
+    cp_per_micro_s = 0.0
+    if cp > 1:
+        # Every attention call gathers the whole sequence's keys and values (this rank's heads: 1/tp
+        # of them), in each forward (again in a recomputed one: the gather is not among the ops a
+        # selective policy keeps), and reduce-scatters their gradients in backward. Not overlapped:
+        # attention waits for its keys.
+        kv_bytes = model.attention_kv_per_sample * mb * act_bytes / tp
+        cp_bw = speeds.bus_gbps(links.cp)
+        passes = (2 if ckpt else 1) + 1
+        cp_per_micro_s = passes * _half_ring_s(kv_bytes, cp, cp_bw, lat[links.cp], calls=model.attention_calls)
 
     compute_s = m * per_micro_s
     memory_s = m * memory_per_micro_s
@@ -681,8 +707,10 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
             dp_comm_s = m * (fetches * _half_ring_s(grad_bytes, dp, dp_bw, dp_lat, calls=stage_modules)
                              + _half_ring_s(grad_bytes, dp, dp_bw, dp_lat))
 
-    # The optimizer updates this rank's partition: all of its parameters below ZeRO-1.
-    part = params / dp if engine.zero_stage >= ZeroStage.optimizer_states else params
+    # The optimizer updates this rank's partition: all of its parameters below ZeRO-1. FSDP2 shards
+    # over the context-parallel ranks as well (they hold the same parameters).
+    shards = dp * cp
+    part = params / shards if engine.zero_stage >= ZeroStage.optimizer_states else params
     offload_s = 0.0
     if engine.offload_optimizer != Offload.none:
         link = _bytes_per_s(speeds.host_link_gbps)
@@ -693,14 +721,15 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         optimizer_s = (part * _optimizer_bytes_per_param(optim, plan.precision)
                        / (speeds.sustained_memory_gb_per_s * 1e9))
     if engine.offload_param != Offload.none:
-        offload_s += m * fetches * (params / dp) * plan.precision.element_bytes / _bytes_per_s(speeds.host_link_gbps)
+        offload_s += m * fetches * (params / shards) * plan.precision.element_bytes / _bytes_per_s(
+            speeds.host_link_gbps)
     zero3_hooks_s = 0.0
     if engine.module_hooks:
         zero3_hooks_s = m * fetches * stage_modules * DECLARED_ZERO3_MODULE_S[plan.accelerator.value]
 
     parts = StepTime(compute_s=compute_s, memory_s=memory_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,
                      dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, offload_s=offload_s, optimizer_s=optimizer_s,
-                     zero3_hooks_s=zero3_hooks_s,
+                     zero3_hooks_s=zero3_hooks_s, cp_comm_s=m * cp_per_micro_s,
                      tokens_per_s=0.0, tflops_per_device=0.0)
     total = parts.total_s
     samples = plan.global_batch_size

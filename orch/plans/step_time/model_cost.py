@@ -18,6 +18,7 @@ import copy
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.module_tracker import ModuleTracker
@@ -317,12 +318,23 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
             handles.append(sub.register_forward_hook(on_tp_layer(kinds[name])))
     for layer in layers:
         handles.append(layer.register_forward_hook(leave_layer))
+    attention = {"kv": 0, "calls": 0}
+    original_sdpa = F.scaled_dot_product_attention
+
+    def counted_attention(query, key, value, *args, **kwargs):
+        # What context parallelism gathers: the keys and values attention is given.
+        attention["kv"] += key.numel() + value.numel()
+        attention["calls"] += 1
+        return original_sdpa(query, key, value, *args, **kwargs)
+
+    F.scaled_dot_product_attention = counted_attention
     try:
         batch = move_batch(probe.inputs.example_batch(PROBE_SAMPLES), "meta")
         with FlopCounterMode(display=False) as counter, OpCounter() as op_counter, MetaBranches():
             loss = probe.inputs.objective(call_model(module, batch), batch)
             loss.backward()
     finally:
+        F.scaled_dot_product_attention = original_sdpa
         for handle in handles:
             handle.remove()
     flops = int(counter.get_total_flops()) // PROBE_SAMPLES
@@ -359,4 +371,5 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
         gemms=_gemms_by_tp(probe, module, tp_degrees),
         flops_outside_layers_per_sample=outside_flops, memory_bytes_first_stage_per_sample=first_bytes,
         memory_bytes_last_stage_per_sample=last_bytes,
+        attention_kv_per_sample=attention["kv"] // PROBE_SAMPLES, attention_calls=attention["calls"],
     )

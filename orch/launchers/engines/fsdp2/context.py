@@ -100,6 +100,21 @@ class ContextSplit:
         split = DTensor.from_local(tensor, self.mesh, [Shard(ATTENTION_SEQUENCE_DIM)], run_check=False)
         return split.redistribute(self.mesh, [Replicate()]).to_local(grad_placements=[Partial()])
 
+    def whole(self, part: torch.Tensor) -> torch.Tensor:
+        """A per-token output of this rank's part ([batch, tokens, ...]) gathered from every rank
+        into the whole sequence's, in sequence order (the outputs an export is checked against)."""
+        import torch
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        from orch.plans.parallel.context_parallel import SEQUENCE_DIM, gathered_chunks
+
+        gathered = DTensor.from_local(part.contiguous(), self.mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+        gathered = gathered.redistribute(self.mesh, [Replicate()]).to_local()
+        size = part.shape[SEQUENCE_DIM] // 2
+        placed = gathered_chunks(self.cp)
+        return torch.cat([gathered.narrow(SEQUENCE_DIM, placed.index(chunk) * size, size)
+                          for chunk in range(2 * self.cp)], SEQUENCE_DIM)
+
     def mean(self, value: float) -> float:
         """The mean of ``value`` over the group (a loss or metric over each rank's tokens)."""
         import torch

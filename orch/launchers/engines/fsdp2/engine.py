@@ -278,16 +278,18 @@ class FSDP2Engine(Engine):
     def outputs(self, batch: Any) -> Any:
         import torch
 
-        from orch.plans.model.workload import call_model
+        from orch.plans.model.workload import call_model, output_tensor
 
         if self.pipeline is not None:
             raise RuntimeError("a pipelined model's outputs come from its last stage alone: not compared here")
-        if self.context is not None:
-            raise RuntimeError("with plan.cp > 1 each rank's outputs cover its part of the sequence: not compared here")
         self.model.eval()
         try:
             with torch.no_grad():
-                return call_model(self.model, self.to_device(batch))
+                if self.context is None:
+                    return call_model(self.model, self.to_device(batch))
+                with self.context.attention():
+                    outputs, _ = self.context.call(self.model, self.to_device(batch))
+                return self.context.whole(output_tensor(outputs))
         finally:
             self.model.train()
 
