@@ -177,16 +177,22 @@ def test_sequence_parallelism_follows_the_tensor_parallel_curve(local_ray, sqlit
     assert params["plan.sequence_parallel"] == "True"
 
 
-def test_context_parallelism_follows_the_whole_sequence_curve(local_ray, sqlite_uri):
+def test_context_parallelism_follows_the_whole_sequence_curve_and_resumes_without_it(local_ray, sqlite_uri,
+                                                                                     tmp_path):
     """``plan.cp=2``: each rank runs the Hugging Face Llama shape on half of every sequence (head-tail
     chunks, keys and values gathered for attention), and the losses and eval loss are the whole
-    sequence's (the tp=2 run beside it, whose ranks each see it all), in fp32."""
-    runs = {layout: train(sqlite_uri, "model=hf_causal_lm", "plan.dp=1", "plan.precision=fp32", *layout,
-                          "train.steps=10", "train.export=false")
-            for layout in (("plan.tp=2",), ("plan.cp=2",))}
-    whole, split = runs.values()
+    sequence's (a tp=2 run, whose ranks each see it all), in fp32. Its DCP checkpoint resumes at
+    tp=2 (cp=1) and goes on along the same curve."""
+    common = ("model=hf_causal_lm", "plan.dp=1", "plan.precision=fp32", "train.export=false", "train.eval_every=10")
+    checkpoints = (f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.checkpoint_every=10", "train.resume=auto")
+    whole = train(sqlite_uri, *common, "plan.tp=2", "train.steps=20")
+    split = train(sqlite_uri, *common, "plan.cp=2", "train.steps=10", *checkpoints)
     assert all("each sample's sequence split over 2 context-parallel ranks" in f.model.built
                for f in split.worker_facts)
-    assert [r[0].loss for r in split.reports] == pytest.approx([r[0].loss for r in whole.reports], rel=1e-4)
+    losses = [r[0].loss for r in whole.reports]
+    assert [r[0].loss for r in split.reports] == pytest.approx(losses[:2], rel=1e-4)
     assert split.reports[-1][0].evaluation["eval_loss"] == pytest.approx(
-        whole.reports[-1][0].evaluation["eval_loss"], rel=1e-4)
+        whole.reports[1][0].evaluation["eval_loss"], rel=1e-4)
+    resumed = train(sqlite_uri, *common, "plan.tp=2", "train.steps=20", *checkpoints)
+    assert resumed.run_id == split.run_id and resumed.worker_facts[0].start_step == 10
+    assert [r[0].loss for r in resumed.reports] == pytest.approx(losses[2:], rel=1e-4)

@@ -318,7 +318,11 @@ class ModelProbe:
 
     def attention(self, plan: ResolvedPlan) -> str:
         """Which attention kernel the activations were measured with, in one line."""
-        return self._kernels(plan.precision, plan.accelerator).describe(plan.accelerator)
+        kernels = self._kernels(plan.precision, plan.accelerator).describe(plan.accelerator)
+        if plan.cp > 1:
+            # The engine's split attention masks every chunk but the first (a kernel that takes a mask).
+            kernels += f"; split over cp={plan.cp} ranks, keys and values gathered, each chunk causally masked"
+        return kernels
 
     def _measure_pipeline(self, micro_batch_size: int, precision: Precision) -> list[PipelineLayer]:
         if self.pipeline_layers is None:
