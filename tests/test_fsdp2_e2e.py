@@ -159,40 +159,39 @@ def test_fsdp2_compiles_each_block_and_follows_the_same_curve(dp_reference, loca
                                                                   abs=2e-3)
 
 
-def test_sequence_parallelism_follows_the_tensor_parallel_curve(local_ray, sqlite_uri):
-    """``plan.sequence_parallel=true`` on the Hugging Face Llama shape at tp=2: the norms and residual
-    adds run on half the sequence each (DTensor's ``SequenceParallel``, the row-parallel layers
-    reduce-scattering), the losses are tensor parallelism's alone, in fp32, and the plan is tracked."""
-    runs = {split: train(sqlite_uri, "model=hf_causal_lm", "plan.tp=2", "plan.dp=1", "plan.precision=fp32",
-                         f"plan.sequence_parallel={split}", "train.steps=10", "train.export=false")
-            for split in ("false", "true")}
+def test_sequence_and_context_parallelism_follow_the_whole_sequence_curve(local_ray, sqlite_uri, tmp_path):
+    """On the Hugging Face Llama shape (grouped-query attention), in fp32, beside one tp=2 run whose
+    ranks each see the whole sequence:
+
+    - ``plan.sequence_parallel=true`` at tp=2: the norms and residual adds run on half the sequence
+      each (DTensor's ``SequenceParallel``, the row-parallel layers reduce-scattering); the losses
+      are tensor parallelism's alone, and the plan is tracked;
+    - ``plan.cp=2``: each rank runs the model on half of every sequence (head-tail chunks, keys and
+      values gathered for attention); the losses and eval loss are the whole sequence's, and its
+      DCP checkpoint resumes at tp=2 (cp=1) and goes on along the same curve.
+    """
+    common = ("model=hf_causal_lm", "plan.dp=1", "plan.precision=fp32", "train.export=false", "train.eval_every=10")
+    whole = train(sqlite_uri, *common, "plan.tp=2", "train.steps=20")
+    losses = [r[0].loss for r in whole.reports]
+    evals = [whole.reports[i][0].evaluation["eval_loss"] for i in (1, 3)]
+    assert not any("sequence split" in f.model.built for f in whole.worker_facts)
+
+    sequence = train(sqlite_uri, *common, "plan.tp=2", "plan.sequence_parallel=true", "train.steps=10")
     assert all("the sequence split over the 2 tensor-parallel ranks" in f.model.built
-               for f in runs["true"].worker_facts)
-    assert not any("sequence split" in f.model.built for f in runs["false"].worker_facts)
-    whole, split = ([r[0].loss for r in run.reports] for run in runs.values())
-    assert len(split) == 2 and split == pytest.approx(whole, rel=1e-5)
-    whole_eval, split_eval = (run.reports[-1][0].evaluation["eval_loss"] for run in runs.values())
-    assert split_eval == pytest.approx(whole_eval, rel=1e-5)
-    params = MlflowClient(sqlite_uri).get_run(runs["true"].run_id).data.params
+               for f in sequence.worker_facts)
+    assert [r[0].loss for r in sequence.reports] == pytest.approx(losses[:2], rel=1e-5)
+    assert sequence.reports[-1][0].evaluation["eval_loss"] == pytest.approx(evals[0], rel=1e-5)
+    params = MlflowClient(sqlite_uri).get_run(sequence.run_id).data.params
     assert params["plan.sequence_parallel"] == "True"
 
-
-def test_context_parallelism_follows_the_whole_sequence_curve_and_resumes_without_it(local_ray, sqlite_uri,
-                                                                                     tmp_path):
-    """``plan.cp=2``: each rank runs the Hugging Face Llama shape on half of every sequence (head-tail
-    chunks, keys and values gathered for attention), and the losses and eval loss are the whole
-    sequence's (a tp=2 run, whose ranks each see it all), in fp32. Its DCP checkpoint resumes at
-    tp=2 (cp=1) and goes on along the same curve."""
-    common = ("model=hf_causal_lm", "plan.dp=1", "plan.precision=fp32", "train.export=false", "train.eval_every=10")
     checkpoints = (f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.checkpoint_every=10", "train.resume=auto")
-    whole = train(sqlite_uri, *common, "plan.tp=2", "train.steps=20")
-    split = train(sqlite_uri, *common, "plan.cp=2", "train.steps=10", *checkpoints)
+    context = train(sqlite_uri, *common, "plan.cp=2", "train.steps=10", *checkpoints)
     assert all("each sample's sequence split over 2 context-parallel ranks" in f.model.built
-               for f in split.worker_facts)
-    losses = [r[0].loss for r in whole.reports]
-    assert [r[0].loss for r in split.reports] == pytest.approx(losses[:2], rel=1e-4)
-    assert split.reports[-1][0].evaluation["eval_loss"] == pytest.approx(
-        whole.reports[1][0].evaluation["eval_loss"], rel=1e-4)
+               for f in context.worker_facts)
+    assert [r[0].loss for r in context.reports] == pytest.approx(losses[:2], rel=1e-4)
+    assert context.reports[-1][0].evaluation["eval_loss"] == pytest.approx(evals[0], rel=1e-4)
+    assert MlflowClient(sqlite_uri).get_run(context.run_id).data.params["plan.cp"] == "2"
     resumed = train(sqlite_uri, *common, "plan.tp=2", "train.steps=20", *checkpoints)
-    assert resumed.run_id == split.run_id and resumed.worker_facts[0].start_step == 10
+    assert resumed.run_id == context.run_id and resumed.worker_facts[0].start_step == 10
     assert [r[0].loss for r in resumed.reports] == pytest.approx(losses[2:], rel=1e-4)
+    assert resumed.reports[-1][0].evaluation["eval_loss"] == pytest.approx(evals[1], rel=1e-4)
