@@ -264,6 +264,23 @@ def test_fsdp2_gathers_and_reduce_scatters_by_hand():
     assert fsdp_dp_comm_s(one_rank, COST, speeds, devices_per_node=2) == 0.0
 
 
+def test_pipeline_stages_reduce_once_per_step_and_gather_once_without_resharding():
+    """torch's schedules hold a stage's gradients unreduced and its parameters gathered over the
+    step's micro-batches: one reduce-scatter per step, and one gather without reshard_after_forward
+    (with it, each micro-batch's backward gathers the blocks its forward resharded)."""
+    speeds = dataclasses.replace(Speeds.declared(ClusterSpec(accelerator=Accelerator.gpu, devices_per_node=4)),
+                                 intra_latency_s=0.0)
+    bw = speeds.bus_gbps("intra")
+    m = 8
+    for reshard, gathers in ((False, 1), (True, m + 1)):
+        plan = gpu_plan(dp=2, pp=2, grad_accum_steps=m, engine=FSDP2, fsdp=FSDPSpec(reshard_after_forward=reshard))
+        got = fsdp_dp_comm_s(plan, COST, speeds, devices_per_node=4)
+        stage = 10**9 / 2  # the busiest stage's half of the blocks (no root here)
+        assert got == pytest.approx(_half_ring_s(2 * stage * gathers, 2, bw, 0.0) + _half_ring_s(4 * stage, 2, bw, 0.0))
+        whole = fsdp_dp_comm_s(dataclasses.replace(plan, pp=1), COST, speeds, devices_per_node=4)
+        assert got < whole / 2
+
+
 def predict(plan, *args, **kw):
     return engine_spec(plan.engine).step_time(plan, *args, **kw)
 

@@ -175,15 +175,22 @@ class TrainWorker:
         means = self._mean_over_ranks([found[name] for name in names])
         return {f"eval_{name}": mean for name, mean in zip(names, means, strict=True)}
 
-    def _report(self, step: int, local_loss: float, rates: dict, evaluating: bool, **measured) -> StepReport:
-        """The report of ``step``: the loss averaged over the ranks (a collective every rank joins)."""
-        global_loss, = self._mean_over_ranks([local_loss])
+    def _timed_evaluation(self) -> tuple[dict[str, float], float]:
+        """:meth:`evaluate`, and the seconds it took."""
         started = time.perf_counter()
-        evaluation = self.evaluate() if evaluating else {}
+        return self.evaluate(), time.perf_counter() - started
+
+    def _report(self, step: int, local_loss: float, rates: dict, evaluating: bool,
+                evaluated: tuple[dict[str, float], float] | None = None, **measured) -> StepReport:
+        """The report of ``step``: the loss averaged over the ranks (a collective every rank joins),
+        and the evaluation (``evaluated`` when it ran before the step's checkpoint)."""
+        global_loss, = self._mean_over_ranks([local_loss])
+        if evaluated is None:
+            evaluated = self._timed_evaluation() if evaluating else ({}, 0.0)
+        evaluation, eval_s = evaluated
         return StepReport(rank=self.rank, step=step, loss=global_loss, local_loss=local_loss, lr=self.engine.lr(),
                           epoch=self.batches.state_dict()["epoch"], first_batch_digest=self.first_batch_digest,
-                          evaluation=evaluation, eval_s=time.perf_counter() - started if evaluating else 0.0,
-                          **rates, **measured)
+                          evaluation=evaluation, eval_s=eval_s, **rates, **measured)
 
     def train(self) -> Iterator[StepReport]:
         """Run ``train.steps`` optimizer steps; yield a report every ``train.log_every`` steps.
@@ -239,6 +246,11 @@ class TrainWorker:
                             {"measured_peak_bytes": probe.peak, "measured_state_bytes": live_tensor_bytes()})
             last = step == spec.steps
             self.link.stepped(step)
+            evaluating = bool(spec.eval_every and step % spec.eval_every == 0) or last
+            # A reported step evaluates before its checkpoint: the checkpoint then holds the held-out
+            # data's position after the evaluation, and a resumed run evaluates the batches an
+            # uninterrupted one would.
+            evaluated = self._timed_evaluation() if evaluating and (last or not step % spec.log_every) else None
             stopping = False
             if spec.checkpoint_every and (step % spec.checkpoint_every == 0 or last):
                 saving = time.perf_counter()
@@ -250,8 +262,8 @@ class TrainWorker:
                 saved_s += time.perf_counter() - saving
             if step % spec.log_every and not last and not stopping:
                 continue
-            evaluating = bool(spec.eval_every and step % spec.eval_every == 0) or last
-            yield self._report(step, interval.mean_loss, interval.rates(), evaluating, phase_time_s=clock.take(),
+            yield self._report(step, interval.mean_loss, interval.rates(), evaluating, evaluated,
+                               phase_time_s=clock.take(),
                                steps=interval.timed_steps, checkpoint_s=saved_s, profiles=profiles, **measured)
             interval.reset()
             saved_s, profiles = 0.0, []

@@ -13,7 +13,9 @@ what it moves and how often (torch/distributed/fsdp/_fully_shard/):
   root), so it is gathered once per micro-batch either way. Activation checkpointing adds no
   gather: the recomputed forward runs inside the block's backward, while it is gathered;
 - gradients are reduce-scattered in ``MixedPrecisionPolicy.reduce_dtype`` (fp32: 4 bytes per
-  element, twice what a bf16 reduction moves), every micro-batch (``foreach_reduce``);
+  element, twice what a bf16 reduction moves), every micro-batch (``foreach_reduce``); in
+  pipeline stages once per step, after the last micro-batch, torch's schedules holding the
+  gradients unreduced and the parameters gathered until then;
 - with HSDP (``plan.fsdp.hybrid``) the gathers and reduce-scatters stay inside a node and the
   reduced shard is all-reduced across the replicas (``foreach_reduce``'s ``all_reduce_group``);
 - on GPUs the all-gather of the next block is issued while the current one computes (implicit
@@ -76,20 +78,31 @@ def fsdp_dp_comm_s(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devi
     # The shard group: consecutive data-parallel ranks, tp * pp ranks apart.
     shard_link = group_links(tp * pp * mesh.shard, devices_per_node, tp, pp).dp
     shard_bw = speeds.bus_gbps(shard_link, _members_per_node(tp * pp, mesh.shard, devices_per_node))
-    block_gathers = 2 if plan.fsdp.reshard_after_forward else 1
-    gather_calls = layers * block_gathers + (1 if root else 0)
-    per_micro = 0.0
+    reshard = plan.fsdp.reshard_after_forward
+    if pp > 1:
+        # torch's pipeline schedules keep a stage's parameters gathered and its gradients unreduced
+        # across the step's micro-batches (PipelineStage.backward_maybe_with_nosync turns off the
+        # reshard after backward and the gradient sync) and reduce once, after the last
+        # (perform_reduce_grad). Without reshard_after_forward the blocks are gathered once per
+        # step; with it each forward reshards them and each backward gathers them again.
+        block_gathers, root_gathers, reductions = (m + 1 if reshard else 1), 1, 1
+    else:
+        block_gathers, root_gathers, reductions = m * (2 if reshard else 1), m, m
+    gathers_s = reductions_s = 0.0
     if mesh.shard > 1:
-        gathered = b * (blocks * block_gathers + root)
-        per_micro += _half_ring_s(gathered, mesh.shard, shard_bw, lat[shard_link], calls=gather_calls)
-        per_micro += _half_ring_s(REDUCE_BYTES * params, mesh.shard, shard_bw, lat[shard_link], calls=units)
+        gathers_s = (_half_ring_s(b * blocks * block_gathers, mesh.shard, shard_bw, lat[shard_link],
+                                  calls=layers * block_gathers)
+                     + (_half_ring_s(b * root * root_gathers, mesh.shard, shard_bw, lat[shard_link],
+                                     calls=root_gathers) if root else 0.0))
+        reductions_s = reductions * _half_ring_s(REDUCE_BYTES * params, mesh.shard, shard_bw, lat[shard_link],
+                                                 calls=units)
     if mesh.replicate > 1:
         replica_link = group_links(plan.world_size, devices_per_node, tp * mesh.shard, 1).dp
         replica_bw = speeds.bus_gbps(replica_link, _members_per_node(tp * mesh.shard, mesh.replicate,
                                                                      devices_per_node))
-        per_micro += _allreduce_s(REDUCE_BYTES * params / mesh.shard, mesh.replicate, replica_bw,
-                                  lat[replica_link], calls=units)
-    total = m * per_micro
+        reductions_s += reductions * _allreduce_s(REDUCE_BYTES * params / mesh.shard, mesh.replicate, replica_bw,
+                                                  lat[replica_link], calls=units)
+    total = gathers_s + reductions_s
     if exposed_compute_s <= 0:
         return total
     # Prefetching hides every unit's collectives but the first gather and the last reduction
