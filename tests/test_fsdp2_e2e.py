@@ -167,8 +167,9 @@ def test_sequence_and_context_parallelism_follow_the_whole_sequence_curve(local_
       each (DTensor's ``SequenceParallel``, the row-parallel layers reduce-scattering); the losses
       are tensor parallelism's alone, and the plan is tracked;
     - ``plan.cp=2``: each rank runs the model on half of every sequence (head-tail chunks, keys and
-      values gathered for attention); the losses and eval loss are the whole sequence's, and its
-      DCP checkpoint resumes at tp=2 (cp=1) and goes on along the same curve.
+      values gathered for attention); the losses and eval loss are the whole sequence's, alone and
+      with tp=2 and the sequence split on 4 workers, and its DCP checkpoint resumes at tp=2 (cp=1)
+      and goes on along the same curve.
     """
     common = ("model=hf_causal_lm", "plan.dp=1", "plan.precision=fp32", "train.export=false", "train.eval_every=10")
     whole = train(sqlite_uri, *common, "plan.tp=2", "train.steps=20")
@@ -191,6 +192,11 @@ def test_sequence_and_context_parallelism_follow_the_whole_sequence_curve(local_
     assert [r[0].loss for r in context.reports] == pytest.approx(losses[:2], rel=1e-4)
     assert context.reports[-1][0].evaluation["eval_loss"] == pytest.approx(evals[0], rel=1e-4)
     assert MlflowClient(sqlite_uri).get_run(context.run_id).data.params["plan.cp"] == "2"
+    # All three on 4 workers: FSDP2 over the flattened (dp, cp) mesh dimension, tp inside each cp rank.
+    four = train(sqlite_uri, *common, "plan.tp=2", "plan.cp=2", "plan.sequence_parallel=true", "train.steps=10",
+                 "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5")
+    assert [r[0].loss for r in four.reports] == pytest.approx(losses[:2], rel=1e-4)
+    assert four.reports[-1][0].evaluation["eval_loss"] == pytest.approx(evals[0], rel=1e-4)
     resumed = train(sqlite_uri, *common, "plan.tp=2", "train.steps=20", *checkpoints)
     assert resumed.run_id == context.run_id and resumed.worker_facts[0].start_step == 10
     assert [r[0].loss for r in resumed.reports] == pytest.approx(losses[2:], rel=1e-4)
