@@ -210,6 +210,20 @@ def bench_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def tune_json(command: list[str], what: str) -> dict:
+    """The ``--json`` answer of an ``orch tune`` command, run as a user would (a fresh process in an
+    empty directory, which the tuned plan file is written to and removed with); raises with the
+    command's last output when it fails."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cwd:
+        done = subprocess.run(command, cwd=cwd, env=bench_env(), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"orch tune {what} exited {done.returncode}:\n{(done.stdout + done.stderr)[-2000:]}")
+    return json.loads(done.stdout)
+
+
 def median_spread(values: list[float], fmt: str = "{:.3f}") -> str:
     """``median (min-max)``: the spread is shown, not hidden, on a shared and noisy machine."""
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"

@@ -16,34 +16,21 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import PYTHON, REPO, bench_env, header, publish
+from bench.harness import PYTHON, REPO, header, publish, tune_json
 
 SEQ_LEN = 131072
 # (preset, nodes of 8 devices, global batch in sequences)
 SHAPES = [("llama3_8b", 8, 64), ("llama3_70b", 32, 128)]
-SEARCHED = re.compile(r"searched (\d+) plans in ([0-9.]+)s: (\d+) fit")
 
 
 def tune_command(preset: str, nodes: int, batch: int, data: Path) -> list[str]:
     return [PYTHON, "-m", "orch", "tune", f"model={preset}", "cluster=a100_8x", f"cluster.nodes={nodes}",
             f"data.path={data}", f"data.seq_len={SEQ_LEN}", "plan.precision=bf16",
             f"train.global_batch_size={batch}", "tune.top_k=1000", "--json"]
-
-
-def run(preset: str, nodes: int, batch: int, data: Path) -> dict:
-    with tempfile.TemporaryDirectory() as cwd:
-        done = subprocess.run(tune_command(preset, nodes, batch, data), cwd=cwd, env=bench_env(), capture_output=True,
-                              text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"orch tune {preset} exited {done.returncode}:\n{(done.stdout + done.stderr)[-2000:]}")
-    return json.loads(done.stdout)
 
 
 def main() -> None:
@@ -58,7 +45,7 @@ def main() -> None:
         data = Path(folder) / "corpus.txt"
         data.write_bytes(corpus * 80)
         for preset, nodes, batch in SHAPES:
-            found = run(preset, nodes, batch, data)
+            found = tune_json(tune_command(preset, nodes, batch, data), preset)
             ranked = found["candidates"]
             best = found["best"]
             step = best["predicted"]

@@ -14,13 +14,10 @@ what each schedule buys at this scale, from the cost model's first-principles te
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from bench.harness import PYTHON, bench_env, header, publish
+from bench.harness import PYTHON, header, publish, tune_json
 
 H100 = ["cluster=a100_8x", "cluster.device_tflops=989", "cluster.device_memory_gb_per_s=3350",
         "cluster.intra_node_gbps=3600", "cluster.inter_node_gbps=400", "cluster.device_sm_count=132"]
@@ -35,11 +32,7 @@ def tune(preset: str, nodes: int, pp: int, batch: int) -> dict:
     command = [PYTHON, "-m", "orch", "tune", f"model={preset}", *H100, f"cluster.nodes={nodes}",
                "data.seq_len=8192", "plan.precision=bf16", f"train.global_batch_size={batch}", "tune.engines=[fsdp2]",
                "tune.tp=[8]", f"tune.pp=[{pp}]", "tune.pp_virtual_stages=[2,4]", "tune.top_k=100000", "--json"]
-    with tempfile.TemporaryDirectory() as cwd:
-        done = subprocess.run(command, cwd=cwd, env=bench_env(), capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"orch tune {preset} exited {done.returncode}:\n{(done.stdout + done.stderr)[-2000:]}")
-    return json.loads(done.stdout)
+    return tune_json(command, preset)
 
 
 def main() -> None:
