@@ -151,10 +151,14 @@ def test_the_vit_fsdp_recipe_trains_a_torchvision_model(local_ray, sqlite_uri):
 
 def test_fsdp2_compiles_each_block_and_follows_the_same_curve(dp_reference, local_ray, sqlite_uri):
     """``plan.compile=true``: each GPT block is compiled (torch.compile, inductor's C++ kernels on
-    CPU) before fully_shard wraps it; the losses follow the ZeRO-1 reference as the eager run's do."""
-    result = train(sqlite_uri, "plan.dp=2", "plan.precision=fp32", "plan.compile=true", "train.steps=10",
-                   "train.export=false")
-    assert all("each block compiled (torch.compile)" in f.model.built for f in result.worker_facts)
+    CPU) before fully_shard wraps it; the losses follow the ZeRO-1 reference as the eager run's do.
+    The two ranks split each sequence (``plan.cp=2``, the global batch kept through accumulation):
+    the compiled blocks run the context-parallel attention, and FSDP2 shards over both ranks."""
+    result = train(sqlite_uri, "plan.dp=1", "plan.cp=2", "plan.grad_accum_steps=2", "plan.precision=fp32",
+                   "plan.compile=true", "train.steps=10", "train.export=false")
+    assert all("each block compiled (torch.compile)" in f.model.built
+               and "each sample's sequence split over 2 context-parallel ranks" in f.model.built
+               for f in result.worker_facts)
     assert [r[0].loss for r in result.reports] == pytest.approx([r[0].loss for r in dp_reference.reports[:2]],
                                                                   abs=2e-3)
 

@@ -131,11 +131,6 @@ class EngineSpec:
             found.append(Violation("plan.cp", plan.cp,
                                    f"context parallelism runs without pipeline stages, and plan.pp={plan.pp}.",
                                    "set plan.pp=1, or plan.cp=1"))
-        if plan.compile:
-            found.append(Violation("plan.cp", plan.cp,
-                                   "context parallelism's attention (keys and values gathered over the cp ranks) "
-                                   "is not compiled: plan.compile=true would trace its collectives into each block.",
-                                   "set plan.compile=false, or plan.cp=1"))
         return found
 
     def _sequence_parallel_violations(self, plan: PlanSpec) -> list[Violation]:
@@ -162,7 +157,7 @@ class EngineSpec:
         if plan.sequence_parallel and self._sequence_parallel_violations(plan):
             return "sequence parallelism (tp > 1, fsdp2)"
         if plan.cp > 1 and self._context_parallel_violations(plan):
-            return "context parallelism (fsdp2, pp=1, no compile)"
+            return "context parallelism (fsdp2, pp=1)"
         return None
 
     def resume_problem(self, saved: Mapping[str, object], plan: PlanSpec | ResolvedPlan) -> str | None:

@@ -79,7 +79,7 @@ class SearchSpace:
     sequence)."""
     cp: tuple[int, ...] = (1,)
     """Context-parallel degrees to try (above 1 only without pipeline stages, with engines that
-    split the sequence that way, uncompiled)."""
+    split the sequence that way)."""
     pp_schedules: tuple[tuple[PipelineSchedule, int], ...] = ((PipelineSchedule.one_f_one_b, 1),)
     """(``plan.pp_schedule``, ``plan.pp_virtual_stages``) pairs to try with pp > 1, each with the
     engines that run the schedule."""
@@ -99,7 +99,7 @@ class SearchSpace:
                         continue
                     for off_opt, off_param in self._offloads(engine, stage):
                         for ckpt, compiled, (schedule, virtual), sequence in itertools.product(
-                                self.activation_checkpointing, self._compiles(engine, cp),
+                                self.activation_checkpointing, self._compiles(engine),
                                 self._schedules(engine, pp), self._sequence_parallel(engine, tp)):
                             yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp, cp=cp,
                                            zero_stage=stage, offload_optimizer=off_opt,
@@ -116,12 +116,9 @@ class SearchSpace:
         found = [(s, v) for s, v in self.pp_schedules if s.value in runs] if pp > 1 else []
         return found or [(PipelineSchedule.one_f_one_b, 1)]
 
-    def _compiles(self, engine: str, cp: int = 1) -> tuple[bool, ...]:
-        """``plan.compile`` values to try with ``engine``: false only where it does not compile, or
-        the sequence is split over context-parallel ranks (their attention is not compiled)."""
-        if engine_spec(engine).compiles and cp == 1:
-            return self.compile
-        return tuple(c for c in self.compile if not c) or (False,)
+    def _compiles(self, engine: str) -> tuple[bool, ...]:
+        """``plan.compile`` values to try with ``engine``: false only where it does not compile."""
+        return self.compile if engine_spec(engine).compiles else tuple(c for c in self.compile if not c) or (False,)
 
     def _sequence_parallel(self, engine: str, tp: int) -> tuple[bool, ...]:
         """``plan.sequence_parallel`` values to try: false only where the sequence cannot be split."""

@@ -139,7 +139,8 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
 
 def _unwrapped_forward_owner(model: Any) -> Any:
     """The module whose ``forward`` signature names the model's arguments (``fully_shard`` keeps the
-    module and its forward; ``torch.compile`` would wrap it, and is refused with cp)."""
+    module and its forward, and ``plan.compile`` compiles in place; a model compiled before it came
+    here hides its module under ``_orig_mod``)."""
     return getattr(model, "_orig_mod", model)
 
 
