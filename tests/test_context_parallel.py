@@ -82,6 +82,26 @@ def test_the_rank_grid_puts_context_parallel_ranks_between_tensor_and_pipeline_r
     assert [group_stride(kind, tp, pp, cp) for kind in ("tp", "cp", "pp", "dp")] == [1, 2, 4, 8]
 
 
+def test_a_part_of_the_sequence_is_called_with_its_positions_unless_the_batch_gives_them():
+    from orch.plans.parallel.context_parallel import call_kwargs
+    from orch.workloads.gpt import GPT
+
+    positions = torch.tensor([[0, 1, 6, 7]])
+    gpt = GPT(n_layer=1, d_model=16, n_head=2, seq_len=8)
+    assert call_kwargs(gpt, positions).keys() == {"position_ids"}
+    llama = _tiny_llama()
+    assert call_kwargs(llama, positions)["attention_mask"].tolist() == [[1, 1, 1, 1]]
+    batch = {"input_ids": positions, "attention_mask": torch.ones(1, 4), "position_ids": positions}
+    assert call_kwargs(llama, positions, batch) == {}
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+
+
 def test_a_sequence_and_a_model_that_cannot_be_split_get_reasons():
     assert "does not split into 2 * cp = 4 equal chunks (30 % 4 = 2)" in sequence_problem(30, 2)
     assert sequence_problem(32, 2) is None

@@ -67,18 +67,20 @@ def forward_problem(model: Any) -> str | None:
     return None
 
 
-def call_kwargs(model: Any, positions: Any) -> dict[str, Any]:
+def call_kwargs(model: Any, positions: Any, batch: Any = None) -> dict[str, Any]:
     """What a model running on a part of the sequence is given besides its inputs: the positions of
-    its tokens, and, where the model takes one and the batch gave none, an all-ones attention
-    mask. A Hugging Face decoder reads positions that jump (the head-tail chunks) as packed
-    sequences and masks them apart; a mask that names every token as real keeps its attention
-    causal over the one sequence, which :func:`split_attention` then spreads over the ranks."""
+    its tokens, and, where the model takes one, an all-ones attention mask; neither where the batch
+    (a dict of keyword arguments) gives its own, already cut to the rank's part. A Hugging Face
+    decoder reads positions that jump (the head-tail chunks) as packed sequences and masks them
+    apart; a mask that names every token as real keeps its attention causal over the one
+    sequence, which :func:`split_attention` then spreads over the ranks."""
     import torch
 
+    given = set(batch) if isinstance(batch, dict) else set()
     kwargs: dict[str, Any] = {"position_ids": positions}
     if "attention_mask" in inspect.signature(model.forward).parameters:
         kwargs["attention_mask"] = torch.ones_like(positions, dtype=torch.long)
-    return kwargs
+    return {key: value for key, value in kwargs.items() if key not in given}
 
 
 def split_attention(query, key, value, *, gather: Callable[[Any], Any], cp_rank: int, cp: int,

@@ -66,7 +66,7 @@ class ContextSplit:
         from orch.plans.parallel.context_parallel import call_kwargs
 
         part, positions = self.local(batch)
-        return call_model(model, part, **call_kwargs(_unwrapped_forward_owner(model), positions)), part
+        return call_model(model, part, **call_kwargs(_unwrapped_forward_owner(model), positions, part)), part
 
     @contextlib.contextmanager
     def attention(self) -> Iterator[None]:
