@@ -78,13 +78,21 @@ def move_batch(batch: Batch, device: torch.device | str, dtype: torch.dtype | No
     """``batch`` with every tensor in it on ``device`` (structure kept), and its floating-point
     tensors in ``dtype`` when given: a model trained in bf16 takes bf16 images, while token ids and
     labels stay integers."""
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and tensor.is_floating_point() else None
+        return tensor.to(device=device, dtype=cast)
+
+    return map_tensors(batch, move)
+
+
+def map_tensors(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+    """``batch`` with ``fn`` applied to every tensor in it (dicts, lists and tuples kept as they are)."""
     if isinstance(batch, torch.Tensor):
-        cast = dtype if dtype is not None and batch.is_floating_point() else None
-        return batch.to(device=device, dtype=cast)
+        return fn(batch)
     if isinstance(batch, Mapping):
-        return {k: move_batch(v, device, dtype) for k, v in batch.items()}
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(move_batch(v, device, dtype) for v in batch)
+        return type(batch)(map_tensors(v, fn) for v in batch)
     return batch
 
 

@@ -43,6 +43,34 @@ def local_positions(seq_len: int, cp_rank: int, cp: int) -> list[int]:
     return [p for chunk in chunk_order(cp_rank, cp) for p in range(chunk * size, (chunk + 1) * size)]
 
 
+def cut_sequence(batch: Any, seq_len: int, cp_rank: int, cp: int) -> Any:
+    """``batch`` with every tensor that runs along the sequence (``[batch, seq_len, ...]``) cut to
+    the tokens rank ``cp_rank`` keeps (:func:`local_positions`), in its order; tensors of other
+    shapes (a label per sample) are kept whole. Used by the engine and, on meta, by the planner."""
+    import torch
+
+    from orch.plans.model.workload import map_tensors
+
+    positions = local_positions(seq_len, cp_rank, cp)
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() < 2 or tensor.shape[SEQUENCE_DIM] != seq_len:
+            return tensor
+        return tensor.index_select(SEQUENCE_DIM, torch.tensor(positions, device=tensor.device))
+
+    return map_tensors(batch, cut)
+
+
+def in_sequence_order(gathered: Any, dim: int, cp: int) -> Any:
+    """A gather of every rank's two chunks along ``dim`` (in rank order, :func:`gathered_chunks`)
+    put back in sequence order."""
+    import torch
+
+    size = gathered.shape[dim] // (2 * cp)
+    placed = gathered_chunks(cp)
+    return torch.cat([gathered.narrow(dim, placed.index(chunk) * size, size) for chunk in range(2 * cp)], dim)
+
+
 def sequence_problem(seq_len: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> str | None:
     """Why a sequence of ``seq_len`` tokens cannot be split over ``cp`` ranks, or None."""
     if seq_len % (2 * cp):
@@ -105,12 +133,9 @@ def split_attention(query, key, value, *, gather: Callable[[Any], Any], cp_rank:
                            f"{'a' if attn_mask is not None else 'no'} mask; set plan.cp=1")
     dim = ATTENTION_SEQUENCE_DIM
     size = query.shape[dim] // 2
-    placed = gathered_chunks(cp)
-    keys, values = gather(key.contiguous()), gather(value.contiguous())
     # The gathered chunks back in sequence order, so that a chunk's keys are one prefix.
-    natural = [placed.index(chunk) for chunk in range(2 * cp)]
-    keys = torch.cat([keys.narrow(dim, i * size, size) for i in natural], dim)
-    values = torch.cat([values.narrow(dim, i * size, size) for i in natural], dim)
+    keys = in_sequence_order(gather(key.contiguous()), dim, cp)
+    values = in_sequence_order(gather(value.contiguous()), dim, cp)
     if grouped_keys is None:
         grouped_keys = query.device.type != "cuda"
     if enable_gqa and not grouped_keys and keys.shape[1] != query.shape[1]:
@@ -139,23 +164,7 @@ class LocalSequenceInputs:
         self.tokens_per_sample = tokens // cp if tokens else tokens
 
     def example_batch(self, batch_size: int) -> Any:
-        import torch
-
-        batch = self.whole.example_batch(batch_size)
-        seq_len = self.whole.tokens_per_sample
-
-        def cut(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                if value.dim() >= 2 and value.shape[SEQUENCE_DIM] == seq_len:
-                    return value.narrow(SEQUENCE_DIM, 0, seq_len // self.cp)
-                return value
-            if isinstance(value, dict):
-                return {key: cut(item) for key, item in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(cut(item) for item in value)
-            return value
-
-        return cut(batch)
+        return cut_sequence(self.whole.example_batch(batch_size), self.whole.tokens_per_sample, 0, self.cp)
 
 
 def lower_right_mask(queries: int, keys: int, device: Any):

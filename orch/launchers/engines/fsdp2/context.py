@@ -38,27 +38,15 @@ class ContextSplit:
         sample) are kept whole."""
         import torch
 
-        from orch.plans.parallel.context_parallel import SEQUENCE_DIM, local_positions
+        from orch.plans.parallel.context_parallel import SEQUENCE_DIM, cut_sequence, local_positions
 
         first = _first_tensor(batch)
         if first is None or first.dim() < 2:
             raise RuntimeError("plan.cp > 1 splits each sample's sequence, but the batch's inputs have no sequence "
                                "dimension ([batch, sequence, ...]); set plan.cp=1")
         seq_len = first.shape[SEQUENCE_DIM]
-        index = torch.tensor(local_positions(seq_len, self.cp_rank, self.cp), device=first.device)
-
-        def cut(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                if value.dim() >= 2 and value.shape[SEQUENCE_DIM] == seq_len:
-                    return value.index_select(SEQUENCE_DIM, index)
-                return value
-            if isinstance(value, Mapping):
-                return {key: cut(item) for key, item in value.items()}
-            if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-                return type(value)(cut(item) for item in value)
-            return value
-
-        return cut(batch), index.unsqueeze(0)
+        positions = torch.tensor([local_positions(seq_len, self.cp_rank, self.cp)], device=first.device)
+        return cut_sequence(batch, seq_len, self.cp_rank, self.cp), positions
 
     def call(self, model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
         """The model's outputs on this rank's part of ``batch``, and that part (for the objective)."""
@@ -103,17 +91,12 @@ class ContextSplit:
     def whole(self, part: torch.Tensor) -> torch.Tensor:
         """A per-token output of this rank's part ([batch, tokens, ...]) gathered from every rank
         into the whole sequence's, in sequence order (the outputs an export is checked against)."""
-        import torch
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        from orch.plans.parallel.context_parallel import SEQUENCE_DIM, gathered_chunks
+        from orch.plans.parallel.context_parallel import SEQUENCE_DIM, in_sequence_order
 
         gathered = DTensor.from_local(part.contiguous(), self.mesh, [Shard(SEQUENCE_DIM)], run_check=False)
-        gathered = gathered.redistribute(self.mesh, [Replicate()]).to_local()
-        size = part.shape[SEQUENCE_DIM] // 2
-        placed = gathered_chunks(self.cp)
-        return torch.cat([gathered.narrow(SEQUENCE_DIM, placed.index(chunk) * size, size)
-                          for chunk in range(2 * self.cp)], SEQUENCE_DIM)
+        return in_sequence_order(gathered.redistribute(self.mesh, [Replicate()]).to_local(), SEQUENCE_DIM, self.cp)
 
     def mean(self, value: float) -> float:
         """The mean of ``value`` over the group (a loss or metric over each rank's tokens)."""
