@@ -64,15 +64,18 @@ class CalibrationWorker:
         the host's memory, its link to the device and the rate of an offloaded optimizer step."""
         import torch
 
+        from orch.launchers.cpu_bf16 import bf16_in_fp32
+
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         dtype = Precision(precision).dtype
         before = node_cpu_times()
         b = torch.randn(k, n, dtype=dtype, device=device)
         tflops = []
-        for m in rows:
-            a = torch.randn(m, k, dtype=dtype, device=device)
-            a @ b  # warm-up
-            tflops.append(2 * m * k * n / _best_time(lambda a=a: a @ b, device, seconds) / 1e12)
+        with bf16_in_fp32(precision, device):  # as the training steps compute them
+            for m in rows:
+                a = torch.randn(m, k, dtype=dtype, device=device)
+                a @ b  # warm-up
+                tflops.append(2 * m * k * n / _best_time(lambda a=a: a @ b, device, seconds) / 1e12)
         facts = {"tflops": tflops, "device_gb_per_s": _copy_gb_per_s(device, seconds),
                  "op_overhead_s": _op_overhead_s(device, seconds),
                  "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

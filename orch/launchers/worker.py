@@ -107,8 +107,6 @@ class TrainWorker:
                master_port: int, streams: tuple[Any, Any] | None) -> WorkerFacts:
         import torch
 
-        from orch.launchers.matmul_probe import matmul_tflops
-
         self.job, self.rank, self.world_size, self.local_rank = job, slot.rank, world_size, slot.local_rank
         os.environ.update(job.env)
         os.environ.update({
@@ -139,8 +137,15 @@ class TrainWorker:
         return WorkerFacts(rank=self.rank, pid=os.getpid(), hostname=socket.gethostname(), dp_rank=coords.dp_rank,
                            tp_rank=coords.tp_rank, pp_rank=coords.pp_rank, start_step=self.start_step,
                            model=built, data_tensor_bytes=data_tensor_bytes,
-                           peak_tflops=matmul_tflops(job.plan.precision.value, self.engine.device),
+                           peak_tflops=self._peak_tflops(),
                            torch_threads=torch.get_num_threads())
+
+    def _peak_tflops(self) -> float:
+        """The matmul rate MFU is reported against, computed the way the steps compute."""
+        from orch.launchers.matmul_probe import matmul_tflops
+
+        with self._kernels():
+            return matmul_tflops(self.job.plan.precision.value, self.engine.device)
 
     def _recorded(self, batches):
         """The training batches, fingerprinting the first this rank reads (tests compare them), and
@@ -170,10 +175,17 @@ class TrainWorker:
     def evaluate(self) -> dict[str, float]:
         """The held-out loss, and the objective's own metrics (``eval_<name>``), averaged over
         ``train.eval_batches`` batches and the ranks."""
-        found = self.engine.evaluate(self.val_batches, self.job.train.eval_batches)
+        with self._kernels():
+            found = self.engine.evaluate(self.val_batches, self.job.train.eval_batches)
         names = sorted(found)
         means = self._mean_over_ranks([found[name] for name in names])
         return {f"eval_{name}": mean for name, mean in zip(names, means, strict=True)}
+
+    def _kernels(self):
+        """The kernels this rank computes with (:func:`orch.launchers.cpu_bf16.bf16_in_fp32`)."""
+        from orch.launchers.cpu_bf16 import bf16_in_fp32
+
+        return bf16_in_fp32(self.job.plan.precision.value, self.engine.device)
 
     def _timed_evaluation(self) -> tuple[dict[str, float], float]:
         """:meth:`evaluate`, and the seconds it took."""
@@ -234,7 +246,9 @@ class TrainWorker:
             profiling = step in spec.profile_steps
             clock.begin(step, skip=probing or profiling)
             profiler = profiled_step(step, self.engine.device, milestone) if profiling else contextlib.nullcontext()
-            with probe, profiler as profiled:
+            # The bf16 path outside the probe: the probe counts the bf16 tensors a step makes, not
+            # the fp32 temporaries computing them.
+            with self._kernels(), probe, profiler as profiled:
                 step_loss = self.engine.train_step(self.train_batches,
                                                    profiled.milestone if profiled is not None else milestone)
             clock.end()
