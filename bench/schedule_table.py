@@ -3,7 +3,8 @@
 For each model the tuner is run on declared H100 80 GB nodes (989 TFLOP/s bf16, 3.35 TB/s HBM3,
 NVLink 4 at 450 GB/s per direction, one 400 Gb/s adapter per GPU, 132 SMs) at sequence 8192 with the
 layout fixed (tp=8 and the model's pp) and the fsdp2 engine, whose pipeline runs every schedule;
-everything else (recomputation, micro-batch, compile, resharding) is searched. The table gives the
+everything else (recomputation, of every block or every 2nd or 4th, micro-batch, compile,
+resharding) is searched. The table gives the
 fastest plan that fits for each schedule, its predicted step time by term and its peak memory:
 what each schedule buys at this scale, from the cost model's first-principles terms
 (docs/tuner.md). Predictions only: none of these plans has run on a GPU.
@@ -31,7 +32,8 @@ TERMS = ("compute", "memory", "bubble", "tp", "dp", "pp", "optimizer")
 def tune(preset: str, nodes: int, pp: int, batch: int) -> dict:
     command = [PYTHON, "-m", "orch", "tune", f"model={preset}", *H100, f"cluster.nodes={nodes}",
                "data.seq_len=8192", "plan.precision=bf16", f"train.global_batch_size={batch}", "tune.engines=[fsdp2]",
-               "tune.tp=[8]", f"tune.pp=[{pp}]", "tune.pp_virtual_stages=[2,4]", "tune.top_k=100000", "--json"]
+               "tune.tp=[8]", f"tune.pp=[{pp}]", "tune.pp_virtual_stages=[2,4]",
+               "tune.recompute_every_n_layers=[1,2,4]", "tune.top_k=100000", "--json"]
     return tune_json(command, preset)
 
 
@@ -56,8 +58,10 @@ def main() -> None:
             best = min(fits, key=lambda c: c["predicted"]["step_time_s"])
             plan, step = best["plan"], best["predicted"]
             reshard = str(plan["fsdp.reshard_after_forward"]).lower()
+            every = plan.get("recompute_every_n_layers", 1)
+            ckpt = plan["activation_checkpointing"] + (f" every {every}" if every > 1 else "")
             layout = (f"dp={plan['dp']} micro={plan['micro_batch_size']} accum={plan['grad_accum_steps']} "
-                      f"ckpt={plan['activation_checkpointing']} reshard={reshard}"
+                      f"ckpt={ckpt} reshard={reshard}"
                       + (" compiled" if plan["compile"] else "")
                       + (" seq-parallel" if plan["sequence_parallel"] else ""))
             terms = " | ".join(f"{step['parts_s'][t]:.2f}" for t in TERMS)
@@ -65,7 +69,8 @@ def main() -> None:
                          f"{100 * step['mfu']:.1f}% | {step['peak_bytes'] / 2**30:.1f} |")
     lines += ["", "Each row is the fastest plan that fits of that schedule among the tuner's candidates for "
               "`orch tune model=PRESET cluster=a100_8x` with the H100 speeds above, `tune.engines=[fsdp2] "
-              "tune.tp=[8] tune.pp=[PP]`, bf16, sequence 8192; terms in seconds per step (docs/tuner.md). "
+              "tune.tp=[8] tune.pp=[PP] tune.recompute_every_n_layers=[1,2,4]`, bf16, sequence 8192; terms in "
+              "seconds per step (docs/tuner.md). "
               "Predictions only: the fsdp2 pipeline schedules ran on CPU workers, never on a GPU."]
     publish(lines, args.markdown)
 

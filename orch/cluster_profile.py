@@ -295,7 +295,7 @@ def profile_file(config_dirs: list[Path], option: str) -> Path | None:
 
 def _run_plan(params: dict[str, str]) -> str:
     keys = ("engine", "dp", "tp", "pp", "zero_stage", "offload_optimizer", "activation_checkpointing",
-            "micro_batch_size", "grad_accum_steps", "precision")
+            "recompute_every_n_layers", "micro_batch_size", "grad_accum_steps", "precision")
     return " ".join(f"{key}={params[f'plan.{key}']}" for key in keys if f"plan.{key}" in params)
 
 

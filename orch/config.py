@@ -122,6 +122,9 @@ class TuneConfig:
     activation_checkpointing: list[bool | str] = field(default_factory=lambda: ["none", "selective", "full"])
     """Recomputation policies to try: none, selective, full (true/false: full/none); a model with
     nothing to checkpoint is tried with none only, one whose own switch takes no policy without selective."""
+    recompute_every_n_layers: list[int] = field(default_factory=lambda: [1])
+    """plan.recompute_every_n_layers values to try with each recomputation policy but none (e.g. [1,2,4]:
+    every block, every 2nd, every 4th; pipelines on deepspeed every block only)."""
     micro_batch_sizes: list[int] | None = None
     """Micro-batches to try; null: every power of two dividing the per-replica batch."""
     engines: list[str] = field(default_factory=lambda: ["deepspeed", "fsdp2"])

@@ -176,18 +176,25 @@ def test_a_failing_worker_fails_the_run_cleanly(local_ray, sqlite_uri):
 
 def test_selective_and_full_recomputation_train_as_keeping_everything_does(local_ray, sqlite_uri):
     """Recomputation changes what a step keeps, not what it computes: none, selective (matmul and
-    attention outputs kept, the rest recomputed under torch's selective-checkpoint contexts) and full
-    give the same losses on the same data, in fp32; and the memory probe measures the peak falling
-    in that order, as the planner predicts it."""
-    runs = {policy: train(sqlite_uri, "train.steps=10", "train.log_every=5", "plan.zero_stage=1",
-                          f"plan.activation_checkpointing={policy}", "train.export=false",
-                          f"tracking.run_name=recompute-{policy}")
-            for policy in ("none", "selective", "full")}
-    losses = {policy: [r[0].loss for r in result.reports] for policy, result in runs.items()}
-    for policy in ("selective", "full"):
-        assert losses[policy] == pytest.approx(losses["none"], rel=1e-5, abs=1e-6), policy
-    peaks = {policy: max(r.measured_peak_bytes for reports in result.reports for r in reports
-                         if r.measured_peak_bytes is not None) for policy, result in runs.items()}
+    attention outputs kept, the rest recomputed under torch's selective-checkpoint contexts), full
+    of every 2nd block (blocks 0 and 2 of the GPT's four) and full give the same losses on the same
+    data, in fp32; and the memory probe measures the peak falling in that order, as the planner
+    predicts it. (With two blocks, every 2nd is the first alone, and the step's peak, at the start of
+    the backward through the last block, is full's: the last block's activations are held either way.)"""
+    policies = {"none": "none", "selective": "selective", "full/2": "full plan.recompute_every_n_layers=2",
+                "full": "full"}
+    runs = {name: train(sqlite_uri, "train.steps=10", "train.log_every=5", "plan.zero_stage=1", "model.n_layer=4",
+                        *f"plan.activation_checkpointing={policy}".split(), "train.export=false",
+                        f"tracking.run_name=recompute-{name.replace('/', '-every-')}")
+            for name, policy in policies.items()}
+    assert runs["full/2"].plan.recompute_every_n_layers == 2
+    losses = {name: [r[0].loss for r in result.reports] for name, result in runs.items()}
+    for name in ("selective", "full/2", "full"):
+        assert losses[name] == pytest.approx(losses["none"], rel=1e-5, abs=1e-6), name
+    peaks = {name: max(r.measured_peak_bytes for reports in result.reports for r in reports
+                       if r.measured_peak_bytes is not None) for name, result in runs.items()}
     assert peaks["none"] > peaks["selective"] > peaks["full"], peaks
-    predicted = {policy: result.estimate.per_device.activations for policy, result in runs.items()}
+    assert peaks["none"] > peaks["full/2"] > peaks["full"], peaks
+    predicted = {name: result.estimate.per_device.activations for name, result in runs.items()}
     assert predicted["none"] > predicted["selective"] > predicted["full"], predicted
+    assert predicted["none"] > predicted["full/2"] > predicted["full"], predicted

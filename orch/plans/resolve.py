@@ -41,6 +41,8 @@ class ResolvedPlan:
     nvme_path: str | None
     activation_checkpointing: Recompute
     """What backward recomputes (true/false given here are taken as full/none)."""
+    recompute_every_n_layers: int = 1
+    """Checkpoint every n-th repeated block only (1: all of them)."""
     pp_partition: str = "parameters"
     pp_schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
     """How micro-batches move through the stages (read only when pp > 1)."""
@@ -67,6 +69,18 @@ class ResolvedPlan:
         """Stages the model is cut into: ``pp * pp_virtual_stages`` (1 without a pipeline)."""
         return self.pp * self.pp_virtual_stages if self.pp > 1 else 1
 
+    def recomputed_share(self, blocks: int) -> float:
+        """The share of the busiest pipeline rank's repeated blocks whose forward backward runs
+        again: 0 without activation checkpointing, 1 with every block checkpointed; with
+        ``recompute_every_n_layers`` = n, blocks 0, n, 2n, ... of the ``ceil(blocks / pp)`` a rank
+        holds, as the engines wrap them (all of them for a model without repeated blocks)."""
+        if not self.activation_checkpointing:
+            return 0.0
+        held = -(-blocks // max(self.pp, 1))
+        if held <= 0 or self.recompute_every_n_layers <= 1:
+            return 1.0
+        return -(-held // self.recompute_every_n_layers) / held
+
     @property
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.grad_accum_steps * self.dp
@@ -89,9 +103,11 @@ class ResolvedPlan:
         if self.pp > 1 and (self.pp_schedule != PipelineSchedule.one_f_one_b or self.pp_virtual_stages != 1):
             schedule = f"pp_schedule={self.pp_schedule.value} pp_virtual_stages={self.pp_virtual_stages} "
         context = f"cp={self.cp} " if self.cp > 1 else ""
+        every = (f"recompute_every_n_layers={self.recompute_every_n_layers} "
+                 if self.activation_checkpointing and self.recompute_every_n_layers > 1 else "")
         return (f"{self.engine_text()} dp={self.dp} tp={self.tp} pp={self.pp} {context}{schedule}"
                 f"offload_optimizer={self.offload_optimizer.value} offload_param={self.offload_param.value} "
-                f"activation_checkpointing={self.activation_checkpointing.value} "
+                f"activation_checkpointing={self.activation_checkpointing.value} {every}"
                 f"precision={self.precision.value} micro_batch_size={self.micro_batch_size} "
                 f"grad_accum_steps={self.grad_accum_steps}" + (" compile=true" if self.compile else "")
                 + (" sequence_parallel=true" if self.sequence_parallel else ""))
@@ -189,6 +205,17 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
                            "set plan.activation_checkpointing to none, selective or full (true and false "
                            "mean full and none)"))
 
+    every = plan.recompute_every_n_layers
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        v.append(Violation("plan.recompute_every_n_layers", every, "must be a whole number >= 1.",
+                           "set plan.recompute_every_n_layers=1 (every block), or n > 1 for every n-th"))
+    elif every > 1 and not recompute:
+        v.append(Violation("plan.recompute_every_n_layers", every,
+                           "chooses which blocks activation checkpointing recomputes, and "
+                           "plan.activation_checkpointing=none recomputes none.",
+                           "set plan.activation_checkpointing=full (or selective), or "
+                           "plan.recompute_every_n_layers=1"))
+
     v += schedule_violations(plan.pp_schedule, pp=plan.pp, virtual=plan.pp_virtual_stages,
                              micro_batches=plan.grad_accum_steps)
 
@@ -213,6 +240,7 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
         dp=dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, world_size=world, zero_stage=plan.zero_stage,
         offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param,
         nvme_path=plan.nvme_path, activation_checkpointing=recompute,
+        recompute_every_n_layers=every if recompute else 1,
         pp_partition=plan.pp_partition, pp_schedule=schedule_of(plan.pp_schedule),
         pp_virtual_stages=plan.pp_virtual_stages, micro_batch_size=plan.micro_batch_size,
         grad_accum_steps=plan.grad_accum_steps,

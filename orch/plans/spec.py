@@ -170,6 +170,11 @@ class PlanSpec:
     """Recompute activations in backward instead of keeping them: none, selective (keep matmul and
     attention outputs, recompute the cheap ops) or full (keep only each block's input); true/false
     mean full/none. Saves memory, costs compute."""
+    recompute_every_n_layers: int = 1
+    """With activation_checkpointing on, apply it to every n-th repeated block only (blocks 0, n,
+    2n, ... of each model part a rank holds); the others keep their activations. 1: every block.
+    Between none's memory and the policy's: 1/n of the blocks' recomputation for about 1/n of the
+    activations it saves."""
     micro_batch_size: int = 4
     """Samples per worker per forward pass."""
     grad_accum_steps: int = 1

@@ -80,7 +80,8 @@ def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, worklo
                                  gpus_per_worker=1.0 if plan.accelerator == Accelerator.gpu else 0.0,
                                  env=job.env, wait_s=cfg.cluster.wait_s, tp=plan.tp,
                                  strategy=placement_strategy(cluster.nodes))
-    flops = training_flops_per_sample(workload.model_factory, workload, checkpointing=plan.activation_checkpointing)
+    flops = training_flops_per_sample(workload.model_factory, workload, checkpointing=plan.activation_checkpointing,
+                                      every_n_layers=plan.recompute_every_n_layers)
     predicted = declared_plan_step(plan, cluster, cfg.optim, probe, facts.param_count)
     return PreparedJob(estimate=estimate, facts=facts, workload=workload, job=job, group_spec=group_spec,
                        flops_per_sample=flops, predicted_step=predicted,

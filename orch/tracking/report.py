@@ -236,8 +236,9 @@ def summary(client: MlflowClient, run_id: str) -> str:
     spec = _run_engine(p)
     sharding = spec.tracked_settings if spec else ()
     plan = " ".join(f"{k}={p[f'plan.{k}']}" for k in ("engine", "dp", "tp", "pp", *sharding, "offload_optimizer",
-                                                     "activation_checkpointing", "precision", "micro_batch_size",
-                                                     "grad_accum_steps") if f"plan.{k}" in p)
+                                                     "activation_checkpointing", "recompute_every_n_layers",
+                                                     "precision", "micro_batch_size", "grad_accum_steps")
+                    if f"plan.{k}" in p)
     lines = [f"run        {run_id} ({run.info.run_name}), {run.info.status}",
              f"plan       {plan}",
              f"model      {int(p.get('model.param_count', 0)):,} parameters on {t.get('devices', '?')} workers"]

@@ -218,8 +218,10 @@ def _layout_text(plan: ResolvedPlan) -> str:
 
 
 def _recompute_text(plan: ResolvedPlan) -> str:
-    """Recomputation, short: off, selective, on (full)."""
-    return {"none": "off", "full": "on"}.get(plan.activation_checkpointing.value, plan.activation_checkpointing.value)
+    """Recomputation, short: off, selective, on (full); ``/n`` when every n-th block only."""
+    text = {"none": "off", "full": "on"}.get(plan.activation_checkpointing.value, plan.activation_checkpointing.value)
+    every = plan.recompute_every_n_layers if plan.activation_checkpointing else 1
+    return f"{text}/{every}" if every > 1 else text
 
 
 def _mem(n: int | None) -> str:

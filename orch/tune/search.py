@@ -104,6 +104,10 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool,
         (kind, v) for kind in kinds
         for v in ((2,) if kind.value == "zbv" else tuple(t.pp_virtual_stages) if kind.interleaved else (1,)))) or (
         (schedule_of("1f1b"), 1),)
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in t.recompute_every_n_layers):
+        raise PlanError([Violation("tune.recompute_every_n_layers", list(t.recompute_every_n_layers),
+                                   "holds a value below 1.", "set tune.recompute_every_n_layers to values of 1 or "
+                                   "more, e.g. [1,2,4]")])
     if not supports_checkpointing:
         ckpt = (Recompute.none,)
     elif selective_problem is not None:
@@ -112,6 +116,7 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool,
                        precision=cfg.plan.precision, tp=tuple(t.tp) if t.tp else None,
                        pp=tuple(t.pp) if t.pp else None, zero_stages=tuple(t.zero_stages),
                        offload=tuple(Offload(o) for o in t.offload), activation_checkpointing=ckpt,
+                       recompute_every_n_layers=tuple(dict.fromkeys(t.recompute_every_n_layers)) or (1,),
                        micro_batch_sizes=tuple(t.micro_batch_sizes) if t.micro_batch_sizes else None,
                        engines=tuple(t.engines),
                        reshard_after_forward=tuple(t.reshard_after_forward), compile=tuple(dict.fromkeys(t.compile)),

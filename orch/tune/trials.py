@@ -94,8 +94,10 @@ def run_trial(cfg: RunConfig, model_cfg: dict, candidate: Candidate, index: int,
     trial.run_id = run.run_id
     timed = [reports for reports in run.reports if reports[0].step not in (1, trial_cfg.train.memory_probe_step)]
     step_time = statistics.median(max(r.step_time_s for r in reports) for reports in (timed or run.reports))
-    flops = (ctx.model_cost.flops_per_sample_checkpointed if plan.activation_checkpointing == Recompute.full
-             else ctx.model_cost.flops_per_sample)
+    cost = ctx.model_cost
+    full = (cost.flops_per_sample_checkpointed if plan.activation_checkpointing == Recompute.full
+            else cost.flops_per_sample)
+    flops = cost.flops_per_sample + plan.recomputed_share(cost.n_layers) * (full - cost.flops_per_sample)
     trial.status = "ok"
     trial.step_time_s = step_time
     trial.tokens_per_s = plan.global_batch_size * ctx.model_cost.seq_len / step_time

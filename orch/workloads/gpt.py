@@ -212,6 +212,7 @@ class GPT(nn.Module):
         self.lm_head = None if tie_embeddings else LMHead(d_model, vocab_size, init_seed=layer_seed(base, n_layer + 2))
         self.activation_checkpointing = False
         self.checkpoint_kwargs: dict = {}
+        self.checkpoint_every_n_layers = 1
 
     @classmethod
     def pipeline_layers(cls, *, n_layer: int = 2, d_model: int = 128, n_head: int = 4, seq_len: int = 128,
@@ -239,12 +240,15 @@ class GPT(nn.Module):
                                         names={"": "lm_head."}))
         return layers
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        """Recompute each block's activations in backward instead of saving them;
-        ``gradient_checkpointing_kwargs`` go to ``torch.utils.checkpoint.checkpoint`` (Hugging Face's
-        name and meaning: a selective policy's ``context_fn``)."""
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
+                                      every_n_layers: int = 1) -> None:
+        """Recompute the activations of blocks 0, n, 2n, ... (n: ``every_n_layers``; 1: every block)
+        in backward instead of saving them; ``gradient_checkpointing_kwargs`` go to
+        ``torch.utils.checkpoint.checkpoint`` (Hugging Face's names and meanings: a selective
+        policy's ``context_fn``)."""
         self.activation_checkpointing = True
         self.checkpoint_kwargs = dict(gradient_checkpointing_kwargs or {})
+        self.checkpoint_every_n_layers = every_n_layers
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.shape[1] > self.seq_len:
@@ -253,8 +257,9 @@ class GPT(nn.Module):
                              "the model learns one position embedding per token; set data.seq_len to at most "
                              "model.seq_len")
         x = self.embed(input_ids, position_ids)
-        for block in self.blocks:
-            if self.activation_checkpointing and torch.is_grad_enabled():
+        for index, block in enumerate(self.blocks):
+            recomputed = self.activation_checkpointing and index % self.checkpoint_every_n_layers == 0
+            if recomputed and torch.is_grad_enabled():
                 x = checkpoint(block, x, **{"use_reentrant": False, **self.checkpoint_kwargs})
             else:
                 x = block(x)

@@ -86,6 +86,9 @@ class EngineSpec:
     (``plan.sequence_parallel``)."""
     context_parallel: ClassVar[bool] = False
     """It splits each sample's sequence over ``plan.cp`` ranks, attention gathering keys and values."""
+    stages_recompute_every_n: ClassVar[bool] = True
+    """Its pipeline stages checkpoint every n-th block (``plan.recompute_every_n_layers``), not
+    only every block."""
 
     # What the user declared
 

@@ -46,6 +46,14 @@ PP_PARTITIONS = ("parameters", "uniform")
 TP_ZERO_STAGES = (0, 1, 2)
 
 
+def _recomputes(plan: PlanSpec) -> bool:
+    """Whether the declared plan checkpoints activations (an unknown policy is reported elsewhere)."""
+    try:
+        return bool(Recompute.of(plan.activation_checkpointing))
+    except ValueError:
+        return False
+
+
 class DeepSpeedSpec(EngineSpec):
     name = "deepspeed"
     runtime = "orch.launchers.engines.deepspeed:DeepSpeedEngine"
@@ -53,6 +61,7 @@ class DeepSpeedSpec(EngineSpec):
     buffers_label = "DeepSpeed buffers"
     tracked_settings = ("zero_stage",)
     resume_keeps = ("tp", "pp", "zero_stage")
+    stages_recompute_every_n = False  # PipelineModule's activation_checkpoint_interval: every layer
 
     def violations(self, plan: PlanSpec, cluster: ClusterSpec) -> list[Violation]:
         v = super().violations(plan, cluster)
@@ -60,6 +69,13 @@ class DeepSpeedSpec(EngineSpec):
             v.append(Violation("plan.activation_checkpointing", "selective", problem,
                                "set plan.activation_checkpointing=full, or plan.engine=fsdp2 (whose DTensor "
                                "tensor parallelism recomputes selectively)"))
+        if plan.pp > 1 and not self.stages_recompute_every_n and _recomputes(plan) \
+                and isinstance(plan.recompute_every_n_layers, int) and plan.recompute_every_n_layers > 1:
+            v.append(Violation("plan.recompute_every_n_layers", plan.recompute_every_n_layers,
+                               f"DeepSpeed's pipeline engine checkpoints every layer of its stages "
+                               f"(activation_checkpoint_interval), not every n-th (plan.pp={plan.pp}).",
+                               "set plan.recompute_every_n_layers=1, or plan.engine=fsdp2 (whose pipeline "
+                               "stages checkpoint every n-th block)"))
         if plan.zero_stage not in ZERO_STAGES:
             v.append(Violation("plan.zero_stage", plan.zero_stage, "ZeRO stages are 0, 1, 2 and 3.",
                                "set plan.zero_stage to 0, 1, 2 or 3"))

@@ -28,6 +28,7 @@ from orch.plans.memory.activations import (
     attention_kernels,
     context_parallel_on_meta,
     measure_activations,
+    partly_checkpointed,
 )
 from orch.plans.memory.build import GIB, BuildMemory, build_memory, build_violation, format_bytes
 from orch.plans.memory.states import (
@@ -42,7 +43,13 @@ from orch.plans.memory.states import (
 from orch.plans.model.attention import KernelLog
 from orch.plans.model.depth_scaling import SHALLOW_DEPTHS, ShallowModels
 from orch.plans.model.meta import meta_device
-from orch.plans.model.workload import ModelInputs, batch_bytes, selective_problem, supports_activation_checkpointing
+from orch.plans.model.workload import (
+    ModelInputs,
+    batch_bytes,
+    checkpoint_units,
+    selective_problem,
+    supports_activation_checkpointing,
+)
 from orch.plans.parallel.context_parallel import LocalSequenceInputs
 from orch.plans.parallel.pipeline import (
     PipelineLayer,
@@ -303,15 +310,25 @@ class ModelProbe:
     def activations(self, plan: ResolvedPlan) -> ActivationBytes:
         """The plan's activations, or a PlanError when the model refuses its micro-batch in training
         (a BatchNorm needs two values per channel: one sample at a 1x1 feature map is refused)."""
-        try:
-            return self._activations(plan.micro_batch_size, plan.precision, plan.activation_checkpointing, plan.tp,
+        def measured(policy: Recompute) -> ActivationBytes:
+            return self._activations(plan.micro_batch_size, plan.precision, policy, plan.tp,
                                      plan.accelerator, plan.sequence_parallel and plan.tp > 1, plan.cp)
+        try:
+            policy = measured(plan.activation_checkpointing)
+            if plan.activation_checkpointing and plan.recompute_every_n_layers > 1:
+                return partly_checkpointed(measured(Recompute.none), policy, plan.recomputed_share(self.blocks))
+            return policy
         except ValueError as error:
             raise PlanError([Violation(
                 "plan.micro_batch_size", plan.micro_batch_size,
                 f"the model refuses a training micro-batch of {plan.micro_batch_size}: "
                 f"{type(error).__name__}: {first_line(error)}.",
                 "raise plan.micro_batch_size (and lower plan.grad_accum_steps to keep the global batch)")]) from error
+
+    @functools.cached_property
+    def blocks(self) -> int:
+        """The repeated blocks activation checkpointing recomputes one at a time, at full depth."""
+        return self._count(lambda m: len(checkpoint_units(m)))
 
     def _attention_kernels(self, precision: Precision, accelerator: Accelerator) -> KernelLog:
         return attention_kernels(self.sample, inputs=self.inputs, dtype=precision.dtype, accelerator=accelerator)

@@ -14,6 +14,7 @@ computed it).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -321,37 +322,52 @@ def selective_problem(module: torch.nn.Module) -> str | None:
             "(gradient_checkpointing_kwargs), so it cannot be told what to keep")
 
 
-def enable_activation_checkpointing(module: torch.nn.Module, recompute: str = "full") -> None:
+def enable_activation_checkpointing(module: torch.nn.Module, recompute: str = "full", every_n_layers: int = 1) -> None:
     """Recompute activations in backward instead of saving them: every block's (``full``), or all
-    but its matmuls' and attention's outputs (``selective``, :func:`checkpoint_kwargs`).
+    but its matmuls' and attention's outputs (``selective``, :func:`checkpoint_kwargs`); with
+    ``every_n_layers`` > 1 only in blocks 0, n, 2n, ... (the others keep their activations).
 
     Through the model's own switch (Hugging Face's name, which the built-in GPT shares) when it
-    has one; otherwise each of its :func:`checkpoint_units` runs under ``torch.utils.checkpoint``
-    (non-reentrant), the way torchtitan and FSDP's ``checkpoint_wrapper`` wrap blocks, but without
-    a wrapper module, so parameter names (and checkpoints, tensor-parallel patterns) are unchanged.
+    has one (and, for ``every_n_layers`` > 1, takes Hugging Face's ``every_n_layers``); otherwise
+    each of its :func:`checkpoint_units` runs under ``torch.utils.checkpoint`` (non-reentrant), the
+    way torchtitan and FSDP's ``checkpoint_wrapper`` wrap blocks, but without a wrapper module, so
+    parameter names (and checkpoints, tensor-parallel patterns) are unchanged.
     """
-    selective = Recompute.of(recompute) is Recompute.selective
+    policy = Recompute.of(recompute)
+    if not policy:
+        return
+    selective = policy is Recompute.selective
     switch = getattr(module, "gradient_checkpointing_enable", None)
-    if callable(switch):
+    if callable(switch) and (every_n_layers == 1 or _takes(switch, "every_n_layers")):
+        every = {"every_n_layers": every_n_layers} if every_n_layers > 1 else {}
         if not selective:
-            switch()
+            switch(**every)
             return
         if problem := selective_problem(module):
             raise ValueError(problem)
-        switch(gradient_checkpointing_kwargs=checkpoint_kwargs(recompute))
+        switch(gradient_checkpointing_kwargs=checkpoint_kwargs(recompute), **every)
         return
     units = checkpoint_units(module)
     if not units:
         raise ValueError(f"{type(module).__name__} has no gradient_checkpointing_enable() and no repeated blocks "
                          "(ModuleList items, or a Sequential of blocks of one class) to checkpoint")
-    checkpoint_blocks(units, recompute)
+    checkpoint_blocks(units, recompute, every_n_layers)
 
 
-def checkpoint_blocks(units: list[torch.nn.Module], recompute: str = "full") -> None:
-    """Run each of ``units`` under ``torch.utils.checkpoint`` with the ``recompute`` policy, in
-    place (no wrapper module: names unchanged). A pipeline stage's blocks are checkpointed so."""
+def _takes(function: Callable[..., Any], name: str) -> bool:
+    """Whether ``function`` takes a keyword argument ``name``."""
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def checkpoint_blocks(units: list[torch.nn.Module], recompute: str = "full", every_n_layers: int = 1) -> None:
+    """Run ``units`` 0, n, 2n, ... (n: ``every_n_layers``) under ``torch.utils.checkpoint`` with the
+    ``recompute`` policy, in place (no wrapper module: names unchanged). A pipeline stage's blocks
+    are checkpointed so, counted from the stage's first."""
     kwargs = checkpoint_kwargs(recompute)
-    for unit in units:
+    for unit in units[::every_n_layers]:
         unit.forward = _Checkpointed(unit.forward, kwargs)
 
 

@@ -83,6 +83,8 @@ class SearchSpace:
     pp_schedules: tuple[tuple[PipelineSchedule, int], ...] = ((PipelineSchedule.one_f_one_b, 1),)
     """(``plan.pp_schedule``, ``plan.pp_virtual_stages``) pairs to try with pp > 1, each with the
     engines that run the schedule."""
+    recompute_every_n_layers: tuple[int, ...] = (1,)
+    """``plan.recompute_every_n_layers`` values to try with each recomputation policy but none."""
 
     def plans(self) -> Iterator[PlanSpec]:
         """Every candidate, offload combinations limited to what each engine can express (ZeRO:
@@ -98,16 +100,24 @@ class SearchSpace:
                     if cp > 1 and not engine_spec(engine).context_parallel:
                         continue
                     for off_opt, off_param in self._offloads(engine, stage):
-                        for ckpt, compiled, (schedule, virtual), sequence in itertools.product(
-                                self.activation_checkpointing, self._compiles(engine),
+                        for (ckpt, every), compiled, (schedule, virtual), sequence in itertools.product(
+                                self._recomputations(engine, pp), self._compiles(engine),
                                 self._schedules(engine, pp), self._sequence_parallel(engine, tp)):
                             yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp, cp=cp,
                                            zero_stage=stage, offload_optimizer=off_opt,
                                            offload_param=off_param, activation_checkpointing=ckpt,
+                                           recompute_every_n_layers=every,
                                            micro_batch_size=micro, grad_accum_steps=accum,
                                            precision=self.precision, compile=compiled,
                                            pp_schedule=schedule.value, pp_virtual_stages=virtual,
                                            sequence_parallel=sequence)
+
+    def _recomputations(self, engine: str, pp: int) -> list[tuple[Recompute, int]]:
+        """(policy, every n-th block) pairs to try: none once, each other policy at each n the
+        engine's stages can take (every block only where they cannot)."""
+        everies = self.recompute_every_n_layers if pp <= 1 or engine_spec(engine).stages_recompute_every_n else (1,)
+        return [(policy, every) for policy in self.activation_checkpointing
+                for every in (everies if policy else (1,))]
 
     def _schedules(self, engine: str, pp: int) -> list[tuple[PipelineSchedule, int]]:
         """(schedule, stages per rank) pairs to try with ``engine`` at ``pp``: the default alone
@@ -275,8 +285,8 @@ def plan_layout(plan: ResolvedPlan) -> tuple:
     the data-parallel ranks share state; two engines are two layouts, since the cost model's error
     differs between their implementations more than between their stages."""
     return (plan.engine, plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.grad_accum_steps,
-            plan.activation_checkpointing, plan.offload_optimizer, plan.offload_param, plan.compile,
-            plan.pp_schedule, plan.pp_virtual_stages, plan.sequence_parallel, plan.cp)
+            plan.activation_checkpointing, plan.recompute_every_n_layers, plan.offload_optimizer, plan.offload_param,
+            plan.compile, plan.pp_schedule, plan.pp_virtual_stages, plan.sequence_parallel, plan.cp)
 
 
 def trial_candidates(ranked: list[Candidate], n: int) -> list[Candidate]:

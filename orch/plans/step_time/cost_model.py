@@ -574,14 +574,16 @@ def bubble_micro_batches(pp: int, core_share: float) -> float:
     return 2 * sum(max(0.0, core_share - k / pp) for k in range(1, pp))
 
 
-def schedule_share(plan: ResolvedPlan) -> float:
-    """The plan's pipeline bubble as a share of 1F1B's (1 for gpipe and 1f1b)."""
+def schedule_share(plan: ResolvedPlan, model_layers: int = 0) -> float:
+    """The plan's pipeline bubble as a share of 1F1B's (1 for gpipe and 1f1b); ``model_layers``:
+    the model's repeated blocks, of which ``plan.recompute_every_n_layers`` picks the recomputed."""
     from orch.plans.parallel.schedules import BackwardSplit
     from orch.plans.parallel.schedules import bubble_micro_batches as schedule_bubble
 
     if plan.pp <= 1:
         return 1.0
-    split = BackwardSplit.of_matmuls(1.0 if plan.activation_checkpointing == Recompute.full else 0.0)
+    full = plan.activation_checkpointing == Recompute.full
+    split = BackwardSplit.of_matmuls(plan.recomputed_share(model_layers) if full else 0.0)
     return schedule_bubble(plan.pp_schedule, plan.pp, plan.pp_virtual_stages, split) / (
         (plan.pp - 1) * (split.forward + split.inputs + split.weights))
 
@@ -599,13 +601,20 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     # Selective recomputation keeps every op the FLOPs are in (the matmuls and attention) and runs
     # the rest of the forward again: the FLOPs of none, the kernels and bytes of full.
     ckpt = plan.activation_checkpointing
-    flops = model.flops_per_sample_checkpointed if ckpt == Recompute.full else model.flops_per_sample
-    ops = model.ops_per_micro_batch_checkpointed if ckpt else model.ops_per_micro_batch
-    if plan.compile:
-        ops -= model.ops_fused_away_per_micro_batch_checkpointed if ckpt else model.ops_fused_away_per_micro_batch
     # DeepSpeed splits whole layers between stages, and the 1F1B schedule runs at the pace of the
     # stage with the most: ceil(layers / pp) of them, not layers / pp.
     stage = stage_share(model.n_layers, pp)
+    # The share of the busiest rank's blocks that recompute (plan.recompute_every_n_layers): every
+    # term below moves from none's value toward the policy's in proportion, as its blocks do.
+    recomputed = plan.recomputed_share(model.n_layers)
+
+    def mixed(none: float, policy: float) -> float:
+        return none + recomputed * (policy - none)
+    flops = mixed(model.flops_per_sample,
+                  model.flops_per_sample_checkpointed if ckpt == Recompute.full else model.flops_per_sample)
+    ops = mixed(model.ops_per_micro_batch, model.ops_per_micro_batch_checkpointed)
+    if plan.compile:
+        ops -= mixed(model.ops_fused_away_per_micro_batch, model.ops_fused_away_per_micro_batch_checkpointed)
     # GPUs: each GEMM at its shape (waves of tiles over the SMs, memory-bound when thin), the
     # recomputed forward at the forward's mix; CPUs: the calibrated rate for the matmul height.
     # Context parallelism: each rank runs 1/cp of every sample's tokens, and as much of its
@@ -615,10 +624,10 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     rate = speeds.tflops_at(max(mb * model.seq_len // cp, 1)) * 1e12
     efficiency = matmul_efficiency(model.gemms.get(tp, ()), rank_samples, speeds, flops_per_s=rate,
                                    element_bytes=act_bytes)
-    whole = model.memory_bytes_per_sample_checkpointed if ckpt else model.memory_bytes_per_sample
-    sharded = (model.memory_bytes_sharded_per_sample_checkpointed if ckpt
-               else model.memory_bytes_sharded_per_sample)
-    compiled = model.memory_bytes_per_sample_checkpointed_compiled if ckpt else model.memory_bytes_per_sample_compiled
+    whole = round(mixed(model.memory_bytes_per_sample, model.memory_bytes_per_sample_checkpointed))
+    sharded = round(mixed(model.memory_bytes_sharded_per_sample, model.memory_bytes_sharded_per_sample_checkpointed))
+    compiled = round(mixed(model.memory_bytes_per_sample_compiled,
+                           model.memory_bytes_per_sample_checkpointed_compiled))
     if plan.compile and compiled and whole:
         # Fusion removes the same share of the bytes from the sharded kernels as from the whole.
         whole, sharded = compiled, round(sharded * compiled / whole)
@@ -641,7 +650,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     if tp > 1:
         # Per micro-batch, this stage's share of the layers: forward all-reduces (twice with
         # recomputation) and backward ones.
-        forward_passes = 2 if ckpt else 1
+        forward_passes = 1 + recomputed
         tp_bw = speeds.bus_gbps(links.tp)
         fwd = _allreduce_s(model.row_parallel_out_per_sample * rank_samples * act_bytes * stage, tp, tp_bw,
                            lat[links.tp], calls=math.ceil(model.row_parallel_layers * stage))
@@ -668,7 +677,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         # attention waits for its keys.
         kv_bytes = model.attention_kv_per_sample * mb * act_bytes / tp
         cp_bw = speeds.bus_gbps(links.cp)
-        passes = (2 if ckpt else 1) + 1
+        passes = 2 + recomputed
         cp_per_micro_s = passes * _half_ring_s(kv_bytes, cp, cp_bw, lat[links.cp], calls=model.attention_calls)
 
     compute_s = m * per_micro_s
@@ -681,7 +690,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     # other schedules shorten the fill and drain by their share of 1F1B's (p - 1) micro-batches
     # (orch.plans.parallel.schedules: 1/v interleaved; the weights' backward moved into it for the
     # zero-bubble ones, F = B = W for matmuls, full recomputation adding a forward to B).
-    bubble_s = bubble_micro_batches(pp, speeds.core_share) * schedule_share(plan) * (
+    bubble_s = bubble_micro_batches(pp, speeds.core_share) * schedule_share(plan, model.n_layers) * (
         per_micro_s + memory_per_micro_s + tp_per_micro_s + pp_per_micro_s)
 
     # Parameters of this device: its tensor-parallel shard of its stage's layers.
@@ -692,7 +701,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     dp_bw = speeds.bus_gbps(links.dp, _members_per_node(group_stride("dp", tp, pp), dp, devices_per_node))
     dp_lat = lat[links.dp]
     # ZeRO-3 fetches a stage's parameter modules in forward, backward and the recomputed forward.
-    fetches = 3 if ckpt else 2
+    fetches = 2 + recomputed
     stage_modules = max(math.ceil(model.param_modules / pp), 1)
     dp_comm_s = 0.0
     if dp > 1:

@@ -25,13 +25,14 @@ from orch.plans.model.workload import (
 
 
 def training_flops_per_sample(factory: Callable[[], torch.nn.Module], inputs: ModelInputs, *,
-                              checkpointing: bool | str = False) -> int:
+                              checkpointing: bool | str = False, every_n_layers: int = 1) -> int:
     """FLOPs of forward + objective + backward for one sample of the data source (linear in the batch),
-    recomputation included (``checkpointing``: a :class:`orch.plans.spec.Recompute` or a bool)."""
+    recomputation included (``checkpointing``: a :class:`orch.plans.spec.Recompute` or a bool, in
+    every ``every_n_layers``-th block)."""
     with meta_device():
         module = factory()
         if checkpointing:
-            enable_activation_checkpointing(module, checkpointing)
+            enable_activation_checkpointing(module, checkpointing, every_n_layers)
         batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta")
         with FlopCounterMode(display=False) as counter, MetaBranches():
             loss = inputs.objective(call_model(module, batch), batch)

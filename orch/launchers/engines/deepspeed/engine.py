@@ -74,7 +74,7 @@ class DeepSpeedEngine(Engine):
             if plan.activation_checkpointing:
                 from orch.plans.model.workload import enable_activation_checkpointing
 
-                enable_activation_checkpointing(module, plan.activation_checkpointing)
+                enable_activation_checkpointing(module, plan.activation_checkpointing, plan.recompute_every_n_layers)
             mpu = tensor_parallel_groups(job, dist.get_rank(), coords)
         full_numel = sum(p.numel() for p in module.parameters())
         # What this rank holds right after construction (ZeRO-3 partitions: only its share).

@@ -88,7 +88,7 @@ class FSDP2Engine(Engine):
         if plan.activation_checkpointing:
             from orch.plans.model.workload import enable_activation_checkpointing
 
-            enable_activation_checkpointing(model, plan.activation_checkpointing)
+            enable_activation_checkpointing(model, plan.activation_checkpointing, plan.recompute_every_n_layers)
         mesh = meshes(plan, self.device.type, coords)
         if mesh.cp is not None:
             from orch.launchers.engines.fsdp2.context import ContextSplit

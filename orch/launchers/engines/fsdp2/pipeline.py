@@ -155,7 +155,7 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
     if plan.activation_checkpointing:
         from orch.plans.model.workload import checkpoint_blocks
 
-        checkpoint_blocks(blocks, plan.activation_checkpointing)
+        checkpoint_blocks(blocks, plan.activation_checkpointing, plan.recompute_every_n_layers)
     for module in blocks:
         if plan.compile:
             module.compile()
