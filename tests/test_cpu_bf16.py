@@ -68,3 +68,30 @@ def test_the_path_is_taken_only_for_bf16_on_a_cpu_without_its_instructions(monke
         assert not widens_bf16("fp32", torch.device("cpu"))
         assert not widens_bf16("bf16", torch.device("cuda", 0))
         assert not widens_bf16("fp16", torch.device("cpu"))
+
+
+def test_a_dtensors_matmul_takes_the_path_through_its_local_shards(widening, monkeypatch):
+    """On a 1-rank gloo mesh: a row-sharded times a column-sharded DTensor, forward and backward,
+    gives the fp32 product rounded once, as a plain tensor's matmul does."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from helpers.processes import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        a, b = torch.randn(6, 8, dtype=BF16), torch.randn(8, 5, dtype=BF16)
+        da = distribute_tensor(a.clone().requires_grad_(), mesh, [Shard(0)])
+        db = distribute_tensor(b.clone().requires_grad_(), mesh, [Shard(1)])
+        with bf16_in_fp32("bf16", torch.device("cpu")):
+            product = torch.mm(da, db)
+            product.full_tensor().float().sum().backward()
+        assert torch.equal(product.full_tensor(), (a.float() @ b.float()).to(BF16))
+        assert da.grad is not None and da.grad.full_tensor().dtype == BF16
+    finally:
+        dist.destroy_process_group()

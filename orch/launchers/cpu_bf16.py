@@ -10,8 +10,9 @@ multiplies and accumulates, and the result is rounded to bf16 once. Only the ord
 additions differs from the reference loop.
 
 Nothing changes where the CPU has the instructions, on accelerators, or in other precisions: the
-context manager is then a no-op. Ops on tensor subclasses (DTensor) and mixed dtypes are left to
-torch, so a dtype mismatch raises just as it would without this path.
+context manager is then a no-op. A DTensor's (FSDP2's tensor parallelism) reaches this path through
+its local shards; mixed dtypes are left to torch, so a dtype mismatch raises just as it would
+without this path.
 """
 
 from __future__ import annotations
@@ -50,15 +51,29 @@ def _narrow(value: Any) -> Any:
     return value.to(torch.bfloat16) if isinstance(value, torch.Tensor) and value.dtype == torch.float32 else value
 
 
+def _is_dtensor(cls: type) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return issubclass(cls, DTensor)
+
+
 class _Bf16ViaFp32(TorchDispatchMode):
-    """Runs the ops of :data:`_WIDENED` whose tensors are all plain CPU bf16 tensors in fp32."""
+    """Runs the ops of :data:`_WIDENED` whose tensors are all plain CPU bf16 tensors in fp32.
+
+    A DTensor's op is handed back to DTensor (``NotImplemented``): its dispatch then runs with
+    this mode still on, so the op on its local shards, plain tensors, comes here again. Other
+    tensor subclasses (the fake tensors DTensor's sharding propagation runs) go through untouched.
+    """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _WIDENED and all(t is torch.Tensor for t in types):
-            tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-            if tensors and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors):
-                return tree_map(_narrow, func(*tree_map(_widen, args), **tree_map(_widen, kwargs)))
+        if func in _WIDENED:
+            if any(_is_dtensor(t) for t in types):
+                return NotImplemented
+            if all(t is torch.Tensor for t in types):
+                tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+                if tensors and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors):
+                    return tree_map(_narrow, func(*tree_map(_widen, args), **tree_map(_widen, kwargs)))
         return func(*args, **kwargs)
 
 
