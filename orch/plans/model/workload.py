@@ -364,8 +364,8 @@ def _takes(function: Callable[..., Any], name: str) -> bool:
 
 def checkpoint_blocks(units: list[torch.nn.Module], recompute: str = "full", every_n_layers: int = 1) -> None:
     """Run ``units`` 0, n, 2n, ... (n: ``every_n_layers``) under ``torch.utils.checkpoint`` with the
-    ``recompute`` policy, in place (no wrapper module: names unchanged). A pipeline stage's blocks
-    are checkpointed so, counted from the stage's first."""
+    ``recompute`` policy, in place (no wrapper module: names unchanged). A pipeline rank's blocks
+    (of all its stages) are checkpointed so, counted from its first."""
     kwargs = checkpoint_kwargs(recompute)
     for unit in units[::every_n_layers]:
         unit.forward = _Checkpointed(unit.forward, kwargs)
