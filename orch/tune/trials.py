@@ -14,7 +14,7 @@ from orch.plans.errors import OrchError
 from orch.plans.model.workload import Workload
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.search.space import Candidate, SearchContext, plan_spec
-from orch.plans.spec import Recompute, ResumeMode, TrainSpec
+from orch.plans.spec import ResumeMode, TrainSpec
 from orch.tune.plan_file import plan_values
 from orch.tune.result import Trial, TuneResult, describe
 
@@ -94,10 +94,7 @@ def run_trial(cfg: RunConfig, model_cfg: dict, candidate: Candidate, index: int,
     trial.run_id = run.run_id
     timed = [reports for reports in run.reports if reports[0].step not in (1, trial_cfg.train.memory_probe_step)]
     step_time = statistics.median(max(r.step_time_s for r in reports) for reports in (timed or run.reports))
-    cost = ctx.model_cost
-    full = (cost.flops_per_sample_checkpointed if plan.activation_checkpointing == Recompute.full
-            else cost.flops_per_sample)
-    flops = cost.flops_per_sample + plan.recomputed_share(cost.n_layers) * (full - cost.flops_per_sample)
+    flops = ctx.model_cost.flops_per_sample_of(plan)
     trial.status = "ok"
     trial.step_time_s = step_time
     trial.tokens_per_s = plan.global_batch_size * ctx.model_cost.seq_len / step_time

@@ -54,6 +54,15 @@ Change = tuple[str, dict]
 """A fix: what to tell the user, and the plan fields it changes (``fsdp.<name>`` for FSDP2's settings)."""
 
 
+def declared_recompute(plan: PlanSpec) -> Recompute | None:
+    """The recomputation policy ``plan`` declares, or None where it names none
+    (:func:`orch.plans.resolve.resolve_plan` reports that)."""
+    try:
+        return Recompute.of(plan.activation_checkpointing)
+    except ValueError:
+        return None
+
+
 class EngineSpec:
     """One training engine as the planner knows it. Subclasses set the class attributes and
     override what their engine does differently; the defaults are ones every engine shares."""
@@ -113,6 +122,18 @@ class EngineSpec:
                                    f"the {self.name} engine does not compile: torch.compile of each block runs in "
                                    f"the {', '.join(others)} engine (before sharding).",
                                    f"set plan.engine={others[0]} to compile, or plan.compile=false"))
+        every = plan.recompute_every_n_layers
+        if plan.pp > 1 and not self.stages_recompute_every_n and declared_recompute(plan) \
+                and isinstance(every, int) and every > 1:
+            from orch.plans.engines import engine_names, engine_spec
+
+            others = [name for name in engine_names() if engine_spec(name).stages_recompute_every_n]
+            found.append(Violation("plan.recompute_every_n_layers", every,
+                                   f"the {self.name} engine's pipeline stages checkpoint every layer, not every "
+                                   f"n-th (plan.pp={plan.pp}).",
+                                   "set plan.recompute_every_n_layers=1"
+                                   + (f", or plan.engine={others[0]} (whose pipeline stages checkpoint every n-th "
+                                      "block)" if others else "")))
         if plan.sequence_parallel:
             found += self._sequence_parallel_violations(plan)
         if plan.cp > 1:

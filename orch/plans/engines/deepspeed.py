@@ -19,7 +19,7 @@ from orch.plans.engine_settings import (
     EngineSettings,
     ZeroStage,
 )
-from orch.plans.engines.base import Change, DeviceMemory, EngineSpec, halve_micro_batch
+from orch.plans.engines.base import Change, DeviceMemory, EngineSpec, declared_recompute, halve_micro_batch
 from orch.plans.errors import Violation
 from orch.plans.memory.build import GIB, BuildMemory
 from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, OptimizerName, PlanSpec, Precision, Recompute
@@ -46,14 +46,6 @@ PP_PARTITIONS = ("parameters", "uniform")
 TP_ZERO_STAGES = (0, 1, 2)
 
 
-def _recomputes(plan: PlanSpec) -> bool:
-    """Whether the declared plan checkpoints activations (an unknown policy is reported elsewhere)."""
-    try:
-        return bool(Recompute.of(plan.activation_checkpointing))
-    except ValueError:
-        return False
-
-
 class DeepSpeedSpec(EngineSpec):
     name = "deepspeed"
     runtime = "orch.launchers.engines.deepspeed:DeepSpeedEngine"
@@ -69,13 +61,6 @@ class DeepSpeedSpec(EngineSpec):
             v.append(Violation("plan.activation_checkpointing", "selective", problem,
                                "set plan.activation_checkpointing=full, or plan.engine=fsdp2 (whose DTensor "
                                "tensor parallelism recomputes selectively)"))
-        if plan.pp > 1 and not self.stages_recompute_every_n and _recomputes(plan) \
-                and isinstance(plan.recompute_every_n_layers, int) and plan.recompute_every_n_layers > 1:
-            v.append(Violation("plan.recompute_every_n_layers", plan.recompute_every_n_layers,
-                               f"DeepSpeed's pipeline engine checkpoints every layer of its stages "
-                               f"(activation_checkpoint_interval), not every n-th (plan.pp={plan.pp}).",
-                               "set plan.recompute_every_n_layers=1, or plan.engine=fsdp2 (whose pipeline "
-                               "stages checkpoint every n-th block)"))
         if plan.zero_stage not in ZERO_STAGES:
             v.append(Violation("plan.zero_stage", plan.zero_stage, "ZeRO stages are 0, 1, 2 and 3.",
                                "set plan.zero_stage to 0, 1, 2 or 3"))
@@ -314,11 +299,7 @@ def _selective_with_autotp(plan: PlanSpec) -> str | None:
     row-parallel layer's matmul output in place; selective recomputation keeps that output and
     runs the all-reduce again in backward, on the kept (already reduced) tensor: measured, the
     losses drift from the run without recomputation. DTensor's all-reduce returns a new tensor."""
-    try:
-        selective = Recompute.of(plan.activation_checkpointing) == Recompute.selective
-    except ValueError:
-        return None
-    if selective and plan.tp > 1:
+    if declared_recompute(plan) == Recompute.selective and plan.tp > 1:
         return (f"DeepSpeed's tensor parallelism (AutoTP, plan.tp={plan.tp}) all-reduces each row-parallel output in "
                 "place, and selective recomputation keeps that output, so backward would reduce it a second time.")
     return None

@@ -98,18 +98,9 @@ def partly_checkpointed(none: ActivationBytes, policy: ActivationBytes, share: f
     the backward peak of an unchecked block sits on all the saved bytes without a recomputed
     block's, so the interpolation errs toward refusing a plan, not toward running out of memory.
     """
-    def between(a: int, b: int) -> int:
-        return round(a + share * (b - a))
-
-    return ActivationBytes(
-        saved=between(none.saved, policy.saved), recompute_peak=policy.recompute_peak,
-        forward_peak=between(none.forward_peak, policy.forward_peak),
-        backward_peak=between(none.backward_peak, policy.backward_peak),
-        backward_peak_with_grads=between(none.backward_peak_with_grads, policy.backward_peak_with_grads),
-        grads_at_backward_peak=between(none.grads_at_backward_peak, policy.grads_at_backward_peak),
-        blocks_backward_peak=between(none.blocks_backward_peak, policy.blocks_backward_peak),
-        later_blocks_backward_peak=between(none.later_blocks_backward_peak, policy.later_blocks_backward_peak),
-        blocks_backward_end=between(none.blocks_backward_end, policy.blocks_backward_end))
+    between = {f.name: round(getattr(none, f.name) + share * (getattr(policy, f.name) - getattr(none, f.name)))
+               for f in dataclasses.fields(ActivationBytes)}
+    return ActivationBytes(**between | {"recompute_peak": policy.recompute_peak})
 
 
 class _MetaRunsAsOn(MetaBranches):

@@ -378,6 +378,14 @@ class ModelCost:
     to price a run whose software did (Megatron-LM's vocabulary-parallel output layer); the
     orchestrator's engines leave a layer outside the model's tensor-parallel plan whole."""
 
+    def flops_per_sample_of(self, plan: ResolvedPlan) -> float:
+        """One sample's training FLOPs under ``plan``'s recomputation: none's, plus full's recomputed
+        forward for the share of the blocks it recomputes (:meth:`ResolvedPlan.recomputed_share`).
+        Selective recomputation adds none: it keeps every op the FLOP counter counts."""
+        if plan.activation_checkpointing != Recompute.full:
+            return self.flops_per_sample
+        return self.flops_per_sample + plan.recomputed_share(self.n_layers) * (
+            self.flops_per_sample_checkpointed - self.flops_per_sample)
 
 @dataclass(frozen=True, kw_only=True)
 class StepTime:
@@ -600,7 +608,6 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
 
     # Selective recomputation keeps every op the FLOPs are in (the matmuls and attention) and runs
     # the rest of the forward again: the FLOPs of none, the kernels and bytes of full.
-    ckpt = plan.activation_checkpointing
     # DeepSpeed splits whole layers between stages, and the 1F1B schedule runs at the pace of the
     # stage with the most: ceil(layers / pp) of them, not layers / pp.
     stage = stage_share(model.n_layers, pp)
@@ -610,8 +617,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
 
     def mixed(none: float, policy: float) -> float:
         return none + recomputed * (policy - none)
-    flops = mixed(model.flops_per_sample,
-                  model.flops_per_sample_checkpointed if ckpt == Recompute.full else model.flops_per_sample)
+    flops = model.flops_per_sample_of(plan)
     ops = mixed(model.ops_per_micro_batch, model.ops_per_micro_batch_checkpointed)
     if plan.compile:
         ops -= mixed(model.ops_fused_away_per_micro_batch, model.ops_fused_away_per_micro_batch_checkpointed)
