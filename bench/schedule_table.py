@@ -4,7 +4,7 @@ For each model the tuner is run on declared H100 80 GB nodes (989 TFLOP/s bf16, 
 NVLink 4 at 450 GB/s per direction, one 400 Gb/s adapter per GPU, 132 SMs) at sequence 8192 with the
 layout fixed (tp=8 and the model's pp) and the fsdp2 engine, whose pipeline runs every schedule;
 everything else (recomputation, of every block or every 2nd or 4th, micro-batch, compile,
-resharding) is searched. The table gives the
+async TP, resharding) is searched; then once more with tp and pp free. The table gives the
 fastest plan that fits for each schedule, its predicted step time by term and its peak memory:
 what each schedule buys at this scale, from the cost model's first-principles terms
 (docs/tuner.md). Predictions only: none of these plans has run on a GPU.
@@ -22,19 +22,44 @@ from bench.harness import PYTHON, header, publish, tune_json
 
 H100 = ["cluster=a100_8x", "cluster.device_tflops=989", "cluster.device_memory_gb_per_s=3350",
         "cluster.intra_node_gbps=3600", "cluster.inter_node_gbps=400", "cluster.device_sm_count=132"]
-# (preset, nodes of 8 H100s, pp, global batch in sequences of 8192 tokens)
-SHAPES = [("llama3_70b", 128, 8, 1024), ("llama3_405b", 1024, 16, 2048)]
+# (preset, nodes of 8 H100s, pp, global batch in sequences of 8192 tokens, the pp degrees of the free search)
+SHAPES = [("llama3_70b", 128, 8, 1024, (4, 8, 16)), ("llama3_405b", 1024, 16, 2048, (8, 16, 32))]
+FREE_TP = (4, 8)
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zero_bubble", 2),
              ("zbv", 2)]
 TERMS = ("compute", "memory", "bubble", "tp", "dp", "pp", "optimizer")
 
 
-def tune(preset: str, nodes: int, pp: int, batch: int) -> dict:
+def tune(preset: str, nodes: int, pp: tuple[int, ...], batch: int, tp: tuple[int, ...] = (8,)) -> dict:
     command = [PYTHON, "-m", "orch", "tune", f"model={preset}", *H100, f"cluster.nodes={nodes}",
                "data.seq_len=8192", "plan.precision=bf16", f"train.global_batch_size={batch}", "tune.engines=[fsdp2]",
-               "tune.tp=[8]", f"tune.pp=[{pp}]", "tune.pp_virtual_stages=[2,4]",
-               "tune.recompute_every_n_layers=[1,2,4]", "tune.top_k=100000", "--json"]
+               f"tune.tp=[{','.join(map(str, tp))}]", f"tune.pp=[{','.join(map(str, pp))}]",
+               "tune.pp_virtual_stages=[2,4]", "tune.recompute_every_n_layers=[1,2,4]", "tune.top_k=100000", "--json"]
     return tune_json(command, preset)
+
+
+def row(preset: str, nodes: int, name: str, best: dict, *, layout_degrees: bool = False) -> str:
+    """One table row: the plan, its step time by term, MFU and peak memory."""
+    plan, step = best["plan"], best["predicted"]
+    reshard = str(plan["fsdp.reshard_after_forward"]).lower()
+    every = plan.get("recompute_every_n_layers", 1)
+    ckpt = plan["activation_checkpointing"] + (f" every {every}" if every > 1 else "")
+    degrees = f"tp={plan['tp']} pp={plan['pp']} " if layout_degrees else ""
+    layout = (f"{degrees}dp={plan['dp']} micro={plan['micro_batch_size']} accum={plan['grad_accum_steps']} "
+              f"ckpt={ckpt} reshard={reshard}"
+              + (" compiled" if plan["compile"] else "")
+              + (" seq-parallel" if plan["sequence_parallel"] else "")
+              + (" async-tp" if plan.get("async_tp") else ""))
+    terms = " | ".join(f"{step['parts_s'][t]:.2f}" for t in TERMS)
+    return (f"| {preset} | {nodes * 8} | {name} | {layout} | {step['step_time_s']:.2f} | {terms} | "
+            f"{100 * step['mfu']:.1f}% | {step['peak_bytes'] / 2**30:.1f} |")
+
+
+def fastest(found: dict, **where) -> dict | None:
+    """The fastest plan that fits among ``found``'s candidates whose plan has the values ``where``."""
+    fits = [c for c in found["candidates"]
+            if c["feasible"] and all(c["plan"][key] == value for key, value in where.items())]
+    return min(fits, key=lambda c: c["predicted"]["step_time_s"]) if fits else None
 
 
 def main() -> None:
@@ -46,32 +71,33 @@ def main() -> None:
     lines += ["| model | devices | schedule | best plan that fits | step (s) | "
               + " | ".join(TERMS) + " | MFU | peak (GiB) |",
               "|---|---:|---|---|---:|" + "---:|" * len(TERMS) + "---:|---:|"]
-    for preset, nodes, pp, batch in SHAPES:
-        found = tune(preset, nodes, pp, batch)
+    free_rows = []
+    for preset, nodes, pp, batch, free_pp in SHAPES:
+        found = tune(preset, nodes, (pp,), batch)
         for schedule, virtual in SCHEDULES:
-            fits = [c for c in found["candidates"] if c["feasible"] and c["plan"]["pp_schedule"] == schedule
-                    and c["plan"]["pp_virtual_stages"] == virtual]
             name = f"{schedule}" + (f" v={virtual}" if virtual > 1 else "")
-            if not fits:
+            best = fastest(found, pp_schedule=schedule, pp_virtual_stages=virtual)
+            if best is None:
                 lines.append(f"| {preset} | {nodes * 8} | {name} | none fits | " + " | " * len(TERMS) + " | |")
                 continue
-            best = min(fits, key=lambda c: c["predicted"]["step_time_s"])
-            plan, step = best["plan"], best["predicted"]
-            reshard = str(plan["fsdp.reshard_after_forward"]).lower()
-            every = plan.get("recompute_every_n_layers", 1)
-            ckpt = plan["activation_checkpointing"] + (f" every {every}" if every > 1 else "")
-            layout = (f"dp={plan['dp']} micro={plan['micro_batch_size']} accum={plan['grad_accum_steps']} "
-                      f"ckpt={ckpt} reshard={reshard}"
-                      + (" compiled" if plan["compile"] else "")
-                      + (" seq-parallel" if plan["sequence_parallel"] else ""))
-            terms = " | ".join(f"{step['parts_s'][t]:.2f}" for t in TERMS)
-            lines.append(f"| {preset} | {nodes * 8} | {name} | {layout} | {step['step_time_s']:.2f} | {terms} | "
-                         f"{100 * step['mfu']:.1f}% | {step['peak_bytes'] / 2**30:.1f} |")
+            lines.append(row(preset, nodes, name, best))
+        free = fastest(tune(preset, nodes, free_pp, batch, FREE_TP))
+        schedule = free["plan"]["pp_schedule"]
+        virtual = free["plan"]["pp_virtual_stages"]
+        free_rows.append(row(preset, nodes, schedule + (f" v={virtual}" if virtual > 1 else ""), free,
+                             layout_degrees=True))
     lines += ["", "Each row is the fastest plan that fits of that schedule among the tuner's candidates for "
               "`orch tune model=PRESET cluster=a100_8x` with the H100 speeds above, `tune.engines=[fsdp2] "
               "tune.tp=[8] tune.pp=[PP] tune.recompute_every_n_layers=[1,2,4]`, bf16, sequence 8192; terms in "
               "seconds per step (docs/tuner.md). "
-              "Predictions only: the fsdp2 pipeline schedules ran on CPU workers, never on a GPU."]
+              "Predictions only: the fsdp2 pipeline schedules ran on CPU workers, never on a GPU; async TP "
+              "(`plan.async_tp`) has run only through torch's CPU fallbacks of its fused ops.",
+              "", "The tuner's winner with the layout free as well (`tune.tp=[4,8]`, pp among the shape's listed "
+              "degrees, every schedule):", "",
+              "| model | devices | schedule | winner | step (s) | " + " | ".join(TERMS) + " | MFU | peak (GiB) |",
+              "|---|---:|---|---|---:|" + "---:|" * len(TERMS) + "---:|---:|", *free_rows,
+              "", "Free pp degrees: " + "; ".join(f"{preset} {', '.join(map(str, free_pp))}"
+                                                   for preset, _, _, _, free_pp in SHAPES) + "."]
     publish(lines, args.markdown)
 
 

@@ -138,6 +138,9 @@ class TuneConfig:
     fsdp2; elsewhere false). The cost model never prices a split sequence above an unsplit one (the same
     bytes on the wire, less memory and memory-bound work), so by default only the split is tried;
     [false,true] tries both."""
+    async_tp: list[bool] = field(default_factory=lambda: [False, True])
+    """plan.async_tp values to try where it applies (GPU clusters, engines that overlap tensor-parallel
+    collectives: fsdp2, with tp > 1, sequence parallelism and compile; elsewhere false)."""
     cp: list[int] | None = None
     """Context-parallel degrees to try (fsdp2, without pipeline stages); null: 1, and for sequences of
     more than 16K tokens the powers of two up to 8 that leave each rank at least 16K of them

@@ -59,6 +59,8 @@ class ResolvedPlan:
     """torch.compile each repeated block."""
     sequence_parallel: bool = False
     """Split the residual stream along the sequence over the tensor-parallel ranks."""
+    async_tp: bool = False
+    """Overlap the sequence-parallel collectives with their matmuls (compiled, on GPUs)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_checkpointing", Recompute.of(self.activation_checkpointing))
@@ -110,7 +112,8 @@ class ResolvedPlan:
                 f"activation_checkpointing={self.activation_checkpointing.value} {every}"
                 f"precision={self.precision.value} micro_batch_size={self.micro_batch_size} "
                 f"grad_accum_steps={self.grad_accum_steps}" + (" compile=true" if self.compile else "")
-                + (" sequence_parallel=true" if self.sequence_parallel else ""))
+                + (" sequence_parallel=true" if self.sequence_parallel else "")
+                + (" async_tp=true" if self.async_tp else ""))
 
     def as_dict(self) -> dict[str, object]:
         """Plain values (enums as strings), for tracking and JSON output, flat: an engine's nested
@@ -246,6 +249,7 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
         grad_accum_steps=plan.grad_accum_steps,
         precision=plan.precision, accelerator=cluster.accelerator, engine=plan.engine,
         fsdp=dataclasses.replace(plan.fsdp), compile=plan.compile, sequence_parallel=plan.sequence_parallel,
+        async_tp=plan.async_tp,
     )
 
 

@@ -188,6 +188,11 @@ class PlanSpec:
     """With tp > 1, split the residual stream along the sequence as well (FSDP2 engine): norms and
     residual adds run on 1/tp of it, and their activations shrink by tp; the all-reduces become
     all-gathers and reduce-scatters of the same bytes."""
+    async_tp: bool = False
+    """With sequence parallelism and compile on GPUs (FSDP2 engine): overlap the tensor-parallel
+    all-gathers and reduce-scatters with the matmuls that consume and produce them (torch's
+    micro-pipelined TP: each such matmul runs in tp chunks as the collective's chunks move through
+    symmetric memory). Hides most of the tp term; each matmul runs at 1/tp of its rows."""
 
 
 @dataclass(kw_only=True)

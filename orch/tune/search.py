@@ -120,7 +120,8 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool,
                        micro_batch_sizes=tuple(t.micro_batch_sizes) if t.micro_batch_sizes else None,
                        engines=tuple(t.engines),
                        reshard_after_forward=tuple(t.reshard_after_forward), compile=tuple(dict.fromkeys(t.compile)),
-                       sequence_parallel=tuple(dict.fromkeys(t.sequence_parallel)), pp_schedules=schedules)
+                       sequence_parallel=tuple(dict.fromkeys(t.sequence_parallel)),
+                       async_tp=tuple(dict.fromkeys(t.async_tp)), pp_schedules=schedules)
 
 
 CONTEXT_TOKENS_PER_RANK = 16384
@@ -200,6 +201,9 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
         space = dataclasses.replace(space, pp=(1,))
     if not tp_layer_specs:
         space = dataclasses.replace(space, tp=(1,))
+    if cluster.accelerator != Accelerator.gpu:
+        # Symmetric memory between a node's GPUs carries async TP's chunks; elsewhere it cannot run.
+        space = dataclasses.replace(space, async_tp=(False,))
     if sequence_parallel_problem(probe, tp=1):
         # A model whose sequence cannot be split at all (whatever the degrees: asked at tp=1)
         # keeps its tensor-parallel plans, unsplit.

@@ -39,7 +39,8 @@ MODELS = {"gpt": gpt, "llama": llama, "vit": vit}
 
 
 def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", accum: int = 1, steps: int = 8,
-             checkpointing: bool = False, hybrid: bool = False, reshard: bool = True, offload: bool = False):
+             checkpointing: bool = False, hybrid: bool = False, reshard: bool = True, offload: bool = False,
+             compile: bool = False, sequence_parallel: bool = False, async_tp: bool = False):
     """A :class:`TrainJob` as the driver builds one, for ``plan.engine=fsdp2`` on CPU workers."""
     from orch.launchers.job import TrainJob
     from orch.plans.model.workload import Workload
@@ -55,7 +56,8 @@ def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", ac
                         offload_param=offloaded, nvme_path=None, activation_checkpointing=checkpointing,
                         micro_batch_size=2, grad_accum_steps=accum, precision=Precision(precision),
                         accelerator=Accelerator.cpu, engine="fsdp2",
-                        fsdp=FSDPSpec(hybrid=hybrid, reshard_after_forward=reshard))
+                        fsdp=FSDPSpec(hybrid=hybrid, reshard_after_forward=reshard), compile=compile,
+                        sequence_parallel=sequence_parallel, async_tp=async_tp)
     specs = specs_from_tp_plan(MODELS[model]()) if model == "llama" else None
     optim = OptimSpec(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1)
     objective = Classification() if model == "vit" else CausalLM()
@@ -214,5 +216,46 @@ def refuse(rank: int, world: int, out: Path, *, model: str, tag: str, roots: lis
     return found
 
 
-SCENARIOS = {"train_and_save": train_and_save, "resume": resume, "refuse": refuse}
+def async_tp(rank: int, world: int, out: Path, *, steps: int = 4) -> dict:
+    """The Llama at tp=2 with sequence parallelism, trained twice from the same seed: eager, then
+    with each block compiled and ``plan.async_tp``. Symmetric memory is CUDA's, so the fused ops
+    the compiler puts in run here as torch's own fallbacks (the collective, then the matmul: the
+    fused kernels' arithmetic without the overlap), registered for CPU and counted, and the
+    engine's CUDA-only set-up is replaced by the one switch it sets for the compiler."""
+    from collections import Counter
+
+    import torch._dynamo
+    import torch._inductor.config
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from orch.launchers.engines.fsdp2 import layout
+
+    calls: Counter = Counter()
+
+    def on_cpu(name, fallback):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fallback(*args, **kwargs)
+        torch.library.impl(f"symm_mem::{name}", "CPU")(run)
+
+    on_cpu("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback)
+    on_cpu("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback)
+    layout.enable_async_tp = lambda tp_mesh: setattr(torch._inductor.config, "_micro_pipeline_tp", True)
+    found = {}
+    for overlapped in (False, True):
+        job = make_job("llama", world=world, tp=world, precision="fp32", accum=1, steps=steps + 4,
+                       compile=overlapped, sequence_parallel=True, async_tp=overlapped)
+        with symm_mem._test_mode():
+            engine, built = _engine(job, rank, world)
+            source = batches("llama")
+            losses = [engine.train_step(source, lambda phase="": None) for _ in range(steps)]
+        torch.distributed.barrier()
+        engine.shutdown()
+        torch._dynamo.reset()
+        found["async_tp" if overlapped else "plain"] = {"losses": losses, "built": built.built, "calls": dict(calls)}
+        calls.clear()
+    return found
+
+
+SCENARIOS = {"train_and_save": train_and_save, "resume": resume, "refuse": refuse, "async_tp": async_tp}
 

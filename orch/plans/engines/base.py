@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from orch.plans.errors import Violation
-from orch.plans.spec import ClusterSpec, FSDPSpec, Offload, OptimSpec, PlanSpec, Recompute
+from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, OptimSpec, PlanSpec, Recompute
 
 if TYPE_CHECKING:
     from orch.plans.engine_settings import EngineSettings
@@ -93,6 +93,8 @@ class EngineSpec:
     sequence_parallel: ClassVar[bool] = False
     """It splits the residual stream along the sequence over the tensor-parallel ranks
     (``plan.sequence_parallel``)."""
+    async_tp: ClassVar[bool] = False
+    """It overlaps the sequence-parallel collectives with their matmuls (``plan.async_tp``)."""
     context_parallel: ClassVar[bool] = False
     """It splits each sample's sequence over ``plan.cp`` ranks, attention gathering keys and values."""
     stages_recompute_every_n: ClassVar[bool] = True
@@ -136,8 +138,45 @@ class EngineSpec:
                                       "block)" if others else "")))
         if plan.sequence_parallel:
             found += self._sequence_parallel_violations(plan)
+        if plan.async_tp:
+            found += self._async_tp_violations(plan, cluster.accelerator)
         if plan.cp > 1:
             found += self._context_parallel_violations(plan)
+        return found
+
+    def _async_tp_violations(self, plan: PlanSpec, accelerator: Accelerator | None) -> list[Violation]:
+        """Why this engine cannot overlap ``plan``'s tensor-parallel collectives with its matmuls
+        (``plan.async_tp=true``); ``accelerator`` None: the cluster is not known yet (the tuner's
+        structural rules)."""
+        if not self.async_tp:
+            from orch.plans.engines import engine_names, engine_spec
+
+            others = [name for name in engine_names() if engine_spec(name).async_tp]
+            return [Violation("plan.async_tp", True,
+                              f"the {self.name} engine runs each tensor-parallel collective on its own; async TP "
+                              f"runs in the {', '.join(others)} engine.",
+                              f"set plan.engine={others[0]}, or plan.async_tp=false")]
+        found = []
+        if plan.tp <= 1:
+            found.append(Violation("plan.async_tp", True,
+                                   f"async TP overlaps the tensor-parallel ranks' collectives, and plan.tp={plan.tp}.",
+                                   "set plan.tp to 2 or more, or plan.async_tp=false"))
+        if not plan.sequence_parallel:
+            found.append(Violation("plan.async_tp", True,
+                                   "async TP splits the all-gather before each column-parallel matmul and the "
+                                   "reduce-scatter after each row-parallel one, which sequence parallelism runs, "
+                                   "and plan.sequence_parallel=false.",
+                                   "set plan.sequence_parallel=true, or plan.async_tp=false"))
+        if not plan.compile:
+            found.append(Violation("plan.async_tp", True,
+                                   "async TP is a pass of torch.compile (Inductor's micro-pipelined TP) over each "
+                                   "compiled block, and plan.compile=false.",
+                                   "set plan.compile=true, or plan.async_tp=false"))
+        if accelerator is not None and accelerator != Accelerator.gpu:
+            found.append(Violation("plan.async_tp", True,
+                                   "async TP moves the collectives' chunks through symmetric memory shared by the "
+                                   f"GPUs of a node (CUDA), and cluster.accelerator={accelerator.value}.",
+                                   "set plan.async_tp=false (it runs on GPUs only)"))
         return found
 
     def _context_parallel_violations(self, plan: PlanSpec) -> list[Violation]:
@@ -180,6 +219,8 @@ class EngineSpec:
             return f"pipeline schedule {plan.pp_schedule} (the engine runs {', '.join(self.pipeline_schedules)})"
         if plan.sequence_parallel and self._sequence_parallel_violations(plan):
             return "sequence parallelism (tp > 1, fsdp2)"
+        if plan.async_tp and self._async_tp_violations(plan, None):
+            return "async TP (fsdp2, tp > 1, sequence parallel, compile)"
         if plan.cp > 1 and self._context_parallel_violations(plan):
             return "context parallelism (fsdp2, pp=1)"
         return None

@@ -48,6 +48,7 @@ class FSDP2Spec(EngineSpec):
     resumes at any dp, tp and pp."""
     compiles = True
     sequence_parallel = True
+    async_tp = True
     context_parallel = True
     reads_fsdp_settings = True
     pipeline_schedules = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv")

@@ -77,6 +77,9 @@ class SearchSpace:
     sequence_parallel: tuple[bool, ...] = (False,)
     """``plan.sequence_parallel`` values to try (true only with tp > 1, with engines that split the
     sequence)."""
+    async_tp: tuple[bool, ...] = (False,)
+    """``plan.async_tp`` values to try (true only with tp > 1, sequence parallelism and compile, with
+    engines that overlap them; the tuner leaves it false on clusters without GPUs)."""
     cp: tuple[int, ...] = (1,)
     """Context-parallel degrees to try (above 1 only without pipeline stages, with engines that
     split the sequence that way)."""
@@ -103,14 +106,15 @@ class SearchSpace:
                         for (ckpt, every), compiled, (schedule, virtual), sequence in itertools.product(
                                 self._recomputations(engine, pp), self._compiles(engine),
                                 self._schedules(engine, pp), self._sequence_parallel(engine, tp)):
-                            yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp, cp=cp,
-                                           zero_stage=stage, offload_optimizer=off_opt,
-                                           offload_param=off_param, activation_checkpointing=ckpt,
-                                           recompute_every_n_layers=every,
-                                           micro_batch_size=micro, grad_accum_steps=accum,
-                                           precision=self.precision, compile=compiled,
-                                           pp_schedule=schedule.value, pp_virtual_stages=virtual,
-                                           sequence_parallel=sequence)
+                            for overlapped in self._async_tps(engine, tp, sequence, compiled):
+                                yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp,
+                                               cp=cp, zero_stage=stage, offload_optimizer=off_opt,
+                                               offload_param=off_param, activation_checkpointing=ckpt,
+                                               recompute_every_n_layers=every,
+                                               micro_batch_size=micro, grad_accum_steps=accum,
+                                               precision=self.precision, compile=compiled,
+                                               pp_schedule=schedule.value, pp_virtual_stages=virtual,
+                                               sequence_parallel=sequence, async_tp=overlapped)
 
     def _recomputations(self, engine: str, pp: int) -> list[tuple[Recompute, int]]:
         """(policy, every n-th block) pairs to try: none once, each other policy at each n the
@@ -135,6 +139,13 @@ class SearchSpace:
         if tp > 1 and engine_spec(engine).sequence_parallel:
             return self.sequence_parallel
         return tuple(s for s in self.sequence_parallel if not s) or (False,)
+
+    def _async_tps(self, engine: str, tp: int, sequence: bool, compiled: bool) -> tuple[bool, ...]:
+        """``plan.async_tp`` values to try: false only where there are no sequence-parallel
+        collectives of a compiled block to overlap."""
+        if tp > 1 and sequence and compiled and engine_spec(engine).async_tp:
+            return self.async_tp
+        return tuple(a for a in self.async_tp if not a) or (False,)
 
     def _engine_settings(self, pp: int) -> list[tuple[str, int, FSDPSpec]]:
         """(engine, ZeRO stage, FSDP2 settings) to try at pipeline degree ``pp``, as each engine's
@@ -286,7 +297,7 @@ def plan_layout(plan: ResolvedPlan) -> tuple:
     differs between their implementations more than between their stages."""
     return (plan.engine, plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.grad_accum_steps,
             plan.activation_checkpointing, plan.recompute_every_n_layers, plan.offload_optimizer, plan.offload_param,
-            plan.compile, plan.pp_schedule, plan.pp_virtual_stages, plan.sequence_parallel, plan.cp)
+            plan.compile, plan.pp_schedule, plan.pp_virtual_stages, plan.sequence_parallel, plan.async_tp, plan.cp)
 
 
 def trial_candidates(ranked: list[Candidate], n: int) -> list[Candidate]:

@@ -34,6 +34,9 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
 - **tensor parallelism**: one all-reduce of a row-parallel layer's output in forward and one of a
   column-parallel layer's input gradient in backward (DeepSpeed AutoTP's ``RowParallel`` /
   ``ColumnParallel``), again in the recomputed forward; sizes read off the model on ``meta``.
+  Async TP (``plan.async_tp``: compiled, sequence-parallel, on GPUs) overlaps them with the
+  matmuls that consume and produce them, chunk by chunk: 1/tp of the traffic stays exposed, plus
+  whatever outlasts the matmuls, and the matmuls run as tp GEMMs of 1/tp of the rows each.
 - **data parallelism** by ZeRO stage (DeepSpeed 0.19; the plan's :mod:`orch.plans.engine_settings` settings):
   stage 0 all-reduces the gradients once per step (a ring all-reduce, 2(n-1)/n of the
   bytes). Stages 1 and 2 share one optimizer (``runtime/zero/stage_1_and_2.py``), which also
@@ -627,8 +630,12 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     # attention (the head-tail chunks balance the causal mask's work); ``rank_samples`` is the share of a
     # micro-batch's work one rank does.
     rank_samples = mb / cp
-    rate = speeds.tflops_at(max(mb * model.seq_len // cp, 1)) * 1e12
-    efficiency = matmul_efficiency(model.gemms.get(tp, ()), rank_samples, speeds, flops_per_s=rate,
+    # Async TP runs each tensor-parallel matmul in tp chunks of its rows, one per rank's slice of the
+    # sequence: at the rate and wave efficiency of a GEMM 1/tp as tall (every GEMM of the pass is
+    # priced so; the head and attention, which it leaves whole, are a small share of a deep model's).
+    chunks = tp if plan.async_tp and tp > 1 else 1
+    rate = speeds.tflops_at(max(mb * model.seq_len // (cp * chunks), 1)) * 1e12
+    efficiency = matmul_efficiency(model.gemms.get(tp, ()), rank_samples / chunks, speeds, flops_per_s=rate,
                                    element_bytes=act_bytes)
     whole = round(mixed(model.memory_bytes_per_sample, model.memory_bytes_per_sample_checkpointed))
     sharded = round(mixed(model.memory_bytes_sharded_per_sample, model.memory_bytes_sharded_per_sample_checkpointed))
@@ -663,6 +670,11 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         bwd = _allreduce_s(model.column_parallel_in_per_sample * rank_samples * act_bytes * stage, tp, tp_bw,
                            lat[links.tp], calls=math.ceil(model.column_parallel_layers * stage))
         tp_per_micro_s = forward_passes * fwd + bwd
+        if chunks > 1:
+            # Async TP: while one chunk's matmul runs, the next chunk of its all-gather arrives (or
+            # the previous chunk's output is reduce-scattered). The last reduce-scatter chunk, 1/tp
+            # of the traffic, is left exposed, and the rest wherever it outlasts the matmuls.
+            tp_per_micro_s = tp_per_micro_s / tp + max(0.0, tp_per_micro_s * (tp - 1) / tp - per_micro_s)
 
     pp_per_micro_s = 0.0
     if pp > 1:

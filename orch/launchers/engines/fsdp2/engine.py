@@ -67,6 +67,7 @@ class FSDP2Engine(Engine):
         from orch.launchers.engines.base import describe_optimizer
         from orch.launchers.engines.fsdp2.layout import (
             apply_tensor_parallel,
+            enable_async_tp,
             fsdp_options,
             meshes,
             repeated_blocks,
@@ -98,6 +99,8 @@ class FSDP2Engine(Engine):
             apply_tensor_parallel(model, mesh.tp, job.workload.tp_layer_specs,
                                   sequence=sequence_layout(model, job.workload.tp_layer_specs) if plan.sequence_parallel
                                   else None)
+            if plan.async_tp:
+                enable_async_tp(mesh.tp)
         options = fsdp_options(plan, mesh.dp)
         blocks = repeated_blocks(model)
         for block in blocks:
@@ -123,6 +126,8 @@ class FSDP2Engine(Engine):
             built += f", {'each block' if blocks else 'the model'} compiled (torch.compile)"
         if plan.sequence_parallel:
             built += f", the sequence split over the {plan.tp} tensor-parallel ranks"
+        if plan.async_tp:
+            built += ", its collectives overlapped with their matmuls (async TP)"
         if plan.cp > 1:
             built += f", each sample's sequence split over {plan.cp} context-parallel ranks"
         return BuiltModel(built=built, params_at_build=params_at_build, params_on_rank=_local_numel(model),

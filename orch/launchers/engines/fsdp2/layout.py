@@ -209,6 +209,33 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
     return len(plan)
 
 
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Let torch.compile overlap the tensor-parallel collectives with their matmuls (``plan.async_tp``).
+
+    Inductor's micro-pipelined TP pass (``torch._inductor.config._micro_pipeline_tp``) rewrites
+    each all-gather feeding a matmul and each matmul feeding a reduce-scatter, the pairs sequence
+    parallelism leaves around the column- and row-parallel layers, into torch's fused
+    ``symm_mem`` ops: the matmul runs in tp chunks, each as soon as its chunk of the collective
+    has arrived through the node's symmetric memory, which the tensor-parallel group must have
+    enabled first. Set before the blocks are compiled (the pass runs when a graph is compiled,
+    at the first step). CUDA only; the planner refuses the setting elsewhere.
+    """
+    import warnings
+
+    import torch
+    import torch._inductor.config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    if tp_mesh.device_type != "cuda":
+        raise RuntimeError(f"plan.async_tp=true needs CUDA devices for symmetric memory, and the tensor-parallel "
+                           f"mesh is on {tp_mesh.device_type}; set plan.async_tp=false")
+    with warnings.catch_warnings():
+        # Deprecated in favour of automatic registration, which this torch does not do yet for async TP.
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    torch._inductor.config._micro_pipeline_tp = True
+
+
 def sequence_layout(model: torch.nn.Module, layer_specs: list[dict] | None) -> SequenceParallelLayout:
     """Where ``plan.sequence_parallel`` splits ``model`` (the planner checked that it can)."""
     from orch.plans.parallel.sequence_parallel import layout_of

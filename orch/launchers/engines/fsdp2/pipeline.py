@@ -133,7 +133,7 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage
 
-    from orch.launchers.engines.fsdp2.layout import apply_tensor_parallel
+    from orch.launchers.engines.fsdp2.layout import apply_tensor_parallel, enable_async_tp
 
     plan = job.plan
     if job.workload.pipeline_layers is None:
@@ -148,6 +148,8 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
         sequence = _stage_sequence_layout(stages, names, whole, job, plan.tp) if plan.sequence_parallel else None
         apply_tensor_parallel(stages, meshes.tp, job.workload.tp_layer_specs, match_names=names,
                               hf_plan=_hf_tp_plan(whole), sequence=sequence)
+        if plan.async_tp:
+            enable_async_tp(meshes.tp)
     block = block_class(specs)
     blocks = [m for part in stages.parts.values() for m, spec in zip(part.layers, specs[part.start:part.stop],
                                                                       strict=True)
