@@ -1,10 +1,10 @@
 """Predicted step time and memory per pipeline schedule, by term, for a 70B and a 405B Llama shape.
 
-For each model the tuner is run on declared H100 80 GB nodes (989 TFLOP/s bf16, 3.35 TB/s HBM3,
-NVLink 4 at 450 GB/s per direction, one 400 Gb/s adapter per GPU, 132 SMs) at sequence 8192 with the
+For each model the tuner is run on declared H100 80 GB nodes (the ``h100_8x`` preset: 989 TFLOP/s bf16,
+3.35 TB/s HBM3, NVLink 4 at 450 GB/s per direction, one 400 Gb/s adapter per GPU, 132 SMs) at sequence 8192 with the
 layout fixed (tp=8 and the model's pp) and the fsdp2 engine, whose pipeline runs every schedule;
 everything else (recomputation, of every block or every 2nd or 4th, micro-batch, compile,
-async TP, resharding) is searched; then once more with tp and pp free. The table gives the
+async TP, resharding) is searched in bf16; then once more with tp and pp free, in bf16 and in fp8. The table gives the
 fastest plan that fits for each schedule, its predicted step time by term and its peak memory:
 what each schedule buys at this scale, from the cost model's first-principles terms
 (docs/tuner.md). Predictions only: none of these plans has run on a GPU.
@@ -20,8 +20,7 @@ from pathlib import Path
 
 from bench.harness import PYTHON, header, publish, tune_json
 
-H100 = ["cluster=a100_8x", "cluster.device_tflops=989", "cluster.device_memory_gb_per_s=3350",
-        "cluster.intra_node_gbps=3600", "cluster.inter_node_gbps=400", "cluster.device_sm_count=132"]
+H100 = ["cluster=h100_8x"]
 # (preset, nodes of 8 H100s, pp, global batch in sequences of 8192 tokens, the pp degrees of the free search)
 SHAPES = [("llama3_70b", 128, 8, 1024, (4, 8, 16)), ("llama3_405b", 1024, 16, 2048, (8, 16, 32))]
 FREE_TP = (4, 8)
@@ -30,9 +29,11 @@ SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1
 TERMS = ("compute", "memory", "bubble", "tp", "dp", "pp", "optimizer")
 
 
-def tune(preset: str, nodes: int, pp: tuple[int, ...], batch: int, tp: tuple[int, ...] = (8,)) -> dict:
+def tune(preset: str, nodes: int, pp: tuple[int, ...], batch: int, tp: tuple[int, ...] = (8,),
+         fp8: bool = False) -> dict:
     command = [PYTHON, "-m", "orch", "tune", f"model={preset}", *H100, f"cluster.nodes={nodes}",
                "data.seq_len=8192", "plan.precision=bf16", f"train.global_batch_size={batch}", "tune.engines=[fsdp2]",
+               f"tune.fp8=[{str(fp8).lower()}]",
                f"tune.tp=[{','.join(map(str, tp))}]", f"tune.pp=[{','.join(map(str, pp))}]",
                "tune.pp_virtual_stages=[2,4]", "tune.recompute_every_n_layers=[1,2,4]", "tune.top_k=100000", "--json"]
     return tune_json(command, preset)
@@ -49,7 +50,8 @@ def row(preset: str, nodes: int, name: str, best: dict, *, layout_degrees: bool 
               f"ckpt={ckpt} reshard={reshard}"
               + (" compiled" if plan["compile"] else "")
               + (" seq-parallel" if plan["sequence_parallel"] else "")
-              + (" async-tp" if plan.get("async_tp") else ""))
+              + (" async-tp" if plan.get("async_tp") else "")
+              + (f" fp8/{plan['fp8_recipe']}" if plan["precision"] == "fp8" else ""))
     terms = " | ".join(f"{step['parts_s'][t]:.2f}" for t in TERMS)
     return (f"| {preset} | {nodes * 8} | {name} | {layout} | {step['step_time_s']:.2f} | {terms} | "
             f"{100 * step['mfu']:.1f}% | {step['peak_bytes'] / 2**30:.1f} |")
@@ -71,7 +73,7 @@ def main() -> None:
     lines += ["| model | devices | schedule | best plan that fits | step (s) | "
               + " | ".join(TERMS) + " | MFU | peak (GiB) |",
               "|---|---:|---|---|---:|" + "---:|" * len(TERMS) + "---:|---:|"]
-    free_rows = []
+    free_rows, fp8_rows = [], []
     for preset, nodes, pp, batch, free_pp in SHAPES:
         found = tune(preset, nodes, (pp,), batch)
         for schedule, virtual in SCHEDULES:
@@ -86,8 +88,12 @@ def main() -> None:
         virtual = free["plan"]["pp_virtual_stages"]
         free_rows.append(row(preset, nodes, schedule + (f" v={virtual}" if virtual > 1 else ""), free,
                              layout_degrees=True))
+        fp8 = fastest(tune(preset, nodes, free_pp, batch, FREE_TP, fp8=True))
+        fp8_rows.append(row(preset, nodes, fp8["plan"]["pp_schedule"] + (
+            f" v={fp8['plan']['pp_virtual_stages']}" if fp8["plan"]["pp_virtual_stages"] > 1 else ""), fp8,
+            layout_degrees=True))
     lines += ["", "Each row is the fastest plan that fits of that schedule among the tuner's candidates for "
-              "`orch tune model=PRESET cluster=a100_8x` with the H100 speeds above, `tune.engines=[fsdp2] "
+              "`orch tune model=PRESET cluster=h100_8x`, `tune.engines=[fsdp2] "
               "tune.tp=[8] tune.pp=[PP] tune.recompute_every_n_layers=[1,2,4]`, bf16, sequence 8192; terms in "
               "seconds per step (docs/tuner.md). "
               "Predictions only: the fsdp2 pipeline schedules ran on CPU workers, never on a GPU; async TP "
@@ -97,7 +103,11 @@ def main() -> None:
               "| model | devices | schedule | winner | step (s) | " + " | ".join(TERMS) + " | MFU | peak (GiB) |",
               "|---|---:|---|---|---:|" + "---:|" * len(TERMS) + "---:|---:|", *free_rows,
               "", "Free pp degrees: " + "; ".join(f"{preset} {', '.join(map(str, free_pp))}"
-                                                   for preset, _, _, _, free_pp in SHAPES) + "."]
+                                                   for preset, _, _, _, free_pp in SHAPES) + ".",
+              "", "The same search in `plan.precision=fp8` (`tune.fp8=[true]`: the blocks' linear layers in FP8 at "
+              "the preset's 1979 TFLOP/s; MFU still against the bf16 peak):", "",
+              "| model | devices | schedule | winner | step (s) | " + " | ".join(TERMS) + " | MFU | peak (GiB) |",
+              "|---|---:|---|---|---:|" + "---:|" * len(TERMS) + "---:|---:|", *fp8_rows]
     publish(lines, args.markdown)
 
 

@@ -138,6 +138,10 @@ class TuneConfig:
     fsdp2; elsewhere false). The cost model never prices a split sequence above an unsplit one (the same
     bytes on the wire, less memory and memory-bound work), so by default only the split is tried;
     [false,true] tries both."""
+    fp8: list[bool] = field(default_factory=lambda: [False, True])
+    """With plan.precision=bf16: whether to try plan.precision=fp8 as well ([false,true]), or instead
+    ([true]), where the cluster declares FP8 matmuls (cluster.device_fp8_tflops, GPUs) and the engine
+    trains in it (fsdp2); elsewhere bf16 only."""
     async_tp: list[bool] = field(default_factory=lambda: [False, True])
     """plan.async_tp values to try where it applies (GPU clusters, engines that overlap tensor-parallel
     collectives: fsdp2, with tp > 1, sequence parallelism and compile; elsewhere false)."""

@@ -81,16 +81,22 @@ def test_the_tuner_overlaps_where_an_engine_can_and_only_on_gpus():
     assert space.async_tp == (False,)  # CPU workers have no symmetric memory
 
 
+def _ranks(scenario: str, out, **kwargs) -> dict:
+    """One 2-rank run of a scenario of tests/helpers/fsdp2_ranks.py (a process group per run)."""
+    from helpers.fsdp2_ranks import spawn
+
+    out.mkdir()
+    spawn(scenario, 2, out, free_port(), **kwargs)
+    return json.loads((out / f"{scenario}.json").read_text())
+
+
 @pytest.mark.slow
 def test_the_compiled_blocks_run_the_fused_ops_and_train_as_the_eager_model(tmp_path):
     """On a 2-rank gloo group, with torch's fallbacks standing in for the CUDA kernels: the pass
     finds the sequence-parallel all-gathers and reduce-scatters around the Llama's tensor-parallel
     matmuls, and the losses are the eager run's."""
-    from helpers.fsdp2_ranks import spawn
-
-    spawn("async_tp", 2, tmp_path, free_port())
-    found = json.loads((tmp_path / "async_tp.json").read_text())
-    eager, overlapped = found["plain"], found["async_tp"]
+    eager = _ranks("async_tp", tmp_path / "eager", overlapped=False)
+    overlapped = _ranks("async_tp", tmp_path / "overlapped", overlapped=True)
     assert eager["calls"] == {}
     # Per block and step: the all-gathers in front of q/k/v and gate/up, forward, and of the
     # gradients into o_proj and down_proj, backward; the reduce-scatters after o_proj and down_proj.

@@ -15,6 +15,7 @@ from orch.plans.parallel.schedules import schedule_of, schedule_violations
 from orch.plans.spec import (
     Accelerator,
     ClusterSpec,
+    Fp8Recipe,
     FSDPSpec,
     Offload,
     PipelineSchedule,
@@ -52,6 +53,8 @@ class ResolvedPlan:
     grad_accum_steps: int
     precision: Precision
     accelerator: Accelerator
+    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    """How FP8 matmuls scale their operands (read only with precision fp8)."""
     engine: str = "deepspeed"
     """The engine's name (:func:`orch.plans.engines.engine_spec` answers for it)."""
     fsdp: FSDPSpec = field(default_factory=FSDPSpec)
@@ -65,6 +68,7 @@ class ResolvedPlan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_checkpointing", Recompute.of(self.activation_checkpointing))
         object.__setattr__(self, "pp_schedule", PipelineSchedule(self.pp_schedule))
+        object.__setattr__(self, "fp8_recipe", Fp8Recipe(self.fp8_recipe))
 
     @property
     def pipeline_stages(self) -> int:
@@ -110,7 +114,9 @@ class ResolvedPlan:
         return (f"{self.engine_text()} dp={self.dp} tp={self.tp} pp={self.pp} {context}{schedule}"
                 f"offload_optimizer={self.offload_optimizer.value} offload_param={self.offload_param.value} "
                 f"activation_checkpointing={self.activation_checkpointing.value} {every}"
-                f"precision={self.precision.value} micro_batch_size={self.micro_batch_size} "
+                f"precision={self.precision.value} "
+                + (f"fp8_recipe={self.fp8_recipe.value} " if self.precision == Precision.fp8 else "")
+                + f"micro_batch_size={self.micro_batch_size} "
                 f"grad_accum_steps={self.grad_accum_steps}" + (" compile=true" if self.compile else "")
                 + (" sequence_parallel=true" if self.sequence_parallel else "")
                 + (" async_tp=true" if self.async_tp else ""))
@@ -219,6 +225,12 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
                            "set plan.activation_checkpointing=full (or selective), or "
                            "plan.recompute_every_n_layers=1"))
 
+    recipe = Fp8Recipe(plan.fp8_recipe)  # the config's enum type refused any other value
+    if recipe != Fp8Recipe.tensorwise and Precision(plan.precision) != Precision.fp8:
+        v.append(Violation("plan.fp8_recipe", recipe.value,
+                           f"scales FP8 matmuls, and plan.precision={Precision(plan.precision).value} runs none.",
+                           "set plan.precision=fp8, or leave plan.fp8_recipe at tensorwise"))
+
     v += schedule_violations(plan.pp_schedule, pp=plan.pp, virtual=plan.pp_virtual_stages,
                              micro_batches=plan.grad_accum_steps)
 
@@ -247,7 +259,7 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
         pp_partition=plan.pp_partition, pp_schedule=schedule_of(plan.pp_schedule),
         pp_virtual_stages=plan.pp_virtual_stages, micro_batch_size=plan.micro_batch_size,
         grad_accum_steps=plan.grad_accum_steps,
-        precision=plan.precision, accelerator=cluster.accelerator, engine=plan.engine,
+        precision=plan.precision, accelerator=cluster.accelerator, engine=plan.engine, fp8_recipe=recipe,
         fsdp=dataclasses.replace(plan.fsdp), compile=plan.compile, sequence_parallel=plan.sequence_parallel,
         async_tp=plan.async_tp,
     )

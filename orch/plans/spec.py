@@ -93,11 +93,14 @@ class FSDPSpec:
 
 
 class Precision(str, Enum):
-    """Training precision; bf16/fp16 keep fp32 master weights in the optimizer."""
+    """Training precision; bf16/fp16 keep fp32 master weights in the optimizer. fp8 is bf16 with
+    the repeated blocks' linear layers multiplying in FP8 (torchao's float8 training, FSDP2 engine,
+    GPUs with FP8 matmuls): parameters, activations and everything else as in bf16."""
 
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
+    fp8 = "fp8"
 
     @property
     def element_bytes(self) -> int:
@@ -106,10 +109,26 @@ class Precision(str, Enum):
 
     @property
     def dtype(self):
-        """The ``torch.dtype`` it trains in (torch imported only when asked)."""
+        """The ``torch.dtype`` it trains in (torch imported only when asked): bf16 for fp8, whose
+        FP8 casts live inside the matmuls."""
         import torch
 
-        return {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}[self]
+        return {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16,
+                Precision.fp8: torch.bfloat16}[self]
+
+    @property
+    def base(self) -> Precision:
+        """The precision its matmul speeds are measured and declared in (bf16 for fp8)."""
+        return Precision.bf16 if self is Precision.fp8 else self
+
+
+class Fp8Recipe(str, Enum):
+    """How ``plan.precision=fp8`` scales tensors into FP8 (torchao's recipe names)."""
+
+    tensorwise = "tensorwise"
+    """One scale per tensor: the fastest (H100's fast-accumulation kernels)."""
+    rowwise = "rowwise"
+    """One scale per row: closer to bf16's numerics, a little slower."""
 
 
 class Accelerator(str, Enum):
@@ -180,7 +199,10 @@ class PlanSpec:
     grad_accum_steps: int = 1
     """Micro-batches accumulated per optimizer step."""
     precision: Precision = Precision.fp32
-    """fp32, or bf16/fp16 mixed precision with fp32 master weights."""
+    """fp32, or bf16/fp16 mixed precision with fp32 master weights; fp8: bf16 with the repeated
+    blocks' linear layers multiplying in FP8 (FSDP2 engine, GPUs with FP8 matmuls)."""
+    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    """With precision=fp8: tensorwise or rowwise scaling (torchao's float8 recipes)."""
     compile: bool = False
     """torch.compile each repeated block (FSDP2 engine): its memory-bound ops fused into fewer kernels.
     The first steps wait for the compilation (tens of seconds per block class on a CPU)."""
@@ -326,6 +348,9 @@ class ClusterSpec:
     """Memory bandwidth of one device in GB/s (the optimizer step is bound by it)."""
     host_memory_gb_per_s: float | None = None
     """Memory bandwidth of one node's host memory in GB/s, shared by its workers' CPU optimizers."""
+    device_fp8_tflops: float | None = None
+    """Peak dense FP8 matmul TFLOP/s of one device (H100 SXM and H200: 1979); null: the device has
+    no FP8 matmuls (an A100), and plan.precision=fp8 is refused."""
     device_sm_count: int | None = None
     """Streaming multiprocessors of one GPU (A100 108, H100 SXM 132): `orch tune` prices each
     matmul by the waves of output tiles they run (null: an A100's on gpu; none on cpu)."""

@@ -214,7 +214,8 @@ def _layout_text(plan: ResolvedPlan) -> str:
             f"offload={spec.short_offload(plan)} "
             f"ckpt={_recompute_text(plan)} micro={plan.micro_batch_size} "
             f"accum={plan.grad_accum_steps}" + (" compiled" if plan.compile else "")
-            + (" seq-parallel" if plan.sequence_parallel else "") + (" async-tp" if plan.async_tp else ""))
+            + (" seq-parallel" if plan.sequence_parallel else "") + (" async-tp" if plan.async_tp else "")
+            + (f" fp8/{plan.fp8_recipe.value}" if plan.precision == Precision.fp8 else ""))
 
 
 def _recompute_text(plan: ResolvedPlan) -> str:

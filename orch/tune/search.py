@@ -41,7 +41,7 @@ from orch.plans.search.space import (
     trial_candidates,
 )
 from orch.plans.spec import Accelerator, Offload, Recompute
-from orch.plans.step_time.cost_model import Speeds
+from orch.plans.step_time.cost_model import Speeds, fp8_speedup
 from orch.plans.step_time.prediction import EXACT_PARAMS_LIMIT, count_model_cost
 from orch.plans.step_time.profile import cluster_speeds, runs_range
 from orch.tune.plan_file import check_plan_file, plan_overrides, write_plan_file
@@ -121,7 +121,8 @@ def _space(cfg: RunConfig, world_size: int, supports_checkpointing: bool,
                        engines=tuple(t.engines),
                        reshard_after_forward=tuple(t.reshard_after_forward), compile=tuple(dict.fromkeys(t.compile)),
                        sequence_parallel=tuple(dict.fromkeys(t.sequence_parallel)),
-                       async_tp=tuple(dict.fromkeys(t.async_tp)), pp_schedules=schedules)
+                       async_tp=tuple(dict.fromkeys(t.async_tp)), fp8=tuple(dict.fromkeys(t.fp8)) or (False,),
+                       pp_schedules=schedules)
 
 
 CONTEXT_TOKENS_PER_RANK = 16384
@@ -204,6 +205,8 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
     if cluster.accelerator != Accelerator.gpu:
         # Symmetric memory between a node's GPUs carries async TP's chunks; elsewhere it cannot run.
         space = dataclasses.replace(space, async_tp=(False,))
+    if not fp8_speedup(cluster):
+        space = dataclasses.replace(space, fp8=(False,))
     if sequence_parallel_problem(probe, tp=1):
         # A model whose sequence cannot be split at all (whatever the degrees: asked at tp=1)
         # keeps its tensor-parallel plans, unsplit.
@@ -246,7 +249,7 @@ def measure_cluster(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchCont
 def measure_speeds(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchContext) -> tuple[Speeds, str]:
     """The cluster's measured speeds (or cached ones) and a note saying which."""
     calibration = measure_cluster(cfg, cluster, space, ctx)
-    return calibration.speeds, calibration.note
+    return dataclasses.replace(calibration.speeds, fp8_speedup=fp8_speedup(cluster)), calibration.note
 
 
 def checked_workload(cfg: RunConfig, model_cfg: dict) -> Workload:

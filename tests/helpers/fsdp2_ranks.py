@@ -40,7 +40,8 @@ MODELS = {"gpt": gpt, "llama": llama, "vit": vit}
 
 def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", accum: int = 1, steps: int = 8,
              checkpointing: bool = False, hybrid: bool = False, reshard: bool = True, offload: bool = False,
-             compile: bool = False, sequence_parallel: bool = False, async_tp: bool = False):
+             compile: bool = False, sequence_parallel: bool = False, async_tp: bool = False,
+             fp8_recipe: str = "tensorwise"):
     """A :class:`TrainJob` as the driver builds one, for ``plan.engine=fsdp2`` on CPU workers."""
     from orch.launchers.job import TrainJob
     from orch.plans.model.workload import Workload
@@ -57,7 +58,7 @@ def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", ac
                         micro_batch_size=2, grad_accum_steps=accum, precision=Precision(precision),
                         accelerator=Accelerator.cpu, engine="fsdp2",
                         fsdp=FSDPSpec(hybrid=hybrid, reshard_after_forward=reshard), compile=compile,
-                        sequence_parallel=sequence_parallel, async_tp=async_tp)
+                        sequence_parallel=sequence_parallel, async_tp=async_tp, fp8_recipe=fp8_recipe)
     specs = specs_from_tp_plan(MODELS[model]()) if model == "llama" else None
     optim = OptimSpec(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1)
     objective = Classification() if model == "vit" else CausalLM()
@@ -216,15 +217,14 @@ def refuse(rank: int, world: int, out: Path, *, model: str, tag: str, roots: lis
     return found
 
 
-def async_tp(rank: int, world: int, out: Path, *, steps: int = 4) -> dict:
-    """The Llama at tp=2 with sequence parallelism, trained twice from the same seed: eager, then
-    with each block compiled and ``plan.async_tp``. Symmetric memory is CUDA's, so the fused ops
-    the compiler puts in run here as torch's own fallbacks (the collective, then the matmul: the
-    fused kernels' arithmetic without the overlap), registered for CPU and counted, and the
-    engine's CUDA-only set-up is replaced by the one switch it sets for the compiler."""
+def async_tp(rank: int, world: int, out: Path, *, overlapped: bool, steps: int = 4) -> dict:
+    """The Llama at tp=2 with sequence parallelism: eager, or (``overlapped``) with each block
+    compiled and ``plan.async_tp``. Symmetric memory is CUDA's, so the fused ops the compiler puts
+    in run here as torch's own fallbacks (the collective, then the matmul: the fused kernels'
+    arithmetic without the overlap), registered for CPU and counted, and the engine's CUDA-only
+    set-up is replaced by the one switch it sets for the compiler."""
     from collections import Counter
 
-    import torch._dynamo
     import torch._inductor.config
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -241,21 +241,35 @@ def async_tp(rank: int, world: int, out: Path, *, steps: int = 4) -> dict:
     on_cpu("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback)
     on_cpu("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback)
     layout.enable_async_tp = lambda tp_mesh: setattr(torch._inductor.config, "_micro_pipeline_tp", True)
-    found = {}
-    for overlapped in (False, True):
-        job = make_job("llama", world=world, tp=world, precision="fp32", accum=1, steps=steps + 4,
-                       compile=overlapped, sequence_parallel=True, async_tp=overlapped)
-        with symm_mem._test_mode():
-            engine, built = _engine(job, rank, world)
-            source = batches("llama")
-            losses = [engine.train_step(source, lambda phase="": None) for _ in range(steps)]
-        torch.distributed.barrier()
-        engine.shutdown()
-        torch._dynamo.reset()
-        found["async_tp" if overlapped else "plain"] = {"losses": losses, "built": built.built, "calls": dict(calls)}
-        calls.clear()
-    return found
+    job = make_job("llama", world=world, tp=world, precision="fp32", accum=1, steps=steps + 4,
+                   compile=overlapped, sequence_parallel=True, async_tp=overlapped)
+    with symm_mem._test_mode():
+        engine, built = _engine(job, rank, world)
+        source = batches("llama")
+        losses = [engine.train_step(source, lambda phase="": None) for _ in range(steps)]
+    torch.distributed.barrier()
+    engine.shutdown()
+    return {"losses": losses, "built": built.built, "calls": dict(calls)}
 
 
-SCENARIOS = {"train_and_save": train_and_save, "resume": resume, "refuse": refuse, "async_tp": async_tp}
+def fp8(rank: int, world: int, out: Path, *, model: str, precision: str, tp: int = 1, recipe: str = "tensorwise",
+        steps: int = 6) -> dict:
+    """``model`` trained in ``precision`` (bf16, or fp8 with ``recipe`` scaling). A CPU has no FP8
+    tensor cores, but torch runs its scaled matmul there, so torchao's float8 training runs as on a
+    GPU, slowly: the engine's GPU check is the one part replaced."""
+    from orch.launchers.engines.fsdp2 import float8
+
+    float8.fp8_device_problem = lambda device: None
+    job = make_job(model, world=world, tp=tp, precision=precision, accum=1, steps=steps + 4, fp8_recipe=recipe)
+    engine, built = _engine(job, rank, world)
+    source = batches(model)
+    losses = [engine.train_step(source, lambda phase="": None) for _ in range(steps)]
+    kinds = sorted({type(m).__name__ for m in engine.model.modules() if isinstance(m, torch.nn.Linear)})
+    state = engine.consolidated_state()
+    torch.distributed.barrier()
+    engine.shutdown()
+    return {"losses": losses, "built": built.built, "linear_kinds": kinds, "keys": sorted(state or {})}
+
+
+SCENARIOS = {"train_and_save": train_and_save, "resume": resume, "refuse": refuse, "async_tp": async_tp, "fp8": fp8}
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from orch.plans.errors import Violation
-from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, OptimSpec, PlanSpec, Recompute
+from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, OptimSpec, PlanSpec, Precision, Recompute
 
 if TYPE_CHECKING:
     from orch.plans.engine_settings import EngineSettings
@@ -95,6 +95,8 @@ class EngineSpec:
     (``plan.sequence_parallel``)."""
     async_tp: ClassVar[bool] = False
     """It overlaps the sequence-parallel collectives with their matmuls (``plan.async_tp``)."""
+    fp8: ClassVar[bool] = False
+    """It trains in ``plan.precision=fp8`` (FP8 matmuls in the repeated blocks' linear layers)."""
     context_parallel: ClassVar[bool] = False
     """It splits each sample's sequence over ``plan.cp`` ranks, attention gathering keys and values."""
     stages_recompute_every_n: ClassVar[bool] = True
@@ -140,9 +142,41 @@ class EngineSpec:
             found += self._sequence_parallel_violations(plan)
         if plan.async_tp:
             found += self._async_tp_violations(plan, cluster.accelerator)
+        if plan.precision == Precision.fp8:
+            found += self._fp8_violations(cluster)
         if plan.cp > 1:
             found += self._context_parallel_violations(plan)
         return found
+
+    def _fp8_violations(self, cluster: ClusterSpec | None) -> list[Violation]:
+        """Why this engine cannot train in FP8 on ``cluster`` (None: not known yet, the tuner's
+        structural rules)."""
+        if not self.fp8:
+            from orch.plans.engines import engine_names, engine_spec
+
+            others = [name for name in engine_names() if engine_spec(name).fp8]
+            return [Violation("plan.precision", "fp8",
+                              f"the {self.name} engine multiplies in the training precision; FP8 matmuls (torchao's "
+                              f"float8 training) run in the {', '.join(others)} engine.",
+                              f"set plan.engine={others[0]}, or plan.precision=bf16")]
+        if cluster is None:
+            return []
+        if cluster.accelerator != Accelerator.gpu:
+            return [Violation("plan.precision", "fp8",
+                              f"FP8 matmuls run on GPUs that have them (H100, H200), and cluster.accelerator="
+                              f"{cluster.accelerator.value} only emulates them.", "set plan.precision=bf16")]
+        if not cluster.device_fp8_tflops:
+            return [Violation("plan.precision", "fp8",
+                              "cluster.device_fp8_tflops is not set: the cluster declares no FP8 matmuls (an A100 "
+                              "has none).", "set cluster.device_fp8_tflops to the GPU's dense FP8 rate (H100 SXM "
+                              "and H200: 1979) if it has FP8 matmuls, else plan.precision=bf16")]
+        from importlib.util import find_spec
+
+        if find_spec("torchao") is None:
+            return [Violation("plan.precision", "fp8",
+                              "FP8 training is torchao's (torchao.float8), which is not installed.",
+                              "pip install torchao (orch's fp8 extra), or set plan.precision=bf16")]
+        return []
 
     def _async_tp_violations(self, plan: PlanSpec, accelerator: Accelerator | None) -> list[Violation]:
         """Why this engine cannot overlap ``plan``'s tensor-parallel collectives with its matmuls
@@ -219,6 +253,8 @@ class EngineSpec:
             return f"pipeline schedule {plan.pp_schedule} (the engine runs {', '.join(self.pipeline_schedules)})"
         if plan.sequence_parallel and self._sequence_parallel_violations(plan):
             return "sequence parallelism (tp > 1, fsdp2)"
+        if plan.precision == Precision.fp8 and self._fp8_violations(None):
+            return "fp8 matmuls (fsdp2)"
         if plan.async_tp and self._async_tp_violations(plan, None):
             return "async TP (fsdp2, tp > 1, sequence parallel, compile)"
         if plan.cp > 1 and self._context_parallel_violations(plan):

@@ -49,6 +49,7 @@ class FSDP2Spec(EngineSpec):
     compiles = True
     sequence_parallel = True
     async_tp = True
+    fp8 = True
     context_parallel = True
     reads_fsdp_settings = True
     pipeline_schedules = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv")

@@ -220,7 +220,7 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
     states = ModelStateBytes(params=device_params, grads=device_grads, optimizer_states=device_moments,
                              host_params=sharded_params - device_params, host_grads=sharded_grads - device_grads,
                              host_optimizer_states=moments - device_moments)
-    dtype = "fp32" if b == _FP32 else precision.value
+    dtype = "fp32" if b == _FP32 else precision.base.value
     held = FSDPPhase(phase="held", parts=(
         Part(name="sharded parameters (fp32)", kind="params", bytes=device_params),
         Part(name="optimizer states (sharded)", kind="optimizer_states", bytes=device_moments),

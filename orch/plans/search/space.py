@@ -77,6 +77,9 @@ class SearchSpace:
     sequence_parallel: tuple[bool, ...] = (False,)
     """``plan.sequence_parallel`` values to try (true only with tp > 1, with engines that split the
     sequence)."""
+    fp8: tuple[bool, ...] = (False,)
+    """Whether to try ``plan.precision=fp8`` beside a declared bf16, with engines that train in it
+    (the tuner leaves it out where the cluster declares no FP8 matmuls)."""
     async_tp: tuple[bool, ...] = (False,)
     """``plan.async_tp`` values to try (true only with tp > 1, sequence parallelism and compile, with
     engines that overlap them; the tuner leaves it false on clusters without GPUs)."""
@@ -103,16 +106,17 @@ class SearchSpace:
                     if cp > 1 and not engine_spec(engine).context_parallel:
                         continue
                     for off_opt, off_param in self._offloads(engine, stage):
-                        for (ckpt, every), compiled, (schedule, virtual), sequence in itertools.product(
+                        for (ckpt, every), compiled, (schedule, virtual), sequence, precision in itertools.product(
                                 self._recomputations(engine, pp), self._compiles(engine),
-                                self._schedules(engine, pp), self._sequence_parallel(engine, tp)):
+                                self._schedules(engine, pp), self._sequence_parallel(engine, tp),
+                                self._precisions(engine)):
                             for overlapped in self._async_tps(engine, tp, sequence, compiled):
                                 yield PlanSpec(engine=engine, fsdp=dataclasses.replace(fsdp), dp=dp, tp=tp, pp=pp,
                                                cp=cp, zero_stage=stage, offload_optimizer=off_opt,
                                                offload_param=off_param, activation_checkpointing=ckpt,
                                                recompute_every_n_layers=every,
                                                micro_batch_size=micro, grad_accum_steps=accum,
-                                               precision=self.precision, compile=compiled,
+                                               precision=precision, compile=compiled,
                                                pp_schedule=schedule.value, pp_virtual_stages=virtual,
                                                sequence_parallel=sequence, async_tp=overlapped)
 
@@ -139,6 +143,13 @@ class SearchSpace:
         if tp > 1 and engine_spec(engine).sequence_parallel:
             return self.sequence_parallel
         return tuple(s for s in self.sequence_parallel if not s) or (False,)
+
+    def _precisions(self, engine: str) -> tuple[Precision, ...]:
+        """The declared precision, and fp8 beside a declared bf16 where :attr:`fp8` asks for it and
+        ``engine`` trains in it."""
+        if self.precision == Precision.bf16 and True in self.fp8 and engine_spec(engine).fp8:
+            return (Precision.bf16, Precision.fp8) if False in self.fp8 else (Precision.fp8,)
+        return (self.precision,)
 
     def _async_tps(self, engine: str, tp: int, sequence: bool, compiled: bool) -> tuple[bool, ...]:
         """``plan.async_tp`` values to try: false only where there are no sequence-parallel

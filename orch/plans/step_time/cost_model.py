@@ -154,6 +154,14 @@ def declared_speed_values(cluster: ClusterSpec, precision: Precision | None = No
     return {name: getattr(cluster, name) for name in DECLARED_SPEEDS["cpu"]} | speed_defaults(cluster, precision)
 
 
+def fp8_speedup(cluster: ClusterSpec) -> float:
+    """``cluster.device_fp8_tflops`` over the device's bf16 rate (the datasheets' dense numbers: 2 on
+    an H100), 0 where the cluster declares no FP8 matmuls or is not a GPU cluster."""
+    if not cluster.device_fp8_tflops or cluster.accelerator != Accelerator.gpu:
+        return 0.0
+    return cluster.device_fp8_tflops / declared_speed_values(cluster, Precision.bf16)["device_tflops"]
+
+
 def host_threads(cluster: ClusterSpec) -> int:
     """Threads a worker's host-side work (an offloaded optimizer step) runs: Ray sets
     ``OMP_NUM_THREADS`` to the whole CPUs an actor reserves, and at least 1."""
@@ -203,6 +211,9 @@ class Speeds:
     parts each phase group holds (:func:`orch.plans.step_time.phases.scaled_step`); none by default."""
     source: str = "declared"
     """'declared' (from the cluster config) or 'measured' (calibrated on the live cluster)."""
+    fp8_speedup: float = 0.0
+    """How many times faster a matmul runs in FP8 than in bf16 (``cluster.device_fp8_tflops`` over
+    the bf16 rate; declared even where the rest was measured); 0: the device has no FP8 matmuls."""
 
     def tflops_at(self, rows: int) -> float:
         heights = [r for r, _ in self.matmul_tflops]
@@ -223,6 +234,7 @@ class Speeds:
                    op_overhead_s=DECLARED_OP_OVERHEAD_S[cluster.accelerator.value],
                    sm_count=(cluster.device_sm_count if cluster.device_sm_count is not None
                              else DECLARED_SM_COUNT[cluster.accelerator.value]),
+                   fp8_speedup=fp8_speedup(cluster),
                    **({"memory_efficiency": DECLARED_MEMORY_EFFICIENCY,
                        "intra_bus_efficiency": DECLARED_BUS_EFFICIENCY["intra"],
                        "inter_bus_efficiency": DECLARED_BUS_EFFICIENCY["inter"]}
@@ -531,6 +543,47 @@ def _gemm_flops(gemms: tuple[tuple[Gemm, int], ...]) -> int:
     return sum(count * 2 * math.prod(gemm.at(1)) for gemm, count in gemms)
 
 
+FP8_WIDTH_MULTIPLE = 16
+"""Widths a linear layer must be a multiple of to multiply in FP8 (torch._scaled_mm's alignment;
+the fsdp2 engine converts only such layers)."""
+FP8_CAST_BYTES = {False: 5, True: 3}
+"""Bytes moved per element to cast one operand of an FP8 matmul from bf16, eager (False): its
+absolute maximum (a 2-byte read) for the scale, then the scaled cast (a 2-byte read and a 1-byte
+write); compiled (True), the two fuse into one read and the write."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Matmuls:
+    """What ``plan.precision=fp8`` changes in one rank's matmuls of one sample."""
+
+    flops: float
+    """FLOPs of the matmuls that run in FP8: the repeated layers' linear layers of FP8 widths."""
+    cast_elements: float
+    """Operand elements those matmuls cast to FP8 (both operands of each: forward, input
+    gradient and weight gradient)."""
+
+
+def fp8_matmuls(model: ModelCost, tp: int, micro_batch: float) -> Fp8Matmuls:
+    """The FP8 matmuls of one micro-batch of ``micro_batch`` samples on one rank at ``tp``: the 2-D
+    GEMMs recorded (linear layers; attention's batched products stay in bf16) whose two widths
+    other than the tokens are multiples of :data:`FP8_WIDTH_MULTIPLE`, less the FLOPs outside the
+    repeated layers (the output head, which the engine leaves in bf16, and the loss), whose share
+    of the casts goes with them. A weight operand is cast once per micro-batch, an activation once
+    per sample."""
+    gemms = model.gemms.get(tp) or model.gemms.get(1, ())
+    flops = cast = 0.0
+    for gemm, count in gemms:
+        widths = [size for dim, size in (("m", gemm.m), ("n", gemm.n), ("k", gemm.k)) if dim != gemm.grows]
+        if gemm.batch != 1 or any(size % FP8_WIDTH_MULTIPLE for size in widths):
+            continue
+        b, m, n, k = gemm.at(micro_batch)
+        flops += count * 2 * m * n * k
+        cast += count * (m * k + k * n)
+    outside = model.flops_outside_layers_per_sample * micro_batch
+    kept = max(flops - outside, 0.0)
+    return Fp8Matmuls(flops=kept, cast_elements=cast * (kept / flops if flops else 0.0))
+
+
 def tp_whole_flops(model: ModelCost, tp: int) -> float:
     """FLOPs per sample that each of ``tp`` ranks runs beyond its 1/tp share of the model's: the
     matmuls of the layers tensor parallelism leaves whole, read off the GEMMs recorded on the tp
@@ -658,6 +711,14 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
                                               core_share=speeds.core_share)
     per_micro_s = stage_flops * rank_samples / (rate * efficiency) + ops * stage * speeds.op_overhead_s
     memory_per_micro_s = stage_bytes * rank_samples / bytes_per_s
+    if plan.precision == Precision.fp8 and speeds.fp8_speedup > 0:
+        # FP8 matmuls run fp8_speedup times as fast as bf16's (again in a recomputed forward: a
+        # third of a layer's matmul work), after casting both operands (memory-bound).
+        fp8 = fp8_matmuls(model, tp, rank_samples)
+        passes = stage * (1 + recomputed / 3)
+        per_micro_s -= fp8.flops * passes / (rate * efficiency) * (1 - 1 / speeds.fp8_speedup)
+        memory_per_micro_s += (fp8.cast_elements * passes * FP8_CAST_BYTES[plan.compile]
+                               / (speeds.sustained_memory_gb_per_s * 1e9))
 
     tp_per_micro_s = 0.0
     if tp > 1:

@@ -14,7 +14,7 @@ import statistics
 
 from orch.plans.errors import PlanError, Violation
 from orch.plans.spec import ClusterSpec, MatmulRate, MeasuredSpeeds, Precision, RunObservation
-from orch.plans.step_time.cost_model import DECLARED_SPEEDS, Speeds, speed_defaults
+from orch.plans.step_time.cost_model import DECLARED_SPEEDS, Speeds, fp8_speedup, speed_defaults
 from orch.plans.step_time.ranges import StepRange, held_out_range
 
 _RATES = ("intra_node_gbps", "inter_node_gbps", "host_link_gbps", "device_memory_gb_per_s", "host_memory_gb_per_s",
@@ -181,7 +181,7 @@ def cluster_speeds(cluster: ClusterSpec, precision: Precision | None = None) -> 
     measured = cluster.measured
     if measured is None:
         return Speeds.declared(cluster, precision), declared_speeds_note(cluster, precision)
-    if precision is not None and Precision(measured.precision) != Precision(precision):
+    if precision is not None and Precision(measured.precision).base != Precision(precision).base:
         return Speeds.declared(cluster, precision), (
             f"{declared_speeds_note(cluster, precision)}; the cluster profile's matmuls were measured in "
             f"{Precision(measured.precision).value}, the plan trains in {Precision(precision).value} (`orch calibrate "
@@ -192,4 +192,4 @@ def cluster_speeds(cluster: ClusterSpec, precision: Precision | None = None) -> 
                                    "cannot price a plan: the cluster profile was edited or its measurement failed.",
                                    "measure the cluster again with `orch calibrate`, or set cluster.measured=null "
                                    "to use the declared speeds")])
-    return speeds, profile_note(measured)
+    return dataclasses.replace(speeds, fp8_speedup=fp8_speedup(cluster)), profile_note(measured)

@@ -86,6 +86,12 @@ class FSDP2Engine(Engine):
         params_at_build = sum(p.numel() for p in model.parameters())
         if self.dtype is not None:
             cast_float_buffers(model, self.dtype)
+        converted = 0
+        if plan.precision.value == "fp8":
+            from orch.launchers.engines.fsdp2.float8 import convert_blocks_to_fp8
+
+            # torchtitan's order: convert, then tensor parallelism, recomputation, compile and FSDP2.
+            converted = convert_blocks_to_fp8(repeated_blocks(model), plan, self.device)
         if plan.activation_checkpointing:
             from orch.plans.model.workload import enable_activation_checkpointing
 
@@ -128,6 +134,8 @@ class FSDP2Engine(Engine):
             built += f", the sequence split over the {plan.tp} tensor-parallel ranks"
         if plan.async_tp:
             built += ", its collectives overlapped with their matmuls (async TP)"
+        if plan.precision.value == "fp8":
+            built += f", {converted} linear layers multiplying in FP8 ({plan.fp8_recipe.value} scaling)"
         if plan.cp > 1:
             built += f", each sample's sequence split over {plan.cp} context-parallel ranks"
         return BuiltModel(built=built, params_at_build=params_at_build, params_on_rank=_local_numel(model),
@@ -170,6 +178,8 @@ class FSDP2Engine(Engine):
                  f"({plan.pp_schedule.value}), each built from its layers' seeds, fully_shard on each block and stage")
         if plan.compile:
             built += ", each block compiled (torch.compile)"
+        if plan.precision.value == "fp8":
+            built += f", the blocks' linear layers multiplying in FP8 ({plan.fp8_recipe.value} scaling)"
         return BuiltModel(built=built, params_at_build=held, params_on_rank=_local_numel(self.pipeline.stages),
                           optimizer=describe_optimizer(self.optimizer))
 

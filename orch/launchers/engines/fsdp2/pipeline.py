@@ -142,6 +142,14 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
     specs = job.workload.pipeline_layers()
     layout = cut(specs, plan)
     stages = Stages(specs, layout, coords.pp_rank)
+    block = block_class(specs)
+    blocks = [m for part in stages.parts.values() for m, spec in zip(part.layers, specs[part.start:part.stop],
+                                                                      strict=True)
+              if block is not None and spec.module is block]
+    if plan.precision.value == "fp8":
+        from orch.launchers.engines.fsdp2.float8 import convert_blocks_to_fp8
+
+        convert_blocks_to_fp8(blocks, plan, device)
     if meshes.tp is not None:
         names = {name: whole_name_of_module(stages, name) for name, _ in stages.named_modules() if name}
         whole = _whole_on_meta(job)
@@ -150,10 +158,6 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
                               hf_plan=_hf_tp_plan(whole), sequence=sequence)
         if plan.async_tp:
             enable_async_tp(meshes.tp)
-    block = block_class(specs)
-    blocks = [m for part in stages.parts.values() for m, spec in zip(part.layers, specs[part.start:part.stop],
-                                                                      strict=True)
-              if block is not None and spec.module is block]
     if plan.activation_checkpointing:
         from orch.plans.model.workload import checkpoint_blocks
 
