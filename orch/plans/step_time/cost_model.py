@@ -576,7 +576,7 @@ def fp8_matmuls(model: ModelCost, tp: int, micro_batch: float) -> Fp8Matmuls:
         widths = [size for dim, size in (("m", gemm.m), ("n", gemm.n), ("k", gemm.k)) if dim != gemm.grows]
         if gemm.batch != 1 or any(size % FP8_WIDTH_MULTIPLE for size in widths):
             continue
-        b, m, n, k = gemm.at(micro_batch)
+        _, m, n, k = gemm.at(micro_batch)
         flops += count * 2 * m * n * k
         cast += count * (m * k + k * n)
     outside = model.flops_outside_layers_per_sample * micro_batch
@@ -712,10 +712,11 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     per_micro_s = stage_flops * rank_samples / (rate * efficiency) + ops * stage * speeds.op_overhead_s
     memory_per_micro_s = stage_bytes * rank_samples / bytes_per_s
     if plan.precision == Precision.fp8 and speeds.fp8_speedup > 0:
-        # FP8 matmuls run fp8_speedup times as fast as bf16's (again in a recomputed forward: a
-        # third of a layer's matmul work), after casting both operands (memory-bound).
+        # FP8 matmuls run fp8_speedup times as fast as bf16's (again in a fully recomputed forward:
+        # a third of a layer's matmul work; selective recomputation keeps their outputs), after
+        # casting both operands (memory-bound).
         fp8 = fp8_matmuls(model, tp, rank_samples)
-        passes = stage * (1 + recomputed / 3)
+        passes = stage * (1 + (recomputed / 3 if plan.activation_checkpointing == Recompute.full else 0.0))
         per_micro_s -= fp8.flops * passes / (rate * efficiency) * (1 - 1 / speeds.fp8_speedup)
         memory_per_micro_s += (fp8.cast_elements * passes * FP8_CAST_BYTES[plan.compile]
                                / (speeds.sustained_memory_gb_per_s * 1e9))
