@@ -148,17 +148,21 @@ class EngineSpec:
             found += self._context_parallel_violations(plan)
         return found
 
+    def _lacks(self, capability: str, key: str, value: object, why: str, what: str, off: str) -> Violation:
+        """The refusal of a setting this engine does not run (``capability``: the spec attribute
+        that says an engine runs it), naming the engines that do: ``why``; ``what`` runs in them."""
+        from orch.plans.engines import engine_names, engine_spec
+
+        others = [name for name in engine_names() if getattr(engine_spec(name), capability)]
+        return Violation(key, value, f"{why}; {what} runs in the {', '.join(others)} engine.",
+                         f"set plan.engine={others[0]}, or {off}")
+
     def _fp8_violations(self, cluster: ClusterSpec | None) -> list[Violation]:
         """Why this engine cannot train in FP8 on ``cluster`` (None: not known yet, the tuner's
         structural rules)."""
         if not self.fp8:
-            from orch.plans.engines import engine_names, engine_spec
-
-            others = [name for name in engine_names() if engine_spec(name).fp8]
-            return [Violation("plan.precision", "fp8",
-                              f"the {self.name} engine multiplies in the training precision; FP8 matmuls (torchao's "
-                              f"float8 training) run in the {', '.join(others)} engine.",
-                              f"set plan.engine={others[0]}, or plan.precision=bf16")]
+            return [self._lacks("fp8", "plan.precision", "fp8", f"the {self.name} engine multiplies in the training "
+                                "precision", "FP8 training (torchao's float8)", "plan.precision=bf16")]
         if cluster is None:
             return []
         if cluster.accelerator != Accelerator.gpu:
@@ -183,13 +187,8 @@ class EngineSpec:
         (``plan.async_tp=true``); ``accelerator`` None: the cluster is not known yet (the tuner's
         structural rules)."""
         if not self.async_tp:
-            from orch.plans.engines import engine_names, engine_spec
-
-            others = [name for name in engine_names() if engine_spec(name).async_tp]
-            return [Violation("plan.async_tp", True,
-                              f"the {self.name} engine runs each tensor-parallel collective on its own; async TP "
-                              f"runs in the {', '.join(others)} engine.",
-                              f"set plan.engine={others[0]}, or plan.async_tp=false")]
+            return [self._lacks("async_tp", "plan.async_tp", True, f"the {self.name} engine runs each tensor-parallel "
+                                "collective on its own", "async TP", "plan.async_tp=false")]
         found = []
         if plan.tp <= 1:
             found.append(Violation("plan.async_tp", True,
@@ -216,13 +215,8 @@ class EngineSpec:
     def _context_parallel_violations(self, plan: PlanSpec) -> list[Violation]:
         """Why this engine cannot split each sample's sequence over ``plan.cp`` ranks."""
         if not self.context_parallel:
-            from orch.plans.engines import engine_names, engine_spec
-
-            others = [name for name in engine_names() if engine_spec(name).context_parallel]
-            return [Violation("plan.cp", plan.cp,
-                              f"the {self.name} engine keeps each sample's whole sequence on a rank; context "
-                              f"parallelism runs in the {', '.join(others)} engine.",
-                              f"set plan.engine={others[0]}, or plan.cp=1")]
+            return [self._lacks("context_parallel", "plan.cp", plan.cp, f"the {self.name} engine keeps each "
+                                "sample's whole sequence on a rank", "context parallelism", "plan.cp=1")]
         found = []
         if plan.pp > 1:
             found.append(Violation("plan.cp", plan.cp,
@@ -233,13 +227,9 @@ class EngineSpec:
     def _sequence_parallel_violations(self, plan: PlanSpec) -> list[Violation]:
         """Why this engine cannot split the sequence for ``plan`` (``plan.sequence_parallel=true``)."""
         if not self.sequence_parallel:
-            from orch.plans.engines import engine_names, engine_spec
-
-            others = [name for name in engine_names() if engine_spec(name).sequence_parallel]
-            return [Violation("plan.sequence_parallel", True,
-                              f"the {self.name} engine's tensor parallelism keeps the whole sequence on every rank; "
-                              f"sequence parallelism runs in the {', '.join(others)} engine.",
-                              f"set plan.engine={others[0]}, or plan.sequence_parallel=false")]
+            return [self._lacks("sequence_parallel", "plan.sequence_parallel", True, f"the {self.name} engine's "
+                                "tensor parallelism keeps the whole sequence on every rank", "sequence parallelism",
+                                "plan.sequence_parallel=false")]
         if plan.tp <= 1:
             return [Violation("plan.sequence_parallel", True,
                               f"sequence parallelism splits the sequence over the tensor-parallel ranks, and "
