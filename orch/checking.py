@@ -20,7 +20,7 @@ from orch.plans.memory.estimate import GIB, ModelProbe, PlanEstimate, check_plan
 from orch.plans.model.model_facts import ModelFacts
 from orch.plans.model.workload import Workload
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, ClusterSpec, Offload, Recompute
+from orch.plans.spec import Accelerator, ClusterSpec, Offload, Precision, Recompute
 from orch.plans.step_time.cost_model import DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S, StepTime, host_threads
 from orch.plans.step_time.prediction import declared_step_range
 from orch.plans.step_time.profile import cluster_speeds
@@ -299,8 +299,29 @@ def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str
     plan = estimate.plan
     doc["placement"] = rank_layout(plan.world_size, cluster.devices_per_node, plan.tp, plan.pp, plan.cp)
     doc["predicted_step"] = {**step.as_dict(), "speeds": cluster_speeds(cluster, plan.precision)[1],
+                             "assumes": step_assumptions(plan, cluster),
                              "range_s": declared_step_range(step, plan, cluster).as_json()}
     return doc
+
+
+def step_assumptions(plan: ResolvedPlan, cluster: ClusterSpec) -> list[str]:
+    """What the predicted step assumes of the plan's schedule and kernels, beyond its degrees: the
+    pipeline schedule's bubble, compiled blocks, async TP's overlap and FP8 matmuls (docs/tuner.md)."""
+    from orch.plans.step_time.cost_model import fp8_speedup
+
+    found = []
+    if plan.pp > 1:
+        virtual = f" with {plan.pp_virtual_stages} stages per rank" if plan.pp_virtual_stages > 1 else ""
+        found.append(f"the {plan.pp_schedule.value} schedule{virtual}")
+    if plan.compile:
+        found.append("each block compiled (its memory-bound kernels fused as inductor fuses them)")
+    if plan.async_tp:
+        found.append("async TP (the tensor-parallel collectives overlapped with their matmuls, run in "
+                     f"{plan.tp} chunks)")
+    if plan.precision == Precision.fp8:
+        found.append(f"FP8 matmuls in the blocks' linear layers ({plan.fp8_recipe.value} scaling) at "
+                     f"{fp8_speedup(cluster):.2g}x the bf16 rate, their casts included")
+    return found
 
 
 def _step_lines(step: StepTime, plan: ResolvedPlan, cluster: ClusterSpec) -> list[str]:
@@ -312,7 +333,8 @@ def _step_lines(step: StepTime, plan: ResolvedPlan, cluster: ClusterSpec) -> lis
             f"{plan.global_batch_size / step.total_s:,.1f} samples/s",
             f"  {'range: ' if spread.known else ''}{spread.source}",
             f"  at speeds {cluster_speeds(cluster, plan.precision)[1]}"
-            + ("" if cluster.measured else "; `orch calibrate` measures the cluster's own speeds on its workers")]
+            + ("" if cluster.measured else "; `orch calibrate` measures the cluster's own speeds on its workers"),
+            *([f"  assuming {'; '.join(assumed)}"] if (assumed := step_assumptions(plan, cluster)) else [])]
 
 
 def _fmt(n: int) -> str:

@@ -29,6 +29,11 @@ def test_a_compiled_sequence_parallel_plan_on_gpus_overlaps_its_collectives():
     plan = resolve_plan(typed.plan, typed.cluster, typed.train)
     assert plan.async_tp and plan.layout_text().endswith("sequence_parallel=true async_tp=true")
     assert plan.as_dict()["async_tp"] is True
+    from orch.checking import step_assumptions
+
+    assert step_assumptions(plan, typed.cluster) == [
+        "each block compiled (its memory-bound kernels fused as inductor fuses them)",
+        "async TP (the tensor-parallel collectives overlapped with their matmuls, run in 2 chunks)"]
 
 
 @pytest.mark.parametrize(("overrides", "message", "fix"), [

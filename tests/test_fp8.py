@@ -33,9 +33,14 @@ def _refusal(*overrides: str, field: str = "plan.precision"):
 
 
 def test_fp8_is_bf16_with_fp8_matmuls_on_gpus_that_declare_them():
+    from orch.checking import step_assumptions
+
     typed = _typed(*H100, "plan.precision=fp8", "plan.fp8_recipe=rowwise")
     plan = resolve_plan(typed.plan, typed.cluster, typed.train)
     assert "precision=fp8 fp8_recipe=rowwise micro_batch_size" in plan.layout_text()
+    # `orch check` says what its predicted step assumed (h100_8x: 1979 / 989 TFLOP/s).
+    assert step_assumptions(plan, typed.cluster) == [
+        "FP8 matmuls in the blocks' linear layers (rowwise scaling) at 2x the bf16 rate, their casts included"]
     assert plan.as_dict()["fp8_recipe"] == "rowwise"
     assert Precision.fp8.dtype == Precision.bf16.dtype and Precision.fp8.element_bytes == 2
     assert Precision.fp8.base == Precision.bf16
