@@ -52,12 +52,14 @@ def two_node_ray(s3_store):
     env = {**worker_env(), **s3_store["env"], "RAY_AUTH_TOKEN_PATH": str(token)}
     env["PYTHONPATH"] = os.pathsep.join([*TEST_PATHS, env["PYTHONPATH"]])  # the tests' recording models
     fault = os.path.join(temp_dir, "fail-next-client-session")
-    # The head waits 15 s, not 30, for a client session server to answer before giving up on it
-    # (twice, for the data and the log stream): the injected fault costs ~25 s instead of ~75.
+    # The head waits 25 s, not 30, for a client session server to answer before giving up on it
+    # (twice, for the data and the log stream): the injected fault costs less than at Ray's default.
+    # At 15 s, a clean-clone CI run lost all three of the driver's attempts: the injected failure,
+    # then two healthy session servers too slow to start while the other xdist worker loaded the machine.
     # The rest is the client's reconnect grace period, which the head waits out before the failed
     # session's stream ends: Ray's default of 30 s, 10 s for the killed-worker test's driver.
     head_env = {**env, "PYTHONPATH": f"{FAULTS}{os.pathsep}{env['PYTHONPATH']}", "ORCH_FAULT_CLIENT_SERVER": fault,
-                "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "15", "RAY_AUTH_MODE": "token",
+                "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "25", "RAY_AUTH_MODE": "token",
                 # A node whose raylet is gone is declared dead after 3 missed health checks a second
                 # apart (Ray's default: 5, 3 s apart): the elastic run's re-plan waits for it.
                 "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
@@ -415,7 +417,7 @@ def test_a_killed_worker_restarts_from_checkpoints_on_s3_through_ray_client(two_
     assert not Path(two_node_ray["fail_next_client_session"]).exists()
     assert "could not start a client session (attempt 1 of 3" in output, output[-3000:]
     # One session per failed attempt and one more: reading the live cluster, training and the
-    # restarted workers share a connection. A healthy session server can also miss the head's 15 s
+    # restarted workers share a connection. A healthy session server can also miss the head's 25 s
     # start-up limit on a loaded machine (CI saw a second retry); the driver retries that too, and
     # it shows in the output.
     failed = output.count("could not start a client session")
