@@ -21,7 +21,7 @@ from orch.plans.model.model_facts import ModelFacts
 from orch.plans.model.workload import Workload
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec, Offload, Precision, Recompute
-from orch.plans.step_time.cost_model import DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S, StepTime, host_threads
+from orch.plans.step_time.cost_model import DECLARED_CPU_ADAM_PARAMS_PER_THREAD_S, StepTime, fp8_speedup, host_threads
 from orch.plans.step_time.prediction import declared_step_range
 from orch.plans.step_time.profile import cluster_speeds
 from orch.workload import resolve_workload
@@ -307,8 +307,6 @@ def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str
 def step_assumptions(plan: ResolvedPlan, cluster: ClusterSpec) -> list[str]:
     """What the predicted step assumes of the plan's schedule and kernels, beyond its degrees: the
     pipeline schedule's bubble, compiled blocks, async TP's overlap and FP8 matmuls (docs/tuner.md)."""
-    from orch.plans.step_time.cost_model import fp8_speedup
-
     found = []
     if plan.pp > 1:
         virtual = f" with {plan.pp_virtual_stages} stages per rank" if plan.pp_virtual_stages > 1 else ""

@@ -18,10 +18,6 @@ if TYPE_CHECKING:
 
     from orch.plans.resolve import ResolvedPlan
 
-FP8_WIDTH_MULTIPLE = 16
-"""In and out features of a layer FP8 matmuls take (torch._scaled_mm's alignment)."""
-
-
 def fp8_device_problem(device: torch.device) -> str | None:
     """Why ``device`` has no FP8 matmuls, or None: CUDA GPUs of compute capability 8.9 (Ada) and
     later have them (H100 is 9.0)."""
@@ -41,6 +37,8 @@ def convert_blocks_to_fp8(blocks: list[torch.nn.Module], plan: ResolvedPlan, dev
     import torch
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    from orch.plans.step_time.cost_model import FP8_WIDTH_MULTIPLE
+
     if (problem := fp8_device_problem(device)) is not None:
         raise RuntimeError(f"plan.precision=fp8: {problem}; set plan.precision=bf16")
     config = Float8LinearConfig.from_recipe_name(plan.fp8_recipe.value)
@@ -51,7 +49,6 @@ def convert_blocks_to_fp8(blocks: list[torch.nn.Module], plan: ResolvedPlan, dev
 
     converted = 0
     for block in blocks:
-        before = sum(isinstance(m, torch.nn.Linear) and eligible(m, "") for m in block.modules())
+        converted += sum(eligible(module, name) for name, module in block.named_modules())
         convert_to_float8_training(block, config=config, module_filter_fn=eligible)
-        converted += before
     return converted
