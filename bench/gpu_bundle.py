@@ -7,12 +7,13 @@ MLflow nor Hydra, and no network; each command sends at most 64 MiB along. Two s
     python3 -m bench.gpu_bundle install .gpu_bundle/trip-1 [--target /tmp/site]  # there, per trip
 
 ``build`` makes wheels of `orch` and of DeepSpeed (pure Python: its ops are JIT-built where they
-run), resolves `orch`'s whole closure for CPython 3.12 on manylinux x86_64 against what the
-machine already has (``bench/gpu_machine_packages.txt``, at the versions listed there), downloads
-the rest as wheels, drops from Ray's wheel what a headless Python run never loads (its Java jar and
-the dashboard's source maps), checks with pip that the bundle plus the machine's packages resolve
-with no index at all and that nothing in it replaces one of the machine's packages, and packs the
-wheels into trips of at most ``--trip-mib`` MiB (a wheel larger than a trip is split into parts).
+run), resolves `orch`'s whole closure (its ``fp8`` extra, torchao, included) for CPython 3.12 on
+manylinux x86_64 against what the machine already has (``bench/gpu_machine_packages.txt``, at the
+versions listed there), downloads the rest as wheels, drops from Ray's wheel what a headless Python
+run never loads (its Java jar and the dashboard's source maps), checks with pip that the bundle plus
+the machine's packages resolve with no index at all and that nothing in it replaces one of the
+machine's packages, and packs the wheels into trips of at most ``--trip-mib`` MiB (a wheel larger
+than a trip is split into parts).
 
 ``install`` stages one trip's files under ``--stage`` (verified against the manifest's SHA-256),
 and once every file of the manifest is staged, joins split wheels, installs them all with
@@ -44,6 +45,8 @@ PLATFORMS = ["manylinux1_x86_64", "manylinux2010_x86_64", "manylinux2014_x86_64"
 # Members of Ray's wheel that a headless Python run never loads: the Java workers' jar (31 MiB of
 # the wheel's 76) and the dashboard's JavaScript source maps.
 RAY_DROPPED = re.compile(r"^ray/jars/|\.js\.map$")
+EXTRAS = "[fp8]"
+"""`orch`'s optional dependencies the bundle carries: torchao, for the check's FP8 case."""
 MANIFEST = "manifest.json"
 MiB = 2**20
 
@@ -135,7 +138,7 @@ def resolve(local: Path, constraints: Path, work: Path, *, index: bool, extra_li
     pip("install", "--dry-run", "--ignore-installed", "--report", str(report), "--target", str(work / "target"),
         *target_args(), *links, *([] if index else ["--no-index"]), "-c", str(constraints),
         # The wheel itself, not the name: PyPI has another project called orch.
-        str(next(local.glob("orch-*.whl"))))
+        str(next(local.glob("orch-*.whl"))) + EXTRAS)
     items = json.loads(report.read_text())["install"]
     local_names = {canonical(p.name.split("-")[0]) for p in local.glob("*.whl")} if index else set()
     return [Resolved(name=canonical(item["metadata"]["name"]), version=item["metadata"]["version"],

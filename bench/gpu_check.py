@@ -104,7 +104,11 @@ PLANS = {
     "fsdp2-ac": ["plan.engine=fsdp2", "plan.activation_checkpointing=true"],
     # FSDP2's CPUOffloadPolicy: sharded states in pinned host memory, the optimizer stepping on the CPU.
     "fsdp2-offload": ["plan.engine=fsdp2", "plan.offload_optimizer=cpu", "plan.offload_param=cpu"],
+    # torchao's float8 matmuls in the compiled blocks (tensorwise scaling): needs a GPU of compute
+    # capability 8.9 or more and the machine's rates (Machine.tflops).
+    "fsdp2-fp8": ["plan.engine=fsdp2", "plan.precision=fp8", "plan.compile=true"],
 }
+"""Each case's plan, over bf16 (a plan may name another precision)."""
 
 
 @dataclass(frozen=True)
@@ -123,8 +127,8 @@ class Case:
         if self.export:  # the run logs its model and the engine's output on a held-out batch, then checkpoints
             extra = ["train.export=true", f"train.checkpoint_every={setup.steps}",
                      f"train.checkpoint_dir={work / 'checkpoints' / self.name}"]
-        return [*setup.models[self.model], *PLANS[self.plan], *machine.cluster_overrides(), "plan.dp=1",
-                "plan.precision=bf16", f"plan.micro_batch_size={setup.micro_batch}", f"train.steps={setup.steps}",
+        return [*setup.models[self.model], "plan.precision=bf16", *PLANS[self.plan], *machine.cluster_overrides(),
+                "plan.dp=1", f"plan.micro_batch_size={setup.micro_batch}", f"train.steps={setup.steps}",
                 f"train.log_every={LOG_EVERY}", "train.eval_batches=2", f"train.profile_steps=[{setup.profiled_step}]",
                 f"tracking.uri=sqlite:///{work / 'mlflow.db'}", "tracking.experiment=gpu-check",
                 f"tracking.run_name={self.name}", *extra]
@@ -136,11 +140,18 @@ class Case:
 # them are ZeRO-3, whose per-module hooks the cost model charges since (neither checked on a GPU).
 # Then the GPT under FSDP2 with checkpointing and under ZeRO 3 (the planner's largest peak error,
 # +12.9%), the rest; the export last (1B parameters take `orch export` about 90 s on an H100 machine).
-CASES = [Case("llama-1b", "fsdp2-offload"), Case("gpt-1b", "zero3-offload"), Case("llama-1b", "zero3-offload"),
-         Case("gpt-1b", "fsdp2-ac"), Case("gpt-1b", "zero3"), Case("llama-1b", "fsdp2"), Case("gpt-1b", "zero2"),
-         Case("llama-1b", "zero2"), Case("llama-1b", "zero3"),
+# The FP8 case third: it has never run on a GPU, nor has torchao 0.18 beside the machine's torch 2.11.
+CASES = [Case("llama-1b", "fsdp2-offload"), Case("gpt-1b", "zero3-offload"), Case("llama-1b", "fsdp2-fp8"),
+         Case("llama-1b", "zero3-offload"), Case("gpt-1b", "fsdp2-ac"), Case("gpt-1b", "zero3"),
+         Case("llama-1b", "fsdp2"), Case("gpt-1b", "zero2"), Case("llama-1b", "zero2"), Case("llama-1b", "zero3"),
          Case("gpt-1b", "zero2-ac"), Case("llama-1b", "zero2-ac"), Case("gpt-1b", "zero0"), Case("llama-1b", "zero0"),
          Case("gpt-1b", "zero2", export=True)]
+
+
+DENSE_TFLOPS = {"H100": (989.0, 1979.0), "H200": (989.0, 1979.0)}
+"""Dense (bf16, FP8) TFLOP/s of the GPUs lent for the check, by a part of the name torch gives them
+(the SXM parts' datasheet rates, as orch/conf/cluster/h100_8x.yaml declares them): the cost model
+prices FP8 matmuls at their ratio. On another GPU the FP8 case is refused, naming the missing rate."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +162,9 @@ class Machine:
     host_memory_gib: float
     cpus: int
     accelerator: str = "gpu"
+    tflops: tuple[float, float] | None = None
+    """The GPU's dense (bf16, FP8) matmul rates (``cluster.device_tflops``, ``cluster.device_fp8_tflops``;
+    None: not known)."""
 
     @classmethod
     def probe(cls, mode: str) -> Machine:
@@ -160,8 +174,8 @@ class Machine:
         cpus = os.cpu_count() or 1
         host = psutil.virtual_memory().total / 2**30
         if mode == "dry-run":
-            return cls(gpu="(dry run: an 80 GiB GPU assumed)", gpus=0, memory_gib=80.0, host_memory_gib=host,
-                       cpus=cpus)
+            return cls(gpu="(dry run: an 80 GiB H100 assumed)", gpus=0, memory_gib=80.0, host_memory_gib=host,
+                       cpus=cpus, tflops=DENSE_TFLOPS["H100"])
         if mode == "rehearse":
             return cls(gpu="(rehearsal: one CPU worker)", gpus=0, memory_gib=8.0, host_memory_gib=host, cpus=cpus,
                        accelerator="cpu")
@@ -170,8 +184,9 @@ class Machine:
         if not torch.cuda.is_available():
             return cls(gpu="none", gpus=0, memory_gib=0.0, host_memory_gib=host, cpus=cpus)
         props = torch.cuda.get_device_properties(0)
+        rates = next((rates for name, rates in DENSE_TFLOPS.items() if name in props.name), None)
         return cls(gpu=props.name, gpus=torch.cuda.device_count(), memory_gib=props.total_memory / 2**30,
-                   host_memory_gib=host, cpus=cpus)
+                   host_memory_gib=host, cpus=cpus, tflops=rates)
 
     def cluster_overrides(self) -> list[str]:
         # One worker on one GPU, with the node's cores but two (the driver, Ray) for its CPU work:
@@ -179,7 +194,9 @@ class Machine:
         return [f"cluster.accelerator={self.accelerator}", "cluster.nodes=1", "cluster.devices_per_node=1",
                 f"cluster.device_memory_gib={self.memory_gib:.2f}",
                 f"cluster.host_memory_gib={self.host_memory_gib:.0f}",
-                f"cluster.cpus_per_worker={max(1, self.cpus - 2)}", "cluster.object_store_memory_gib=8"]
+                f"cluster.cpus_per_worker={max(1, self.cpus - 2)}", "cluster.object_store_memory_gib=8",
+                *([f"cluster.device_tflops={self.tflops[0]:g}", f"cluster.device_fp8_tflops={self.tflops[1]:g}"]
+                  if self.tflops else [])]
 
 
 @dataclass
@@ -255,6 +272,8 @@ def predicted_step_times(cases: list[Case], setup: Setup, machine: Machine, work
                 *setup.models[model], *machine.cluster_overrides(), "plan.precision=bf16",
                 f"train.global_batch_size={setup.micro_batch}", "tune.tp=[1]", "tune.pp=[1]",
                 "tune.zero_stages=[0,2,3]", "tune.offload=[none,cpu]", "tune.activation_checkpointing=[false,true]",
+                # The cases' own FSDP2 setting, so that a case matches one plan; compile and FP8 both ways.
+                "tune.reshard_after_forward=[true]", "tune.compile=[false,true]", "tune.fp8=[false,true]",
                 f"tune.micro_batch_sizes=[{setup.micro_batch}]", f"tune.cache_dir={work / 'calibration'}"]))
     first = next(iter(configs.values()))[0]
     times = {}
@@ -281,10 +300,8 @@ def predicted_step_times(cases: list[Case], setup: Setup, machine: Machine, work
                     continue
                 want = plan_key(PLANS[case.plan])
                 for candidate in found.ranked:
-                    p = candidate.plan
-                    if (p.engine, p.zero_stage, p.offload_optimizer.value, p.offload_param.value,
-                            p.activation_checkpointing) == want:
-                        times[case.name] = (candidate.predicted, correction_kind(p))
+                    if case_plan_key(candidate.plan) == want:
+                        times[case.name] = (candidate.predicted, correction_kind(candidate.plan))
     return times
 
 
@@ -319,13 +336,21 @@ def held_out_corrections(outcomes: list[Outcome]) -> None:
 
 
 def plan_key(overrides: list[str]) -> tuple:
-    """(engine, zero stage, optimizer offload, parameter offload, recomputation) of a case's plan overrides."""
+    """(engine, zero stage, optimizer offload, parameter offload, recomputation, precision, compile) of a
+    case's plan overrides, over the check's bf16 and the plan's defaults."""
     from orch.plans.spec import Recompute
 
     values = dict(o.split("=", 1) for o in overrides)
     return (values.get("plan.engine", "deepspeed"), int(values.get("plan.zero_stage", 0)),
             values.get("plan.offload_optimizer", "none"),
-            values.get("plan.offload_param", "none"), Recompute.of(values.get("plan.activation_checkpointing", "none")))
+            values.get("plan.offload_param", "none"), Recompute.of(values.get("plan.activation_checkpointing", "none")),
+            values.get("plan.precision", "bf16"), values.get("plan.compile", "false") == "true")
+
+
+def case_plan_key(plan) -> tuple:
+    """:func:`plan_key` of a resolved or declared plan."""
+    return (plan.engine, plan.zero_stage, plan.offload_optimizer.value, plan.offload_param.value,
+            plan.activation_checkpointing, plan.precision.value, plan.compile)
 
 
 # --------------------------------------------------------------------------------- the runs

@@ -136,15 +136,23 @@ def test_every_case_of_the_gpu_check_composes_into_a_valid_config(tmp_path):
     from orch.plans.spec import Recompute
 
     machine = gpu_check.Machine(gpu="test", gpus=1, memory_gib=79.2, host_memory_gib=125, cpus=16)
+    fp8_machine = gpu_check.Machine(gpu="NVIDIA H100 80GB HBM3", gpus=1, memory_gib=79.2, host_memory_gib=125,
+                                    cpus=16, tflops=gpu_check.DENSE_TFLOPS["H100"])
     register_configs()
     with initialize_config_module("orch.conf", version_base="1.3"):
         for case in gpu_check.CASES:
-            typed, model_cfg, _ = to_typed(compose("config", overrides=case.overrides(gpu_check.GPU_SETUP, machine,
+            on = fp8_machine if "fp8" in case.plan else machine
+            typed, model_cfg, _ = to_typed(compose("config", overrides=case.overrides(gpu_check.GPU_SETUP, on,
                                                                                        tmp_path)))
-            assert (typed.plan.engine, typed.plan.zero_stage, typed.plan.offload_optimizer.value,
-                    typed.plan.offload_param.value, Recompute.of(typed.plan.activation_checkpointing)) == \
+            plan = typed.plan
+            assert (plan.engine, plan.zero_stage, plan.offload_optimizer.value, plan.offload_param.value,
+                    Recompute.of(plan.activation_checkpointing), plan.precision.value, plan.compile) == \
                 gpu_check.plan_key(gpu_check.PLANS[case.plan])
-            assert typed.cluster.accelerator.value == "gpu" and typed.plan.precision.value == "bf16"
+            assert typed.cluster.accelerator.value == "gpu" and plan.precision.value in ("bf16", "fp8")
+            # An FP8 case runs on a GPU whose rates the check knows; on another the others name none.
+            fp8 = plan.precision.value == "fp8"
+            rates = (typed.cluster.device_tflops, typed.cluster.device_fp8_tflops)
+            assert rates == ((989, 1979) if fp8 else (None, None))
             assert typed.cluster.cpus_per_worker == 14 and typed.train.steps == gpu_check.GPU_SETUP.steps
 
 

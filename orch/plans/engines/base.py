@@ -174,6 +174,16 @@ class EngineSpec:
                               "cluster.device_fp8_tflops is not set: the cluster declares no FP8 matmuls (an A100 "
                               "has none).", "set cluster.device_fp8_tflops to the GPU's dense FP8 rate (H100 SXM "
                               "and H200: 1979) if it has FP8 matmuls, else plan.precision=bf16")]
+        if cluster.device_tflops is None:
+            from orch.plans.step_time.cost_model import DECLARED_SPEEDS
+
+            # FP8 is priced as a multiple of the bf16 rate: against the default (an A100's) an H100's
+            # FP8 would run 6.3x as fast as its bf16 instead of 2x, and win every plan.
+            return [Violation("plan.precision", "fp8",
+                              f"cluster.device_fp8_tflops={cluster.device_fp8_tflops:g} prices FP8 matmuls against the "
+                              "same GPU's bf16 rate, and cluster.device_tflops is not set (its default is an A100's "
+                              f"{DECLARED_SPEEDS['gpu']['device_tflops']:g}).",
+                              "set cluster.device_tflops to the GPU's dense bf16 rate (H100 SXM and H200: 989)")]
         from importlib.util import find_spec
 
         if find_spec("torchao") is None:

@@ -155,9 +155,10 @@ def declared_speed_values(cluster: ClusterSpec, precision: Precision | None = No
 
 
 def fp8_speedup(cluster: ClusterSpec) -> float:
-    """``cluster.device_fp8_tflops`` over the device's bf16 rate (the datasheets' dense numbers: 2 on
-    an H100), 0 where the cluster declares no FP8 matmuls or is not a GPU cluster."""
-    if not cluster.device_fp8_tflops or cluster.accelerator != Accelerator.gpu:
+    """``cluster.device_fp8_tflops`` over the device's declared bf16 rate (the datasheets' dense
+    numbers: 2 on an H100), 0 where the cluster declares no FP8 matmuls, no bf16 rate to set them
+    against (a default is another GPU's), or is not a GPU cluster."""
+    if not cluster.device_fp8_tflops or cluster.device_tflops is None or cluster.accelerator != Accelerator.gpu:
         return 0.0
     return cluster.device_fp8_tflops / declared_speed_values(cluster, Precision.bf16)["device_tflops"]
 
