@@ -29,7 +29,7 @@ from orch.plans.step_time.cost_model import (
     tp_whole_flops,
     wave_efficiency,
 )
-from orch.plans.step_time.memory_traffic import MemoryTraffic, fused_attention
+from orch.plans.step_time.memory_traffic import EagerAndFused, MemoryTraffic, fused_attention
 from orch.plans.step_time.model_cost import measure_model_cost
 from orch.tune.result import TrainBudget, duration, duration_range, render
 from orch.workloads.gpt import TP_LAYER_SPECS
@@ -74,6 +74,10 @@ def test_a_compiled_run_of_kernels_reads_its_inputs_and_writes_only_what_outlive
     # One kernel: x read once by the norm, again by the add (counted per read), y written for the matmul.
     assert fused.bytes == 2 * tensor + tensor and fused.kernels_fused_away == 2
     assert out.shape == (4, 256)
+    # One pass counted both ways gives each count of a pass of its own (the model's cost counts so).
+    with ModuleTracker() as tracker, EagerAndFused(tracker, frozenset({"Block"})) as both:
+        block(x, w)
+    assert (both.eager.bytes, both.fused.bytes, both.fused.kernels_fused_away) == (eager.bytes, fused.bytes, 2)
 
 
 def _cost(**model) -> ModelCost:

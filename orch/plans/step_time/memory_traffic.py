@@ -95,10 +95,13 @@ class MemoryTraffic(TorchDispatchMode):
         """Outputs of fused kernels not yet in memory: storage id -> (bytes, the run that produced it)."""
 
     def __exit__(self, *exc):
-        # What fused kernels produced and is still alive (saved, gradients) was written.
+        self.finish()
+        return super().__exit__(*exc)
+
+    def finish(self) -> None:
+        """The pass has ended: what fused kernels produced and is still alive (saved, gradients) was written."""
         self._add(sum(nbytes for nbytes, _ in self._unwritten.values()))
         self._unwritten.clear()
-        return super().__exit__(*exc)
 
     def _add(self, nbytes: int) -> None:
         self.bytes += nbytes
@@ -161,17 +164,22 @@ class MemoryTraffic(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.observe(func, args, kwargs, out)
+        return out
+
+    def observe(self, func, args, kwargs: dict, out) -> None:
+        """Count one dispatched kernel, ``func(*args, **kwargs)``, that returned ``out``."""
         if func in FREE_OPS or func.is_view:
-            return out
+            return
         if self.fused:
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             if func not in COMPUTE_OPS and func not in GATHER_OPS and self._inside_layer():
                 self._fused_kernel(inputs, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
-                return out
+                return
             self._materialize(inputs)
             self._end_run()
         if func in COMPUTE_OPS:
-            return out
+            return
         if func in CREATE_OPS:
             self._add(_bytes(out))
         elif func in GATHER_OPS:
@@ -180,7 +188,29 @@ class MemoryTraffic(TorchDispatchMode):
             self._add(_bytes(out) + _bytes(indices))
         else:
             self._add(_bytes((args, kwargs)) + _bytes(out))
+
+
+class EagerAndFused(TorchDispatchMode):
+    """One pass counted both ways: eagerly (``eager``) and with the layers fused as compiled
+    (``fused``), each a :class:`MemoryTraffic` that sees every kernel the pass dispatches, as it
+    would in a pass of its own (a pass on ``meta`` dispatches the same kernels each time)."""
+
+    def __init__(self, tracker, layers: frozenset[str]):
+        super().__init__()
+        self.eager = MemoryTraffic(tracker, layers)
+        self.fused = MemoryTraffic(tracker, layers, fused=True)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.eager.observe(func, args, kwargs, out)
+        self.fused.observe(func, args, kwargs, out)
         return out
+
+    def __exit__(self, *exc):
+        self.eager.finish()
+        self.fused.finish()
+        return super().__exit__(*exc)
 
 
 def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

@@ -37,7 +37,7 @@ from orch.plans.model.workload import (
 )
 from orch.plans.parallel.tp_plan import split_layers
 from orch.plans.step_time.cost_model import Gemm, ModelCost
-from orch.plans.step_time.memory_traffic import MemoryTraffic, fused_attention
+from orch.plans.step_time.memory_traffic import EagerAndFused, MemoryTraffic, fused_attention
 
 
 class OpCounter(TorchDispatchMode):
@@ -211,25 +211,44 @@ def _traffic(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: boo
 
 
 def _traffic_pass(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: bool,
-                  tracked: bool = False, fused: bool = False) -> MemoryTraffic:
-    """:func:`_traffic`'s pass; ``tracked``: with the bytes outside the repeated layers split off;
-    ``fused``: the repeated layers' kernels fused as compiled (which needs the layers tracked)."""
-    tracked = tracked or fused
+                  tracked: bool = False) -> MemoryTraffic:
+    """:func:`_traffic`'s pass; ``tracked``: with the bytes outside the repeated layers split off."""
+    module, batch = _bf16_copy(module, inputs, checkpointing=checkpointing)
+    with contextlib.ExitStack() as stack:
+        tracker = stack.enter_context(ModuleTracker()) if tracked else None
+        traffic = stack.enter_context(MemoryTraffic(tracker, _layer_names(module) if tracked else frozenset()))
+        _run_pass(module, inputs, batch, stack)
+    return traffic
+
+
+def _eager_and_fused(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: bool,
+                     ) -> tuple[MemoryTraffic, MemoryTraffic]:
+    """One pass's traffic counted eagerly (the bytes outside the repeated layers split off) and with
+    the layers' kernels fused as compiled (which needs the layers tracked)."""
+    module, batch = _bf16_copy(module, inputs, checkpointing=checkpointing)
+    with contextlib.ExitStack() as stack:
+        tracker = stack.enter_context(ModuleTracker())
+        both = stack.enter_context(EagerAndFused(tracker, _layer_names(module)))
+        _run_pass(module, inputs, batch, stack)
+    return both.eager, both.fused
+
+
+def _bf16_copy(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: bool):
+    """A 16-bit copy of ``module`` for a traffic pass, and the probe's batch for it."""
     module = copy.deepcopy(module).to(torch.bfloat16)
     for param in module.parameters():
         param.grad = None  # a fresh step: no accumulation into the gradients of an earlier pass
     if checkpointing:
         enable_activation_checkpointing(module)
-    batch = move_batch(inputs.example_batch(PROBE_SAMPLES), "meta", torch.bfloat16)
-    with contextlib.ExitStack() as stack:
-        tracker = stack.enter_context(ModuleTracker()) if tracked else None
-        traffic = stack.enter_context(MemoryTraffic(tracker, _layer_names(module) if tracked else frozenset(),
-                                                    fused=fused))
-        stack.enter_context(fused_attention())
-        stack.enter_context(MetaBranches())
-        loss = inputs.objective(call_model(module, batch), batch)
-        loss.backward()
-    return traffic
+    return module, move_batch(inputs.example_batch(PROBE_SAMPLES), "meta", torch.bfloat16)
+
+
+def _run_pass(module: torch.nn.Module, inputs: ModelInputs, batch, stack: contextlib.ExitStack) -> None:
+    """Forward, loss and backward of ``batch`` inside ``stack``'s counters, attention fused as a GPU runs it."""
+    stack.enter_context(fused_attention())
+    stack.enter_context(MetaBranches())
+    loss = inputs.objective(call_model(module, batch), batch)
+    loss.backward()
 
 
 def _outside_layers(module: torch.nn.Module, traffic: MemoryTraffic, flop_counts: dict) -> tuple[int, int, int]:
@@ -338,7 +357,8 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
         for handle in handles:
             handle.remove()
     flops = int(counter.get_total_flops()) // PROBE_SAMPLES
-    tracked = _traffic_pass(module, probe.inputs, checkpointing=False, tracked=True)
+    # The eager and compiled counts of each pass come from one run of it.
+    tracked, compiled = _eager_and_fused(module, probe.inputs, checkpointing=False)
     outside_flops, first_bytes, last_bytes = _outside_layers(module, tracked, counter.get_flop_counts())
     checkpointed, checkpointed_ops = flops, op_counter.ops
     if fresh is not None:
@@ -346,9 +366,10 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
     hidden = boundary[0] if boundary else 0
     checkpointable = fresh is not None
     traffic = _traffic_by_tp(probe, module, checkpointing=False, whole=tracked.bytes // PROBE_SAMPLES)
-    traffic_ckpt = _traffic_by_tp(probe, module, checkpointing=True) if checkpointable else traffic
-    compiled = _traffic_pass(module, probe.inputs, checkpointing=False, fused=True)
-    compiled_ckpt = _traffic_pass(module, probe.inputs, checkpointing=True, fused=True) if checkpointable else compiled
+    traffic_ckpt, compiled_ckpt = traffic, compiled
+    if checkpointable:
+        eager_ckpt, compiled_ckpt = _eager_and_fused(module, probe.inputs, checkpointing=True)
+        traffic_ckpt = _traffic_by_tp(probe, module, checkpointing=True, whole=eager_ckpt.bytes // PROBE_SAMPLES)
     return ModelCost(
         seq_len=probe.inputs.tokens_per_sample or 1, flops_per_sample=flops,
         flops_per_sample_checkpointed=checkpointed,
