@@ -210,13 +210,11 @@ def _traffic(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: boo
     return _traffic_pass(module, inputs, checkpointing=checkpointing).bytes // PROBE_SAMPLES
 
 
-def _traffic_pass(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: bool,
-                  tracked: bool = False) -> MemoryTraffic:
-    """:func:`_traffic`'s pass; ``tracked``: with the bytes outside the repeated layers split off."""
+def _traffic_pass(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: bool) -> MemoryTraffic:
+    """:func:`_traffic`'s pass."""
     module, batch = _bf16_copy(module, inputs, checkpointing=checkpointing)
     with contextlib.ExitStack() as stack:
-        tracker = stack.enter_context(ModuleTracker()) if tracked else None
-        traffic = stack.enter_context(MemoryTraffic(tracker, _layer_names(module) if tracked else frozenset()))
+        traffic = stack.enter_context(MemoryTraffic())
         _run_pass(module, inputs, batch, stack)
     return traffic
 
