@@ -31,6 +31,9 @@ def test_kinds_of_work_come_from_the_operator_and_what_encloses_it():
     assert kind_of("aten::gelu", []) == kind_of("aten::native_layer_norm", []) == "element-wise and other"
     # A framework record's own CPU time is Python: host time. On a device it is kernels it launched itself.
     assert kind_of("FSDP::pre_forward (blocks.0)", []) == kind_of("PythonSubclass", []) == "host"
+    # Except FSDP2's collectives' records on CPU: their own time is the wait for gloo's threads.
+    assert kind_of("FSDP::all_gather (blocks.0)", []) == kind_of("FSDP::post_backward_reduce", []) == "communication"
+    assert kind_of("FSDP::all_gather_copy_out", []) == "host"
     assert kind_of("autograd::engine::evaluate_function: AddmmBackward0", []) == "host"
     assert kind_of("## Call CompiledFxGraph ##", [], device=True) == "element-wise and other"
     # Whatever an optimizer's step runs is the optimizer's, its foreach additions and copies too; the

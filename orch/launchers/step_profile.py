@@ -47,6 +47,10 @@ _OPTIMIZER_RECORDS = ("Optimizer.step#", "Optimizer.zero_grad#")
 _OPERATORS = ("aten::", "prims::", "c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param_comms")
 """Names of operators (work) rather than of framework records (FSDP's ``FSDP::pre_forward``,
 autograd's ``evaluate_function``, DTensor's ``PythonSubclass``), whose own CPU time is Python."""
+_COLLECTIVE_RECORDS = ("FSDP::all_gather", "FSDP::post_backward_reduce")
+"""FSDP2's records around a unit's all-gather and its gradients' reduce-scatter. On CPU workers
+their own time is mostly the wait for the collective, which gloo runs on threads of its own (its
+``gloo:*`` events overlap the record), so it is communication, not the record's Python."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,8 @@ def kind_of(name: str, enclosing: list[str], phase: str = "", *, device: bool = 
         return "attention"
     if name in _COPIES or lowered.startswith("memcpy") or lowered.startswith("memset"):
         return "copies"
+    if not device and any(name == record or name.startswith(f"{record} (") for record in _COLLECTIVE_RECORDS):
+        return "communication"
     if not device and not name.startswith(_OPERATORS):
         # A framework record's own CPU time is its Python (hooks, DTensor dispatch, autograd's
         # bookkeeping); on a device, what a record launches itself is kernels (compiled, extensions).
