@@ -22,10 +22,15 @@ from helpers.tracking_server import auth_server
 
 @pytest.fixture(scope="session")
 def dp_reference_uri(tmp_path_factory, migrated_store):
-    """The tracking store of :func:`dp_reference`."""
+    """The tracking store of :func:`dp_reference`, its experiment's artifacts beside it: a session
+    fixture runs in pytest's working directory (the repository), where MLflow would put them."""
+    from mlflow.tracking import MlflowClient
+
     store = tmp_path_factory.mktemp("dp-reference")
     shutil.copyfile(migrated_store, store / "mlflow.db")
-    return f"sqlite:///{store}/mlflow.db"
+    uri = f"sqlite:///{store}/mlflow.db"
+    MlflowClient(tracking_uri=uri).create_experiment("orch", artifact_location=(store / "mlruns").as_uri())
+    return uri
 
 
 @pytest.fixture(scope="session")
