@@ -348,7 +348,7 @@ def plan_key(overrides: list[str]) -> tuple:
 
 
 def case_plan_key(plan) -> tuple:
-    """:func:`plan_key` of a resolved or declared plan."""
+    """:func:`plan_key` of a resolved plan (the tuner's candidates)."""
     return (plan.engine, plan.zero_stage, plan.offload_optimizer.value, plan.offload_param.value,
             plan.activation_checkpointing, plan.precision.value, plan.compile)
 

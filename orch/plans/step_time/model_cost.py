@@ -13,7 +13,6 @@ allocated; the model built once on meta is copied, not rebuilt.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 
@@ -207,16 +206,10 @@ def _traffic(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: boo
     """Bytes the memory-bound kernels of one sample's forward, loss and backward move
     (:mod:`orch.plans.step_time.memory_traffic`), with the model in a 16-bit precision as mixed-precision
     training runs it (the loss's own fp32 casts stay fp32)."""
-    return _traffic_pass(module, inputs, checkpointing=checkpointing).bytes // PROBE_SAMPLES
-
-
-def _traffic_pass(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: bool) -> MemoryTraffic:
-    """:func:`_traffic`'s pass."""
     module, batch = _bf16_copy(module, inputs, checkpointing=checkpointing)
-    with contextlib.ExitStack() as stack:
-        traffic = stack.enter_context(MemoryTraffic())
-        _run_pass(module, inputs, batch, stack)
-    return traffic
+    with MemoryTraffic() as traffic:
+        _run_pass(module, inputs, batch)
+    return traffic.bytes // PROBE_SAMPLES
 
 
 def _eager_and_fused(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: bool,
@@ -224,10 +217,8 @@ def _eager_and_fused(module: torch.nn.Module, inputs: ModelInputs, *, checkpoint
     """One pass's traffic counted eagerly (the bytes outside the repeated layers split off) and with
     the layers' kernels fused as compiled (which needs the layers tracked)."""
     module, batch = _bf16_copy(module, inputs, checkpointing=checkpointing)
-    with contextlib.ExitStack() as stack:
-        tracker = stack.enter_context(ModuleTracker())
-        both = stack.enter_context(EagerAndFused(tracker, _layer_names(module)))
-        _run_pass(module, inputs, batch, stack)
+    with ModuleTracker() as tracker, EagerAndFused(tracker, _layer_names(module)) as both:
+        _run_pass(module, inputs, batch)
     return both.eager, both.fused
 
 
@@ -241,12 +232,12 @@ def _bf16_copy(module: torch.nn.Module, inputs: ModelInputs, *, checkpointing: b
     return module, move_batch(inputs.example_batch(PROBE_SAMPLES), "meta", torch.bfloat16)
 
 
-def _run_pass(module: torch.nn.Module, inputs: ModelInputs, batch, stack: contextlib.ExitStack) -> None:
-    """Forward, loss and backward of ``batch`` inside ``stack``'s counters, attention fused as a GPU runs it."""
-    stack.enter_context(fused_attention())
-    stack.enter_context(MetaBranches())
-    loss = inputs.objective(call_model(module, batch), batch)
-    loss.backward()
+def _run_pass(module: torch.nn.Module, inputs: ModelInputs, batch) -> None:
+    """Forward, loss and backward of ``batch`` under the counters the caller entered, attention fused
+    as a GPU runs it."""
+    with fused_attention(), MetaBranches():
+        loss = inputs.objective(call_model(module, batch), batch)
+        loss.backward()
 
 
 def _outside_layers(module: torch.nn.Module, traffic: MemoryTraffic, flop_counts: dict) -> tuple[int, int, int]:
