@@ -220,11 +220,17 @@ def _comparison_rows(declared: Speeds, measured: Speeds, sources: dict[str, str]
     rows.append(("memory-bound kernels GB/s", declared.sustained_memory_gb_per_s, measured.sustained_memory_gb_per_s))
     if not sources["intra_node_gbps"].startswith("declared"):
         rows += [("all-reduce bus Gbit/s inside a node", declared.bus_gbps("intra"), measured.bus_gbps("intra")),
+                 *((f"{kind.replace('_', '-')} bus Gbit/s inside a node", declared.bus_gbps("intra", collective=kind),
+                    measured.bus_gbps("intra", collective=kind)) for kind in ("all_gather", "reduce_scatter")),
                  ("all-reduce step latency µs inside a node", declared.intra_latency_s * 1e6,
                   measured.intra_latency_s * 1e6)]
     if not sources["inter_node_gbps"].startswith("declared"):
         rows += [("all-reduce Gbit/s per rank across nodes", declared.inter_node_gbps * declared.inter_bus_efficiency,
                   measured.inter_node_gbps * measured.inter_bus_efficiency),
+                 *((f"{kind.replace('_', '-')} Gbit/s per rank across nodes",
+                    declared.inter_node_gbps * declared.inter_bus_efficiency * declared.collective_share("inter", kind),
+                    measured.inter_node_gbps * measured.inter_bus_efficiency * measured.collective_share("inter", kind))
+                   for kind in ("all_gather", "reduce_scatter")),
                  ("all-reduce step latency µs across nodes", declared.inter_latency_s * 1e6,
                   measured.inter_latency_s * 1e6)]
     rows += [("host link Gbit/s", declared.host_link_gbps, measured.host_link_gbps),

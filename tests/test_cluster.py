@@ -135,6 +135,9 @@ def test_orch_calibrate_measures_the_link_across_two_nodes(two_node_ray, tmp_pat
     assert measured["sources"]["inter_node_gbps"].startswith("all-reduce probe across nodes")
     assert measured["sources"]["intra_node_gbps"].startswith("declared (one worker per node")
     assert measured["inter_node_gbps"] > 0 and measured["inter_latency_s"] > 0
+    assert measured["inter_all_gather_share"] > 0 and measured["inter_reduce_scatter_share"] > 0
+    assert "reduce_scatter_tensor probe" in measured["sources"]["inter_reduce_scatter_share"]
+    assert measured["intra_all_gather_share"] == 1.0
 
     def check() -> dict:
         done = orch_run(["check", "--json", "--config-dir", "tuned_plans",

@@ -29,7 +29,8 @@ def _measured(cluster: ClusterSpec, precision: Precision = Precision.fp32, **cha
     faster copy, a slower link (inputs to the pricing, not a measurement)."""
     declared = Speeds.declared(cluster, precision)
     values = {"matmul_tflops": ((64, 0.02), (512, 0.2)), "device_memory_gb_per_s": 40.0, "intra_node_gbps": 4.0,
-              "memory_efficiency": 1.0, "intra_bus_efficiency": 1.0, "sm_count": 0, "source": "measured", **changes}
+              "memory_efficiency": 1.0, "intra_bus_efficiency": 1.0, "intra_all_gather_share": 0.3,
+              "intra_reduce_scatter_share": 0.25, "sm_count": 0, "source": "measured", **changes}
     speeds = dataclasses.replace(declared, **values)
     return measured_section(speeds, precision=precision, matmul_shape=(256, 1024), measured_at="2026-01-02T03:04:05Z",
                             hosts=["a", "a"], nodes=1, versions={"torch": "x"},
@@ -56,6 +57,7 @@ def test_a_profile_loads_back_into_the_cluster_schema_and_prices_the_plan_at_its
     speeds, note = cluster_speeds(loaded, Precision.fp32)
     assert speeds == profile_speeds(measured) and speeds.source == "measured"
     assert speeds.matmul_tflops == ((64, 0.02), (512, 0.2)) and speeds.tflops_at(100) == 0.02
+    assert (speeds.intra_all_gather_share, speeds.intra_reduce_scatter_share) == (0.3, 0.25)
     assert note.startswith("measured by `orch calibrate` at 2026-01-02T03:04:05Z on 1 node(s), 2 worker(s)")
     estimate, facts, probe, _ = checked_run(typed, model_cfg)
     declared = declared_plan_step(estimate.plan, typed.cluster, typed.optim, probe, facts.param_count)

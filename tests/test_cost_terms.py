@@ -353,6 +353,30 @@ def test_deepspeed_zero3_pays_its_hooks_per_module_and_fetch_even_without_peers(
     assert three.as_dict()["parts_s"]["zero3_hooks"] == three.zero3_hooks_s
 
 
+def test_gathers_and_reduce_scatters_are_priced_at_their_own_rates_and_all_reduces_at_theirs():
+    """ZeRO-3 fetches parameters with all-gathers and reduces gradients with reduce-scatters;
+    sequence parallelism turns each tensor-parallel all-reduce into a reduce-scatter and an
+    all-gather: each at the rate calibration measured for it. Plain all-reduces keep theirs."""
+    cost, adam = _cost(n_layer=4), OptimSpec()
+    declared = dataclasses.replace(Speeds.declared(A100), intra_latency_s=0.0, inter_latency_s=0.0)
+    slow = dataclasses.replace(declared, intra_all_gather_share=0.5, intra_reduce_scatter_share=0.25,
+                               inter_all_gather_share=0.5, inter_reduce_scatter_share=0.25)
+
+    def step(speeds, **kw):
+        return predict_step(_plan(**kw), cost, speeds, devices_per_node=8, optim=adam)
+
+    zero3 = dict(dp=8, zero_stage=3)
+    fast, gathered = step(declared, **zero3).dp_comm_s, step(slow, **zero3).dp_comm_s
+    # Two fetches (forward, backward) and a reduce-scatter, each half a ring's traffic.
+    assert gathered == pytest.approx(fast * (2 / 0.5 + 1 / 0.25) / 3)
+    assert step(slow, dp=8, zero_stage=0).dp_comm_s == step(declared, dp=8, zero_stage=0).dp_comm_s
+    tp = dict(dp=1, tp=8, zero_stage=1)
+    plain = step(slow, **tp).tp_comm_s
+    assert plain == step(declared, **tp).tp_comm_s
+    assert step(declared, sequence_parallel=True, **tp).tp_comm_s == pytest.approx(plain)
+    assert step(slow, sequence_parallel=True, **tp).tp_comm_s == pytest.approx(plain * (1 / 0.5 + 1 / 0.25) / 2)
+
+
 def test_calibration_times_adam_on_the_host_threads():
     from orch.launchers.calibration import _host_adam_params_per_s
 

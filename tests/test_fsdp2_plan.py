@@ -264,6 +264,26 @@ def test_fsdp2_gathers_and_reduce_scatters_by_hand():
     assert fsdp_dp_comm_s(one_rank, COST, speeds, devices_per_node=2) == 0.0
 
 
+def test_fsdp2_gathers_and_reduce_scatters_at_their_own_measured_rates():
+    """gloo's all_gather_into_tensor and reduce_scatter_tensor run at a third and a quarter of its
+    all-reduce's bus rate (what calibration measures): FSDP2's collectives are priced at those."""
+    declared = dataclasses.replace(Speeds.declared(ClusterSpec(accelerator=Accelerator.gpu, devices_per_node=2)),
+                                   intra_latency_s=0.0)
+    speeds = dataclasses.replace(declared, intra_all_gather_share=0.4, intra_reduce_scatter_share=0.25)
+    bw = declared.bus_gbps("intra")
+    assert speeds.bus_gbps("intra") == bw
+    assert speeds.bus_gbps("intra", collective="all_gather") == pytest.approx(0.4 * bw)
+    assert speeds.bus_gbps("intra", collective="reduce_scatter") == pytest.approx(0.25 * bw)
+    plan = gpu_plan(dp=2, engine=FSDP2, fsdp=FSDPSpec(reshard_after_forward=True))
+    got = fsdp_dp_comm_s(plan, COST, speeds, devices_per_node=2)
+    assert got == pytest.approx(_half_ring_s(2 * 2 * 10**9, 2, 0.4 * bw, 0.0)
+                                + _half_ring_s(4 * 10**9, 2, 0.25 * bw, 0.0))
+    assert got == pytest.approx(fsdp_dp_comm_s(plan, COST, declared, devices_per_node=2) * (
+        (4 / 0.4 + 4 / 0.25) / (4 + 4)))
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        speeds.bus_gbps("intra", collective="broadcast")
+
+
 def test_pipeline_stages_reduce_once_per_step_and_gather_once_without_resharding():
     """torch's schedules hold a stage's gradients unreduced and its parameters gathered over the
     step's micro-batches: one reduce-scatter per step, and one gather without reshard_after_forward

@@ -93,11 +93,17 @@ def test_orch_calibrate_measures_the_workers_writes_a_profile_and_fills_the_tune
     # One node: the all-reduce inside it is measured; across nodes stays declared, and says so.
     assert speeds.intra_node_gbps > 0 and speeds.intra_latency_s > 0
     assert speeds.intra_node_gbps != declared.intra_node_gbps
+    # gloo's all-gather and reduce-scatter, timed through the calls FSDP2 and ZeRO make, run below
+    # its all-reduce's bus rate; across nodes nothing is measured.
+    assert 0 < speeds.intra_all_gather_share < 1 and 0 < speeds.intra_reduce_scatter_share < 1
+    assert speeds.inter_all_gather_share == speeds.inter_reduce_scatter_share == 1.0
+    assert "all_gather_into_tensor" in profile.measured.sources["intra_all_gather_share"]
     assert speeds.inter_node_gbps == declared.inter_node_gbps
     assert profile.measured.sources["inter_node_gbps"].startswith("declared (one node")
     assert speeds.device_memory_gb_per_s > 0 and speeds.host_memory_gb_per_s >= speeds.device_memory_gb_per_s
     text = render_profile(profile)
     assert "all-reduce bus Gbit/s inside a node" in text and "kept as declared" in text
+    assert "reduce-scatter bus Gbit/s inside a node" in text
     assert "use it: orch check --config-dir tuned_plans cluster=calibrated" in text
     # The reference run: trained at the profile's speeds, its phases recorded with its kind.
     [outcome] = profile.references

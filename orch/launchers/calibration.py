@@ -12,7 +12,10 @@ on a CPU node one worker measures and the rates are scaled to the node's cores p
   the host link (pinned host-to-device copies);
 - all-reduce latency (a one-element all-reduce, back to back and between stretches of compute as
   tensor-parallel layers issue it; the larger counts) and bus bandwidth (a 16 MB one) inside a
-  node and, with several nodes, across them, through ``torch.distributed`` as training uses it.
+  node and, with several nodes, across them, through ``torch.distributed`` as training uses it;
+  and the bus bandwidth of a 16 MB all-gather and reduce-scatter over the same groups, as a share
+  of the all-reduce's (gloo runs them far slower; FSDP2 and ZeRO move parameters and gradients
+  with them).
 
 The result is cached per cluster (the workers' hostnames, shape and the probe's parameters) in a
 JSON file, so a second ``orch tune`` on the same cluster starts at once.
@@ -42,7 +45,7 @@ from orch.plans.storage.locations import write_whole
 
 _BANDWIDTH_ELEMENTS = 4 * 1024 * 1024  # 16 MB of fp32: large enough that latency is a few percent
 # Part of the cache key: a cache written by older probes is measured again, not misread.
-_PROBES_VERSION = 7
+_PROBES_VERSION = 8
 
 
 class CalibrationWorker:
@@ -91,7 +94,7 @@ class CalibrationWorker:
 
     def communication(self, rank: int, world_size: int, master: tuple[str, int], node_groups: list[list[int]],
                       env: dict[str, str]) -> dict:
-        """All-reduce latency and bus bandwidth within this node's group and across node leaders."""
+        """Collective latency and bus bandwidths within this node's group and across node leaders."""
         local_ranks = next(group for group in node_groups if rank in group)
         leaders = [group[0] for group in node_groups]
         os.environ.update(env)
@@ -114,9 +117,9 @@ class CalibrationWorker:
             leader_group = dist.new_group(leaders) if len(leaders) > 1 else None
             out = {}
             if tuple(local_ranks) in groups:
-                out["intra"] = _allreduce_probe(groups[tuple(local_ranks)], len(local_ranks), device)
+                out["intra"] = _collective_probe(groups[tuple(local_ranks)], len(local_ranks), device)
             if leader_group is not None and rank in leaders:
-                out["inter"] = _allreduce_probe(leader_group, len(leaders), device)
+                out["inter"] = _collective_probe(leader_group, len(leaders), device)
             dist.barrier()
             return out
         finally:
@@ -258,7 +261,7 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _allreduce_probe(group, n: int, device) -> dict:
+def _collective_probe(group, n: int, device) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -284,8 +287,39 @@ def _allreduce_probe(group, n: int, device) -> dict:
         _synchronize(device)
         best = min(best, time.perf_counter() - started)
     bus_bytes = 2 * (n - 1) / n * large.numel() * 4
-    return {"latency_s": max(_latency_between_compute(group, n, device), latency),
-            "gbps": bus_bytes * 8 / max(best - 2 * (n - 1) * latency, 1e-9) / 1e9}
+    gbps = bus_bytes * 8 / max(best - 2 * (n - 1) * latency, 1e-9) / 1e9
+    return {"latency_s": max(_latency_between_compute(group, n, device), latency), "gbps": gbps,
+            **{f"{kind}_share": _half_ring_gbps(kind, group, n, device, latency) / gbps
+               for kind in ("all_gather", "reduce_scatter")}}
+
+
+def _half_ring_gbps(kind: str, group, n: int, device, latency_s: float) -> float:
+    """Bus bandwidth (Gbit/s) of a 16 MB all-gather or reduce-scatter, through the calls FSDP2 and
+    ZeRO make (``all_gather_into_tensor``, ``reduce_scatter_tensor``). NCCL runs them at its
+    all-reduce's bus rate; gloo at a third to a quarter of it, which would leave FSDP2's gathers
+    and reductions priced several times too fast at the all-reduce's."""
+    import torch
+    import torch.distributed as dist
+
+    whole = torch.zeros(_BANDWIDTH_ELEMENTS, device=device)
+    shard = torch.zeros(_BANDWIDTH_ELEMENTS // n, device=device)
+
+    def call() -> None:
+        if kind == "all_gather":
+            dist.all_gather_into_tensor(whole, shard, group=group)
+        else:
+            dist.reduce_scatter_tensor(shard, whole, group=group)
+
+    call()
+    _synchronize(device)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        call()
+        _synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    bus_bytes = (n - 1) / n * whole.numel() * 4
+    return bus_bytes * 8 / max(best - (n - 1) * latency_s, 1e-9) / 1e9
 
 
 def _latency_between_compute(group, n: int, device, calls: int = 100, windows: int = 3) -> float:
@@ -428,6 +462,8 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         # A link measured here is used as measured; one left as declared keeps its derating.
         intra_bus_efficiency=1.0 if intra else declared.intra_bus_efficiency,
         inter_bus_efficiency=1.0 if inter else declared.inter_bus_efficiency,
+        **{f"{link}_{kind}_share": min((c[f"{kind}_share"] for c in probes), default=1.0)
+           for link, probes in (("intra", intra), ("inter", inter)) for kind in ("all_gather", "reduce_scatter")},
         # On CPU workers "device" and host memory are the same RAM: a copy is also what the host link costs.
         host_link_gbps=min(c["host_link_gbps"] for c in compute) if gpu else device_gb * 8,
         device_memory_gb_per_s=device_gb,
@@ -465,6 +501,14 @@ def _sources(gpu: bool, nodes: int, per_node: int) -> dict[str, str]:
                "intra_latency_s": intra if per_node > 1 else "declared (one worker per node)",
                "inter_node_gbps": inter if nodes > 1 else "declared (one node: nothing crosses nodes)",
                "inter_latency_s": inter if nodes > 1 else "declared (one node)",
+               **{f"intra_{kind}_share": (f"{name} probe over the all-reduce probe inside a node" if per_node > 1
+                                          else "declared (one worker per node)")
+                  for kind, name in (("all_gather", "all_gather_into_tensor"),
+                                     ("reduce_scatter", "reduce_scatter_tensor"))},
+               **{f"inter_{kind}_share": (f"{name} probe over the all-reduce probe across nodes" if nodes > 1
+                                          else "declared (one node)")
+                  for kind, name in (("all_gather", "all_gather_into_tensor"),
+                                     ("reduce_scatter", "reduce_scatter_tensor"))},
                "op_overhead_s": "0 on GPUs (kernels launch asynchronously)" if gpu
                else "forward and backward of a small MLP, per op",
                "core_share": "1 on GPUs" if gpu else "the node's cores over its workers' threads"}

@@ -279,6 +279,10 @@ class MeasuredSpeeds:
     inter_latency_s: float
     intra_bus_efficiency: float = 1.0
     inter_bus_efficiency: float = 1.0
+    intra_all_gather_share: float = 1.0
+    intra_reduce_scatter_share: float = 1.0
+    inter_all_gather_share: float = 1.0
+    inter_reduce_scatter_share: float = 1.0
     host_link_gbps: float
     device_memory_gb_per_s: float
     host_memory_gb_per_s: float

@@ -16,6 +16,9 @@ what it moves and how often (torch/distributed/fsdp/_fully_shard/):
   element, twice what a bf16 reduction moves), every micro-batch (``foreach_reduce``); in
   pipeline stages once per step, after the last micro-batch, torch's schedules holding the
   gradients unreduced and the parameters gathered until then;
+- the all-gathers and reduce-scatters run at their own rates (``all_gather_into_tensor``,
+  ``reduce_scatter_tensor``: :meth:`orch.plans.step_time.cost_model.Speeds.bus_gbps`), which
+  calibration measures: NCCL's match its all-reduce's, gloo's are a third to a quarter of it;
 - with HSDP (``plan.fsdp.hybrid``) the gathers and reduce-scatters stay inside a node and the
   reduced shard is all-reduced across the replicas (``foreach_reduce``'s ``all_reduce_group``);
 - on GPUs the all-gather of the next block is issued while the current one computes (implicit
@@ -77,7 +80,9 @@ def fsdp_dp_comm_s(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devi
     lat = {"intra": speeds.intra_latency_s, "inter": speeds.inter_latency_s}
     # The shard group: consecutive data-parallel ranks, tp * pp ranks apart.
     shard_link = group_links(tp * pp * mesh.shard, devices_per_node, tp, pp).dp
-    shard_bw = speeds.bus_gbps(shard_link, _members_per_node(tp * pp, mesh.shard, devices_per_node))
+    shard_members = _members_per_node(tp * pp, mesh.shard, devices_per_node)
+    gather_bw = speeds.bus_gbps(shard_link, shard_members, collective="all_gather")
+    scatter_bw = speeds.bus_gbps(shard_link, shard_members, collective="reduce_scatter")
     reshard = plan.fsdp.reshard_after_forward
     if pp > 1:
         # torch's pipeline schedules keep a stage's parameters gathered and its gradients unreduced
@@ -90,11 +95,11 @@ def fsdp_dp_comm_s(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devi
         block_gathers, root_gathers, reductions = m * (2 if reshard else 1), m, m
     gathers_s = reductions_s = 0.0
     if mesh.shard > 1:
-        gathers_s = (_half_ring_s(b * blocks * block_gathers, mesh.shard, shard_bw, lat[shard_link],
+        gathers_s = (_half_ring_s(b * blocks * block_gathers, mesh.shard, gather_bw, lat[shard_link],
                                   calls=layers * block_gathers)
-                     + (_half_ring_s(b * root * root_gathers, mesh.shard, shard_bw, lat[shard_link],
+                     + (_half_ring_s(b * root * root_gathers, mesh.shard, gather_bw, lat[shard_link],
                                      calls=root_gathers) if root else 0.0))
-        reductions_s = reductions * _half_ring_s(REDUCE_BYTES * params, mesh.shard, shard_bw, lat[shard_link],
+        reductions_s = reductions * _half_ring_s(REDUCE_BYTES * params, mesh.shard, scatter_bw, lat[shard_link],
                                                  calls=units)
     if mesh.replicate > 1:
         replica_link = group_links(plan.world_size, devices_per_node, tp * mesh.shard, 1).dp

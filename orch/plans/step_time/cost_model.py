@@ -169,6 +169,11 @@ def host_threads(cluster: ClusterSpec) -> int:
     return max(1, int(cluster.cpus_per_worker))
 
 
+COLLECTIVE_SHARES = ("intra_all_gather_share", "intra_reduce_scatter_share", "inter_all_gather_share",
+                     "inter_reduce_scatter_share")
+"""The :class:`Speeds` fields that price an all-gather or a reduce-scatter against the link's all-reduce."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Speeds:
     """How fast the devices and links of a cluster are: declared, or measured by calibration."""
@@ -197,6 +202,16 @@ class Speeds:
     calibration's all-reduce gives the bus bandwidth), DECLARED_BUS_EFFICIENCY of a datasheet rate."""
     inter_bus_efficiency: float = 1.0
     """The same for ``inter_node_gbps``."""
+    intra_all_gather_share: float = 1.0
+    """Bus bandwidth of an all-gather (``all_gather_into_tensor``, as FSDP2 and ZeRO gather
+    parameters) inside a node, as a share of the all-reduce's: 1 where both run at the link's rate
+    (NCCL's rings, and every declared link); measured by calibration, where gloo's is far lower."""
+    intra_reduce_scatter_share: float = 1.0
+    """The same for a reduce-scatter (``reduce_scatter_tensor``, as FSDP2 and ZeRO-3 reduce gradients)."""
+    inter_all_gather_share: float = 1.0
+    """:attr:`intra_all_gather_share` across nodes."""
+    inter_reduce_scatter_share: float = 1.0
+    """:attr:`intra_reduce_scatter_share` across nodes."""
     sm_count: int = 0
     """Streaming multiprocessors of one device: the tiles a GEMM runs at once. 0 (CPUs, and speeds
     measured without it) prices every matmul at ``matmul_tflops`` whatever its shape."""
@@ -241,8 +256,9 @@ class Speeds:
                        "inter_bus_efficiency": DECLARED_BUS_EFFICIENCY["inter"]}
                       if cluster.accelerator == Accelerator.gpu else {}))
 
-    def bus_gbps(self, link: str, members_per_node: int = 1) -> float:
-        """Bus bandwidth (Gbit/s per rank) of a ring collective over ``link``.
+    def bus_gbps(self, link: str, members_per_node: int = 1, collective: str = "all_reduce") -> float:
+        """Bus bandwidth (Gbit/s per rank) of a ring ``collective`` ('all_reduce', 'all_gather' or
+        'reduce_scatter') over ``link``.
 
         Inside a node: the NVLink (or shared-memory) rate NCCL reaches. Across nodes a ring
         passes every node once per channel, and NCCL runs one channel per network adapter, so a
@@ -250,10 +266,19 @@ class Speeds:
         (each rank's share of the node's network, ``inter_node_gbps``), never more than the
         links inside the node carry.
         """
-        intra = self.intra_node_gbps * self.intra_bus_efficiency
+        intra = self.intra_node_gbps * self.intra_bus_efficiency * self.collective_share("intra", collective)
         if link == "intra":
             return intra
-        return min(intra, members_per_node * self.inter_node_gbps * self.inter_bus_efficiency)
+        return min(intra, members_per_node * self.inter_node_gbps * self.inter_bus_efficiency
+                   * self.collective_share("inter", collective))
+
+    def collective_share(self, link: str, collective: str) -> float:
+        """How much of ``link``'s all-reduce bus rate ``collective`` reaches (1 for the all-reduce)."""
+        if collective == "all_reduce":
+            return 1.0
+        if collective not in ("all_gather", "reduce_scatter"):
+            raise ValueError(f"unknown collective {collective!r}")
+        return getattr(self, f"{link}_{collective}_share")
 
     @property
     def sustained_memory_gb_per_s(self) -> float:
@@ -727,11 +752,18 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         # Per micro-batch, this stage's share of the layers: forward all-reduces (twice with
         # recomputation) and backward ones.
         forward_passes = 1 + recomputed
-        tp_bw = speeds.bus_gbps(links.tp)
-        fwd = _allreduce_s(model.row_parallel_out_per_sample * rank_samples * act_bytes * stage, tp, tp_bw,
-                           lat[links.tp], calls=math.ceil(model.row_parallel_layers * stage))
-        bwd = _allreduce_s(model.column_parallel_in_per_sample * rank_samples * act_bytes * stage, tp, tp_bw,
-                           lat[links.tp], calls=math.ceil(model.column_parallel_layers * stage))
+        def tp_collective_s(nbytes: float, calls: int) -> float:
+            # Sequence parallelism splits each all-reduce into a reduce-scatter and an all-gather
+            # of the same bytes, each at its own rate.
+            if not plan.sequence_parallel:
+                return _allreduce_s(nbytes, tp, speeds.bus_gbps(links.tp), lat[links.tp], calls=calls)
+            return sum(_half_ring_s(nbytes, tp, speeds.bus_gbps(links.tp, collective=kind), lat[links.tp], calls=calls)
+                       for kind in ("reduce_scatter", "all_gather"))
+
+        fwd = tp_collective_s(model.row_parallel_out_per_sample * rank_samples * act_bytes * stage,
+                              math.ceil(model.row_parallel_layers * stage))
+        bwd = tp_collective_s(model.column_parallel_in_per_sample * rank_samples * act_bytes * stage,
+                              math.ceil(model.column_parallel_layers * stage))
         tp_per_micro_s = forward_passes * fwd + bwd
         if chunks > 1:
             # Async TP: while one chunk's matmul runs, the next chunk of its all-gather arrives (or
@@ -747,7 +779,8 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         # (``pipe_partitioned`` / ``grad_partitioned``, on by default when the topology has a
         # ``model`` axis): each rank sends 1/tp and the receiving stage all-gathers the whole.
         p2p_bytes = model.boundary_per_sample * mb * act_bytes
-        gather_s = (_half_ring_s(p2p_bytes, tp, speeds.bus_gbps(links.tp), lat[links.tp]) if tp > 1 else 0.0)
+        gather_s = (_half_ring_s(p2p_bytes, tp, speeds.bus_gbps(links.tp, collective="all_gather"), lat[links.tp])
+                    if tp > 1 else 0.0)
         pp_per_micro_s = 2 * (p2p_bytes / tp / _bytes_per_s(speeds.bus_gbps(links.pp)) + lat[links.pp] + gather_s)
 
     cp_per_micro_s = 0.0
@@ -757,9 +790,11 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         # selective policy keeps), and reduce-scatters their gradients in backward. Not overlapped:
         # attention waits for its keys.
         kv_bytes = model.attention_kv_per_sample * mb * act_bytes / tp
-        cp_bw = speeds.bus_gbps(links.cp)
-        passes = 2 + recomputed
-        cp_per_micro_s = passes * _half_ring_s(kv_bytes, cp, cp_bw, lat[links.cp], calls=model.attention_calls)
+        gather_bw = speeds.bus_gbps(links.cp, collective="all_gather")
+        scatter_bw = speeds.bus_gbps(links.cp, collective="reduce_scatter")
+        cp_per_micro_s = ((1 + recomputed) * _half_ring_s(kv_bytes, cp, gather_bw, lat[links.cp],
+                                                          calls=model.attention_calls)
+                          + _half_ring_s(kv_bytes, cp, scatter_bw, lat[links.cp], calls=model.attention_calls))
 
     compute_s = m * per_micro_s
     memory_s = m * memory_per_micro_s
@@ -779,14 +814,17 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     grad_bytes = params * plan.precision.element_bytes
     # A data-parallel group's members are tp * pp ranks apart: with fewer, several share a node
     # and its network adapters.
-    dp_bw = speeds.bus_gbps(links.dp, _members_per_node(group_stride("dp", tp, pp), dp, devices_per_node))
+    dp_members = _members_per_node(group_stride("dp", tp, pp), dp, devices_per_node)
+    dp_bw = speeds.bus_gbps(links.dp, dp_members)
+    gather_bw = speeds.bus_gbps(links.dp, dp_members, collective="all_gather")
+    scatter_bw = speeds.bus_gbps(links.dp, dp_members, collective="reduce_scatter")
     dp_lat = lat[links.dp]
     # ZeRO-3 fetches a stage's parameter modules in forward, backward and the recomputed forward.
     fetches = 2 + recomputed
     stage_modules = max(math.ceil(model.param_modules / pp), 1)
     dp_comm_s = 0.0
     if dp > 1:
-        gather_params = _half_ring_s(grad_bytes, dp, dp_bw, dp_lat)
+        gather_params = _half_ring_s(grad_bytes, dp, gather_bw, dp_lat)
         if engine.zero_stage == ZeroStage.none:
             dp_comm_s = _allreduce_s(grad_bytes, dp, dp_bw, dp_lat)
         elif engine.zero_stage == ZeroStage.optimizer_states:
@@ -794,8 +832,8 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         elif engine.zero_stage == ZeroStage.gradients:
             dp_comm_s = m * _allreduce_s(grad_bytes, dp, dp_bw, dp_lat) + gather_params
         else:
-            dp_comm_s = m * (fetches * _half_ring_s(grad_bytes, dp, dp_bw, dp_lat, calls=stage_modules)
-                             + _half_ring_s(grad_bytes, dp, dp_bw, dp_lat))
+            dp_comm_s = m * (fetches * _half_ring_s(grad_bytes, dp, gather_bw, dp_lat, calls=stage_modules)
+                             + _half_ring_s(grad_bytes, dp, scatter_bw, dp_lat))
 
     # The optimizer updates this rank's partition: all of its parameters below ZeRO-1. FSDP2 shards
     # over the context-parallel ranks as well (they hold the same parameters).

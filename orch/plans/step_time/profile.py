@@ -14,11 +14,12 @@ import statistics
 
 from orch.plans.errors import PlanError, Violation
 from orch.plans.spec import ClusterSpec, MatmulRate, MeasuredSpeeds, Precision, RunObservation
-from orch.plans.step_time.cost_model import DECLARED_SPEEDS, Speeds, fp8_speedup, speed_defaults
+from orch.plans.step_time.cost_model import COLLECTIVE_SHARES, DECLARED_SPEEDS, Speeds, fp8_speedup, speed_defaults
 from orch.plans.step_time.ranges import StepRange, held_out_range
 
 _RATES = ("intra_node_gbps", "inter_node_gbps", "host_link_gbps", "device_memory_gb_per_s", "host_memory_gb_per_s",
-          "core_share", "memory_efficiency", "intra_bus_efficiency", "inter_bus_efficiency")
+          "core_share", "memory_efficiency", "intra_bus_efficiency", "inter_bus_efficiency",
+          *COLLECTIVE_SHARES)
 """Speeds the cost model divides by: 0 would fail a prediction as a ZeroDivisionError."""
 
 _NOT_NUMBERS = ("matmul_tflops", "matmul_tiles", "phase_scale", "source")
@@ -59,6 +60,7 @@ def profile_speeds(measured: MeasuredSpeeds) -> Speeds:
                   inter_node_gbps=measured.inter_node_gbps, intra_latency_s=measured.intra_latency_s,
                   inter_latency_s=measured.inter_latency_s, intra_bus_efficiency=measured.intra_bus_efficiency,
                   inter_bus_efficiency=measured.inter_bus_efficiency, host_link_gbps=measured.host_link_gbps,
+                  **{share: getattr(measured, share) for share in COLLECTIVE_SHARES},
                   device_memory_gb_per_s=measured.device_memory_gb_per_s,
                   host_memory_gb_per_s=measured.host_memory_gb_per_s,
                   host_optimizer_params_per_s=measured.host_optimizer_params_per_s,
@@ -133,6 +135,7 @@ def measured_section(speeds: Speeds, *, precision: Precision, matmul_shape: tupl
         inter_node_gbps=speeds.inter_node_gbps, intra_latency_s=speeds.intra_latency_s,
         inter_latency_s=speeds.inter_latency_s, intra_bus_efficiency=speeds.intra_bus_efficiency,
         inter_bus_efficiency=speeds.inter_bus_efficiency, host_link_gbps=speeds.host_link_gbps,
+        **{share: getattr(speeds, share) for share in COLLECTIVE_SHARES},
         device_memory_gb_per_s=speeds.device_memory_gb_per_s, host_memory_gb_per_s=speeds.host_memory_gb_per_s,
         host_optimizer_params_per_s=speeds.host_optimizer_params_per_s, op_overhead_s=speeds.op_overhead_s,
         core_share=speeds.core_share, measured_at=measured_at, hosts=list(hosts), nodes=nodes, workers=len(hosts),
