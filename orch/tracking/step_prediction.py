@@ -78,13 +78,14 @@ PROFILED_PARTS = (
     ("compute (matmul, attention)", ("compute",), ("matmul", "attention")),
     ("memory-bound (element-wise, other)", ("memory",), ("elementwise",)),
     ("communication", ("tp", "dp", "pp", "cp"), ("communication",)),
-    ("optimizer and offload copies", ("optimizer", "offload"), ("optimizer", "copies")),
+    ("optimizer and offload copies", ("optimizer", "offload", "dp_gather"), ("optimizer", "copies")),
     ("host: framework Python, ZeRO-3 hooks", ("zero3_hooks",), ("host",)),
 )
 """(name, predicted parts, profiled kinds of work) that price and measure the same work: a profiled
 step (``train.profile_steps``, :mod:`orch.launchers.step_profile`) splits what phase timers cannot,
 the matmuls of a backward from its element-wise kernels and its collectives. A pipeline's bubble
-is waiting, which no kind of work holds."""
+is waiting, which no kind of work holds. A profiled step counts all of the optimizer phase as
+optimizer work, so ZeRO-1/2's gather of the updated parameters is priced in that row too."""
 
 
 def compare_parts(parts_s: dict[str, float], kinds_s: dict[str, float]) -> list[PhaseComparison]:

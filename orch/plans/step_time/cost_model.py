@@ -450,18 +450,22 @@ class StepTime:
     """Host time of DeepSpeed ZeRO-3's per-module fetch and release hooks (:data:`DECLARED_ZERO3_MODULE_S`)."""
     cp_comm_s: float = 0.0
     """Context parallelism's gathers of keys and values (and the reduce-scatters of their gradients)."""
+    dp_gather_s: float = 0.0
+    """ZeRO-1/2's all-gather of the updated parameters: data-parallel traffic like ``dp_comm_s``, but
+    inside the optimizer step (DeepSpeed's ``step()`` ends with it), where the step is timed."""
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.memory_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s
-                + self.offload_s + self.optimizer_s + self.zero3_hooks_s + self.cp_comm_s)
+                + self.offload_s + self.optimizer_s + self.zero3_hooks_s + self.cp_comm_s + self.dp_gather_s)
 
     def as_dict(self) -> dict[str, float]:
         return {"step_time_s": self.total_s, "tokens_per_s": self.tokens_per_s,
                 "tflops_per_device": self.tflops_per_device, "model_tflops_per_device": self.model_tflops_per_device,
                 "parts_s": {"compute": self.compute_s, "memory": self.memory_s, "bubble": self.bubble_s,
                             "tp": self.tp_comm_s, "dp": self.dp_comm_s, "pp": self.pp_comm_s, "offload": self.offload_s,
-                            "optimizer": self.optimizer_s, "zero3_hooks": self.zero3_hooks_s, "cp": self.cp_comm_s}}
+                            "optimizer": self.optimizer_s, "zero3_hooks": self.zero3_hooks_s, "cp": self.cp_comm_s,
+                            "dp_gather": self.dp_gather_s}}
 
 
 @dataclass(frozen=True)
@@ -822,15 +826,16 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     # ZeRO-3 fetches a stage's parameter modules in forward, backward and the recomputed forward.
     fetches = 2 + recomputed
     stage_modules = max(math.ceil(model.param_modules / pp), 1)
-    dp_comm_s = 0.0
+    dp_comm_s = dp_gather_s = 0.0
     if dp > 1:
-        gather_params = _half_ring_s(grad_bytes, dp, gather_bw, dp_lat)
+        if engine.zero_stage in (ZeroStage.optimizer_states, ZeroStage.gradients):
+            dp_gather_s = _half_ring_s(grad_bytes, dp, gather_bw, dp_lat)
         if engine.zero_stage == ZeroStage.none:
             dp_comm_s = _allreduce_s(grad_bytes, dp, dp_bw, dp_lat)
         elif engine.zero_stage == ZeroStage.optimizer_states:
-            dp_comm_s = _allreduce_s(grad_bytes, dp, dp_bw, dp_lat) + gather_params
+            dp_comm_s = _allreduce_s(grad_bytes, dp, dp_bw, dp_lat)
         elif engine.zero_stage == ZeroStage.gradients:
-            dp_comm_s = m * _allreduce_s(grad_bytes, dp, dp_bw, dp_lat) + gather_params
+            dp_comm_s = m * _allreduce_s(grad_bytes, dp, dp_bw, dp_lat)
         else:
             dp_comm_s = m * (fetches * _half_ring_s(grad_bytes, dp, gather_bw, dp_lat, calls=stage_modules)
                              + _half_ring_s(grad_bytes, dp, scatter_bw, dp_lat))
@@ -857,7 +862,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
 
     parts = StepTime(compute_s=compute_s, memory_s=memory_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,
                      dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, offload_s=offload_s, optimizer_s=optimizer_s,
-                     zero3_hooks_s=zero3_hooks_s, cp_comm_s=m * cp_per_micro_s,
+                     zero3_hooks_s=zero3_hooks_s, cp_comm_s=m * cp_per_micro_s, dp_gather_s=dp_gather_s,
                      tokens_per_s=0.0, tflops_per_device=0.0)
     total = parts.total_s
     samples = plan.global_batch_size

@@ -16,7 +16,7 @@ from orch.plans.step_time.cost_model import StepTime
 
 PART_FIELDS = {"compute": "compute_s", "memory": "memory_s", "bubble": "bubble_s", "tp": "tp_comm_s",
                "dp": "dp_comm_s", "pp": "pp_comm_s", "offload": "offload_s", "optimizer": "optimizer_s",
-               "zero3_hooks": "zero3_hooks_s", "cp": "cp_comm_s"}
+               "zero3_hooks": "zero3_hooks_s", "cp": "cp_comm_s", "dp_gather": "dp_gather_s"}
 """Each predicted part (``StepTime.as_dict()["parts_s"]``'s names) and its :class:`StepTime` field."""
 
 
@@ -37,8 +37,9 @@ STEP_GROUPS = (
     # engine reduces gradients inside its backward.
     PhaseGroup("forward and backward", ("forward", "backward"),
                ("compute", "memory", "bubble", "tp", "dp", "pp", "zero3_hooks", "cp")),
-    # The update, and the copies an offloaded optimizer makes.
-    PhaseGroup("optimizer step", ("optimizer",), ("optimizer", "offload")),
+    # The update, the copies an offloaded optimizer makes, and ZeRO-1/2's gather of the updated
+    # parameters (DeepSpeed's step() ends with it).
+    PhaseGroup("optimizer step", ("optimizer",), ("optimizer", "offload", "dp_gather")),
     OUTSIDE)
 
 PIPELINE_GROUPS = (
