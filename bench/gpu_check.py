@@ -312,7 +312,7 @@ def held_out_corrections(outcomes: list[Outcome]) -> None:
     kind's runs first: the other model's case of that plan). Held out, so no case is predicted from
     its own run (orch/plans/step_time/profile.py held_out_predictions)."""
     from orch.plans.spec import PhaseObservation, RunObservation
-    from orch.plans.step_time.phases import phase_groups
+    from orch.plans.step_time.phases import PHASES_VERSION, phase_groups
     from orch.plans.step_time.profile import held_out_predictions
 
     runs, by_run = [], {}
@@ -323,7 +323,8 @@ def held_out_corrections(outcomes: list[Outcome]) -> None:
         groups = phase_groups("pipeline schedule" in measured)
         phases = [PhaseObservation(phase=g.name, predicted_s=sum(o.predicted_parts.get(part, 0.0) for part in g.parts),
                                    measured_s=measured[g.name]) for g in groups if g.name in measured]
-        run = RunObservation(run_id=o.run_id, plan=o.case.plan, recorded_at="", phases=phases, kind=o.kind)
+        run = RunObservation(run_id=o.run_id, plan=o.case.plan, recorded_at="", phases=phases, kind=o.kind,
+                             phases_version=PHASES_VERSION)
         runs.append(run)
         by_run[id(run)] = o
     if len(runs) < 2:

@@ -312,6 +312,7 @@ def observe_run(client, run_id: str, measured: MeasuredSpeeds, *, reference: boo
 
     from mlflow.exceptions import MlflowException
 
+    from orch.plans.step_time.phases import PHASES_VERSION
     from orch.tracking.step_prediction import PREDICTED_STEP_PARAM, part_comparisons, phase_comparisons
 
     def refuse(why: str, fix: str) -> PlanError:
@@ -344,7 +345,8 @@ def observe_run(client, run_id: str, measured: MeasuredSpeeds, *, reference: boo
              for c in part_comparisons(params, run.data.metrics, uncorrected=True)]
     recorded_at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return RunObservation(run_id=run_id, plan=_run_plan(params), recorded_at=recorded_at, phases=phases,
-                          kind=params.get(f"{PREDICTED_STEP_PARAM}.kind", ""), reference=reference, parts=parts)
+                          kind=params.get(f"{PREDICTED_STEP_PARAM}.kind", ""), reference=reference, parts=parts,
+                          phases_version=PHASES_VERSION)
 
 
 def add_run(cfg: RunConfig, run_id: str, path: Path | None) -> tuple[Path, RunObservation, MeasuredSpeeds]:
@@ -368,14 +370,14 @@ def add_run(cfg: RunConfig, run_id: str, path: Path | None) -> tuple[Path, RunOb
 
 
 def render_added(path: Path, observation: RunObservation, measured: MeasuredSpeeds) -> str:
-    from orch.plans.step_time.profile import run_corrections
+    from orch.plans.step_time.profile import current_runs, run_corrections
 
     corrections = run_corrections(measured)
     lines = [f"run {observation.run_id} ({observation.plan}), by phase:"]
     for phase in observation.phases:
         lines.append(f"  {phase.phase:<20} predicted {phase.predicted_s:.4g} s  measured {phase.measured_s:.4g} s  "
                      f"measured / predicted {phase.measured_s / phase.predicted_s:.2f}")
-    lines.append(f"the profile's corrections now ({len(measured.runs)} run(s), the median per phase): "
+    lines.append(f"the profile's corrections now ({len(current_runs(measured.runs))} run(s), the median per phase): "
                  + ", ".join(f"{phase} x{scale:.2f}" for phase, scale in sorted(corrections.items())))
     lines.append(f"written to {path}")
     return "\n".join(lines)

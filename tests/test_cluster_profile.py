@@ -20,6 +20,7 @@ from orch.config import to_typed
 from orch.plans.errors import PlanError
 from orch.plans.spec import ClusterSpec, MeasuredSpeeds, Precision
 from orch.plans.step_time.cost_model import Speeds
+from orch.plans.step_time.phases import PHASES_VERSION
 from orch.plans.step_time.prediction import declared_plan_step
 from orch.plans.step_time.profile import cluster_speeds, measured_section, profile_speeds
 
@@ -133,7 +134,7 @@ def test_runs_correct_a_profile_phase_by_phase_by_their_median():
     from orch.plans.step_time.profile import run_corrections
 
     def run(name: str, fb: tuple[float, float], opt: tuple[float, float]) -> RunObservation:
-        return RunObservation(run_id=name, plan="p", recorded_at="t", phases=[
+        return RunObservation(run_id=name, plan="p", recorded_at="t", phases_version=PHASES_VERSION, phases=[
             PhaseObservation(phase="forward and backward", predicted_s=fb[0], measured_s=fb[1]),
             PhaseObservation(phase="optimizer step", predicted_s=opt[0], measured_s=opt[1])])
 
@@ -146,6 +147,14 @@ def test_runs_correct_a_profile_phase_by_phase_by_their_median():
     speeds, note = cluster_speeds(dataclasses.replace(cluster, measured=measured), Precision.fp32)
     assert dict(speeds.phase_scale) == pytest.approx({"forward and backward": 2.5, "optimizer step": 2.0})
     assert "corrected by 3 finished run(s): forward and backward x2.50, optimizer step x2.00" in note
+    assert "older split" not in note
+    # A run recorded under an older split of the step into phases (its optimizer step held other
+    # parts) corrects nothing, and the note says so.
+    old = dataclasses.replace(run("d", (1.0, 9.0), (0.1, 9.0)), phases_version=1)
+    stale = dataclasses.replace(measured, runs=[*measured.runs, old])
+    assert run_corrections(stale) == run_corrections(measured)
+    _, note = cluster_speeds(dataclasses.replace(cluster, measured=stale), Precision.fp32)
+    assert "corrected by 3 finished run(s)" in note and "1 recorded run(s) priced under an older split" in note
 
     step = StepTime(compute_s=1.0, memory_s=0.5, bubble_s=0.0, tp_comm_s=0.0, dp_comm_s=0.5, pp_comm_s=0.0,
                     offload_s=0.25, optimizer_s=0.25, tokens_per_s=100.0, tflops_per_device=1.0)
@@ -188,7 +197,8 @@ def test_a_plan_takes_the_corrections_of_the_runs_of_its_kind_else_of_every_run(
         phases = [PhaseObservation(phase="forward and backward", predicted_s=1.0, measured_s=fb)]
         if opt is not None:
             phases.append(PhaseObservation(phase="optimizer step", predicted_s=1.0, measured_s=opt))
-        return RunObservation(run_id=name, plan="p", recorded_at="t", phases=phases, kind=kind, reference=True)
+        return RunObservation(run_id=name, plan="p", recorded_at="t", phases=phases, kind=kind, reference=True,
+                              phases_version=PHASES_VERSION)
 
     cluster = ClusterSpec()
     measured = dataclasses.replace(_measured(cluster), runs=[

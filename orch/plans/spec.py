@@ -253,6 +253,10 @@ class RunObservation:
     reference: bool = False
     """Whether `orch calibrate` trained it as one of its reference runs (``calibrate.references``),
     rather than a run a user added with ``--from-run``."""
+    phases_version: int = 1
+    """Which of the cost model's splits of a step into phases priced it
+    (:data:`orch.plans.step_time.phases.PHASES_VERSION`; 1 for a run recorded before the split was
+    numbered): a run priced under another split corrects nothing, as its phases held other parts."""
     parts: list[PhaseObservation] = field(default_factory=list)
     """Its last profiled step (``train.profile_steps``; a reference run profiles one) by the parts
     that price each kind of work (``phase`` names the part, as `orch report` does), against the

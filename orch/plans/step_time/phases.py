@@ -20,6 +20,12 @@ PART_FIELDS = {"compute": "compute_s", "memory": "memory_s", "bubble": "bubble_s
 """Each predicted part (``StepTime.as_dict()["parts_s"]``'s names) and its :class:`StepTime` field."""
 
 
+PHASES_VERSION = 2
+"""Which predicted parts the phase groups below hold, numbered: a run recorded in a cluster profile
+keeps the number it was priced under, and corrects predictions only under the same one. 2: ZeRO-1/2's
+gather of the updated parameters moved from forward and backward into the optimizer step."""
+
+
 @dataclass(frozen=True)
 class PhaseGroup:
     """Measured phases and the predicted parts they hold."""

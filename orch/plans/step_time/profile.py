@@ -69,9 +69,17 @@ def profile_speeds(measured: MeasuredSpeeds) -> Speeds:
                   sm_count=0, phase_scale=tuple(sorted(run_corrections(measured).items())), source="measured")
 
 
+def current_runs(runs: list[RunObservation]) -> list[RunObservation]:
+    """The recorded ``runs`` priced under today's phase groups (:data:`orch.plans.step_time.phases.PHASES_VERSION`):
+    only they can correct a prediction, phase by phase."""
+    from orch.plans.step_time.phases import PHASES_VERSION
+
+    return [run for run in runs if run.phases_version == PHASES_VERSION]
+
+
 def run_corrections(measured: MeasuredSpeeds) -> dict[str, float]:
     """Each phase group's correction from the profile's finished runs (:func:`corrections_of`)."""
-    return corrections_of(measured.runs)
+    return corrections_of(current_runs(measured.runs))
 
 
 def corrections_of(runs: list[RunObservation]) -> dict[str, float]:
@@ -99,6 +107,7 @@ def held_out_predictions(runs: list[RunObservation]) -> list[tuple[RunObservatio
     from orch.plans.step_time.phases import applied_scales
 
     out = []
+    runs = current_runs(runs)
     for index, run in enumerate(runs):
         phases = [phase for phase in run.phases if phase.predicted_s > 0 and phase.measured_s > 0]
         if not phases:
@@ -153,12 +162,16 @@ def profile_note(measured: MeasuredSpeeds) -> str:
     """Where a profile's speeds come from, in one line."""
     note = (f"measured by `orch calibrate` at {measured.measured_at} on {measured.nodes} node(s), {measured.workers} "
             f"worker(s) (the cluster profile's cluster.measured)")
+    runs = current_runs(measured.runs)
     if corrections := run_corrections(measured):
-        kinds = sorted({run.kind for run in measured.runs if run.kind})
-        note += f"; corrected by {len(measured.runs)} finished run(s): " + ", ".join(
+        kinds = sorted({run.kind for run in runs if run.kind})
+        note += f"; corrected by {len(runs)} finished run(s): " + ", ".join(
             f"{phase} x{scale:.2f}" for phase, scale in sorted(corrections.items()) if ": " not in phase)
         if kinds:
             note += f" over all of them, and each kind's own for plans of the {len(kinds)} kind(s) they ran"
+    if stale := len(measured.runs) - len(runs):
+        note += (f"; {stale} recorded run(s) priced under an older split of the step into phases correct nothing "
+                 "(run `orch calibrate` again to measure new ones)")
     return note
 
 
