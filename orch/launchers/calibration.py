@@ -296,8 +296,8 @@ def _collective_probe(group, n: int, device) -> dict:
 def _half_ring_gbps(kind: str, group, n: int, device, latency_s: float) -> float:
     """Bus bandwidth (Gbit/s) of a 16 MB all-gather or reduce-scatter, through the calls FSDP2 and
     ZeRO make (``all_gather_into_tensor``, ``reduce_scatter_tensor``). NCCL runs them at its
-    all-reduce's bus rate; gloo at a third to a quarter of it, which would leave FSDP2's gathers
-    and reductions priced several times too fast at the all-reduce's."""
+    all-reduce's bus rate; gloo at a quarter to a half of it, which would leave FSDP2's gathers
+    and reductions priced two to four times too fast at the all-reduce's."""
     import torch
     import torch.distributed as dist
 

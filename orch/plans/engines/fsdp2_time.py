@@ -18,7 +18,7 @@ what it moves and how often (torch/distributed/fsdp/_fully_shard/):
   gradients unreduced and the parameters gathered until then;
 - the all-gathers and reduce-scatters run at their own rates (``all_gather_into_tensor``,
   ``reduce_scatter_tensor``: :meth:`orch.plans.step_time.cost_model.Speeds.bus_gbps`), which
-  calibration measures: NCCL's match its all-reduce's, gloo's are a third to a quarter of it;
+  calibration measures: NCCL's match its all-reduce's, gloo's are a quarter to a half of it;
 - with HSDP (``plan.fsdp.hybrid``) the gathers and reduce-scatters stay inside a node and the
   reduced shard is all-reduced across the replicas (``foreach_reduce``'s ``all_reduce_group``);
 - on GPUs the all-gather of the next block is issued while the current one computes (implicit
