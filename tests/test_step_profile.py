@@ -63,19 +63,31 @@ def test_each_operators_own_time_goes_to_its_kind_in_its_phase():
 
     from orch.launchers.step_profile import time_by_kind
 
-    def event(name, parent=None, cpu_us=0.0, device_us=0.0, device_type="DeviceType.CPU"):
+    def event(name, parent=None, cpu_us=0.0, device_us=0.0, device_type="DeviceType.CPU", at=(0.0, 0.0),
+              is_async=False):
         return SimpleNamespace(name=name, cpu_parent=parent, self_cpu_time_total=cpu_us,
-                               self_device_time_total=device_us, device_type=device_type)
+                               self_device_time_total=device_us, device_type=device_type,
+                               time_range=SimpleNamespace(start=at[0], end=at[1]), is_async=is_async)
 
-    forward, optimizer_phase = event("orch.phase#0", cpu_us=5.0), event("orch.phase#2", cpu_us=5.0)
-    events = [forward, optimizer_phase,
+    forward = event("orch.phase#0", cpu_us=5.0, at=(0, 1000))
+    backward = event("orch.phase#1", cpu_us=5.0, at=(1000, 2000))
+    optimizer_phase = event("orch.phase#2", cpu_us=5.0, at=(2000, 3000))
+    fsdp_reduce = event("FSDP::post_backward_reduce", backward, cpu_us=60.0, at=(1500, 1600))
+    events = [forward, backward, optimizer_phase, fsdp_reduce,
               event("aten::mm", forward, cpu_us=300.0, device_us=30.0),
               event("aten::mm", optimizer_phase, cpu_us=200.0, device_us=20.0),  # clipping's, say: optimizer
               event("FSDP::pre_forward", forward, cpu_us=100.0),
-              event("sm90_xmma_gemm", None, device_us=30.0, device_type="DeviceType.CUDA")]  # its launcher counts it
+              event("sm90_xmma_gemm", None, device_us=30.0, device_type="DeviceType.CUDA"),  # its launcher counts it
+              # gloo runs a collective on a thread of its own, an asynchronous event with no own time:
+              # its duration is the caller's wait (DeepSpeed's, in the backward phase's own time),
+              event("gloo:all_reduce", None, at=(1100, 1140), is_async=True),
+              # in the optimizer phase the optimizer's (ZeRO-1/2's gather of the updated parameters),
+              event("gloo:all_gather", None, at=(2500, 2510), is_async=True),
+              # and counted once under FSDP2's records, whose own time is that wait.
+              event("gloo:reduce_scatter", None, at=(1510, 1570), is_async=True)]
     phases = ["forward", "backward", "optimizer"]
     assert time_by_kind(events, device=False, phases=phases) == pytest.approx(
-        {"matmul": 300e-6, "optimizer": 200e-6, "host": 100e-6})
+        {"matmul": 300e-6, "optimizer": 210e-6, "host": 100e-6, "communication": 100e-6})
     assert time_by_kind(events, device=True, phases=phases) == pytest.approx({"matmul": 30e-6, "optimizer": 20e-6})
 
 
@@ -199,6 +211,9 @@ def test_every_rank_of_a_deepspeed_run_profiles_its_step_into_the_run(dp_referen
         # Gloo's all-reduce of ZeRO-1's gradients, DeepSpeed's optimizer (its FusedAdam on CPU is torch's AdamW).
         for kind in ("matmul", "communication", "optimizer"):
             assert profile.seconds.get(kind, 0) > 0, (kind, profile.seconds)
+    # gloo's collectives count by their duration (their events have no own time; the caller waits
+    # in the phase's own time): more than the calls that enqueue them, which were all it counted.
+    assert max(p[0].seconds["communication"] for p in profiles.values()) > 1.5e-3, profiles
     client = MlflowClient(dp_reference_uri)
     metrics = client.get_run(dp_reference.run_id).data.metrics
     assert metrics["profile/matmul_s"] > 0 and metrics["profile/rank1/optimizer_s"] > 0

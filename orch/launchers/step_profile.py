@@ -109,11 +109,40 @@ def phase_of(enclosing: list[str], phases: list[str]) -> str:
     return ""
 
 
+def _interval(event: Any) -> tuple[float, float]:
+    return event.time_range.start, event.time_range.end
+
+
+def _gloo_waits(events: list[Any], phases: list[str]) -> list[tuple[Any, str]]:
+    """(event, phase) of each collective gloo ran on a thread of its own outside FSDP2's collective
+    records. Such an event is asynchronous, with no own time: the calling thread waits for it in
+    whatever record is around the call (a phase range, whose own time no kind holds, under
+    DeepSpeed), so its duration is the wait. Under FSDP2's records the records count it already."""
+    ranges = [(event, _interval(event)) for event in events if event.name.startswith(PHASE_RANGE)]
+    fsdp = [_interval(event) for event in events
+            if any(event.name == record or event.name.startswith(f"{record} (") for record in _COLLECTIVE_RECORDS)]
+    waits = []
+    for event in events:
+        if not (event.name.startswith("gloo:") and getattr(event, "is_async", False)):
+            continue
+        start, _ = _interval(event)
+        if any(low <= start <= high for low, high in fsdp):
+            continue
+        around = [r for r, (low, high) in ranges if low <= start <= high]
+        phase = phase_of([max(around, key=lambda r: r.time_range.start).name], phases) if around else ""
+        waits.append((event, phase))
+    return waits
+
+
 def time_by_kind(events: list[Any], *, device: bool, phases: list[str] = ()) -> dict[str, float]:
     """Seconds of ``events`` (torch's ``FunctionEvent``s of one profile) by kind of work: their own
     device time when ``device`` (kernels under the operator that launched them), else their own CPU
-    time. ``phases`` names the step's phase ranges in order."""
+    time, and the duration of gloo's collectives (:func:`_gloo_waits`). ``phases`` names the step's
+    phase ranges in order."""
     totals = dict.fromkeys(KINDS, 0.0)
+    if not device:
+        for event, phase in _gloo_waits(events, list(phases)):
+            totals[kind_of(event.name, [], phase)] += (event.time_range.end - event.time_range.start) / 1e6
     for event in events:
         if getattr(event, "device_type", None) is not None and str(event.device_type) != "DeviceType.CPU":
             continue  # a kernel itself: counted under the CPU operator that launched it
