@@ -756,6 +756,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         # Per micro-batch, this stage's share of the layers: forward all-reduces (twice with
         # recomputation) and backward ones.
         forward_passes = 1 + recomputed
+
         def tp_collective_s(nbytes: float, calls: int) -> float:
             # Sequence parallelism splits each all-reduce into a reduce-scatter and an all-gather
             # of the same bytes, each at its own rate.
