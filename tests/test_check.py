@@ -198,9 +198,16 @@ def test_a_micro_batch_the_model_refuses_in_training_is_a_plan_error_and_the_tun
     assert violation.field == "plan.micro_batch_size" and "more than 1 value per channel" in violation.message
     typed, model_cfg, _ = to_typed(compose_config("experiment=resnet50_bf16"))  # a global batch of 16
     space, ctx = prepare(typed, model_cfg, typed.cluster)
+    tried = []
+    measure = ctx.probe._measure
+    ctx.probe._measure = lambda *args: tried.append(args) or measure(*args)
     result = search(space, ctx)
-    assert result.rejected["plan.micro_batch_size: the model refuses a training micro-batch of 1"] > 0
+    refused = result.rejected["plan.micro_batch_size: the model refuses a training micro-batch of 1"]
+    assert refused > 1
     assert result.ranked and all(c.plan.micro_batch_size > 1 for c in result.ranked)
+    # The refusal is kept as a measurement is: each set of measured settings is tried once, not
+    # once per plan that asks (a forward and backward pass each).
+    assert len(tried) == len(set(tried)) and sum(1 for args in tried if args[0] == 1) < refused
 
 
 def test_rank_layout_keeps_tensor_parallel_groups_inside_a_node():

@@ -243,7 +243,7 @@ class ModelProbe:
         self._stages = functools.lru_cache(maxsize=None)(self._split)
         self.stats = (model_stats(self.module) if shallow is None else
                       shallow.at_depth(model_stats, keep=("largest_layer_params", "largest_param")))
-        self._activations = functools.lru_cache(maxsize=None)(self._measure)
+        self._measured = functools.lru_cache(maxsize=None)(self._measure_or_refusal)
         self._kernels = functools.lru_cache(maxsize=None)(self._attention_kernels)
         self._fsdp_units: dict[int, FSDPUnits] = {}
 
@@ -306,6 +306,22 @@ class ModelProbe:
                 return carried
         factory = self.factory if tp <= 1 else functools.partial(_on_meta, self.factory, sharded)
         return measure_activations(factory, **args)
+
+    def _measure_or_refusal(self, *args) -> ActivationBytes | ValueError:
+        """:meth:`_measure`, or the ValueError of a model that refuses the micro-batch in training,
+        kept as a measurement is: a search asks again for every plan at that micro-batch, and each
+        try is a forward and backward pass (half a second for a ResNet-50 on ``meta``)."""
+        try:
+            return self._measure(*args)
+        except ValueError as error:
+            return error
+
+    def _activations(self, *args) -> ActivationBytes:
+        """The activations :meth:`_measure` counts for ``args``, measured once; a refusal raised again."""
+        measured = self._measured(*args)
+        if isinstance(measured, ValueError):
+            raise measured.with_traceback(None)
+        return measured
 
     def activations(self, plan: ResolvedPlan) -> ActivationBytes:
         """The plan's activations, or a PlanError when the model refuses its micro-batch in training
