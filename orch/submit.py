@@ -164,7 +164,7 @@ def check_tracking(cfg: RunConfig) -> list[str]:
     from_cluster = (f"the job uses {USERNAME_ENV} / {PASSWORD_ENV} (or {TOKEN_ENV}) from the cluster's own "
                     "environment (where `ray start` runs on the head node, or your secrets mechanism)")
     try:
-        check_reachable(uri)
+        check_reachable(uri, timeout_s=cfg.cluster.connect_timeout_s)
     except TrackingUnreachable as error:
         return [f"warning: {_without_fix(error)}; not checked from here: the job checks it on the cluster before "
                 "it trains (the cluster may reach a server this machine does not)"]

@@ -190,7 +190,7 @@ def test_a_submitted_job_trains_the_users_own_code_with_the_clusters_credentials
                                   "train.steps=10 cluster.address=auto")
     assert password not in json.dumps(info)
     assert ("note: MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD checked tracking.uri="
-            f"{server['url']} from here but are not sent with the job") in done.stderr
+            f"{server['url']} from here but are not sent with the job") in done.stderr, done.stderr[-3000:]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
         patch.setenv("MLFLOW_TRACKING_PASSWORD", password)

@@ -335,7 +335,8 @@ class ClusterSpec:
     connect_timeout_s: float = 30.0
     """With an address, how long the cluster may take to answer before the command fails (exit 2)
     instead of waiting on Ray's own retries (about 14 minutes for an address nobody answers); and
-    how long each check of a storage URI (train.checkpoint_dir, tune.out, data.paths) may take."""
+    how long each check of a storage URI (train.checkpoint_dir, tune.out, data.paths) and the
+    first request to a tracking server (`orch train`, `orch submit`) may take."""
     discover: bool = True
     """With an address, `orch check` reads nodes and memory from the live cluster instead of
     trusting the declared numbers."""

@@ -38,7 +38,7 @@ def reachable_tracking(cfg: RunConfig) -> RunConfig:
     """The config with a tracking URI that answers, falling back to a local store if asked to
     (only when no server answers: refused credentials or a wrong path are errors to fix)."""
     try:
-        check_reachable(cfg.tracking.uri)
+        check_reachable(cfg.tracking.uri, timeout_s=cfg.cluster.connect_timeout_s)
         return cfg
     except TrackingUnreachable as error:
         if cfg.tracking.fallback != "local":
