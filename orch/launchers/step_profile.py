@@ -76,6 +76,11 @@ PHASE_RANGE = "orch.phase#"
 """The record range of a profiled step's ``i``-th phase: ``orch.phase#<i>`` (:class:`PhaseRanges`)."""
 
 
+def _is_collective_record(name: str) -> bool:
+    """Whether ``name`` is one of FSDP2's collective records (:data:`_COLLECTIVE_RECORDS`)."""
+    return any(name == record or name.startswith(f"{record} (") for record in _COLLECTIVE_RECORDS)
+
+
 def kind_of(name: str, enclosing: list[str], phase: str = "", *, device: bool = False) -> str:
     """The kind of work (:data:`KINDS`) of an operator named ``name`` inside the records ``enclosing``
     (innermost first), in the step's phase ``phase``, its time counted on the device or not."""
@@ -90,7 +95,7 @@ def kind_of(name: str, enclosing: list[str], phase: str = "", *, device: bool = 
         return "attention"
     if name in _COPIES or lowered.startswith("memcpy") or lowered.startswith("memset"):
         return "copies"
-    if not device and any(name == record or name.startswith(f"{record} (") for record in _COLLECTIVE_RECORDS):
+    if not device and _is_collective_record(name):
         return "communication"
     if not device and not name.startswith(_OPERATORS):
         # A framework record's own CPU time is its Python (hooks, DTensor dispatch, autograd's
@@ -119,8 +124,7 @@ def _gloo_waits(events: list[Any], phases: list[str]) -> list[tuple[Any, str]]:
     whatever record is around the call (a phase range, whose own time no kind holds, under
     DeepSpeed), so its duration is the wait. Under FSDP2's records the records count it already."""
     ranges = [(event, _interval(event)) for event in events if event.name.startswith(PHASE_RANGE)]
-    fsdp = [_interval(event) for event in events
-            if any(event.name == record or event.name.startswith(f"{record} (") for record in _COLLECTIVE_RECORDS)]
+    fsdp = [_interval(event) for event in events if _is_collective_record(event.name)]
     waits = []
     for event in events:
         if not (event.name.startswith("gloo:") and getattr(event, "is_async", False)):
