@@ -501,13 +501,11 @@ def _sources(gpu: bool, nodes: int, per_node: int) -> dict[str, str]:
                "intra_latency_s": intra if per_node > 1 else "declared (one worker per node)",
                "inter_node_gbps": inter if nodes > 1 else "declared (one node: nothing crosses nodes)",
                "inter_latency_s": inter if nodes > 1 else "declared (one node)",
-               **{f"intra_{kind}_share": (f"{name} probe over the all-reduce probe inside a node" if per_node > 1
-                                          else "declared (one worker per node)")
-                  for kind, name in (("all_gather", "all_gather_into_tensor"),
-                                     ("reduce_scatter", "reduce_scatter_tensor"))},
-               **{f"inter_{kind}_share": (f"{name} probe over the all-reduce probe across nodes" if nodes > 1
-                                          else "declared (one node)")
-                  for kind, name in (("all_gather", "all_gather_into_tensor"),
+               **{f"{link}_{kind}_share": f"{call} probe over the all-reduce probe {where}" if measured else kept
+                  for link, measured, where, kept in (("intra", per_node > 1, "inside a node",
+                                                       "declared (one worker per node)"),
+                                                      ("inter", nodes > 1, "across nodes", "declared (one node)"))
+                  for kind, call in (("all_gather", "all_gather_into_tensor"),
                                      ("reduce_scatter", "reduce_scatter_tensor"))},
                "op_overhead_s": "0 on GPUs (kernels launch asynchronously)" if gpu
                else "forward and backward of a small MLP, per op",
