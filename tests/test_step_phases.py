@@ -4,54 +4,76 @@ parallel) and test_cluster.py (a pipeline)."""
 
 from __future__ import annotations
 
-import time
+import types
 
 import pytest
 
+from orch.launchers import step_phases
 from orch.launchers.step_phases import PhaseClock
 from orch.tracking.step_prediction import compare_phases, most_wrong
 
 
-def test_the_clock_times_sampled_steps_by_phase_and_skips_the_rest():
+class FakeTime:
+    """The clock's ``time.perf_counter``, moved on by hand: a phase lasts exactly what the test
+    says, however loaded the machine (a real sleep can overrun by tens of milliseconds)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def fake_time(monkeypatch) -> FakeTime:
+    fake = FakeTime()
+    monkeypatch.setattr(step_phases, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
+    return fake
+
+
+def test_the_clock_times_sampled_steps_by_phase_and_skips_the_rest(fake_time):
     synced = []
     clock = PhaseClock(every=2, synchronize=lambda: synced.append(1))
     for step in (1, 2, 3, 4):
         clock.begin(step, skip=step == 4)  # step 4 is the memory-probe step: not timed
-        time.sleep(0.01)
+        fake_time.sleep(0.01)
         clock.milestone("forward")
-        time.sleep(0.02)
+        fake_time.sleep(0.02)
         clock.milestone("backward")
         clock.milestone("optimizer")
         clock.milestone()  # a milestone without a phase, as an engine of older code calls it
         clock.end()
     means = clock.take()
     assert set(means) == {"forward", "backward", "optimizer", "other"}
-    assert means["forward"] == pytest.approx(0.01, abs=0.008) and means["backward"] == pytest.approx(0.02, abs=0.008)
+    assert means["forward"] == pytest.approx(0.01) and means["backward"] == pytest.approx(0.02)
     assert len(synced) == 6  # only step 2: its start and five phase ends, each after the device's work
     assert clock.take() == {}  # nothing sampled since
 
 
-def test_waiting_for_a_batch_is_taken_out_of_the_phase_it_fell_in():
+def test_waiting_for_a_batch_is_taken_out_of_the_phase_it_fell_in(fake_time):
     clock = PhaseClock(every=1)
     clock.begin(1)
-    time.sleep(0.01)
+    fake_time.sleep(0.01)
     clock.data_wait(0.03)  # more than the phase lasted: at most the phase's own time is data wait
     clock.milestone("forward")
     clock.begin(2)
-    time.sleep(0.03)
+    fake_time.sleep(0.03)
     clock.data_wait(0.02)  # the engine drew its batch inside the forward phase
     clock.milestone("forward")
     clock.end()
     means = clock.take()
-    assert means["data_wait"] == pytest.approx((0.01 + 0.02) / 1, abs=0.008)
-    assert means["forward"] == pytest.approx(0.01, abs=0.008)  # 0 in step 1, 0.01 in step 2, one sample counted
+    assert means["data_wait"] == pytest.approx((0.01 + 0.02) / 1)
+    assert means["forward"] == pytest.approx(0.01)  # 0 in step 1, 0.01 in step 2, one sample counted
     clock.begin(3)
     clock.data_wait(5.0)
     clock.end()  # not sampled data wait does not leak into a later step
     clock.begin(4)
     clock.milestone("forward")
     clock.end()
-    assert clock.take().get("data_wait", 0.0) < 0.005
+    assert clock.take().get("data_wait", 0.0) == 0.0
 
 
 def test_phases_are_compared_as_the_engines_can_split_them():
