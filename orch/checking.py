@@ -281,7 +281,7 @@ def checked_run(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec | None = N
 # ``per_device`` and every entry of ``stages`` hold orch.plans.memory.estimate.DEVICE_JSON_KEYS.
 CHECK_JSON_KEYS = ("feasible", "world_size", "plan", "model", "per_device", "per_node_host", "stages",
                    "pipeline", "phases", "violations", "suggestions", "attention", "fsdp", "cluster", "placement",
-                   "predicted_step")
+                   "predicted_step", "output_head")
 CLUSTER_JSON_KEYS = ("source", "notes", "nodes", "devices_per_node", "device_memory_gib", "host_memory_gib")
 
 
@@ -301,6 +301,8 @@ def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str
     doc["predicted_step"] = {**step.as_dict(), "speeds": cluster_speeds(cluster, plan.precision)[1],
                              "assumes": step_assumptions(plan, cluster),
                              "range_s": declared_step_range(step, plan, cluster).as_json()}
+    # How the tensor-parallel ranks hold the output head ("" without tp or a head that splits).
+    doc["output_head"] = estimate.output_head
     return doc
 
 
@@ -397,6 +399,7 @@ def render(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str] = (), 
         f"model    {m.param_count:,} parameters ({m.trainable_count:,} trainable), "
         f"largest layer {m.largest_layer_params:,}",
         *([f"attention {estimate.attention}"] if estimate.attention else []),
+        *([f"head     {estimate.output_head}"] if estimate.output_head else []),
         "",
         f"per device (most loaded), at its peak in the {d.phase} phase",
     ]

@@ -164,8 +164,9 @@ def test_fsdp2_compiles_each_block_and_follows_the_same_curve(dp_reference, loca
 
 
 def test_sequence_and_context_parallelism_follow_the_whole_sequence_curve(local_ray, sqlite_uri, tmp_path):
-    """On the Hugging Face Llama shape (grouped-query attention), in fp32, beside one tp=2 run whose
-    ranks each see the whole sequence:
+    """On the Hugging Face Llama shape (grouped-query attention) with an untied head, in fp32, beside
+    one tp=2 run whose ranks each see the whole sequence and split the head over the vocabulary
+    (``plan.loss_parallel``, on by default):
 
     - ``plan.sequence_parallel=true`` at tp=2: the norms and residual adds run on half the sequence
       each (DTensor's ``SequenceParallel``, the row-parallel layers reduce-scattering); the losses
@@ -174,12 +175,18 @@ def test_sequence_and_context_parallelism_follow_the_whole_sequence_curve(local_
       values gathered for attention); the losses and eval loss are the whole sequence's, alone and
       with tp=2 and the sequence split on 4 workers, and its DCP checkpoint resumes at tp=2 (cp=1)
       and goes on along the same curve.
+
+    The cp=2 run keeps the head whole (tp=1): its losses equal the split head's, and its checkpoint
+    resumes split.
     """
-    common = ("model=hf_causal_lm", "plan.dp=1", "plan.precision=fp32", "train.export=false", "train.eval_every=10")
+    common = ("model=hf_causal_lm", "model.config.tie_word_embeddings=false", "plan.dp=1", "plan.precision=fp32",
+              "train.export=false", "train.eval_every=10")
+    split_head = ", the output head split over the vocabulary (loss parallel, lm_head)"
     whole = train(sqlite_uri, *common, "plan.tp=2", "train.steps=20")
     losses = [r[0].loss for r in whole.reports]
     evals = [whole.reports[i][0].evaluation["eval_loss"] for i in (1, 3)]
     assert not any("sequence split" in f.model.built for f in whole.worker_facts)
+    assert all(f.model.built.endswith(split_head) for f in whole.worker_facts)
 
     sequence = train(sqlite_uri, *common, "plan.tp=2", "plan.sequence_parallel=true", "train.steps=10")
     assert all("the sequence split over the 2 tensor-parallel ranks" in f.model.built
@@ -192,13 +199,14 @@ def test_sequence_and_context_parallelism_follow_the_whole_sequence_curve(local_
     checkpoints = (f"train.checkpoint_dir={tmp_path / 'ckpt'}", "train.checkpoint_every=10", "train.resume=auto")
     context = train(sqlite_uri, *common, "plan.cp=2", "train.steps=10", *checkpoints)
     assert all("each sample's sequence split over 2 context-parallel ranks" in f.model.built
-               for f in context.worker_facts)
+               and split_head not in f.model.built for f in context.worker_facts)
     assert [r[0].loss for r in context.reports] == pytest.approx(losses[:2], rel=1e-4)
     assert context.reports[-1][0].evaluation["eval_loss"] == pytest.approx(evals[0], rel=1e-4)
     assert MlflowClient(sqlite_uri).get_run(context.run_id).data.params["plan.cp"] == "2"
     # All three on 4 workers: FSDP2 over the flattened (dp, cp) mesh dimension, tp inside each cp rank.
     four = train(sqlite_uri, *common, "plan.tp=2", "plan.cp=2", "plan.sequence_parallel=true", "train.steps=10",
                  "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5")
+    assert all(f.model.built.endswith(split_head) for f in four.worker_facts)
     assert [r[0].loss for r in four.reports] == pytest.approx(losses[:2], rel=1e-4)
     assert four.reports[-1][0].evaluation["eval_loss"] == pytest.approx(evals[0], rel=1e-4)
     resumed = train(sqlite_uri, *common, "plan.tp=2", "train.steps=20", *checkpoints)

@@ -255,9 +255,12 @@ def test_hf_llama_at_tp2_uses_its_own_tp_plan_and_resumes_at_tp1(tmp_path):
     """dp=1 x tp=2 in fp32, blocks kept gathered after forward and checkpointed through the model's
     own switch: the sharded model's first loss is the unsharded one's, to fp32 rounding; its
     checkpoint loads into one unsharded rank. A large gradient, its DTensors on two meshes (the
-    sharded layers' (dp, tp) and the replicated ones' dp), is clipped to exactly the global norm asked."""
+    sharded layers' (dp, tp) and the replicated ones' dp), is clipped to exactly the global norm asked.
+    Its untied output head is split over the vocabulary (``plan.loss_parallel``): the loss, the eval
+    loss and the checkpoint are the unsharded model's all the same."""
     found = _spawn("train_and_save", 2, tmp_path, model="llama", tp=2, precision="fp32", reshard=False,
                    checkpointing=True, check_clip=True)
+    assert found["built"].endswith(", the output head split over the vocabulary (loss parallel, lm_head)")
     before, after = found["clipped"]
     assert before > 5 and after == pytest.approx(0.5, rel=1e-4)
     resumed = _spawn("resume", 1, tmp_path, model="llama", precision="fp32")

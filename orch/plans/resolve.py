@@ -64,6 +64,9 @@ class ResolvedPlan:
     """Split the residual stream along the sequence over the tensor-parallel ranks."""
     async_tp: bool = False
     """Overlap the sequence-parallel collectives with their matmuls (compiled, on GPUs)."""
+    loss_parallel: bool = True
+    """Split the output head over the vocabulary where the engine and model can
+    (:func:`orch.plans.parallel.vocab_parallel.splits_head`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_checkpointing", Recompute.of(self.activation_checkpointing))
@@ -119,7 +122,8 @@ class ResolvedPlan:
                 + f"micro_batch_size={self.micro_batch_size} "
                 f"grad_accum_steps={self.grad_accum_steps}" + (" compile=true" if self.compile else "")
                 + (" sequence_parallel=true" if self.sequence_parallel else "")
-                + (" async_tp=true" if self.async_tp else ""))
+                + (" async_tp=true" if self.async_tp else "")
+                + (" loss_parallel=false" if not self.loss_parallel else ""))
 
     def as_dict(self) -> dict[str, object]:
         """Plain values (enums as strings), for tracking and JSON output, flat: an engine's nested
@@ -261,7 +265,7 @@ def resolve_plan(plan: PlanSpec, cluster: ClusterSpec, train: TrainSpec) -> Reso
         grad_accum_steps=plan.grad_accum_steps,
         precision=plan.precision, accelerator=cluster.accelerator, engine=plan.engine, fp8_recipe=recipe,
         fsdp=dataclasses.replace(plan.fsdp), compile=plan.compile, sequence_parallel=plan.sequence_parallel,
-        async_tp=plan.async_tp,
+        async_tp=plan.async_tp, loss_parallel=plan.loss_parallel,
     )
 
 

@@ -33,6 +33,9 @@ class CausalLM:
     """
 
     name = "causal_lm"
+    loss_parallel = True
+    """A cross-entropy over the logits' last dimension: torch's ``loss_parallel`` computes it from
+    logits split over the vocabulary (:mod:`orch.plans.parallel.vocab_parallel`)."""
 
     def __call__(self, outputs: Any, batch: Batch) -> torch.Tensor:
         own = model_loss(outputs)

@@ -128,9 +128,15 @@ def _shapes(state: dict) -> dict[str, list[int]]:
 def _clipped_norms(engine, job, model: str) -> list[float]:
     """The gradient norm of a large loss before and after the engine clips it to 0.5 (its gradients
     are then dropped): the scaling must bring DTensors of every mesh to the same global norm."""
+    import contextlib
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
     from orch.launchers.engines.fsdp2.engine import clip_grad_norm
 
-    (job.workload.loss(engine.model, batch(model, 0)) * 1e3).backward()
+    # Logits split over the vocabulary take their loss, and its backward, inside loss_parallel.
+    with loss_parallel() if engine.split_head else contextlib.nullcontext():
+        (job.workload.loss(engine.model, batch(model, 0)) * 1e3).backward()
     before = clip_grad_norm(engine.model.parameters(), 0.5)
     after = clip_grad_norm(engine.model.parameters(), 1e9)
     engine.optimizer.zero_grad(set_to_none=True)

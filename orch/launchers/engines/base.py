@@ -78,10 +78,17 @@ def mean_objective(model, objective, val_batches: Iterator[Any], batches: int,
                     outputs, batch = run(model, batch)
                 found = {"loss": objective(outputs, batch), **(metrics(outputs, batch) if metrics else {})}
                 for name, value in found.items():
-                    totals[name] = totals.get(name, 0.0) + float(value)
+                    totals[name] = totals.get(name, 0.0) + float(whole_tensor(value))
     finally:
         model.train()
     return {name: total / batches for name, total in totals.items()}
+
+
+def whole_tensor(value: Any) -> Any:
+    """``value`` as a plain tensor: a DTensor gathered whole (``full_tensor``, differentiable: a loss
+    from logits split over the vocabulary is a replicated DTensor), anything else as it is."""
+    full = getattr(value, "full_tensor", None)
+    return full() if callable(full) else value
 
 
 def cast_float_buffers(module, dtype) -> None:

@@ -99,6 +99,9 @@ class EngineSpec:
     """It trains in ``plan.precision=fp8`` (FP8 matmuls in the repeated blocks' linear layers)."""
     context_parallel: ClassVar[bool] = False
     """It splits each sample's sequence over ``plan.cp`` ranks, attention gathering keys and values."""
+    loss_parallel: ClassVar[bool] = False
+    """It splits the output head over the vocabulary across the tensor-parallel ranks and computes the
+    loss from the split logits (``plan.loss_parallel``); otherwise the head stays whole on every rank."""
     stages_recompute_every_n: ClassVar[bool] = True
     """Its pipeline stages checkpoint every n-th block (``plan.recompute_every_n_layers``), not
     only every block."""

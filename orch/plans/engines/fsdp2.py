@@ -51,6 +51,7 @@ class FSDP2Spec(EngineSpec):
     async_tp = True
     fp8 = True
     context_parallel = True
+    loss_parallel = True
     reads_fsdp_settings = True
     pipeline_schedules = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv")
 

@@ -64,6 +64,7 @@ from orch.plans.parallel.sequence_parallel import (
     split_sequence_on_meta,
 )
 from orch.plans.parallel.tp_plan import split_layers
+from orch.plans.parallel.vocab_parallel import OutputHead, describe_head, output_head, splits_head
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision, Recompute
 
@@ -118,6 +119,8 @@ class PlanEstimate:
     """Smallest plan changes that would make an infeasible plan fit."""
     attention: str = ""
     """The attention kernel the activations were measured with (:meth:`ModelProbe.attention`)."""
+    output_head: str = ""
+    """How the tensor-parallel ranks hold the output head (:func:`orch.plans.parallel.vocab_parallel.describe_head`)."""
     engine_detail: object | None = None
     """The engine's own part-by-part account of the rank (FSDP2's
     :class:`orch.plans.engines.fsdp2_memory.FSDPMemory`: sharded states, gathered blocks, reduce-scatter
@@ -252,6 +255,42 @@ class ModelProbe:
         """The model at its full depth on ``meta``, built on first use."""
         with meta_device():
             return self.factory()
+
+    def _options(self) -> dict:
+        """A subclass's own constructor arguments, which :meth:`_with_specs` passes on."""
+        return {}
+
+    def _with_specs(self, tp_layer_specs: list[dict]) -> ModelProbe:
+        """A probe of the same model and inputs that shards its tensor-parallel copies by
+        ``tp_layer_specs``, with caches of its own; the model built on ``meta`` is shared (every
+        sharded copy is a deep copy of it)."""
+        variant = type(self)(self.factory, self.inputs, tp_layer_specs=tp_layer_specs,
+                             pipeline_layers=self.pipeline_layers, shallow=self.shallow,
+                             weight_file_bytes=self.weight_file_bytes, **self._options())
+        if "module" in self.__dict__:
+            variant.__dict__["module"] = self.module
+        return variant
+
+    @functools.cached_property
+    def output_head(self) -> OutputHead | None:
+        """The output head ``plan.loss_parallel`` can split over the vocabulary, or None
+        (:func:`orch.plans.parallel.vocab_parallel.output_head`; a shallow copy's is the model's)."""
+        return output_head(self.sample, self.inputs.objective)
+
+    @functools.cached_property
+    def split_head(self) -> ModelProbe | None:
+        """This probe with the output head split over the tensor-parallel ranks as well, for the
+        plans that split it (:meth:`for_plan`); None for a model without such a head."""
+        if self.output_head is None or not self.tp_layer_specs:
+            return None
+        return self._with_specs([*self.tp_layer_specs, self.output_head.layer_spec])
+
+    def for_plan(self, plan: ResolvedPlan) -> ModelProbe:
+        """The probe that counts ``plan``'s tensor-parallel ranks as its engine shards them: with the
+        output head split (:func:`orch.plans.parallel.vocab_parallel.splits_head`) or not."""
+        if plan.tp > 1 and self.split_head is not None and splits_head(plan, self.output_head):
+            return self.split_head
+        return self
 
     @property
     def sample(self) -> torch.nn.Module:
@@ -459,6 +498,7 @@ def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
     micro-batches' gradients sit in ``.grad``.
     """
     capacity = int(cluster.device_memory_gib * GIB)
+    probe = probe.for_plan(plan)
     engine = engine_settings(plan, optim, probe.stats.param_count)
     memory = engine_spec(plan.engine).device_memory(plan, cluster, optim, probe, engine, probe.activations(plan))
     per_stage, pipeline = memory.per_stage, memory.pipeline
@@ -549,9 +589,10 @@ def suggest_fixes(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, pr
 
 
 def check_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe) -> PlanEstimate:
-    """Estimate the plan, name the attention kernel it assumed and, when it does not fit, search
-    for the changes that would."""
-    estimate = dataclasses.replace(estimate_plan(plan, cluster, optim, probe), attention=probe.attention(plan))
+    """Estimate the plan, name the attention kernel and the output head's layout it assumed and,
+    when it does not fit, search for the changes that would."""
+    estimate = dataclasses.replace(estimate_plan(plan, cluster, optim, probe), attention=probe.attention(plan),
+                                   output_head=describe_head(plan, probe.output_head))
     if estimate.feasible:
         return estimate
     return dataclasses.replace(estimate, suggestions=suggest_fixes(plan, cluster, optim, probe))

@@ -215,6 +215,9 @@ class BatchScaledProbe(ModelProbe):
         self.depth_scaled = depth_scaled
         """Measure on copies cut to two shallow depths and extrapolate (orch.plans.model.depth_scaling)."""
 
+    def _options(self) -> dict:
+        return {"exact_up_to": self.exact_up_to, "depth_scaled": self.depth_scaled}
+
     def _measure(self, micro_batch_size: int, precision: Precision, checkpointing: bool,
                  tp: int = 1, accelerator: Accelerator = Accelerator.cpu,
                  sequence_parallel: bool = False, cp: int = 1) -> ActivationBytes:

@@ -417,7 +417,12 @@ class ModelCost:
     tp_splits_every_matmul: bool = False
     """Whether tensor parallelism splits every matmul, whatever the recorded shards say: set only
     to price a run whose software did (Megatron-LM's vocabulary-parallel output layer); the
-    orchestrator's engines leave a layer outside the model's tensor-parallel plan whole."""
+    orchestrator's engines leave a layer outside the model's tensor-parallel plan whole (and split
+    the output head where ``plan.loss_parallel`` does: :attr:`split_head`)."""
+    split_head: ModelCost | None = None
+    """The same counts with the output head split over the tensor-parallel ranks as well, for the
+    plans that split it (:func:`orch.plans.parallel.vocab_parallel.splits_head`); None for a model
+    without such a head."""
 
     def flops_per_sample_of(self, plan: ResolvedPlan) -> float:
         """One sample's training FLOPs under ``plan``'s recomputation: none's, plus full's recomputed

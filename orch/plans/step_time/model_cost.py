@@ -284,7 +284,18 @@ def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled
     depth (:mod:`orch.plans.model.depth_scaling`), when its repeated layers are identical: the probe's own
     shallow copies when it has some (``probe.shallow``). Without ``depth_scaled`` the model is
     counted at its full depth (built for that if the probe has not built it).
+
+    A model whose output head ``plan.loss_parallel`` can split is counted a second time with the
+    head split, for the plans that split it (``ModelCost.split_head``).
     """
+    cost = _measure(probe, tp_degrees, depth_scaled=depth_scaled)
+    if probe.split_head is not None and any(tp > 1 for tp in tp_degrees):
+        cost = dataclasses.replace(cost, split_head=_measure(probe.split_head, tp_degrees, depth_scaled=depth_scaled))
+    return cost
+
+
+def _measure(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled: bool) -> ModelCost:
+    """:func:`measure_model_cost` with the probe's tensor-parallel specs as they are."""
     keep = ("seq_len", "param_count", "boundary_per_sample")
     if depth_scaled and probe.shallow is not None:  # the model was never built at its full depth
         cut = probe.shallow

@@ -29,7 +29,12 @@ them (:class:`orch.plans.search.space.BatchScaledProbe`); smaller ones are count
 def plan_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, probe: ModelProbe, *, devices_per_node: int,
               optim: OptimSpec) -> StepTime:
     """The predicted step of ``plan`` under its engine, which may read more of the model off the probe,
-    with the speeds' phase corrections from finished runs that apply to it, if any (:func:`plan_corrections`)."""
+    with the speeds' phase corrections from finished runs that apply to it, if any (:func:`plan_corrections`).
+    A plan that splits the output head over its tensor-parallel ranks is priced from the counts with
+    the head split (``ModelCost.split_head``, ``ModelProbe.split_head``)."""
+    split = probe.for_plan(plan)
+    if split is not probe and model.split_head is not None:
+        model, probe = model.split_head, split
     step = engine_spec(plan.engine).step_time(plan, model, speeds, devices_per_node=devices_per_node, optim=optim,
                                               probe=probe)
     if applied := plan_corrections(plan, speeds):

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from orch.launchers.engines.base import BuiltModel, Engine, cast_float_buffers, mean_objective
+from orch.launchers.engines.base import BuiltModel, Engine, cast_float_buffers, mean_objective, whole_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +39,9 @@ class FSDP2Engine(Engine):
     context = None
     """This rank's part of each sequence, with ``plan.cp > 1``
     (:class:`orch.launchers.engines.fsdp2.context.ContextSplit`)."""
+    split_head = False
+    """The output head is split over the vocabulary (``plan.loss_parallel``): its logits are a
+    DTensor split along their last dimension, which the loss takes inside torch's ``loss_parallel``."""
 
     def start(self, job: TrainJob, master_addr: str, master_port: int) -> None:
         """Join the process group: gloo for CPU workers, NCCL on this rank's current CUDA device
@@ -74,6 +77,7 @@ class FSDP2Engine(Engine):
             sequence_layout,
         )
         from orch.plans.model.meta import meta_device
+        from orch.plans.parallel.vocab_parallel import output_head, splits_head
 
         plan = job.plan
         self.dtype = None if plan.precision.value == "fp32" else plan.precision.dtype
@@ -102,9 +106,11 @@ class FSDP2Engine(Engine):
 
             self.context = ContextSplit(mesh.cp)
         if mesh.tp is not None:
+            head = output_head(model, job.workload.objective)
+            self.split_head = splits_head(plan, head)
             apply_tensor_parallel(model, mesh.tp, job.workload.tp_layer_specs,
                                   sequence=sequence_layout(model, job.workload.tp_layer_specs) if plan.sequence_parallel
-                                  else None)
+                                  else None, head=head if self.split_head else None)
             if plan.async_tp:
                 enable_async_tp(mesh.tp)
         options = fsdp_options(plan, mesh.dp)
@@ -138,6 +144,8 @@ class FSDP2Engine(Engine):
             built += f", {converted} linear layers multiplying in FP8 ({plan.fp8_recipe.value} scaling)"
         if plan.cp > 1:
             built += f", each sample's sequence split over {plan.cp} context-parallel ranks"
+        if self.split_head:
+            built += f", the output head split over the vocabulary (loss parallel, {head.name})"
         return BuiltModel(built=built, params_at_build=params_at_build, params_on_rank=_local_numel(model),
                           optimizer=describe_optimizer(self.optimizer))
 
@@ -242,7 +250,7 @@ class FSDP2Engine(Engine):
             milestone("optimizer")
             return loss
         total = 0.0
-        with self.context.attention() if self.context is not None else contextlib.nullcontext():
+        with self._step_context():
             for _ in range(micro):
                 loss = self._loss(self.to_device(next(batches)))
                 milestone("forward")
@@ -270,12 +278,28 @@ class FSDP2Engine(Engine):
         milestone("optimizer")
         return total / micro
 
+    @contextlib.contextmanager
+    def _step_context(self) -> Iterator[None]:
+        """What a forward and its backward run inside: attention spread over the context-parallel
+        ranks (``plan.cp > 1``) and torch's ``loss_parallel`` when the head is split."""
+        with contextlib.ExitStack() as stack:
+            if self.context is not None:
+                stack.enter_context(self.context.attention())
+            if self.split_head:
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                stack.enter_context(loss_parallel())
+            yield
+
     def _loss(self, batch: Any) -> torch.Tensor:
-        """The training loss on ``batch``: on this rank's part of its sequence with ``plan.cp > 1``."""
+        """The training loss on ``batch``: on this rank's part of its sequence with ``plan.cp > 1``;
+        a plain tensor (from split logits the loss is a replicated DTensor)."""
         if self.context is None:
-            return self.job.workload.loss(self.model, batch)
-        outputs, part = self.context.call(self.model, batch)
-        return self.job.workload.objective(outputs, part)
+            loss = self.job.workload.loss(self.model, batch)
+        else:
+            outputs, part = self.context.call(self.model, batch)
+            loss = self.job.workload.objective(outputs, part)
+        return whole_tensor(loss)
 
     def evaluate(self, val_batches: Iterator[Any], batches: int) -> dict[str, float]:
         if self.pipeline is not None:
@@ -283,11 +307,11 @@ class FSDP2Engine(Engine):
 
             return pipeline.evaluate(self.pipeline, val_batches, batches, self.job.workload.objective,
                                      self.to_device)
-        if self.context is None:
-            return mean_objective(self.model, self.job.workload.objective, val_batches, batches, self.to_device)
-        with self.context.attention():
+        with self._step_context():
             found = mean_objective(self.model, self.job.workload.objective, val_batches, batches, self.to_device,
-                                   run=self.context.call)
+                                   run=self.context.call if self.context is not None else None)
+        if self.context is None:
+            return found
         return {name: self.context.mean(value) for name, value in found.items()}
 
     def outputs(self, batch: Any) -> Any:
@@ -301,10 +325,12 @@ class FSDP2Engine(Engine):
         try:
             with torch.no_grad():
                 if self.context is None:
-                    return call_model(self.model, self.to_device(batch))
+                    outputs = call_model(self.model, self.to_device(batch))
+                    # Logits split over the vocabulary (plan.loss_parallel), gathered whole.
+                    return whole_tensor(output_tensor(outputs)) if self.split_head else outputs
                 with self.context.attention():
                     outputs, _ = self.context.call(self.model, self.to_device(batch))
-                return self.context.whole(output_tensor(outputs))
+                return self.context.whole(whole_tensor(output_tensor(outputs)))
         finally:
             self.model.train()
 

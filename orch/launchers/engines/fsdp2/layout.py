@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from orch.plans.parallel.rank_layout import ParallelCoords
     from orch.plans.parallel.sequence_parallel import SequenceParallelLayout
+    from orch.plans.parallel.vocab_parallel import OutputHead
     from orch.plans.resolve import ResolvedPlan
 
 _HF_STYLES = ("colwise", "rowwise")
@@ -163,7 +164,7 @@ def autotp_styles(model: torch.nn.Module, layer_specs: list[dict],
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_specs: list[dict] | None, *,
                           match_names: dict[str, str] | None = None, hf_plan: dict | None = None,
-                          sequence: SequenceParallelLayout | None = None) -> int:
+                          sequence: SequenceParallelLayout | None = None, head: OutputHead | None = None) -> int:
     """Shard ``model``'s linear layers over ``tp_mesh`` with DTensor's column- and row-wise styles;
     returns how many were sharded.
 
@@ -173,6 +174,13 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
     stage is matched by the whole model's names (``match_names``: its module names -> the
     model's), so its layers are sharded as the unpipelined model's are. With ``sequence``, the
     residual stream is split along the sequence as well (:func:`apply_sequence_parallel`).
+
+    ``head``, the output head ``plan.loss_parallel`` splits over the vocabulary
+    (:mod:`orch.plans.parallel.vocab_parallel`), is column-parallel whatever the plan says of it,
+    its logits left split along their last dimension (a DTensor), as torch's ``loss_parallel``
+    takes them; its input is the whole hidden state (under sequence parallelism the final norm's
+    output is gathered for it). Without ``head`` an output head stays whole (the Hugging Face
+    plans' ``colwise_gather_output`` is not applied).
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -193,6 +201,10 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
                     plan[name] = styles[style]()
     else:
         plan = {name: styles[kind]() for name, kind in autotp_styles(model, layer_specs or [], match_names).items()}
+    if head is not None:
+        from torch.distributed.tensor import Shard
+
+        plan[head.name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if not plan:
         raise RuntimeError(f"plan.tp={tp_mesh.size()}, but no layer of {type(model).__name__} matched its tensor-"
                            "parallel plan: every rank would hold and compute the whole model")
@@ -255,10 +267,11 @@ def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layout:
     (``SequenceParallel``, its weight replicated, its gradient summed over the slices) and its
     output is all-gathered (``PrepareModuleOutput`` to ``Replicate``); a block norm's output stays
     a DTensor, so the column-parallel layers' partial input gradients are reduce-scattered back to
-    the slice in one collective; the final norm's is a plain tensor for the replicated head. Each
-    row-parallel layer reduce-scatters to the slice instead of all-reducing. The first block's
-    input is split where it enters the block, not at the embedding: a model computes its positions
-    and masks from the embedding's output, which keeps the whole sequence.
+    the slice in one collective; the final norm's is a plain tensor for the head (whole, or split
+    over the vocabulary). Each row-parallel layer reduce-scatters to the slice instead of
+    all-reducing. The first block's input is split where it enters the block, not at the
+    embedding: a model computes its positions and masks from the embedding's output, which keeps
+    the whole sequence.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module

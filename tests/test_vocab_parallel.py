@@ -1,0 +1,113 @@
+"""The output head split over the vocabulary (``plan.loss_parallel``) as the planner counts it:
+which heads and plans split, and what a split head takes off a rank's memory and step. All pure:
+models on ``meta``, no Ray, no torch.distributed. The engine trains with it in
+tests/test_fsdp2_engine.py (loss, clipping, checkpoint at tp=2, resumed at tp=1) and
+tests/test_fsdp2_e2e.py (with sequence and context parallelism, through Ray)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from helpers.config import compose_config
+from orch.config import to_typed
+from orch.plans.memory.estimate import ModelProbe, check_plan, estimate_plan
+from orch.plans.model.meta import meta_device
+from orch.plans.parallel.vocab_parallel import OutputHead, describe_head, kept_whole, output_head, splits_head
+from orch.plans.resolve import resolve_plan
+from orch.plans.step_time.prediction import count_model_cost, declared_plan_step, plan_step
+from orch.plans.step_time.profile import cluster_speeds
+from orch.workload import resolve_workload
+from orch.workloads.objectives import CausalLM, Classification
+
+UNTIED = ("model=hf_causal_lm", "model.config.tie_word_embeddings=false", "model.config.vocab_size=4096",
+          "plan.dp=1", "plan.tp=2", "plan.precision=fp32")
+
+
+def resolved(*overrides: str):
+    typed, model_cfg, _ = to_typed(compose_config(*overrides))
+    return typed, model_cfg, resolve_plan(typed.plan, typed.cluster, typed.train)
+
+
+def llama(tied: bool):
+    from orch.workloads.hf import hf_causal_lm
+
+    with meta_device():
+        return hf_causal_lm({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                             "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300,
+                             "tie_word_embeddings": tied})
+
+
+def test_the_head_is_an_untied_output_layer_under_a_cross_entropy_objective():
+    assert output_head(llama(tied=False), CausalLM()) == OutputHead(name="lm_head", classes=300)
+    assert output_head(llama(tied=True), CausalLM()) is None  # the embedding would have to split too
+    assert output_head(llama(tied=False), Classification()) is None  # no such declaration: kept whole
+    assert output_head(llama(tied=False), lambda outputs, batch: outputs.sum()) is None
+    from orch.workloads.gpt import GPT
+
+    assert output_head(GPT(n_layer=1, d_model=32, n_head=2, seq_len=8, tie_embeddings=False), CausalLM()) is None
+    assert OutputHead("lm_head", 300).layer_spec == {"patterns": [r"^lm_head\.weight$"], "partition_type": "column"}
+
+
+def test_only_fsdp2_plans_with_tp_and_no_pipeline_split_the_head_and_say_why_not():
+    head = OutputHead("lm_head", 4096)
+    _, _, plan = resolved(*UNTIED, "plan.engine=fsdp2")
+    assert splits_head(plan, head) and kept_whole(plan, head) is None
+    assert describe_head(plan, head) == ("lm_head split over the vocabulary (4,096 / tp=2 per rank), the loss "
+                                         "computed from the split logits (plan.loss_parallel)")
+    assert not splits_head(plan, None) and describe_head(plan, None) == ""
+    reasons = {
+        "plan.engine=deepspeed": "the deepspeed engine keeps it whole",
+        "plan.loss_parallel=false": "plan.loss_parallel=false",
+    }
+    for override, why in reasons.items():
+        _, _, other = resolved(*UNTIED, "plan.engine=fsdp2", override)
+        assert not splits_head(other, head) and kept_whole(other, head) == why
+        assert describe_head(other, head) == f"lm_head (4,096 classes) whole on every tensor-parallel rank: {why}"
+    _, _, piped = resolved(*UNTIED, "plan.engine=fsdp2", "plan.pp=2", "plan.grad_accum_steps=2",
+                           "cluster.devices_per_node=4")
+    assert kept_whole(piped, head) == "plan.pp=2: pipeline stages keep it whole"
+    assert kept_whole(plan, OutputHead("lm_head", 301)) == "its 301 classes do not split 2 ways"
+    _, _, one = resolved(*UNTIED, "plan.engine=fsdp2", "plan.tp=1", "plan.dp=2")
+    assert not splits_head(one, head) and describe_head(one, head) == ""
+    assert "loss_parallel=false" in resolved(*UNTIED, "plan.engine=fsdp2", "plan.loss_parallel=false")[2].layout_text()
+    assert "loss_parallel" not in plan.layout_text()
+
+
+def test_a_split_head_takes_its_share_of_parameters_logits_and_matmuls_off_each_rank():
+    typed, model_cfg, split = resolved(*UNTIED, "plan.engine=fsdp2")
+    whole = dataclasses.replace(split, loss_parallel=False)
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
+    probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs)
+    assert probe.output_head == OutputHead("lm_head", 4096)
+    assert probe.for_plan(whole) is probe and probe.for_plan(split) is probe.split_head
+    hidden = 128
+    head_params = 4096 * hidden
+
+    estimates = {name: estimate_plan(plan, typed.cluster, typed.optim, probe) for name, plan in
+                 (("split", split), ("whole", whole))}
+    # fp32 parameters: 4 bytes each, half the head's on each rank.
+    assert estimates["whole"].states.params - estimates["split"].states.params == 4 * (head_params // 2)
+    # The logits and their fp32 log-softmax for the loss: [micro-batch, tokens, vocabulary] each, halved.
+    logits = split.micro_batch_size * workload.tokens_per_sample * 4096 * 4
+    saved = estimates["whole"].per_device.activations - estimates["split"].per_device.activations
+    assert logits // 2 <= saved <= 3 * logits, (saved, logits)
+    # DeepSpeed keeps the head whole: its count is the unsplit one.
+    _, _, deepspeed = resolved(*UNTIED, "plan.engine=deepspeed")
+    assert probe.for_plan(deepspeed) is probe
+    assert check_plan(split, typed.cluster, typed.optim, probe).output_head.startswith("lm_head split over")
+
+    model = count_model_cost(probe, [1, 2], probe.stats.param_count)
+    assert model.split_head is not None and model.split_head.split_head is None
+    assert model.tp_param_count[2] - model.split_head.tp_param_count[2] == head_params // 2
+    # The head's input gradient is all-reduced in backward, as every column-parallel layer's is.
+    assert model.split_head.column_parallel_layers == model.column_parallel_layers + 1
+    speeds, _ = cluster_speeds(typed.cluster, split.precision)
+    steps = {name: plan_step(plan, model, speeds, probe, devices_per_node=typed.cluster.devices_per_node,
+                             optim=typed.optim) for name, plan in (("split", split), ("whole", whole))}
+    assert steps["split"].compute_s < steps["whole"].compute_s and steps["split"].tp_comm_s > steps["whole"].tp_comm_s
+    assert steps["split"].total_s < steps["whole"].total_s
+    # orch check prices the declared plan the same way.
+    declared = declared_plan_step(split, typed.cluster, typed.optim, probe, probe.stats.param_count)
+    assert declared.total_s == pytest.approx(steps["split"].total_s)
