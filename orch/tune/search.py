@@ -143,6 +143,13 @@ def _context_degrees(declared: list[int] | None, seq_len: int | None) -> tuple[i
     return tuple(found)
 
 
+def _may_split_head(tune) -> bool:
+    """Whether a plan of the search may split the output head over its tensor-parallel ranks
+    (:func:`orch.plans.parallel.vocab_parallel.splits_head`): an engine that does, and pp = 1 among
+    the degrees searched. Only then are the model's counts taken a second time with the head split."""
+    return any(engine_spec(e).loss_parallel for e in tune.engines) and (not tune.pp or 1 in tune.pp)
+
+
 def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None = None,
             ) -> tuple[SearchSpace, SearchContext]:
     """The search space and everything fixed during the search (the model probed once)."""
@@ -192,7 +199,8 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
         return None
 
     ctx = SearchContext(cluster=cluster, train=cfg.train, optim=cfg.optim, probe=probe,
-                        model_cost=count_model_cost(probe, tp_degrees, facts.param_count),
+                        model_cost=count_model_cost(probe, tp_degrees, facts.param_count,
+                                                    split_head=_may_split_head(cfg.tune)),
                         speeds=cluster_speeds(cluster, cfg.plan.precision)[0],
                         tp_problem=tp_problem, plan_problem=plan_problem)
     space = _space(cfg, cluster.world_size, facts.supports_activation_checkpointing, facts.selective_problem)

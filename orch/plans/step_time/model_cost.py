@@ -277,7 +277,8 @@ def _traffic_by_tp(probe: ModelProbe, module: torch.nn.Module, *, checkpointing:
     return whole, min(max(2 * (whole - half), 0), whole)
 
 
-def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled: bool = False) -> ModelCost:
+def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled: bool = False,
+                       split_head: bool = True) -> ModelCost:
     """Count the model's FLOPs and communication sizes for one sample of the probe's data source.
 
     ``depth_scaled``: count copies of the model cut to two shallow depths and extrapolate to its
@@ -286,10 +287,11 @@ def measure_model_cost(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled
     counted at its full depth (built for that if the probe has not built it).
 
     A model whose output head ``plan.loss_parallel`` can split is counted a second time with the
-    head split, for the plans that split it (``ModelCost.split_head``).
+    head split, for the plans that split it (``ModelCost.split_head``), unless ``split_head`` is
+    false (no plan priced with these counts splits it: the second count costs what the first does).
     """
     cost = _measure(probe, tp_degrees, depth_scaled=depth_scaled)
-    if probe.split_head is not None and any(tp > 1 for tp in tp_degrees):
+    if split_head and probe.split_head is not None and any(tp > 1 for tp in tp_degrees):
         cost = dataclasses.replace(cost, split_head=_measure(probe.split_head, tp_degrees, depth_scaled=depth_scaled))
     return cost
 

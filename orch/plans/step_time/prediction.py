@@ -50,12 +50,14 @@ def plan_corrections(plan: ResolvedPlan, speeds: Speeds) -> dict[str, float]:
     return applied_scales(dict(speeds.phase_scale), correction_kind(plan), pipelined=plan.pp > 1)
 
 
-def count_model_cost(probe: ModelProbe, tp_degrees: list[int], param_count: int) -> ModelCost:
+def count_model_cost(probe: ModelProbe, tp_degrees: list[int], param_count: int, *,
+                     split_head: bool = True) -> ModelCost:
     """The model's FLOPs, shapes and sizes as the tuner and `orch check` count them: at two shallow
     depths and extrapolated for a model of :data:`EXACT_PARAMS_LIMIT` parameters or more, or one
-    the probe holds only shallow copies of; in full otherwise."""
+    the probe holds only shallow copies of; in full otherwise. ``split_head``: count them with the
+    output head split as well, for plans that split it (:func:`measure_model_cost`)."""
     depth_scaled = param_count >= EXACT_PARAMS_LIMIT or probe.shallow is not None
-    return measure_model_cost(probe, tp_degrees, depth_scaled=depth_scaled)
+    return measure_model_cost(probe, tp_degrees, depth_scaled=depth_scaled, split_head=split_head)
 
 
 def declared_plan_step(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe,
@@ -63,7 +65,7 @@ def declared_plan_step(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpe
     """The declared plan's predicted step at the cluster's speeds (its profile's measured ones, else
     the declared ones: :func:`orch.plans.step_time.profile.cluster_speeds`), counted as the tuner
     counts it (the model costed once, at the plan's tensor-parallel degree)."""
-    model = count_model_cost(probe, [plan.tp], param_count)
+    model = count_model_cost(probe, [plan.tp], param_count, split_head=probe.for_plan(plan) is not probe)
     speeds, _ = cluster_speeds(cluster, plan.precision)
     return plan_step(plan, model, speeds, probe, devices_per_node=cluster.devices_per_node, optim=optim)
 
