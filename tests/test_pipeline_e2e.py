@@ -59,9 +59,12 @@ def test_a_pipelined_checkpoint_resumes_at_another_dp_tp_and_pp(local_ray, sqlit
     """A Llama-shaped Hugging Face decoder checkpointed at (dp=2, pp=2) on 4 workers resumes, from
     the same step and with the same global batch, at (dp=2, pp=1), at (dp=1, tp=2) and at
     (tp=2, pp=2) with the sequence split over tp: DCP reshards the whole model's names whichever
-    stage wrote them, and the runs go on to the same losses."""
+    stage wrote them, and the runs go on to the same losses. The head is untied: the runs at tp=2
+    split it over the vocabulary (``plan.loss_parallel``; with pp=2 on the last stage), from a
+    checkpoint of a whole head."""
     # Four workers on the tests' 2-CPU Ray: half a CPU each.
-    hf = ["model=hf_causal_lm", "model.config.num_hidden_layers=4", "cluster.cpus_per_worker=0.5"]
+    hf = ["model=hf_causal_lm", "model.config.num_hidden_layers=4", "model.config.tie_word_embeddings=false",
+          "cluster.cpus_per_worker=0.5"]
     ckpt = tmp_path / "ckpt"
     first = train(sqlite_uri, *hf, "cluster.devices_per_node=4", "plan.dp=2", "plan.pp=2", "train.steps=5",
                   "train.checkpoint_every=5", f"train.checkpoint_dir={ckpt}")
@@ -78,6 +81,9 @@ def test_a_pipelined_checkpoint_resumes_at_another_dp_tp_and_pp(local_ray, sqlit
         shutil.copytree(ckpt, folder)
         result = train(sqlite_uri, *hf, *overrides, "train.resume=auto", f"train.checkpoint_dir={folder}")
         assert [r[0].step for r in result.reports] == [6, 7, 8, 9, 10], name
+        split = [f for f in result.worker_facts if "the output head split over the vocabulary" in f.model.built]
+        # At tp=2 both ranks holding the head split it: the two of the last stage with pp=2.
+        assert len(split) == (2 if result.plan.tp == 2 else 0), (name, [f.model.built for f in result.worker_facts])
         resumed[name] = losses(result)
     reference = resumed.pop("dp=2 pp=1")
     assert reference[-1] < first.reports[-1][0].loss

@@ -216,11 +216,12 @@ class PlanSpec:
     micro-pipelined TP: each such matmul runs in tp chunks as the collective's chunks move through
     symmetric memory). Hides most of the tp term; each matmul runs at 1/tp of its rows."""
     loss_parallel: bool = True
-    """With tp > 1 and no pipeline stages (FSDP2 engine): split the output head over the vocabulary
-    across the tensor-parallel ranks and compute the loss from the split logits (torch's
-    loss_parallel), as Megatron-LM's vocabulary-parallel head; false keeps the head, its logits and
-    the loss whole on every rank. Needs an untied head the model names (get_output_embeddings())
-    and a cross-entropy objective (orch.plans.parallel.vocab_parallel); DeepSpeed keeps it whole."""
+    """With tp > 1 (FSDP2 engine; with pipeline stages, on the last one): split the output head over
+    the vocabulary across the tensor-parallel ranks and compute the loss from the split logits
+    (torch's loss_parallel), as Megatron-LM's vocabulary-parallel head; false keeps the head, its
+    logits and the loss whole on every rank. Needs an untied head the model names
+    (get_output_embeddings()) and a cross-entropy objective (orch.plans.parallel.vocab_parallel);
+    DeepSpeed keeps it whole."""
 
 
 @dataclass(kw_only=True)

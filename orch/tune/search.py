@@ -145,9 +145,9 @@ def _context_degrees(declared: list[int] | None, seq_len: int | None) -> tuple[i
 
 def _may_split_head(tune) -> bool:
     """Whether a plan of the search may split the output head over its tensor-parallel ranks
-    (:func:`orch.plans.parallel.vocab_parallel.splits_head`): an engine that does, and pp = 1 among
-    the degrees searched. Only then are the model's counts taken a second time with the head split."""
-    return any(engine_spec(e).loss_parallel for e in tune.engines) and (not tune.pp or 1 in tune.pp)
+    (:func:`orch.plans.parallel.vocab_parallel.splits_head`): an engine that does is searched.
+    Only then are the model's counts taken a second time with the head split."""
+    return any(engine_spec(e).loss_parallel for e in tune.engines)
 
 
 def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None = None,

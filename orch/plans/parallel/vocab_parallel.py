@@ -63,9 +63,9 @@ def output_head(model: torch.nn.Module, objective: Any) -> OutputHead | None:
 
 def splits_head(plan: ResolvedPlan, head: OutputHead | None) -> bool:
     """Whether ``plan`` splits ``head`` over its tensor-parallel ranks: ``plan.loss_parallel`` under
-    an engine that does (``EngineSpec.loss_parallel``), tp > 1 without pipeline stages, and a
-    vocabulary the tp ranks divide evenly (:func:`kept_whole`). Elsewhere the head stays whole on
-    every rank."""
+    an engine that does (``EngineSpec.loss_parallel``), tp > 1, and a vocabulary the tp ranks divide
+    evenly (:func:`kept_whole`); with pipeline stages, on the last one. Elsewhere the head stays
+    whole on every rank."""
     return head is not None and plan.tp > 1 and kept_whole(plan, head) is None
 
 
@@ -78,8 +78,6 @@ def kept_whole(plan: ResolvedPlan, head: OutputHead) -> str | None:
         return f"the {plan.engine} engine keeps it whole"
     if not plan.loss_parallel:
         return "plan.loss_parallel=false"
-    if plan.pp > 1:
-        return f"plan.pp={plan.pp}: pipeline stages keep it whole"
     if head.classes % plan.tp:
         return f"its {head.classes:,} classes do not split {plan.tp} ways"
     return None

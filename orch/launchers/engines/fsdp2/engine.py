@@ -188,6 +188,8 @@ class FSDP2Engine(Engine):
             built += ", each block compiled (torch.compile)"
         if plan.precision.value == "fp8":
             built += f", the blocks' linear layers multiplying in FP8 ({plan.fp8_recipe.value} scaling)"
+        if self.pipeline.head_name:
+            built += f", the output head split over the vocabulary (loss parallel, {self.pipeline.head_name})"
         return BuiltModel(built=built, params_at_build=held, params_on_rank=_local_numel(self.pipeline.stages),
                           optimizer=describe_optimizer(self.optimizer))
 

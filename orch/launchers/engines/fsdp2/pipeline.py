@@ -123,6 +123,21 @@ class Pipeline:
     """Process groups summing shared weights' gradients (:func:`tie_groups`)."""
     names: StateNames
     device: torch.device
+    split_head: bool = False
+    """The output head is split over the vocabulary (``plan.loss_parallel``): the last stage's logits
+    are a DTensor, and each step and evaluation runs inside torch's ``loss_parallel``."""
+    head_name: str = ""
+    """The split head's name in the whole model, where this rank holds it ("" elsewhere)."""
+
+    def loss_context(self):
+        """What the schedule's steps and evaluation run inside: ``loss_parallel`` when the head is split."""
+        import contextlib
+
+        if not self.split_head:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
 
 def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str, Any]) -> Pipeline:
@@ -134,6 +149,7 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
     from torch.distributed.pipelining import PipelineStage
 
     from orch.launchers.engines.fsdp2.layout import apply_tensor_parallel, enable_async_tp
+    from orch.plans.parallel.vocab_parallel import OutputHead, output_head, splits_head
 
     plan = job.plan
     if job.workload.pipeline_layers is None:
@@ -150,12 +166,19 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
         from orch.launchers.engines.fsdp2.float8 import convert_blocks_to_fp8
 
         convert_blocks_to_fp8(blocks, plan, device)
+    split_head, held_head = False, None
     if meshes.tp is not None:
         names = {name: whole_name_of_module(stages, name) for name, _ in stages.named_modules() if name}
         whole = _whole_on_meta(job)
         sequence = _stage_sequence_layout(stages, names, whole, job, plan.tp) if plan.sequence_parallel else None
+        head = output_head(whole, job.workload.objective)
+        split_head = splits_head(plan, head)
+        if split_head:
+            # Under this rank's stage name, where it holds the last stage.
+            local = next((name for name, whole_name in names.items() if whole_name == head.name), None)
+            held_head = OutputHead(name=local, classes=head.classes) if local else None
         apply_tensor_parallel(stages, meshes.tp, job.workload.tp_layer_specs, match_names=names,
-                              hf_plan=_hf_tp_plan(whole), sequence=sequence)
+                              hf_plan=_hf_tp_plan(whole), sequence=sequence, head=held_head)
         if plan.async_tp:
             enable_async_tp(meshes.tp)
     if plan.activation_checkpointing:
@@ -184,7 +207,7 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
     return Pipeline(stages=stages, schedule=schedule, first=0 in stages.indices,
                     last=layout.stages - 1 in stages.indices, last_rank=layout.rank_of(layout.stages - 1),
                     pp_group=meshes.pp.get_group(), tied=tie_groups(stages, plan, coords), names=StateNames(stages),
-                    device=device)
+                    device=device, split_head=split_head, head_name=head.name if held_head else "")
 
 
 def _whole_on_meta(job) -> torch.nn.Module:
@@ -234,11 +257,12 @@ def train_step(pipeline: Pipeline, batches: Iterator[Any], micro: int, to_device
     mean micro-batch loss, which the last stage computes and sends to its pipeline peers."""
     drawn = draw(batches, micro, to_device)
     losses: list[torch.Tensor] = []
-    pipeline.schedule.step(arg_mbs=[(stage_input(b),) for b in drawn],
-                           target_mbs=[stage_target(b) for b in drawn], losses=losses,
-                           # The last stage would keep every micro-batch's output (the logits) to
-                           # return them merged: nothing here reads them.
-                           return_outputs=False)
+    with pipeline.loss_context():
+        pipeline.schedule.step(arg_mbs=[(stage_input(b),) for b in drawn],
+                               target_mbs=[stage_target(b) for b in drawn], losses=losses,
+                               # The last stage would keep every micro-batch's output (the logits) to
+                               # return them merged: nothing here reads them.
+                               return_outputs=False)
     sync_tied_gradients(pipeline.stages, pipeline.tied)
     return _mean_loss(pipeline, losses)
 
@@ -247,9 +271,12 @@ def _mean_loss(pipeline: Pipeline, losses: list[torch.Tensor]) -> float:
     """The mean of the last stage's ``losses``, on every rank of its pipeline group."""
     import torch.distributed as dist
 
+    from orch.launchers.engines.base import whole_tensor
+
     mean = torch.zeros((), device=pipeline.device)
     if pipeline.last:
-        mean = torch.stack([loss.detach().float() for loss in losses]).mean().to(pipeline.device)
+        # From logits split over the vocabulary each loss is a replicated DTensor.
+        mean = torch.stack([whole_tensor(loss).detach().float() for loss in losses]).mean().to(pipeline.device)
     dist.broadcast(mean, group=pipeline.pp_group, group_src=pipeline.last_rank)
     return float(mean)
 
@@ -261,7 +288,7 @@ def evaluate(pipeline: Pipeline, val_batches: Iterator[Any], batches: int, objec
     total = 0.0
     pipeline.stages.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), pipeline.loss_context():
             for _ in range(batches):
                 batch = to_device(next(val_batches))
                 out = forward_only(pipeline, stage_input(batch))
