@@ -95,7 +95,8 @@ def main() -> None:
     lines += ["", "Each row is the fastest plan that fits of that schedule among the tuner's candidates for "
               "`orch tune model=PRESET cluster=h100_8x`, `tune.engines=[fsdp2] "
               "tune.tp=[8] tune.pp=[PP] tune.recompute_every_n_layers=[1,2,4]`, bf16, sequence 8192; terms in "
-              "seconds per step (docs/tuner.md). "
+              "seconds per step (docs/tuner.md); the output head split over the vocabulary on the last stage "
+              "(`plan.loss_parallel`, on by default). "
               "Predictions only: the fsdp2 pipeline schedules ran on CPU workers, never on a GPU; async TP "
               "(`plan.async_tp`) has run only through torch's CPU fallbacks of its fused ops.",
               "", "The tuner's winner with the layout free as well (`tune.tp=[4,8]`, pp among the shape's listed "

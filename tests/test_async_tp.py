@@ -106,6 +106,7 @@ def test_the_compiled_blocks_run_the_fused_ops_and_train_as_the_eager_model(tmp_
     # Per block and step: the all-gathers in front of q/k/v and gate/up, forward, and of the
     # gradients into o_proj and down_proj, backward; the reduce-scatters after o_proj and down_proj.
     assert overlapped["calls"] == {"fused_all_gather_matmul": 2 * 4 * 4, "fused_matmul_reduce_scatter": 2 * 2 * 4}
-    assert overlapped["built"].endswith("its collectives overlapped with their matmuls (async TP)")
+    assert overlapped["built"].endswith("its collectives overlapped with their matmuls (async TP), the output head "
+                                        "split over the vocabulary (loss parallel, lm_head)")
     assert overlapped["losses"] == pytest.approx(eager["losses"], rel=1e-4)
     assert overlapped["losses"][-1] < overlapped["losses"][0]

@@ -146,7 +146,8 @@ def test_fp8_trains_as_bf16_does_with_float8_layers_in_the_blocks_and_the_same_c
     assert fp8["losses"] == pytest.approx(bf16["losses"], rel=5e-3)
     assert fp8["losses"][-1] < fp8["losses"][0] - 0.3
     llama = _ranks(tmp_path / "llama", model="llama", precision="fp8", tp=2, recipe="rowwise")
-    # q, k, v, o and the MLP's three in each block; the head stays in bf16.
-    assert llama["built"].endswith("14 linear layers multiplying in FP8 (rowwise scaling)")
+    # q, k, v, o and the MLP's three in each block; the head stays in bf16, split over the vocabulary.
+    assert llama["built"].endswith("14 linear layers multiplying in FP8 (rowwise scaling), the output head split "
+                                   "over the vocabulary (loss parallel, lm_head)")
     assert llama["linear_kinds"] == ["Float8Linear", "Linear"]
     assert llama["losses"][-1] < llama["losses"][0] - 0.3
