@@ -9,6 +9,7 @@ the copies before the optimizer step. Evaluation runs each micro-batch through t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -131,8 +132,6 @@ class Pipeline:
 
     def loss_context(self):
         """What the schedule's steps and evaluation run inside: ``loss_parallel`` when the head is split."""
-        import contextlib
-
         if not self.split_head:
             return contextlib.nullcontext()
         from torch.distributed.tensor.parallel import loss_parallel
