@@ -75,6 +75,7 @@ class FSDP2Engine(Engine):
             meshes,
             repeated_blocks,
             sequence_layout,
+            split_head_text,
         )
         from orch.plans.model.meta import meta_device
         from orch.plans.parallel.vocab_parallel import output_head, splits_head
@@ -145,7 +146,7 @@ class FSDP2Engine(Engine):
         if plan.cp > 1:
             built += f", each sample's sequence split over {plan.cp} context-parallel ranks"
         if self.split_head:
-            built += f", the output head split over the vocabulary (loss parallel, {head.name})"
+            built += split_head_text(head.name)
         return BuiltModel(built=built, params_at_build=params_at_build, params_on_rank=_local_numel(model),
                           optimizer=describe_optimizer(self.optimizer))
 
@@ -168,7 +169,7 @@ class FSDP2Engine(Engine):
         """This rank's pipeline stages (:mod:`orch.launchers.engines.fsdp2.pipeline`), each built
         from its layers' own seeds, so no rank builds the whole model."""
         from orch.launchers.engines.base import describe_optimizer
-        from orch.launchers.engines.fsdp2.layout import fsdp_options, meshes
+        from orch.launchers.engines.fsdp2.layout import fsdp_options, meshes, split_head_text
         from orch.launchers.engines.fsdp2.pipeline import build_pipeline
 
         plan = job.plan
@@ -189,7 +190,7 @@ class FSDP2Engine(Engine):
         if plan.precision.value == "fp8":
             built += f", the blocks' linear layers multiplying in FP8 ({plan.fp8_recipe.value} scaling)"
         if self.pipeline.head_name:
-            built += f", the output head split over the vocabulary (loss parallel, {self.pipeline.head_name})"
+            built += split_head_text(self.pipeline.head_name)
         return BuiltModel(built=built, params_at_build=held, params_on_rank=_local_numel(self.pipeline.stages),
                           optimizer=describe_optimizer(self.optimizer))
 
@@ -284,13 +285,12 @@ class FSDP2Engine(Engine):
     def _step_context(self) -> Iterator[None]:
         """What a forward and its backward run inside: attention spread over the context-parallel
         ranks (``plan.cp > 1``) and torch's ``loss_parallel`` when the head is split."""
+        from orch.launchers.engines.fsdp2.layout import loss_context
+
         with contextlib.ExitStack() as stack:
             if self.context is not None:
                 stack.enter_context(self.context.attention())
-            if self.split_head:
-                from torch.distributed.tensor.parallel import loss_parallel
-
-                stack.enter_context(loss_parallel())
+            stack.enter_context(loss_context(self.split_head))
             yield
 
     def _loss(self, batch: Any) -> torch.Tensor:

@@ -7,6 +7,7 @@ outermost), which a row-major ``(dp, tp)`` mesh reproduces; :func:`meshes` check
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -219,6 +220,21 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
     if sequence is not None:
         apply_sequence_parallel(model, tp_mesh, sequence)
     return len(plan)
+
+
+def loss_context(split_head: bool):
+    """What a step's forward, loss and backward (and evaluation) run inside when the output head is
+    split over the vocabulary: torch's ``loss_parallel``, which takes the split logits; else nothing."""
+    if not split_head:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def split_head_text(name: str) -> str:
+    """The engine's build line's words for an output head split over the vocabulary."""
+    return f", the output head split over the vocabulary (loss parallel, {name})"
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:

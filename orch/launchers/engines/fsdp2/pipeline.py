@@ -9,13 +9,14 @@ the copies before the optimizer step. Evaluation runs each micro-batch through t
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from orch.launchers.engines.base import whole_tensor
+from orch.launchers.engines.fsdp2.layout import loss_context
 from orch.launchers.engines.fsdp2.pipeline_stages import Stages, StateNames, block_class, cut, whole_name_of_module
 from orch.plans.spec import PipelineSchedule
 
@@ -129,14 +130,6 @@ class Pipeline:
     are a DTensor, and each step and evaluation runs inside torch's ``loss_parallel``."""
     head_name: str = ""
     """The split head's name in the whole model, where this rank holds it ("" elsewhere)."""
-
-    def loss_context(self):
-        """What the schedule's steps and evaluation run inside: ``loss_parallel`` when the head is split."""
-        if not self.split_head:
-            return contextlib.nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
 
 
 def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str, Any]) -> Pipeline:
@@ -256,7 +249,7 @@ def train_step(pipeline: Pipeline, batches: Iterator[Any], micro: int, to_device
     mean micro-batch loss, which the last stage computes and sends to its pipeline peers."""
     drawn = draw(batches, micro, to_device)
     losses: list[torch.Tensor] = []
-    with pipeline.loss_context():
+    with loss_context(pipeline.split_head):
         pipeline.schedule.step(arg_mbs=[(stage_input(b),) for b in drawn],
                                target_mbs=[stage_target(b) for b in drawn], losses=losses,
                                # The last stage would keep every micro-batch's output (the logits) to
@@ -269,8 +262,6 @@ def train_step(pipeline: Pipeline, batches: Iterator[Any], micro: int, to_device
 def _mean_loss(pipeline: Pipeline, losses: list[torch.Tensor]) -> float:
     """The mean of the last stage's ``losses``, on every rank of its pipeline group."""
     import torch.distributed as dist
-
-    from orch.launchers.engines.base import whole_tensor
 
     mean = torch.zeros((), device=pipeline.device)
     if pipeline.last:
@@ -287,7 +278,7 @@ def evaluate(pipeline: Pipeline, val_batches: Iterator[Any], batches: int, objec
     total = 0.0
     pipeline.stages.eval()
     try:
-        with torch.no_grad(), pipeline.loss_context():
+        with torch.no_grad(), loss_context(pipeline.split_head):
             for _ in range(batches):
                 batch = to_device(next(val_batches))
                 out = forward_only(pipeline, stage_input(batch))
