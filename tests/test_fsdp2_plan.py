@@ -184,6 +184,30 @@ def test_fused_adam_steps_in_place_and_fp16_takes_the_multi_tensor_kernel():
     assert parts(step) == {"sharded gradients (fp32)": 1000, "optimizer step temporaries": 1000}
 
 
+def test_the_loss_backward_meets_no_root_when_the_root_reshards_after_forward():
+    """orch passes ``reshard_after_forward`` to the root too: with ``true`` the root is gathered
+    again only in the hook on its output's gradient, after the loss's backward. The activations'
+    peak there (the logits' gradients) meets no root parameters or gradients; the head's backward
+    meets both, with the activations of its own moment. Without resharding the root stays
+    gathered and the head phase is counted as one, at the backward peak."""
+    split = dataclasses.replace(ACTS, loss_backward_peak=12_000, head_backward_peak=8_000)
+    engine = EngineSettings(zero_stage=ZeroStage.parameters, reshard_after_forward=True, offload_optimizer=Offload.none,
+                            offload_param=Offload.none, torch_adam=True, fused_adam=True)
+    m = fsdp_memory(engine, mesh=FSDPMesh(shard=4), model=STATS, units=UNITS, activations=split,
+                    precision=Precision.bf16, optimizer=OptimizerName.adamw, momentum=0.0)
+    loss, head = m.phases[1:3]
+    assert (loss.phase, head.phase) == ("loss backward", "head backward")
+    assert parts(loss) == {"activations": 12_000}
+    assert parts(head) == {"activations": 8_000, "root parameters, gathered (bf16)": 400,
+                           "all-gather buffer, one block (bf16)": 200, "root gradients, unsharded (bf16)": 400}
+    # The step's peak moves into the blocks (12,400, as counted above), under the one-phase 13,000.
+    assert m.binding.phase == "first block backward" and m.binding.total == 12_400 < memory().binding.total == 13_000
+    engine = dataclasses.replace(engine, reshard_after_forward=False)
+    kept = fsdp_memory(engine, mesh=FSDPMesh(shard=4), model=STATS, units=UNITS, activations=split,
+                       precision=Precision.bf16, optimizer=OptimizerName.adamw, momentum=0.0)
+    assert kept.phases[1].phase == "head backward" and kept.phases[2].phase == "first block backward"
+
+
 def test_without_reshard_after_forward_every_block_stays_gathered():
     m = memory(reshard=False)
     forward, head, backward = m.phases[:3]

@@ -111,3 +111,21 @@ def test_a_split_head_takes_its_share_of_parameters_logits_and_matmuls_off_each_
     # orch check prices the declared plan the same way.
     declared = declared_plan_step(split, typed.cluster, typed.optim, probe, probe.stats.param_count)
     assert declared.total_s == pytest.approx(steps["split"].total_s)
+
+
+def test_with_pipeline_stages_only_the_stage_that_holds_the_head_keeps_its_share():
+    """At tp=2 x pp=2 the head's rows / tp count on the last stage, which holds it: not spread over
+    the stages in proportion to their parameters as the other split layers' saving is."""
+    overrides = (*UNTIED, "plan.engine=fsdp2", "plan.pp=2", "plan.grad_accum_steps=2", "cluster.devices_per_node=4")
+    typed, model_cfg, split = resolved(*overrides)
+    whole = dataclasses.replace(split, loss_parallel=False)
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
+    probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs,
+                       pipeline_layers=workload.pipeline_layers)
+    whole_stages, split_stages = ([s.params for s in estimate_plan(plan, typed.cluster, typed.optim, probe).stages]
+                   for plan in (whole, split))
+    head_bytes = 4 * 4096 * 128
+    # Over the stages, the split head saves half its fp32 weight, and the last stage most of that
+    # (the other stages' split layers now keep a smaller share each, not diluted by a whole head).
+    assert sum(whole_stages) - sum(split_stages) == pytest.approx(head_bytes // 2, abs=8)
+    assert whole_stages[1] - split_stages[1] > 0.75 * head_bytes // 2 > whole_stages[0] - split_stages[0]

@@ -13,6 +13,14 @@ predicts is bytes of *tensors*, so this module counts exactly those, from two to
 
 Both run only in the step the worker probes (``train.memory_probe_step``); a dispatch mode costs
 a few microseconds of Python per operator, and the scan walks every object of the process.
+
+A blind spot: an operator on DTensors runs DTensor's own dispatch below the mode, which sees what
+the operator returns but none of the temporaries it makes and frees inside (a redistribution's
+buffers, a handler's intermediates). The sequence- and context-parallel peaks measured through it
+match the planner's count within 0-9% (bench/results/memory_accuracy_sequence.md, _context.md),
+but torch's ``loss_parallel`` handlers hide two tensors of the local logits' size at the loss's
+peak (orch/plans/parallel/split_loss.py, where the planner counts them, and
+bench/results/split_loss_memory.md, where the resident set measures them).
 """
 
 from __future__ import annotations

@@ -27,10 +27,14 @@ torch/distributed/fsdp/_fully_shard/ (torch 2.14):
 * **without reshard_after_forward** (``FSDPParamGroup.reshard`` returns early in forward) every
   block keeps its gathered parameters from its forward until its backward: at the end of forward
   all blocks are gathered at once.
-* **the root**: ``fully_shard`` sets ``reshard_after_forward=False`` on the root module
-  (``_fully_shard.py``, the ``None`` default: "``False`` for root modules"), so the root's
-  parameters stay gathered from the start of forward to the end of backward, and their
-  gradients (the head's first) wait in ``.grad`` for the root's reduce-scatter at the very end.
+* **the root**: torch keeps the root gathered after forward only when ``reshard_after_forward``
+  is left at its ``None`` default (``FSDPState._lazy_init``); the engine passes the plan's
+  setting to the root as well, so with ``true`` the root reshards when its forward ends and
+  gathers again in the hook on the gradient of its output. The loss's backward, where the
+  activations peak with the output's gradients, meets no root parameters; from the head's
+  backward on they are gathered to the end of backward, and their gradients (the head's first)
+  wait in ``.grad`` for the root's reduce-scatter at the very end. With ``false`` the root stays
+  gathered throughout.
 * **one block's gradients before its reduce-scatter**: autograd leaves the block's unsharded
   gradients in the compute dtype; ``foreach_reduce`` copies them into a ``reduce_dtype`` (fp32)
   reduce-scatter input of the whole block before freeing them, so both coexist at the copy-in;
@@ -46,9 +50,9 @@ torch/distributed/fsdp/_fully_shard/ (torch 2.14):
 
 Activations are measured on ``meta`` exactly as for DeepSpeed (:mod:`orch.plans.memory.activations`), with
 the trace cut where backward enters and leaves the repeated layers: these parts are alive at
-different moments, and each phase below pairs them with the activations of its moment (head
-backward, the first block backward reaches, the blocks after it, the last block's
-reduce-scatter). The peak is what is held plus the worst phase, as
+different moments, and each phase below pairs them with the activations of its moment (the
+loss's backward, the head's, the first block backward reaches, the blocks after it, the last
+block's reduce-scatter). The peak is what is held plus the worst phase, as
 :func:`orch.plans.memory.states.step_phases` counts DeepSpeed's.
 Notation: Ψ parameters, Φ trainable ones, N the shard group, b the compute dtype's bytes, B the
 largest block, R the root.
@@ -244,9 +248,22 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
     # prefetch of it); without resharding every block is still gathered.
     backward_gathered = gathered if engine.reshard_after_forward else gathered[:1]
     root_grads = Part(name=f"root gradients, unsharded ({dtype})", kind="grads", bytes=b * units.root_trainable)
-    head = FSDPPhase(phase="head backward", parts=(
-        Part(name="activations", kind="activations", bytes=activations.backward_peak), root,
-        *(gathered[1:] if engine.reshard_after_forward else gathered[:1]), root_grads, earlier))
+    in_head = gathered[1:] if engine.reshard_after_forward else gathered[:1]
+    head_phases = [FSDPPhase(phase="head backward", parts=(
+        Part(name="activations", kind="activations", bytes=activations.backward_peak), root, *in_head, root_grads,
+        earlier))]
+    if engine.reshard_after_forward and activations.loss_backward_peak:
+        # The root reshards after forward too (orch passes fully_shard the plan's setting, where
+        # torch's default would keep the root gathered), and gathers again in the hook on the
+        # gradient of its output: the loss's backward, where the activations peak with the
+        # logits' gradients, meets no root parameters; the head's backward meets them and makes
+        # the root's gradients.
+        head_phases = [
+            FSDPPhase(phase="loss backward", parts=(
+                Part(name="activations", kind="activations", bytes=activations.loss_backward_peak), earlier)),
+            FSDPPhase(phase="head backward", parts=(
+                Part(name="activations", kind="activations", bytes=activations.head_backward_peak), root, *in_head,
+                root_grads, earlier))]
     # Inside the blocks the activations peak in the first block backward reaches (the last
     # layer): that block and the prefetched previous one are gathered and its gradients are being
     # made. From the next block on, the previous block's reduce-scatter input and output stay
@@ -279,7 +296,7 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
         root, root_grads,
         Part(name="reduce-scatter input, root (fp32)", kind="buffers", bytes=_FP32 * units.root_trainable),
         Part(name="sharded gradients (fp32)", kind="grads", bytes=device_grads)))
-    phases = [forward, head, backward, later_blocks, reduce_block, reduction]
+    phases = [forward, *head_phases, backward, later_blocks, reduce_block, reduction]
     if not offloaded:
         # torch's fused Adam steps every tensor in place. Its multi-tensor (foreach) kernel, taken
         # under fp16's loss scaler, makes one temporary of every moment at once

@@ -30,6 +30,7 @@ from orch.plans.model.depth_scaling import (
     PassTrace,
     ShallowModels,
     extrapolate,
+    head_backward_peaks,
     peaks_at_depth,
     repeated_stack,
     shallow_copy,
@@ -45,6 +46,7 @@ from orch.plans.model.workload import (
     move_batch,
     output_tensor,
 )
+from orch.plans.parallel.split_loss import CROSS_ENTROPY, split_cross_entropy
 from orch.plans.spec import Accelerator, Recompute
 
 ModelOrFactory = torch.nn.Module | Callable[[], torch.nn.Module]
@@ -79,6 +81,14 @@ class ActivationBytes:
     blocks_backward_end: int = 0
     """The bytes alive when backward leaves the first repeated layer (its last): what FSDP2's
     last block reduce-scatter meets, with every other block's gradients sharded by then."""
+    loss_backward_peak: int = 0
+    """``backward_peak`` from the loss to the model's first parameter gradient: the backward of the
+    loss and of whatever follows the model's last parameter, which needs no parameter. FSDP2's
+    root, resharded after forward, is gathered again only after it. 0 when no parameter gradient
+    follows the loss (then the head's backward is not told apart)."""
+    head_backward_peak: int = 0
+    """``backward_peak`` from the first parameter gradient to the repeated layers' backward (the
+    output head's, with its parameters in use); 0 when :attr:`loss_backward_peak` is."""
 
     @property
     def peak(self) -> int:
@@ -127,6 +137,10 @@ class _MetaRunsAsOn(MetaBranches):
         kwargs = kwargs or {}
         if func is _SDPA and args and args[0].device.type == "meta":
             return self._attention(*args, **kwargs)
+        if func is CROSS_ENTROPY:
+            split = split_cross_entropy(args, kwargs)
+            if split is not None:
+                return split
         return super().__torch_function__(func, types, args, kwargs)
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -376,6 +390,14 @@ def _live_peaks(module: torch.nn.Module, micro_batch_size: int, inputs: ModelInp
                                          backward=[tuple(m) for m in backward_marks])
 
 
+def _head_backward(trace: PassTrace) -> dict[str, int]:
+    """The peaks of backward before the model's first parameter gradient and from it to the
+    repeated layers (:func:`head_backward_peaks` of the trace's events in between)."""
+    start = trace.forward_end
+    stop = trace.backward[-1][0] if trace.backward and trace.backward[-1][0] >= start else len(trace.values)
+    return head_backward_peaks(trace.values[start:stop])
+
+
 def _blocks_backward(trace: PassTrace) -> dict[str, int]:
     """The most activation bytes alive while backward is inside one of the repeated layers, the
     same over all of them but the last, and the bytes at the first allocation after backward
@@ -450,7 +472,8 @@ def _measure_pass(factory_or_module: ModelOrFactory, micro_batch_size: int, inpu
         enable_activation_checkpointing(module, checkpointing)
     forward_peak, live, pass_trace = _live_peaks(module, micro_batch_size, inputs, accelerator)
     peaks = dict(forward_peak=forward_peak, backward_peak=live.peak, backward_peak_with_grads=live.peak_with_grads,
-                 grads_at_backward_peak=live.grads_at_peak, **_blocks_backward(pass_trace))
+                 grads_at_backward_peak=live.grads_at_peak, **_blocks_backward(pass_trace),
+                 **_head_backward(pass_trace))
     if not checkpointing:
         return ActivationBytes(saved=plain.total, recompute_peak=0, **peaks), pass_trace
     checkpointed_module = _build_on_meta(factory_or_module, dtype)

@@ -63,6 +63,7 @@ from orch.plans.parallel.sequence_parallel import (
     layout_of,
     split_sequence_on_meta,
 )
+from orch.plans.parallel.split_loss import split_loss_on_meta
 from orch.plans.parallel.tp_plan import split_layers
 from orch.plans.parallel.vocab_parallel import OutputHead, describe_head, output_head, splits_head
 from orch.plans.resolve import ResolvedPlan
@@ -285,6 +286,18 @@ class ModelProbe:
             return None
         return self._with_specs([*self.tp_layer_specs, self.output_head.layer_spec])
 
+    @property
+    def splits_output_head(self) -> bool:
+        """Whether this probe's tensor-parallel copies split the output head (:attr:`split_head`)."""
+        return self.output_head is not None and self.output_head.layer_spec in self.tp_layer_specs
+
+    @functools.cached_property
+    def output_head_params(self) -> int:
+        """The parameters of the output head :attr:`output_head` names (0 without one)."""
+        if self.output_head is None:
+            return 0
+        return sum(p.numel() for p in self.sample.get_submodule(self.output_head.name).parameters())
+
     def for_plan(self, plan: ResolvedPlan) -> ModelProbe:
         """The probe that counts ``plan``'s tensor-parallel ranks as its engine shards them: with the
         output head split (:func:`orch.plans.parallel.vocab_parallel.splits_head`) or not."""
@@ -338,13 +351,15 @@ class ModelProbe:
             module = shard_module(module, self.tp_layer_specs, tp)
             return split_sequence_on_meta(module, self.tp_layer_specs, tp) if sequence_parallel else module
 
-        if self.shallow is not None:
-            shallow = self.shallow if tp <= 1 else self.shallow.map(lambda m: sharded(copy.deepcopy(m)))
-            carried = activations_from_shallow(shallow, **args)
-            if carried is not None:
-                return carried
-        factory = self.factory if tp <= 1 else functools.partial(_on_meta, self.factory, sharded)
-        return measure_activations(factory, **args)
+        # With the head split over the vocabulary, its loss runs as torch's loss_parallel runs it.
+        with split_loss_on_meta(tp > 1 and self.splits_output_head):
+            if self.shallow is not None:
+                shallow = self.shallow if tp <= 1 else self.shallow.map(lambda m: sharded(copy.deepcopy(m)))
+                carried = activations_from_shallow(shallow, **args)
+                if carried is not None:
+                    return carried
+            factory = self.factory if tp <= 1 else functools.partial(_on_meta, self.factory, sharded)
+            return measure_activations(factory, **args)
 
     def _measure_or_refusal(self, *args) -> ActivationBytes | ValueError:
         """:meth:`_measure`, or the ValueError of a model that refuses the micro-batch in training,

@@ -210,6 +210,8 @@ class Peaks:
     blocks_backward_peak: int
     later_blocks_backward_peak: int
     blocks_backward_end: int
+    loss_backward_peak: int
+    head_backward_peak: int
 
 
 def _segments(trace: PassTrace) -> dict[str, list[tuple[int, int]]] | None:
@@ -238,6 +240,18 @@ def _line(a: list[tuple[int, int]], b: list[tuple[int, int]], steps: float) -> l
 def _follows_line(parts: list[list[tuple[int, int]]]) -> bool:
     """Whether the layers' parts differ event by event by the same amount from one to the next."""
     return all(_line(parts[0], parts[1], k - 1) == parts[k] for k in range(2, len(parts)))
+
+
+def head_backward_peaks(events: list[tuple[int, int]]) -> dict[str, int]:
+    """``loss_backward_peak`` and ``head_backward_peak`` of the (activation, gradient) bytes from the
+    loss to the repeated layers' backward: split at the first parameter gradient, whose operator's
+    other outputs (the gradient of the head's input) come with it, so the event before it counts
+    in both parts. Both 0 when no gradient appears there."""
+    first = next((i for i, (_, grads) in enumerate(events) if grads > events[0][1]), None)
+    if not first:
+        return {"loss_backward_peak": 0, "head_backward_peak": 0}
+    return {"loss_backward_peak": max(c for c, _ in events[:first]),
+            "head_backward_peak": max(c for c, _ in events[first - 1:])}
 
 
 def peaks_at_depth(shallow: PassTrace, deeper: PassTrace, depth: int) -> Peaks | None:
@@ -276,11 +290,12 @@ def peaks_at_depth(shallow: PassTrace, deeper: PassTrace, depth: int) -> Peaks |
     in_blocks = [*last, *first_layers]
     later = [*before_last, *first_layers]
     after = _line(a["after"], b["after"], deepen)
-    backward = [*_line(a["head backward"], b["head backward"], deepen), *in_blocks, *after]
+    head = _line(a["head backward"], b["head backward"], deepen)
+    backward = [*head, *in_blocks, *after]
     events = forward + backward
     with_grads = max(events, key=lambda e: e[0] + e[1])
     return Peaks(forward_peak=max(c for c, _ in forward), backward_peak=max(c for c, _ in events),
                  backward_peak_with_grads=with_grads[0] + with_grads[1], grads_at_backward_peak=with_grads[1],
                  blocks_backward_peak=max((c for c, _ in in_blocks), default=0),
                  later_blocks_backward_peak=max((c for c, _ in later), default=0),
-                 blocks_backward_end=(after[0] if after else in_blocks[-1])[0])
+                 blocks_backward_end=(after[0] if after else in_blocks[-1])[0], **head_backward_peaks(head))
