@@ -69,11 +69,13 @@ def test_a_pipelined_checkpoint_resumes_at_another_dp_tp_and_pp(local_ray, sqlit
     first = train(sqlite_uri, *hf, "cluster.devices_per_node=4", "plan.dp=2", "plan.pp=2", "train.steps=5",
                   "train.checkpoint_every=5", f"train.checkpoint_dir={ckpt}")
     assert (first.plan.dp, first.plan.pp) == (2, 2) and len(first.reports) == 5
+    # In this order each layout after the first takes the workers of the run before it when it has
+    # as many (tests/helpers/ray_cluster.py): one group of four, then one of two.
     layouts = {
-        "dp=2 pp=1": ["cluster.devices_per_node=2", "plan.dp=2"],
-        "dp=1 tp=2": ["cluster.devices_per_node=2", "plan.tp=2", "plan.grad_accum_steps=4"],
         "tp=2 pp=2 sequence-parallel": ["cluster.devices_per_node=4", "plan.tp=2", "plan.pp=2",
                                         "plan.grad_accum_steps=4", "plan.sequence_parallel=true"],
+        "dp=2 pp=1": ["cluster.devices_per_node=2", "plan.dp=2"],
+        "dp=1 tp=2": ["cluster.devices_per_node=2", "plan.tp=2", "plan.grad_accum_steps=4"],
     }
     resumed = {}
     for name, overrides in layouts.items():
