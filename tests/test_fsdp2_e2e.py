@@ -203,13 +203,14 @@ def test_sequence_and_context_parallelism_follow_the_whole_sequence_curve(local_
     assert [r[0].loss for r in context.reports] == pytest.approx(losses[:2], rel=1e-4)
     assert context.reports[-1][0].evaluation["eval_loss"] == pytest.approx(evals[0], rel=1e-4)
     assert MlflowClient(sqlite_uri).get_run(context.run_id).data.params["plan.cp"] == "2"
+    # Resumed before the 4-worker run: it takes the 2 workers of the run before it.
+    resumed = train(sqlite_uri, *common, "plan.tp=2", "train.steps=20", *checkpoints)
+    assert resumed.run_id == context.run_id and resumed.worker_facts[0].start_step == 10
+    assert [r[0].loss for r in resumed.reports] == pytest.approx(losses[2:], rel=1e-4)
+    assert resumed.reports[-1][0].evaluation["eval_loss"] == pytest.approx(evals[1], rel=1e-4)
     # All three on 4 workers: FSDP2 over the flattened (dp, cp) mesh dimension, tp inside each cp rank.
     four = train(sqlite_uri, *common, "plan.tp=2", "plan.cp=2", "plan.sequence_parallel=true", "train.steps=10",
                  "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5")
     assert all(f.model.built.endswith(split_head) for f in four.worker_facts)
     assert [r[0].loss for r in four.reports] == pytest.approx(losses[:2], rel=1e-4)
     assert four.reports[-1][0].evaluation["eval_loss"] == pytest.approx(evals[0], rel=1e-4)
-    resumed = train(sqlite_uri, *common, "plan.tp=2", "train.steps=20", *checkpoints)
-    assert resumed.run_id == context.run_id and resumed.worker_facts[0].start_step == 10
-    assert [r[0].loss for r in resumed.reports] == pytest.approx(losses[2:], rel=1e-4)
-    assert resumed.reports[-1][0].evaluation["eval_loss"] == pytest.approx(evals[1], rel=1e-4)
