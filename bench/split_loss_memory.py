@@ -55,18 +55,19 @@ def tracked_peak_mib(step) -> float:
     return (tracker.peak - tracker.baseline) / MiB
 
 
-def planned_peak_mib(split: bool) -> float:
-    """The planner's meta pass over the same loss: the peak of live bytes from the logits on."""
+def planned_peak_bytes(tokens: int, classes: int, split: bool) -> int:
+    """The planner's meta pass over the loss of [tokens, classes] fp32 logits: the peak of live
+    bytes from the logits on (tests/test_split_loss.py counts it too)."""
     from orch.plans.memory.activations import _LiveBytes, _MetaRunsAsOn
     from orch.plans.parallel.split_loss import split_loss_on_meta
 
-    logits = torch.empty(TOKENS, CLASSES // TP, device="meta", requires_grad=True)
-    target = torch.zeros(TOKENS, dtype=torch.long, device="meta")
+    logits = torch.empty(tokens, classes, device="meta", requires_grad=True)
+    target = torch.zeros(tokens, dtype=torch.long, device="meta")
     live = _LiveBytes([])
     with live, _MetaRunsAsOn(), split_loss_on_meta(split):
         live._see(logits.untyped_storage())
         F.cross_entropy(logits, target).backward()
-    return live.peak / MiB
+    return live.peak
 
 
 def _peak_with_logits(peak, make, step) -> float:
@@ -129,7 +130,7 @@ def main() -> None:
              "|---|---:|---:|---:|---:|"]
     for name, split, label in (("split", True, "`loss_parallel` over split logits"),
                                ("local", False, "aten's cross-entropy over the same local logits")):
-        resident, planned = measured[name, "resident"], planned_peak_mib(split)
+        resident, planned = measured[name, "resident"], planned_peak_bytes(TOKENS, CLASSES // TP, split) / MiB
         lines.append(f"| {label} | {resident:.1f} | {planned:.1f} | {100 * (planned / resident - 1):+.1f}% | "
                      f"{measured[name, 'tracked']:.1f} |")
     publish(lines, args.markdown)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from orch.plans.memory.activations import _LiveBytes, _MetaRunsAsOn
+from bench.split_loss_memory import planned_peak_bytes
 from orch.plans.model.depth_scaling import head_backward_peaks
 from orch.plans.parallel.split_loss import _SplitCrossEntropy, split_loss_on_meta
 
@@ -29,24 +29,14 @@ def test_the_split_arithmetic_is_cross_entropy_and_its_gradient(reduction):
     assert torch.allclose(found, expected) and torch.allclose(found_grad, expected_grad)
 
 
-def meta_peak(split: bool) -> int:
-    logits = torch.empty(TOKENS, CLASSES, device="meta", requires_grad=True)
-    target = torch.zeros(TOKENS, dtype=torch.long, device="meta")
-    live = _LiveBytes([])
-    with live, _MetaRunsAsOn(), split_loss_on_meta(split):
-        live._see(logits.untyped_storage())
-        F.cross_entropy(logits, target).backward()
-    return live.peak
-
-
 def test_the_split_loss_holds_one_more_logits_sized_tensor_than_atens():
     """aten: the logits, the log-probabilities saved, the log-probabilities' gradient and the logits'
     at once (4). loss_parallel's joint backward keeps zeros_like(x), exp(x) and their sum beside
     the saved log-probabilities and the logits (5), as bench/results/split_loss_memory.md measures
     on a gloo group by the resident set."""
     # (and a few per-token scalars)
-    assert meta_peak(split=False) / LOGITS == pytest.approx(4, abs=0.01)
-    assert meta_peak(split=True) / LOGITS == pytest.approx(5, abs=0.01)
+    assert planned_peak_bytes(TOKENS, CLASSES, split=False) / LOGITS == pytest.approx(4, abs=0.01)
+    assert planned_peak_bytes(TOKENS, CLASSES, split=True) / LOGITS == pytest.approx(5, abs=0.01)
     # Outside split_loss_on_meta, and for calls it does not model, the call runs as it is.
     with split_loss_on_meta():
         logits = torch.empty(TOKENS, CLASSES, device="meta", requires_grad=True)

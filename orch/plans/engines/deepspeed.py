@@ -269,16 +269,31 @@ def _device_phases(plan: ResolvedPlan, optim, engine: EngineSettings, probe: Mod
     return states, phases
 
 
-def _stage_stats(probe: ModelProbe, stage: PipelineStage, tp: int) -> ModelStats:
-    """A stage's parameter counts; its tensor-parallel layers split tp ways, in the model's proportion."""
+def _stage_stats(probe: ModelProbe, stage: PipelineStage, tp: int, *, head: int = 0,
+                 holds_head: bool = False) -> ModelStats:
+    """A stage's parameter counts; its tensor-parallel layers split tp ways, in the model's proportion.
+
+    An output head split over the vocabulary (``head``: its parameters, fsdp2's ``plan.loss_parallel``)
+    is outside that proportion: its rows / tp count on the stage that ``holds_head`` alone.
+    """
     from orch.plans.memory.states import ModelStats
 
-    whole, sharded = probe.stats, probe.stats_for(tp)
-    keep = sharded.param_count / whole.param_count if whole.param_count else 1.0
-    keep_trainable = sharded.trainable_count / whole.trainable_count if whole.trainable_count else 1.0
-    return ModelStats(param_count=round(stage.params * keep), trainable_count=round(stage.trainable * keep_trainable),
-                      largest_layer_params=min(whole.largest_layer_params, stage.params),
+    keep, keep_trainable = _tp_keep(probe, tp, head)
+    mine, kept = (head, -(-head // tp)) if holds_head else (0, 0)
+    return ModelStats(param_count=round((stage.params - mine) * keep) + kept,
+                      trainable_count=round((stage.trainable - mine) * keep_trainable) + kept,
+                      largest_layer_params=min(probe.stats.largest_layer_params, stage.params),
                       largest_param=stage.largest_param)
+
+
+def _tp_keep(probe: ModelProbe, tp: int, head: int = 0) -> tuple[float, float]:
+    """The shares of the (all, trainable) parameters outside a split head of ``head`` parameters
+    that one tensor-parallel rank keeps, over the whole model."""
+    whole, sharded = probe.stats, probe.stats_for(tp)
+    kept = -(-head // tp)
+    rest, rest_trainable = whole.param_count - head, whole.trainable_count - head
+    return ((sharded.param_count - kept) / rest if rest > 0 else 1.0,
+            (sharded.trainable_count - kept) / rest_trainable if rest_trainable > 0 else 1.0)
 
 
 SPEC = DeepSpeedSpec()

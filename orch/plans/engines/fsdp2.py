@@ -11,7 +11,6 @@ Its memory is counted part by part as ``fully_shard`` lays it out
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orch.plans.engine_settings import EngineSettings, ZeroStage
@@ -30,7 +29,6 @@ from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, Optimiz
 if TYPE_CHECKING:
     from orch.plans.memory.activations import ActivationBytes
     from orch.plans.memory.estimate import ModelProbe
-    from orch.plans.memory.states import ModelStats
     from orch.plans.parallel.pipeline import PipelineStage
     from orch.plans.resolve import ResolvedPlan
     from orch.plans.search.space import SearchSpace
@@ -149,7 +147,7 @@ class FSDP2Spec(EngineSpec):
         its schedule holds in flight (:func:`orch.plans.parallel.pipeline.rank_stages`)."""
         from collections import Counter
 
-        from orch.plans.engines.deepspeed import _stage_stats
+        from orch.plans.engines.deepspeed import _stage_stats, _tp_keep
         from orch.plans.engines.fsdp2_memory import FSDPUnits, fsdp_memory, fsdp_mesh
         from orch.plans.parallel.pipeline import rank_stages, stage_activations
         from orch.plans.parallel.schedules import stages_of_rank
@@ -163,18 +161,20 @@ class FSDP2Spec(EngineSpec):
         whole_units = probe.fsdp_units(plan.tp)
         per_stage, details = [], []
         stages = probe.stages(plan)
-        head = _SplitHead.of(probe, plan.tp)
+        # The output head split over the vocabulary (plan.loss_parallel): its parameters, whole.
+        head = probe.output_head_params if plan.tp > 1 and probe.splits_output_head else 0
         for rank in ranks:
             mine = [i for s in stages_of_rank(rank.index, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
                     for i in range(stages[s].start, stages[s].stop)]
             # The engine splits the head of the stage that holds the last layer (the head itself).
-            holds_head = head is not None and len(layers) - 1 in mine
-            stats = head.stage_stats(probe, rank, holds_head) if head else _stage_stats(probe, rank, plan.tp)
-            keep = head.keep if head else (stats.param_count / rank.params if rank.params else 1.0)
+            holds_head = bool(head) and len(layers) - 1 in mine
+            stats = _stage_stats(probe, rank, plan.tp, head=head, holds_head=holds_head)
+            keep = _tp_keep(probe, plan.tp, head)[0] if head else (stats.param_count / rank.params if rank.params
+                                                                    else 1.0)
             root = round(keep * sum(layers[i].params for i in mine
                                     if (layers[i].name != block or repeats < 2) and not (holds_head and i == mine[-1])))
             if holds_head:
-                root += head.kept
+                root += -(-head // plan.tp)
             root = min(root, stats.param_count)
             units = FSDPUnits(root=root, root_trainable=min(root, stats.trainable_count),
                               largest_block=min(whole_units.largest_block, stats.param_count - root),
@@ -253,42 +253,6 @@ class FSDP2Spec(EngineSpec):
         schedules take only off: :meth:`rejection`)."""
         stage = schema_default("zero_stage")
         return [(stage, FSDPSpec(reshard_after_forward=r)) for r in space.reshard_after_forward]
-
-
-@dataclass(frozen=True)
-class _SplitHead:
-    """The output head split over the vocabulary on the pipeline stage that holds it: its rows / tp
-    count there alone, and the other split layers' saving is spread over the stages in the model's
-    proportion (:func:`orch.plans.engines.deepspeed._stage_stats`)."""
-
-    params: int
-    """The head's parameters, whole."""
-    kept: int
-    """What one tensor-parallel rank keeps of them."""
-    keep: float
-    """The share of every other layer's parameters a tensor-parallel rank keeps, over the model."""
-    keep_trainable: float
-
-    @classmethod
-    def of(cls, probe: ModelProbe, tp: int) -> _SplitHead | None:
-        if tp <= 1 or not probe.splits_output_head:
-            return None
-        head = probe.output_head_params
-        kept = -(-head // tp)
-        whole, sharded = probe.stats, probe.stats_for(tp)
-        rest, rest_trainable = whole.param_count - head, whole.trainable_count - head
-        return cls(params=head, kept=kept,
-                   keep=(sharded.param_count - kept) / rest if rest > 0 else 1.0,
-                   keep_trainable=(sharded.trainable_count - kept) / rest_trainable if rest_trainable > 0 else 1.0)
-
-    def stage_stats(self, probe: ModelProbe, stage: PipelineStage, holds_head: bool) -> ModelStats:
-        from orch.plans.memory.states import ModelStats
-
-        head, kept = (self.params, self.kept) if holds_head else (0, 0)
-        return ModelStats(param_count=round((stage.params - head) * self.keep) + kept,
-                          trainable_count=round((stage.trainable - head) * self.keep_trainable) + kept,
-                          largest_layer_params=min(probe.stats.largest_layer_params, stage.params),
-                          largest_param=stage.largest_param)
 
 
 SPEC = FSDP2Spec()

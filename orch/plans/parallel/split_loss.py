@@ -9,8 +9,8 @@ negative log-likelihood and the log-softmax is computed in one expression,
 ``(zeros_like(x) with -1 at the targets + exp(x)) * grad``, whose three temporaries of the local
 logits' size are alive with the saved log-probabilities. Measured on a 2-rank gloo group by the
 process's resident memory (the allocations large enough to be mapped and unmapped one by one):
-64 MiB at the peak of a split loss over logits of 16 MiB per rank, 48 MiB for aten's loss over
-the same local logits.
+80 MiB at the peak of a split loss over logits of 16 MiB per rank (the logits included), 64 MiB
+for aten's loss over the same local logits (bench/results/split_loss_memory.md).
 
 The worker's tensor tracker (:mod:`orch.launchers.memory_probe`) cannot see those temporaries:
 DTensor runs its handlers below the dispatch mode, which sees only their results. So the
