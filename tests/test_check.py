@@ -362,8 +362,15 @@ def test_check_an_fsdp2_plan_names_its_parts_and_engine(tmp_path):
     # Rank 0 runs the first and the last stage (the V): the embedding, its tied copy in the head.
     assert "pipeline ranks (parameters partition; zbv, 2 stages per rank schedule;" in piped.stdout
     assert "rank 0: layers 0-6 (Embedding, Block x 2, LayerNorm, Embedding)" in piped.stdout
-    # The built-in GPT's fused qkv cannot be split by DTensor's styles: refused before any worker.
-    fused = orch("check", "plan.engine=fsdp2", "plan.tp=2", cwd=tmp_path)
+    # The built-in GPT's qkv rows are whole heads in order, so DTensor's column-wise style splits it.
+    split = orch("check", "plan.engine=fsdp2", "plan.tp=2", cwd=tmp_path)
+    assert split.returncode == 0, split.stderr
+    assert "verdict  FITS with fsdp2:" in split.stdout
+    # A user's specs that split a weight in fused parts (each part split on its own) cannot be
+    # split by DTensor's styles: refused before any worker.
+    specs = ('+model.tp_layer_specs=[{patterns: ["^0[.]weight$"], partition_type: column, shape: [2, -1], '
+             'partition_dim: 0}, {patterns: ["^3[.]weight$"], partition_type: row}]')
+    fused = orch("check", "model=mlp", "data=dataset", "plan.engine=fsdp2", "plan.tp=2", specs, cwd=tmp_path)
     assert fused.returncode == 2
     assert "plan.tp=2: the tensor-parallel layer specs" in fused.stderr and "split fused layers" in fused.stderr
     assert "Fix: set plan.engine=deepspeed (which split fused layers), or plan.tp=1" in fused.stderr

@@ -274,6 +274,22 @@ def test_hf_llama_at_tp2_uses_its_own_tp_plan_and_resumes_at_tp1(tmp_path):
 
 
 @pytest.mark.slow
+def test_builtin_gpt_at_tp2_with_sequence_parallelism_resumes_at_tp1(tmp_path):
+    """The built-in GPT's fused qkv split by DTensor's column-wise style (its rows are whole heads
+    in order), the residual stream split along the sequence: the sharded model's first loss is the
+    unsharded one's, to fp32 rounding, and its checkpoint loads into one unsharded rank."""
+    found = _spawn("train_and_save", 2, tmp_path, model="gpt", tp=2, precision="fp32", sequence_parallel=True)
+    assert found["built"].endswith(", the sequence split over the 2 tensor-parallel ranks"), found["built"]
+    assert found["losses"][0] == pytest.approx(found["whole_first_loss"], rel=1e-5)
+    assert found["losses"][-1] < found["losses"][0] - 0.5
+    assert found["params_on_rank"] < found["params_at_build"]
+    assert found["consolidated_shapes"] == found["whole_shapes"]
+    resumed = _spawn("resume", 1, tmp_path, model="gpt", precision="fp32")
+    assert resumed["weights_equal"] and resumed["step"] == 6
+    assert resumed["eval"]["loss"] == pytest.approx(found["eval"]["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
 def test_torchvision_vit_trains_in_fp16_with_checkpointed_blocks_hybrid_and_offloaded(tmp_path):
     """Two one-worker "nodes" (LOCAL_WORLD_SIZE=1): hybrid sharding shards over one rank and
     replicates over two, so each rank holds every parameter; parameters offloaded to the host;

@@ -141,9 +141,10 @@ def test_the_planner_names_model_and_tp_when_heads_do_not_split():
 
 
 def test_gpt_attention_runs_on_a_head_shard():
-    # What AutoTP leaves on one rank: qkv keeps this rank's rows of each of q, k and v, proj its
-    # columns. The forward reads the local head count off the width, and the two ranks' partial
-    # proj outputs sum (the all-reduce) to the whole attention output.
+    # What a plain column split (AutoTP's, DTensor's) leaves on one rank: qkv keeps this rank's
+    # half of its rows, which are whole heads with their q, k and v, and proj its columns. The
+    # forward reads the local head count off the width, and the two ranks' partial proj outputs
+    # sum (the all-reduce) to the whole attention output.
     torch.manual_seed(0)
     attn = GPT(d_model=32, n_head=4).blocks[0].attn
     x = torch.randn(2, 5, 32)
@@ -151,7 +152,7 @@ def test_gpt_attention_runs_on_a_head_shard():
     partial = []
     for rank in range(2):
         shard = GPT(d_model=32, n_head=4).blocks[0].attn
-        rows = torch.cat([torch.arange(16) + part * 32 + rank * 16 for part in range(3)])
+        rows = torch.arange(48) + rank * 48
         shard.qkv.weight = torch.nn.Parameter(attn.qkv.weight[rows])
         shard.qkv.bias = torch.nn.Parameter(attn.qkv.bias[rows])
         shard.proj.weight = torch.nn.Parameter(attn.proj.weight[:, rank * 16:(rank + 1) * 16])

@@ -33,13 +33,13 @@ from orch.plans.parallel.stage_layers import StageLayer
 # ``tensor_parallel.partition_config.layer_specs`` (deepspeed/module_inject/autotp_config.py):
 # regexes matched against full parameter names. Megatron's layout: the first linear of each
 # sublayer is column-parallel (its output split by heads or hidden units, no communication in
-# forward) and the second row-parallel (its input split, one all-reduce in forward). ``qkv`` packs
-# q, k and v on dim 0, so ``shape: [3, -1]`` splits each of the three separately and every rank
-# gets whole heads of all three. Embeddings, the (tied) output head and the layer norms match no
-# spec and stay replicated.
+# forward) and the second row-parallel (its input split, one all-reduce in forward). ``qkv``'s
+# rows are ordered head by head, each head's q, k and v together (Megatron-LM's layout of its fused
+# QKV), so a plain column split hands every rank whole heads of all three: the same spec serves
+# DeepSpeed's AutoTP and DTensor's column-wise style. Embeddings, the (tied) output head and the
+# layer norms match no spec and stay replicated.
 TP_LAYER_SPECS: list[dict] = [
-    {"patterns": [r".*\.attn\.qkv\.weight$"], "partition_type": "column", "shape": [3, -1], "partition_dim": 0},
-    {"patterns": [r".*\.mlp\.fc\.weight$"], "partition_type": "column"},
+    {"patterns": [r".*\.attn\.qkv\.weight$", r".*\.mlp\.fc\.weight$"], "partition_type": "column"},
     {"patterns": [r".*\.attn\.proj\.weight$", r".*\.mlp\.proj\.weight$"], "partition_type": "row"},
 ]
 
@@ -90,12 +90,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        # Under tensor parallelism qkv is column-sharded: each third holds this rank's heads only,
-        # and proj (row-sharded) takes exactly that width and all-reduces to the full d_model.
-        q, k, v = self.qkv(x).chunk(3, dim=2)
-        width = q.shape[-1]
-        heads = width // self.head_dim
-        q, k, v = (y.reshape(b, t, heads, self.head_dim).transpose(1, 2) for y in (q, k, v))
+        # qkv's output is [heads, (q, k, v), head_dim] per token. Under tensor parallelism qkv is
+        # column-sharded, so it holds this rank's heads only, and proj (row-sharded) takes exactly
+        # their width and all-reduces to the full d_model.
+        qkv = self.qkv(x).unflatten(-1, (-1, 3, self.head_dim))
+        heads = qkv.shape[2]
+        width = heads * self.head_dim
+        q, k, v = (y.transpose(1, 2) for y in qkv.unbind(3))
         dropout = self.dropout if self.training else 0.0
         if self.fused:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
