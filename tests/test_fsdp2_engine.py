@@ -276,10 +276,12 @@ def test_hf_llama_at_tp2_uses_its_own_tp_plan_and_resumes_at_tp1(tmp_path):
 @pytest.mark.slow
 def test_builtin_gpt_at_tp2_with_sequence_parallelism_resumes_at_tp1(tmp_path):
     """The built-in GPT's fused qkv split by DTensor's column-wise style (its rows are whole heads
-    in order), the residual stream split along the sequence: the sharded model's first loss is the
-    unsharded one's, to fp32 rounding, and its checkpoint loads into one unsharded rank."""
+    in order), the residual stream split along the sequence, and its tied head split over the
+    vocabulary with the token embedding: the sharded model's first loss is the unsharded one's, to
+    fp32 rounding, and its checkpoint loads into one unsharded rank."""
     found = _spawn("train_and_save", 2, tmp_path, model="gpt", tp=2, precision="fp32", sequence_parallel=True)
-    assert found["built"].endswith(", the sequence split over the 2 tensor-parallel ranks"), found["built"]
+    assert found["built"].endswith(", the sequence split over the 2 tensor-parallel ranks, the output head split "
+                                   "over the vocabulary with its tied embedding embed.wte (loss parallel, lm_head)")
     assert found["losses"][0] == pytest.approx(found["whole_first_loss"], rel=1e-5)
     assert found["losses"][-1] < found["losses"][0] - 0.5
     assert found["params_on_rank"] < found["params_at_build"]

@@ -46,8 +46,14 @@ def test_the_head_is_an_untied_output_layer_under_a_cross_entropy_objective():
     assert output_head(llama(tied=False), lambda outputs, batch: outputs.sum()) is None
     from orch.workloads.gpt import GPT
 
-    assert output_head(GPT(n_layer=1, d_model=32, n_head=2, seq_len=8, tie_embeddings=False), CausalLM()) is None
+    untied = GPT(n_layer=1, d_model=32, n_head=2, seq_len=8, tie_embeddings=False)
+    assert output_head(untied, CausalLM()) == OutputHead(name="lm_head.proj", classes=256)
+    # The GPT's tied head takes the token embedding's weight at each call, and says so: split with it.
+    tied = GPT(n_layer=1, d_model=32, n_head=2, seq_len=8)
+    assert output_head(tied, CausalLM()) == OutputHead(name="lm_head", classes=256, embedding="embed.wte")
     assert OutputHead("lm_head", 300).layer_spec == {"patterns": [r"^lm_head\.weight$"], "partition_type": "column"}
+    assert OutputHead("lm_head", 300, "embed.wte").layer_spec == {"patterns": [r"^embed\.wte\.weight$"],
+                                                                  "partition_type": "column"}
 
 
 def test_only_fsdp2_plans_with_tp_split_the_head_and_say_why_not():
@@ -111,6 +117,37 @@ def test_a_split_head_takes_its_share_of_parameters_logits_and_matmuls_off_each_
     # orch check prices the declared plan the same way.
     declared = declared_plan_step(split, typed.cluster, typed.optim, probe, probe.stats.param_count)
     assert declared.total_s == pytest.approx(steps["split"].total_s)
+
+
+def test_a_tied_head_splits_its_embedding_with_it_and_the_embedding_all_reduces_its_lookups():
+    """The built-in GPT's tied head at tp=2: the shared weight (the embedding's) halves on each rank,
+    the logits split, the embedding's lookups summed in forward (a row-parallel layer's all-reduce)
+    and the head's input gradient in backward (a column-parallel layer's); with pipeline stages
+    the first stage holds the weight as well, and the head stays whole."""
+    overrides = ("model.vocab_size=4096", "plan.dp=1", "plan.tp=2", "plan.precision=fp32", "plan.engine=fsdp2")
+    typed, model_cfg, split = resolved(*overrides)
+    whole = dataclasses.replace(split, loss_parallel=False)
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
+    probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs)
+    head = OutputHead("lm_head", 4096, "embed.wte")
+    assert probe.output_head == head and probe.for_plan(split) is probe.split_head
+    weight = 4096 * model_cfg["d_model"]
+    assert probe.output_head_params == weight
+    estimates = {name: estimate_plan(plan, typed.cluster, typed.optim, probe) for name, plan in
+                 (("split", split), ("whole", whole))}
+    assert estimates["whole"].states.params - estimates["split"].states.params == 4 * (weight // 2)
+    logits = split.micro_batch_size * workload.tokens_per_sample * 4096 * 4
+    saved = estimates["whole"].per_device.activations - estimates["split"].per_device.activations
+    assert logits // 2 <= saved <= 3 * logits, (saved, logits)
+    assert describe_head(split, head).startswith("lm_head split over the vocabulary with its tied embedding embed.wte")
+    model = count_model_cost(probe, [1, 2], probe.stats.param_count)
+    tokens_hidden = workload.tokens_per_sample * model_cfg["d_model"]
+    assert model.split_head.row_parallel_layers == model.row_parallel_layers + 1
+    assert model.split_head.row_parallel_out_per_sample == model.row_parallel_out_per_sample + tokens_hidden
+    assert model.split_head.column_parallel_layers == model.column_parallel_layers + 1
+    assert model.split_head.column_parallel_in_per_sample == model.column_parallel_in_per_sample + tokens_hidden
+    _, _, piped = resolved(*overrides, "plan.pp=2", "plan.grad_accum_steps=2", "cluster.devices_per_node=4")
+    assert kept_whole(piped, head) == "its weight is embed.wte's, which the first pipeline stage holds as well"
 
 
 def test_with_pipeline_stages_only_the_stage_that_holds_the_head_keeps_its_share():

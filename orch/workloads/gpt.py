@@ -174,6 +174,21 @@ class LMHead(nn.Module):
         return self.proj(x)
 
 
+class TiedHead(nn.Module):
+    """The output head that reuses the token embedding's weight, handed to it at each call.
+
+    A module of its own, without a parameter (the state dict holds the weight once, as the
+    embedding's), so tensor parallelism can lay out its input for the embedding's weight split
+    over the vocabulary (``plan.loss_parallel``); ``reuses_input_embedding`` tells the
+    orchestrator so (:func:`orch.plans.parallel.vocab_parallel.output_head`).
+    """
+
+    reuses_input_embedding = True
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+
 def tied_logits(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
     """The output head that reuses the token embedding's weight (the last pipeline stage's copy)."""
     return F.linear(x, embedding.wte.weight)
@@ -210,7 +225,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, n_head, init_seed=layer_seed(base, 1 + i), **block)
                                     for i in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
-        self.lm_head = None if tie_embeddings else LMHead(d_model, vocab_size, init_seed=layer_seed(base, n_layer + 2))
+        self.tie_embeddings = tie_embeddings
+        self.lm_head = TiedHead() if tie_embeddings else LMHead(d_model, vocab_size,
+                                                                init_seed=layer_seed(base, n_layer + 2))
         self.activation_checkpointing = False
         self.checkpoint_kwargs: dict = {}
         self.checkpoint_every_n_layers = 1
@@ -265,7 +282,16 @@ class GPT(nn.Module):
             else:
                 x = block(x)
         x = self.ln_f(x)
-        return tied_logits(self.embed, x) if self.lm_head is None else self.lm_head(x)
+        return self.lm_head(x, self.embed.wte.weight) if self.tie_embeddings else self.lm_head(x)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding (Hugging Face's name for it)."""
+        return self.embed.wte
+
+    def get_output_embeddings(self) -> nn.Module:
+        """The output head (Hugging Face's name): its linear layer, or the :class:`TiedHead` that
+        computes the logits with the token embedding's weight."""
+        return self.lm_head if self.tie_embeddings else self.lm_head.proj
 
 
 def _check_arguments(*, n_layer: int, d_model: int, n_head: int, seq_len: int, vocab_size: int, tp: int,

@@ -293,10 +293,11 @@ class ModelProbe:
 
     @functools.cached_property
     def output_head_params(self) -> int:
-        """The parameters of the output head :attr:`output_head` names (0 without one)."""
+        """The parameters of the output head :attr:`output_head` names, a tied head's embedding's
+        (0 without one)."""
         if self.output_head is None:
             return 0
-        return sum(p.numel() for p in self.sample.get_submodule(self.output_head.name).parameters())
+        return sum(p.numel() for p in self.sample.get_submodule(self.output_head.weight_owner).parameters())
 
     def for_plan(self, plan: ResolvedPlan) -> ModelProbe:
         """The probe that counts ``plan``'s tensor-parallel ranks as its engine shards them: with the

@@ -9,10 +9,15 @@ logits and the loss run whole on every tensor-parallel rank: at a 128K vocabular
 work of several blocks, repeated tp times.
 
 The head is the one a Hugging Face model names (``get_output_embeddings()``, any model may offer
-it), when it is a linear layer of its own (not tied to the input embedding, which would then have
-to be split over the vocabulary too) and the objective declares that its loss is a cross-entropy
-over the outputs' last dimension (``loss_parallel = True``), which ``loss_parallel`` computes from
-the split logits. Pure: the planner and the engine decide with the same functions.
+it), when the objective declares that its loss is a cross-entropy over the outputs' last dimension
+(``loss_parallel = True``), which ``loss_parallel`` computes from the split logits, and the head is
+either a linear layer of its own, or a module that computes the logits with the input embedding's
+weight handed to it at each call and says so (``reuses_input_embedding = True``: the built-in GPT's
+tied head). A tied head splits its embedding with it: the embedding's rows (the vocabulary) are
+split over the same ranks, each rank looks up the tokens of its rows and the lookups are summed
+(Megatron-LM's vocabulary-parallel embedding), and the head computes its logits from the same
+shard. A Hugging Face head whose linear layer shares its weight with the embedding stays whole.
+Pure: the planner and the engine decide with the same functions.
 """
 
 from __future__ import annotations
@@ -35,12 +40,21 @@ class OutputHead:
     """Its module name in the model (``lm_head``)."""
     classes: int
     """Its output features: the vocabulary of a language model's head."""
+    embedding: str | None = None
+    """The input embedding whose weight it computes the logits with (a tied head; None: a linear
+    layer of its own). Split with the head."""
+
+    @property
+    def weight_owner(self) -> str:
+        """The module holding the head's weight: its own linear layer, or the tied embedding."""
+        return self.embedding or self.name
 
     @property
     def layer_spec(self) -> dict:
-        """The head as a column-parallel layer in the schema of the model's tensor-parallel specs
-        (DeepSpeed AutoTP's ``layer_specs``), which the planner shards its probe by."""
-        return {"patterns": [rf"^{re.escape(self.name)}\.weight$"], "partition_type": "column"}
+        """The head's weight as a column-parallel layer (its rows, the vocabulary, split) in the schema
+        of the model's tensor-parallel specs (DeepSpeed AutoTP's ``layer_specs``), which the planner
+        shards its probe by: the tied embedding's rows are split the same way."""
+        return {"patterns": [rf"^{re.escape(self.weight_owner)}\.weight$"], "partition_type": "column"}
 
 
 def output_head(model: torch.nn.Module, objective: Any) -> OutputHead | None:
@@ -52,13 +66,17 @@ def output_head(model: torch.nn.Module, objective: Any) -> OutputHead | None:
     if not getattr(objective, "loss_parallel", False):
         return None
     head = _called(model, "get_output_embeddings")
+    embedding = _called(model, "get_input_embeddings")
+    names = {id(module): name for name, module in model.named_modules() if name}
+    if getattr(head, "reuses_input_embedding", False) is True and isinstance(embedding, torch.nn.Embedding):
+        if id(head) not in names or id(embedding) not in names:
+            return None
+        return OutputHead(name=names[id(head)], classes=embedding.num_embeddings, embedding=names[id(embedding)])
     if not isinstance(head, torch.nn.Linear) or head.weight.dim() != 2:
         return None
-    embedding = _called(model, "get_input_embeddings")
     if getattr(embedding, "weight", None) is head.weight:
         return None
-    name = next((name for name, module in model.named_modules() if module is head), None)
-    return OutputHead(name=name, classes=head.out_features) if name else None
+    return OutputHead(name=names[id(head)], classes=head.out_features) if id(head) in names else None
 
 
 def splits_head(plan: ResolvedPlan, head: OutputHead | None) -> bool:
@@ -80,6 +98,8 @@ def kept_whole(plan: ResolvedPlan, head: OutputHead) -> str | None:
         return "plan.loss_parallel=false"
     if head.classes % plan.tp:
         return f"its {head.classes:,} classes do not split {plan.tp} ways"
+    if head.embedding and plan.pp > 1:
+        return f"its weight is {head.embedding}'s, which the first pipeline stage holds as well"
     return None
 
 
@@ -90,7 +110,8 @@ def describe_head(plan: ResolvedPlan, head: OutputHead | None) -> str:
         return ""
     why = kept_whole(plan, head)
     if why is None:
-        return (f"{head.name} split over the vocabulary ({head.classes:,} / tp={plan.tp} per rank), the loss "
+        tied = f" with its tied embedding {head.embedding}" if head.embedding else ""
+        return (f"{head.name} split over the vocabulary{tied} ({head.classes:,} / tp={plan.tp} per rank), the loss "
                 "computed from the split logits (plan.loss_parallel)")
     return f"{head.name} ({head.classes:,} classes) whole on every tensor-parallel rank: {why}"
 

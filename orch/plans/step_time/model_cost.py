@@ -313,10 +313,24 @@ def _measure(probe: ModelProbe, tp_degrees: list[int], *, depth_scaled: bool) ->
                                gemms=_carry_gemms(shallow, deeper, depth))
 
 
+def _collective_roles(module: torch.nn.Module, probe: ModelProbe) -> dict[str, str]:
+    """Module name -> 'row' (its output all-reduced in forward) or 'column' (its input's gradient
+    all-reduced in backward) for the modules tensor parallelism splits: the split layers by their
+    kind, but an embedding split over the vocabulary sums its lookups in forward as a row-parallel
+    layer does, and a tied head computing its logits from that shard takes its input whole as a
+    column-parallel layer does (:mod:`orch.plans.parallel.vocab_parallel`)."""
+    roles = {name: "row" if isinstance(module.get_submodule(name), torch.nn.Embedding) else kind
+             for name, kind in split_layers(module, probe.tp_layer_specs).items()}
+    head = probe.output_head
+    if head is not None and head.embedding in roles:
+        roles[head.name] = "column"
+    return roles
+
+
 def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) -> ModelCost:
     """:func:`measure_model_cost` of ``module``, a private copy of the probe's model (maybe cut short)."""
     fresh = copy.deepcopy(module) if supports_activation_checkpointing(module) else None
-    kinds = split_layers(module, probe.tp_layer_specs)
+    kinds = _collective_roles(module, probe)
     sizes = {"row_out": 0, "column_in": 0}
     layers = checkpoint_units(module)
     boundary: list[int] = []

@@ -146,7 +146,7 @@ class FSDP2Engine(Engine):
         if plan.cp > 1:
             built += f", each sample's sequence split over {plan.cp} context-parallel ranks"
         if self.split_head:
-            built += split_head_text(head.name)
+            built += split_head_text(head.name, head.embedding)
         return BuiltModel(built=built, params_at_build=params_at_build, params_on_rank=_local_numel(model),
                           optimizer=describe_optimizer(self.optimizer))
 

@@ -180,7 +180,8 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
     (:mod:`orch.plans.parallel.vocab_parallel`), is column-parallel whatever the plan says of it,
     its logits left split along their last dimension (a DTensor), as torch's ``loss_parallel``
     takes them; its input is the whole hidden state (under sequence parallelism the final norm's
-    output is gathered for it). Without ``head`` an output head stays whole (the Hugging Face
+    output is gathered for it). A tied head's embedding is split by rows with it (row-parallel:
+    the lookups all-reduced). Without ``head`` an output head stays whole (the Hugging Face
     plans' ``colwise_gather_output`` is not applied).
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -202,7 +203,17 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
                     plan[name] = styles[style]()
     else:
         plan = {name: styles[kind]() for name, kind in autotp_styles(model, layer_specs or [], match_names).items()}
-    if head is not None:
+    if head is not None and head.embedding is not None:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import PrepareModuleInput
+
+        # The embedding's rows split (each rank looks up the tokens of its part of the vocabulary,
+        # the lookups summed); the tied head is handed that shard, its input made a replicated
+        # DTensor so the logits come out split along their last dimension, as loss_parallel takes them.
+        plan[head.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan[head.name] = PrepareModuleInput(input_layouts=(Replicate(), None),
+                                             desired_input_layouts=(Replicate(), None), use_local_output=False)
+    elif head is not None:
         from torch.distributed.tensor import Shard
 
         plan[head.name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
@@ -232,9 +243,11 @@ def loss_context(split_head: bool):
     return loss_parallel()
 
 
-def split_head_text(name: str) -> str:
-    """The engine's build line's words for an output head split over the vocabulary."""
-    return f", the output head split over the vocabulary (loss parallel, {name})"
+def split_head_text(name: str, embedding: str | None = None) -> str:
+    """The engine's build line's words for an output head split over the vocabulary (with its tied
+    ``embedding``)."""
+    tied = f" with its tied embedding {embedding}" if embedding else ""
+    return f", the output head split over the vocabulary{tied} (loss parallel, {name})"
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
