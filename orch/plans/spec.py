@@ -219,9 +219,9 @@ class PlanSpec:
     """With tp > 1 (FSDP2 engine; with pipeline stages, on the last one): split the output head over
     the vocabulary across the tensor-parallel ranks and compute the loss from the split logits
     (torch's loss_parallel), as Megatron-LM's vocabulary-parallel head; false keeps the head, its
-    logits and the loss whole on every rank. Needs an untied head the model names
-    (get_output_embeddings()) and a cross-entropy objective (orch.plans.parallel.vocab_parallel);
-    DeepSpeed keeps it whole."""
+    logits and the loss whole on every rank. Needs a head the model names (get_output_embeddings():
+    a linear layer of its own, or the built-in GPT's tied head, split with its embedding, at pp=1)
+    and a cross-entropy objective (orch.plans.parallel.vocab_parallel); DeepSpeed keeps it whole."""
 
 
 @dataclass(kw_only=True)
