@@ -1,17 +1,18 @@
 """The vocabulary-parallel loss's memory: torch's ``loss_parallel`` cross-entropy measured by the
 process's resident memory on a 2-rank gloo group, against the planner's count of it on ``meta``.
 
-The worker's tensor tracker (orch/launchers/memory_probe.py) cannot see what DTensor's loss
-handlers allocate inside themselves, so ``bench.memory_accuracy --plans head`` cannot check the
-planner's count of the split loss. This does, for the loss alone: each rank's [tokens, classes /
-tp] fp32 logits go through forward and backward, once split (a DTensor, ``Shard(-1)``, inside
-``loss_parallel()``) and once as plain local logits through aten's kernels. With glibc's mmap
+A measurement apart from the worker's tensor tracker (orch/launchers/memory_probe.py), which has
+to reach into DTensor's Python op handlers to see what torch's loss handlers allocate inside
+themselves: each rank's [tokens, classes / tp] fp32 logits go through forward and backward, once
+split (a DTensor, ``Shard(-1)``, inside ``loss_parallel()``) and once as plain local logits through
+aten's kernels. With glibc's mmap
 threshold fixed low (``MALLOC_MMAP_THRESHOLD_``), every tensor this size is its own mapping,
 mapped when allocated and unmapped when freed, so the rise of the peak resident set (``VmHWM``,
 reset through ``/proc/self/clear_refs``) over the pass is the peak of the tensors alive in it.
 The planner's figures are what its meta pass counts for the same call (the loss's logits, their
 gradient and what the loss holds between), with :func:`orch.plans.parallel.split_loss.split_loss_on_meta`
-for the split one. The tensor tracker's view is printed beside them.
+for the split one. The tensor tracker's view is printed beside them
+(tests/test_memory_probe.py checks that it sees the split loss's peak).
 
     MALLOC_MMAP_THRESHOLD_=65536 python -m bench.split_loss_memory [--markdown bench/results/split_loss_memory.md]
 """
@@ -78,7 +79,7 @@ def _peak_with_logits(peak, make, step) -> float:
 
 def _rank(rank: int, port: int, results) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -106,9 +107,21 @@ def _rank(rank: int, port: int, results) -> None:
     for name, make, step in (("split", split_logits, split_step), ("local", local_logits, local_step)):
         for how, peak in (("resident", resident_peak_mib), ("tracked", tracked_peak_mib)):
             row[name, how] = _peak_with_logits(peak, make, step)
+    # The tracker wraps DTensor's op handlers while it counts; none may stay wrapped after it.
+    row["handlers", "left wrapped"] = sum(hasattr(handler, "tracked_by") for handler in
+                                          DTensor._op_dispatcher._custom_op_handlers.values())
     if rank == 0:
         results.update(row)
     dist.destroy_process_group()
+
+
+def measure(port: int) -> dict[tuple[str, str], float]:
+    """Peak MiB by (loss: ``split`` or ``local``, measure: ``resident`` or ``tracked``), on rank 0 of
+    a 2-rank gloo group rendezvousing on ``port``."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank, args=(port, results), nprocs=TP)
+        return dict(results)
 
 
 def main() -> None:
@@ -118,10 +131,7 @@ def main() -> None:
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
         parser.error("run with MALLOC_MMAP_THRESHOLD_=65536 set: without it glibc keeps freed tensors' pages "
                      "and the resident set does not follow the tensors")
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(29541, results), nprocs=TP)
-        measured = dict(results)
+    measured = measure(29541)
     logits = TOKENS * CLASSES // TP * 4 / MiB
     lines = [*header("The vocabulary-parallel loss's memory on one tensor-parallel rank", sys.argv),
              f"fp32 logits of {TOKENS} tokens x {CLASSES} classes split over tp={TP}: {logits:.0f} MiB per rank. "

@@ -129,6 +129,23 @@ def test_tracker_releases_its_finalizers_on_exit():
     assert not tracker._tracked
 
 
+# --- a 2-rank gloo group: DTensor's loss handlers --------------------------------------------------
+
+def test_the_tracker_sees_the_temporaries_of_dtensors_loss_handlers():
+    """torch's loss_parallel computes its cross-entropy in DTensor's Python op handlers, below the
+    tracker's mode: the tracker wraps them while it counts, so it sees the split loss's peak as
+    the planner counts it (the resident set agrees: bench/results/split_loss_memory.md), and puts
+    them back after."""
+    from bench.split_loss_memory import CLASSES, TOKENS, TP, MiB, measure, planned_peak_bytes
+    from helpers.processes import free_port
+
+    measured = measure(free_port())
+    for name, split in (("split", True), ("local", False)):
+        planned = planned_peak_bytes(TOKENS, CLASSES // TP, split) / MiB
+        assert measured[name, "tracked"] == pytest.approx(planned, rel=0.01), name
+    assert measured["handlers", "left wrapped"] == 0
+
+
 # --- real DeepSpeed in Ray actors ----------------------------------------------------------------
 
 def _train_with_probe(sqlite_uri: str, *overrides: str):

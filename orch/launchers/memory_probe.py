@@ -14,13 +14,14 @@ predicts is bytes of *tensors*, so this module counts exactly those, from two to
 Both run only in the step the worker probes (``train.memory_probe_step``); a dispatch mode costs
 a few microseconds of Python per operator, and the scan walks every object of the process.
 
-A blind spot: an operator on DTensors runs DTensor's own dispatch below the mode, which sees what
-the operator returns but none of the temporaries it makes and frees inside (a redistribution's
-buffers, a handler's intermediates). The sequence- and context-parallel peaks measured through it
-match the planner's count within 0-9% (bench/results/memory_accuracy_sequence.md, _context.md),
-but torch's ``loss_parallel`` handlers hide two tensors of the local logits' size at the loss's
-peak (orch/plans/parallel/split_loss.py, where the planner counts them, and
-bench/results/split_loss_memory.md, where the resident set measures them).
+An operator on DTensors runs DTensor's own dispatch below the mode, which sees what the operator
+returns but not the temporaries made and freed inside. The ones made in DTensor's Python op
+handlers (torch's ``loss_parallel`` computes its cross-entropy there: two tensors of the local
+logits' size at the loss's peak) are seen: the tracker runs those handlers with itself pushed
+again (:meth:`PeakMemoryTracker._watch_handlers`), and bench/results/split_loss_memory.md finds
+its count of that loss equal to the resident set's. Still unseen are a redistribution's buffers
+inside the C++ dispatch; the sequence- and context-parallel peaks measured through it match the
+planner's count within 0-9% (bench/results/memory_accuracy_sequence.md, _context.md).
 """
 
 from __future__ import annotations
@@ -214,6 +215,8 @@ class PeakMemoryTracker(TorchDispatchMode):
         super().__init__()
         self._tracked: dict[int, _Tracked] = {}
         self._by_address: dict[int, int] = {}
+        self._handlers: dict | None = None  # DTensor's Python op handlers, once DTensor is in use
+        self._wrapped: dict = {}  # op -> (its handler, the tracked wrapper put in its place)
         self.baseline = 0
         self.current = 0
         self.peak = 0
@@ -234,6 +237,10 @@ class PeakMemoryTracker(TorchDispatchMode):
             return out
 
         torch.UntypedStorage.resize_ = resized
+        if "torch.distributed.tensor" in sys.modules:  # a process that never made a DTensor skips this
+            from torch.distributed.tensor import DTensor
+
+            self._handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -244,6 +251,10 @@ class PeakMemoryTracker(TorchDispatchMode):
                 del torch.UntypedStorage.resize_
             else:
                 torch.UntypedStorage.resize_ = self._own_resize
+            for op, (handler, tracked) in self._wrapped.items():
+                if self._handlers.get(op) is tracked:
+                    self._handlers[op] = handler
+            self._wrapped.clear()
             # Finalizers left registered would keep this tracker alive and keep counting after the
             # step; the numbers are final once the block ends.
             for tracked in self._tracked.values():
@@ -253,6 +264,8 @@ class PeakMemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._handlers is not None and any(kind is not torch.Tensor for kind in types):
+            self._watch_handlers()
         out = func(*args, **kwargs)
         # Inputs too: an in-place op or an op on a tensor made outside the dispatcher returns no
         # new storage, but its input may be one the tracker has not met yet.
@@ -261,6 +274,31 @@ class PeakMemoryTracker(TorchDispatchMode):
             if storage is not None:
                 self._see(storage)
         return out
+
+    def _watch_handlers(self) -> None:
+        """Run DTensor's Python op handlers with the tracker active (pushed again: the dispatcher
+        pops a mode while its own handler runs, and DTensor's dispatch runs below it).
+
+        Those handlers (torch's ``loss_parallel`` registers its cross-entropy's) compute on the
+        local tensors, and their temporaries would otherwise go unseen. Handlers registered while
+        the step runs (``loss_parallel()`` is entered inside it) are wrapped at the next DTensor
+        operator; the originals are put back at the end.
+        """
+        for op, handler in list(self._handlers.items()):
+            if getattr(handler, "tracked_by", None) is not self:
+                self._handlers[op] = self._tracked_handler(op, handler)
+
+    def _tracked_handler(self, op, handler):
+        def tracked(*args, **kwargs):
+            TorchDispatchMode.__enter__(self)
+            try:
+                return handler(*args, **kwargs)
+            finally:
+                TorchDispatchMode.__exit__(self, None, None, None)
+
+        tracked.tracked_by = self
+        self._wrapped[op] = (handler, tracked)
+        return tracked
 
     def _see(self, storage: torch.UntypedStorage) -> None:
         # Keyed by the storage object's identity: PyTorch keeps one Python object per storage for
