@@ -156,24 +156,27 @@ CONTEXT_PLANS = [
 
 HEAD = ["model=hf_causal_lm", "model.config.tie_word_embeddings=false", "model.config.vocab_size=8192",
         "plan.engine=fsdp2", "plan.zero_stage=0", "plan.tp=2"]
+TIED_HEAD = ["model.vocab_size=8192", "plan.engine=fsdp2", "plan.zero_stage=0", "plan.tp=2", "plan.dp=1"]
 HEAD_PLANS = [
     [*HEAD, "plan.dp=1", "plan.precision=fp32", "plan.loss_parallel=false"],
     [*HEAD, "plan.dp=1", "plan.precision=fp32"],
     [*HEAD, "plan.dp=1", "plan.precision=bf16", "plan.sequence_parallel=true"],
     [*HEAD, "plan.dp=1", "plan.precision=bf16", "plan.sequence_parallel=true", "plan.activation_checkpointing=full"],
     [*HEAD, "plan.dp=1", "plan.pp=2", "plan.precision=fp32", "plan.grad_accum_steps=2", *FOUR_WORKERS],
+    [*TIED_HEAD, "plan.precision=fp32", "plan.loss_parallel=false"],
+    [*TIED_HEAD, "plan.precision=fp32"],
+    [*TIED_HEAD, "plan.precision=bf16", "plan.sequence_parallel=true"],
 ]
 """The output head split over the vocabulary (``plan.loss_parallel``) on an untied HF Llama shape
 whose vocabulary of 8192 makes the head a third of the parameters: at tp=2 beside the whole head,
-with sequence parallelism and recomputation, and on the last stage of tp=2 x pp=2."""
+with sequence parallelism and recomputation, and on the last stage of tp=2 x pp=2; and the built-in
+GPT's tied head at a vocabulary of 8192, split with its token embedding."""
 
 
 HEAD_NOTE = """
-The worker's tensor tracker cannot see the temporaries of torch's `loss_parallel` handlers (they
-run inside DTensor's dispatch, below the tracker's mode): where the head is split, the measured
-peaks (at the loss's backward) leave out two tensors of the local logits' size, which the
-planner counts. `python -m bench.split_loss_memory` measures that loss alone by the resident
-set (bench/results/split_loss_memory.md).
+The split loss's temporaries are made in DTensor's Python op handlers (torch's `loss_parallel`),
+which the worker's tensor tracker runs with itself pushed again; `python -m bench.split_loss_memory`
+measures that loss alone by the resident set as well (bench/results/split_loss_memory.md).
 """
 
 

@@ -119,6 +119,24 @@ def test_a_split_head_takes_its_share_of_parameters_logits_and_matmuls_off_each_
     assert declared.total_s == pytest.approx(steps["split"].total_s)
 
 
+def test_pipeline_layers_count_what_tensor_parallelism_splits_of_each_by_the_whole_models_names():
+    """The split parameters are found layer by layer (a stage's layers matched by the whole model's
+    names, as the fsdp2 engine matches them): all of the model's, none of the embedding's, the head's
+    on the last layer; a stage then keeps its own layers' share, not the model's proportion."""
+    overrides = (*UNTIED, "plan.engine=fsdp2", "plan.pp=2", "plan.grad_accum_steps=2", "cluster.devices_per_node=4")
+    typed, model_cfg, plan = resolved(*overrides)
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
+    probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs,
+                       pipeline_layers=workload.pipeline_layers).for_plan(plan)
+    layers = probe.pipeline_layer_facts(plan)
+    assert sum(layer.tp_params for layer in layers) == probe.tensor_parallel_params[0]
+    assert layers[0].tp_params == 0 and layers[-1].tp_params == layers[-1].params == 4096 * 128
+    estimate = estimate_plan(plan, typed.cluster, typed.optim, probe)
+    first = probe.stages(plan)[0]
+    kept = first.params - first.tp_params + first.tp_params // 2
+    assert estimate.stages[0].params == 4 * kept  # fp32 parameters
+
+
 def test_a_tied_head_splits_its_embedding_with_it_and_the_embedding_all_reduces_its_lookups():
     """The built-in GPT's tied head at tp=2: the shared weight (the embedding's) halves on each rank,
     the logits split, the embedding's lookups summed in forward (a row-parallel layer's all-reduce)

@@ -158,7 +158,8 @@ class DeepSpeedSpec(EngineSpec):
         per_stage = []
         for stage in pipeline:
             states, phases = _device_phases(plan, optim, engine, probe, _stage_stats(probe, stage, plan.tp),
-                                            stage_activations(activations, stage, total_saved),
+                                            stage_activations(activations, stage, total_saved,
+                                                              holds_loss=stage.index == len(pipeline) - 1),
                                             max(plan.grad_accum_steps, 2))
             held = dataclasses.replace(phases.held, buffers=phases.held.buffers + stage.buffer_bytes)
             per_stage.append((states, dataclasses.replace(phases, held=held)))

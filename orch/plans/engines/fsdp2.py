@@ -149,6 +149,7 @@ class FSDP2Spec(EngineSpec):
 
         from orch.plans.engines.deepspeed import _stage_stats, _tp_keep
         from orch.plans.engines.fsdp2_memory import FSDPUnits, fsdp_memory, fsdp_mesh
+        from orch.plans.memory.states import ModelStats
         from orch.plans.parallel.pipeline import rank_stages, stage_activations
         from orch.plans.parallel.schedules import stages_of_rank
 
@@ -163,18 +164,28 @@ class FSDP2Spec(EngineSpec):
         stages = probe.stages(plan)
         # The output head split over the vocabulary (plan.loss_parallel): its parameters, whole.
         head = probe.output_head_params if plan.tp > 1 and probe.splits_output_head else 0
+        # Each layer's split parameters, as the engine matches a stage's layers by the whole
+        # model's names; models whose layers say nothing of it: the model's proportion.
+        per_layer = plan.tp > 1 and any(layer.tp_params for layer in layers)
         for rank in ranks:
             mine = [i for s in stages_of_rank(rank.index, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
                     for i in range(stages[s].start, stages[s].stop)]
-            # The engine splits the head of the stage that holds the last layer (the head itself).
-            holds_head = bool(head) and len(layers) - 1 in mine
-            stats = _stage_stats(probe, rank, plan.tp, head=head, holds_head=holds_head)
-            keep = _tp_keep(probe, plan.tp, head)[0] if head else (stats.param_count / rank.params if rank.params
-                                                                    else 1.0)
-            root = round(keep * sum(layers[i].params for i in mine
-                                    if (layers[i].name != block or repeats < 2) and not (holds_head and i == mine[-1])))
-            if holds_head:
-                root += -(-head // plan.tp)
+            in_root = [i for i in mine if layers[i].name != block or repeats < 2]
+            if per_layer:
+                stats = ModelStats(param_count=_kept(rank.params, rank.tp_params, plan.tp),
+                                   trainable_count=_kept(rank.trainable, rank.tp_trainable, plan.tp),
+                                   largest_layer_params=min(probe.stats.largest_layer_params, rank.params),
+                                   largest_param=rank.largest_param)
+                root = sum(_kept(layers[i].params, layers[i].tp_params, plan.tp) for i in in_root)
+            else:
+                # The engine splits the head of the stage that holds the last layer (the head itself).
+                holds_head = bool(head) and len(layers) - 1 in mine
+                stats = _stage_stats(probe, rank, plan.tp, head=head, holds_head=holds_head)
+                keep = _tp_keep(probe, plan.tp, head)[0] if head else (stats.param_count / rank.params
+                                                                        if rank.params else 1.0)
+                root = round(keep * sum(layers[i].params for i in in_root if not (holds_head and i == mine[-1])))
+                if holds_head:
+                    root += -(-head // plan.tp)
             root = min(root, stats.param_count)
             units = FSDPUnits(root=root, root_trainable=min(root, stats.trainable_count),
                               largest_block=min(whole_units.largest_block, stats.param_count - root),
@@ -182,7 +193,8 @@ class FSDP2Spec(EngineSpec):
                                                           stats.trainable_count - root),
                               blocks=stats.param_count - root)
             fsdp = fsdp_memory(engine, mesh=fsdp_mesh(plan, cluster.devices_per_node), model=stats, units=units,
-                               activations=stage_activations(activations, rank, total_saved),
+                               activations=stage_activations(activations, rank, total_saved,
+                                                             holds_loss=len(layers) - 1 in mine),
                                precision=plan.precision, optimizer=optim.name, momentum=optim.momentum,
                                grad_accum_steps=max(plan.grad_accum_steps, 2))
             phases = fsdp.device_phases()
@@ -256,3 +268,8 @@ class FSDP2Spec(EngineSpec):
 
 
 SPEC = FSDP2Spec()
+
+
+def _kept(params: int, split: int, tp: int) -> int:
+    """Of ``params`` parameters of which tensor parallelism splits ``split``, what one of ``tp`` ranks holds."""
+    return params - split + -(-split // tp)

@@ -64,7 +64,7 @@ from orch.plans.parallel.sequence_parallel import (
     split_sequence_on_meta,
 )
 from orch.plans.parallel.split_loss import split_loss_on_meta
-from orch.plans.parallel.tp_plan import split_layers
+from orch.plans.parallel.tp_plan import split_layers, split_params
 from orch.plans.parallel.vocab_parallel import OutputHead, describe_head, output_head, splits_head
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision, Recompute
@@ -417,7 +417,7 @@ class ModelProbe:
             raise ValueError("the model declares no pipeline layers")
         def measure(layers: list) -> list[PipelineLayer]:
             return measure_pipeline_layers(layers, micro_batch_size=micro_batch_size, inputs=self.inputs,
-                                           dtype=precision.dtype)
+                                           dtype=precision.dtype, tp_layer_specs=self.tp_layer_specs)
 
         if self.shallow is not None:  # building every layer of a deep model costs what building it does
             carried = carry_layers(*(measure(self.pipeline_layers(d)) for d in SHALLOW_DEPTHS), self.shallow.depth)
@@ -489,16 +489,7 @@ def _tensor_parallel_params(module: torch.nn.Module, layer_specs: list[dict]) ->
     row-parallel layer's bias stays whole (DeepSpeed's LinearLayer / LinearAllreduce). A layer
     its spec skips, or whose weight is not a matrix, stays whole (:func:`orch.plans.parallel.tp_plan.split_layers`).
     """
-    sharded, trainable = 0, 0
-    for name, kind in split_layers(module, layer_specs).items():
-        layer = module.get_submodule(name)
-        params = [layer.weight]
-        bias = getattr(layer, "bias", None)
-        if kind == "column" and isinstance(bias, torch.nn.Parameter):
-            params.append(bias)
-        sharded += sum(p.numel() for p in params)
-        trainable += sum(p.numel() for p in params if p.requires_grad)
-    return sharded, trainable
+    return split_params(module, layer_specs)
 
 
 def estimate_plan(plan: ResolvedPlan, cluster: ClusterSpec, optim: OptimSpec, probe: ModelProbe) -> PlanEstimate:

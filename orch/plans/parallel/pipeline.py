@@ -34,6 +34,11 @@ class PipelineLayer:
     """Bytes autograd saves in this layer for one micro-batch (the loss's go to the last layer)."""
     output_bytes: int = 0
     """Bytes of the layer's output for one micro-batch: what a stage ending here sends on."""
+    tp_params: int = 0
+    """Its parameters the tensor-parallel layer specs split (matched by the whole model's names)."""
+    tp_trainable: int = 0
+    """The same, with ``requires_grad``."""
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +54,10 @@ class PipelineStage:
     largest_param: int
     saved_bytes: int
     """Saved activations of one micro-batch in this stage."""
+    tp_params: int = 0
+    """Its layers' parameters the tensor-parallel layer specs split (:attr:`PipelineLayer.tp_params`)."""
+    tp_trainable: int = 0
+    """The same, with ``requires_grad``."""
     in_flight: float
     """Micro-batches whose activations the stage holds at once under DeepSpeed's 1F1B schedule:
     ``min(pp - stage, micro-batches)`` (``TrainSchedule.num_pipe_buffers``); the first stage holds most."""
@@ -75,13 +84,18 @@ def _run(spec, module: torch.nn.Module, x):
 
 
 def measure_pipeline_layers(specs: list, *, micro_batch_size: int, inputs: ModelInputs,
-                            dtype: torch.dtype) -> list[PipelineLayer]:
+                            dtype: torch.dtype, tp_layer_specs: list[dict] | None = None) -> list[PipelineLayer]:
     """Parameters and saved activations of every pipeline layer, on ``meta``, in order.
 
     The first layer takes the batch's inputs and the last layer's output goes through the
     objective with the batch's targets, as DeepSpeed's pipeline engine feeds an ``(inputs,
-    targets)`` batch through the stages and its ``loss_fn``.
+    targets)`` batch through the stages and its ``loss_fn``. The parameters ``tp_layer_specs``
+    split are counted per layer by the whole model's names (:attr:`StageLayer.names`), as the
+    fsdp2 engine matches a stage's layers.
     """
+    from orch.plans.parallel.stage_layers import StageLayer, whole_name
+    from orch.plans.parallel.tp_plan import split_params
+
     modules = [_build(spec).to(dtype=dtype) for spec in specs]
     saved = _SavedTensors([p for m in modules for p in m.parameters()])
     batch = move_batch(inputs.example_batch(micro_batch_size), "meta", dtype)
@@ -96,13 +110,18 @@ def measure_pipeline_layers(specs: list, *, micro_batch_size: int, inputs: Model
         inputs.objective(x, (None, targets))
         saved.add(x)
     layers = []
-    for index, module in enumerate(modules):
+    for index, (spec, module) in enumerate(zip(specs, modules, strict=True)):
         params = list(module.parameters())
+        tp_params, tp_trainable = 0, 0
+        if tp_layer_specs and isinstance(spec, StageLayer):
+            names = {own: whole_name(spec, own, index) for own, _ in module.named_modules()}
+            tp_params, tp_trainable = split_params(module, tp_layer_specs, names)
         layers.append(PipelineLayer(
             name=type(module).__name__, params=sum(p.numel() for p in params),
             trainable=sum(p.numel() for p in params if p.requires_grad),
             largest_param=max((p.numel() for p in params), default=0),
-            saved_bytes=saved.by_layer.get(index, 0), output_bytes=outputs[index]))
+            saved_bytes=saved.by_layer.get(index, 0), output_bytes=outputs[index],
+            tp_params=tp_params, tp_trainable=tp_trainable))
     return layers
 
 
@@ -171,15 +190,20 @@ def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_
             params=sum(layer.params for layer in part), trainable=sum(layer.trainable for layer in part),
             largest_param=max((layer.largest_param for layer in part), default=0),
             saved_bytes=sum(layer.saved_bytes for layer in part), in_flight=in_flight, buffer_bytes=buffers,
+            tp_params=sum(layer.tp_params for layer in part), tp_trainable=sum(layer.tp_trainable for layer in part),
             in_flight_bytes=in_flight * ((received if index > 0 else 0) + sent)))
     return stages
 
 
-def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved: int) -> ActivationBytes:
+def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved: int, *,
+                      holds_loss: bool) -> ActivationBytes:
     """One stage's activations: the whole model's measurement scaled to the stage's share of the
-    saved bytes (all but the recomputation of one checkpointed layer in backward, which every
-    stage with layers pays whole), plus the saved tensors, inputs and outputs of the micro-batches
-    it holds in flight meanwhile."""
+    saved bytes, plus the saved tensors, inputs and outputs of the micro-batches it holds in
+    flight meanwhile. Two transients are not divided among the stages: the recomputation of one
+    checkpointed layer in backward, which every stage with layers pays whole, and the backward of
+    the loss and the output head (the logits' gradient and the loss's temporaries, above what the
+    forward saved), which only the stage computing the loss (``holds_loss``) pays, whole; the
+    other stages' backward peaks are the repeated layers' share."""
     share = stage.saved_bytes / total_saved if total_saved else 0.0
     waiting = round((stage.in_flight - 1) * round(whole.saved * share)) + stage.in_flight_bytes
     recompute = whole.recompute_peak if stage.saved_bytes else 0
@@ -192,12 +216,19 @@ def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved:
         # transient is not divided among the stages, only the rest of the backward peak is.
         return scaled(x - whole.recompute_peak) + recompute
 
+    backward = scaled_backward(whole.backward_peak)
+    tail = max(whole.loss_backward_peak, whole.head_backward_peak)
+    if whole.blocks_backward_peak and tail:
+        # The loss's and the head's backward measured apart from the layers' (before the first
+        # parameter gradient, and up to the repeated layers).
+        backward = scaled_backward(whole.blocks_backward_peak)
+        if holds_loss:
+            backward = max(backward, scaled(whole.saved) + tail - whole.saved)
+    with_grads = backward + scaled(whole.backward_peak_with_grads - whole.grads_at_backward_peak - whole.backward_peak)
     return ActivationBytes(
         saved=scaled(whole.saved) + waiting, recompute_peak=recompute,
         forward_peak=scaled(whole.forward_peak) + waiting,
-        backward_peak=scaled_backward(whole.backward_peak) + waiting,
-        backward_peak_with_grads=scaled_backward(whole.backward_peak_with_grads - whole.grads_at_backward_peak)
-        + waiting,
+        backward_peak=backward + waiting, backward_peak_with_grads=with_grads + waiting,
         grads_at_backward_peak=0)
 
 
@@ -233,5 +264,6 @@ def rank_stages(stages: list[PipelineStage], layers: list[PipelineLayer], *, sch
             layers=[name for s in mine for name in s.layers], params=sum(s.params for s in mine),
             trainable=sum(s.trainable for s in mine), largest_param=max(s.largest_param for s in mine),
             saved_bytes=sum(s.saved_bytes for s in mine), in_flight=held,
+            tp_params=sum(s.tp_params for s in mine), tp_trainable=sum(s.tp_trainable for s in mine),
             buffer_bytes=micro_batches * (received + sent), in_flight_bytes=round(held * sent)))
     return ranks

@@ -82,3 +82,13 @@ class StageLayer:
     def build(self) -> nn.Module:
         """The layer's module, built on the current default device."""
         return self.module(*self.args, **self.kwargs)
+
+
+def whole_name(spec: StageLayer, own: str, index: int) -> str:
+    """The whole model's name for ``own``, a name inside layer ``index`` (``spec``): the first of
+    ``spec.names`` whose key prefixes it, replaced; without names, ``pipeline.<index>.<own>``
+    (a checkpoint that then resumes only at the same cut)."""
+    for prefix, replacement in spec.names.items():
+        if own.startswith(prefix) or own + "." == prefix:
+            return (replacement + own[len(prefix):]).rstrip(".")
+    return f"pipeline.{index}.{own}".rstrip(".")

@@ -51,6 +51,23 @@ def split_layers(module: torch.nn.Module, layer_specs: list[dict],
             if kind != "skip" and module.get_submodule(name).weight.dim() == 2}
 
 
+def split_params(module: torch.nn.Module, layer_specs: list[dict],
+                 match_names: dict[str, str] | None = None) -> tuple[int, int]:
+    """(all, trainable) parameters of ``module`` the layer specs split: a column-parallel layer's
+    weight and bias, a row-parallel layer's weight (its bias stays whole), as DeepSpeed's
+    LinearLayer / LinearAllreduce and DTensor's styles keep them."""
+    sharded, trainable = 0, 0
+    for name, kind in split_layers(module, layer_specs, match_names).items():
+        layer = module.get_submodule(name)
+        params = [layer.weight]
+        bias = getattr(layer, "bias", None)
+        if kind == "column" and isinstance(bias, torch.nn.Parameter):
+            params.append(bias)
+        sharded += sum(p.numel() for p in params)
+        trainable += sum(p.numel() for p in params if p.requires_grad)
+    return sharded, trainable
+
+
 def _pattern(module_pattern: str) -> str:
     body = r"\d+".join(re.escape(part) for part in module_pattern.split("*"))
     return rf"(^|.*\.){body}\.weight$"

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from orch.plans.parallel.schedules import rank_of_stage, stages_of_rank
-from orch.plans.parallel.stage_layers import StageLayer
+from orch.plans.parallel.stage_layers import StageLayer, whole_name
 from orch.plans.spec import PipelineSchedule
 
 if TYPE_CHECKING:
@@ -53,16 +53,6 @@ class StageModule(nn.Module):
         for module, forward_fn in zip(self.layers, self._forward_fns, strict=True):
             x = forward_fn(module, x) if forward_fn is not None else module(x)
         return x
-
-
-def whole_name(spec: StageLayer, own: str, index: int) -> str:
-    """The whole model's name for ``own``, a name inside layer ``index`` (``spec``): the first of
-    ``spec.names`` whose key prefixes it, replaced; without names, ``pipeline.<index>.<own>``
-    (a checkpoint that then resumes only at the same cut)."""
-    for prefix, replacement in spec.names.items():
-        if own.startswith(prefix) or own + "." == prefix:
-            return (replacement + own[len(prefix):]).rstrip(".")
-    return f"pipeline.{index}.{own}".rstrip(".")
 
 
 @dataclass(frozen=True)
