@@ -81,6 +81,17 @@ def test_only_fsdp2_plans_with_tp_split_the_head_and_say_why_not():
     assert "loss_parallel" not in plan.layout_text()
 
 
+def _assert_split_saves_half_the_head(typed, workload, probe, split, whole, head_params: int) -> None:
+    """fp32 plans at tp=2 over a 4096-way vocabulary: the split one counts half the head's parameters
+    and about half its logits (and their fp32 log-softmax for the loss) less than the whole one."""
+    estimates = {name: estimate_plan(plan, typed.cluster, typed.optim, probe) for name, plan in
+                 (("split", split), ("whole", whole))}
+    assert estimates["whole"].states.params - estimates["split"].states.params == 4 * (head_params // 2)
+    logits = split.micro_batch_size * workload.tokens_per_sample * 4096 * 4
+    saved = estimates["whole"].per_device.activations - estimates["split"].per_device.activations
+    assert logits // 2 <= saved <= 3 * logits, (saved, logits)
+
+
 def test_a_split_head_takes_its_share_of_parameters_logits_and_matmuls_off_each_rank():
     typed, model_cfg, split = resolved(*UNTIED, "plan.engine=fsdp2")
     whole = dataclasses.replace(split, loss_parallel=False)
@@ -90,15 +101,7 @@ def test_a_split_head_takes_its_share_of_parameters_logits_and_matmuls_off_each_
     assert probe.for_plan(whole) is probe and probe.for_plan(split) is probe.split_head
     hidden = 128
     head_params = 4096 * hidden
-
-    estimates = {name: estimate_plan(plan, typed.cluster, typed.optim, probe) for name, plan in
-                 (("split", split), ("whole", whole))}
-    # fp32 parameters: 4 bytes each, half the head's on each rank.
-    assert estimates["whole"].states.params - estimates["split"].states.params == 4 * (head_params // 2)
-    # The logits and their fp32 log-softmax for the loss: [micro-batch, tokens, vocabulary] each, halved.
-    logits = split.micro_batch_size * workload.tokens_per_sample * 4096 * 4
-    saved = estimates["whole"].per_device.activations - estimates["split"].per_device.activations
-    assert logits // 2 <= saved <= 3 * logits, (saved, logits)
+    _assert_split_saves_half_the_head(typed, workload, probe, split, whole, head_params)
     # DeepSpeed keeps the head whole: its count is the unsplit one.
     _, _, deepspeed = resolved(*UNTIED, "plan.engine=deepspeed")
     assert probe.for_plan(deepspeed) is probe
@@ -151,12 +154,7 @@ def test_a_tied_head_splits_its_embedding_with_it_and_the_embedding_all_reduces_
     assert probe.output_head == head and probe.for_plan(split) is probe.split_head
     weight = 4096 * model_cfg["d_model"]
     assert probe.output_head_params == weight
-    estimates = {name: estimate_plan(plan, typed.cluster, typed.optim, probe) for name, plan in
-                 (("split", split), ("whole", whole))}
-    assert estimates["whole"].states.params - estimates["split"].states.params == 4 * (weight // 2)
-    logits = split.micro_batch_size * workload.tokens_per_sample * 4096 * 4
-    saved = estimates["whole"].per_device.activations - estimates["split"].per_device.activations
-    assert logits // 2 <= saved <= 3 * logits, (saved, logits)
+    _assert_split_saves_half_the_head(typed, workload, probe, split, whole, weight)
     assert describe_head(split, head).startswith("lm_head split over the vocabulary with its tied embedding embed.wte")
     model = count_model_cost(probe, [1, 2], probe.stats.param_count)
     tokens_hidden = workload.tokens_per_sample * model_cfg["d_model"]
