@@ -5,10 +5,12 @@ selected through Hydra's ``_target_`` too): ``forward(input_ids: LongTensor[B, T
 logits[B, T, vocab]``. A model that can recompute activations in backward exposes
 ``gradient_checkpointing_enable()`` (the name Hugging Face models use).
 
-Tensor parallelism (``plan.tp > 1``) is applied by DeepSpeed's AutoTP *after* the model is
-built: :data:`TP_LAYER_SPECS` names the layers it shards. The model itself is never told which
-shard it holds: its attention reads the number of local heads off the width of ``qkv``'s output,
-so the same code runs whole (on ``meta`` in the planner, at tp=1) and sharded.
+Tensor parallelism (``plan.tp > 1``) is applied *after* the model is built, by DeepSpeed's AutoTP
+or, under FSDP2, DTensor's column- and row-wise styles: :data:`TP_LAYER_SPECS` names the layers
+they shard (FSDP2 also splits the output head over the vocabulary, a tied one with its embedding).
+The model itself is never told which shard it holds: its attention reads the number of local
+heads off the width of ``qkv``'s output, so the same code runs whole (on ``meta`` in the planner,
+at tp=1) and sharded.
 
 Pipeline parallelism (``plan.pp > 1``) needs the model as a flat sequence of layers, each stage
 building only its own: :meth:`GPT.pipeline_layers` describes them as
@@ -37,7 +39,7 @@ from orch.plans.parallel.stage_layers import StageLayer
 # rows are ordered head by head, each head's q, k and v together (Megatron-LM's layout of its fused
 # QKV), so a plain column split hands every rank whole heads of all three: the same spec serves
 # DeepSpeed's AutoTP and DTensor's column-wise style. Embeddings, the (tied) output head and the
-# layer norms match no spec and stay replicated.
+# layer norms match no spec (the FSDP2 engine adds the head, plan.loss_parallel).
 TP_LAYER_SPECS: list[dict] = [
     {"patterns": [r".*\.attn\.qkv\.weight$", r".*\.mlp\.fc\.weight$"], "partition_type": "column"},
     {"patterns": [r".*\.attn\.proj\.weight$", r".*\.mlp\.proj\.weight$"], "partition_type": "row"},

@@ -40,7 +40,6 @@ class PipelineLayer:
     """The same, with ``requires_grad``."""
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class PipelineStage:
     """The layers ``[start, stop)`` one stage runs and what they add up to."""
