@@ -112,7 +112,12 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
     losses = [m.value for m in client.get_metric_history(result.run_id, "loss")]
     assert losses == pytest.approx([r[0].loss for r in result.reports])
     assert [m.step for m in client.get_metric_history(result.run_id, "eval_loss")] == [30]
-    assert 0 < run.data.metrics["mfu"] < 1.5  # against a measured matmul peak: near or below 1
+    # MFU against the matmul peak the workers measured as they started (a tag): near or below 1
+    # on a quiet machine, but a peak measured while another test held the cores reads low (CI saw
+    # 2.9), so the bound is loose; the ratio itself is exact.
+    peak = float(run.data.tags["peak_tflops_per_device"])
+    assert run.data.metrics["mfu"] == pytest.approx(run.data.metrics["tflops_per_device"] / peak, rel=1e-3)
+    assert 0 < run.data.metrics["mfu"] < 5
     # Every run samples each node's hardware at least once, at its end: a short one has its plot too;
     # and it times the phases of its steps, drawn against their prediction.
     # (plots/ranks.png too when the ranks' phases happened to differ: tests/test_stragglers.py)
