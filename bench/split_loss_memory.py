@@ -5,10 +5,10 @@ A measurement apart from the worker's tensor tracker (orch/launchers/memory_prob
 to reach into DTensor's Python op handlers to see what torch's loss handlers allocate inside
 themselves: each rank's [tokens, classes / tp] fp32 logits go through forward and backward, once
 split (a DTensor, ``Shard(-1)``, inside ``loss_parallel()``) and once as plain local logits through
-aten's kernels. With glibc's mmap
-threshold fixed low (``MALLOC_MMAP_THRESHOLD_``), every tensor this size is its own mapping,
-mapped when allocated and unmapped when freed, so the rise of the peak resident set (``VmHWM``,
-reset through ``/proc/self/clear_refs``) over the pass is the peak of the tensors alive in it.
+aten's kernels. With glibc's mmap threshold fixed low (``MALLOC_MMAP_THRESHOLD_``), every tensor
+this size is its own mapping, mapped when allocated and unmapped when freed, so the rise of the
+peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) over the pass is the peak
+of the tensors alive in it.
 The planner's figures are what its meta pass counts for the same call (the loss's logits, their
 gradient and what the loss holds between), with :func:`orch.plans.parallel.split_loss.split_loss_on_meta`
 for the split one. The tensor tracker's view is printed beside them

@@ -61,7 +61,12 @@ def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", ac
                         sequence_parallel=sequence_parallel, async_tp=async_tp, fp8_recipe=fp8_recipe)
     from orch.workloads.gpt import TP_LAYER_SPECS
 
-    specs = {"llama": lambda: specs_from_tp_plan(llama()), "gpt": lambda: TP_LAYER_SPECS}.get(model, lambda: None)()
+    if model == "llama":
+        specs = specs_from_tp_plan(llama())
+    elif model == "gpt":
+        specs = TP_LAYER_SPECS
+    else:
+        specs = None
     optim = OptimSpec(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1)
     objective = Classification() if model == "vit" else CausalLM()
     workload = Workload(model_factory=MODELS[model], objective=objective, data=CorpusSource(seq_len=SEQ),

@@ -12,10 +12,9 @@ process's resident memory (the allocations large enough to be mapped and unmappe
 80 MiB at the peak of a split loss over logits of 16 MiB per rank (the logits included), 64 MiB
 for aten's loss over the same local logits (bench/results/split_loss_memory.md).
 
-The worker's tensor tracker (:mod:`orch.launchers.memory_probe`) cannot see those temporaries:
-DTensor runs its handlers below the dispatch mode, which sees only their results. So the
-measured peaks of split-head plans on CPU leave them out, and this module, not that measurement,
-is what the planner's count of them rests on.
+The worker's tensor tracker (:mod:`orch.launchers.memory_probe`) sees those temporaries only
+because it runs DTensor's Python op handlers with itself pushed again (DTensor's dispatch runs
+below the tracker's mode); the benchmark above measures them without it.
 """
 
 from __future__ import annotations
