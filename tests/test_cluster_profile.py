@@ -22,7 +22,7 @@ from orch.plans.spec import ClusterSpec, MeasuredSpeeds, Precision
 from orch.plans.step_time.cost_model import Speeds
 from orch.plans.step_time.phases import PHASES_VERSION
 from orch.plans.step_time.prediction import declared_plan_step
-from orch.plans.step_time.profile import cluster_speeds, measured_section, profile_speeds
+from orch.plans.step_time.profile import cluster_speeds, measured_section, mfu_peak, profile_speeds
 
 
 def _measured(cluster: ClusterSpec, precision: Precision = Precision.fp32, **changes) -> MeasuredSpeeds:
@@ -70,6 +70,23 @@ def test_a_profile_loads_back_into_the_cluster_schema_and_prices_the_plan_at_its
     speeds, note = cluster_speeds(loaded, Precision.bf16)
     assert speeds == Speeds.declared(loaded, Precision.bf16)
     assert "measured in fp32, the plan trains in bf16 (`orch calibrate plan.precision=bf16`" in note
+
+
+def test_a_runs_mfu_is_over_the_profiles_fastest_matmul_in_its_precision():
+    """The workers' own start-up probe only where the profile timed no matmul in the plan's
+    precision (fp8 matmuls are reported against the bf16 peak, as torchtitan's MFU is)."""
+    cluster = ClusterSpec()
+    assert mfu_peak(cluster, Precision.fp32) == (None, "measured by each worker as it started")
+    profiled = dataclasses.replace(cluster, measured=_measured(cluster))
+    peak, source = mfu_peak(profiled, Precision.fp32)
+    assert peak == 0.2 and source == "the cluster profile's fastest matmul (orch calibrate, 2026-01-02T03:04:05Z)"
+    peak, source = mfu_peak(profiled, Precision.bf16)
+    assert peak is None and source.endswith("(the cluster profile's matmuls were timed in fp32)")
+    bf16 = dataclasses.replace(cluster, measured=_measured(cluster, Precision.bf16))
+    assert mfu_peak(bf16, Precision.fp8)[0] == 0.2
+    broken = dataclasses.replace(bf16.measured, matmul_tflops=[dataclasses.replace(bf16.measured.matmul_tflops[0],
+                                                                                     tflops=float("nan"))])
+    assert mfu_peak(dataclasses.replace(cluster, measured=broken), Precision.bf16)[0] is None
 
 
 def test_a_profile_that_cannot_price_a_plan_is_refused_naming_the_field():

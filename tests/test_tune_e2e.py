@@ -153,4 +153,10 @@ def test_orch_calibrate_measures_the_workers_writes_a_profile_and_fills_the_tune
     slowdowns = [s for s in result.stragglers if isinstance(s, PlanSlowdown)]
     assert slowdowns and slowdowns[0].measured_s > slowdowns[0].allowed_s > slowdowns[0].predicted_s
     assert slowdowns[0].message().startswith("the step is slower than the plan predicts: ")
-    assert MlflowClient(sqlite_uri).get_run(result.run_id).data.tags["straggler.1"] == slowdowns[0].message()
+    tracked = MlflowClient(sqlite_uri).get_run(result.run_id).data
+    assert tracked.tags["straggler.1"] == slowdowns[0].message()
+    # Its MFU is over the profile's fastest matmul, not a rate the workers measured under load.
+    assert tracked.tags["peak_tflops_source"].startswith("the cluster profile's fastest matmul (orch calibrate, ")
+    peak = max(rate.tflops for rate in boasted.matmul_tflops)
+    assert float(tracked.tags["peak_tflops_per_device"]) == pytest.approx(peak, rel=1e-3)
+    assert tracked.metrics["mfu"] == pytest.approx(tracked.metrics["tflops_per_device"] / peak, rel=1e-6)

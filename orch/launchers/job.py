@@ -43,6 +43,9 @@ class TrainJob:
     model_signature: dict | None = None
     """Parameter names and shapes and the model's config, recorded in each checkpoint's manifest
     (:func:`orch.launchers.checkpoint.model_signature`) so a resume can check it fits before launching."""
+    mfu_peak_tflops: float | None = None
+    """The dense matmul rate per device MFU is reported against, from the cluster profile
+    (:func:`orch.plans.step_time.profile.mfu_peak`); None: each worker measures its own as it starts."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -141,9 +141,12 @@ class TrainWorker:
                            torch_threads=torch.get_num_threads())
 
     def _peak_tflops(self) -> float:
-        """The matmul rate MFU is reported against, computed the way the steps compute."""
+        """The matmul rate MFU is reported against: the cluster profile's, else measured here the way
+        the steps compute."""
         from orch.launchers.matmul_probe import matmul_tflops
 
+        if self.job.mfu_peak_tflops:
+            return self.job.mfu_peak_tflops
         with self._kernels():
             return matmul_tflops(self.job.plan.precision.value, self.engine.device)
 

@@ -358,7 +358,7 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
         streams = data.streams(job.plan.dp, eval_samples=eval_samples)
     result.worker_facts = group.setup(job, timeout_s=job.train.setup_timeout_s, streams=streams)
     clock.mark("setup")
-    _note_setup(result.worker_facts, tracker)
+    _note_setup(result.worker_facts, tracker, prepared.mfu_peak_source)
     on_system = None
     if tracker:
         from orch.tracking.train_run import SystemMetricsLog, record_stragglers
@@ -424,7 +424,7 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
     return _gather_export(group, out) if export else None
 
 
-def _note_setup(worker_facts: list[WorkerFacts], tracker: RunTracker | None) -> None:
+def _note_setup(worker_facts: list[WorkerFacts], tracker: RunTracker | None, peak_source: str) -> None:
     """Tell the user how the workers came up, and record where the ranks really run."""
     built = worker_facts[0].model.built
     if note := worker_facts[0].model.optimizer_note:
@@ -437,7 +437,8 @@ def _note_setup(worker_facts: list[WorkerFacts], tracker: RunTracker | None) -> 
                          "plan/placement_realized.json")
         tracker.set_tags({"nodes_used": str(len({f.node_id for f in worker_facts})),
                           "optimizer": worker_facts[0].model.optimizer,
-                          "peak_tflops_per_device": f"{mean_peak_tflops(worker_facts):.4f}"})
+                          "peak_tflops_per_device": f"{mean_peak_tflops(worker_facts):.4f}",
+                          "peak_tflops_source": peak_source})
 
 
 # What each rank reports of where it runs, logged next to the planned layout (plan/placement.json).

@@ -29,7 +29,7 @@ from orch.plans.spec import Accelerator, ClusterSpec
 from orch.plans.step_time.cost_model import StepTime
 from orch.plans.step_time.flops import training_flops_per_sample
 from orch.plans.step_time.prediction import declared_plan_step, declared_step_range
-from orch.plans.step_time.profile import cluster_speeds
+from orch.plans.step_time.profile import cluster_speeds, mfu_peak
 from orch.run.resume import signature_of
 
 
@@ -50,6 +50,8 @@ class PreparedJob:
     """The top of that prediction's P10-P90 range over the prediction, when it is priced at the
     cluster's measured speeds and its range is known: a step slower than this (and the threshold)
     is named (:mod:`orch.tracking.plan_slowdown`); None: not compared."""
+    mfu_peak_source: str = ""
+    """Where the matmul rate the run's MFU is over comes from (:func:`orch.plans.step_time.profile.mfu_peak`)."""
 
     @property
     def plan(self) -> ResolvedPlan:
@@ -72,7 +74,9 @@ def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, worklo
     optim = optim_settings(plan, cfg.optim, cfg.train.steps)
     engine_config = engine_module(plan.engine, "driver").engine_config(
         plan, optim, param_count=facts.param_count, tp_layer_specs=workload.tp_layer_specs)
+    peak_tflops, peak_source = mfu_peak(cluster, plan.precision)
     job = TrainJob(plan=plan, optim=optim, engine_config=engine_config, workload=workload, train=cfg.train,
+                   mfu_peak_tflops=peak_tflops,
                    env=job_env(plan.accelerator, cfg.train),
                    model_signature=signature_of(workload.model_factory, workload.model_config, cfg.train),
                    system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.enabled else 0.0)
@@ -85,7 +89,7 @@ def prepare_job(cfg: RunConfig, model_cfg: dict, cluster: ClusterSpec, *, worklo
     predicted = declared_plan_step(plan, cluster, cfg.optim, probe, facts.param_count)
     return PreparedJob(estimate=estimate, facts=facts, workload=workload, job=job, group_spec=group_spec,
                        flops_per_sample=flops, predicted_step=predicted,
-                       slowdown_ratio=slowdown_ratio(predicted, plan, cluster))
+                       slowdown_ratio=slowdown_ratio(predicted, plan, cluster), mfu_peak_source=peak_source)
 
 
 def slowdown_ratio(predicted: StepTime, plan: ResolvedPlan, cluster: ClusterSpec) -> float | None:

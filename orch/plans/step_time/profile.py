@@ -209,3 +209,24 @@ def cluster_speeds(cluster: ClusterSpec, precision: Precision | None = None) -> 
                                    "measure the cluster again with `orch calibrate`, or set cluster.measured=null "
                                    "to use the declared speeds")])
     return dataclasses.replace(speeds, fp8_speedup=fp8_speedup(cluster)), profile_note(measured)
+
+
+def mfu_peak(cluster: ClusterSpec, precision: Precision) -> tuple[float | None, str]:
+    """The dense matmul rate per device a run's MFU is reported against, and where it comes from:
+    the cluster profile's fastest measured matmul when it timed them in the plan's precision,
+    else None, for each worker to measure its own as it starts.
+
+    A worker's own figure is taken at start, once and briefly, on whatever else the machine runs
+    then: on CPU workers another process on the same cores lowers it, and the MFU over it comes
+    out too high. The profile's rates are the best of several windows, per worker as the node's
+    workers share its cores, on the model's own matmul shape."""
+    measured = cluster.measured
+    if measured is None or not measured.matmul_tflops:
+        return None, "measured by each worker as it started"
+    if Precision(measured.precision).base != Precision(precision).base:
+        return None, (f"measured by each worker as it started (the cluster profile's matmuls were timed in "
+                      f"{Precision(measured.precision).value})")
+    peak = max(float(rate.tflops) for rate in measured.matmul_tflops)
+    if not math.isfinite(peak) or peak <= 0:
+        return None, "measured by each worker as it started (the cluster profile's matmul rates are not usable)"
+    return peak, f"the cluster profile's fastest matmul (orch calibrate, {measured.measured_at})"
