@@ -121,7 +121,8 @@ def test_fsdp2_follows_the_deepspeed_curve_and_resumes_at_another_dp(dp_referenc
 
 def test_fsdp2_trains_an_hf_llama_with_tensor_parallelism_in_bf16(local_ray, sqlite_uri):
     """The Hugging Face Llama shape on a (dp=1, tp=2) mesh: DTensor shards its layers by the
-    model's own tensor-parallel plan, FSDP2 wraps each decoder layer, bf16 mixed precision, and
+    model's own tensor-parallel plan and its tied head with the embedding over the vocabulary,
+    FSDP2 wraps each decoder layer, bf16 mixed precision, and
     selective recomputation through the model's own switch (``gradient_checkpointing_kwargs``).
     Step 12 runs under the profiler: the tensor-parallel all-reduces show as communication."""
     out = io.StringIO()
@@ -132,6 +133,9 @@ def test_fsdp2_trains_an_hf_llama_with_tensor_parallelism_in_bf16(local_ray, sql
     # Both ranks of the tensor-parallel group read the same batch and hold half of the sharded layers.
     assert first[0].first_batch_digest == first[1].first_batch_digest
     assert all(f.model.params_on_rank < result.model.param_count for f in result.worker_facts)
+    # Its head shares the token embedding's weight (tie_word_embeddings): split over the vocabulary with it.
+    assert all(f.model.built.endswith(", the output head split over the vocabulary with its tied embedding "
+                                      "model.embed_tokens (loss parallel, lm_head)") for f in result.worker_facts)
     profiled = next(reports for reports in result.reports if reports[0].step == 15)
     for report in profiled:
         profile, = report.profiles

@@ -274,6 +274,22 @@ def test_hf_llama_at_tp2_uses_its_own_tp_plan_and_resumes_at_tp1(tmp_path):
 
 
 @pytest.mark.slow
+def test_hf_llama_with_its_head_tied_to_its_embedding_splits_both_at_tp2_and_resumes_at_tp1(tmp_path):
+    """``tie_word_embeddings``: the head's weight is the token embedding's, split over the vocabulary
+    with it and still one parameter while it trains (the head and the embedding come out equal); the
+    first loss is the unsharded model's and the checkpoint loads into one unsharded rank."""
+    found = _spawn("train_and_save", 2, tmp_path, model="llama_tied", tp=2, precision="fp32")
+    assert found["built"].endswith(", the output head split over the vocabulary with its tied embedding "
+                                   "model.embed_tokens (loss parallel, lm_head)")
+    assert found["losses"][0] == pytest.approx(found["whole_first_loss"], rel=1e-5)
+    assert found["losses"][-1] < found["losses"][0] - 0.5
+    assert found["head_is_embedding"] and found["consolidated_shapes"] == found["whole_shapes"]
+    resumed = _spawn("resume", 1, tmp_path, model="llama_tied", precision="fp32")
+    assert resumed["weights_equal"] and resumed["step"] == 6
+    assert resumed["eval"]["loss"] == pytest.approx(found["eval"]["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
 def test_builtin_gpt_at_tp2_with_sequence_parallelism_resumes_at_tp1(tmp_path):
     """The built-in GPT's fused qkv split by DTensor's column-wise style (its rows are whole heads
     in order), the residual stream split along the sequence, and its tied head split over the

@@ -41,7 +41,9 @@ def llama(tied: bool):
 
 def test_the_head_is_an_untied_output_layer_under_a_cross_entropy_objective():
     assert output_head(llama(tied=False), CausalLM()) == OutputHead(name="lm_head", classes=300)
-    assert output_head(llama(tied=True), CausalLM()) is None  # the embedding would have to split too
+    # Its weight is the embedding's (tie_word_embeddings): split with it.
+    assert output_head(llama(tied=True), CausalLM()) == OutputHead(name="lm_head", classes=300,
+                                                                   embedding="model.embed_tokens")
     assert output_head(llama(tied=False), Classification()) is None  # no such declaration: kept whole
     assert output_head(llama(tied=False), lambda outputs, batch: outputs.sum()) is None
     from orch.workloads.gpt import GPT
@@ -164,6 +166,29 @@ def test_a_tied_head_splits_its_embedding_with_it_and_the_embedding_all_reduces_
     assert model.split_head.column_parallel_in_per_sample == model.column_parallel_in_per_sample + tokens_hidden
     _, _, piped = resolved(*overrides, "plan.pp=2", "plan.grad_accum_steps=2", "cluster.devices_per_node=4")
     assert kept_whole(piped, head) == "its weight is embed.wte's, which the first pipeline stage holds as well"
+
+
+def test_a_hugging_face_head_tied_to_its_embedding_splits_with_it():
+    """A Hugging Face decoder with ``tie_word_embeddings`` (the shipped hf_causal_lm's default): its
+    ``lm_head`` is a linear layer whose weight is the token embedding's. At tp=2 the shared weight
+    halves once (the sharded probe's head holds the embedding's shard, so its logits split too),
+    and the embedding's lookups and the head's input gradient are all-reduced."""
+    overrides = ("model=hf_causal_lm", "model.config.vocab_size=4096", "plan.dp=1", "plan.tp=2",
+                 "plan.precision=fp32", "plan.engine=fsdp2")
+    typed, model_cfg, split = resolved(*overrides)
+    whole = dataclasses.replace(split, loss_parallel=False)
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
+    probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs)
+    head = OutputHead("lm_head", 4096, "model.embed_tokens")
+    assert probe.output_head == head and probe.for_plan(split) is probe.split_head
+    hidden = model_cfg["config"]["hidden_size"]
+    assert probe.output_head_params == 4096 * hidden
+    _assert_split_saves_half_the_head(typed, workload, probe, split, whole, 4096 * hidden)
+    model = count_model_cost(probe, [1, 2], probe.stats.param_count)
+    tokens_hidden = workload.tokens_per_sample * hidden
+    assert model.split_head.row_parallel_out_per_sample == model.row_parallel_out_per_sample + tokens_hidden
+    assert model.split_head.column_parallel_in_per_sample == model.column_parallel_in_per_sample + tokens_hidden
+    assert model.tp_param_count[2] - model.split_head.tp_param_count[2] == 4096 * hidden // 2
 
 
 def test_with_pipeline_stages_only_the_stage_that_holds_the_head_keeps_its_share():

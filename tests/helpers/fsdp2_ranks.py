@@ -28,6 +28,13 @@ def llama():
     return hf_causal_lm(LLAMA)
 
 
+def llama_tied():
+    """The same decoder with its ``lm_head`` sharing the token embedding's weight."""
+    from orch.workloads.hf import hf_causal_lm
+
+    return hf_causal_lm({**LLAMA, "tie_word_embeddings": True})
+
+
 def vit():
     from torchvision.models.vision_transformer import VisionTransformer
 
@@ -35,7 +42,7 @@ def vit():
                              num_classes=10)
 
 
-MODELS = {"gpt": gpt, "llama": llama, "vit": vit}
+MODELS = {"gpt": gpt, "llama": llama, "llama_tied": llama_tied, "vit": vit}
 
 
 def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", accum: int = 1, steps: int = 8,
@@ -61,7 +68,7 @@ def make_job(model: str, *, world: int, tp: int = 1, precision: str = "bf16", ac
                         sequence_parallel=sequence_parallel, async_tp=async_tp, fp8_recipe=fp8_recipe)
     from orch.workloads.gpt import TP_LAYER_SPECS
 
-    if model == "llama":
+    if model.startswith("llama"):
         specs = specs_from_tp_plan(llama())
     elif model == "gpt":
         specs = TP_LAYER_SPECS
@@ -181,6 +188,9 @@ def train_and_save(rank: int, world: int, out: Path, *, model: str, tp: int = 1,
         torch.manual_seed(job.train.seed)
         whole = MODELS[model]()
         found["whole_shapes"], found["consolidated_shapes"] = _shapes(whole.state_dict()), _shapes(full)
+        if "lm_head.weight" in full and "model.embed_tokens.weight" in full:
+            # Trained apart, they would differ now.
+            found["head_is_embedding"] = bool(torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"]))
         # The unsharded model, built from the same seed, on the first step's micro-batches: the
         # sharded run's first loss must be the same model's.
         with torch.no_grad():

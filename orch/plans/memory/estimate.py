@@ -198,6 +198,8 @@ def shard_module(module: torch.nn.Module, layer_specs: list[dict], tp: int) -> t
     sharded layers' outputs and inputs shrink by tp, the rest stay whole (the row-parallel
     all-reduce changes values, not shapes, so it is not needed on meta)."""
     sharded: list[str] = []
+    # id of a split layer's whole weight -> (that weight, held so that its id is not reused; its shard)
+    shards: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
     for name, kind in split_layers(module, layer_specs).items():
         layer = module.get_submodule(name)
         weight = layer.weight
@@ -208,7 +210,13 @@ def shard_module(module: torch.nn.Module, layer_specs: list[dict], tp: int) -> t
                 layer.bias = torch.nn.Parameter(torch.empty(rows // tp, device="meta", dtype=weight.dtype))
         else:
             layer.weight = torch.nn.Parameter(torch.empty(rows, cols // tp, device="meta", dtype=weight.dtype))
+        shards[id(weight)] = (weight, layer.weight)
         sharded.append(name)
+    # A layer sharing a split layer's weight (a linear head tied to its embedding) holds the same shard.
+    for owner in module.modules():
+        weight = getattr(owner, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and shards.get(id(weight), (None,))[0] is weight:
+            owner.weight = shards[id(weight)][1]
     for name, owner in module.named_modules():
         if name and any(layer.startswith(f"{name}.") for layer in sharded):
             for attribute in _TP_SIZE_ATTRIBUTES:

@@ -13,11 +13,11 @@ it), when the objective declares that its loss is a cross-entropy over the outpu
 (``loss_parallel = True``), which ``loss_parallel`` computes from the split logits, and the head is
 either a linear layer of its own, or a module that computes the logits with the input embedding's
 weight handed to it at each call and says so (``reuses_input_embedding = True``: the built-in GPT's
-tied head). A tied head splits its embedding with it: the embedding's rows (the vocabulary) are
-split over the same ranks, each rank looks up the tokens of its rows and the lookups are summed
-(Megatron-LM's vocabulary-parallel embedding), and the head computes its logits from the same
-shard. A Hugging Face head whose linear layer shares its weight with the embedding stays whole.
-Pure: the planner and the engine decide with the same functions.
+tied head), or a linear layer whose weight *is* the embedding's (a Hugging Face model's tied
+``lm_head``, ``tie_word_embeddings``). A tied head splits its embedding with it: the embedding's
+rows (the vocabulary) are split over the same ranks, each rank looks up the tokens of its rows and
+the lookups are summed (Megatron-LM's vocabulary-parallel embedding), and the head computes its
+logits from the same shard. Pure: the planner and the engine decide with the same functions.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ class OutputHead:
 
 def output_head(model: torch.nn.Module, objective: Any) -> OutputHead | None:
     """The head of ``model`` that ``plan.loss_parallel`` splits, or None: the model names no
-    linear output head, the head shares its weight with the input embedding, or ``objective``
-    does not declare a loss ``loss_parallel`` computes (``objective.loss_parallel``)."""
+    linear output head (nor a tied head that says so), the head shares its weight with an input
+    embedding that is not an ``nn.Embedding``, or ``objective`` does not declare a loss
+    ``loss_parallel`` computes (``objective.loss_parallel``)."""
     import torch
 
     if not getattr(objective, "loss_parallel", False):
@@ -72,11 +73,14 @@ def output_head(model: torch.nn.Module, objective: Any) -> OutputHead | None:
         if id(head) not in names or id(embedding) not in names:
             return None
         return OutputHead(name=names[id(head)], classes=embedding.num_embeddings, embedding=names[id(embedding)])
-    if not isinstance(head, torch.nn.Linear) or head.weight.dim() != 2:
+    if not isinstance(head, torch.nn.Linear) or head.weight.dim() != 2 or id(head) not in names:
         return None
     if getattr(embedding, "weight", None) is head.weight:
-        return None
-    return OutputHead(name=names[id(head)], classes=head.out_features) if id(head) in names else None
+        # Tied: the embedding's rows are the head's, split together.
+        if not isinstance(embedding, torch.nn.Embedding) or id(embedding) not in names:
+            return None
+        return OutputHead(name=names[id(head)], classes=head.out_features, embedding=names[id(embedding)])
+    return OutputHead(name=names[id(head)], classes=head.out_features)
 
 
 def splits_head(plan: ResolvedPlan, head: OutputHead | None) -> bool:

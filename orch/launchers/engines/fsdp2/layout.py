@@ -181,9 +181,11 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
     its logits left split along their last dimension (a DTensor), as torch's ``loss_parallel``
     takes them; its input is the whole hidden state (under sequence parallelism the final norm's
     output is gathered for it). A tied head's embedding is split by rows with it (row-parallel:
-    the lookups all-reduced). Without ``head`` an output head stays whole (the Hugging Face
-    plans' ``colwise_gather_output`` is not applied).
+    the lookups all-reduced); a linear head sharing the embedding's weight is split by the same
+    rows, and tied to the embedding's shard again once both are. Without ``head`` an output head
+    stays whole (the Hugging Face plans' ``colwise_gather_output`` is not applied).
     """
+    import torch
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
@@ -203,16 +205,23 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
                     plan[name] = styles[style]()
     else:
         plan = {name: styles[kind]() for name, kind in autotp_styles(model, layer_specs or [], match_names).items()}
+    tied_linear = None
     if head is not None and head.embedding is not None:
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import PrepareModuleInput
 
         # The embedding's rows split (each rank looks up the tokens of its part of the vocabulary,
         # the lookups summed); the tied head is handed that shard, its input made a replicated
         # DTensor so the logits come out split along their last dimension, as loss_parallel takes them.
         plan[head.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        plan[head.name] = PrepareModuleInput(input_layouts=(Replicate(), None),
-                                             desired_input_layouts=(Replicate(), None), use_local_output=False)
+        if isinstance(model.get_submodule(head.name), torch.nn.Linear):
+            # Its weight is the embedding's: split by the same rows (both styles shard dim 0), each
+            # into a parameter of its own by parallelize_module, tied again after it.
+            tied_linear = model.get_submodule(head.name)
+            plan[head.name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        else:
+            plan[head.name] = PrepareModuleInput(input_layouts=(Replicate(), None),
+                                                 desired_input_layouts=(Replicate(), None), use_local_output=False)
     elif head is not None:
         from torch.distributed.tensor import Shard
 
@@ -228,6 +237,8 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
         for name in sequence.row_layers:
             plan[name] = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM))
     parallelize_module(model, tp_mesh, plan)
+    if tied_linear is not None:
+        tied_linear.weight = model.get_submodule(head.embedding).weight
     if sequence is not None:
         apply_sequence_parallel(model, tp_mesh, sequence)
     return len(plan)
