@@ -217,6 +217,8 @@ def _comparison_rows(declared: Speeds, measured: Speeds, sources: dict[str, str]
     """(what, declared, measured) for each speed the calibration measured, in the units shown."""
     rows = [(f"matmul TFLOP/s at {height:,} rows", declared.tflops_at(height), tflops)
             for height, tflops in measured.matmul_tflops]
+    if not sources.get("attention_share", "declared").startswith("declared"):
+        rows.append(("attention's FLOP rate over the matmuls'", declared.attention_share, measured.attention_share))
     rows.append(("memory-bound kernels GB/s", declared.sustained_memory_gb_per_s, measured.sustained_memory_gb_per_s))
     if not sources["intra_node_gbps"].startswith("declared"):
         rows += [("all-reduce bus Gbit/s inside a node", declared.bus_gbps("intra"), measured.bus_gbps("intra")),

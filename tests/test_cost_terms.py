@@ -377,6 +377,39 @@ def test_gathers_and_reduce_scatters_are_priced_at_their_own_rates_and_all_reduc
     assert step(slow, sequence_parallel=True, **tp).tp_comm_s == pytest.approx(plain * (1 / 0.5 + 1 / 0.25) / 2)
 
 
+def test_attention_runs_at_its_own_share_of_the_matmul_rate():
+    """The GPT's attention FLOPs are counted per call as the FLOP counter counts them (causal, its
+    shape recorded for the calibration), and a share of 0.5 doubles their time alone: the compute
+    part grows by one more pass of them at the matmul rate, recomputed ones included; the counted
+    FLOPs the rates report stay as counted."""
+    cost = _cost()
+    per_layer_forward = 4 * 4 * 128 * 128 * 16  # 4 heads x (q k^T, p v) of 2 x 128 x 128 x 16 each
+    assert cost.attention_forward_flops_per_sample == 2 * per_layer_forward
+    assert cost.attention_shape == (4, 128, 128, 16, 1)
+    speeds = Speeds.declared(A100)
+    halved = dataclasses.replace(speeds, attention_share=0.5)
+    for recompute, passes in ((False, 3), ("full", 4), ("selective", 3)):
+        plan = _plan(engine="fsdp2", zero_stage=0, dp=1, micro_batch_size=4, grad_accum_steps=2,
+                     activation_checkpointing=recompute)
+        assert cost.attention_flops_of(plan) == passes * cost.attention_forward_flops_per_sample
+        as_matmuls, own_rate = (predict_step(plan, cost, s, devices_per_node=8, optim=OptimSpec())
+                                for s in (speeds, halved))
+        extra = cost.attention_flops_of(plan) * 4 * 2  # a second pass's worth, over the step's 8 samples
+        rate = speeds.tflops_at(4 * 128) * 1e12 * matmul_efficiency(cost.gemms[1], 4, speeds,
+                                                                     flops_per_s=speeds.tflops_at(4 * 128) * 1e12,
+                                                                     element_bytes=2)
+        assert own_rate.compute_s - as_matmuls.compute_s == pytest.approx(extra / rate, rel=1e-6)
+        assert own_rate.tflops_per_device * own_rate.total_s == pytest.approx(
+            as_matmuls.tflops_per_device * as_matmuls.total_s)
+
+
+def test_calibration_times_attention_against_the_matmuls_at_the_same_rows():
+    from orch.launchers.calibration import _attention_share
+
+    share = _attention_share((2, 64, 64, 16, 1), [128], [0.05], torch.float32, torch.device("cpu"), 0.05)
+    assert 0 < share < 100
+
+
 def test_calibration_times_adam_on_the_host_threads():
     from orch.launchers.calibration import _host_adam_params_per_s
 

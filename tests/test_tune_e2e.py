@@ -101,9 +101,12 @@ def test_orch_calibrate_measures_the_workers_writes_a_profile_and_fills_the_tune
     assert speeds.inter_node_gbps == declared.inter_node_gbps
     assert profile.measured.sources["inter_node_gbps"].startswith("declared (one node")
     assert speeds.device_memory_gb_per_s > 0 and speeds.host_memory_gb_per_s >= speeds.device_memory_gb_per_s
+    # The GPT's attention, timed at its own shape against the matmuls at the same rows.
+    assert 0 < speeds.attention_share < 2
+    assert profile.measured.sources["attention_share"].startswith("scaled_dot_product_attention forward and backward")
     text = render_profile(profile)
     assert "all-reduce bus Gbit/s inside a node" in text and "kept as declared" in text
-    assert "reduce-scatter bus Gbit/s inside a node" in text
+    assert "reduce-scatter bus Gbit/s inside a node" in text and "attention's FLOP rate over the matmuls'" in text
     assert "use it: orch check --config-dir tuned_plans cluster=calibrated" in text
     # The reference run: trained at the profile's speeds, its phases recorded with its kind.
     [outcome] = profile.references

@@ -45,7 +45,7 @@ from orch.plans.storage.locations import write_whole
 
 _BANDWIDTH_ELEMENTS = 4 * 1024 * 1024  # 16 MB of fp32: large enough that latency is a few percent
 # Part of the cache key: a cache written by older probes is measured again, not misread.
-_PROBES_VERSION = 8
+_PROBES_VERSION = 9
 
 
 class CalibrationWorker:
@@ -62,9 +62,11 @@ class CalibrationWorker:
         self.rendezvous = RendezvousHost(ray.util.get_node_ip_address())
         return self.rendezvous.address
 
-    def compute(self, rows: list[int], k: int, n: int, precision: str, seconds: float = 0.3) -> dict:
-        """Matmul TFLOP/s per height, and memory GB/s (read + write of a 64 MB copy); on a GPU also
-        the host's memory, its link to the device and the rate of an offloaded optimizer step."""
+    def compute(self, rows: list[int], k: int, n: int, precision: str, seconds: float = 0.3,
+                attention: tuple[int, ...] = ()) -> dict:
+        """Matmul TFLOP/s per height, memory GB/s (read + write of a 64 MB copy) and, given the
+        model's attention shape, attention's rate as a share of the matmuls' (:func:`_attention_share`);
+        on a GPU also the host's memory, its link to the device and the rate of an offloaded optimizer step."""
         import torch
 
         from orch.launchers.cpu_bf16 import bf16_in_fp32
@@ -79,10 +81,13 @@ class CalibrationWorker:
                 a = torch.randn(m, k, dtype=dtype, device=device)
                 a @ b  # warm-up
                 tflops.append(2 * m * k * n / _best_time(lambda a=a: a @ b, device, seconds) / 1e12)
+            share = _attention_share(attention, rows, tflops, dtype, device, seconds) if attention else None
         facts = {"tflops": tflops, "device_gb_per_s": _copy_gb_per_s(device, seconds),
                  "op_overhead_s": _op_overhead_s(device, seconds),
                  "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                  "threads": torch.get_num_threads()}
+        if share is not None:
+            facts["attention_share"] = share
         if device.type == "cuda":
             facts["host_gb_per_s"] = _copy_gb_per_s(torch.device("cpu"), seconds)
             facts["host_link_gbps"] = _host_link_gbps(device, seconds)
@@ -201,6 +206,32 @@ def _copy_gb_per_s(device, seconds: float) -> float:
     b = torch.empty_like(a)
     b.copy_(a)
     return 2 * a.numel() * 4 / _best_time(lambda: b.copy_(a), device, seconds) / 1e9
+
+
+def _attention_share(shape: tuple[int, ...], rows: list[int], tflops: list[float], dtype, device,
+                     seconds: float) -> float:
+    """``scaled_dot_product_attention``'s FLOP rate, forward and backward, at the model's attention
+    ``shape`` (heads, query length, key length, head width, causal), over the matmuls' rate at the
+    same rows (the tallest of ``rows``: the most samples a plan's micro-batch holds). Its FLOPs are
+    counted as torch's FLOP counter counts them (a causal mask's skipped half included), as the
+    planner counts the model's (``ModelCost.attention_forward_flops_per_sample``), so the share
+    prices those FLOPs as they run. The kernel is the one training reaches (flash on CPUs and GPUs)."""
+    import torch
+    import torch.nn.functional as F
+
+    heads, q_len, k_len, width, causal = shape
+    batch = max(1, rows[-1] // q_len)
+    q = torch.randn(batch, heads, q_len, width, dtype=dtype, device=device, requires_grad=True)
+    kv = [torch.randn(batch, heads, k_len, width, dtype=dtype, device=device, requires_grad=True) for _ in range(2)]
+    grad = torch.randn(batch, heads, q_len, width, dtype=dtype, device=device)
+
+    def step() -> None:
+        torch.autograd.grad(F.scaled_dot_product_attention(q, *kv, is_causal=bool(causal)), [q, *kv], grad)
+
+    step()  # warm-up
+    flops = 3 * 4 * batch * heads * q_len * k_len * width
+    rate = flops / _best_time(step, device, seconds) / 1e12
+    return rate / tflops[-1]
 
 
 def _host_adam_params_per_s(seconds: float, numel: int = 32 * 1024 * 1024) -> float:
@@ -406,10 +437,12 @@ class Calibration:
 
 def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float, gpus_per_worker: float,
               env: dict[str, str], precision: str, rows: list[int], k: int, n: int, declared: Speeds,
-              cache_dir: str, wait_s: float = 60.0, use_cache: bool = True) -> Calibration:
+              cache_dir: str, wait_s: float = 60.0, use_cache: bool = True,
+              attention: tuple[int, ...] = ()) -> Calibration:
     """The cluster's measured :class:`Speeds` (from the cache when this cluster was measured
     before, unless ``use_cache`` is off), and where each number came from. Numbers a probe cannot
-    measure here (inter-node speeds on one node) stay as declared."""
+    measure here (inter-node speeds on one node) stay as declared. ``attention``: the model's
+    attention shape (``ModelCost.attention_shape``), () for a model without attention."""
     spec = WorkerGroupSpec(world_size=world_size, cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker,
                            env=env, wait_s=wait_s)
     bundle = spec.bundle
@@ -422,13 +455,14 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
     try:
         hosts = ray.get([a.hostname.remote() for a in actors])
         key = {"probes": _PROBES_VERSION, "hosts": hosts, "per_node": [s.local_world_size for s in slots],
-               "precision": precision, "rows": rows, "k": k, "n": n, "bundle": bundle}
+               "precision": precision, "rows": rows, "k": k, "n": n, "bundle": bundle, "attention": list(attention)}
         path = _cache_file(cache_dir, key)
         cached = _cached_speeds(path) if use_cache else None
         if cached is not None:
             nodes = len({slot.node_id for slot in slots})
             return Calibration(cached, f"measured speeds from the cache {path}", tuple(hosts), nodes,
-                               _sources(gpus_per_worker > 0, nodes, max(s.local_world_size for s in slots)))
+                               _sources(gpus_per_worker > 0, nodes, max(s.local_world_size for s in slots),
+                                        bool(attention)))
         by_node: dict[str, list[int]] = {}
         for slot in slots:
             by_node.setdefault(slot.node_id, []).append(slot.rank)
@@ -437,7 +471,8 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         # an arbitrary mix of contended and free windows, so one worker per node measures a core
         # on its own and the node's share per worker is applied after (see cpu_share).
         probed = list(range(len(actors))) if gpus_per_worker else [ranks[0] for ranks in by_node.values()]
-        compute = ray.get([actors[rank].compute.remote(rows, k, n, precision) for rank in probed])
+        compute = ray.get([actors[rank].compute.remote(rows, k, n, precision, attention=tuple(attention))
+                           for rank in probed])
         if not gpus_per_worker:
             compute = [cpu_share(facts, len(ranks)) for facts, ranks in zip(compute, by_node.values(), strict=True)]
         master = ray.get(actors[0].address.remote())
@@ -473,6 +508,7 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         # GPUs launch asynchronously: the fixed cost of an op hides behind the kernels before it.
         op_overhead_s=0.0 if gpu else max(c["op_overhead_s"] for c in compute),
         core_share=1.0 if gpu else min(c["share"] for c in compute),
+        attention_share=min((c["attention_share"] for c in compute if "attention_share" in c), default=1.0),
         source="measured")
     measured = f"measured the cluster ({len(by_node)} node(s), {world_size} workers)"
     unwritten = _cache_speeds(path, speeds)
@@ -482,7 +518,7 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
         if "load" in facts:  # by host: Ray nodes started on one machine share its processors
             loads.setdefault(hosts[rank], []).append(facts["load"])
     disturbed = disturbance(loads)
-    sources = _sources(gpu, len(by_node), per_node)
+    sources = _sources(gpu, len(by_node), per_node, bool(attention))
     if disturbed:
         note = f"{note}; {disturbed_note(disturbed)}"
         sources = {name: source if source.startswith("declared") else f"{source} (on a busy host: {disturbed})"
@@ -490,7 +526,7 @@ def calibrate(*, world_size: int, devices_per_node: int, cpus_per_worker: float,
     return Calibration(speeds, note, tuple(hosts), len(by_node), sources, disturbed)
 
 
-def _sources(gpu: bool, nodes: int, per_node: int) -> dict[str, str]:
+def _sources(gpu: bool, nodes: int, per_node: int, attention: bool = False) -> dict[str, str]:
     """Where each of ``speeds``' numbers came from, as a cluster profile records it."""
     intra = "all-reduce probe inside a node (torch.distributed)"
     inter = "all-reduce probe across nodes (torch.distributed)"
@@ -509,7 +545,10 @@ def _sources(gpu: bool, nodes: int, per_node: int) -> dict[str, str]:
                                      ("reduce_scatter", "reduce_scatter_tensor"))},
                "op_overhead_s": "0 on GPUs (kernels launch asynchronously)" if gpu
                else "forward and backward of a small MLP, per op",
-               "core_share": "1 on GPUs" if gpu else "the node's cores over its workers' threads"}
+               "core_share": "1 on GPUs" if gpu else "the node's cores over its workers' threads",
+               "attention_share": ("scaled_dot_product_attention forward and backward at the model's attention shape, "
+                                   "over the matmul probe at the same rows") if attention
+               else "declared (the model calls no scaled_dot_product_attention: attention priced as matmuls)"}
     if gpu:
         sources.update(host_link_gbps="pinned host-to-device copies", host_memory_gb_per_s="copy in host memory",
                        host_optimizer_params_per_s="fused CPU AdamW step over 32 M parameters")

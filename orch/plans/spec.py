@@ -294,6 +294,9 @@ class MeasuredSpeeds:
     intra_reduce_scatter_share: float = 1.0
     inter_all_gather_share: float = 1.0
     inter_reduce_scatter_share: float = 1.0
+    attention_share: float = 1.0
+    """Attention's FLOP rate over the matmuls' (``Speeds.attention_share``); 1 in profiles measured
+    before it was timed, and for models without attention."""
     host_link_gbps: float
     device_memory_gb_per_s: float
     host_memory_gb_per_s: float

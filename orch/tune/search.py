@@ -251,7 +251,7 @@ def measure_cluster(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchCont
                      cpus_per_worker=cluster.cpus_per_worker, gpus_per_worker=1.0 if gpu else 0.0, env=env,
                      precision=cfg.plan.precision.value, rows=rows, k=k, n=n,
                      declared=Speeds.declared(cluster, cfg.plan.precision), cache_dir=cfg.tune.cache_dir,
-                     wait_s=cluster.wait_s, use_cache=use_cache)
+                     wait_s=cluster.wait_s, use_cache=use_cache, attention=ctx.model_cost.attention_shape)
 
 
 def measure_speeds(cfg: RunConfig, cluster, space: SearchSpace, ctx: SearchContext) -> tuple[Speeds, str]:

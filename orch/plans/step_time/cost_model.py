@@ -8,6 +8,7 @@ Pure and cheap (microseconds per plan), so the tuner can rank thousands of plans
   device's sustained matmul throughput for the micro-batch's matmul height; plus a fixed cost per
   operation (counted on ``meta`` too) times the operations of each micro-batch, which is why many
   small micro-batches are slower than few large ones where ops run synchronously (CPU workers).
+  Attention's FLOPs run at their own rate, a measured share of the matmuls' (``Speeds.attention_share``).
   On GPUs with a known SM count each GEMM is priced at its shape (:func:`matmul_efficiency`):
   waves of output tiles over the SMs, and a roofline against memory bandwidth for thin ones.
 - **memory-bound kernels**: the bytes the kernels between the matmuls read and write (norms,
@@ -212,6 +213,11 @@ class Speeds:
     """:attr:`intra_all_gather_share` across nodes."""
     inter_reduce_scatter_share: float = 1.0
     """:attr:`intra_reduce_scatter_share` across nodes."""
+    attention_share: float = 1.0
+    """FLOP rate of ``scaled_dot_product_attention`` (forward and backward, its FLOPs counted as the
+    FLOP counter counts them: :attr:`ModelCost.attention_forward_flops_per_sample`) as a share of the
+    matmul rate at the same rows: 1 declared (attention priced as matmuls); measured by calibration
+    at the model's attention shape (a CPU's flash kernel ran at about half its matmuls' rate)."""
     sm_count: int = 0
     """Streaming multiprocessors of one device: the tiles a GEMM runs at once. 0 (CPUs, and speeds
     measured without it) prices every matmul at ``matmul_tflops`` whatever its shape."""
@@ -411,6 +417,13 @@ class ModelCost:
     over every call: what context parallelism gathers per sample (tp = 1)."""
     attention_calls: int = 0
     """``scaled_dot_product_attention`` calls in one forward."""
+    attention_forward_flops_per_sample: int = 0
+    """FLOPs of those calls in one sample's forward, as the FLOP counter counts them (4 x heads x
+    query length x key length x head width a call, a causal mask's skipped half included; inside
+    ``flops_per_sample`` with its backward, twice as many, and a recomputed forward's)."""
+    attention_shape: tuple[int, ...] = ()
+    """(heads, query length, key length, head width, causal: 1 or 0) of the first call: what the
+    calibration times attention at (() without attention)."""
     gemms: dict[int, tuple[tuple[Gemm, int], ...]] = dataclasses.field(default_factory=dict)
     """By tensor-parallel degree: the GEMMs one rank runs in one sample's forward, loss and backward
     (shape at micro-batch 1, and how many times), for :func:`matmul_efficiency`."""
@@ -423,6 +436,14 @@ class ModelCost:
     """The same counts with the output head split over the tensor-parallel ranks as well, for the
     plans that split it (:func:`orch.plans.parallel.vocab_parallel.splits_head`); None for a model
     without such a head."""
+
+    def attention_flops_of(self, plan: ResolvedPlan) -> float:
+        """The part of :meth:`flops_per_sample_of` that attention runs: its forward, its backward
+        (twice the forward's) and, for the blocks full recomputation re-runs, the forward again
+        (a selective policy keeps attention's outputs)."""
+        forward = self.attention_forward_flops_per_sample
+        recomputed = plan.recomputed_share(self.n_layers) if plan.activation_checkpointing == Recompute.full else 0.0
+        return forward * (3 + recomputed)
 
     def flops_per_sample_of(self, plan: ResolvedPlan) -> float:
         """One sample's training FLOPs under ``plan``'s recomputation: none's, plus full's recomputed
@@ -709,6 +730,9 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     def mixed(none: float, policy: float) -> float:
         return none + recomputed * (policy - none)
     flops = model.flops_per_sample_of(plan)
+    # Attention runs at its own rate (``Speeds.attention_share`` of the matmuls'): its FLOPs take as
+    # long as 1 / share times as many matmul FLOPs (the counted FLOPs, for the rates, stay as counted).
+    timed_flops = flops + model.attention_flops_of(plan) * (1 / speeds.attention_share - 1)
     ops = mixed(model.ops_per_micro_batch, model.ops_per_micro_batch_checkpointed)
     if plan.compile:
         ops -= mixed(model.ops_fused_away_per_micro_batch, model.ops_fused_away_per_micro_batch_checkpointed)
@@ -741,7 +765,7 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         sharded = max(sharded, whole - outside)
     # Counted with 16-bit activations: fp32 plans move twice the bytes.
     bytes_per_s = speeds.sustained_memory_gb_per_s * 1e9 * 2 / act_bytes
-    stage_flops, stage_bytes = _busiest_stage(model, flops, whole, sharded, stage=stage, tp=tp, pp=pp,
+    stage_flops, stage_bytes = _busiest_stage(model, timed_flops, whole, sharded, stage=stage, tp=tp, pp=pp,
                                               flops_per_s=rate * efficiency, bytes_per_s=bytes_per_s,
                                               core_share=speeds.core_share)
     per_micro_s = stage_flops * rank_samples / (rate * efficiency) + ops * stage * speeds.op_overhead_s

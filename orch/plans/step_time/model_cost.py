@@ -353,13 +353,20 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
             handles.append(sub.register_forward_hook(on_tp_layer(kinds[name])))
     for layer in layers:
         handles.append(layer.register_forward_hook(leave_layer))
-    attention = {"kv": 0, "calls": 0}
+    attention = {"kv": 0, "calls": 0, "flops": 0, "shape": ()}
     original_sdpa = F.scaled_dot_product_attention
 
     def counted_attention(query, key, value, *args, **kwargs):
         # What context parallelism gathers: the keys and values attention is given.
         attention["kv"] += key.numel() + value.numel()
         attention["calls"] += 1
+        # Its forward's FLOPs as torch's FLOP counter counts them (two matmuls, the mask ignored).
+        groups = query.numel() // (query.shape[-2] * query.shape[-1])
+        attention["flops"] += 2 * groups * query.shape[-2] * key.shape[-2] * (query.shape[-1] + value.shape[-1])
+        if not attention["shape"]:
+            causal = kwargs.get("is_causal", args[2] if len(args) > 2 else False)
+            heads = query.shape[-3] if query.dim() >= 3 else 1
+            attention["shape"] = (heads, query.shape[-2], key.shape[-2], query.shape[-1], int(bool(causal)))
         return original_sdpa(query, key, value, *args, **kwargs)
 
     F.scaled_dot_product_attention = counted_attention
@@ -409,4 +416,5 @@ def _count(probe: ModelProbe, module: torch.nn.Module, tp_degrees: list[int]) ->
         flops_outside_layers_per_sample=outside_flops, memory_bytes_first_stage_per_sample=first_bytes,
         memory_bytes_last_stage_per_sample=last_bytes,
         attention_kv_per_sample=attention["kv"] // PROBE_SAMPLES, attention_calls=attention["calls"],
+        attention_forward_flops_per_sample=attention["flops"] // PROBE_SAMPLES, attention_shape=attention["shape"],
     )

@@ -18,7 +18,7 @@ from orch.plans.step_time.cost_model import COLLECTIVE_SHARES, DECLARED_SPEEDS, 
 from orch.plans.step_time.ranges import StepRange, held_out_range
 
 _RATES = ("intra_node_gbps", "inter_node_gbps", "host_link_gbps", "device_memory_gb_per_s", "host_memory_gb_per_s",
-          "core_share", "memory_efficiency", "intra_bus_efficiency", "inter_bus_efficiency",
+          "core_share", "memory_efficiency", "intra_bus_efficiency", "inter_bus_efficiency", "attention_share",
           *COLLECTIVE_SHARES)
 """Speeds the cost model divides by: 0 would fail a prediction as a ZeroDivisionError."""
 
@@ -65,6 +65,7 @@ def profile_speeds(measured: MeasuredSpeeds) -> Speeds:
                   host_memory_gb_per_s=measured.host_memory_gb_per_s,
                   host_optimizer_params_per_s=measured.host_optimizer_params_per_s,
                   op_overhead_s=measured.op_overhead_s, core_share=measured.core_share,
+                  attention_share=measured.attention_share,
                   # Measured matmuls are priced by height, as the calibration timed them.
                   sm_count=0, phase_scale=tuple(sorted(run_corrections(measured).items())), source="measured")
 
@@ -147,7 +148,8 @@ def measured_section(speeds: Speeds, *, precision: Precision, matmul_shape: tupl
         **{share: getattr(speeds, share) for share in COLLECTIVE_SHARES},
         device_memory_gb_per_s=speeds.device_memory_gb_per_s, host_memory_gb_per_s=speeds.host_memory_gb_per_s,
         host_optimizer_params_per_s=speeds.host_optimizer_params_per_s, op_overhead_s=speeds.op_overhead_s,
-        core_share=speeds.core_share, measured_at=measured_at, hosts=list(hosts), nodes=nodes, workers=len(hosts),
+        core_share=speeds.core_share, attention_share=speeds.attention_share, measured_at=measured_at,
+        hosts=list(hosts), nodes=nodes, workers=len(hosts),
         versions=dict(versions), sources=dict(sources))
 
 
