@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from helpers.config import FAST, compose_config
 from orch.checking import check_run
 from orch.config import to_typed
+from orch.plans.engines.deepspeed import kept_params
 from orch.plans.errors import PipelineRefused, PlanError
 from orch.plans.parallel.tp_plan import specs_from_tp_plan
 from orch.workloads.hf import hf_causal_lm
@@ -165,6 +166,10 @@ def test_a_tied_qwen2_trains_in_two_stages_and_with_tensor_parallel_stages(local
     assert sum(f.model.params_on_rank for f in pp.worker_facts) == pp.estimate.model.param_count + 256 * 64
     assert all(f.model.params_on_rank < s.params for f, s in zip(grid.worker_facts[::2], grid.estimate.pipeline,
                                                                 strict=True))
+    # What AutoTP split on each stage is what the planner counts for it, layer by layer by the
+    # whole model's names (the stage's own names differ: its layers are numbered in the stage).
+    assert [f.model.params_on_rank for f in grid.worker_facts] == [
+        kept_params(s.params, s.tp_params, 2) for s in grid.estimate.pipeline for _ in range(2)]
     losses = [r[0].loss for r in pp.reports]
     assert losses[-1] < losses[0] - 0.5
     assert [r[0].loss for r in grid.reports] == pytest.approx(losses, abs=PARITY)

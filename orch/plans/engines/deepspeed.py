@@ -154,10 +154,15 @@ class DeepSpeedSpec(EngineSpec):
             return DeviceMemory(per_stage=[_device_phases(plan, optim, engine, probe, probe.stats_for(plan.tp),
                                                           activations, plan.grad_accum_steps)])
         pipeline = probe.stages(plan)
-        total_saved = sum(layer.saved_bytes for layer in probe.pipeline_layer_facts(plan))
+        layers = probe.pipeline_layer_facts(plan)
+        total_saved = sum(layer.saved_bytes for layer in layers)
+        # Each layer's split parameters, matched by the whole model's names as AutoTP's patterns
+        # match the stage's; models whose layers say nothing of it: the model's proportion.
+        per_layer = plan.tp > 1 and any(layer.tp_params for layer in layers)
         per_stage = []
         for stage in pipeline:
-            states, phases = _device_phases(plan, optim, engine, probe, _stage_stats(probe, stage, plan.tp),
+            stats = _layer_stats(probe, stage, plan.tp) if per_layer else _stage_stats(probe, stage, plan.tp)
+            states, phases = _device_phases(plan, optim, engine, probe, stats,
                                             stage_activations(activations, stage, total_saved,
                                                               holds_loss=stage.index == len(pipeline) - 1),
                                             max(plan.grad_accum_steps, 2))
@@ -283,6 +288,22 @@ def _stage_stats(probe: ModelProbe, stage: PipelineStage, tp: int, *, head: int 
     mine, kept = (head, -(-head // tp)) if holds_head else (0, 0)
     return ModelStats(param_count=round((stage.params - mine) * keep) + kept,
                       trainable_count=round((stage.trainable - mine) * keep_trainable) + kept,
+                      largest_layer_params=min(probe.stats.largest_layer_params, stage.params),
+                      largest_param=stage.largest_param)
+
+
+def kept_params(params: int, split: int, tp: int) -> int:
+    """Of ``params`` parameters of which tensor parallelism splits ``split``, what one of ``tp`` ranks holds."""
+    return params - split + -(-split // tp)
+
+
+def _layer_stats(probe: ModelProbe, stage: PipelineStage, tp: int) -> ModelStats:
+    """A stage's parameter counts, each of its layers' tensor-parallel split parameters
+    (:attr:`orch.plans.parallel.pipeline.PipelineStage.tp_params`) held 1/tp."""
+    from orch.plans.memory.states import ModelStats
+
+    return ModelStats(param_count=kept_params(stage.params, stage.tp_params, tp),
+                      trainable_count=kept_params(stage.trainable, stage.tp_trainable, tp),
                       largest_layer_params=min(probe.stats.largest_layer_params, stage.params),
                       largest_param=stage.largest_param)
 

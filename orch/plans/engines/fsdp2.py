@@ -147,9 +147,8 @@ class FSDP2Spec(EngineSpec):
         its schedule holds in flight (:func:`orch.plans.parallel.pipeline.rank_stages`)."""
         from collections import Counter
 
-        from orch.plans.engines.deepspeed import _stage_stats, _tp_keep
+        from orch.plans.engines.deepspeed import _layer_stats, _stage_stats, _tp_keep, kept_params
         from orch.plans.engines.fsdp2_memory import FSDPUnits, fsdp_memory, fsdp_mesh
-        from orch.plans.memory.states import ModelStats
         from orch.plans.parallel.pipeline import rank_stages, stage_activations
         from orch.plans.parallel.schedules import stages_of_rank
 
@@ -172,11 +171,8 @@ class FSDP2Spec(EngineSpec):
                     for i in range(stages[s].start, stages[s].stop)]
             in_root = [i for i in mine if layers[i].name != block or repeats < 2]
             if per_layer:
-                stats = ModelStats(param_count=_kept(rank.params, rank.tp_params, plan.tp),
-                                   trainable_count=_kept(rank.trainable, rank.tp_trainable, plan.tp),
-                                   largest_layer_params=min(probe.stats.largest_layer_params, rank.params),
-                                   largest_param=rank.largest_param)
-                root = sum(_kept(layers[i].params, layers[i].tp_params, plan.tp) for i in in_root)
+                stats = _layer_stats(probe, rank, plan.tp)
+                root = sum(kept_params(layers[i].params, layers[i].tp_params, plan.tp) for i in in_root)
             else:
                 # The engine splits the head of the stage that holds the last layer (the head itself).
                 holds_head = bool(head) and len(layers) - 1 in mine
@@ -268,8 +264,3 @@ class FSDP2Spec(EngineSpec):
 
 
 SPEC = FSDP2Spec()
-
-
-def _kept(params: int, split: int, tp: int) -> int:
-    """Of ``params`` parameters of which tensor parallelism splits ``split``, what one of ``tp`` ranks holds."""
-    return params - split + -(-split // tp)
