@@ -166,7 +166,10 @@ class DeepSpeedSpec(EngineSpec):
                                             stage_activations(activations, stage, total_saved,
                                                               holds_loss=stage.index == len(pipeline) - 1),
                                             max(plan.grad_accum_steps, 2))
-            held = dataclasses.replace(phases.held, buffers=phases.held.buffers + stage.buffer_bytes)
+            # Each tensor-parallel rank's receive buffers hold its part of a partitioned boundary tensor.
+            boundary = stage.boundary_buffer_bytes
+            buffers = stage.buffer_bytes - boundary + -(-boundary // plan.tp)
+            held = dataclasses.replace(phases.held, buffers=phases.held.buffers + buffers)
             per_stage.append((states, dataclasses.replace(phases, held=held)))
         return DeviceMemory(per_stage=per_stage, pipeline=pipeline)
 

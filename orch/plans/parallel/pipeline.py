@@ -67,6 +67,11 @@ class PipelineStage:
     stage also keeps its slots of token ids (``pipe_buffers['inputs']``), the last its slots of
     outputs, the logits (``pipe_buffers['outputs']``), each with its received input and that
     input's gradient, which the logits' autograd graph still references."""
+    boundary_buffer_bytes: int = 0
+    """The part of ``buffer_bytes`` that holds a boundary activation or gradient as it arrives
+    (``pipe_recv_buf``, ``grad_layer``): with tp > 1 DeepSpeed sends those partitioned over the
+    tensor-parallel ranks (``pipe_partitioned``, ``grad_partitioned``), and each rank's buffer holds
+    its 1/tp; the full tensor it gathers is a transient."""
     in_flight_bytes: int = 0
     """Inputs and outputs of the micro-batches in flight, held during the step: an output lives
     until its backward, a received input until its gradient is sent back."""
@@ -182,13 +187,16 @@ def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_
             # receive buffer. Measured on CPU workers with d_model 128 and a 256-way vocabulary,
             # where the two sizes differ.
             buffers = received + slots * (sent + 2 * received)
+            boundary = received
         else:
             buffers = (received if index > 0 else slots * received) + (sent if index < pp - 1 else slots * sent)
+            boundary = (received if index > 0 else 0) + (sent if index < pp - 1 else 0)
         stages.append(PipelineStage(
             index=index, start=bounds[index], stop=bounds[index + 1], layers=[layer.name for layer in part],
             params=sum(layer.params for layer in part), trainable=sum(layer.trainable for layer in part),
             largest_param=max((layer.largest_param for layer in part), default=0),
             saved_bytes=sum(layer.saved_bytes for layer in part), in_flight=in_flight, buffer_bytes=buffers,
+            boundary_buffer_bytes=boundary,
             tp_params=sum(layer.tp_params for layer in part), tp_trainable=sum(layer.tp_trainable for layer in part),
             in_flight_bytes=in_flight * ((received if index > 0 else 0) + sent)))
     return stages
