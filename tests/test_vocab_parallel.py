@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from omegaconf import OmegaConf
 
 from helpers.config import compose_config
 from orch.config import to_typed
@@ -142,53 +143,47 @@ def test_pipeline_layers_count_what_tensor_parallelism_splits_of_each_by_the_who
     assert estimate.stages[0].params == 4 * kept  # fp32 parameters
 
 
-def test_a_tied_head_splits_its_embedding_with_it_and_the_embedding_all_reduces_its_lookups():
-    """The built-in GPT's tied head at tp=2: the shared weight (the embedding's) halves on each rank,
-    the logits split, the embedding's lookups summed in forward (a row-parallel layer's all-reduce)
-    and the head's input gradient in backward (a column-parallel layer's); with pipeline stages
-    the first stage holds the weight as well, and the head stays whole."""
-    overrides = ("model.vocab_size=4096", "plan.dp=1", "plan.tp=2", "plan.precision=fp32", "plan.engine=fsdp2")
+def _assert_tied_head_splits(overrides: tuple[str, ...], head: OutputHead, hidden_key: str):
+    """At tp=2 the tied head's shared weight (the embedding's) halves once on each rank, its logits
+    split, the embedding's lookups are summed in forward (a row-parallel layer's all-reduce) and the
+    head's input gradient in backward (a column-parallel layer's). Returns the plan's config."""
     typed, model_cfg, split = resolved(*overrides)
     whole = dataclasses.replace(split, loss_parallel=False)
     workload = resolve_workload(model_cfg, typed.objective, typed.data)
     probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs)
-    head = OutputHead("lm_head", 4096, "embed.wte")
     assert probe.output_head == head and probe.for_plan(split) is probe.split_head
-    weight = 4096 * model_cfg["d_model"]
+    hidden = OmegaConf.select(OmegaConf.create(model_cfg), hidden_key)
+    weight = 4096 * hidden
     assert probe.output_head_params == weight
     _assert_split_saves_half_the_head(typed, workload, probe, split, whole, weight)
-    assert describe_head(split, head).startswith("lm_head split over the vocabulary with its tied embedding embed.wte")
+    assert describe_head(split, head).startswith(f"lm_head split over the vocabulary with its tied embedding "
+                                                 f"{head.embedding}")
     model = count_model_cost(probe, [1, 2], probe.stats.param_count)
-    tokens_hidden = workload.tokens_per_sample * model_cfg["d_model"]
+    tokens_hidden = workload.tokens_per_sample * hidden
     assert model.split_head.row_parallel_layers == model.row_parallel_layers + 1
     assert model.split_head.row_parallel_out_per_sample == model.row_parallel_out_per_sample + tokens_hidden
     assert model.split_head.column_parallel_layers == model.column_parallel_layers + 1
     assert model.split_head.column_parallel_in_per_sample == model.column_parallel_in_per_sample + tokens_hidden
+    assert model.tp_param_count[2] - model.split_head.tp_param_count[2] == weight // 2
+
+
+def test_a_tied_head_splits_its_embedding_with_it_and_the_embedding_all_reduces_its_lookups():
+    """The built-in GPT's tied head (handed the embedding's weight at each call); with pipeline
+    stages the first stage holds the weight as well, and the head stays whole."""
+    overrides = ("model.vocab_size=4096", "plan.dp=1", "plan.tp=2", "plan.precision=fp32", "plan.engine=fsdp2")
+    head = OutputHead("lm_head", 4096, "embed.wte")
+    _assert_tied_head_splits(overrides, head, "d_model")
     _, _, piped = resolved(*overrides, "plan.pp=2", "plan.grad_accum_steps=2", "cluster.devices_per_node=4")
     assert kept_whole(piped, head) == "its weight is embed.wte's, which the first pipeline stage holds as well"
 
 
 def test_a_hugging_face_head_tied_to_its_embedding_splits_with_it():
     """A Hugging Face decoder with ``tie_word_embeddings`` (the shipped hf_causal_lm's default): its
-    ``lm_head`` is a linear layer whose weight is the token embedding's. At tp=2 the shared weight
-    halves once (the sharded probe's head holds the embedding's shard, so its logits split too),
-    and the embedding's lookups and the head's input gradient are all-reduced."""
-    overrides = ("model=hf_causal_lm", "model.config.vocab_size=4096", "plan.dp=1", "plan.tp=2",
-                 "plan.precision=fp32", "plan.engine=fsdp2")
-    typed, model_cfg, split = resolved(*overrides)
-    whole = dataclasses.replace(split, loss_parallel=False)
-    workload = resolve_workload(model_cfg, typed.objective, typed.data)
-    probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs)
-    head = OutputHead("lm_head", 4096, "model.embed_tokens")
-    assert probe.output_head == head and probe.for_plan(split) is probe.split_head
-    hidden = model_cfg["config"]["hidden_size"]
-    assert probe.output_head_params == 4096 * hidden
-    _assert_split_saves_half_the_head(typed, workload, probe, split, whole, 4096 * hidden)
-    model = count_model_cost(probe, [1, 2], probe.stats.param_count)
-    tokens_hidden = workload.tokens_per_sample * hidden
-    assert model.split_head.row_parallel_out_per_sample == model.row_parallel_out_per_sample + tokens_hidden
-    assert model.split_head.column_parallel_in_per_sample == model.column_parallel_in_per_sample + tokens_hidden
-    assert model.tp_param_count[2] - model.split_head.tp_param_count[2] == 4096 * hidden // 2
+    ``lm_head`` is a linear layer whose weight *is* the token embedding's, which the sharded probe's
+    head holds the shard of too."""
+    _assert_tied_head_splits(("model=hf_causal_lm", "model.config.vocab_size=4096", "plan.dp=1", "plan.tp=2",
+                              "plan.precision=fp32", "plan.engine=fsdp2"),
+                             OutputHead("lm_head", 4096, "model.embed_tokens"), "config.hidden_size")
 
 
 def test_with_pipeline_stages_only_the_stage_that_holds_the_head_keeps_its_share():
