@@ -308,8 +308,12 @@ def check_document(estimate: PlanEstimate, cluster: ClusterSpec, notes: list[str
 
 def step_assumptions(plan: ResolvedPlan, cluster: ClusterSpec) -> list[str]:
     """What the predicted step assumes of the plan's schedule and kernels, beyond its degrees: the
-    pipeline schedule's bubble, compiled blocks, async TP's overlap and FP8 matmuls (docs/tuner.md)."""
+    pipeline schedule's bubble, compiled blocks, async TP's overlap, FP8 matmuls and attention's
+    measured rate (docs/tuner.md)."""
     found = []
+    share = cluster_speeds(cluster, plan.precision)[0].attention_share
+    if share != 1.0:
+        found.append(f"attention at {share:.2g} of the matmul rate (the cluster profile's measurement)")
     if plan.pp > 1:
         virtual = f" with {plan.pp_virtual_stages} stages per rank" if plan.pp_virtual_stages > 1 else ""
         found.append(f"the {plan.pp_schedule.value} schedule{virtual}")

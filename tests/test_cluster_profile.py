@@ -105,11 +105,13 @@ def test_orch_check_uses_a_profile_from_the_config_dir(tmp_path):
     typed, _, _ = to_typed(compose_config())
     profile = tmp_path / "tuned_plans" / "cluster" / "lab.yaml"
     profile.parent.mkdir(parents=True)
-    profile.write_text(profile_text(typed.cluster, _measured(typed.cluster), profile))
+    profile.write_text(profile_text(typed.cluster, _measured(typed.cluster, attention_share=0.5), profile))
     done = orch_run(["check", "--json", "--config-dir", "tuned_plans", "cluster=lab"], cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     step = json.loads(done.stdout)["predicted_step"]
     assert step["speeds"].startswith("measured by `orch calibrate` at 2026-01-02T03:04:05Z"), step
+    # The attention rate it measured is said with the prediction it priced.
+    assert step["assumes"] == ["attention at 0.5 of the matmul rate (the cluster profile's measurement)"]
 
 
 @pytest.mark.parametrize(("overrides", "field", "says"), [
