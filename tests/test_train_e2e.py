@@ -114,12 +114,12 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(local_ray, sqlite_uri):
     assert [m.step for m in client.get_metric_history(result.run_id, "eval_loss")] == [30]
     # MFU against the matmul peak the workers measured as they started (a tag): near or below 1
     # on a quiet machine, but a peak measured while another test held the cores reads low (CI saw
-    # 2.9), so the bound is loose; the ratio itself is exact. (With a cluster profile, its rate:
-    # tests/test_tune_e2e.py.)
+    # 2.9 and 4.65), so the bound only rules out a wrong unit (1000x); the ratio itself is exact.
+    # (With a cluster profile, its rate: tests/test_tune_e2e.py.)
     assert run.data.tags["peak_tflops_source"] == "measured by each worker as it started"
     peak = float(run.data.tags["peak_tflops_per_device"])
     assert run.data.metrics["mfu"] == pytest.approx(run.data.metrics["tflops_per_device"] / peak, rel=1e-3)
-    assert 0 < run.data.metrics["mfu"] < 5
+    assert 0 < run.data.metrics["mfu"] < 50
     # Every run samples each node's hardware at least once, at its end: a short one has its plot too;
     # and it times the phases of its steps, drawn against their prediction.
     # (plots/ranks.png too when the ranks' phases happened to differ: tests/test_stragglers.py)

@@ -437,7 +437,7 @@ def _note_setup(worker_facts: list[WorkerFacts], tracker: RunTracker | None, pea
                          "plan/placement_realized.json")
         tracker.set_tags({"nodes_used": str(len({f.node_id for f in worker_facts})),
                           "optimizer": worker_facts[0].model.optimizer,
-                          "peak_tflops_per_device": f"{mean_peak_tflops(worker_facts):.4f}",
+                          "peak_tflops_per_device": f"{mean_peak_tflops(worker_facts):.6g}",
                           "peak_tflops_source": peak_source})
 
 
