@@ -146,7 +146,7 @@ def test_pipeline_layers_count_what_tensor_parallelism_splits_of_each_by_the_who
 def _assert_tied_head_splits(overrides: tuple[str, ...], head: OutputHead, hidden_key: str):
     """At tp=2 the tied head's shared weight (the embedding's) halves once on each rank, its logits
     split, the embedding's lookups are summed in forward (a row-parallel layer's all-reduce) and the
-    head's input gradient in backward (a column-parallel layer's). Returns the plan's config."""
+    head's input gradient in backward (a column-parallel layer's)."""
     typed, model_cfg, split = resolved(*overrides)
     whole = dataclasses.replace(split, loss_parallel=False)
     workload = resolve_workload(model_cfg, typed.objective, typed.data)
