@@ -151,8 +151,11 @@ CONTEXT_PLANS = [
     [*CONTEXT, "model=hf_causal_lm", "plan.precision=bf16"],
     [*CONTEXT, "model=hf_causal_lm", "plan.precision=bf16", SELECTIVE],
     [*CONTEXT, "model=hf_causal_lm", "plan.precision=bf16", "plan.activation_checkpointing=full"],
+    [*CONTEXT, "plan.pp=2", "plan.grad_accum_steps=2", "plan.precision=fp32", *FOUR_WORKERS],
+    [*CONTEXT, "model=hf_causal_lm", "plan.pp=2", "plan.grad_accum_steps=2", "plan.precision=bf16", *FOUR_WORKERS],
 ]
-"""Context parallelism at cp=2: the built-in GPT and an HF Llama shape (grouped-query attention)."""
+"""Context parallelism at cp=2: the built-in GPT and an HF Llama shape (grouped-query attention),
+alone and in pipeline stages (cp=2 x pp=2 on 4 workers)."""
 
 HEAD = ["model=hf_causal_lm", "model.config.tie_word_embeddings=false", "model.config.vocab_size=8192",
         "plan.engine=fsdp2", "plan.zero_stage=0", "plan.tp=2"]

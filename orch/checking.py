@@ -121,17 +121,23 @@ def sequence_parallel_problem(probe: ModelProbe, tp: int, pp: int = 1) -> str | 
 def check_context_parallel(probe: ModelProbe, plan: ResolvedPlan, target: str = "the model") -> None:
     """``plan.cp > 1``: the model runs on a part of the sequence (it takes the tokens' positions),
     and the sequence cuts into ``2 * cp`` equal chunks."""
-    if problem := context_parallel_problem(probe, plan.cp, plan.tp, plan.sequence_parallel):
+    if problem := context_parallel_problem(probe, plan.cp, plan.tp, plan.sequence_parallel, plan.pp):
         raise PlanError([Violation("plan.cp", plan.cp, f"{target}: {problem}.", "set plan.cp=1")])
 
 
-def context_parallel_problem(probe: ModelProbe, cp: int, tp: int = 1, sequence_parallel: bool = False) -> str | None:
-    """Why ``probe``'s model cannot split each sample's sequence over ``cp`` ranks, or None."""
+def context_parallel_problem(probe: ModelProbe, cp: int, tp: int = 1, sequence_parallel: bool = False,
+                             pp: int = 1) -> str | None:
+    """Why ``probe``'s model cannot split each sample's sequence over ``cp`` ranks (in ``pp``
+    pipeline stages), or None."""
     from orch.plans.parallel.context_parallel import forward_problem, sequence_problem
 
     tokens = probe.inputs.tokens_per_sample
     if not tokens:
         return "its samples have no sequence dimension to split"
+    if pp > 1 and not probe.pipeline_takes_positions:
+        return ("its pipeline layers take no positions of a part of the sequence (no layer class has a "
+                "context_positions attribute, which the built-in GPT's embedding and the Hugging Face decoders' "
+                "layers have)")
     return forward_problem(probe.sample) or sequence_problem(tokens, cp, tp, sequence_parallel)
 
 

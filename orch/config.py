@@ -146,7 +146,7 @@ class TuneConfig:
     """plan.async_tp values to try where it applies (GPU clusters, engines that overlap tensor-parallel
     collectives: fsdp2, with tp > 1, sequence parallelism and compile; elsewhere false)."""
     cp: list[int] | None = None
-    """Context-parallel degrees to try (fsdp2, without pipeline stages); null: 1, and for sequences of
+    """Context-parallel degrees to try (fsdp2, with and without pipeline stages); null: 1, and for sequences of
     more than 16K tokens the powers of two up to 8 that leave each rank at least 16K of them
     (below that the gathers of keys and values are not worth their latency)."""
     pp_schedule: list[str] = field(default_factory=lambda: ["1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])

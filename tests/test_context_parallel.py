@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.config import compose_config
+from helpers.config import compose_config, lm_inputs
 from orch.checking import checked_run
 from orch.config import to_typed
 from orch.plans.errors import PlanError
@@ -112,8 +112,6 @@ def test_a_sequence_and_a_model_that_cannot_be_split_get_reasons():
 @pytest.mark.parametrize(("overrides", "field", "message", "fix"), [
     (("plan.engine=deepspeed", "plan.zero_stage=1"), "plan.cp",
      "the deepspeed engine keeps each sample's whole sequence", "set plan.engine=fsdp2"),
-    (("plan.pp=2", "cluster.devices_per_node=4", "plan.grad_accum_steps=2"), "plan.cp",
-     "runs without pipeline stages, and plan.pp=2", "set plan.pp=1"),
     (("plan.fsdp.hybrid=true",), "plan.fsdp.hybrid", "hybrid sharding of that pair is not built",
      "set plan.fsdp.hybrid=false"),
     (("plan.cp=3", "plan.dp=null"), "plan.cp", "tp(1) * pp(1) * cp(3) = 3 does not divide the world size 2",
@@ -157,6 +155,45 @@ def test_the_planner_counts_a_rank_s_part_of_the_work_and_the_gathers():
     assert split_step.as_dict()["parts_s"]["cp"] == split_step.cp_comm_s
 
 
+def test_pipeline_stages_split_the_sequence_through_layers_that_take_positions():
+    """cp=2 x pp=2 on 4 ranks: each stage runs on a rank's part of the sequence, so it sends half
+    the boundary activation and holds about half the activations of the pp=2 plan, and its
+    key/value gathers are its stage's share of the pp=1 plan's. A model whose pipeline layers take
+    no positions (``context_positions``) is refused with the field and the fix."""
+    four = ("cluster.devices_per_node=4", "plan.grad_accum_steps=2")
+    piped, piped_step = _checked("plan.pp=2", *four[1:], "cluster.devices_per_node=2")
+    both, both_step = _checked("plan.pp=2", "plan.cp=2", *four)
+    alone, alone_step = _checked("plan.cp=2", *four[1:], "cluster.devices_per_node=2")
+    assert (both.plan.pp, both.plan.cp, both.plan.dp) == (2, 2, 1)
+    assert [s.boundary_buffer_bytes for s in both.pipeline] == [-(-s.boundary_buffer_bytes // 2)
+                                                                 for s in piped.pipeline]
+    assert piped.per_device.activations * 0.4 < both.per_device.activations < piped.per_device.activations * 0.8
+    assert both_step.pp_comm_s < piped_step.pp_comm_s
+    # The model's 4 layers split evenly: each stage gathers for half the attention calls.
+    assert both_step.cp_comm_s == pytest.approx(alone_step.cp_comm_s / 2) and both_step.cp_comm_s > 0
+    assert both_step.bubble_s > 0 and both_step.compute_s < piped_step.compute_s
+    # A stage's FSDP2 shard group is its two context-parallel ranks, neighbours: on two nodes of
+    # two they share a node, as on one node of four; the pipeline ranks are the ones apart.
+    _, two_nodes = _checked("plan.pp=2", "plan.cp=2", *four[1:], "cluster.devices_per_node=2", "cluster.nodes=2")
+    assert two_nodes.dp_comm_s == both_step.dp_comm_s and two_nodes.pp_comm_s > both_step.pp_comm_s
+
+    from orch.checking import context_parallel_problem
+    from orch.models import model_factory
+    from orch.plans.memory.estimate import ModelProbe
+    from orch.plans.parallel.stage_layers import StageLayer
+    from orch.workloads.gpt import GPT, TP_LAYER_SPECS
+
+    gpt = {"_target_": "orch.workloads.gpt.GPT", "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 128}
+    layers = GPT.pipeline_layers(**{k: v for k, v in gpt.items() if k != "_target_"})
+    probe = ModelProbe(model_factory(gpt), lm_inputs(128), tp_layer_specs=TP_LAYER_SPECS,
+                       pipeline_layers=lambda: layers)
+    assert probe.pipeline_takes_positions and context_parallel_problem(probe, 2, pp=2) is None
+    unnumbered = [StageLayer.of(torch.nn.LayerNorm, 64)] * 2
+    probe = ModelProbe(model_factory(gpt), lm_inputs(128), pipeline_layers=lambda: unnumbered)
+    assert "its pipeline layers take no positions" in context_parallel_problem(probe, 2, pp=2)
+    assert context_parallel_problem(probe, 2, pp=1) is None
+
+
 def test_the_tuner_splits_long_sequences_over_context_parallel_ranks():
     from orch.tune.search import _context_degrees, _space
 
@@ -168,6 +205,6 @@ def test_the_tuner_splits_long_sequences_over_context_parallel_ranks():
     space = _space(typed, 4, True)
     plans = list(type(space)(**{**space.__dict__, "cp": (1, 2)}).plans())
     split = [p for p in plans if p.cp > 1]
-    assert split and all(p.engine == "fsdp2" and p.pp == 1 for p in split)
+    assert split and all(p.engine == "fsdp2" for p in split) and {p.pp for p in split} == {1, 2}
     assert {p.compile for p in split} == {False, True}
-    assert {p.dp * p.tp * p.cp for p in split} == {4}
+    assert {p.dp * p.tp * p.pp * p.cp for p in split} == {4}

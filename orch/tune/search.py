@@ -188,7 +188,7 @@ def prepare(cfg: RunConfig, model_cfg: dict, cluster, workload: Workload | None 
             return f"{plan.engine} cannot split the model's fused tensor-parallel layers"
         if plan.sequence_parallel and sequence_parallel_problem(probe, plan.tp, plan.pp):
             return "the model's sequence cannot be split over tp"
-        if plan.cp > 1 and context_parallel_problem(probe, plan.cp, plan.tp, plan.sequence_parallel):
+        if plan.cp > 1 and context_parallel_problem(probe, plan.cp, plan.tp, plan.sequence_parallel, plan.pp):
             return "the model's sequence cannot be split over cp"
         if plan.pp <= 1:
             return None

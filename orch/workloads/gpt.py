@@ -157,10 +157,17 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(seq_len, d_model)
         _initialize(self, init_seed)
 
+    context_positions: torch.Tensor | None = None
+    """Set by an engine that splits each sample's sequence over context-parallel ranks and runs
+    this layer as a pipeline stage's (which is called with the token ids alone): the positions of
+    the rank's tokens in the whole sequence ([1, tokens])."""
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``position_ids`` ([1 or batch, tokens]) number tokens that are a part of a longer sequence
-        (context parallelism); by default the tokens are positions 0, 1, ..."""
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None else position_ids
+        (context parallelism); by default :attr:`context_positions`, or positions 0, 1, ..."""
+        pos = position_ids if position_ids is not None else self.context_positions
+        if pos is None:
+            pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.wte(input_ids) + self.wpe(pos)
 
 

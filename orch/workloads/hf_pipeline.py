@@ -248,7 +248,7 @@ class LayerArguments:
         # In eval mode: its dropout (GPT-2's after the positions) would draw from the training RNG.
         self._meta.eval()
         self._built: dict[torch.device, nn.Module] = {}
-        self._last: tuple[tuple, list] | None = None
+        self._last: tuple[tuple, list, torch.Tensor | None] | None = None
 
     def _on(self, device: torch.device) -> nn.Module:
         if device.type == "meta":
@@ -260,13 +260,20 @@ class LayerArguments:
             self._built[device] = skeleton
         return self._built[device]
 
-    def __call__(self, hidden: torch.Tensor, index: int) -> tuple[tuple, dict]:
-        key = (tuple(hidden.shape), hidden.dtype, hidden.device)
+    def __call__(self, hidden: torch.Tensor, index: int, positions: torch.Tensor | None = None) -> tuple[tuple, dict]:
+        """Layer ``index``'s arguments for ``hidden``; for tokens at ``positions`` of a longer
+        sequence (context parallelism) given as the unpipelined model is given them
+        (:func:`orch.plans.parallel.context_parallel.call_kwargs`). An engine sets one positions
+        tensor for the run, so it is recognised by identity (and held, so the identity is not reused)."""
+        key = (tuple(hidden.shape), hidden.dtype, hidden.device, id(positions))
         if self._last is None or self._last[0] != key:
+            from orch.plans.parallel.context_parallel import call_kwargs
+
             skeleton = self._on(hidden.device)
+            given = {} if positions is None else call_kwargs(skeleton, positions)
             with torch.no_grad():
-                skeleton(inputs_embeds=hidden.detach(), use_cache=False)
-            self._last = (key, [recorder.call for recorder in getattr(skeleton, self._layers)])
+                skeleton(inputs_embeds=hidden.detach(), use_cache=False, **given)
+            self._last = (key, [recorder.call for recorder in getattr(skeleton, self._layers)], positions)
         return self._last[1][index]
 
 
@@ -301,8 +308,13 @@ class InputEmbedding(nn.Module):
             setattr(self.head, s.head, _without(getattr(model, s.head), {getattr(model, s.head).weight:
                                                                          getattr(self.base, s.embedding).weight}))
 
+    context_positions: torch.Tensor | None = None
+    """Set by an engine that splits each sample's sequence over context-parallel ranks: the
+    positions of this rank's tokens in the whole sequence ([1, tokens]), for learned positions."""
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.base(input_ids=input_ids, use_cache=False)[0]
+        positions = {} if self.context_positions is None else {"position_ids": self.context_positions}
+        return self.base(input_ids=input_ids, use_cache=False, **positions)[0]
 
 
 def tied_logits(embedding: InputEmbedding, hidden: torch.Tensor) -> torch.Tensor:
@@ -322,6 +334,10 @@ class DecoderLayer(nn.Module):
     """Set by an engine that splits the sequence (sequence parallelism) when the hidden states reach
     this layer as one of that many slices: the arguments (positions, mask) are then computed for
     the whole sequence."""
+    context_positions: torch.Tensor | None = None
+    """Set by an engine that splits each sample's sequence over context-parallel ranks: the
+    positions of this rank's tokens in the whole sequence ([1, tokens]), which the arguments
+    (rotary angles, mask) are computed for."""
 
     def __init__(self, arguments: dict[str, Any], index: int, init_seed: int | None = None):
         super().__init__()
@@ -344,7 +360,7 @@ class DecoderLayer(nn.Module):
             shape = list(hidden.shape)
             shape[1] *= self.sequence_shards
             whole = hidden.new_empty(()).expand(shape)
-        args, kwargs = self.layer_arguments(whole, self.index)
+        args, kwargs = self.layer_arguments(whole, self.index, self.context_positions)
         out = self.layer(hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 

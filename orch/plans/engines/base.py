@@ -230,12 +230,7 @@ class EngineSpec:
         if not self.context_parallel:
             return [self._lacks("context_parallel", "plan.cp", plan.cp, f"the {self.name} engine keeps each "
                                 "sample's whole sequence on a rank", "context parallelism", "plan.cp=1")]
-        found = []
-        if plan.pp > 1:
-            found.append(Violation("plan.cp", plan.cp,
-                                   f"context parallelism runs without pipeline stages, and plan.pp={plan.pp}.",
-                                   "set plan.pp=1, or plan.cp=1"))
-        return found
+        return []
 
     def _sequence_parallel_violations(self, plan: PlanSpec) -> list[Violation]:
         """Why this engine cannot split the sequence for ``plan`` (``plan.sequence_parallel=true``)."""
@@ -261,7 +256,7 @@ class EngineSpec:
         if plan.async_tp and self._async_tp_violations(plan, None):
             return "async TP (fsdp2, tp > 1, sequence parallel, compile)"
         if plan.cp > 1 and self._context_parallel_violations(plan):
-            return "context parallelism (fsdp2, pp=1)"
+            return "context parallelism (fsdp2)"
         return None
 
     def resume_problem(self, saved: Mapping[str, object], plan: PlanSpec | ResolvedPlan) -> str | None:

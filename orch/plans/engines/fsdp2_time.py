@@ -78,9 +78,18 @@ def fsdp_dp_comm_s(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, devi
     units = layers + (1 if root else 0)
     b = plan.precision.element_bytes
     lat = {"intra": speeds.intra_latency_s, "inter": speeds.inter_latency_s}
-    # The shard group: consecutive data-parallel ranks, tp * pp ranks apart.
-    shard_link = group_links(tp * pp * mesh.shard, devices_per_node, tp, pp).dp
-    shard_members = _members_per_node(tp * pp, mesh.shard, devices_per_node)
+    if plan.cp > 1 and pp > 1:
+        # The shard group is one stage's data- and context-parallel ranks (orch.plans.parallel.rank_layout):
+        # cp neighbours tp ranks apart, dp such blocks tp * cp * pp ranks apart.
+        span = (plan.cp - 1) * tp + (plan.dp - 1) * tp * plan.cp * pp
+        shard_link = "inter" if span >= devices_per_node else "intra"
+        shard_members = (_members_per_node(tp, plan.cp, devices_per_node)
+                         * _members_per_node(tp * plan.cp * pp, plan.dp, devices_per_node))
+    else:
+        # The shard group: consecutive data-parallel ranks (and context-parallel ones, their
+        # neighbours without stages), tp * pp ranks apart.
+        shard_link = group_links(tp * pp * mesh.shard, devices_per_node, tp, pp).dp
+        shard_members = _members_per_node(tp * pp, mesh.shard, devices_per_node)
     gather_bw = speeds.bus_gbps(shard_link, shard_members, collective="all_gather")
     scatter_bw = speeds.bus_gbps(shard_link, shard_members, collective="reduce_scatter")
     reshard = plan.fsdp.reshard_after_forward

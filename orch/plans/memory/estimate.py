@@ -56,6 +56,7 @@ from orch.plans.parallel.pipeline import (
     PipelineStage,
     carry_layers,
     measure_pipeline_layers,
+    on_sequence_part,
     pipeline_stages,
 )
 from orch.plans.parallel.sequence_parallel import (
@@ -434,20 +435,29 @@ class ModelProbe:
         return measure(self.pipeline_layers())
 
     def pipeline_layer_facts(self, plan: ResolvedPlan) -> list[PipelineLayer]:
-        """Every pipeline layer of the model, measured for the plan's micro-batch and precision."""
-        return self._pipeline(plan.micro_batch_size, plan.precision)
+        """Every pipeline layer of the model, measured for the plan's micro-batch and precision, on
+        one context-parallel rank's part of the sequence."""
+        return on_sequence_part(self._pipeline(plan.micro_batch_size, plan.precision), plan.cp)
 
     def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
         """The plan's pipeline stages; cached, since `orch check` validates the split and then
         estimates it, and the fix search estimates many variants of one plan."""
         return self._stages(plan.micro_batch_size, plan.precision, plan.pipeline_stages, plan.pp_partition,
-                            plan.grad_accum_steps, plan.engine)
+                            plan.grad_accum_steps, plan.engine, plan.cp)
 
     def _split(self, micro_batch_size: int, precision: Precision, pp: int, method: str,
-               micro_batches: int, engine: str) -> list[PipelineStage]:
-        batch = batch_bytes(self.inputs.example_batch(micro_batch_size))
-        return pipeline_stages(self._pipeline(micro_batch_size, precision), pp=pp, method=method,
-                               micro_batches=micro_batches, engine=engine, input_bytes=batch)
+               micro_batches: int, engine: str, cp: int = 1) -> list[PipelineStage]:
+        inputs = self.inputs if cp <= 1 else LocalSequenceInputs(self.inputs, cp)
+        batch = batch_bytes(inputs.example_batch(micro_batch_size))
+        return pipeline_stages(on_sequence_part(self._pipeline(micro_batch_size, precision), cp), pp=pp,
+                               method=method, micro_batches=micro_batches, engine=engine, input_bytes=batch)
+
+    @property
+    def pipeline_takes_positions(self) -> bool:
+        """The model's pipeline layers take the positions of a part of the sequence (a layer class
+        declares ``context_positions``, as the built-in GPT's embedding and
+        :class:`orch.workloads.hf_pipeline.DecoderLayer` do)."""
+        return any(hasattr(layer.module, "context_positions") for layer in self.pipeline_sample or [])
 
     def fsdp_units(self, tp: int = 1) -> FSDPUnits:
         """The model's FSDP2 units (blocks and root) as one tensor-parallel rank holds them: the

@@ -10,6 +10,7 @@ a worker will build. Activations are measured per layer by running the layers in
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -200,6 +201,17 @@ def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_
             tp_params=sum(layer.tp_params for layer in part), tp_trainable=sum(layer.tp_trainable for layer in part),
             in_flight_bytes=in_flight * ((received if index > 0 else 0) + sent)))
     return stages
+
+
+def on_sequence_part(layers: list[PipelineLayer], cp: int) -> list[PipelineLayer]:
+    """``layers`` as one of ``cp`` context-parallel ranks runs them, on ``1/cp`` of every sample's
+    tokens: what a layer sends on (the hidden states, ``[batch, tokens, ...]``) and what it saves
+    run along the sequence, so a rank's are ``1/cp`` of them. The saved bytes decide only each
+    stage's share of the whole model's activations, which are measured on a rank's part."""
+    if cp <= 1:
+        return layers
+    return [dataclasses.replace(layer, saved_bytes=-(-layer.saved_bytes // cp),
+                                output_bytes=-(-layer.output_bytes // cp)) for layer in layers]
 
 
 def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved: int, *,

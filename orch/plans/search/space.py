@@ -1,11 +1,12 @@
 """The tuner's search: every plan of a world size and global batch, pruned and ranked.
 
-Pure (no Ray, no Hydra). The space is every factorization ``dp * tp * pp`` of the world size, the
+Pure (no Ray, no Hydra). The space is every factorization ``dp * tp * pp * cp`` of the world size, the
 training engine (DeepSpeed's ZeRO stages, or FSDP2 with and without ``reshard_after_forward``),
 optimizer and parameter offload, activation checkpointing and power-of-two micro-batches with the
 gradient accumulation that reaches the global batch. FSDP2 plans are enumerated only where FSDP2
-runs them: without pipeline stages, at the one ZeRO stage it has (it always shards everything),
-offloading everything to the CPU or nothing. Pruning runs cheapest first:
+runs them: at the one ZeRO stage it has (it always shards everything), offloading everything to
+the CPU or nothing; context-parallel degrees above 1 only with the engines that split the
+sequence. Pruning runs cheapest first:
 
 1. structural rules, by arithmetic on the plan (tp within a node and dividing the model's heads,
    pp at most the model's layers, what the pipeline and AutoTP engines train with);
@@ -84,8 +85,7 @@ class SearchSpace:
     """``plan.async_tp`` values to try (true only with tp > 1, sequence parallelism and compile, with
     engines that overlap them; the tuner leaves it false on clusters without GPUs)."""
     cp: tuple[int, ...] = (1,)
-    """Context-parallel degrees to try (above 1 only without pipeline stages, with engines that
-    split the sequence that way)."""
+    """Context-parallel degrees to try (above 1 only with engines that split the sequence that way)."""
     pp_schedules: tuple[tuple[PipelineSchedule, int], ...] = ((PipelineSchedule.one_f_one_b, 1),)
     """(``plan.pp_schedule``, ``plan.pp_virtual_stages``) pairs to try with pp > 1, each with the
     engines that run the schedule."""
@@ -97,7 +97,7 @@ class SearchSpace:
         parameter offload only at stage 3, optimizer offload from stage 1; FSDP2: both or none)."""
         for tp, pp, cp in itertools.product(self.tp or divisors(self.world_size),
                                             self.pp or divisors(self.world_size), self.cp):
-            if self.world_size % (tp * pp * cp) or (cp > 1 and pp > 1):
+            if self.world_size % (tp * pp * cp):
                 continue
             dp = self.world_size // (tp * pp * cp)
             for micro in self._micro_batches(dp):
@@ -254,11 +254,12 @@ class BatchScaledProbe(ModelProbe):
         return ActivationBytes(**values, grads_at_backward_peak=high.grads_at_backward_peak)
 
     def _measure_pipeline(self, micro_batch_size: int, precision: Precision) -> list[PipelineLayer]:
-        # A layer's saved tensors all carry the batch dimension: proportional scaling from one
-        # sample is exact up to constants like position indices, which it overstates slightly.
+        # A layer's saved tensors and its output all carry the batch dimension: proportional scaling
+        # from one sample is exact up to constants like position indices, which it overstates slightly.
         if micro_batch_size == 1:
             return super()._measure_pipeline(1, precision)
-        return [dataclasses.replace(layer, saved_bytes=layer.saved_bytes * micro_batch_size)
+        return [dataclasses.replace(layer, saved_bytes=layer.saved_bytes * micro_batch_size,
+                                    output_bytes=layer.output_bytes * micro_batch_size)
                 for layer in self._pipeline(1, precision)]
 
     def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
@@ -266,7 +267,8 @@ class BatchScaledProbe(ModelProbe):
         # partition takes a quarter of a second for a 96-layer model: partition once per
         # (pp, method, engine), then scale the saved bytes and set the micro-batches in flight per plan.
         base = self._stage_layout(plan.precision, plan.pipeline_stages, plan.pp_partition, plan.engine)
-        return [dataclasses.replace(stage, saved_bytes=stage.saved_bytes * plan.micro_batch_size,
+        # A context-parallel rank's part of the sequence saves 1/cp of the bytes (on_sequence_part).
+        return [dataclasses.replace(stage, saved_bytes=-(-stage.saved_bytes * plan.micro_batch_size // plan.cp),
                                     in_flight=min(plan.pipeline_stages - stage.index, plan.grad_accum_steps))
                 for stage in base]
 

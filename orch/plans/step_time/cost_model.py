@@ -812,7 +812,8 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         # them with compute. With tp > 1 it splits both over the tensor-parallel ranks
         # (``pipe_partitioned`` / ``grad_partitioned``, on by default when the topology has a
         # ``model`` axis): each rank sends 1/tp and the receiving stage all-gathers the whole.
-        p2p_bytes = model.boundary_per_sample * mb * act_bytes
+        # A context-parallel rank sends its part of the sequence: 1/cp of the boundary activation.
+        p2p_bytes = model.boundary_per_sample * rank_samples * act_bytes
         gather_s = (_half_ring_s(p2p_bytes, tp, speeds.bus_gbps(links.tp, collective="all_gather"), lat[links.tp])
                     if tp > 1 else 0.0)
         pp_per_micro_s = 2 * (p2p_bytes / tp / _bytes_per_s(speeds.bus_gbps(links.pp)) + lat[links.pp] + gather_s)
@@ -822,13 +823,13 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
         # Every attention call gathers the whole sequence's keys and values (this rank's heads: 1/tp
         # of them), in each forward (again in a recomputed one: the gather is not among the ops a
         # selective policy keeps), and reduce-scatters their gradients in backward. Not overlapped:
-        # attention waits for its keys.
-        kv_bytes = model.attention_kv_per_sample * mb * act_bytes / tp
+        # attention waits for its keys. A pipeline stage runs its share of the attention calls.
+        kv_bytes = model.attention_kv_per_sample * mb * act_bytes / tp * stage
+        calls = max(math.ceil(model.attention_calls * stage), 1)
         gather_bw = speeds.bus_gbps(links.cp, collective="all_gather")
         scatter_bw = speeds.bus_gbps(links.cp, collective="reduce_scatter")
-        cp_per_micro_s = ((1 + recomputed) * _half_ring_s(kv_bytes, cp, gather_bw, lat[links.cp],
-                                                          calls=model.attention_calls)
-                          + _half_ring_s(kv_bytes, cp, scatter_bw, lat[links.cp], calls=model.attention_calls))
+        cp_per_micro_s = ((1 + recomputed) * _half_ring_s(kv_bytes, cp, gather_bw, lat[links.cp], calls=calls)
+                          + _half_ring_s(kv_bytes, cp, scatter_bw, lat[links.cp], calls=calls))
 
     compute_s = m * per_micro_s
     memory_s = m * memory_per_micro_s
@@ -836,12 +837,12 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     # An interleaved schedule sends each micro-batch across every one of its pp * v stage boundaries.
     pp_comm_s = m * pp_per_micro_s * (plan.pp_virtual_stages if pp > 1 else 1)
     # 1F1B: in the fill and the drain a stage waits for whole micro-batch times of the stages
-    # before and after it, each its compute, memory-bound kernels, all-reduces and transfers. The
-    # other schedules shorten the fill and drain by their share of 1F1B's (p - 1) micro-batches
+    # before and after it, each its compute, memory-bound kernels, all-reduces, transfers and
+    # key/value gathers. The other schedules shorten the fill and drain by their share of 1F1B's (p - 1) micro-batches
     # (orch.plans.parallel.schedules: 1/v interleaved; the weights' backward moved into it for the
     # zero-bubble ones, F = B = W for matmuls, full recomputation adding a forward to B).
     bubble_s = bubble_micro_batches(pp, speeds.core_share) * schedule_share(plan, model.n_layers) * (
-        per_micro_s + memory_per_micro_s + tp_per_micro_s + pp_per_micro_s)
+        per_micro_s + memory_per_micro_s + tp_per_micro_s + pp_per_micro_s + cp_per_micro_s)
 
     # Parameters of this device: its tensor-parallel shard of its stage's layers.
     params = model.tp_param_count.get(tp, model.param_count / tp) / pp

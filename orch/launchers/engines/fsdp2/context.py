@@ -30,23 +30,33 @@ class ContextSplit:
         self.mesh = mesh
         self.cp = mesh.size()
         self.cp_rank = mesh.get_local_rank()
+        self._positions: dict[tuple[int, Any], torch.Tensor] = {}
 
     def local(self, batch: Any) -> tuple[Any, torch.Tensor]:
         """``batch`` with every tensor that runs along the sequence cut to this rank's tokens, and
         their positions in the whole sequence ([1, tokens]). The sequence is the first tensor's
         second dimension (the inputs' ``[batch, sequence]``); tensors of other shapes (a label per
         sample) are kept whole."""
-        import torch
-
-        from orch.plans.parallel.context_parallel import SEQUENCE_DIM, cut_sequence, local_positions
+        from orch.plans.parallel.context_parallel import SEQUENCE_DIM, cut_sequence
 
         first = _first_tensor(batch)
         if first is None or first.dim() < 2:
             raise RuntimeError("plan.cp > 1 splits each sample's sequence, but the batch's inputs have no sequence "
                                "dimension ([batch, sequence, ...]); set plan.cp=1")
         seq_len = first.shape[SEQUENCE_DIM]
-        positions = torch.tensor([local_positions(seq_len, self.cp_rank, self.cp)], device=first.device)
-        return cut_sequence(batch, seq_len, self.cp_rank, self.cp), positions
+        return cut_sequence(batch, seq_len, self.cp_rank, self.cp), self.positions(seq_len, first.device)
+
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """The positions of this rank's tokens of a ``seq_len`` sequence ([1, tokens]): one tensor per
+        length and device, made once (pipeline layers recognise it by identity)."""
+        import torch
+
+        from orch.plans.parallel.context_parallel import local_positions
+
+        key = (seq_len, device)
+        if key not in self._positions:
+            self._positions[key] = torch.tensor([local_positions(seq_len, self.cp_rank, self.cp)], device=device)
+        return self._positions[key]
 
     def call(self, model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
         """The model's outputs on this rank's part of ``batch``, and that part (for the objective)."""
@@ -67,6 +77,11 @@ class ContextSplit:
         original = F.scaled_dot_product_attention
 
         def spread(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+            if query.device.type == "meta":
+                # torch's pipeline stages infer their outputs' shapes by a forward on meta: the
+                # split attention's output has the queries' shape, and nothing is gathered there.
+                return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                scale=scale, enable_gqa=enable_gqa)
             return split_attention(query, key, value, gather=self._gather, cp_rank=self.cp_rank, cp=self.cp,
                                    sdpa=original, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                    scale=scale, enable_gqa=enable_gqa)

@@ -189,6 +189,8 @@ class FSDP2Engine(Engine):
             built += ", each block compiled (torch.compile)"
         if plan.precision.value == "fp8":
             built += f", the blocks' linear layers multiplying in FP8 ({plan.fp8_recipe.value} scaling)"
+        if plan.cp > 1:
+            built += f", each sample's sequence split over {plan.cp} context-parallel ranks"
         if self.pipeline.head_name:
             built += split_head_text(self.pipeline.head_name)
         return BuiltModel(built=built, params_at_build=held, params_on_rank=_local_numel(self.pipeline.stages),

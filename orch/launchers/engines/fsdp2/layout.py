@@ -107,7 +107,8 @@ def meshes(plan: ResolvedPlan, device_type: str, coords: ParallelCoords) -> Mesh
             dims, names = [*dims, degree], [*names, name]
     mesh = init_device_mesh(device_type, tuple(dims), mesh_dim_names=tuple(names))
     if plan.cp > 1:
-        # pp is 1 with cp (the planner refuses both), so dp and cp are neighbours in the mesh.
+        # With pipeline stages dp and cp are not neighbours in the mesh (dp, pp, cp, tp): the slice
+        # keeps this rank's stage, whose data- and context-parallel ranks FSDP2 shards it over.
         dp_mesh = mesh[(*dp_names, "cp")]._flatten(mesh_dim_name="dp_shard_cp")
     else:
         dp_mesh = mesh[dp_names] if len(names) > len(dp_names) else mesh

@@ -5,10 +5,18 @@ Each stage is sharded by FSDP2 over the data-parallel ranks, block by block, and
 ``PipelineStage``; the loss is the workload's objective on the last stage. A weight two stages
 share (a tied embedding and output head) is a copy on each, whose gradients are summed across
 the copies before the optimizer step. Evaluation runs each micro-batch through the stages in order.
+
+With ``plan.cp > 1`` every stage runs on this rank's part of each sequence
+(:class:`orch.launchers.engines.fsdp2.context.ContextSplit`): the micro-batches are cut before the
+schedule takes them (inputs and targets alike), the pipeline layers that number tokens are told
+their positions (``context_positions``), and attention spreads over the context-parallel ranks of
+the same stage while the schedule runs. FSDP2 shards each stage over the data- and
+context-parallel ranks together, as without stages.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,6 +29,7 @@ from orch.launchers.engines.fsdp2.pipeline_stages import Stages, StateNames, blo
 from orch.plans.spec import PipelineSchedule
 
 if TYPE_CHECKING:
+    from orch.launchers.engines.fsdp2.context import ContextSplit
     from orch.plans.parallel.sequence_parallel import SequenceParallelLayout
     from orch.plans.resolve import ResolvedPlan
 
@@ -47,8 +56,10 @@ def sync_tied_gradients(stages: Stages, groups: dict[str, Any]) -> None:
 
 def tie_groups(stages: Stages, plan: ResolvedPlan, coords) -> dict[str, Any]:
     """For each tie key held on more than one pipeline rank, the process group of those ranks at
-    this rank's data- and tensor-parallel coordinates. Every rank creates every coordinate's
-    group (as ``new_group`` requires), in the same order."""
+    this rank's data-, context- and tensor-parallel coordinates. Every rank creates every
+    coordinate's group (as ``new_group`` requires), in the same order."""
+    import itertools
+
     import torch.distributed as dist
 
     from orch.plans.parallel.rank_layout import global_rank
@@ -57,12 +68,12 @@ def tie_groups(stages: Stages, plan: ResolvedPlan, coords) -> dict[str, Any]:
     for key, ranks in stages.tie_ranks().items():
         if len(ranks) < 2:
             continue
-        for dp_rank in range(plan.dp):
-            for tp_rank in range(plan.tp):
-                members = [global_rank(dp_rank, r, tp_rank, tp=plan.tp, pp=plan.pp) for r in ranks]
-                group = dist.new_group(members)
-                if (dp_rank, tp_rank) == (coords.dp_rank, coords.tp_rank):
-                    mine[key] = group
+        for dp_rank, cp_rank, tp_rank in itertools.product(range(plan.dp), range(plan.cp), range(plan.tp)):
+            members = [global_rank(dp_rank, r, tp_rank, tp=plan.tp, pp=plan.pp, cp_rank=cp_rank, cp=plan.cp)
+                       for r in ranks]
+            group = dist.new_group(members)
+            if (dp_rank, cp_rank, tp_rank) == (coords.dp_rank, coords.cp_rank, coords.tp_rank):
+                mine[key] = group
     return mine
 
 
@@ -130,6 +141,33 @@ class Pipeline:
     are a DTensor, and each step and evaluation runs inside torch's ``loss_parallel``."""
     head_name: str = ""
     """The split head's name in the whole model, where this rank holds it ("" elsewhere)."""
+    context: ContextSplit | None = None
+    """This rank's part of each sequence, with ``plan.cp > 1``."""
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """What the stages run inside: torch's ``loss_parallel`` when the head is split, attention
+        spread over the context-parallel ranks with ``plan.cp > 1``."""
+        with contextlib.ExitStack() as stack:
+            if self.context is not None:
+                stack.enter_context(self.context.attention())
+            stack.enter_context(loss_context(self.split_head))
+            yield
+
+    def local(self, batches: list[Any]) -> list[Any]:
+        """``batches`` as this rank's stages take them: with ``plan.cp > 1`` each cut to the rank's
+        part of the sequence, and the layers that number tokens told the part's positions."""
+        if self.context is None:
+            return batches
+        parts = [self.context.local(batch) for batch in batches]
+        for _, positions in parts:
+            for layer in self.stages.position_takers():
+                layer.context_positions = positions
+        return [part for part, _ in parts]
+
+    def mean(self, value: float) -> float:
+        """A loss over this rank's tokens as the whole sequence's (the mean over the context-parallel ranks)."""
+        return value if self.context is None else self.context.mean(value)
 
 
 def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str, Any]) -> Pipeline:
@@ -173,6 +211,14 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
                               hf_plan=_hf_tp_plan(whole), sequence=sequence, head=held_head)
         if plan.async_tp:
             enable_async_tp(meshes.tp)
+    context = None
+    if meshes.cp is not None:
+        from orch.launchers.engines.fsdp2.context import ContextSplit
+
+        if not any(hasattr(spec.module, "context_positions") for spec in specs):
+            raise RuntimeError(f"plan.cp={plan.cp} with plan.pp={plan.pp}: the model's pipeline layers take no "
+                               "positions of a part of the sequence (no context_positions attribute); set plan.cp=1")
+        context = ContextSplit(meshes.cp)
     if plan.activation_checkpointing:
         from orch.plans.model.workload import checkpoint_blocks
 
@@ -199,7 +245,7 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
     return Pipeline(stages=stages, schedule=schedule, first=0 in stages.indices,
                     last=layout.stages - 1 in stages.indices, last_rank=layout.rank_of(layout.stages - 1),
                     pp_group=meshes.pp.get_group(), tied=tie_groups(stages, plan, coords), names=StateNames(stages),
-                    device=device, split_head=split_head, head_name=head.name if held_head else "")
+                    device=device, split_head=split_head, head_name=head.name if held_head else "", context=context)
 
 
 def _whole_on_meta(job) -> torch.nn.Module:
@@ -247,16 +293,16 @@ def train_step(pipeline: Pipeline, batches: Iterator[Any], micro: int, to_device
     """One step's micro-batches through the schedule (forward, backward; gradients scaled by
     ``1 / micro`` as accumulation scales them), shared weights' gradients summed; returns the
     mean micro-batch loss, which the last stage computes and sends to its pipeline peers."""
-    drawn = draw(batches, micro, to_device)
+    drawn = pipeline.local(draw(batches, micro, to_device))
     losses: list[torch.Tensor] = []
-    with loss_context(pipeline.split_head):
+    with pipeline.running():
         pipeline.schedule.step(arg_mbs=[(stage_input(b),) for b in drawn],
                                target_mbs=[stage_target(b) for b in drawn], losses=losses,
                                # The last stage would keep every micro-batch's output (the logits) to
                                # return them merged: nothing here reads them.
                                return_outputs=False)
     sync_tied_gradients(pipeline.stages, pipeline.tied)
-    return _mean_loss(pipeline, losses)
+    return pipeline.mean(_mean_loss(pipeline, losses))
 
 
 def _mean_loss(pipeline: Pipeline, losses: list[torch.Tensor]) -> float:
@@ -278,15 +324,15 @@ def evaluate(pipeline: Pipeline, val_batches: Iterator[Any], batches: int, objec
     total = 0.0
     pipeline.stages.eval()
     try:
-        with torch.no_grad(), loss_context(pipeline.split_head):
+        with torch.no_grad(), pipeline.running():
             for _ in range(batches):
-                batch = to_device(next(val_batches))
+                [batch] = pipeline.local([to_device(next(val_batches))])
                 out = forward_only(pipeline, stage_input(batch))
                 loss = [objective(out, (None, stage_target(batch)))] if pipeline.last else []
                 total += _mean_loss(pipeline, loss)
     finally:
         pipeline.stages.train()
-    return {"loss": total / batches}
+    return {"loss": pipeline.mean(total / batches)}
 
 
 _HEADER = 8
