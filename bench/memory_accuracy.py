@@ -169,11 +169,13 @@ HEAD_PLANS = [
     [*TIED_HEAD, "plan.precision=fp32", "plan.loss_parallel=false"],
     [*TIED_HEAD, "plan.precision=fp32"],
     [*TIED_HEAD, "plan.precision=bf16", "plan.sequence_parallel=true"],
+    [*TIED_HEAD, "plan.pp=2", "plan.precision=fp32", "plan.grad_accum_steps=2", *FOUR_WORKERS],
 ]
 """The output head split over the vocabulary (``plan.loss_parallel``) on an untied HF Llama shape
 whose vocabulary of 8192 makes the head a third of the parameters: at tp=2 beside the whole head,
 with sequence parallelism and recomputation, and on the last stage of tp=2 x pp=2; and the built-in
-GPT's tied head at a vocabulary of 8192, split with its token embedding."""
+GPT's tied head at a vocabulary of 8192, split with its token embedding, alone and at tp=2 x pp=2
+(a copy of the embedding split on each end stage)."""
 
 
 HEAD_NOTE = """

@@ -36,8 +36,10 @@ def test_gpt_pipeline_schedules_give_the_unpipelined_losses(local_ray, sqlite_ur
     """GPT of 4 blocks (7 pipeline layers) at pp=2: 1F1B with selective recomputation and each
     sequence split over 2 context-parallel ranks (4 workers: the embedding numbers its part's
     tokens, attention gathers the other rank's keys), interleaved 1F1B over 2 stages per rank with
-    full recomputation of every 2nd block, and ZB-V (its two stages in a V, the tied embedding and
-    head both on rank 0): the first 10 losses are the pp=1 run's."""
+    full recomputation of every 2nd block at tp=2 (4 workers: the tied embedding's copies on the
+    first and last stage, on different ranks, both split over the vocabulary, their gradient shards
+    summed), and ZB-V (its two stages in a V, the tied embedding and head both on rank 0): the
+    first 10 losses are the pp=1 run's."""
     gpt = ["model.n_layer=4"]
     reference = train(sqlite_uri, *gpt, "cluster.devices_per_node=1")
     expected = losses(reference)
@@ -46,13 +48,16 @@ def test_gpt_pipeline_schedules_give_the_unpipelined_losses(local_ray, sqlite_ur
         "1f1b": ["plan.pp_schedule=1f1b", "plan.activation_checkpointing=selective", "plan.cp=2",
                  "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5"],
         "interleaved_1f1b": ["plan.pp_schedule=interleaved_1f1b", "plan.pp_virtual_stages=2",
-                             "plan.activation_checkpointing=full", "plan.recompute_every_n_layers=2"],
+                             "plan.activation_checkpointing=full", "plan.recompute_every_n_layers=2", "plan.tp=2",
+                             "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5"],
         "zbv": ["plan.pp_schedule=zbv", "plan.pp_virtual_stages=2", "plan.fsdp.reshard_after_forward=false"],
     }
     for schedule, overrides in runs.items():
         result = train(sqlite_uri, *gpt, "plan.pp=2", *overrides)
         assert result.plan.pp == 2 and result.plan.pp_schedule.value == schedule
-        assert result.plan.dp == 1 and len(result.worker_facts) == 2 * result.plan.cp
+        assert result.plan.dp == 1 and len(result.worker_facts) == 2 * result.plan.cp * result.plan.tp
+        split = [f for f in result.worker_facts if "split over the vocabulary with its tied embedding" in f.model.built]
+        assert len(split) == (4 if result.plan.tp == 2 else 0), schedule
         assert losses(result) == pytest.approx(expected, abs=1e-4), schedule
         # Each rank built only its own stages.
         assert all(f.model.params_on_rank < result.model.param_count for f in result.worker_facts)

@@ -168,13 +168,42 @@ def _assert_tied_head_splits(overrides: tuple[str, ...], head: OutputHead, hidde
 
 
 def test_a_tied_head_splits_its_embedding_with_it_and_the_embedding_all_reduces_its_lookups():
-    """The built-in GPT's tied head (handed the embedding's weight at each call); with pipeline
-    stages the first stage holds the weight as well, and the head stays whole."""
+    """The built-in GPT's tied head (handed the embedding's weight at each call). With pipeline
+    stages the first stage holds a copy of the weight as well: both copies split, each stage's
+    parameters counted with half the embedding's rows (the engine's pairing of the copies is
+    :func:`orch.launchers.engines.fsdp2.pipeline.held_parts_of_head`)."""
     overrides = ("model.vocab_size=4096", "plan.dp=1", "plan.tp=2", "plan.precision=fp32", "plan.engine=fsdp2")
     head = OutputHead("lm_head", 4096, "embed.wte")
     _assert_tied_head_splits(overrides, head, "d_model")
-    _, _, piped = resolved(*overrides, "plan.pp=2", "plan.grad_accum_steps=2", "cluster.devices_per_node=4")
-    assert kept_whole(piped, head) == "its weight is embed.wte's, which the first pipeline stage holds as well"
+    typed, model_cfg, piped = resolved(*overrides, "plan.pp=2", "plan.grad_accum_steps=2",
+                                       "cluster.devices_per_node=4")
+    assert kept_whole(piped, head) is None and splits_head(piped, head)
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
+    probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs,
+                       pipeline_layers=workload.pipeline_layers)
+    stages = estimate_plan(piped, typed.cluster, typed.optim, probe).pipeline
+    whole = estimate_plan(dataclasses.replace(piped, loss_parallel=False), typed.cluster, typed.optim, probe).pipeline
+    rows = 4096 * 128
+    assert [s.tp_params - w.tp_params for s, w in zip(stages, whole, strict=True)] == [rows, rows]
+
+
+def test_a_pipeline_rank_splits_every_copy_of_a_tied_head_it_holds():
+    """The engine's pairing, by the stages' own names: each copy of a tied embedding (first and
+    last stage) with the linear head of the same pipeline layer, if it has one."""
+    from orch.launchers.engines.fsdp2.pipeline import held_parts_of_head
+
+    hf = {"parts.0.layers.0.base.embed_tokens": "model.embed_tokens", "parts.0.layers.0.head.lm_head": "lm_head",
+          "parts.0.layers.1.self_attn": "model.layers.0.self_attn",
+          "parts.3.layers.2.base.embed_tokens": "model.embed_tokens", "parts.3.layers.2.head.lm_head": "lm_head"}
+    assert held_parts_of_head(hf, OutputHead("lm_head", 4096, "model.embed_tokens")) == [
+        OutputHead("parts.0.layers.0.head.lm_head", 4096, "parts.0.layers.0.base.embed_tokens"),
+        OutputHead("parts.3.layers.2.head.lm_head", 4096, "parts.3.layers.2.base.embed_tokens")]
+    gpt = {"parts.1.layers.0.wte": "embed.wte", "parts.1.layers.0.wpe": "embed.wpe"}
+    assert held_parts_of_head(gpt, OutputHead("lm_head", 4096, "embed.wte")) == [
+        OutputHead("", 4096, "parts.1.layers.0.wte")]
+    untied = {"parts.1.layers.3.lm_head": "lm_head", "parts.1.layers.2.norm": "model.norm"}
+    assert held_parts_of_head(untied, OutputHead("lm_head", 4096)) == [OutputHead("parts.1.layers.3.lm_head", 4096)]
+    assert held_parts_of_head({"parts.0.layers.0.wte": "embed.wte"}, OutputHead("lm_head", 4096)) == []
 
 
 def test_a_hugging_face_head_tied_to_its_embedding_splits_with_it():

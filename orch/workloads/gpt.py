@@ -199,8 +199,16 @@ class TiedHead(nn.Module):
 
 
 def tied_logits(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
-    """The output head that reuses the token embedding's weight (the last pipeline stage's copy)."""
-    return F.linear(x, embedding.wte.weight)
+    """The output head that reuses the token embedding's weight (the last pipeline stage's copy).
+    With the embedding split over the vocabulary across tensor-parallel ranks (a DTensor weight,
+    ``plan.loss_parallel``), every rank takes the whole hidden state and computes the logits of its
+    part of the vocabulary, left split for the loss."""
+    weight = embedding.wte.weight
+    if hasattr(weight, "device_mesh") and not hasattr(x, "device_mesh"):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        x = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
+    return F.linear(x, weight)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -86,8 +86,8 @@ def output_head(model: torch.nn.Module, objective: Any) -> OutputHead | None:
 def splits_head(plan: ResolvedPlan, head: OutputHead | None) -> bool:
     """Whether ``plan`` splits ``head`` over its tensor-parallel ranks: ``plan.loss_parallel`` under
     an engine that does (``EngineSpec.loss_parallel``), tp > 1, and a vocabulary the tp ranks divide
-    evenly (:func:`kept_whole`); with pipeline stages, on the last one. Elsewhere the head stays
-    whole on every rank."""
+    evenly (:func:`kept_whole`); with pipeline stages, on the last one (a tied head's embedding on
+    the first as well). Elsewhere the head stays whole on every rank."""
     return head is not None and plan.tp > 1 and kept_whole(plan, head) is None
 
 
@@ -102,8 +102,6 @@ def kept_whole(plan: ResolvedPlan, head: OutputHead) -> str | None:
         return "plan.loss_parallel=false"
     if head.classes % plan.tp:
         return f"its {head.classes:,} classes do not split {plan.tp} ways"
-    if head.embedding and plan.pp > 1:
-        return f"its weight is {head.embedding}'s, which the first pipeline stage holds as well"
     return None
 
 

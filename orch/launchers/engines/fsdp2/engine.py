@@ -111,7 +111,7 @@ class FSDP2Engine(Engine):
             self.split_head = splits_head(plan, head)
             apply_tensor_parallel(model, mesh.tp, job.workload.tp_layer_specs,
                                   sequence=sequence_layout(model, job.workload.tp_layer_specs) if plan.sequence_parallel
-                                  else None, head=head if self.split_head else None)
+                                  else None, heads=[head] if self.split_head else [])
             if plan.async_tp:
                 enable_async_tp(mesh.tp)
         options = fsdp_options(plan, mesh.dp)
@@ -191,8 +191,8 @@ class FSDP2Engine(Engine):
             built += f", the blocks' linear layers multiplying in FP8 ({plan.fp8_recipe.value} scaling)"
         if plan.cp > 1:
             built += f", each sample's sequence split over {plan.cp} context-parallel ranks"
-        if self.pipeline.head_name:
-            built += split_head_text(self.pipeline.head_name)
+        if self.pipeline.head is not None:
+            built += split_head_text(self.pipeline.head.name, self.pipeline.head.embedding)
         return BuiltModel(built=built, params_at_build=held, params_on_rank=_local_numel(self.pipeline.stages),
                           optimizer=describe_optimizer(self.optimizer))
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from orch.plans.engines.fsdp2_memory import fsdp_mesh
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -166,7 +168,7 @@ def autotp_styles(model: torch.nn.Module, layer_specs: list[dict],
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_specs: list[dict] | None, *,
                           match_names: dict[str, str] | None = None, hf_plan: dict | None = None,
-                          sequence: SequenceParallelLayout | None = None, head: OutputHead | None = None) -> int:
+                          sequence: SequenceParallelLayout | None = None, heads: Sequence[OutputHead] = ()) -> int:
     """Shard ``model``'s linear layers over ``tp_mesh`` with DTensor's column- and row-wise styles;
     returns how many were sharded.
 
@@ -177,14 +179,17 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
     model's), so its layers are sharded as the unpipelined model's are. With ``sequence``, the
     residual stream is split along the sequence as well (:func:`apply_sequence_parallel`).
 
-    ``head``, the output head ``plan.loss_parallel`` splits over the vocabulary
+    ``heads``, the output head ``plan.loss_parallel`` splits over the vocabulary
     (:mod:`orch.plans.parallel.vocab_parallel`), is column-parallel whatever the plan says of it,
     its logits left split along their last dimension (a DTensor), as torch's ``loss_parallel``
     takes them; its input is the whole hidden state (under sequence parallelism the final norm's
     output is gathered for it). A tied head's embedding is split by rows with it (row-parallel:
     the lookups all-reduced); a linear head sharing the embedding's weight is split by the same
-    rows, and tied to the embedding's shard again once both are. Without ``head`` an output head
-    stays whole (the Hugging Face plans' ``colwise_gather_output`` is not applied).
+    rows, and tied to the embedding's shard again once both are; a tied head without a module of
+    its own (``name`` ""; a pipeline stage's copy computing the logits in its forward function) has
+    only its embedding split. Pipeline stages may hold several copies of a tied head, hence a
+    sequence. Without ``heads`` an output head stays whole (the Hugging Face plans'
+    ``colwise_gather_output`` is not applied).
     """
     import torch
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -206,27 +211,28 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
                     plan[name] = styles[style]()
     else:
         plan = {name: styles[kind]() for name, kind in autotp_styles(model, layer_specs or [], match_names).items()}
-    tied_linear = None
-    if head is not None and head.embedding is not None:
+    tied_linears: list[OutputHead] = []
+    for head in heads:
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import PrepareModuleInput
 
+        if head.embedding is None:
+            plan[head.name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+            continue
         # The embedding's rows split (each rank looks up the tokens of its part of the vocabulary,
         # the lookups summed); the tied head is handed that shard, its input made a replicated
         # DTensor so the logits come out split along their last dimension, as loss_parallel takes them.
         plan[head.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if not head.name:
+            continue
         if isinstance(model.get_submodule(head.name), torch.nn.Linear):
             # Its weight is the embedding's: split by the same rows (both styles shard dim 0), each
             # into a parameter of its own by parallelize_module, tied again after it.
-            tied_linear = model.get_submodule(head.name)
+            tied_linears.append(head)
             plan[head.name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         else:
             plan[head.name] = PrepareModuleInput(input_layouts=(Replicate(), None),
                                                  desired_input_layouts=(Replicate(), None), use_local_output=False)
-    elif head is not None:
-        from torch.distributed.tensor import Shard
-
-        plan[head.name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if not plan:
         raise RuntimeError(f"plan.tp={tp_mesh.size()}, but no layer of {type(model).__name__} matched its tensor-"
                            "parallel plan: every rank would hold and compute the whole model")
@@ -238,8 +244,8 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
         for name in sequence.row_layers:
             plan[name] = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM))
     parallelize_module(model, tp_mesh, plan)
-    if tied_linear is not None:
-        tied_linear.weight = model.get_submodule(head.embedding).weight
+    for head in tied_linears:
+        model.get_submodule(head.name).weight = model.get_submodule(head.embedding).weight
     if sequence is not None:
         apply_sequence_parallel(model, tp_mesh, sequence)
     return len(plan)

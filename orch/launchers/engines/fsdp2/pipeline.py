@@ -26,6 +26,7 @@ import torch
 from orch.launchers.engines.base import whole_tensor
 from orch.launchers.engines.fsdp2.layout import loss_context
 from orch.launchers.engines.fsdp2.pipeline_stages import Stages, StateNames, block_class, cut, whole_name_of_module
+from orch.plans.parallel.vocab_parallel import OutputHead
 from orch.plans.spec import PipelineSchedule
 
 if TYPE_CHECKING:
@@ -139,8 +140,8 @@ class Pipeline:
     split_head: bool = False
     """The output head is split over the vocabulary (``plan.loss_parallel``): the last stage's logits
     are a DTensor, and each step and evaluation runs inside torch's ``loss_parallel``."""
-    head_name: str = ""
-    """The split head's name in the whole model, where this rank holds it ("" elsewhere)."""
+    head: OutputHead | None = None
+    """The split head (the whole model's names), where this rank holds a part of it (None elsewhere)."""
     context: ContextSplit | None = None
     """This rank's part of each sequence, with ``plan.cp > 1``."""
 
@@ -179,7 +180,7 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
     from torch.distributed.pipelining import PipelineStage
 
     from orch.launchers.engines.fsdp2.layout import apply_tensor_parallel, enable_async_tp
-    from orch.plans.parallel.vocab_parallel import OutputHead, output_head, splits_head
+    from orch.plans.parallel.vocab_parallel import output_head, splits_head
 
     plan = job.plan
     if job.workload.pipeline_layers is None:
@@ -196,7 +197,7 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
         from orch.launchers.engines.fsdp2.float8 import convert_blocks_to_fp8
 
         convert_blocks_to_fp8(blocks, plan, device)
-    split_head, held_head = False, None
+    split_head, held_heads, head = False, [], None
     if meshes.tp is not None:
         names = {name: whole_name_of_module(stages, name) for name, _ in stages.named_modules() if name}
         whole = _whole_on_meta(job)
@@ -204,11 +205,9 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
         head = output_head(whole, job.workload.objective)
         split_head = splits_head(plan, head)
         if split_head:
-            # Under this rank's stage name, where it holds the last stage.
-            local = next((name for name, whole_name in names.items() if whole_name == head.name), None)
-            held_head = OutputHead(name=local, classes=head.classes) if local else None
+            held_heads = held_parts_of_head(names, head)
         apply_tensor_parallel(stages, meshes.tp, job.workload.tp_layer_specs, match_names=names,
-                              hf_plan=_hf_tp_plan(whole), sequence=sequence, head=held_head)
+                              hf_plan=_hf_tp_plan(whole), sequence=sequence, heads=held_heads)
         if plan.async_tp:
             enable_async_tp(meshes.tp)
     context = None
@@ -245,7 +244,27 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
     return Pipeline(stages=stages, schedule=schedule, first=0 in stages.indices,
                     last=layout.stages - 1 in stages.indices, last_rank=layout.rank_of(layout.stages - 1),
                     pp_group=meshes.pp.get_group(), tied=tie_groups(stages, plan, coords), names=StateNames(stages),
-                    device=device, split_head=split_head, head_name=head.name if held_head else "", context=context)
+                    device=device, split_head=split_head, head=head if held_heads else None, context=context)
+
+
+def held_parts_of_head(names: dict[str, str], head: OutputHead) -> list[OutputHead]:
+    """The parts of the split output ``head`` this rank's stages hold, under their own names
+    (``names``: a stage module's name -> the whole model's). An untied head's layer is on the last
+    stage. A tied head has a copy of its embedding on the first stage and on the last (pipeline
+    layers sharing a weight, :class:`orch.plans.parallel.stage_layers.StageLayer`), each split
+    alike, so that the copies' gradient shards add up; a copy is paired with the head layer it
+    holds (a Hugging Face copy's linear head sharing the weight), or with none (the built-in GPT's
+    copy computes the logits from the embedding's weight in its forward function)."""
+    if head.embedding is None:
+        return [OutputHead(name=name, classes=head.classes) for name, whole in names.items() if whole == head.name]
+    held = []
+    for name, whole in names.items():
+        if whole == head.embedding:
+            layer = ".".join(name.split(".")[:4])  # parts.<stage>.layers.<i>: the copy's pipeline layer
+            linear = next((other for other, whole_other in names.items()
+                           if whole_other == head.name and other.startswith(f"{layer}.")), "")
+            held.append(OutputHead(name=linear, classes=head.classes, embedding=name))
+    return held
 
 
 def _whole_on_meta(job) -> torch.nn.Module:
