@@ -153,3 +153,27 @@ def test_pipeline_stages_of_a_hugging_face_decoder_save_under_its_names():
     specs = pipeline_layers(config=config)
     names, _ = _whole_names(specs, Cut(bounds=[0, 2, 5], schedule=S.one_f_one_b, pp=2, virtual=1))
     assert names == set(hf_causal_lm(config=config).state_dict())
+
+
+def test_the_stage_computing_the_loss_alone_pays_the_loss_and_head_backward():
+    """The whole model's backward peak outside its repeated layers (the loss's and head's) is the
+    last stage's alone, the others paying their share of the layers' backward; also when the two
+    were not told apart by a parameter gradient (a head tied to the input embedding, whose weight's
+    gradient is accumulated only after the embedding's backward)."""
+    from orch.plans.memory.activations import ActivationBytes
+    from orch.plans.parallel.pipeline import PipelineStage, stage_activations
+
+    mib = 2**20
+    told = ActivationBytes(saved=40 * mib, recompute_peak=0, forward_peak=50 * mib, backward_peak=90 * mib,
+                           backward_peak_with_grads=90 * mib, blocks_backward_peak=50 * mib,
+                           loss_backward_peak=90 * mib, head_backward_peak=70 * mib)
+    tied = ActivationBytes(**{**told.__dict__, "loss_backward_peak": 0, "head_backward_peak": 0})
+
+    def stage(index: int) -> PipelineStage:
+        return PipelineStage(index=index, start=index, stop=index + 1, layers=["Block"], params=1, trainable=1,
+                             largest_param=1, saved_bytes=1, in_flight=1)
+
+    for whole in (told, tied):
+        first, last = (stage_activations(whole, stage(i), 2, holds_loss=i == 1) for i in (0, 1))
+        assert first.backward_peak == 25 * mib  # half the layers' backward peak
+        assert last.backward_peak == 20 * mib + 90 * mib - 40 * mib  # its share of the saved, and the tail

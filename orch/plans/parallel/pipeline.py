@@ -237,6 +237,11 @@ def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved:
 
     backward = scaled_backward(whole.backward_peak)
     tail = max(whole.loss_backward_peak, whole.head_backward_peak)
+    if not tail and whole.backward_peak > whole.blocks_backward_peak:
+        # Not told apart (no parameter gradient before the repeated layers': a head tied to the
+        # input embedding has its weight's gradient accumulated only after the embedding's
+        # backward), but the backward peak lies outside the repeated layers: at the loss and head.
+        tail = whole.backward_peak
     if whole.blocks_backward_peak and tail:
         # The loss's and the head's backward measured apart from the layers' (before the first
         # parameter gradient, and up to the repeated layers).
