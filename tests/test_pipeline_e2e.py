@@ -67,8 +67,9 @@ def test_gpt_pipeline_schedules_give_the_unpipelined_losses(local_ray, sqlite_ur
 def test_a_pipelined_checkpoint_resumes_at_another_dp_tp_and_pp(local_ray, sqlite_uri, tmp_path):
     """A Llama-shaped Hugging Face decoder checkpointed at (dp=2, pp=2) on 4 workers resumes, from
     the same step and with the same global batch, at (dp=2, pp=1), at (dp=1, tp=2), at
-    (tp=2, pp=2) with the sequence split over tp and at (pp=2, cp=2), each sequence split over two
-    ranks of each stage (the decoder layers' rotary angles computed for their part's positions):
+    (tp=2, pp=2) with the sequence split over tp and at (pp=2, cp=2) compiled, each sequence split
+    over two ranks of each stage (the decoder layers' rotary angles and mask computed, eagerly, for
+    their part's positions):
     DCP reshards the whole model's names whichever stage wrote them, and the runs go on to the
     same losses. The head is untied: the runs at tp=2 split it over the vocabulary
     (``plan.loss_parallel``; with pp=2 on the last stage), from a checkpoint of a whole head."""
@@ -84,7 +85,8 @@ def test_a_pipelined_checkpoint_resumes_at_another_dp_tp_and_pp(local_ray, sqlit
     layouts = {
         "tp=2 pp=2 sequence-parallel": ["cluster.devices_per_node=4", "plan.tp=2", "plan.pp=2",
                                         "plan.grad_accum_steps=4", "plan.sequence_parallel=true"],
-        "pp=2 cp=2": ["cluster.devices_per_node=4", "plan.cp=2", "plan.pp=2", "plan.grad_accum_steps=4"],
+        "pp=2 cp=2 compiled": ["cluster.devices_per_node=4", "plan.cp=2", "plan.pp=2", "plan.grad_accum_steps=4",
+                               "plan.compile=true"],
         "dp=2 pp=1": ["cluster.devices_per_node=2", "plan.dp=2"],
         "dp=1 tp=2": ["cluster.devices_per_node=2", "plan.tp=2", "plan.grad_accum_steps=4"],
     }
@@ -99,6 +101,7 @@ def test_a_pipelined_checkpoint_resumes_at_another_dp_tp_and_pp(local_ray, sqlit
         assert len(split) == (2 if result.plan.tp == 2 else 0), (name, [f.model.built for f in result.worker_facts])
         context = [f for f in result.worker_facts if "split over 2 context-parallel ranks" in f.model.built]
         assert len(context) == (4 if result.plan.cp == 2 else 0), name
+        assert all("compiled" in f.model.built for f in result.worker_facts) == result.plan.compile, name
         resumed[name] = losses(result)
     reference = resumed.pop("dp=2 pp=1")
     assert reference[-1] < first.reports[-1][0].loss

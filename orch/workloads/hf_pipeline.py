@@ -260,11 +260,18 @@ class LayerArguments:
             self._built[device] = skeleton
         return self._built[device]
 
+    @torch.compiler.disable
     def __call__(self, hidden: torch.Tensor, index: int, positions: torch.Tensor | None = None) -> tuple[tuple, dict]:
         """Layer ``index``'s arguments for ``hidden``; for tokens at ``positions`` of a longer
         sequence (context parallelism) given as the unpipelined model is given them
         (:func:`orch.plans.parallel.context_parallel.call_kwargs`). An engine sets one positions
-        tensor for the run, so it is recognised by identity (and held, so the identity is not reused)."""
+        tensor for the run, so it is recognised by identity (and held, so the identity is not reused).
+
+        Run eagerly inside a compiled layer (``plan.compile``), as the unpipelined model computes
+        them outside its compiled blocks: traced, the base model's forward cannot take the
+        data-dependent shortcut of an all-ones mask (plain causal attention, which context
+        parallelism's split attention requires) and builds the mask for every sample of the batch
+        from a mask of one row, which the compiled kernel indexes out of bounds."""
         key = (tuple(hidden.shape), hidden.dtype, hidden.device, id(positions))
         if self._last is None or self._last[0] != key:
             from orch.plans.parallel.context_parallel import call_kwargs
