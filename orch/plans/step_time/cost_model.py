@@ -838,9 +838,10 @@ def predict_step(plan: ResolvedPlan, model: ModelCost, speeds: Speeds, *, device
     pp_comm_s = m * pp_per_micro_s * (plan.pp_virtual_stages if pp > 1 else 1)
     # 1F1B: in the fill and the drain a stage waits for whole micro-batch times of the stages
     # before and after it, each its compute, memory-bound kernels, all-reduces, transfers and
-    # key/value gathers. The other schedules shorten the fill and drain by their share of 1F1B's (p - 1) micro-batches
-    # (orch.plans.parallel.schedules: 1/v interleaved; the weights' backward moved into it for the
-    # zero-bubble ones, F = B = W for matmuls, full recomputation adding a forward to B).
+    # key/value gathers. The other schedules shorten the fill and drain by their share of 1F1B's
+    # (p - 1) micro-batches (orch.plans.parallel.schedules: 1/v interleaved; the weights' backward
+    # moved into it for the zero-bubble ones, F = B = W for matmuls, full recomputation adding a
+    # forward to B).
     bubble_s = bubble_micro_batches(pp, speeds.core_share) * schedule_share(plan, model.n_layers) * (
         per_micro_s + memory_per_micro_s + tp_per_micro_s + pp_per_micro_s + cp_per_micro_s)
 
