@@ -69,9 +69,8 @@ def test_a_pipelined_checkpoint_resumes_at_another_dp_tp_and_pp(local_ray, sqlit
     the same step and with the same global batch, at (dp=2, pp=1), at (dp=1, tp=2), at
     (tp=2, pp=2) with the sequence split over tp and at (pp=2, cp=2) compiled, each sequence split
     over two ranks of each stage (the decoder layers' rotary angles and mask computed, eagerly, for
-    their part's positions):
-    DCP reshards the whole model's names whichever stage wrote them, and the runs go on to the
-    same losses. The head is untied: the runs at tp=2 split it over the vocabulary
+    their part's positions): DCP reshards the whole model's names whichever stage wrote them, and
+    the runs go on to the same losses. The head is untied: the runs at tp=2 split it over the vocabulary
     (``plan.loss_parallel``; with pp=2 on the last stage), from a checkpoint of a whole head."""
     # Four workers on the tests' 2-CPU Ray: half a CPU each.
     hf = ["model=hf_causal_lm", "model.config.num_hidden_layers=4", "model.config.tie_word_embeddings=false",
