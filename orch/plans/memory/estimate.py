@@ -65,6 +65,7 @@ from orch.plans.parallel.sequence_parallel import (
     split_sequence_on_meta,
 )
 from orch.plans.parallel.split_loss import split_loss_on_meta
+from orch.plans.parallel.stage_layers import declared
 from orch.plans.parallel.tp_plan import split_layers, split_params
 from orch.plans.parallel.vocab_parallel import OutputHead, describe_head, output_head, splits_head
 from orch.plans.resolve import ResolvedPlan
@@ -457,7 +458,7 @@ class ModelProbe:
         """The model's pipeline layers take the positions of a part of the sequence (a layer class
         declares ``context_positions``, as the built-in GPT's embedding and
         :class:`orch.workloads.hf_pipeline.DecoderLayer` do)."""
-        return any(hasattr(layer.module, "context_positions") for layer in self.pipeline_sample or [])
+        return declared(self.pipeline_sample or [], "context_positions")
 
     def fsdp_units(self, tp: int = 1) -> FSDPUnits:
         """The model's FSDP2 units (blocks and root) as one tensor-parallel rank holds them: the
@@ -490,7 +491,7 @@ class ModelProbe:
     def pipeline_takes_split_sequence(self) -> bool:
         """The model's pipeline layers take a sequence that arrives split (a layer class declares
         ``sequence_shards``, as :class:`orch.workloads.hf_pipeline.DecoderLayer` does)."""
-        return any(hasattr(layer.module, "sequence_shards") for layer in self.pipeline_sample or [])
+        return declared(self.pipeline_sample or [], "sequence_shards")
 
     def persistent_params(self, engine: EngineSettings) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (under the persistence threshold)."""

@@ -15,7 +15,7 @@ Only torch and the standard library are imported here: workloads and launchers b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,3 +92,10 @@ def whole_name(spec: StageLayer, own: str, index: int) -> str:
         if own.startswith(prefix) or own + "." == prefix:
             return (replacement + own[len(prefix):]).rstrip(".")
     return f"pipeline.{index}.{own}".rstrip(".")
+
+
+def declared(layers: Iterable[StageLayer], attribute: str) -> bool:
+    """Whether a layer class of ``layers`` declares ``attribute``: how a model's pipeline layers say
+    what an engine may set on them (``sequence_shards``, ``context_positions``), read by the
+    planner and the engine alike."""
+    return any(hasattr(layer.module, attribute) for layer in layers)

@@ -70,6 +70,7 @@ class FSDP2Engine(Engine):
         from orch.launchers.engines.base import describe_optimizer
         from orch.launchers.engines.fsdp2.layout import (
             apply_tensor_parallel,
+            context_parallel_text,
             enable_async_tp,
             fsdp_options,
             meshes,
@@ -144,7 +145,7 @@ class FSDP2Engine(Engine):
         if plan.precision.value == "fp8":
             built += f", {converted} linear layers multiplying in FP8 ({plan.fp8_recipe.value} scaling)"
         if plan.cp > 1:
-            built += f", each sample's sequence split over {plan.cp} context-parallel ranks"
+            built += context_parallel_text(plan.cp)
         if self.split_head:
             built += split_head_text(head.name, head.embedding)
         return BuiltModel(built=built, params_at_build=params_at_build, params_on_rank=_local_numel(model),
@@ -169,7 +170,7 @@ class FSDP2Engine(Engine):
         """This rank's pipeline stages (:mod:`orch.launchers.engines.fsdp2.pipeline`), each built
         from its layers' own seeds, so no rank builds the whole model."""
         from orch.launchers.engines.base import describe_optimizer
-        from orch.launchers.engines.fsdp2.layout import fsdp_options, meshes, split_head_text
+        from orch.launchers.engines.fsdp2.layout import context_parallel_text, fsdp_options, meshes, split_head_text
         from orch.launchers.engines.fsdp2.pipeline import build_pipeline
 
         plan = job.plan
@@ -190,7 +191,7 @@ class FSDP2Engine(Engine):
         if plan.precision.value == "fp8":
             built += f", the blocks' linear layers multiplying in FP8 ({plan.fp8_recipe.value} scaling)"
         if plan.cp > 1:
-            built += f", each sample's sequence split over {plan.cp} context-parallel ranks"
+            built += context_parallel_text(plan.cp)
         if self.pipeline.head is not None:
             built += split_head_text(self.pipeline.head.name, self.pipeline.head.embedding)
         return BuiltModel(built=built, params_at_build=held, params_on_rank=_local_numel(self.pipeline.stages),

@@ -192,7 +192,13 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
     ``colwise_gather_output`` is not applied).
     """
     import torch
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
               "column": ColwiseParallel, "row": RowwiseParallel}
@@ -213,9 +219,6 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
         plan = {name: styles[kind]() for name, kind in autotp_styles(model, layer_specs or [], match_names).items()}
     tied_linears: list[OutputHead] = []
     for head in heads:
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import PrepareModuleInput
-
         if head.embedding is None:
             plan[head.name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
             continue
@@ -237,8 +240,6 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, layer_spe
         raise RuntimeError(f"plan.tp={tp_mesh.size()}, but no layer of {type(model).__name__} matched its tensor-"
                            "parallel plan: every rank would hold and compute the whole model")
     if sequence is not None:
-        from torch.distributed.tensor import Shard
-
         from orch.plans.parallel.sequence_parallel import SEQUENCE_DIM
 
         for name in sequence.row_layers:
@@ -259,6 +260,11 @@ def loss_context(split_head: bool):
     from torch.distributed.tensor.parallel import loss_parallel
 
     return loss_parallel()
+
+
+def context_parallel_text(cp: int) -> str:
+    """The engine's build line's words for each sequence split over ``cp`` context-parallel ranks."""
+    return f", each sample's sequence split over {cp} context-parallel ranks"
 
 
 def split_head_text(name: str, embedding: str | None = None) -> str:

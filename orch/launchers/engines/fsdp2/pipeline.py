@@ -17,6 +17,7 @@ context-parallel ranks together, as without stages.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -155,15 +156,20 @@ class Pipeline:
             stack.enter_context(loss_context(self.split_head))
             yield
 
+    @functools.cached_property
+    def position_takers(self) -> list[torch.nn.Module]:
+        """This rank's pipeline layers that number their tokens (``context_positions``)."""
+        return self.stages.layers_with("context_positions")
+
     def local(self, batches: list[Any]) -> list[Any]:
         """``batches`` as this rank's stages take them: with ``plan.cp > 1`` each cut to the rank's
-        part of the sequence, and the layers that number tokens told the part's positions."""
+        part of the sequence, and the layers that number tokens told the parts' positions (one
+        tensor for the sequence length: the schedule runs every micro-batch with the layers as set)."""
         if self.context is None:
             return batches
         parts = [self.context.local(batch) for batch in batches]
-        for _, positions in parts:
-            for layer in self.stages.position_takers():
-                layer.context_positions = positions
+        for layer in self.position_takers:
+            layer.context_positions = parts[-1][1]
         return [part for part, _ in parts]
 
     def mean(self, value: float) -> float:
@@ -213,8 +219,9 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
     context = None
     if meshes.cp is not None:
         from orch.launchers.engines.fsdp2.context import ContextSplit
+        from orch.plans.parallel.stage_layers import declared
 
-        if not any(hasattr(spec.module, "context_positions") for spec in specs):
+        if not declared(specs, "context_positions"):
             raise RuntimeError(f"plan.cp={plan.cp} with plan.pp={plan.pp}: the model's pipeline layers take no "
                                "positions of a part of the sequence (no context_positions attribute); set plan.cp=1")
         context = ContextSplit(meshes.cp)
@@ -296,8 +303,7 @@ def _stage_sequence_layout(stages: Stages, names: dict[str, str], whole: torch.n
     held = {name: whole_name for name, whole_name in names.items()
             if next(stages.get_submodule(name).parameters(), None) is not None}
     layout = stage_layout(sequence_layout(whole, job.workload.tp_layer_specs), held)
-    takers = [module for part in stages.parts.values() for module in part.layers
-              if hasattr(module, "sequence_shards")]
+    takers = stages.layers_with("sequence_shards")
     if not takers:
         raise RuntimeError("plan.sequence_parallel=true with plan.pp > 1: the model's pipeline layers do not take "
                            "a split sequence (no sequence_shards attribute); set plan.sequence_parallel=false")

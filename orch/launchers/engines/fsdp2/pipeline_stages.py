@@ -149,11 +149,10 @@ class Stages(nn.Module):
                     copies.setdefault(f"{spec.tie}:{attr}", []).append(module.get_parameter(attr))
         return copies
 
-    def position_takers(self) -> list[nn.Module]:
-        """This rank's layers that number their tokens (a ``context_positions`` attribute, which an
-        engine splitting the sequence sets; :class:`orch.workloads.hf_pipeline.DecoderLayer`)."""
-        return [module for part in self.parts.values() for module in part.layers
-                if hasattr(module, "context_positions")]
+    def layers_with(self, attribute: str) -> list[nn.Module]:
+        """This rank's pipeline layers that have ``attribute``, which the engine sets on them
+        (:func:`orch.plans.parallel.stage_layers.declared`: ``sequence_shards``, ``context_positions``)."""
+        return [module for part in self.parts.values() for module in part.layers if hasattr(module, attribute)]
 
     def tie_ranks(self) -> dict[str, list[int]]:
         """For each tie key, the pipeline ranks holding a copy (across every rank, not only this one)."""
