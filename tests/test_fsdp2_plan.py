@@ -173,6 +173,27 @@ def test_fsdp2_rank_part_by_part():
     assert (m.states.params, m.states.grads, m.states.optimizer_states) == (1000, 1000, 2000)
 
 
+def test_a_stage_whose_root_comes_before_its_blocks_makes_the_roots_gradients_after_them():
+    """A pipeline stage's root may hold only layers before its blocks (the first stage's
+    embedding): the blocks' backward then meets none of the root's gradients, which come after
+    it, in the root's own reduction; a root with layers after the blocks (head, final norm) meets
+    theirs, as a whole model's does."""
+    engine = EngineSettings(zero_stage=ZeroStage.parameters, reshard_after_forward=True, offload_optimizer=Offload.none,
+                            offload_param=Offload.none, torch_adam=True, fused_adam=True)
+
+    def stage(before_blocks: int):
+        units = dataclasses.replace(UNITS, root_trainable_before_blocks=before_blocks)
+        return fsdp_memory(engine, mesh=FSDPMesh(shard=4), model=STATS, units=units, activations=ACTS,
+                           precision=Precision.bf16, optimizer=OptimizerName.adamw, momentum=0.0)
+
+    whole, first, last = memory(), stage(0), stage(50)
+    for index in (2, 3, 4):  # first block backward, later blocks backward, last block reduce-scatter
+        assert "root gradients, unsharded (bf16)" not in parts(first.phases[index])
+        assert parts(last.phases[index])["root gradients, unsharded (bf16)"] == 2 * 50
+        assert parts(whole.phases[index])["root gradients, unsharded (bf16)"] == 2 * 200
+    assert parts(first.phases[5]) == parts(whole.phases[5])  # the root's reduction: all of them
+
+
 def test_fused_adam_steps_in_place_and_fp16_takes_the_multi_tensor_kernel():
     """The engine builds torch's fused AdamW unless fp16's loss scaler is on
     (orch/launchers/engines/fsdp2/engine.py reads the same ``fused_adam``); only the multi-tensor

@@ -177,3 +177,9 @@ def test_the_stage_computing_the_loss_alone_pays_the_loss_and_head_backward():
         first, last = (stage_activations(whole, stage(i), 2, holds_loss=i == 1) for i in (0, 1))
         assert first.backward_peak == 25 * mib  # half the layers' backward peak
         assert last.backward_peak == 20 * mib + 90 * mib - 40 * mib  # its share of the saved, and the tail
+        # The forward's peak above the saved bytes is the loss's: the first stage peaks at its share.
+        assert (first.forward_peak, last.forward_peak) == (20 * mib, 20 * mib + 50 * mib - 40 * mib)
+        # torch's PipelineStage keeps the last stage's output (the logits) to its backward, which
+        # the whole model freed once the loss had what it saves: the last stage alone pays it.
+        held = [stage_activations(whole, stage(i), 2, holds_loss=i == 1, held_output=8 * mib) for i in (0, 1)]
+        assert held[0] == first and held[1].backward_peak == last.backward_peak + 8 * mib

@@ -108,7 +108,8 @@ def test_gpt_layer_specs_match_the_layers_meant_and_nothing_else():
 def test_the_planners_tensor_parallel_count_is_what_sharding_leaves_on_a_rank():
     """The parameters counted as split by tp are exactly those the meta shard shrinks: a layer its
     spec skips stays whole in both."""
-    from orch.plans.memory.estimate import _tensor_parallel_params, shard_module
+    from orch.plans.memory.estimate import _tensor_parallel_params
+    from orch.plans.parallel.tp_plan import shard_module
 
     specs = [*TP_LAYER_SPECS, {"patterns": [r".*blocks\.0\.mlp\.fc\.weight$"], "partition_type": "skip"}]
     specs = [specs[-1], *specs[:-1]]  # the first matching spec decides: the skip wins for block 0's fc

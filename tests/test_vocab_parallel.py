@@ -143,6 +143,28 @@ def test_pipeline_layers_count_what_tensor_parallelism_splits_of_each_by_the_who
     assert estimate.stages[0].params == 4 * kept  # fp32 parameters
 
 
+def test_pipeline_layers_save_what_one_tensor_parallel_rank_saves():
+    """At tp > 1 each pipeline layer runs sharded by the whole model's names, the head's loss split
+    as the whole model's is: the split layers save less, the head's logits (the last layer's
+    output) halve, and a stage's share of the activations is its share of what the ranks save, not
+    of the unsharded layers' (where a whole head's logits made the last stage's share too large).
+    The parameter counts stay the whole layers', by which the stages are cut."""
+    overrides = (*UNTIED, "plan.engine=fsdp2", "plan.pp=2", "plan.grad_accum_steps=2", "cluster.devices_per_node=4")
+    typed, model_cfg, plan = resolved(*overrides)
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
+    probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs,
+                       pipeline_layers=workload.pipeline_layers).for_plan(plan)
+    sharded = probe.pipeline_layer_facts(plan)
+    whole = probe.pipeline_layer_facts(dataclasses.replace(plan, tp=1))
+    assert [layer.params for layer in sharded] == [layer.params for layer in whole]
+    assert sharded[-1].output_bytes == whole[-1].output_bytes // 2
+    assert all(s.saved_bytes < w.saved_bytes for s, w in zip(sharded, whole, strict=True) if w.tp_params)
+    first, last = probe.stages(plan)
+    assert sum(layer.saved_bytes for layer in sharded) == first.saved_bytes + last.saved_bytes
+    share = last.saved_bytes / (first.saved_bytes + last.saved_bytes)
+    assert share < sum(layer.saved_bytes for layer in whole[last.start:]) / sum(layer.saved_bytes for layer in whole)
+
+
 def _assert_tied_head_splits(overrides: tuple[str, ...], head: OutputHead, hidden_key: str):
     """At tp=2 the tied head's shared weight (the embedding's) halves once on each rank, its logits
     split, the embedding's lookups are summed in forward (a row-parallel layer's all-reduce) and the

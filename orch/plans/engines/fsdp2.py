@@ -183,14 +183,22 @@ class FSDP2Spec(EngineSpec):
                 if holds_head:
                     root += -(-head // plan.tp)
             root = min(root, stats.param_count)
+            # The root's layers after the rank's last block make their gradients before the blocks' backward.
+            last_block = max((i for i in mine if i not in in_root), default=-1)
+            after = [i for i in in_root if i > last_block]
+            before_blocks = (root if len(after) == len(in_root) else
+                             round(root * sum(layers[i].trainable for i in after)
+                                   / max(sum(layers[i].trainable for i in in_root), 1)))
             units = FSDPUnits(root=root, root_trainable=min(root, stats.trainable_count),
+                              root_trainable_before_blocks=min(before_blocks, stats.trainable_count),
                               largest_block=min(whole_units.largest_block, stats.param_count - root),
                               largest_block_trainable=min(whole_units.largest_block_trainable,
                                                           stats.trainable_count - root),
                               blocks=stats.param_count - root)
             fsdp = fsdp_memory(engine, mesh=fsdp_mesh(plan, cluster.devices_per_node), model=stats, units=units,
                                activations=stage_activations(activations, rank, total_saved,
-                                                             holds_loss=len(layers) - 1 in mine),
+                                                             holds_loss=len(layers) - 1 in mine,
+                                                             held_output=layers[-1].output_bytes),
                                precision=plan.precision, optimizer=optim.name, momentum=optim.momentum,
                                grad_accum_steps=max(plan.grad_accum_steps, 2))
             phases = fsdp.device_phases()

@@ -112,6 +112,11 @@ class FSDPUnits:
     largest_block_trainable: int
     blocks: int
     """Parameters of all blocks together."""
+    root_trainable_before_blocks: int | None = None
+    """Of ``root_trainable``, the parameters whose gradients backward makes before it reaches the
+    blocks (the root's layers after them in forward: head and final norm); None: all of them, as in
+    a whole model, whose root holds the head. A pipeline stage's root may hold only layers before
+    its blocks (the first stage's embedding): their gradients come after the blocks'."""
 
 
 def fsdp_units(module: torch.nn.Module) -> FSDPUnits:
@@ -248,6 +253,9 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
     # prefetch of it); without resharding every block is still gathered.
     backward_gathered = gathered if engine.reshard_after_forward else gathered[:1]
     root_grads = Part(name=f"root gradients, unsharded ({dtype})", kind="grads", bytes=b * units.root_trainable)
+    # What the blocks' backward meets of them: the gradients of the root's layers after the blocks.
+    early = units.root_trainable if units.root_trainable_before_blocks is None else units.root_trainable_before_blocks
+    early_root_grads = Part(name=f"root gradients, unsharded ({dtype})", kind="grads", bytes=b * early)
     in_head = gathered[1:] if engine.reshard_after_forward else gathered[:1]
     head_phases = [FSDPPhase(phase="head backward", parts=(
         Part(name="activations", kind="activations", bytes=activations.backward_peak), root, *in_head, root_grads,
@@ -275,11 +283,11 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
                         bytes=_FP32 * units.largest_block_trainable)
     blocks = activations.blocks_backward_peak or activations.backward_peak
     backward = FSDPPhase(phase="first block backward", parts=(
-        Part(name="activations", kind="activations", bytes=blocks), root, *backward_gathered, root_grads,
+        Part(name="activations", kind="activations", bytes=blocks), root, *backward_gathered, early_root_grads,
         block_grads, earlier))
     later = activations.later_blocks_backward_peak if activations.blocks_backward_peak else blocks
     later_blocks = FSDPPhase(phase="later blocks backward", parts=(
-        Part(name="activations", kind="activations", bytes=later), root, *backward_gathered, root_grads,
+        Part(name="activations", kind="activations", bytes=later), root, *backward_gathered, early_root_grads,
         block_grads, reduce_input,
         Part(name="sharded gradients (fp32)", kind="grads",
              bytes=device_grads if accumulating else part(_FP32 * units.largest_block_trainable))))
@@ -289,7 +297,7 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
     # ends (both move along a line over the blocks).
     reduce_block = FSDPPhase(phase="last block reduce-scatter", parts=(
         Part(name="activations", kind="activations", bytes=activations.blocks_backward_end or blocks),
-        root, root_grads, block_grads, reduce_input,
+        root, early_root_grads, block_grads, reduce_input,
         Part(name="sharded gradients (fp32)", kind="grads", bytes=device_grads)))
     # The root reduce-scatters last, once autograd is done: its gradients and their fp32 copy.
     reduction = FSDPPhase(phase="reduction", parts=(

@@ -66,7 +66,7 @@ from orch.plans.parallel.sequence_parallel import (
 )
 from orch.plans.parallel.split_loss import split_loss_on_meta
 from orch.plans.parallel.stage_layers import declared
-from orch.plans.parallel.tp_plan import split_layers, split_params
+from orch.plans.parallel.tp_plan import shard_module, split_params
 from orch.plans.parallel.vocab_parallel import OutputHead, describe_head, output_head, splits_head
 from orch.plans.resolve import ResolvedPlan
 from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision, Recompute
@@ -183,49 +183,6 @@ def _on_meta(factory: Callable[[], torch.nn.Module],
              change: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
     with meta_device():
         return change(factory())
-
-
-# The size attributes DeepSpeed's AutoTP divides by tp on every module above a sharded layer
-# (``AutoTP.update_mp_params``), so code that reshapes by its head count sees its own share.
-_TP_SIZE_ATTRIBUTES = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_attention_heads", "num_attn_heads",
-                       "all_head_size", "embed_dim", "hidden_size", "num_key_value_heads", "num_kv_heads",
-                       "kv_n_heads", "d_model")
-
-
-def shard_module(module: torch.nn.Module, layer_specs: list[dict], tp: int) -> torch.nn.Module:
-    """``module`` (on ``meta``) as one tensor-parallel rank holds it, changed in place and returned:
-    every layer an AutoTP spec names gets the shapes of its shard (column-parallel: output rows / tp, with its bias;
-    row-parallel: input columns / tp, bias whole), as DeepSpeed's LinearLayer and LinearAllreduce
-    keep them. Running the model's own forward on it gives the activations of one rank: the
-    sharded layers' outputs and inputs shrink by tp, the rest stay whole (the row-parallel
-    all-reduce changes values, not shapes, so it is not needed on meta)."""
-    sharded: list[str] = []
-    # id of a split layer's whole weight -> (that weight, held so that its id is not reused; its shard)
-    shards: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
-    for name, kind in split_layers(module, layer_specs).items():
-        layer = module.get_submodule(name)
-        weight = layer.weight
-        rows, cols = weight.shape
-        if kind == "column":
-            layer.weight = torch.nn.Parameter(torch.empty(rows // tp, cols, device="meta", dtype=weight.dtype))
-            if isinstance(getattr(layer, "bias", None), torch.nn.Parameter):
-                layer.bias = torch.nn.Parameter(torch.empty(rows // tp, device="meta", dtype=weight.dtype))
-        else:
-            layer.weight = torch.nn.Parameter(torch.empty(rows, cols // tp, device="meta", dtype=weight.dtype))
-        shards[id(weight)] = (weight, layer.weight)
-        sharded.append(name)
-    # A layer sharing a split layer's weight (a linear head tied to its embedding) holds the same shard.
-    for owner in module.modules():
-        weight = getattr(owner, "weight", None)
-        if isinstance(weight, torch.nn.Parameter) and shards.get(id(weight), (None,))[0] is weight:
-            owner.weight = shards[id(weight)][1]
-    for name, owner in module.named_modules():
-        if name and any(layer.startswith(f"{name}.") for layer in sharded):
-            for attribute in _TP_SIZE_ATTRIBUTES:
-                value = getattr(owner, attribute, None)
-                if isinstance(value, int) and not isinstance(value, bool) and value % tp == 0:
-                    setattr(owner, attribute, value // tp)
-    return module
 
 
 class ModelProbe:
@@ -422,12 +379,14 @@ class ModelProbe:
             kernels += f"; split over cp={plan.cp} ranks, keys and values gathered, each chunk causally masked"
         return kernels
 
-    def _measure_pipeline(self, micro_batch_size: int, precision: Precision) -> list[PipelineLayer]:
+    def _measure_pipeline(self, micro_batch_size: int, precision: Precision, tp: int = 1) -> list[PipelineLayer]:
         if self.pipeline_layers is None:
             raise ValueError("the model declares no pipeline layers")
         def measure(layers: list) -> list[PipelineLayer]:
-            return measure_pipeline_layers(layers, micro_batch_size=micro_batch_size, inputs=self.inputs,
-                                           dtype=precision.dtype, tp_layer_specs=self.tp_layer_specs)
+            # One tensor-parallel rank's bytes, the head's loss split as the whole model's is (_measure).
+            with split_loss_on_meta(tp > 1 and self.splits_output_head):
+                return measure_pipeline_layers(layers, micro_batch_size=micro_batch_size, inputs=self.inputs,
+                                               dtype=precision.dtype, tp_layer_specs=self.tp_layer_specs, tp=tp)
 
         if self.shallow is not None:  # building every layer of a deep model costs what building it does
             carried = carry_layers(*(measure(self.pipeline_layers(d)) for d in SHALLOW_DEPTHS), self.shallow.depth)
@@ -437,20 +396,20 @@ class ModelProbe:
 
     def pipeline_layer_facts(self, plan: ResolvedPlan) -> list[PipelineLayer]:
         """Every pipeline layer of the model, measured for the plan's micro-batch and precision, on
-        one context-parallel rank's part of the sequence."""
-        return on_sequence_part(self._pipeline(plan.micro_batch_size, plan.precision), plan.cp)
+        one context-parallel rank's part of the sequence and one tensor-parallel rank's shard."""
+        return on_sequence_part(self._pipeline(plan.micro_batch_size, plan.precision, plan.tp), plan.cp)
 
     def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
         """The plan's pipeline stages; cached, since `orch check` validates the split and then
         estimates it, and the fix search estimates many variants of one plan."""
         return self._stages(plan.micro_batch_size, plan.precision, plan.pipeline_stages, plan.pp_partition,
-                            plan.grad_accum_steps, plan.engine, plan.cp)
+                            plan.grad_accum_steps, plan.engine, plan.cp, plan.tp)
 
     def _split(self, micro_batch_size: int, precision: Precision, pp: int, method: str,
-               micro_batches: int, engine: str, cp: int = 1) -> list[PipelineStage]:
+               micro_batches: int, engine: str, cp: int = 1, tp: int = 1) -> list[PipelineStage]:
         inputs = self.inputs if cp <= 1 else LocalSequenceInputs(self.inputs, cp)
         batch = batch_bytes(inputs.example_batch(micro_batch_size))
-        return pipeline_stages(on_sequence_part(self._pipeline(micro_batch_size, precision), cp), pp=pp,
+        return pipeline_stages(on_sequence_part(self._pipeline(micro_batch_size, precision, tp), cp), pp=pp,
                                method=method, micro_batches=micro_batches, engine=engine, input_bytes=batch)
 
     @property

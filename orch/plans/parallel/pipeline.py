@@ -89,7 +89,8 @@ def _run(spec, module: torch.nn.Module, x):
 
 
 def measure_pipeline_layers(specs: list, *, micro_batch_size: int, inputs: ModelInputs,
-                            dtype: torch.dtype, tp_layer_specs: list[dict] | None = None) -> list[PipelineLayer]:
+                            dtype: torch.dtype, tp_layer_specs: list[dict] | None = None,
+                            tp: int = 1) -> list[PipelineLayer]:
     """Parameters and saved activations of every pipeline layer, on ``meta``, in order.
 
     The first layer takes the batch's inputs and the last layer's output goes through the
@@ -97,11 +98,32 @@ def measure_pipeline_layers(specs: list, *, micro_batch_size: int, inputs: Model
     targets)`` batch through the stages and its ``loss_fn``. The parameters ``tp_layer_specs``
     split are counted per layer by the whole model's names (:attr:`StageLayer.names`), as the
     fsdp2 engine matches a stage's layers.
+
+    With ``tp > 1`` the saved and output bytes are one tensor-parallel rank's: each layer is
+    sharded by the same names before it runs (the loss, under
+    :func:`orch.plans.parallel.split_loss.split_loss_on_meta` where the caller splits the head,
+    then runs on the rank's part of the logits), so that a stage's share of the saved bytes is
+    its share of what the whole model, measured sharded, saves. The parameter counts stay the
+    whole layer's: the stages are cut by them.
     """
     from orch.plans.parallel.stage_layers import StageLayer, whole_name
-    from orch.plans.parallel.tp_plan import split_params
+    from orch.plans.parallel.tp_plan import shard_module, split_params
 
     modules = [_build(spec).to(dtype=dtype) for spec in specs]
+    layers = []
+    for index, (spec, module) in enumerate(zip(specs, modules, strict=True)):
+        params = list(module.parameters())
+        tp_params, tp_trainable = 0, 0
+        if tp_layer_specs and isinstance(spec, StageLayer):
+            names = {own: whole_name(spec, own, index) for own, _ in module.named_modules()}
+            tp_params, tp_trainable = split_params(module, tp_layer_specs, names)
+            if tp > 1:
+                shard_module(module, tp_layer_specs, tp, names)
+        layers.append(PipelineLayer(
+            name=type(module).__name__, params=sum(p.numel() for p in params),
+            trainable=sum(p.numel() for p in params if p.requires_grad),
+            largest_param=max((p.numel() for p in params), default=0),
+            saved_bytes=0, tp_params=tp_params, tp_trainable=tp_trainable))
     saved = _SavedTensors([p for m in modules for p in m.parameters()])
     batch = move_batch(inputs.example_batch(micro_batch_size), "meta", dtype)
     x, targets = batch[0], batch[1]
@@ -114,20 +136,8 @@ def measure_pipeline_layers(specs: list, *, micro_batch_size: int, inputs: Model
         # The last stage computes the loss as the trainer does; its output is alive meanwhile.
         inputs.objective(x, (None, targets))
         saved.add(x)
-    layers = []
-    for index, (spec, module) in enumerate(zip(specs, modules, strict=True)):
-        params = list(module.parameters())
-        tp_params, tp_trainable = 0, 0
-        if tp_layer_specs and isinstance(spec, StageLayer):
-            names = {own: whole_name(spec, own, index) for own, _ in module.named_modules()}
-            tp_params, tp_trainable = split_params(module, tp_layer_specs, names)
-        layers.append(PipelineLayer(
-            name=type(module).__name__, params=sum(p.numel() for p in params),
-            trainable=sum(p.numel() for p in params if p.requires_grad),
-            largest_param=max((p.numel() for p in params), default=0),
-            saved_bytes=saved.by_layer.get(index, 0), output_bytes=outputs[index],
-            tp_params=tp_params, tp_trainable=tp_trainable))
-    return layers
+    return [dataclasses.replace(layer, saved_bytes=saved.by_layer.get(index, 0), output_bytes=outputs[index])
+            for index, layer in enumerate(layers)]
 
 
 def carry_layers(shallow: list[PipelineLayer], deeper: list[PipelineLayer], depth: int) -> list[PipelineLayer] | None:
@@ -215,14 +225,19 @@ def on_sequence_part(layers: list[PipelineLayer], cp: int) -> list[PipelineLayer
 
 
 def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved: int, *,
-                      holds_loss: bool) -> ActivationBytes:
+                      holds_loss: bool, held_output: int = 0) -> ActivationBytes:
     """One stage's activations: the whole model's measurement scaled to the stage's share of the
     saved bytes, plus the saved tensors, inputs and outputs of the micro-batches it holds in
-    flight meanwhile. Two transients are not divided among the stages: the recomputation of one
-    checkpointed layer in backward, which every stage with layers pays whole, and the backward of
-    the loss and the output head (the logits' gradient and the loss's temporaries, above what the
-    forward saved), which only the stage computing the loss (``holds_loss``) pays, whole; the
-    other stages' backward peaks are the repeated layers' share."""
+    flight meanwhile. Three transients are not divided among the stages: the recomputation of one
+    checkpointed layer in backward, which every stage with layers pays whole; the forward of the
+    loss (its temporaries beside the logits) and the backward of the loss and the output head (the
+    logits' gradient and the loss's temporaries, above what the forward saved), which only the
+    stage computing the loss (``holds_loss``) pays, whole. The other stages' forward peaks are
+    their share of the saved bytes, their backward peaks the repeated layers' share.
+
+    ``held_output``: bytes of the loss stage's output (the logits) its engine keeps through the
+    micro-batch's backward, which the unpipelined model frees once the loss has what it saves
+    (torch's ``PipelineStage`` keeps a chunk's output until its ``backward_one_chunk`` returns)."""
     share = stage.saved_bytes / total_saved if total_saved else 0.0
     waiting = round((stage.in_flight - 1) * round(whole.saved * share)) + stage.in_flight_bytes
     recompute = whole.recompute_peak if stage.saved_bytes else 0
@@ -248,10 +263,15 @@ def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved:
         backward = scaled_backward(whole.blocks_backward_peak)
         if holds_loss:
             backward = max(backward, scaled(whole.saved) + tail - whole.saved)
+    if holds_loss:
+        backward += held_output
     with_grads = backward + scaled(whole.backward_peak_with_grads - whole.grads_at_backward_peak - whole.backward_peak)
+    # The forward's peak above the saved bytes is the loss's (the logits beside its temporaries) in
+    # the models measured here: a stage without the loss peaks at what it saves.
+    forward = scaled(whole.saved) + (whole.forward_peak - whole.saved if holds_loss else 0)
     return ActivationBytes(
         saved=scaled(whole.saved) + waiting, recompute_peak=recompute,
-        forward_peak=scaled(whole.forward_peak) + waiting,
+        forward_peak=forward + waiting,
         backward_peak=backward + waiting, backward_peak_with_grads=with_grads + waiting,
         grads_at_backward_peak=0)
 

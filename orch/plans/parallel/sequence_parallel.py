@@ -120,7 +120,7 @@ def stage_layout(whole: SequenceParallelLayout, names: dict[str, str]) -> Sequen
 
 
 def split_sequence_on_meta(module: nn.Module, layer_specs: list[dict], tp: int) -> nn.Module:
-    """``module`` (one tensor-parallel rank's shard on ``meta``, :func:`orch.plans.memory.estimate.shard_module`)
+    """``module`` (one tensor-parallel rank's shard on ``meta``, :func:`orch.plans.parallel.tp_plan.shard_module`)
     with its residual stream cut to ``1/tp`` of the sequence as sequence parallelism runs it, for
     measuring activations: the first block takes a slice of its input, each norm runs on the slice
     and its output stands in for the all-gathered whole (``tp`` copies concatenated, which backward

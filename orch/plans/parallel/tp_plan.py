@@ -68,6 +68,50 @@ def split_params(module: torch.nn.Module, layer_specs: list[dict],
     return sharded, trainable
 
 
+# The size attributes DeepSpeed's AutoTP divides by tp on every module above a sharded layer
+# (``AutoTP.update_mp_params``), so code that reshapes by its head count sees its own share.
+_TP_SIZE_ATTRIBUTES = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_attention_heads", "num_attn_heads",
+                       "all_head_size", "embed_dim", "hidden_size", "num_key_value_heads", "num_kv_heads",
+                       "kv_n_heads", "d_model")
+
+
+def shard_module(module: torch.nn.Module, layer_specs: list[dict], tp: int,
+                 match_names: dict[str, str] | None = None) -> torch.nn.Module:
+    """``module`` (on ``meta``) as one tensor-parallel rank holds it, changed in place and returned:
+    every layer an AutoTP spec names gets the shapes of its shard (column-parallel: output rows / tp, with its bias;
+    row-parallel: input columns / tp, bias whole), as DeepSpeed's LinearLayer and LinearAllreduce
+    keep them. Running the model's own forward on it gives the activations of one rank: the
+    sharded layers' outputs and inputs shrink by tp, the rest stay whole (the row-parallel
+    all-reduce changes values, not shapes, so it is not needed on meta)."""
+    sharded: list[str] = []
+    # id of a split layer's whole weight -> (that weight, held so that its id is not reused; its shard)
+    shards: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+    for name, kind in split_layers(module, layer_specs, match_names).items():
+        layer = module.get_submodule(name)
+        weight = layer.weight
+        rows, cols = weight.shape
+        if kind == "column":
+            layer.weight = torch.nn.Parameter(torch.empty(rows // tp, cols, device="meta", dtype=weight.dtype))
+            if isinstance(getattr(layer, "bias", None), torch.nn.Parameter):
+                layer.bias = torch.nn.Parameter(torch.empty(rows // tp, device="meta", dtype=weight.dtype))
+        else:
+            layer.weight = torch.nn.Parameter(torch.empty(rows, cols // tp, device="meta", dtype=weight.dtype))
+        shards[id(weight)] = (weight, layer.weight)
+        sharded.append(name)
+    # A layer sharing a split layer's weight (a linear head tied to its embedding) holds the same shard.
+    for owner in module.modules():
+        weight = getattr(owner, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and shards.get(id(weight), (None,))[0] is weight:
+            owner.weight = shards[id(weight)][1]
+    for name, owner in module.named_modules():
+        if name and any(layer.startswith(f"{name}.") for layer in sharded):
+            for attribute in _TP_SIZE_ATTRIBUTES:
+                value = getattr(owner, attribute, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value % tp == 0:
+                    setattr(owner, attribute, value // tp)
+    return module
+
+
 def _pattern(module_pattern: str) -> str:
     body = r"\d+".join(re.escape(part) for part in module_pattern.split("*"))
     return rf"(^|.*\.){body}\.weight$"

@@ -253,28 +253,28 @@ class BatchScaledProbe(ModelProbe):
         values = {n: scale(n) for n in names if n != "grads_at_backward_peak"}
         return ActivationBytes(**values, grads_at_backward_peak=high.grads_at_backward_peak)
 
-    def _measure_pipeline(self, micro_batch_size: int, precision: Precision) -> list[PipelineLayer]:
+    def _measure_pipeline(self, micro_batch_size: int, precision: Precision, tp: int = 1) -> list[PipelineLayer]:
         # A layer's saved tensors and its output all carry the batch dimension: proportional scaling
         # from one sample is exact up to constants like position indices, which it overstates slightly.
         if micro_batch_size == 1:
-            return super()._measure_pipeline(1, precision)
+            return super()._measure_pipeline(1, precision, tp)
         return [dataclasses.replace(layer, saved_bytes=layer.saved_bytes * micro_batch_size,
                                     output_bytes=layer.output_bytes * micro_batch_size)
-                for layer in self._pipeline(1, precision)]
+                for layer in self._pipeline(1, precision, tp)]
 
     def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
         # Stage boundaries depend on the layers' parameters only, and DeepSpeed's balanced
         # partition takes a quarter of a second for a 96-layer model: partition once per
         # (pp, method, engine), then scale the saved bytes and set the micro-batches in flight per plan.
-        base = self._stage_layout(plan.precision, plan.pipeline_stages, plan.pp_partition, plan.engine)
+        base = self._stage_layout(plan.precision, plan.pipeline_stages, plan.pp_partition, plan.engine, plan.tp)
         # A context-parallel rank's part of the sequence saves 1/cp of the bytes (on_sequence_part).
         return [dataclasses.replace(stage, saved_bytes=-(-stage.saved_bytes * plan.micro_batch_size // plan.cp),
                                     in_flight=min(plan.pipeline_stages - stage.index, plan.grad_accum_steps))
                 for stage in base]
 
     @functools.cache  # noqa: B019 - one probe per tuning, kept alive by it anyway
-    def _stage_layout(self, precision: Precision, pp: int, method: str, engine: str) -> list[PipelineStage]:
-        return pipeline_stages(self._pipeline(1, precision), pp=pp, method=method, micro_batches=pp, engine=engine)
+    def _stage_layout(self, precision: Precision, pp: int, method: str, engine: str, tp: int) -> list[PipelineStage]:
+        return pipeline_stages(self._pipeline(1, precision, tp), pp=pp, method=method, micro_batches=pp, engine=engine)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.module_tracker import ModuleTracker
 
-from orch.plans.memory.estimate import ModelProbe, shard_module
+from orch.plans.memory.estimate import ModelProbe
 from orch.plans.model.depth_scaling import SHALLOW_DEPTHS, affine, extrapolate, repeated_stack, shallow_copy
 from orch.plans.model.workload import (
     PROBE_SAMPLES,
@@ -34,7 +34,7 @@ from orch.plans.model.workload import (
     move_batch,
     supports_activation_checkpointing,
 )
-from orch.plans.parallel.tp_plan import split_layers
+from orch.plans.parallel.tp_plan import shard_module, split_layers
 from orch.plans.step_time.cost_model import Gemm, ModelCost
 from orch.plans.step_time.memory_traffic import EagerAndFused, MemoryTraffic, fused_attention
 
