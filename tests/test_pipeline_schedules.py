@@ -183,3 +183,8 @@ def test_the_stage_computing_the_loss_alone_pays_the_loss_and_head_backward():
         # the whole model freed once the loss had what it saves: the last stage alone pays it.
         held = [stage_activations(whole, stage(i), 2, holds_loss=i == 1, held_output=8 * mib) for i in (0, 1)]
         assert held[0] == first and held[1].backward_peak == last.backward_peak + 8 * mib
+        # Apart, for FSDP2's phases: inside the blocks each stage's share of their peak (the held
+        # output beside it), the loss's backward on the loss stage alone, where it was told apart.
+        assert (held[0].blocks_backward_peak, held[1].blocks_backward_peak) == (25 * mib, 33 * mib)
+        assert held[0].loss_backward_peak == 0
+        assert held[1].loss_backward_peak == (20 * mib + 90 * mib - 40 * mib + 8 * mib if whole is told else 0)

@@ -24,7 +24,16 @@ from orch.plans.engines.base import (
 )
 from orch.plans.errors import Violation
 from orch.plans.memory.build import GIB, BuildMemory
-from orch.plans.spec import Accelerator, ClusterSpec, FSDPSpec, Offload, OptimizerName, PlanSpec, Precision
+from orch.plans.spec import (
+    Accelerator,
+    ClusterSpec,
+    FSDPSpec,
+    Offload,
+    OptimizerName,
+    PipelineSchedule,
+    PlanSpec,
+    Precision,
+)
 
 if TYPE_CHECKING:
     from orch.plans.memory.activations import ActivationBytes
@@ -148,11 +157,12 @@ class FSDP2Spec(EngineSpec):
         from collections import Counter
 
         from orch.plans.engines.deepspeed import _layer_stats, _stage_stats, _tp_keep, kept_params
-        from orch.plans.engines.fsdp2_memory import FSDPUnits, fsdp_memory, fsdp_mesh
+        from orch.plans.engines.fsdp2_memory import FSDPMemory, FSDPUnits, fsdp_memory, fsdp_mesh
         from orch.plans.parallel.pipeline import rank_stages, stage_activations
         from orch.plans.parallel.schedules import stages_of_rank
 
         layers = probe.pipeline_layer_facts(plan)
+        split_backward = plan.pp_schedule in (PipelineSchedule.zero_bubble, PipelineSchedule.zbv)
         ranks = rank_stages(probe.stages(plan), layers, schedule=plan.pp_schedule, pp=plan.pp,
                             virtual=plan.pp_virtual_stages, micro_batches=plan.grad_accum_steps)
         total_saved = sum(layer.saved_bytes for layer in layers)
@@ -195,12 +205,26 @@ class FSDP2Spec(EngineSpec):
                               largest_block_trainable=min(whole_units.largest_block_trainable,
                                                           stats.trainable_count - root),
                               blocks=stats.param_count - root)
-            fsdp = fsdp_memory(engine, mesh=fsdp_mesh(plan, cluster.devices_per_node), model=stats, units=units,
-                               activations=stage_activations(activations, rank, total_saved,
-                                                             holds_loss=len(layers) - 1 in mine,
-                                                             held_output=layers[-1].output_bytes),
-                               precision=plan.precision, optimizer=optim.name, momentum=optim.momentum,
-                               grad_accum_steps=max(plan.grad_accum_steps, 2))
+
+            def stage_memory(stage: PipelineStage, *, earlier_grads: bool) -> FSDPMemory:
+                acts = stage_activations(activations, stage, total_saved, holds_loss=len(layers) - 1 in mine,  # noqa: B023
+                                         held_output=layers[-1].output_bytes, split_backward=split_backward)
+                return fsdp_memory(engine, mesh=fsdp_mesh(plan, cluster.devices_per_node), model=stats,  # noqa: B023
+                                   units=units, activations=acts, precision=plan.precision,  # noqa: B023
+                                   optimizer=optim.name, momentum=optim.momentum,
+                                   grad_accum_steps=2 if earlier_grads else 1)
+
+            fsdp = stage_memory(rank, earlier_grads=True)
+            if plan.grad_accum_steps <= rank.in_flight:
+                # Every micro-batch's forward runs before the first backward: the activations of all
+                # of them meet no gradients yet, and once the first backward has made some, fewer
+                # micro-batches wait. Each phase at the larger of the two moments: all in flight
+                # without gradients, or the last micro-batch alone with the others' gradients.
+                alone = dataclasses.replace(rank, in_flight=1,
+                                            in_flight_bytes=round(rank.in_flight_bytes / rank.in_flight))
+                waiting, last = stage_memory(rank, earlier_grads=False), stage_memory(alone, earlier_grads=True)
+                fsdp = dataclasses.replace(waiting, phases=[max(a, b, key=lambda p: p.total)
+                                                            for a, b in zip(waiting.phases, last.phases, strict=True)])
             phases = fsdp.device_phases()
             held = dataclasses.replace(phases.held, buffers=phases.held.buffers + rank.buffer_bytes)
             per_stage.append((fsdp.states, dataclasses.replace(phases, held=held)))

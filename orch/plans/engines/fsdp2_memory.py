@@ -258,8 +258,8 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
     early_root_grads = Part(name=f"root gradients, unsharded ({dtype})", kind="grads", bytes=b * early)
     in_head = gathered[1:] if engine.reshard_after_forward else gathered[:1]
     head_phases = [FSDPPhase(phase="head backward", parts=(
-        Part(name="activations", kind="activations", bytes=activations.backward_peak), root, *in_head, root_grads,
-        earlier))]
+        Part(name="activations", kind="activations", bytes=activations.backward_peak), root, *in_head,
+        early_root_grads, earlier))]
     if engine.reshard_after_forward and activations.loss_backward_peak:
         # The root reshards after forward too (orch passes fully_shard the plan's setting, where
         # torch's default would keep the root gathered), and gathers again in the hook on the
@@ -271,7 +271,7 @@ def fsdp_memory(engine: EngineSettings, *, mesh: FSDPMesh, model: ModelStats, un
                 Part(name="activations", kind="activations", bytes=activations.loss_backward_peak), earlier)),
             FSDPPhase(phase="head backward", parts=(
                 Part(name="activations", kind="activations", bytes=activations.head_backward_peak), root, *in_head,
-                root_grads, earlier))]
+                early_root_grads, earlier))]
     # Inside the blocks the activations peak in the first block backward reaches (the last
     # layer): that block and the prefetched previous one are gathered and its gradients are being
     # made. From the next block on, the previous block's reduce-scatter input and output stay

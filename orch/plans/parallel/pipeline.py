@@ -225,7 +225,7 @@ def on_sequence_part(layers: list[PipelineLayer], cp: int) -> list[PipelineLayer
 
 
 def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved: int, *,
-                      holds_loss: bool, held_output: int = 0) -> ActivationBytes:
+                      holds_loss: bool, held_output: int = 0, split_backward: bool = False) -> ActivationBytes:
     """One stage's activations: the whole model's measurement scaled to the stage's share of the
     saved bytes, plus the saved tensors, inputs and outputs of the micro-batches it holds in
     flight meanwhile. Three transients are not divided among the stages: the recomputation of one
@@ -237,7 +237,12 @@ def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved:
 
     ``held_output``: bytes of the loss stage's output (the logits) its engine keeps through the
     micro-batch's backward, which the unpipelined model frees once the loss has what it saves
-    (torch's ``PipelineStage`` keeps a chunk's output until its ``backward_one_chunk`` returns)."""
+    (torch's ``PipelineStage`` keeps a chunk's output until its ``backward_one_chunk`` returns).
+    ``split_backward``: the schedule runs the weights' backward apart from the inputs' (zero bubble).
+
+    The peaks inside the repeated layers, and those of the loss's and the head's backward on the
+    loss stage, are returned apart (``blocks_backward_peak``, ``loss_backward_peak``, ...), as
+    FSDP2's phases meet each with other gradients and gathers; ``backward_peak`` is the largest."""
     share = stage.saved_bytes / total_saved if total_saved else 0.0
     waiting = round((stage.in_flight - 1) * round(whole.saved * share)) + stage.in_flight_bytes
     recompute = whole.recompute_peak if stage.saved_bytes else 0
@@ -269,11 +274,30 @@ def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved:
     # The forward's peak above the saved bytes is the loss's (the logits beside its temporaries) in
     # the models measured here: a stage without the loss peaks at what it saves.
     forward = scaled(whole.saved) + (whole.forward_peak - whole.saved if holds_loss else 0)
+    held = held_output if holds_loss else 0
+
+    def in_blocks(x: int) -> int:
+        # The stage's moments inside its repeated layers, which FSDP2's phases meet with their
+        # gradients and gathers: the layers' share, the micro-batches waiting and the held output.
+        return scaled_backward(x) + waiting + held if x else 0
+
+    blocks = in_blocks(whole.blocks_backward_peak)
+    # A schedule that splits backward runs a block's weight gradients after its input gradients,
+    # keeping what they need meanwhile: past the first block, the stage stays at the blocks' peak.
+    later, end = ((blocks, blocks) if split_backward else
+                  (in_blocks(whole.later_blocks_backward_peak), in_blocks(whole.blocks_backward_end)))
+
+    def at_tail(x: int) -> int:
+        # The loss's and the head's backward, on the stage computing the loss alone.
+        return scaled(whole.saved) + x - whole.saved + waiting + held if holds_loss and x else 0
+
     return ActivationBytes(
         saved=scaled(whole.saved) + waiting, recompute_peak=recompute,
         forward_peak=forward + waiting,
         backward_peak=backward + waiting, backward_peak_with_grads=with_grads + waiting,
-        grads_at_backward_peak=0)
+        grads_at_backward_peak=0, blocks_backward_peak=blocks, later_blocks_backward_peak=later,
+        blocks_backward_end=end,
+        loss_backward_peak=at_tail(whole.loss_backward_peak), head_backward_peak=at_tail(whole.head_backward_peak))
 
 
 def bubble_fraction(pp: int, micro_batches: int) -> float:
