@@ -261,6 +261,30 @@ def test_batch_scaled_probe_errs_towards_not_fitting():
                 assert 1.0 <= ratio < 1.25, (ckpt, micro, name, ratio)
 
 
+def test_batch_scaled_probe_counts_a_pipelines_stages_as_the_exact_probe_does():
+    """The tuner's probe measures the pipeline layers at micro-batch 1 and scales them; every byte
+    of a stage at a larger micro-batch (saved, in flight, DeepSpeed's receive and output buffers)
+    is then the exact probe's, and the stages are cut in the same places."""
+    from orch.plans.memory.estimate import ModelProbe
+    from orch.workload import resolve_workload
+
+    typed, model_cfg, _ = to_typed(compose_config("plan.dp=1", "plan.pp=2", "plan.micro_batch_size=4",
+                                                  "plan.grad_accum_steps=8", "model.n_layer=4"))
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
+    arguments = dict(tp_layer_specs=workload.tp_layer_specs, pipeline_layers=workload.pipeline_layers)
+    exact = ModelProbe(workload.model_factory, workload, **arguments)
+    scaled = BatchScaledProbe(workload.model_factory, workload, exact_up_to=1, **arguments)
+    plan = resolve_plan(typed.plan, typed.cluster, typed.train)
+    fields = ("start", "stop", "saved_bytes", "in_flight", "buffer_bytes", "boundary_buffer_bytes", "in_flight_bytes")
+    for micro, accum in ((4, 8), (8, 1)):
+        at = dataclasses.replace(plan, micro_batch_size=micro, grad_accum_steps=accum)
+        for mine, theirs in zip(scaled.stages(at), exact.stages(at), strict=True):
+            assert [getattr(mine, f) for f in fields] == pytest.approx([getattr(theirs, f) for f in fields],
+                                                                       rel=0.02), (micro, accum)
+        assert scaled.stages(at)[-1].buffer_bytes > 2 * scaled.stages(dataclasses.replace(at, micro_batch_size=1))[
+            -1].buffer_bytes
+
+
 DEEP = {**SMALL, "n_layer": 12, "d_model": 64, "vocab_size": 512}
 
 

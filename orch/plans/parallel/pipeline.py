@@ -176,13 +176,14 @@ def partition(layers: list[PipelineLayer], pp: int, method: str, engine: str) ->
 
 
 def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_batches: int, engine: str,
-                    input_bytes: int = 0) -> list[PipelineStage]:
+                    input_bytes: int = 0, bounds: list[int] | None = None) -> list[PipelineStage]:
     """The stages of a pp-stage pipeline over ``layers``, split as ``engine`` splits them; a stage
     may come out empty (see callers).
 
-    ``input_bytes`` is one micro-batch of the model's input (the token ids).
+    ``input_bytes`` is one micro-batch of the model's input (the token ids). ``bounds``: the split
+    of these layers' parameters when already computed (:func:`partition`; it depends on nothing else).
     """
-    bounds = partition(layers, pp, method, engine)
+    bounds = bounds or partition(layers, pp, method, engine)
     stages = []
     for index in range(pp):
         part = layers[bounds[index]:bounds[index + 1]]

@@ -34,7 +34,9 @@ from orch.plans.engines import engine_spec
 from orch.plans.errors import PlanError
 from orch.plans.memory.activations import ActivationBytes, measure_activations, measure_activations_depth_scaled
 from orch.plans.memory.estimate import ModelProbe, PlanEstimate, estimate_plan
-from orch.plans.parallel.pipeline import PipelineLayer, PipelineStage, pipeline_stages
+from orch.plans.model.workload import batch_bytes
+from orch.plans.parallel.context_parallel import LocalSequenceInputs
+from orch.plans.parallel.pipeline import PipelineLayer, PipelineStage, on_sequence_part, partition, pipeline_stages
 from orch.plans.resolve import ResolvedPlan, divisors, resolve_plan
 from orch.plans.spec import (
     Accelerator,
@@ -262,19 +264,26 @@ class BatchScaledProbe(ModelProbe):
                                     output_bytes=layer.output_bytes * micro_batch_size)
                 for layer in self._pipeline(1, precision, tp)]
 
-    def stages(self, plan: ResolvedPlan) -> list[PipelineStage]:
+    def _split(self, micro_batch_size: int, precision: Precision, pp: int, method: str,
+               micro_batches: int, engine: str, cp: int = 1, tp: int = 1) -> list[PipelineStage]:
         # Stage boundaries depend on the layers' parameters only, and DeepSpeed's balanced
         # partition takes a quarter of a second for a 96-layer model: partition once per
-        # (pp, method, engine), then scale the saved bytes and set the micro-batches in flight per plan.
-        base = self._stage_layout(plan.precision, plan.pipeline_stages, plan.pp_partition, plan.engine, plan.tp)
-        # A context-parallel rank's part of the sequence saves 1/cp of the bytes (on_sequence_part).
-        return [dataclasses.replace(stage, saved_bytes=-(-stage.saved_bytes * plan.micro_batch_size // plan.cp),
-                                    in_flight=min(plan.pipeline_stages - stage.index, plan.grad_accum_steps))
-                for stage in base]
+        # (pp, method, engine); the stages' bytes (saved, in flight, the engines' buffers) are each
+        # plan's, from its micro-batch's layers.
+        inputs = self.inputs if cp <= 1 else LocalSequenceInputs(self.inputs, cp)
+        return pipeline_stages(on_sequence_part(self._pipeline(micro_batch_size, precision, tp), cp), pp=pp,
+                               method=method, micro_batches=micro_batches, engine=engine,
+                               input_bytes=self._input_bytes(inputs, micro_batch_size),
+                               bounds=self._bounds(precision, pp, method, engine))
 
     @functools.cache  # noqa: B019 - one probe per tuning, kept alive by it anyway
-    def _stage_layout(self, precision: Precision, pp: int, method: str, engine: str, tp: int) -> list[PipelineStage]:
-        return pipeline_stages(self._pipeline(1, precision, tp), pp=pp, method=method, micro_batches=pp, engine=engine)
+    def _bounds(self, precision: Precision, pp: int, method: str, engine: str) -> list[int]:
+        return partition(self._pipeline(1, precision), pp, method, engine)
+
+    @staticmethod
+    def _input_bytes(inputs, micro_batch_size: int) -> int:
+        # The inputs' bytes grow with the batch: one sample's, times the micro-batch.
+        return batch_bytes(inputs.example_batch(1)) * micro_batch_size
 
 
 @dataclass(frozen=True, kw_only=True)
