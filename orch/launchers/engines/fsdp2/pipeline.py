@@ -26,7 +26,14 @@ import torch
 
 from orch.launchers.engines.base import whole_tensor
 from orch.launchers.engines.fsdp2.layout import loss_context
-from orch.launchers.engines.fsdp2.pipeline_stages import Stages, StateNames, block_class, cut, whole_name_of_module
+from orch.launchers.engines.fsdp2.pipeline_stages import (
+    Stages,
+    StateNames,
+    block_class,
+    cut,
+    layer_of_module,
+    whole_name_of_module,
+)
 from orch.plans.parallel.vocab_parallel import OutputHead
 from orch.plans.spec import PipelineSchedule
 
@@ -267,7 +274,7 @@ def held_parts_of_head(names: dict[str, str], head: OutputHead) -> list[OutputHe
     held = []
     for name, whole in names.items():
         if whole == head.embedding:
-            layer = ".".join(name.split(".")[:4])  # parts.<stage>.layers.<i>: the copy's pipeline layer
+            layer = layer_of_module(name)  # the copy's pipeline layer
             linear = next((other for other, whole_other in names.items()
                            if whole_other == head.name and other.startswith(f"{layer}.")), "")
             held.append(OutputHead(name=linear, classes=head.classes, embedding=name))

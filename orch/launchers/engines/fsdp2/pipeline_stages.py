@@ -235,11 +235,20 @@ class StateNames:
         return {key: loaded[whole_key(key, self.names, self.ordered)[0]] for key in own_keys}
 
 
-def whole_name_of_module(stages: Stages, name: str) -> str:
-    """The whole model's name of submodule ``name`` of ``stages`` (``parts.<s>.layers.<j>.<rest>``)."""
+def layer_of_module(name: str) -> str | None:
+    """The pipeline layer holding submodule ``name`` of the stages, ``parts.<s>.layers.<j>``, or
+    None for a name outside the layers."""
     parts = name.split(".", 4)
     if len(parts) < 4 or parts[0] != "parts" or parts[2] != "layers":
+        return None
+    return ".".join(parts[:4])
+
+
+def whole_name_of_module(stages: Stages, name: str) -> str:
+    """The whole model's name of submodule ``name`` of ``stages`` (``parts.<s>.layers.<j>.<rest>``)."""
+    if layer_of_module(name) is None:
         return name
+    parts = name.split(".", 4)
     part = stages.parts[parts[1]]
     index = part.start + int(parts[3])
     return whole_name(stages.specs[index], parts[4] if len(parts) > 4 else "", index)
