@@ -319,6 +319,31 @@ def test_depth_scaled_activations_match_a_full_measurement(shape, monkeypatch):
         assert activations.measure_activations_depth_scaled(module, **kwargs) == expected, kwargs
 
 
+def test_depth_scaled_activations_of_a_sequence_parallel_shard_match_a_full_measurement(monkeypatch):
+    """A tensor-parallel shard with sequence parallelism, checkpointed or not: its first block cuts
+    its input (again when recomputed in backward), so it runs more than the others, which the
+    extrapolation allows; the counts are still the full depth's, as the tuner takes them."""
+    import copy
+
+    from orch.plans.memory import activations
+    from orch.plans.parallel.sequence_parallel import split_sequence_on_meta
+    from orch.plans.parallel.tp_plan import shard_module
+
+    with torch.device("meta"):
+        module = model_factory(DEEP)()
+    shard = split_sequence_on_meta(shard_module(copy.deepcopy(module), TP_LAYER_SPECS, 2), TP_LAYER_SPECS, 2)
+    cases = [dict(micro_batch_size=2, inputs=lm_inputs(DEEP["seq_len"]), dtype=torch.float32, checkpointing=ckpt)
+             for ckpt in (False, "full", "selective")]
+    full = [measure_activations(shard, **kwargs) for kwargs in cases]
+
+    def no_full_count(*_args, **_kwargs):
+        raise AssertionError("fell back to counting the full depth")
+
+    monkeypatch.setattr(activations, "measure_activations", no_full_count)
+    for kwargs, expected in zip(cases, full, strict=True):
+        assert activations.measure_activations_depth_scaled(shard, **kwargs) == expected, kwargs
+
+
 def test_depth_scaling_counts_in_full_unless_the_layers_are_identical():
     from orch.plans.model.depth_scaling import repeated_stack, shallow_copy
 

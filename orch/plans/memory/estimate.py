@@ -327,7 +327,12 @@ class ModelProbe:
                 if carried is not None:
                     return carried
             factory = self.factory if tp <= 1 else functools.partial(_on_meta, self.factory, sharded)
-            return measure_activations(factory, **args)
+            return self._measure_built(factory, **args)
+
+    def _measure_built(self, factory: Callable[[], torch.nn.Module], **args) -> ActivationBytes:
+        """The activations of the model ``factory`` builds (on ``meta``, sharded or split as the
+        plan runs it), counted over every layer."""
+        return measure_activations(factory, **args)
 
     def _measure_or_refusal(self, *args) -> ActivationBytes | ValueError:
         """:meth:`_measure`, or the ValueError of a model that refuses the micro-batch in training,

@@ -216,13 +216,15 @@ class Peaks:
 
 def _segments(trace: PassTrace) -> dict[str, list[tuple[int, int]]] | None:
     """The trace cut into the parts around the layers, or None when the layers' parts are not
-    contiguous and of one length each (then the layers do not run the same operations)."""
+    contiguous and, past the first layer, of one length each (then the layers do not run the same
+    operations). The first may run more: sequence parallelism cuts its input, again when a
+    checkpointed first layer is recomputed in backward."""
     fwd, bwd, n = trace.forward, trace.backward, len(trace.values)
-    lengths = {stop - start for start, stop in fwd}, {stop - start for start, stop in bwd}
+    lengths = {stop - start for start, stop in fwd[1:]}, {stop - start for start, stop in bwd[1:]}
     contiguous = all(fwd[k][1] == fwd[k + 1][0] for k in range(len(fwd) - 1)) and \
         all(bwd[k + 1][1] == bwd[k][0] for k in range(len(bwd) - 1))
     ordered = 0 <= fwd[0][0] and fwd[-1][1] <= trace.forward_end <= bwd[-1][0] and bwd[0][1] <= n
-    if len(lengths[0]) != 1 or len(lengths[1]) != 1 or not contiguous or not ordered:
+    if len(lengths[0]) > 1 or len(lengths[1]) > 1 or not contiguous or not ordered:
         return None
     v = trace.values
     return {"before": v[:fwd[0][0]], "head forward": v[fwd[-1][1]:trace.forward_end],

@@ -34,6 +34,7 @@ from orch.plans.engines import engine_spec
 from orch.plans.errors import PlanError
 from orch.plans.memory.activations import ActivationBytes, measure_activations, measure_activations_depth_scaled
 from orch.plans.memory.estimate import ModelProbe, PlanEstimate, estimate_plan
+from orch.plans.model.meta import meta_device
 from orch.plans.model.workload import batch_bytes
 from orch.plans.parallel.context_parallel import LocalSequenceInputs
 from orch.plans.parallel.pipeline import PipelineLayer, PipelineStage, on_sequence_part, partition, pipeline_stages
@@ -254,6 +255,15 @@ class BatchScaledProbe(ModelProbe):
         names = [f.name for f in dataclasses.fields(ActivationBytes)]
         values = {n: scale(n) for n in names if n != "grads_at_backward_peak"}
         return ActivationBytes(**values, grads_at_backward_peak=high.grads_at_backward_peak)
+
+    def _measure_built(self, factory, **args) -> ActivationBytes:
+        # A deep model's tensor- and context-parallel measurements are extrapolated from two
+        # shallow copies too (of the sharded or split model: their hooks and shapes are copied).
+        if not self.depth_scaled:
+            return super()._measure_built(factory, **args)
+        with meta_device():
+            module = factory()
+        return measure_activations_depth_scaled(module, **args)
 
     def _measure_pipeline(self, micro_batch_size: int, precision: Precision, tp: int = 1) -> list[PipelineLayer]:
         # A layer's saved tensors and its output all carry the batch dimension: proportional scaling
