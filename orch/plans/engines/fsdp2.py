@@ -163,6 +163,7 @@ class FSDP2Spec(EngineSpec):
 
         layers = probe.pipeline_layer_facts(plan)
         split_backward = plan.pp_schedule in (PipelineSchedule.zero_bubble, PipelineSchedule.zbv)
+        mesh = fsdp_mesh(plan, cluster.devices_per_node)
         ranks = rank_stages(probe.stages(plan), layers, schedule=plan.pp_schedule, pp=plan.pp,
                             virtual=plan.pp_virtual_stages, micro_batches=plan.grad_accum_steps)
         total_saved = sum(layer.saved_bytes for layer in layers)
@@ -209,8 +210,8 @@ class FSDP2Spec(EngineSpec):
             def stage_memory(stage: PipelineStage, *, earlier_grads: bool) -> FSDPMemory:
                 acts = stage_activations(activations, stage, total_saved, holds_loss=len(layers) - 1 in mine,  # noqa: B023
                                          held_output=layers[-1].output_bytes, split_backward=split_backward)
-                return fsdp_memory(engine, mesh=fsdp_mesh(plan, cluster.devices_per_node), model=stats,  # noqa: B023
-                                   units=units, activations=acts, precision=plan.precision,  # noqa: B023
+                return fsdp_memory(engine, mesh=mesh, model=stats, units=units, activations=acts,  # noqa: B023
+                                   precision=plan.precision,
                                    optimizer=optim.name, momentum=optim.momentum,
                                    grad_accum_steps=2 if earlier_grads else 1)
 

@@ -154,8 +154,10 @@ class FSDPPhase:
     parts: tuple[Part, ...] = ()
 
     def as_phase_bytes(self) -> PhaseBytes:
-        kinds = {kind: sum(p.bytes for p in self.parts if p.kind == kind)
-                 for kind in ("params", "grads", "optimizer_states", "activations", "buffers")}
+        # One pass over the parts: the tuner turns millions of phases into bytes.
+        kinds = dict.fromkeys(("params", "grads", "optimizer_states", "activations", "buffers"), 0)
+        for part in self.parts:
+            kinds[part.kind] += part.bytes
         return PhaseBytes(phase=self.phase, **kinds)
 
     @property
