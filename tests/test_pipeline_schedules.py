@@ -188,3 +188,23 @@ def test_the_stage_computing_the_loss_alone_pays_the_loss_and_head_backward():
         assert (held[0].blocks_backward_peak, held[1].blocks_backward_peak) == (25 * mib, 33 * mib)
         assert held[0].loss_backward_peak == 0
         assert held[1].loss_backward_peak == (20 * mib + 90 * mib - 40 * mib + 8 * mib if whole is told else 0)
+
+
+def test_the_split_backwards_input_gradients_are_dropped_after_the_step():
+    """torch's split backward (the zero-bubble schedules' input half) leaves each received input's
+    gradient in its ``.grad``, on a receive buffer that lives from step to step; the engine drops
+    them after every step (the full backward clears them itself)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    from orch.launchers.engines.fsdp2.pipeline import drop_input_gradients
+
+    layer = torch.nn.Linear(4, 4)
+    buffer = torch.randn(2, 4, requires_grad=True)  # a stage's receive buffer for one micro-batch
+    output = layer(buffer)
+    stage_backward_input([output], [torch.ones_like(output)], [buffer], layer.parameters())
+    assert buffer.grad is not None and buffer.grad.shape == buffer.shape
+    stage = SimpleNamespace(args_recv_info={0: (SimpleNamespace(buffer=buffer), SimpleNamespace(buffer=None))})
+    drop_input_gradients([stage])
+    assert buffer.grad is None

@@ -134,6 +134,8 @@ class Pipeline:
     stages: Stages
     schedule: Any
     """torch's schedule over this rank's ``PipelineStage`` objects."""
+    torch_stages: list[Any]
+    """Those ``PipelineStage`` objects."""
     first: bool
     """This rank runs the first stage (it feeds the inputs)."""
     last: bool
@@ -255,7 +257,7 @@ def build_pipeline(job, coords, device: torch.device, meshes, options: dict[str,
         return objective(outputs, (None, targets))
 
     schedule = pipeline_schedule(pipeline_stages, plan, loss_fn)
-    return Pipeline(stages=stages, schedule=schedule, first=0 in stages.indices,
+    return Pipeline(stages=stages, schedule=schedule, torch_stages=pipeline_stages, first=0 in stages.indices,
                     last=layout.stages - 1 in stages.indices, last_rank=layout.rank_of(layout.stages - 1),
                     pp_group=meshes.pp.get_group(), tied=tie_groups(stages, plan, coords), names=StateNames(stages),
                     device=device, split_head=split_head, head=head if held_heads else None, context=context)
@@ -333,8 +335,26 @@ def train_step(pipeline: Pipeline, batches: Iterator[Any], micro: int, to_device
                                # The last stage would keep every micro-batch's output (the logits) to
                                # return them merged: nothing here reads them.
                                return_outputs=False)
+    drop_input_gradients(pipeline.torch_stages)
     sync_tied_gradients(pipeline.stages, pipeline.tied)
     return pipeline.mean(_mean_loss(pipeline, losses))
+
+
+def drop_input_gradients(stages: list[Any]) -> None:
+    """Free the gradients the schedule left on the stages' receive buffers.
+
+    torch's split backward (``stage_backward_input``, which the zero-bubble schedules run) sets
+    ``.grad`` on each received input and never clears it, where the full backward
+    (``stage_backward``) does: the buffers live from step to step, so every stage after the first
+    would hold one boundary activation's gradient per micro-batch between steps (measured: 4 MiB
+    of the ZB-V ranks' held bytes in bench/results/memory_accuracy_pipeline.md), and add the next
+    step's into it. Each gradient was sent upstream already, from the backward's own result.
+    """
+    for stage in stages:
+        for infos in stage.args_recv_info.values():
+            for info in infos:
+                if isinstance(info.buffer, torch.Tensor):
+                    info.buffer.grad = None
 
 
 def _mean_loss(pipeline: Pipeline, losses: list[torch.Tensor]) -> float:
