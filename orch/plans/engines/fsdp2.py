@@ -177,6 +177,15 @@ class FSDP2Spec(EngineSpec):
         # Each layer's split parameters, as the engine matches a stage's layers by the whole
         # model's names; models whose layers say nothing of it: the model's proportion.
         per_layer = plan.tp > 1 and any(layer.tp_params for layer in layers)
+
+        def stage_memory(stage: PipelineStage, units: FSDPUnits, stats, holds_loss: bool, *,
+                         earlier_grads: bool) -> FSDPMemory:
+            acts = stage_activations(activations, stage, total_saved, holds_loss=holds_loss,
+                                     held_output=layers[-1].output_bytes, split_backward=split_backward)
+            return fsdp_memory(engine, mesh=mesh, model=stats, units=units, activations=acts,
+                               precision=plan.precision, optimizer=optim.name, momentum=optim.momentum,
+                               grad_accum_steps=2 if earlier_grads else 1)
+
         for rank in ranks:
             mine = [i for s in stages_of_rank(rank.index, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
                     for i in range(stages[s].start, stages[s].stop)]
@@ -206,16 +215,9 @@ class FSDP2Spec(EngineSpec):
                               largest_block_trainable=min(whole_units.largest_block_trainable,
                                                           stats.trainable_count - root),
                               blocks=stats.param_count - root)
+            holds_loss = len(layers) - 1 in mine
 
-            def stage_memory(stage: PipelineStage, *, earlier_grads: bool) -> FSDPMemory:
-                acts = stage_activations(activations, stage, total_saved, holds_loss=len(layers) - 1 in mine,  # noqa: B023
-                                         held_output=layers[-1].output_bytes, split_backward=split_backward)
-                return fsdp_memory(engine, mesh=mesh, model=stats, units=units, activations=acts,  # noqa: B023
-                                   precision=plan.precision,
-                                   optimizer=optim.name, momentum=optim.momentum,
-                                   grad_accum_steps=2 if earlier_grads else 1)
-
-            fsdp = stage_memory(rank, earlier_grads=True)
+            fsdp = stage_memory(rank, units, stats, holds_loss, earlier_grads=True)
             if plan.grad_accum_steps <= rank.in_flight:
                 # Every micro-batch's forward runs before the first backward: the activations of all
                 # of them meet no gradients yet, and once the first backward has made some, fewer
@@ -223,7 +225,8 @@ class FSDP2Spec(EngineSpec):
                 # without gradients, or the last micro-batch alone with the others' gradients.
                 alone = dataclasses.replace(rank, in_flight=1,
                                             in_flight_bytes=round(rank.in_flight_bytes / rank.in_flight))
-                waiting, last = stage_memory(rank, earlier_grads=False), stage_memory(alone, earlier_grads=True)
+                waiting = stage_memory(rank, units, stats, holds_loss, earlier_grads=False)
+                last = stage_memory(alone, units, stats, holds_loss, earlier_grads=True)
                 fsdp = dataclasses.replace(waiting, phases=[max(a, b, key=lambda p: p.total)
                                                             for a, b in zip(waiting.phases, last.phases, strict=True)])
             phases = fsdp.device_phases()
