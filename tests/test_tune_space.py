@@ -297,18 +297,11 @@ def test_depth_scaled_counts_match_full_counts_of_a_deep_gpt():
     assert measure_model_cost(probe, [1, 2], depth_scaled=True) == measure_model_cost(probe, [1, 2])
 
 
-@pytest.mark.parametrize("shape", [{}, {"d_model": 256, "seq_len": 16}, {"n_layer": 9, "tie_embeddings": False}],
-                         ids=["activations dominate", "gradients dominate", "untied head"])
-def test_depth_scaled_activations_match_a_full_measurement(shape, monkeypatch):
-    """Peaks included: with gradients larger than a layer's activations the peak with gradients
-    held moves from the start of backward to its end as the model deepens, and must still match."""
+def assert_depth_scaled_counts_as_full(module: torch.nn.Module, cases: list[dict], monkeypatch) -> None:
+    """Each case's activations of ``module`` counted from two shallow copies equal the full depth's,
+    without falling back to counting the full depth."""
     from orch.plans.memory import activations
 
-    cfg = {**DEEP, **shape}
-    with torch.device("meta"):
-        module = model_factory(cfg)()
-    cases = [dict(micro_batch_size=micro, inputs=lm_inputs(cfg["seq_len"]), dtype=dtype, checkpointing=ckpt)
-             for ckpt in (False, True) for dtype in (torch.float32, torch.bfloat16) for micro in (1, 2)]
     full = [measure_activations(module, **kwargs) for kwargs in cases]
 
     def no_full_count(*_args, **_kwargs):
@@ -319,13 +312,25 @@ def test_depth_scaled_activations_match_a_full_measurement(shape, monkeypatch):
         assert activations.measure_activations_depth_scaled(module, **kwargs) == expected, kwargs
 
 
+@pytest.mark.parametrize("shape", [{}, {"d_model": 256, "seq_len": 16}, {"n_layer": 9, "tie_embeddings": False}],
+                         ids=["activations dominate", "gradients dominate", "untied head"])
+def test_depth_scaled_activations_match_a_full_measurement(shape, monkeypatch):
+    """Peaks included: with gradients larger than a layer's activations the peak with gradients
+    held moves from the start of backward to its end as the model deepens, and must still match."""
+    cfg = {**DEEP, **shape}
+    with torch.device("meta"):
+        module = model_factory(cfg)()
+    cases = [dict(micro_batch_size=micro, inputs=lm_inputs(cfg["seq_len"]), dtype=dtype, checkpointing=ckpt)
+             for ckpt in (False, True) for dtype in (torch.float32, torch.bfloat16) for micro in (1, 2)]
+    assert_depth_scaled_counts_as_full(module, cases, monkeypatch)
+
+
 def test_depth_scaled_activations_of_a_sequence_parallel_shard_match_a_full_measurement(monkeypatch):
     """A tensor-parallel shard with sequence parallelism, checkpointed or not: its first block cuts
     its input (again when recomputed in backward), so it runs more than the others, which the
     extrapolation allows; the counts are still the full depth's, as the tuner takes them."""
     import copy
 
-    from orch.plans.memory import activations
     from orch.plans.parallel.sequence_parallel import split_sequence_on_meta
     from orch.plans.parallel.tp_plan import shard_module
 
@@ -334,14 +339,7 @@ def test_depth_scaled_activations_of_a_sequence_parallel_shard_match_a_full_meas
     shard = split_sequence_on_meta(shard_module(copy.deepcopy(module), TP_LAYER_SPECS, 2), TP_LAYER_SPECS, 2)
     cases = [dict(micro_batch_size=2, inputs=lm_inputs(DEEP["seq_len"]), dtype=torch.float32, checkpointing=ckpt)
              for ckpt in (False, "full", "selective")]
-    full = [measure_activations(shard, **kwargs) for kwargs in cases]
-
-    def no_full_count(*_args, **_kwargs):
-        raise AssertionError("fell back to counting the full depth")
-
-    monkeypatch.setattr(activations, "measure_activations", no_full_count)
-    for kwargs, expected in zip(cases, full, strict=True):
-        assert activations.measure_activations_depth_scaled(shard, **kwargs) == expected, kwargs
+    assert_depth_scaled_counts_as_full(shard, cases, monkeypatch)
 
 
 def test_depth_scaling_counts_in_full_unless_the_layers_are_identical():

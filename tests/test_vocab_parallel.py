@@ -125,15 +125,22 @@ def test_a_split_head_takes_its_share_of_parameters_logits_and_matmuls_off_each_
     assert declared.total_s == pytest.approx(steps["split"].total_s)
 
 
-def test_pipeline_layers_count_what_tensor_parallelism_splits_of_each_by_the_whole_models_names():
-    """The split parameters are found layer by layer (a stage's layers matched by the whole model's
-    names, as the fsdp2 engine matches them): all of the model's, none of the embedding's, the head's
-    on the last layer; a stage then keeps its own layers' share, not the model's proportion."""
+def pipelined_untied():
+    """The untied Llama shape at tp=2 x pp=2 on the fsdp2 engine: its config, plan and probe (the
+    head split, as the plan splits it)."""
     overrides = (*UNTIED, "plan.engine=fsdp2", "plan.pp=2", "plan.grad_accum_steps=2", "cluster.devices_per_node=4")
     typed, model_cfg, plan = resolved(*overrides)
     workload = resolve_workload(model_cfg, typed.objective, typed.data)
     probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs,
                        pipeline_layers=workload.pipeline_layers).for_plan(plan)
+    return typed, plan, probe
+
+
+def test_pipeline_layers_count_what_tensor_parallelism_splits_of_each_by_the_whole_models_names():
+    """The split parameters are found layer by layer (a stage's layers matched by the whole model's
+    names, as the fsdp2 engine matches them): all of the model's, none of the embedding's, the head's
+    on the last layer; a stage then keeps its own layers' share, not the model's proportion."""
+    typed, plan, probe = pipelined_untied()
     layers = probe.pipeline_layer_facts(plan)
     assert sum(layer.tp_params for layer in layers) == probe.tensor_parallel_params[0]
     assert layers[0].tp_params == 0 and layers[-1].tp_params == layers[-1].params == 4096 * 128
@@ -149,11 +156,7 @@ def test_pipeline_layers_save_what_one_tensor_parallel_rank_saves():
     output) halve, and a stage's share of the activations is its share of what the ranks save, not
     of the unsharded layers' (where a whole head's logits made the last stage's share too large).
     The parameter counts stay the whole layers', by which the stages are cut."""
-    overrides = (*UNTIED, "plan.engine=fsdp2", "plan.pp=2", "plan.grad_accum_steps=2", "cluster.devices_per_node=4")
-    typed, model_cfg, plan = resolved(*overrides)
-    workload = resolve_workload(model_cfg, typed.objective, typed.data)
-    probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs,
-                       pipeline_layers=workload.pipeline_layers).for_plan(plan)
+    typed, plan, probe = pipelined_untied()
     sharded = probe.pipeline_layer_facts(plan)
     whole = probe.pipeline_layer_facts(dataclasses.replace(plan, tp=1))
     assert [layer.params for layer in sharded] == [layer.params for layer in whole]
