@@ -217,8 +217,9 @@ class FSDP2Spec(EngineSpec):
                               blocks=stats.param_count - root)
             holds_loss = len(layers) - 1 in mine
 
-            fsdp = stage_memory(rank, units, stats, holds_loss, earlier_grads=True)
-            if plan.grad_accum_steps <= rank.in_flight:
+            if plan.grad_accum_steps > rank.in_flight:
+                fsdp = stage_memory(rank, units, stats, holds_loss, earlier_grads=True)
+            else:
                 # Every micro-batch's forward runs before the first backward: the activations of all
                 # of them meet no gradients yet, and once the first backward has made some, fewer
                 # micro-batches wait. Each phase at the larger of the two moments: all in flight
