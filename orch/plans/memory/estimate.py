@@ -57,6 +57,7 @@ from orch.plans.parallel.pipeline import (
     carry_layers,
     measure_pipeline_layers,
     on_sequence_part,
+    partition,
     pipeline_stages,
 )
 from orch.plans.parallel.sequence_parallel import (
@@ -413,9 +414,20 @@ class ModelProbe:
     def _split(self, micro_batch_size: int, precision: Precision, pp: int, method: str,
                micro_batches: int, engine: str, cp: int = 1, tp: int = 1) -> list[PipelineStage]:
         inputs = self.inputs if cp <= 1 else LocalSequenceInputs(self.inputs, cp)
-        batch = batch_bytes(inputs.example_batch(micro_batch_size))
-        return pipeline_stages(on_sequence_part(self._pipeline(micro_batch_size, precision, tp), cp), pp=pp,
-                               method=method, micro_batches=micro_batches, engine=engine, input_bytes=batch)
+        layers = on_sequence_part(self._pipeline(micro_batch_size, precision, tp), cp)
+        return pipeline_stages(layers, pp=pp, method=method, micro_batches=micro_batches, engine=engine,
+                               input_bytes=self._input_bytes(inputs, micro_batch_size),
+                               bounds=self._bounds(layers, precision, pp, method, engine))
+
+    def _bounds(self, layers: list[PipelineLayer], precision: Precision, pp: int, method: str,
+                engine: str) -> list[int]:
+        """Where the stages of ``layers`` are cut (:func:`orch.plans.parallel.pipeline.partition`)."""
+        return partition(layers, pp, method, engine)
+
+    @staticmethod
+    def _input_bytes(inputs: ModelInputs, micro_batch_size: int) -> int:
+        """One micro-batch of the model's input."""
+        return batch_bytes(inputs.example_batch(micro_batch_size))
 
     @property
     def pipeline_takes_positions(self) -> bool:

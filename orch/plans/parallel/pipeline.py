@@ -269,13 +269,12 @@ def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved:
         backward = scaled_backward(whole.blocks_backward_peak)
         if holds_loss:
             backward = max(backward, scaled(whole.saved) + tail - whole.saved)
-    if holds_loss:
-        backward += held_output
+    held = held_output if holds_loss else 0
+    backward += held
     with_grads = backward + scaled(whole.backward_peak_with_grads - whole.grads_at_backward_peak - whole.backward_peak)
     # The forward's peak above the saved bytes is the loss's (the logits beside its temporaries) in
     # the models measured here: a stage without the loss peaks at what it saves.
     forward = scaled(whole.saved) + (whole.forward_peak - whole.saved if holds_loss else 0)
-    held = held_output if holds_loss else 0
 
     def in_blocks(x: int) -> int:
         # The stage's moments inside its repeated layers, which FSDP2's phases meet with their

@@ -36,8 +36,7 @@ from orch.plans.memory.activations import ActivationBytes, measure_activations, 
 from orch.plans.memory.estimate import ModelProbe, PlanEstimate, estimate_plan
 from orch.plans.model.meta import meta_device
 from orch.plans.model.workload import batch_bytes
-from orch.plans.parallel.context_parallel import LocalSequenceInputs
-from orch.plans.parallel.pipeline import PipelineLayer, PipelineStage, on_sequence_part, partition, pipeline_stages
+from orch.plans.parallel.pipeline import PipelineLayer, partition
 from orch.plans.resolve import ResolvedPlan, divisors, resolve_plan
 from orch.plans.spec import (
     Accelerator,
@@ -274,20 +273,16 @@ class BatchScaledProbe(ModelProbe):
                                     output_bytes=layer.output_bytes * micro_batch_size)
                 for layer in self._pipeline(1, precision, tp)]
 
-    def _split(self, micro_batch_size: int, precision: Precision, pp: int, method: str,
-               micro_batches: int, engine: str, cp: int = 1, tp: int = 1) -> list[PipelineStage]:
+    def _bounds(self, layers: list[PipelineLayer], precision: Precision, pp: int, method: str,
+                engine: str) -> list[int]:
         # Stage boundaries depend on the layers' parameters only, and DeepSpeed's balanced
         # partition takes a quarter of a second for a 96-layer model: partition once per
         # (pp, method, engine); the stages' bytes (saved, in flight, the engines' buffers) are each
         # plan's, from its micro-batch's layers.
-        inputs = self.inputs if cp <= 1 else LocalSequenceInputs(self.inputs, cp)
-        return pipeline_stages(on_sequence_part(self._pipeline(micro_batch_size, precision, tp), cp), pp=pp,
-                               method=method, micro_batches=micro_batches, engine=engine,
-                               input_bytes=self._input_bytes(inputs, micro_batch_size),
-                               bounds=self._bounds(precision, pp, method, engine))
+        return self._cut(precision, pp, method, engine)
 
     @functools.cache  # noqa: B019 - one probe per tuning, kept alive by it anyway
-    def _bounds(self, precision: Precision, pp: int, method: str, engine: str) -> list[int]:
+    def _cut(self, precision: Precision, pp: int, method: str, engine: str) -> list[int]:
         return partition(self._pipeline(1, precision), pp, method, engine)
 
     @staticmethod
