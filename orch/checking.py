@@ -369,7 +369,7 @@ def _placement_lines(layout: list[dict[str, int]], max_nodes: int = 8) -> list[s
     return lines
 
 
-def _layer_names(names: list[str]) -> str:
+def _layer_names(names: tuple[str, ...]) -> str:
     """``Embedding, Block x 2, LayerNorm``: runs of one layer class collapsed."""
     runs: list[list] = []
     for name in names:

@@ -346,6 +346,35 @@ def test_pipeline_stages_reduce_once_per_step_and_gather_once_without_resharding
         assert got < whole / 2
 
 
+def test_pipeline_ranks_that_memory_cannot_tell_apart_are_counted_once():
+    """A pipelined plan's ranks, and those of a plan that differs only where memory does not look
+    (compiled here), are counted once each (the tuner counts hundreds of thousands of ranks for a
+    405B model): the twin's estimate is the same and counts no rank again, while a plan whose
+    memory differs (no resharding) counts its own."""
+    from orch.plans.engines.fsdp2 import _rank_memory
+    from orch.plans.memory.estimate import ModelProbe, estimate_plan
+    from orch.workload import resolve_workload
+
+    typed, model_cfg, _ = to_typed(compose_config(
+        "model.n_layer=4", "plan.engine=fsdp2", "plan.pp=2", "plan.pp_schedule=interleaved_1f1b",
+        "plan.pp_virtual_stages=2", "plan.grad_accum_steps=4", "plan.dp=2", "cluster.devices_per_node=4"))
+    workload = resolve_workload(model_cfg, typed.objective, typed.data)
+    probe = ModelProbe(workload.model_factory, workload, tp_layer_specs=workload.tp_layer_specs,
+                       pipeline_layers=workload.pipeline_layers)
+    plan = resolve_plan(typed.plan, typed.cluster, typed.train)
+    _rank_memory.cache_clear()
+    first = estimate_plan(plan, typed.cluster, typed.optim, probe)
+    counted = _rank_memory.cache_info().misses
+    assert 0 < counted <= plan.pp
+    twin = estimate_plan(dataclasses.replace(plan, compile=True), typed.cluster, typed.optim, probe)
+    assert _rank_memory.cache_info().misses == counted
+    assert twin.per_device == first.per_device and twin.stages == first.stages
+    kept = estimate_plan(dataclasses.replace(plan, fsdp=FSDPSpec(reshard_after_forward=False)), typed.cluster,
+                         typed.optim, probe)
+    assert _rank_memory.cache_info().misses > counted
+    assert kept.per_device.total > first.per_device.total
+
+
 def predict(plan, *args, **kw):
     return engine_spec(plan.engine).step_time(plan, *args, **kw)
 

@@ -170,7 +170,7 @@ def test_the_stage_computing_the_loss_alone_pays_the_loss_and_head_backward():
     tied = ActivationBytes(**{**told.__dict__, "loss_backward_peak": 0, "head_backward_peak": 0})
 
     def stage(index: int) -> PipelineStage:
-        return PipelineStage(index=index, start=index, stop=index + 1, layers=["Block"], params=1, trainable=1,
+        return PipelineStage(index=index, start=index, stop=index + 1, layers=("Block",), params=1, trainable=1,
                              largest_param=1, saved_bytes=1, in_flight=1)
 
     for whole in (told, tied):

@@ -1,7 +1,7 @@
 """PyTorch FSDP2 (``fully_shard``) as the planner knows it: parameters, gradients and optimizer
 states always sharded over the data-parallel ranks, with or without resharding after forward,
-optionally hybrid (HSDP); host offload of everything or nothing; DTensor tensor parallelism; no
-pipeline stages.
+optionally hybrid (HSDP); host offload of everything or nothing; DTensor tensor parallelism, context
+parallelism and torch's pipeline schedules.
 
 Its memory is counted part by part as ``fully_shard`` lays it out
 (:mod:`orch.plans.engines.fsdp2_memory`), its data-parallel time as FSDP2 moves it
@@ -11,6 +11,7 @@ Its memory is counted part by part as ``fully_shard`` lays it out
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 from orch.plans.engine_settings import EngineSettings, ZeroStage
@@ -36,12 +37,74 @@ from orch.plans.spec import (
 )
 
 if TYPE_CHECKING:
+    from orch.plans.engines.fsdp2_memory import FSDPMemory, FSDPMesh, FSDPUnits
     from orch.plans.memory.activations import ActivationBytes
     from orch.plans.memory.estimate import ModelProbe
+    from orch.plans.memory.states import DevicePhases, ModelStateBytes, ModelStats
     from orch.plans.parallel.pipeline import PipelineStage
     from orch.plans.resolve import ResolvedPlan
     from orch.plans.search.space import SearchSpace
     from orch.plans.step_time.cost_model import ModelCost, Speeds, StepTime
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RankInputs:
+    """All that one pipeline rank's FSDP2 memory depends on (:func:`_rank_memory`), and nothing that
+    tells otherwise equal ranks apart: ``rank`` is its stages as one with its position cleared."""
+
+    rank: PipelineStage
+    units: FSDPUnits
+    stats: ModelStats
+    holds_loss: bool
+    engine: EngineSettings
+    mesh: FSDPMesh
+    activations: ActivationBytes
+    total_saved: int
+    """Saved bytes of one micro-batch through every layer: the stages' shares are of this."""
+    held_output: int
+    """The last layer's output, which torch's pipeline stage keeps through its backward."""
+    split_backward: bool
+    precision: Precision
+    optimizer: OptimizerName
+    momentum: float
+    micro_batches: int
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_memory(inputs: _RankInputs) -> tuple[ModelStateBytes, DevicePhases, FSDPMemory]:
+    """One pipeline rank's model states, phases (its pipeline buffers held) and FSDP2 parts.
+
+    Cached: most ranks of a pipelined plan equal another of its ranks, and plans that differ only
+    where memory does not look (compile, async TP) follow each other in the tuner's search, which
+    counts hundreds of thousands of ranks for a 405B model; the results are shared, not copied,
+    and never changed. The search visits equal ranks close together, so a small cache holds them."""
+    from orch.plans.engines.fsdp2_memory import fsdp_memory
+    from orch.plans.parallel.pipeline import stage_activations
+
+    rank = inputs.rank
+
+    def counted(stage: PipelineStage, *, earlier_grads: bool) -> FSDPMemory:
+        acts = stage_activations(inputs.activations, stage, inputs.total_saved, holds_loss=inputs.holds_loss,
+                                 held_output=inputs.held_output, split_backward=inputs.split_backward)
+        return fsdp_memory(inputs.engine, mesh=inputs.mesh, model=inputs.stats, units=inputs.units,
+                           activations=acts, precision=inputs.precision, optimizer=inputs.optimizer,
+                           momentum=inputs.momentum, grad_accum_steps=2 if earlier_grads else 1)
+
+    if inputs.micro_batches > rank.in_flight:
+        fsdp = counted(rank, earlier_grads=True)
+    else:
+        # Every micro-batch's forward runs before the first backward: the activations of all
+        # of them meet no gradients yet, and once the first backward has made some, fewer
+        # micro-batches wait. Each phase at the larger of the two moments: all in flight
+        # without gradients, or the last micro-batch alone with the others' gradients.
+        alone = dataclasses.replace(rank, in_flight=1, in_flight_bytes=round(rank.in_flight_bytes / rank.in_flight))
+        waiting = counted(rank, earlier_grads=False)
+        last = counted(alone, earlier_grads=True)
+        fsdp = dataclasses.replace(waiting, phases=[max(a, b, key=lambda p: p.total)
+                                                    for a, b in zip(waiting.phases, last.phases, strict=True)])
+    phases = fsdp.device_phases()
+    held = dataclasses.replace(phases.held, buffers=phases.held.buffers + rank.buffer_bytes)
+    return fsdp.states, dataclasses.replace(phases, held=held), fsdp
 
 
 class FSDP2Spec(EngineSpec):
@@ -157,15 +220,13 @@ class FSDP2Spec(EngineSpec):
         from collections import Counter
 
         from orch.plans.engines.deepspeed import _layer_stats, _stage_stats, _tp_keep, kept_params
-        from orch.plans.engines.fsdp2_memory import FSDPMemory, FSDPUnits, fsdp_memory, fsdp_mesh
-        from orch.plans.parallel.pipeline import rank_stages, stage_activations
+        from orch.plans.engines.fsdp2_memory import FSDPUnits, fsdp_mesh
         from orch.plans.parallel.schedules import stages_of_rank
 
         layers = probe.pipeline_layer_facts(plan)
         split_backward = plan.pp_schedule in (PipelineSchedule.zero_bubble, PipelineSchedule.zbv)
         mesh = fsdp_mesh(plan, cluster.devices_per_node)
-        ranks = rank_stages(probe.stages(plan), layers, schedule=plan.pp_schedule, pp=plan.pp,
-                            virtual=plan.pp_virtual_stages, micro_batches=plan.grad_accum_steps)
+        ranks = probe.pipeline_ranks(plan)
         total_saved = sum(layer.saved_bytes for layer in layers)
         counts = Counter(layer.name for layer in layers)
         block, repeats = counts.most_common(1)[0]
@@ -177,14 +238,6 @@ class FSDP2Spec(EngineSpec):
         # Each layer's split parameters, as the engine matches a stage's layers by the whole
         # model's names; models whose layers say nothing of it: the model's proportion.
         per_layer = plan.tp > 1 and any(layer.tp_params for layer in layers)
-
-        def stage_memory(stage: PipelineStage, units: FSDPUnits, stats, holds_loss: bool, *,
-                         earlier_grads: bool) -> FSDPMemory:
-            acts = stage_activations(activations, stage, total_saved, holds_loss=holds_loss,
-                                     held_output=layers[-1].output_bytes, split_backward=split_backward)
-            return fsdp_memory(engine, mesh=mesh, model=stats, units=units, activations=acts,
-                               precision=plan.precision, optimizer=optim.name, momentum=optim.momentum,
-                               grad_accum_steps=2 if earlier_grads else 1)
 
         for rank in ranks:
             mine = [i for s in stages_of_rank(rank.index, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
@@ -215,24 +268,13 @@ class FSDP2Spec(EngineSpec):
                               largest_block_trainable=min(whole_units.largest_block_trainable,
                                                           stats.trainable_count - root),
                               blocks=stats.param_count - root)
-            holds_loss = len(layers) - 1 in mine
-
-            if plan.grad_accum_steps > rank.in_flight:
-                fsdp = stage_memory(rank, units, stats, holds_loss, earlier_grads=True)
-            else:
-                # Every micro-batch's forward runs before the first backward: the activations of all
-                # of them meet no gradients yet, and once the first backward has made some, fewer
-                # micro-batches wait. Each phase at the larger of the two moments: all in flight
-                # without gradients, or the last micro-batch alone with the others' gradients.
-                alone = dataclasses.replace(rank, in_flight=1,
-                                            in_flight_bytes=round(rank.in_flight_bytes / rank.in_flight))
-                waiting = stage_memory(rank, units, stats, holds_loss, earlier_grads=False)
-                last = stage_memory(alone, units, stats, holds_loss, earlier_grads=True)
-                fsdp = dataclasses.replace(waiting, phases=[max(a, b, key=lambda p: p.total)
-                                                            for a, b in zip(waiting.phases, last.phases, strict=True)])
-            phases = fsdp.device_phases()
-            held = dataclasses.replace(phases.held, buffers=phases.held.buffers + rank.buffer_bytes)
-            per_stage.append((fsdp.states, dataclasses.replace(phases, held=held)))
+            states, phases, fsdp = _rank_memory(_RankInputs(
+                rank=dataclasses.replace(rank, index=0, start=0, stop=0, layers=()), units=units, stats=stats,
+                holds_loss=len(layers) - 1 in mine, engine=engine, mesh=mesh, activations=activations,
+                total_saved=total_saved, held_output=layers[-1].output_bytes, split_backward=split_backward,
+                precision=plan.precision, optimizer=optim.name, momentum=optim.momentum,
+                micro_batches=plan.grad_accum_steps))
+            per_stage.append((states, phases))
             details.append(fsdp)
         worst = max(range(len(per_stage)), key=lambda i: per_stage[i][1].held.total + per_stage[i][1].binding.total)
         return DeviceMemory(per_stage=per_stage, pipeline=ranks, detail=details[worst])

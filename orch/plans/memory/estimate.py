@@ -59,6 +59,7 @@ from orch.plans.parallel.pipeline import (
     on_sequence_part,
     partition,
     pipeline_stages,
+    rank_stages,
 )
 from orch.plans.parallel.sequence_parallel import (
     SequenceParallelLayout,
@@ -70,7 +71,7 @@ from orch.plans.parallel.stage_layers import declared
 from orch.plans.parallel.tp_plan import shard_module, split_params
 from orch.plans.parallel.vocab_parallel import OutputHead, describe_head, output_head, splits_head
 from orch.plans.resolve import ResolvedPlan
-from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, Precision, Recompute
+from orch.plans.spec import Accelerator, ClusterSpec, Offload, OptimSpec, PipelineSchedule, Precision, Recompute
 
 # The keys of one device in `orch check --json` (``per_device`` and each of ``stages``), in bytes
 # but for ``phase``, the step phase the peak falls in.
@@ -213,6 +214,7 @@ class ModelProbe:
         only if a measurement cannot be carried (see :meth:`_measure`)."""
         self._pipeline = functools.lru_cache(maxsize=None)(self._measure_pipeline)
         self._stages = functools.lru_cache(maxsize=None)(self._split)
+        self._ranks = functools.lru_cache(maxsize=None)(self._join)
         self.stats = (model_stats(self.module) if shallow is None else
                       shallow.at_depth(model_stats, keep=("largest_layer_params", "largest_param")))
         self._measured = functools.lru_cache(maxsize=None)(self._measure_or_refusal)
@@ -410,6 +412,20 @@ class ModelProbe:
         estimates it, and the fix search estimates many variants of one plan."""
         return self._stages(plan.micro_batch_size, plan.precision, plan.pipeline_stages, plan.pp_partition,
                             plan.grad_accum_steps, plan.engine, plan.cp, plan.tp)
+
+    def pipeline_ranks(self, plan: ResolvedPlan) -> list[PipelineStage]:
+        """Each pipeline rank's stages as one, with the micro-batches its schedule holds in flight
+        (:func:`orch.plans.parallel.pipeline.rank_stages`); cached as :meth:`stages` is: the tuner
+        prices many plans of one pipeline (offload, resharding, compile, async TP)."""
+        return self._ranks(plan.micro_batch_size, plan.precision, plan.pipeline_stages, plan.pp_partition,
+                           plan.grad_accum_steps, plan.engine, plan.cp, plan.tp, plan.pp_schedule, plan.pp,
+                           plan.pp_virtual_stages)
+
+    def _join(self, micro_batch_size: int, precision: Precision, stages: int, method: str, micro_batches: int,
+              engine: str, cp: int, tp: int, schedule: PipelineSchedule, pp: int, virtual: int) -> list[PipelineStage]:
+        layers = on_sequence_part(self._pipeline(micro_batch_size, precision, tp), cp)
+        return rank_stages(self._stages(micro_batch_size, precision, stages, method, micro_batches, engine, cp, tp),
+                           layers, schedule=schedule, pp=pp, virtual=virtual, micro_batches=micro_batches)
 
     def _split(self, micro_batch_size: int, precision: Precision, pp: int, method: str,
                micro_batches: int, engine: str, cp: int = 1, tp: int = 1) -> list[PipelineStage]:

@@ -48,7 +48,7 @@ class PipelineStage:
     index: int
     start: int
     stop: int
-    layers: list[str]
+    layers: tuple[str, ...]
     params: int
     trainable: int
     largest_param: int
@@ -204,7 +204,7 @@ def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_
             buffers = (received if index > 0 else slots * received) + (sent if index < pp - 1 else slots * sent)
             boundary = (received if index > 0 else 0) + (sent if index < pp - 1 else 0)
         stages.append(PipelineStage(
-            index=index, start=bounds[index], stop=bounds[index + 1], layers=[layer.name for layer in part],
+            index=index, start=bounds[index], stop=bounds[index + 1], layers=tuple(layer.name for layer in part),
             params=sum(layer.params for layer in part), trainable=sum(layer.trainable for layer in part),
             largest_param=max((layer.largest_param for layer in part), default=0),
             saved_bytes=sum(layer.saved_bytes for layer in part), in_flight=in_flight, buffer_bytes=buffers,
@@ -329,7 +329,7 @@ def rank_stages(stages: list[PipelineStage], layers: list[PipelineLayer], *, sch
         held = micro_batches_in_flight(schedule, pp, virtual, micro_batches, rank)  # an average: may be fractional
         ranks.append(PipelineStage(
             index=rank, start=min(s.start for s in mine), stop=max(s.stop for s in mine),
-            layers=[name for s in mine for name in s.layers], params=sum(s.params for s in mine),
+            layers=tuple(name for s in mine for name in s.layers), params=sum(s.params for s in mine),
             trainable=sum(s.trainable for s in mine), largest_param=max(s.largest_param for s in mine),
             saved_bytes=sum(s.saved_bytes for s in mine), in_flight=held,
             tp_params=sum(s.tp_params for s in mine), tp_trainable=sum(s.tp_trainable for s in mine),
