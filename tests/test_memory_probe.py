@@ -122,6 +122,61 @@ def test_zero3_style_release_and_resize_are_tracked():
     assert tracker.peak == before
 
 
+def test_the_peak_is_told_apart_by_what_made_it():
+    """With ``detail`` (``train.memory_probe_detail``) the storages alive at the peak are grouped by
+    what made them and add up to the peak: what the step began with by kind, then each operator's
+    outputs by forward or backward and module. At the backward's peak of the MLP above, the three
+    activation-sized tensors are ReLU's output (saved in forward), and the gradients of that output
+    and of the hidden layer, made in backward by the second Linear's matmul and ReLU's backward."""
+    b, d, h = 512, 64, 2048
+    torch.manual_seed(0)
+    model = _mlp(d, h)
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(b, d)
+    model(x).square().mean().backward()
+    optimizer.step()
+    _baseline()
+    with PeakMemoryTracker(detail=True) as tracker:
+        model(x).square().mean().backward()
+        optimizer.step()
+    held = tracker.at_peak()
+    assert sum(entry.bytes for entry in held) == tracker.peak
+    assert [entry.bytes for entry in held] == sorted((entry.bytes for entry in held), reverse=True)
+    by_what = {entry.what: entry for entry in held}
+    activation = b * h * FP32
+    assert [(entry.what, entry.bytes, entry.storages) for entry in held[:3]] == [
+        ("forward: aten.relu in Sequential.1", activation, 1), ("backward: aten.mm in Sequential.2", activation, 1),
+        ("backward: aten.threshold_backward in Sequential.1", activation, 1)]
+    assert by_what["parameters"].bytes == by_what["gradients"].bytes == _param_bytes(model)
+    # AdamW's two moments and the input, among what else the process held.
+    assert by_what["other tensors held when the step began"].bytes >= 2 * _param_bytes(model) + x.nbytes
+    # Without ``detail`` nothing is logged.
+    with PeakMemoryTracker() as plain:
+        model(x).square().mean().backward()
+    assert plain.at_peak() == [] and not plain._events and plain.peak > plain.baseline
+
+
+def test_the_printed_holders_sum_repeated_layers_and_detail_needs_the_probe():
+    from orch.config import to_typed
+    from orch.plans.errors import PlanError
+    from orch.plans.resolve import resolve_plan
+    from orch.tracking.memory_detail import across_layers
+
+    held = [{"what": "forward: aten.addmm in GPT.blocks.0.mlp.fc", "bytes": 4, "storages": 1},
+            {"what": "parameters", "bytes": 6, "storages": 3},
+            {"what": "forward: aten.addmm in GPT.blocks.11.mlp.fc", "bytes": 4, "storages": 1},
+            {"what": "backward: aten.mm in GPT.blocks.2", "bytes": 1, "storages": 1}]
+    assert across_layers(held) == [{"what": "forward: aten.addmm in GPT.blocks.*.mlp.fc", "bytes": 8, "storages": 2},
+                                   {"what": "parameters", "bytes": 6, "storages": 3},
+                                   {"what": "backward: aten.mm in GPT.blocks.*", "bytes": 1, "storages": 1}]
+    typed, _, _ = to_typed(compose_config("train.memory_probe_detail=true", "train.memory_probe_step=0"))
+    with pytest.raises(PlanError) as raised:
+        resolve_plan(typed.plan, typed.cluster, typed.train)
+    assert ("train.memory_probe_detail=True: says what was alive at the memory probe's peak, and "
+            "train.memory_probe_step=0 turns the probe off. Fix: set train.memory_probe_step to a step of the run "
+            "(2 by default)") in str(raised.value)
+
+
 def test_tracker_releases_its_finalizers_on_exit():
     with PeakMemoryTracker() as tracker:
         x = torch.ones(10)
@@ -148,25 +203,49 @@ def test_the_tracker_sees_the_temporaries_of_dtensors_loss_handlers():
 
 # --- real DeepSpeed in Ray actors ----------------------------------------------------------------
 
-def _train_with_probe(sqlite_uri: str, *overrides: str):
+def _train_with_probe(sqlite_uri: str, *overrides: str, stream=None):
     from orch.config import to_typed
     from orch.run.driver import run_training
 
     cfg = compose_config(*FAST, "train.steps=5", f"tracking.uri={sqlite_uri}", "train.memory_probe_step=2",
                          *overrides)
-    return run_training(*to_typed(cfg))
+    return run_training(*to_typed(cfg), stream=stream)
 
 
 @pytest.mark.slow
-def test_every_rank_reports_measured_memory_and_zero2_shards_states(local_ray, sqlite_uri):
+def test_every_rank_reports_measured_memory_and_zero2_shards_states(local_ray, sqlite_uri, tmp_path):
+    """ZeRO-2's run also says what was alive at each rank's peak (``train.memory_probe_detail``):
+    grouped by what made it, adding up to the peak, in the run and printed."""
+    import io
+    import json
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
     big = ("model.d_model=256", "model.n_layer=4")
     held = {}
     for stage in (0, 2):
-        result = _train_with_probe(sqlite_uri, f"plan.zero_stage={stage}", *big)
+        out = io.StringIO()
+        result = _train_with_probe(sqlite_uri, f"plan.zero_stage={stage}", *big,
+                                   f"train.memory_probe_detail={str(stage == 2).lower()}", stream=out)
         (reports,) = result.reports  # one report, at step 5, after the probe at step 2
         for report in reports:
             assert report.measured_peak_bytes >= report.measured_state_bytes > 0, report
+            assert (report.memory_at_peak is None) == (stage == 0)
         held[stage] = [r.measured_state_bytes for r in reports]
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    for report in reports:
+        path = client.download_artifacts(result.run_id, f"memory/at_peak/rank{report.rank}.json", str(tmp_path))
+        logged = json.loads(Path(path).read_text())
+        assert logged == {"rank": report.rank, "measured_peak_bytes": report.measured_peak_bytes,
+                          "at_peak": report.memory_at_peak}
+        assert sum(entry["bytes"] for entry in report.memory_at_peak) == report.measured_peak_bytes
+        what = [entry["what"] for entry in report.memory_at_peak]
+        assert "parameters" in what and "other tensors held when the step began" in what
+        # Named inside the model, which DeepSpeed's engine wraps, in forward and in backward.
+        assert any(w.startswith("forward: ") and " in DeepSpeedEngine.module.blocks." in w for w in what), what
+        assert any(w.startswith("backward: ") and " in DeepSpeedEngine.module." in w for w in what), what
+    assert "memory at the measured peak of rank" in out.getvalue(), out.getvalue()
     psi = result.model.param_count * FP32
     # After a step DeepSpeed has already dropped the gradients (zero_grad), so stage 0 holds the
     # params and Adam's two moments whole (3 psi). Stage 2 keeps the params whole and shards its

@@ -100,6 +100,9 @@ class StepReport:
     """Peak tensor bytes during the memory-probe step (None at other steps)."""
     measured_state_bytes: int | None = None
     """Tensor bytes held after the memory-probe step (None at other steps)."""
+    memory_at_peak: list[dict] | None = None
+    """What was alive at the measured peak (``train.memory_probe_detail``), grouped by what made it,
+    largest first: :class:`orch.launchers.memory_probe.HeldAtPeak` as dicts."""
     phase_time_s: dict[str, float] = field(default_factory=dict)
     """Mean seconds per step in each phase (forward, backward, optimizer, ...) of the steps sampled
     since the last report (:mod:`orch.launchers.step_phases`); empty when none was."""

@@ -14,6 +14,12 @@ predicts is bytes of *tensors*, so this module counts exactly those, from two to
 Both run only in the step the worker probes (``train.memory_probe_step``); a dispatch mode costs
 a few microseconds of Python per operator, and the scan walks every object of the process.
 
+With ``train.memory_probe_detail`` the tracker also says what was alive at the peak
+(:meth:`PeakMemoryTracker.at_peak`): each storage it counts is named when first seen (parameters,
+gradients and the other tensors held when the step began; then the operator that made it, forward
+or backward, in the module running it, from torch's public ``ModuleTracker``), and the storages
+alive at the peak are found again by replaying the log of additions and frees up to it.
+
 An operator on DTensors runs DTensor's own dispatch below the mode, which sees what the operator
 returns but not the temporaries made and freed inside. The ones made in DTensor's Python op
 handlers (torch's ``loss_parallel`` computes its cross-entropy there: two tensors of the local
@@ -173,6 +179,37 @@ class TensorsMade:
             self.bytes = sum(s.nbytes() for s in _live_storages(_tracked_tensors(frozen_too=False)).values())
 
 
+@dataclass(frozen=True)
+class HeldAtPeak:
+    """Tensor memory alive at the measured peak that one thing made: ``what`` is ``parameters``,
+    ``gradients``, ``other tensors held when the step began`` (optimizer states, an engine's flat
+    buffers, batches) or ``<forward|backward|outside modules>: <operator> in <module>``."""
+
+    what: str
+    bytes: int
+    storages: int
+
+
+HELD_KINDS = ("parameters", "gradients", "other tensors held when the step began")
+
+
+def _held_kinds(tensors: list[torch.Tensor]) -> dict[int, str]:
+    """What each storage alive at the start holds, by storage address: a parameter's, a leaf's
+    gradient's, or something else's (the first of these that claims it)."""
+    grads = {id(t.grad) for t in tensors if t.is_leaf and t.grad is not None}
+    kinds: dict[int, str] = {}
+    for tensor in tensors:
+        storage = _storage_of(tensor)
+        if storage is None or not storage.data_ptr():
+            continue
+        kind = (HELD_KINDS[0] if isinstance(tensor, torch.nn.Parameter) else
+                HELD_KINDS[1] if id(tensor) in grads else HELD_KINDS[2])
+        address = storage.data_ptr()
+        if address not in kinds or HELD_KINDS.index(kind) < HELD_KINDS.index(kinds[address]):
+            kinds[address] = kind
+    return kinds
+
+
 @dataclass
 class _Tracked:
     """What the tracker last saw of one storage; ``nbytes`` changes when the storage is resized."""
@@ -211,8 +248,14 @@ class PeakMemoryTracker(TorchDispatchMode):
       from the first operator that uses it, not from the start.
     """
 
-    def __init__(self):
+    def __init__(self, *, detail: bool = False):
         super().__init__()
+        self.detail = detail
+        """Also log what made each storage, for :meth:`at_peak` (``train.memory_probe_detail``)."""
+        self._events: list[tuple[int, int, str]] = []  # (storage key, bytes added or freed, what made it)
+        self._peak_at = 0  # how many of the events make up the peak
+        self._label = HELD_KINDS[2]  # what makes the storages seen now
+        self._modules = None  # torch's ModuleTracker while the block runs, with ``detail``
         self._tracked: dict[int, _Tracked] = {}
         self._by_address: dict[int, int] = {}
         self._handlers: dict | None = None  # DTensor's Python op handlers, once DTensor is in use
@@ -224,15 +267,27 @@ class PeakMemoryTracker(TorchDispatchMode):
     def __enter__(self):
         self._tracked.clear()
         self._by_address.clear()
+        self._events.clear()
         self.current = 0
-        for storage in _live_storages(_tracked_tensors()).values():
+        tensors = _tracked_tensors()
+        kinds = _held_kinds(tensors) if self.detail else {}
+        for address, storage in _live_storages(tensors).items():
+            self._label = kinds.get(address[1], HELD_KINDS[2])
             self._see(storage)
+        del tensors
         self.baseline = self.peak = self.current
+        self._peak_at = len(self._events)
+        if self.detail:
+            from torch.utils.module_tracker import ModuleTracker
+
+            self._modules = ModuleTracker().__enter__()
         self._own_resize = vars(torch.UntypedStorage).get("resize_")  # None: inherited from the C base
         resize = torch.UntypedStorage.resize_
 
         def resized(storage: torch.UntypedStorage, size: int):
             out = resize(storage, size)
+            if self.detail:
+                self._label = self._made_by("resize_")
             self._see(storage)
             return out
 
@@ -247,6 +302,9 @@ class PeakMemoryTracker(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
+            if self._modules is not None:
+                self._modules.__exit__(None, None, None)
+                self._modules = None
             if self._own_resize is None:
                 del torch.UntypedStorage.resize_
             else:
@@ -267,6 +325,8 @@ class PeakMemoryTracker(TorchDispatchMode):
         if self._handlers is not None and any(kind is not torch.Tensor for kind in types):
             self._watch_handlers()
         out = func(*args, **kwargs)
+        if self.detail:
+            self._label = self._made_by(str(func.overloadpacket))
         # Inputs too: an in-place op or an op on a tensor made outside the dispatcher returns no
         # new storage, but its input may be one the tracker has not met yet.
         for leaf in tree_flatten((args, kwargs, out))[0]:
@@ -312,7 +372,7 @@ class PeakMemoryTracker(TorchDispatchMode):
                 self._by_address.pop(tracked.data_ptr, None)
                 if address:
                     self._by_address[address] = key
-                self._add(nbytes - tracked.nbytes)
+                self._add(key, nbytes - tracked.nbytes)
                 tracked.nbytes, tracked.data_ptr = nbytes, address
             return
         if address and address in self._by_address:
@@ -322,7 +382,7 @@ class PeakMemoryTracker(TorchDispatchMode):
         self._tracked[key] = _Tracked(nbytes=nbytes, data_ptr=address, finalizer=finalizer)
         if address:
             self._by_address[address] = key
-        self._add(nbytes)
+        self._add(key, nbytes)
 
     def _freed(self, key: int) -> None:
         tracked = self._tracked.pop(key, None)
@@ -331,7 +391,43 @@ class PeakMemoryTracker(TorchDispatchMode):
         if self._by_address.get(tracked.data_ptr) == key:
             del self._by_address[tracked.data_ptr]
         self.current -= tracked.nbytes
+        if self.detail:
+            self._events.append((key, -tracked.nbytes, ""))
 
-    def _add(self, nbytes: int) -> None:
+    def _add(self, key: int, nbytes: int) -> None:
         self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        if self.detail:
+            self._events.append((key, nbytes, self._label))
+        if self.current > self.peak:
+            self.peak = self.current
+            self._peak_at = len(self._events)
+
+    def _made_by(self, op: str) -> str:
+        """What makes a storage now: the operator, and forward or backward of the innermost module
+        running it (ModuleTracker names a module by its path from the outermost one that ran)."""
+        parents = self._modules.parents if self._modules is not None else ()
+        inside = max(parents, key=lambda name: name.count("."), default="Global")
+        if inside == "Global":
+            return f"outside modules: {op}"
+        return f"{'backward' if self._modules.is_bw else 'forward'}: {op} in {inside}"
+
+    def at_peak(self) -> list[HeldAtPeak]:
+        """The storages alive at the peak, grouped by what made them, largest first; their bytes
+        add up to :attr:`peak`. Empty without ``detail``.
+
+        A storage is named by what made it, or for one resized back (FSDP2's gathered blocks), by
+        what resized it; the log is replayed up to the peak."""
+        live: dict[int, tuple[int, str]] = {}
+        for key, delta, label in self._events[:self._peak_at]:
+            held, made_by = live.get(key, (0, label))
+            if held + delta:
+                live[key] = (held + delta, made_by if held else label)
+            else:
+                live.pop(key, None)
+        grouped: dict[str, list[int]] = {}
+        for held, made_by in live.values():
+            entry = grouped.setdefault(made_by, [0, 0])
+            entry[0] += held
+            entry[1] += 1
+        return sorted((HeldAtPeak(what=what, bytes=held, storages=count) for what, (held, count) in grouped.items()),
+                      key=lambda entry: -entry.bytes)

@@ -11,6 +11,7 @@ answered tells it the process is gone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import time
@@ -242,7 +243,8 @@ class TrainWorker:
             started = time.perf_counter()
             probing = step == spec.memory_probe_step
             # On GPUs CUDA's allocator keeps the statistics; on CPU the tracker counts tensors.
-            probe = PeakMemoryTracker() if probing and not on_cuda else contextlib.nullcontext()
+            probe = (PeakMemoryTracker(detail=spec.memory_probe_detail) if probing and not on_cuda
+                     else contextlib.nullcontext())
             if probing and on_cuda:
                 reset_cuda_peak(self.engine.device)
             # A profiled step is slowed by its profiler: left out of the phase timing and the rates.
@@ -261,6 +263,8 @@ class TrainWorker:
             if probing:
                 measured = (cuda_memory_facts(self.engine.device) if on_cuda else
                             {"measured_peak_bytes": probe.peak, "measured_state_bytes": live_tensor_bytes()})
+                if not on_cuda and probe.detail:
+                    measured["memory_at_peak"] = [dataclasses.asdict(held) for held in probe.at_peak()]
             last = step == spec.steps
             self.link.stepped(step)
             evaluating = bool(spec.eval_every and step % spec.eval_every == 0) or last
@@ -282,6 +286,7 @@ class TrainWorker:
             yield self._report(step, interval.mean_loss, interval.rates(), evaluating, evaluated,
                                phase_time_s=clock.take(),
                                steps=interval.timed_steps, checkpoint_s=saved_s, profiles=profiles, **measured)
+            measured.pop("memory_at_peak", None)  # reported once; the peak's bytes go with every report
             interval.reset()
             saved_s, profiles = 0.0, []
             if stopping:

@@ -155,6 +155,10 @@ def _check_profile_steps(train: TrainSpec, violations: list[Violation]) -> None:
                                     f"step(s) {outside} are not among the run's steps 1..{train.steps} "
                                     f"(train.steps={train.steps}).",
                                     f"name steps from 1 to {train.steps}, e.g. train.profile_steps=[{train.steps}]"))
+    if train.memory_probe_detail and not train.memory_probe_step:
+        violations.append(Violation("train.memory_probe_detail", True, "says what was alive at the memory probe's "
+                                    "peak, and train.memory_probe_step=0 turns the probe off.",
+                                    "set train.memory_probe_step to a step of the run (2 by default)"))
     if train.memory_probe_step and train.memory_probe_step in steps:
         other = next((s for s in range(train.steps, 0, -1) if s != train.memory_probe_step), 1)
         violations.append(Violation("train.profile_steps", steps,

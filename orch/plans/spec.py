@@ -457,6 +457,10 @@ class TrainSpec:
     memory_probe_step: int = 2
     """Measure every worker's real peak tensor memory during this step (0 disables); later
     steps run unobserved, at full speed."""
+    memory_probe_detail: bool = False
+    """Also say what was alive at that peak (CPU workers): each rank's tensor memory grouped by what
+    made it (parameters, gradients, what the step began with, then operator, forward or backward, and
+    module), as memory/at_peak/rank<r>.json in the MLflow run, the largest printed."""
     profile_steps: list[int] = field(default_factory=list)
     """Run these steps under torch's profiler on every rank: each rank's trace (Chrome JSON, gzipped)
     goes to the MLflow run under profile/, and the time by kind of work (matmul, attention, element-wise,

@@ -396,6 +396,10 @@ def _attempt(group: WorkerGroup, prepared: PreparedJob, job: TrainJob, tracker: 
             from orch.tracking.profiles import record_profiles
 
             record_profiles(tracker, reports, out)
+        if any(r.memory_at_peak for r in reports):
+            from orch.tracking.memory_detail import record_memory_at_peak
+
+            record_memory_at_peak(tracker, reports, out)
         slowdown = plan_watch.observe(reports) if plan_watch is not None else None
         straggler = watch.observe(reports)
         for named in (slowdown, straggler):
