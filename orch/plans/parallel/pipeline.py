@@ -197,12 +197,15 @@ def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_
             # still holds the slot's received input (a leaf, referenced by its AccumulateGrad
             # node) and so that input's gradient: two boundary activations per slot besides the
             # receive buffer. Measured on CPU workers with d_model 128 and a 256-way vocabulary,
-            # where the two sizes differ.
+            # where the two sizes differ. The micro-batch in flight is in its slot: its received
+            # input and its logits are those buffers, not more besides them.
             buffers = received + slots * (sent + 2 * received)
             boundary = received
+            in_flight_bytes = 0
         else:
             buffers = (received if index > 0 else slots * received) + (sent if index < pp - 1 else slots * sent)
             boundary = (received if index > 0 else 0) + (sent if index < pp - 1 else 0)
+            in_flight_bytes = in_flight * ((received if index > 0 else 0) + sent)
         stages.append(PipelineStage(
             index=index, start=bounds[index], stop=bounds[index + 1], layers=tuple(layer.name for layer in part),
             params=sum(layer.params for layer in part), trainable=sum(layer.trainable for layer in part),
@@ -210,7 +213,7 @@ def pipeline_stages(layers: list[PipelineLayer], *, pp: int, method: str, micro_
             saved_bytes=sum(layer.saved_bytes for layer in part), in_flight=in_flight, buffer_bytes=buffers,
             boundary_buffer_bytes=boundary,
             tp_params=sum(layer.tp_params for layer in part), tp_trainable=sum(layer.tp_trainable for layer in part),
-            in_flight_bytes=in_flight * ((received if index > 0 else 0) + sent)))
+            in_flight_bytes=in_flight_bytes))
     return stages
 
 
