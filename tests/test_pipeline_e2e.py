@@ -38,8 +38,8 @@ def test_gpt_pipeline_schedules_give_the_unpipelined_losses(local_ray, sqlite_ur
     tokens, attention gathers the other rank's keys), interleaved 1F1B over 2 stages per rank with
     full recomputation of every 2nd block at tp=2 (4 workers: the tied embedding's copies on the
     first and last stage, on different ranks, both split over the vocabulary, their gradient shards
-    summed), and ZB-V (its two stages in a V, the tied embedding and head both on rank 0): the
-    first 10 losses are the pp=1 run's."""
+    summed), and ZB-V (its two stages in a V, the tied embedding and head both on rank 0, saying
+    what was alive at its memory peak): the first 10 losses are the pp=1 run's."""
     gpt = ["model.n_layer=4"]
     reference = train(sqlite_uri, *gpt, "cluster.devices_per_node=1")
     expected = losses(reference)
@@ -50,7 +50,8 @@ def test_gpt_pipeline_schedules_give_the_unpipelined_losses(local_ray, sqlite_ur
         "interleaved_1f1b": ["plan.pp_schedule=interleaved_1f1b", "plan.pp_virtual_stages=2",
                              "plan.activation_checkpointing=full", "plan.recompute_every_n_layers=2", "plan.tp=2",
                              "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5"],
-        "zbv": ["plan.pp_schedule=zbv", "plan.pp_virtual_stages=2", "plan.fsdp.reshard_after_forward=false"],
+        "zbv": ["plan.pp_schedule=zbv", "plan.pp_virtual_stages=2", "plan.fsdp.reshard_after_forward=false",
+                "train.memory_probe_detail=true"],
     }
     for schedule, overrides in runs.items():
         result = train(sqlite_uri, *gpt, "plan.pp=2", *overrides)
@@ -62,6 +63,12 @@ def test_gpt_pipeline_schedules_give_the_unpipelined_losses(local_ray, sqlite_ur
         # Each rank built only its own stages.
         assert all(f.model.params_on_rank < result.model.param_count for f in result.worker_facts)
         assert "stages" in result.worker_facts[0].model.built
+    # What was alive at the peak, under ZB-V named by operator alone (module tracking's hooks on
+    # outputs would break its split backward), still adding up to each rank's measured peak.
+    detailed = next(reports for reports in result.reports if reports[0].memory_at_peak)
+    for report in detailed:
+        assert sum(entry["bytes"] for entry in report.memory_at_peak) == report.measured_peak_bytes
+        assert {"parameters", "aten.addmm"} <= {entry["what"] for entry in report.memory_at_peak}
 
 
 def test_a_pipelined_checkpoint_resumes_at_another_dp_tp_and_pp(local_ray, sqlite_uri, tmp_path):

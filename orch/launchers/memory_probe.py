@@ -248,10 +248,14 @@ class PeakMemoryTracker(TorchDispatchMode):
       from the first operator that uses it, not from the start.
     """
 
-    def __init__(self, *, detail: bool = False):
+    def __init__(self, *, detail: bool = False, modules: bool = True):
         super().__init__()
         self.detail = detail
         """Also log what made each storage, for :meth:`at_peak` (``train.memory_probe_detail``)."""
+        self.name_modules = modules
+        """With ``detail``, also name the module running each operator and whether in forward or
+        backward (torch's ModuleTracker, whose hooks on module outputs break a backward split in two,
+        as the zero-bubble pipeline schedules run it: there operators only)."""
         self._events: list[tuple[int, int, str]] = []  # (storage key, bytes added or freed, what made it)
         self._peak_at = 0  # how many of the events make up the peak
         self._label = HELD_KINDS[2]  # what makes the storages seen now
@@ -277,7 +281,7 @@ class PeakMemoryTracker(TorchDispatchMode):
         del tensors
         self.baseline = self.peak = self.current
         self._peak_at = len(self._events)
-        if self.detail:
+        if self.detail and self.name_modules:
             from torch.utils.module_tracker import ModuleTracker
 
             self._modules = ModuleTracker().__enter__()
@@ -405,8 +409,9 @@ class PeakMemoryTracker(TorchDispatchMode):
     def _made_by(self, op: str) -> str:
         """What makes a storage now: the operator, and forward or backward of the innermost module
         running it (ModuleTracker names a module by its path from the outermost one that ran)."""
-        parents = self._modules.parents if self._modules is not None else ()
-        inside = max(parents, key=lambda name: name.count("."), default="Global")
+        if self._modules is None:
+            return op
+        inside = max(self._modules.parents, key=lambda name: name.count("."), default="Global")
         if inside == "Global":
             return f"outside modules: {op}"
         return f"{'backward' if self._modules.is_bw else 'forward'}: {op} in {inside}"

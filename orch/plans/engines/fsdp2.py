@@ -31,7 +31,6 @@ from orch.plans.spec import (
     FSDPSpec,
     Offload,
     OptimizerName,
-    PipelineSchedule,
     PlanSpec,
     Precision,
 )
@@ -224,7 +223,7 @@ class FSDP2Spec(EngineSpec):
         from orch.plans.parallel.schedules import stages_of_rank
 
         layers = probe.pipeline_layer_facts(plan)
-        split_backward = plan.pp_schedule in (PipelineSchedule.zero_bubble, PipelineSchedule.zbv)
+        split_backward = plan.pp_schedule.splits_backward
         mesh = fsdp_mesh(plan, cluster.devices_per_node)
         ranks = probe.pipeline_ranks(plan)
         total_saved = sum(layer.saved_bytes for layer in layers)
