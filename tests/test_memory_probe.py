@@ -246,6 +246,13 @@ def test_every_rank_reports_measured_memory_and_zero2_shards_states(local_ray, s
         assert any(w.startswith("forward: ") and " in DeepSpeedEngine.module.blocks." in w for w in what), what
         assert any(w.startswith("backward: ") and " in DeepSpeedEngine.module." in w for w in what), what
     assert "memory at the measured peak of rank" in out.getvalue(), out.getvalue()
+    # `orch report` shows them again, from the run.
+    from orch.tracking.report import summary
+
+    report = summary(client, result.run_id).splitlines()
+    at = next(i for i, line in enumerate(report) if "'s peak, largest first:" in line)
+    assert report[at - 1].startswith("memory     predicted peak") and len(report[at + 1:at + 6]) == 5
+    assert any("DeepSpeedEngine.module.blocks.*." in line for line in report[at + 1:at + 6]), report
     psi = result.model.param_count * FP32
     # After a step DeepSpeed has already dropped the gradients (zero_grad), so stage 0 holds the
     # params and Adam's two moments whole (3 psi). Stage 2 keeps the params whole and shards its

@@ -251,6 +251,7 @@ def summary(client: MlflowClient, run_id: str) -> str:
     if "memory/measured_peak_bytes" in m:
         lines.append(f"memory     predicted peak {int(p.get('memory.predicted.total', 0)) / MIB:.1f} MiB, "
                      f"measured {m['memory/measured_peak_bytes'] / MIB:.1f} MiB per device")
+        lines += memory_holder_lines(client, run_id)
     lines.append(f"restarts   {t.get('restarts', '0')}")
     if "goodput" in m:
         shares = [(kind, m.get(f"goodput/{kind}_s", 0.0)) for kind in ("training", *LOSSES)]
@@ -259,6 +260,27 @@ def summary(client: MlflowClient, run_id: str) -> str:
     stragglers = sorted((key for key in t if key.startswith("straggler.")), key=lambda k: int(k.split(".")[1]))
     lines += [f"straggler  {t[key]}" for key in stragglers]
     return "\n".join(lines)
+
+
+def memory_holder_lines(client: MlflowClient, run_id: str, shown: int = 5) -> list[str]:
+    """The largest holders of the largest rank's measured peak, repeated layers summed, when the run
+    listed them (``train.memory_probe_detail``: ``memory/at_peak/rank<r>.json``, plain JSON)."""
+    import json
+    import tempfile
+
+    from orch.plans.memory.build import format_bytes
+    from orch.tracking.memory_detail import across_layers
+
+    listed = [a.path for a in client.list_artifacts(run_id, "memory/at_peak") if a.path.endswith(".json")]
+    if not listed:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = [json.loads(Path(client.download_artifacts(run_id, path, tmp)).read_text()) for path in listed]
+    top = max(ranks, key=lambda rank: rank["measured_peak_bytes"] or 0)
+    lines = [f"           at rank {top['rank']}'s peak, largest first:"]
+    lines += [f"           {format_bytes(held['bytes']):>12}  {held['what']}"
+              for held in across_layers(top["at_peak"])[:shown]]
+    return lines
 
 
 def runs_table(client: MlflowClient, experiment: str, limit: int = 20) -> str:
