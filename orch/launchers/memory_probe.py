@@ -183,7 +183,8 @@ class TensorsMade:
 class HeldAtPeak:
     """Tensor memory alive at the measured peak that one thing made: ``what`` is ``parameters``,
     ``gradients``, ``other tensors held when the step began`` (optimizer states, an engine's flat
-    buffers, batches) or ``<forward|backward|outside modules>: <operator> in <module>``."""
+    buffers, batches), ``<forward|backward>: <operator> in <module>``, ``outside modules:
+    <operator>``, or without module naming the operator alone."""
 
     what: str
     bytes: int

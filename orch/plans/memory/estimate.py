@@ -214,7 +214,7 @@ class ModelProbe:
         only if a measurement cannot be carried (see :meth:`_measure`)."""
         self._pipeline = functools.lru_cache(maxsize=None)(self._measure_pipeline)
         self._stages = functools.lru_cache(maxsize=None)(self._split)
-        self._ranks = functools.lru_cache(maxsize=None)(self._join)
+        self._ranks = functools.lru_cache(maxsize=None)(self._rank_stages)
         self.stats = (model_stats(self.module) if shallow is None else
                       shallow.at_depth(model_stats, keep=("largest_layer_params", "largest_param")))
         self._measured = functools.lru_cache(maxsize=None)(self._measure_or_refusal)
@@ -421,8 +421,9 @@ class ModelProbe:
                            plan.grad_accum_steps, plan.engine, plan.cp, plan.tp, plan.pp_schedule, plan.pp,
                            plan.pp_virtual_stages)
 
-    def _join(self, micro_batch_size: int, precision: Precision, stages: int, method: str, micro_batches: int,
-              engine: str, cp: int, tp: int, schedule: PipelineSchedule, pp: int, virtual: int) -> list[PipelineStage]:
+    def _rank_stages(self, micro_batch_size: int, precision: Precision, stages: int, method: str,
+                     micro_batches: int, engine: str, cp: int, tp: int, schedule: PipelineSchedule, pp: int,
+                     virtual: int) -> list[PipelineStage]:
         layers = on_sequence_part(self._pipeline(micro_batch_size, precision, tp), cp)
         return rank_stages(self._stages(micro_batch_size, precision, stages, method, micro_batches, engine, cp, tp),
                            layers, schedule=schedule, pp=pp, virtual=virtual, micro_batches=micro_batches)
