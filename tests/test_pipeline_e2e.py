@@ -63,12 +63,13 @@ def test_gpt_pipeline_schedules_give_the_unpipelined_losses(local_ray, sqlite_ur
         # Each rank built only its own stages.
         assert all(f.model.params_on_rank < result.model.param_count for f in result.worker_facts)
         assert "stages" in result.worker_facts[0].model.built
-    # What was alive at the peak, under ZB-V named by operator alone (module tracking's hooks on
-    # outputs would break its split backward), still adding up to each rank's measured peak.
+    # What was alive at ZB-V's peak, adding up to each rank's measured peak: naming modules by
+    # their forward only leaves its split backward as it runs (hooks on module outputs broke it).
     detailed = next(reports for reports in result.reports if reports[0].memory_at_peak)
     for report in detailed:
         assert sum(entry["bytes"] for entry in report.memory_at_peak) == report.measured_peak_bytes
-        assert {"parameters", "aten.addmm"} <= {entry["what"] for entry in report.memory_at_peak}
+        what = [entry["what"] for entry in report.memory_at_peak]
+        assert "parameters" in what and any(w.startswith("forward: aten.addmm in ") for w in what), what
 
 
 def test_a_pipelined_checkpoint_resumes_at_another_dp_tp_and_pp(local_ray, sqlite_uri, tmp_path):

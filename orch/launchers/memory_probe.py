@@ -16,9 +16,9 @@ a few microseconds of Python per operator, and the scan walks every object of th
 
 With ``train.memory_probe_detail`` the tracker also says what was alive at the peak
 (:meth:`PeakMemoryTracker.at_peak`): each storage it counts is named when first seen (parameters,
-gradients and the other tensors held when the step began; then the operator that made it, forward
-or backward, in the module running it, from torch's public ``ModuleTracker``), and the storages
-alive at the peak are found again by replaying the log of additions and frees up to it.
+gradients and the other tensors held when the step began; then the operator that made it and the
+module whose forward was running, :class:`_ForwardModules`), and the storages alive at the peak
+are found again by replaying the log of additions and frees up to it.
 
 An operator on DTensors runs DTensor's own dispatch below the mode, which sees what the operator
 returns but not the temporaries made and freed inside. The ones made in DTensor's Python op
@@ -183,8 +183,9 @@ class TensorsMade:
 class HeldAtPeak:
     """Tensor memory alive at the measured peak that one thing made: ``what`` is ``parameters``,
     ``gradients``, ``other tensors held when the step began`` (optimizer states, an engine's flat
-    buffers, batches), ``<forward|backward>: <operator> in <module>``, ``outside modules:
-    <operator>``, or without module naming the operator alone."""
+    buffers, batches), ``forward: <operator> in <module>`` (``no grad: ...`` where grad mode was
+    off, as in a ZeRO-3 gather), or ``no grad (backward, optimizer): <operator>`` and ``outside
+    modules: <operator>`` for what no module's forward made."""
 
     what: str
     bytes: int
@@ -209,6 +210,51 @@ def _held_kinds(tensors: list[torch.Tensor]) -> dict[int, str]:
         if address not in kinds or HELD_KINDS.index(kind) < HELD_KINDS.index(kinds[address]):
             kinds[address] = kind
     return kinds
+
+
+class _ForwardModules:
+    """The modules whose forward is running, innermost last, each named by its path from the
+    outermost module that ran (``GPT.blocks.3.mlp``), through torch's global forward hooks
+    (``register_module_forward_pre_hook``, ``register_module_forward_hook``).
+
+    Nothing hooks tensors or gradients, so nothing the step would free is kept alive: hooks that
+    wait for all of a module's gradients (torch's ``ModuleTracker`` puts them on every module's
+    inputs and outputs) hold the gradients until the last arrives, and under recomputation some
+    never do (a ZeRO-3 run with checkpointing peaked 35% higher with them). Backward therefore
+    runs outside any module here; a recomputed layer's forward is named as forward."""
+
+    def __init__(self):
+        self.running: list[str] = []
+        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._handles: list = []
+
+    def __enter__(self) -> _ForwardModules:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [register_module_forward_pre_hook(self._entered), register_module_forward_hook(self._left)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.running.clear()
+
+    def _name(self, module: torch.nn.Module) -> str:
+        name = self._names.get(module)
+        if name is None:  # an outermost module: it and everything under it named from it
+            name = type(module).__name__
+            for path, sub in module.named_modules(prefix=name):
+                self._names.setdefault(sub, path)
+        return name
+
+    def _entered(self, module: torch.nn.Module, _inputs) -> None:
+        self.running.append(self._name(module))
+
+    def _left(self, module: torch.nn.Module, _inputs, _output) -> None:
+        name = self._name(module)
+        if name in self.running:  # a forward that raised never left: drop what it left behind
+            del self.running[len(self.running) - 1 - self.running[::-1].index(name):]
 
 
 @dataclass
@@ -249,18 +295,14 @@ class PeakMemoryTracker(TorchDispatchMode):
       from the first operator that uses it, not from the start.
     """
 
-    def __init__(self, *, detail: bool = False, modules: bool = True):
+    def __init__(self, *, detail: bool = False):
         super().__init__()
         self.detail = detail
         """Also log what made each storage, for :meth:`at_peak` (``train.memory_probe_detail``)."""
-        self.name_modules = modules
-        """With ``detail``, also name the module running each operator and whether in forward or
-        backward (torch's ModuleTracker, whose hooks on module outputs break a backward split in two,
-        as the zero-bubble pipeline schedules run it: there operators only)."""
         self._events: list[tuple[int, int, str]] = []  # (storage key, bytes added or freed, what made it)
         self._peak_at = 0  # how many of the events make up the peak
         self._label = HELD_KINDS[2]  # what makes the storages seen now
-        self._modules = None  # torch's ModuleTracker while the block runs, with ``detail``
+        self._modules: _ForwardModules | None = None  # while the block runs, with ``detail``
         self._tracked: dict[int, _Tracked] = {}
         self._by_address: dict[int, int] = {}
         self._handlers: dict | None = None  # DTensor's Python op handlers, once DTensor is in use
@@ -282,10 +324,8 @@ class PeakMemoryTracker(TorchDispatchMode):
         del tensors
         self.baseline = self.peak = self.current
         self._peak_at = len(self._events)
-        if self.detail and self.name_modules:
-            from torch.utils.module_tracker import ModuleTracker
-
-            self._modules = ModuleTracker().__enter__()
+        if self.detail:
+            self._modules = _ForwardModules().__enter__()
         self._own_resize = vars(torch.UntypedStorage).get("resize_")  # None: inherited from the C base
         resize = torch.UntypedStorage.resize_
 
@@ -408,14 +448,13 @@ class PeakMemoryTracker(TorchDispatchMode):
             self._peak_at = len(self._events)
 
     def _made_by(self, op: str) -> str:
-        """What makes a storage now: the operator, and forward or backward of the innermost module
-        running it (ModuleTracker names a module by its path from the outermost one that ran)."""
-        if self._modules is None:
-            return op
-        inside = max(self._modules.parents, key=lambda name: name.count("."), default="Global")
-        if inside == "Global":
-            return f"outside modules: {op}"
-        return f"{'backward' if self._modules.is_bw else 'forward'}: {op} in {inside}"
+        """What makes a storage now: the operator, and the innermost module whose forward runs it.
+        Autograd's backward and the optimizer run with grad mode off and outside every forward."""
+        grad = torch.is_grad_enabled()
+        running = self._modules.running if self._modules is not None else []
+        if running:
+            return f"{'forward' if grad else 'no grad'}: {op} in {running[-1]}"
+        return f"outside modules: {op}" if grad else f"no grad (backward, optimizer): {op}"
 
     def at_peak(self) -> list[HeldAtPeak]:
         """The storages alive at the peak, grouped by what made them, largest first; their bytes

@@ -243,9 +243,8 @@ class TrainWorker:
             started = time.perf_counter()
             probing = step == spec.memory_probe_step
             # On GPUs CUDA's allocator keeps the statistics; on CPU the tracker counts tensors.
-            probe = (PeakMemoryTracker(detail=spec.memory_probe_detail,
-                                       modules=not (plan.pp > 1 and plan.pp_schedule.splits_backward))
-                     if probing and not on_cuda else contextlib.nullcontext())
+            probe = (PeakMemoryTracker(detail=spec.memory_probe_detail) if probing and not on_cuda
+                     else contextlib.nullcontext())
             if probing and on_cuda:
                 reset_cuda_peak(self.engine.device)
             # A profiled step is slowed by its profiler: left out of the phase timing and the rates.
