@@ -10,7 +10,8 @@ import re
 
 from orch.plans.memory.build import format_bytes
 
-ARTIFACT = "memory/at_peak/rank{rank}.json"
+FOLDER = "memory/at_peak"
+ARTIFACT = FOLDER + "/rank{rank}.json"
 SHOWN = 6
 """Holders printed for the rank with the largest peak; the artifact has them all."""
 
@@ -30,6 +31,15 @@ def across_layers(held: list[dict]) -> list[dict]:
     return sorted(grouped.values(), key=lambda entry: -entry["bytes"])
 
 
+def holder_lines(held: list[dict], indent: str) -> list[str]:
+    """The largest holders of one rank's peak, repeated layers summed, one line each."""
+    lines = []
+    for entry in across_layers(held)[:SHOWN]:
+        count = f"{entry['storages']} tensors" if entry["storages"] > 1 else "1 tensor"
+        lines.append(f"{indent}{format_bytes(entry['bytes']):>12}  {entry['what']} ({count})")
+    return lines
+
+
 def record_memory_at_peak(tracker, reports: list, out) -> None:
     """Each rank's holders of its measured peak as ``memory/at_peak/rank<r>.json``, and those of
     the rank with the largest peak printed, largest first, repeated layers summed."""
@@ -39,13 +49,12 @@ def record_memory_at_peak(tracker, reports: list, out) -> None:
     top = max(detailed, key=lambda r: r.measured_peak_bytes or 0)
     print(f"memory at the measured peak of rank {top.rank} ({format_bytes(top.measured_peak_bytes or 0)}), "
           "largest first:", file=out, flush=True)
-    for held in across_layers(top.memory_at_peak)[:SHOWN]:
-        count = f"{held['storages']} tensors" if held["storages"] > 1 else "1 tensor"
-        print(f"  {format_bytes(held['bytes']):>12}  {held['what']} ({count})", file=out, flush=True)
+    for line in holder_lines(top.memory_at_peak, "  "):
+        print(line, file=out, flush=True)
     if tracker is None:
         return
     for report in detailed:
         tracker.log_dict({"rank": report.rank, "measured_peak_bytes": report.measured_peak_bytes,
                           "at_peak": report.memory_at_peak}, ARTIFACT.format(rank=report.rank))
-    print(f"memory: every rank's holders of its peak in the MLflow run under {ARTIFACT.rpartition('/')[0]}/",
+    print(f"memory: every rank's holders of its peak in the MLflow run under {FOLDER}/",
           file=out, flush=True)

@@ -262,25 +262,21 @@ def summary(client: MlflowClient, run_id: str) -> str:
     return "\n".join(lines)
 
 
-def memory_holder_lines(client: MlflowClient, run_id: str, shown: int = 5) -> list[str]:
+def memory_holder_lines(client: MlflowClient, run_id: str) -> list[str]:
     """The largest holders of the largest rank's measured peak, repeated layers summed, when the run
     listed them (``train.memory_probe_detail``: ``memory/at_peak/rank<r>.json``, plain JSON)."""
     import json
     import tempfile
 
-    from orch.plans.memory.build import format_bytes
-    from orch.tracking.memory_detail import across_layers
+    from orch.tracking.memory_detail import FOLDER, holder_lines
 
-    listed = [a.path for a in client.list_artifacts(run_id, "memory/at_peak") if a.path.endswith(".json")]
+    listed = [a.path for a in client.list_artifacts(run_id, FOLDER) if a.path.endswith(".json")]
     if not listed:
         return []
     with tempfile.TemporaryDirectory() as tmp:
         ranks = [json.loads(Path(client.download_artifacts(run_id, path, tmp)).read_text()) for path in listed]
     top = max(ranks, key=lambda rank: rank["measured_peak_bytes"] or 0)
-    lines = [f"           at rank {top['rank']}'s peak, largest first:"]
-    lines += [f"           {format_bytes(held['bytes']):>12}  {held['what']}"
-              for held in across_layers(top["at_peak"])[:shown]]
-    return lines
+    return [f"           at rank {top['rank']}'s peak, largest first:", *holder_lines(top["at_peak"], " " * 11)]
 
 
 def runs_table(client: MlflowClient, experiment: str, limit: int = 20) -> str:
