@@ -106,8 +106,8 @@ def local_ray():
     loopback as `orch` starts it.
 
     Started by the first test that asks and kept for the next ones (a start and shutdown cost
-    about 6 s, once per module before): :func:`pytest_collection_modifyitems` runs the tests that
-    ask for it one after another, and :func:`_no_shared_ray_unasked` shuts it down before any test
+    about 6 s, once per module before): :func:`pytest_collection_modifyitems` runs a file's tests
+    that ask for it one after another, and :func:`_no_shared_ray_unasked` shuts it down before any test
     that did not ask, which may start a Ray of its own in this process or expect none.
     """
     use_shared_ray()
@@ -120,10 +120,41 @@ def _no_shared_ray_unasked(request):
         release_shared_ray()
 
 
+@pytest.fixture(autouse=True)
+def _tier_in_the_report(request):
+    """Each test's tier (``slow`` or ``fast``) as a property in the JUnit report, where
+    ``.ci/durations.py`` reads it: both tiers run in one pytest run."""
+    request.node.user_properties.append(("tier", "slow" if request.node.get_closest_marker("slow") else "fast"))
+
+
+LONGEST_FILES = ("test_cluster.py", "test_pipeline_e2e.py", "test_fsdp2_e2e.py", "test_workloads_e2e.py",
+                 "test_ray_data.py", "test_train_e2e.py", "test_reliability.py", "test_cli.py", "test_submit.py",
+                 "test_tune_e2e.py", "test_tune_space.py", "test_memory_probe.py", "test_pipeline.py",
+                 "test_hf_pipeline.py", "test_worker_reuse.py", "test_async_tp.py", "test_check.py")
+"""The test files that took longest in CI (``.ci/durations.py`` prints them), longest first.
+
+The README's test command runs the files two at a time (``--dist loadfile``) in the order
+:func:`pytest_collection_modifyitems` leaves them (``--no-loadscope-reorder``): these first, then
+the other files with training tests, then the rest, so that short files, not a long one, end the
+run. An order only: a file missing here runs all the same, later."""
+
+
+def _file_rank(item) -> tuple[int, int]:
+    name = item.path.name
+    if name in LONGEST_FILES:
+        return 0, LONGEST_FILES.index(name)
+    return (1 if item.get_closest_marker("slow") else 2), 0
+
+
 def pytest_collection_modifyitems(items):
-    """The tests on the shared Ray first, each group in its collected order, so one Ray serves
-    them all (a stable sort: modules stay together within each group)."""
-    items.sort(key=lambda item: SHARED_RAY not in getattr(item, "fixturenames", ()))
+    """Files in :data:`LONGEST_FILES`' order, the others as collected; within a file, the tests on
+    the shared Ray first, each group in its collected order, so one Ray serves them all."""
+    order: dict = {}
+    for index, item in enumerate(items):
+        rank = _file_rank(item)
+        known = order.get(item.path)
+        order[item.path] = (min(known[0], rank), known[1]) if known else (rank, index)
+    items.sort(key=lambda item: (order[item.path], SHARED_RAY not in getattr(item, "fixturenames", ())))
 
 
 def pytest_sessionfinish():
