@@ -64,6 +64,11 @@ def test_stages_split_the_layers_as_deepspeed_does():
     # log-softmax, each micro-batch x seq_len x vocab.
     assert all(layer.saved_bytes > 0 for layer in layers)
     assert layers[-1].saved_bytes > 2 * (2 * 16 * 256 * 4)
+    # What a split backward keeps for its weight pass: the output of every call where a weight meets
+    # the input. A block: its two layer norms, qkv (3 d), attention's and the MLP's projections,
+    # the MLP's 4 d; the tied head's logits, computed from the embedding's weight.
+    hidden = 2 * 16 * 64 * 4
+    assert [layer.weight_grad_bytes for layer in layers[1:]] == [11 * hidden] * 4 + [hidden, 2 * 16 * 256 * 4]
     assert bubble_fraction(2, 4) == 0.25
 
 

@@ -13,7 +13,9 @@ from orch.plans.parallel.schedules import (
     micro_batches_in_flight,
     rank_of_stage,
     schedule_violations,
+    split_backward_moments,
     stages_of_rank,
+    zbv_actions,
 )
 from orch.plans.resolve import resolve_plan
 from orch.plans.spec import ClusterSpec, FSDPSpec, PipelineSchedule, PlanSpec, TrainSpec
@@ -208,3 +210,69 @@ def test_the_split_backwards_input_gradients_are_dropped_after_the_step():
     stage = SimpleNamespace(args_recv_info={0: (SimpleNamespace(buffer=buffer), SimpleNamespace(buffer=None))})
     drop_input_gradients([stage])
     assert buffer.grad is None
+
+
+def _torch_zbv_order(pp: int, micro_batches: int, rank: int) -> list[tuple[str, int, int]]:
+    """One rank's actions as torch's ``ScheduleZBVZeroBubble`` lays them out, read through its
+    private per-rank method: the schedule object itself needs stages with process groups."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    me = SimpleNamespace(pp_group_size=pp, _n_microbatches=micro_batches, num_stages=2 * pp)
+    return [(a.computation_type.value, 0 if a.stage_index == rank else 1, a.microbatch_index)
+            for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(me, rank) if a is not None]
+
+
+def test_zbv_runs_each_rank_in_torchs_order_and_its_later_ranks_defer_weight_backwards():
+    """The planner's ZB-V order is torch's, for every rank, with fewer micro-batches than the V
+    needs and with more. Its first rank runs each weight backward at once; rank r defers r of each
+    chunk's into the drain (and one more of chunk 0 as the drain begins), each micro-batch's
+    activations held until then."""
+    for pp in range(1, 7):
+        for micro_batches in range(1, 3 * pp + 2):
+            for rank in range(pp):
+                assert zbv_actions(pp, micro_batches, rank) == _torch_zbv_order(pp, micro_batches, rank)
+    first, last = split_backward_moments(8, 16, 0), split_backward_moments(8, 16, 7)
+    assert all(moment.waiting_weights == (0, 0) for moment in first)
+    assert max(sum(moment.held) for moment in first) == 16  # 1F1B's first rank: pp micro-batches, two chunks
+    assert max(moment.waiting_weights for moment in last) == (7, 7)
+    fullest = next(moment for moment in last if moment.waiting_weights == (7, 7))
+    assert fullest.held == (8, 7)
+
+
+def test_zbv_ranks_count_the_gradients_their_deferred_weight_backwards_keep():
+    """A ZB-V rank's fullest input backward, counted from torch's own order: each chunk's held
+    micro-batches' activations and its waiting weight backwards' gradients, above the pp
+    micro-batches through both chunks the schedule is otherwise priced at. The first stage keeps
+    no gradients for later (torch runs its whole backward in its weight pass), so the first rank,
+    which runs every other weight backward at once, holds nothing more."""
+    from orch.plans.parallel.pipeline import PipelineLayer, pipeline_stages, rank_stages
+
+    pp, micro_batches, saved, kept = 4, 8, 1000, 300
+    layers = [PipelineLayer(name="Block", params=10, trainable=10, largest_param=10, saved_bytes=saved,
+                            output_bytes=1, weight_grad_bytes=kept) for _ in range(2 * pp)]
+    stages = pipeline_stages(layers, pp=2 * pp, method="uniform", micro_batches=micro_batches, engine="fsdp2")
+    ranks = rank_stages(stages, layers, schedule=S.zbv, pp=pp, virtual=2, micro_batches=micro_batches)
+
+    def by_hand(rank: int) -> int:
+        held, waiting, fullest = [set(), set()], [set(), set()], 0
+        for kind, chunk, micro_batch in _torch_zbv_order(pp, micro_batches, rank):
+            if kind == "F":
+                held[chunk].add(micro_batch)
+            elif kind == "I":
+                grads = sum(len(w) for c, w in enumerate(waiting) if not (rank == 0 and c == 0))
+                fullest = max(fullest, saved * sum(len(h) for h in held) + kept * grads)
+                waiting[chunk].add(micro_batch)
+            else:
+                held[chunk].discard(micro_batch)
+                waiting[chunk].discard(micro_batch)
+        return max(0, fullest - pp * 2 * saved)
+
+    assert [r.split_backward_bytes for r in ranks] == [by_hand(r) for r in range(pp)]
+    # The last rank's fullest: three weight backwards of each chunk waiting, one micro-batch fewer held.
+    assert ranks[0].split_backward_bytes == 0 and ranks[-1].split_backward_bytes == 6 * kept - saved
+    one_f_one_b = rank_stages(pipeline_stages(layers, pp=pp, method="uniform", micro_batches=micro_batches,
+                                              engine="fsdp2"), layers, schedule=S.one_f_one_b, pp=pp, virtual=1,
+                              micro_batches=micro_batches)
+    assert all(r.split_backward_bytes == 0 for r in one_f_one_b)

@@ -96,7 +96,8 @@ def _rank_memory(inputs: _RankInputs) -> tuple[ModelStateBytes, DevicePhases, FS
         # of them meet no gradients yet, and once the first backward has made some, fewer
         # micro-batches wait. Each phase at the larger of the two moments: all in flight
         # without gradients, or the last micro-batch alone with the others' gradients.
-        alone = dataclasses.replace(rank, in_flight=1, in_flight_bytes=round(rank.in_flight_bytes / rank.in_flight))
+        alone = dataclasses.replace(rank, in_flight=1, in_flight_bytes=round(rank.in_flight_bytes / rank.in_flight),
+                                    split_backward_bytes=0)
         waiting = counted(rank, earlier_grads=False)
         last = counted(alone, earlier_grads=True)
         fsdp = dataclasses.replace(waiting, phases=[max(a, b, key=lambda p: p.total)

@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from orch.plans.memory.activations import ActivationBytes, _MetaRunsAsOnCpu, _SavedTensors
 from orch.plans.model.depth_scaling import SHALLOW_DEPTHS
@@ -39,6 +41,11 @@ class PipelineLayer:
     """Its parameters the tensor-parallel layer specs split (matched by the whole model's names)."""
     tp_trainable: int = 0
     """The same, with ``requires_grad``."""
+    weight_grad_bytes: int = 0
+    """Bytes of the output gradients of the layer's modules with trainable parameters of their own,
+    for one micro-batch: what a schedule that splits backward keeps between a micro-batch's input
+    backward and its weight backward (torch's ``stage_backward_input`` keeps the gradient arriving
+    at each node where a weight's gradient parts from the input's, to start the weight pass from)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +83,12 @@ class PipelineStage:
     in_flight_bytes: int = 0
     """Inputs and outputs of the micro-batches in flight, held during the step: an output lives
     until its backward, a received input until its gradient is sent back."""
+    split_backward_bytes: int = 0
+    """With ZB-V, which splits backward, what the rank holds at its fullest input backward above
+    ``in_flight`` micro-batches through all its layers: the output gradients kept for the weight
+    backwards it defers into the drain, beside the activations those micro-batches still hold,
+    and its chunks' activations counted chunk by chunk
+    (:func:`orch.plans.parallel.schedules.split_backward_moments`)."""
 
 
 def _build(spec) -> torch.nn.Module:
@@ -128,16 +141,51 @@ def measure_pipeline_layers(specs: list, *, micro_batch_size: int, inputs: Model
     batch = move_batch(inputs.example_batch(micro_batch_size), "meta", dtype)
     x, targets = batch[0], batch[1]
     outputs = []
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _MetaRunsAsOnCpu():
+    weights = _WeightGradientInputs([p for m in modules for p in m.parameters() if p.requires_grad], len(modules))
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _MetaRunsAsOnCpu(), weights:
         for index, (spec, module) in enumerate(zip(specs, modules, strict=True)):
-            saved.current_layer = index
+            saved.current_layer = weights.current_layer = index
             x = _run(spec, module, x)
             outputs.append(x.numel() * x.element_size())
         # The last stage computes the loss as the trainer does; its output is alive meanwhile.
         inputs.objective(x, (None, targets))
         saved.add(x)
-    return [dataclasses.replace(layer, saved_bytes=saved.by_layer.get(index, 0), output_bytes=outputs[index])
+    return [dataclasses.replace(layer, saved_bytes=saved.by_layer.get(index, 0), output_bytes=outputs[index],
+                                weight_grad_bytes=weights.by_layer[index])
             for index, layer in enumerate(layers)]
+
+
+class _WeightGradientInputs(TorchFunctionMode):
+    """Counts, per layer, the outputs of the calls where a trainable parameter (or a tensor made from
+    parameters alone: a transposed or cast weight, a tied head's) meets a tensor made from the
+    layer's input: the gradients arriving there are what torch's split backward keeps for the
+    weight pass (:attr:`PipelineLayer.weight_grad_bytes`). A Python function torch hands the mode
+    whole (``F.multi_head_attention_forward``) counts as one call: its output only."""
+
+    def __init__(self, parameters: list[torch.nn.Parameter], layers: int):
+        super().__init__()
+        # Held, not only their ids: a dropped tensor's id can be handed to another.
+        self._from_parameters = {id(p): p for p in parameters}
+        self.by_layer = [0] * layers
+        self.current_layer = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        made_from = [id(t) in self._from_parameters for t in tensors]
+        results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if tensors and all(made_from):
+            self._from_parameters.update((id(t), t) for t in results)
+        elif any(made_from):
+            self.by_layer[self.current_layer] += sum(_local_bytes(t) for t in results if t.requires_grad)
+        return out
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor on this rank (a DTensor's local shard)."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return local.numel() * local.element_size()
 
 
 def carry_layers(shallow: list[PipelineLayer], deeper: list[PipelineLayer], depth: int) -> list[PipelineLayer] | None:
@@ -225,7 +273,8 @@ def on_sequence_part(layers: list[PipelineLayer], cp: int) -> list[PipelineLayer
     if cp <= 1:
         return layers
     return [dataclasses.replace(layer, saved_bytes=-(-layer.saved_bytes // cp),
-                                output_bytes=-(-layer.output_bytes // cp)) for layer in layers]
+                                output_bytes=-(-layer.output_bytes // cp),
+                                weight_grad_bytes=-(-layer.weight_grad_bytes // cp)) for layer in layers]
 
 
 def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved: int, *,
@@ -279,10 +328,13 @@ def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved:
     # the models measured here: a stage without the loss peaks at what it saves.
     forward = scaled(whole.saved) + (whole.forward_peak - whole.saved if holds_loss else 0)
 
+    # ZB-V's fullest input backward holds more than its in-flight micro-batches' activations.
+    deferred = stage.split_backward_bytes if split_backward else 0
+
     def in_blocks(x: int) -> int:
         # The stage's moments inside its repeated layers, which FSDP2's phases meet with their
         # gradients and gathers: the layers' share, the micro-batches waiting and the held output.
-        return scaled_backward(x) + waiting + held if x else 0
+        return scaled_backward(x) + waiting + held + deferred if x else 0
 
     blocks = in_blocks(whole.blocks_backward_peak)
     # A schedule that splits backward runs a block's weight gradients after its input gradients,
@@ -322,6 +374,7 @@ def rank_stages(stages: list[PipelineStage], layers: list[PipelineLayer], *, sch
     (``_prepare_forward_infra`` / ``_prepare_backward_infra``): those are its buffers.
     """
     from orch.plans.parallel.schedules import micro_batches_in_flight, stages_of_rank
+    from orch.plans.spec import PipelineSchedule
 
     last = len(stages) - 1
     ranks = []
@@ -330,11 +383,32 @@ def rank_stages(stages: list[PipelineStage], layers: list[PipelineLayer], *, sch
         received = sum(layers[s.start - 1].output_bytes for s in mine if 0 < s.start <= len(layers))
         sent = sum(layers[s.stop - 1].output_bytes for s in mine if s.index < last and s.stop > s.start)
         held = micro_batches_in_flight(schedule, pp, virtual, micro_batches, rank)  # an average: may be fractional
+        split = (_split_backward_bytes(mine, layers, pp, micro_batches, rank, held)
+                 if schedule is PipelineSchedule.zbv else 0)
         ranks.append(PipelineStage(
             index=rank, start=min(s.start for s in mine), stop=max(s.stop for s in mine),
             layers=tuple(name for s in mine for name in s.layers), params=sum(s.params for s in mine),
             trainable=sum(s.trainable for s in mine), largest_param=max(s.largest_param for s in mine),
             saved_bytes=sum(s.saved_bytes for s in mine), in_flight=held,
             tp_params=sum(s.tp_params for s in mine), tp_trainable=sum(s.tp_trainable for s in mine),
-            buffer_bytes=micro_batches * (received + sent), in_flight_bytes=round(held * sent)))
+            buffer_bytes=micro_batches * (received + sent), in_flight_bytes=round(held * sent),
+            split_backward_bytes=split))
     return ranks
+
+
+def _split_backward_bytes(mine: list[PipelineStage], layers: list[PipelineLayer], pp: int, micro_batches: int,
+                          rank: int, in_flight: float) -> int:
+    """:attr:`PipelineStage.split_backward_bytes` of ZB-V rank ``rank``, whose stages (chunks) are
+    ``mine``: at each of its fullest input backwards, each chunk's held micro-batches' saved
+    bytes and its waiting weight backwards' output gradients, above ``in_flight`` micro-batches
+    through both chunks. The first stage keeps no gradients for later: torch runs its whole
+    backward in its weight pass, having no input to send a gradient to."""
+    from orch.plans.parallel.schedules import split_backward_moments
+
+    saved = [stage.saved_bytes for stage in mine]
+    kept = [0 if stage.index == 0 else sum(layer.weight_grad_bytes for layer in layers[stage.start:stage.stop])
+            for stage in mine]
+    fullest = max(sum(h * b for h, b in zip(moment.held, saved, strict=True))
+                  + sum(w * b for w, b in zip(moment.waiting_weights, kept, strict=True))
+                  for moment in split_backward_moments(pp, micro_batches, rank))
+    return max(0, round(fullest - in_flight * sum(saved)))

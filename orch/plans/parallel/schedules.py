@@ -22,6 +22,7 @@ Bubbles (idle time per step, in those units), from the papers that introduced ea
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from orch.plans.errors import Violation
@@ -165,3 +166,91 @@ def micro_batches_in_flight(schedule: PipelineSchedule, pp: int, virtual: int, m
     else:
         held = pp + (pp - 1 - 2 * pp_rank) / virtual
     return max(1.0, min(held, float(micro_batches)))
+
+
+@dataclass(frozen=True)
+class SplitBackwardMoment:
+    """A rank of a schedule that splits backward, as one input backward (``I``) of it runs: per
+    local stage (chunk), the micro-batches whose activations it still holds (forward done, weight
+    backward not yet: torch's ``stage_backward_input`` keeps the autograd graph for the weight
+    pass) and those whose weight backward waits (input backward done), with the gradients it
+    keeps for it."""
+
+    held: tuple[int, ...]
+    """Per chunk, micro-batches forward but not weight-backward, the one whose ``I`` runs included."""
+    waiting_weights: tuple[int, ...]
+    """Per chunk, micro-batches past their ``I`` and before their ``W``, the running one excluded."""
+
+
+def zbv_actions(pp: int, micro_batches: int, pp_rank: int) -> list[tuple[str, int, int]]:
+    """The order ZB-V (Qi et al. 2024, section 6; torch's ``ScheduleZBVZeroBubble``) runs one rank's
+    work in: ``(kind, chunk, micro-batch)`` with kind ``F`` (forward), ``I`` (backward to the
+    inputs) or ``W`` (backward to the weights), chunk 0 the rank's stage on the way down the V
+    (stage ``pp_rank``) and chunk 1 the one on the way up (stage ``2 pp - 1 - pp_rank``).
+
+    Warm-up fills the V: chunk 0 forwards until the micro-batch reaches the bottom, then both chunks
+    forward in turn, then chunk 1 runs each micro-batch through F, I and W. The steady state runs
+    one micro-batch forward and one backward (I then W at once) per chunk. The cool-down runs the
+    remaining input backwards, deferring the weight backwards of the first ``pp_rank`` pairs into
+    the drain, where they fill the bubble. The schedule is laid out for at least ``2 pp - 1``
+    micro-batches; with fewer, the work of those that do not exist is left out."""
+    n = max(2 * pp - 1, micro_batches)
+    order: list[tuple[str, int, int]] = []
+    nxt = {"F0": 0, "F1": 0, "I0": 0, "I1": 0, "W0": 0, "W1": 0}
+
+    def run(kind: str, chunk: int) -> None:
+        key = f"{kind}{chunk}"
+        order.append((kind, chunk, nxt[key]))
+        nxt[key] += 1
+
+    for _ in range(2 * (pp - pp_rank) - 1):
+        run("F", 0)
+    for _ in range(pp_rank):
+        run("F", 1)
+        run("F", 0)
+    for _ in range(pp - pp_rank):
+        for kind in "FIW":
+            run(kind, 1)
+    while nxt["F1"] < nxt["F0"] or nxt["F0"] < n:
+        if nxt["F0"] < n:
+            run("F", 0)
+        run("I", 0)
+        run("W", 0)
+        for kind in "FIW":
+            run(kind, 1)
+    for _ in range(pp_rank):
+        run("I", 0)
+        run("I", 1)
+    for _ in range(pp - pp_rank):
+        run("I", 0)
+        run("W", 0)
+    for chunk in (1, 0):
+        while nxt[f"W{chunk}"] < nxt[f"I{chunk}"]:
+            run("W", chunk)
+    return [action for action in order if action[2] < micro_batches]
+
+
+@functools.lru_cache(maxsize=4096)
+def split_backward_moments(pp: int, micro_batches: int, pp_rank: int) -> tuple[SplitBackwardMoment, ...]:
+    """The moments of a ZB-V rank (:func:`zbv_actions`) that no other moment holds as much as, in
+    every chunk: what its memory can peak at during an input backward. Cached: the tuner asks for
+    the same few degrees for every ZB-V plan it prices."""
+    held, waiting = [set(), set()], [set(), set()]
+    moments = set()
+    for kind, chunk, micro_batch in zbv_actions(pp, micro_batches, pp_rank):
+        if kind == "F":
+            held[chunk].add(micro_batch)
+        elif kind == "I":
+            moments.add(SplitBackwardMoment(held=tuple(len(h) for h in held),
+                                            waiting_weights=tuple(len(w) for w in waiting)))
+            waiting[chunk].add(micro_batch)
+        else:
+            held[chunk].discard(micro_batch)
+            waiting[chunk].discard(micro_batch)
+
+    def covers(a: SplitBackwardMoment, b: SplitBackwardMoment) -> bool:
+        return a != b and all(x >= y for x, y in zip(a.held + a.waiting_weights, b.held + b.waiting_weights,
+                                                             strict=True))
+
+    return tuple(sorted((m for m in moments if not any(covers(o, m) for o in moments)),
+                        key=lambda m: (m.held, m.waiting_weights)))

@@ -270,7 +270,8 @@ class BatchScaledProbe(ModelProbe):
         if micro_batch_size == 1:
             return super()._measure_pipeline(1, precision, tp)
         return [dataclasses.replace(layer, saved_bytes=layer.saved_bytes * micro_batch_size,
-                                    output_bytes=layer.output_bytes * micro_batch_size)
+                                    output_bytes=layer.output_bytes * micro_batch_size,
+                                    weight_grad_bytes=layer.weight_grad_bytes * micro_batch_size)
                 for layer in self._pipeline(1, precision, tp)]
 
     def _bounds(self, layers: list[PipelineLayer], precision: Precision, pp: int, method: str,
