@@ -126,9 +126,11 @@ PIPELINE_PLANS = [
     [*PIPE, "plan.dp=1", "plan.grad_accum_steps=4", "plan.pp_schedule=interleaved_1f1b", "plan.pp_virtual_stages=2"],
     [*PIPE, "plan.dp=1", "plan.grad_accum_steps=4", "plan.pp_schedule=zbv", "plan.pp_virtual_stages=2",
      "plan.fsdp.reshard_after_forward=false"],
-    # ZB-V's later ranks defer weight backwards into the drain, holding their output gradients.
-    ["model.n_layer=8", "plan.engine=fsdp2", "plan.zero_stage=0", "plan.pp=4", "plan.dp=1", "plan.grad_accum_steps=8",
-     "plan.pp_schedule=zbv", "plan.pp_virtual_stages=2", "plan.fsdp.reshard_after_forward=false", *FOUR_WORKERS],
+    # The zero-bubble schedules' later ranks defer weight backwards into the drain, holding their
+    # output gradients and activations.
+    *(["model.n_layer=8", "plan.engine=fsdp2", "plan.zero_stage=0", "plan.pp=4", "plan.dp=1", "plan.grad_accum_steps=8",
+       f"plan.pp_schedule={schedule}", "plan.pp_virtual_stages=2", "plan.fsdp.reshard_after_forward=false",
+       *FOUR_WORKERS] for schedule in ("zbv", "zero_bubble")),
     [*PIPE, "plan.dp=1", "plan.grad_accum_steps=2", "plan.activation_checkpointing=full"],
     [*PIPE, "plan.dp=2", "plan.grad_accum_steps=2", *FOUR_WORKERS],
 ]

@@ -16,6 +16,7 @@ from orch.plans.parallel.schedules import (
     split_backward_moments,
     stages_of_rank,
     zbv_actions,
+    zero_bubble_actions,
 )
 from orch.plans.resolve import resolve_plan
 from orch.plans.spec import ClusterSpec, FSDPSpec, PipelineSchedule, PlanSpec, TrainSpec
@@ -68,11 +69,16 @@ def test_bubbles_follow_the_papers():
 
 def test_micro_batches_held_per_schedule():
     """GPipe holds the step's every micro-batch, 1F1B pp - r, interleaved 1F1B Megatron-LM's
-    p + (p - 1 - 2r) / v, ZB-V what 1F1B's first rank holds."""
+    p + (p - 1 - 2r) / v, ZB-V what 1F1B's first rank holds (given the 2p - 1 micro-batches its V
+    is laid out for; with fewer, its first ranks hold less). The looped zero-bubble schedule warms
+    up a forward less per later rank than interleaved 1F1B, but rank r keeps r micro-batches more
+    until their deferred weight backwards: every rank holds p."""
     assert micro_batches_in_flight(S.gpipe, 4, 1, 16) == 16
     assert [micro_batches_in_flight(S.one_f_one_b, 4, 1, 16, r) for r in range(4)] == [4, 3, 2, 1]
     assert micro_batches_in_flight(S.interleaved_1f1b, 4, 2, 16, 0) == pytest.approx(4 + 3 / 2)
-    assert micro_batches_in_flight(S.zbv, 4, 2, 16, 3) == 4
+    assert [micro_batches_in_flight(S.zbv, 4, 2, 16, r) for r in range(4)] == [4, 4, 4, 4]
+    assert [micro_batches_in_flight(S.zbv, 4, 2, 4, r) for r in range(4)] == [2.5, 3, 3.5, 4]
+    assert [micro_batches_in_flight(S.zero_bubble, 4, 2, 8, r) for r in range(4)] == [4, 4, 4, 4]
     assert micro_batches_in_flight(S.gpipe, 4, 1, 2) == 2
 
 
@@ -233,12 +239,37 @@ def test_zbv_runs_each_rank_in_torchs_order_and_its_later_ranks_defer_weight_bac
         for micro_batches in range(1, 3 * pp + 2):
             for rank in range(pp):
                 assert zbv_actions(pp, micro_batches, rank) == _torch_zbv_order(pp, micro_batches, rank)
-    first, last = split_backward_moments(8, 16, 0), split_backward_moments(8, 16, 7)
+    first, last = (split_backward_moments(S.zbv, 8, 2, 16, r) for r in (0, 7))
     assert all(moment.waiting_weights == (0, 0) for moment in first)
     assert max(sum(moment.held) for moment in first) == 16  # 1F1B's first rank: pp micro-batches, two chunks
     assert max(moment.waiting_weights for moment in last) == (7, 7)
     fullest = next(moment for moment in last if moment.waiting_weights == (7, 7))
     assert fullest.held == (8, 7)
+
+
+def test_the_looped_zero_bubble_runs_each_rank_in_torchs_order_and_defers_r_weight_backwards():
+    """The looped zero-bubble order is torch's ``ScheduleInterleavedZeroBubble``'s (read through its
+    private per-rank method, before the bubbles it aligns the ranks with, which reorder nothing):
+    interleaved 1F1B with each weight backward ``r`` input backwards late on rank ``r``."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    for pp in range(2, 6):
+        for virtual in (2, 3):
+            for micro_batches in range(pp, 3 * pp + 1):
+                rounds = max(1, micro_batches // pp)
+                if micro_batches % rounds:
+                    continue  # refused (schedule_violations)
+                for rank in range(pp):
+                    me = SimpleNamespace(pp_group_size=pp, _n_microbatches=micro_batches, n_local_stages=virtual,
+                                         number_of_rounds=rounds, microbatches_per_round=micro_batches // rounds)
+                    theirs = [(a.computation_type.value, a.stage_index // pp, a.microbatch_index)
+                              for a in ScheduleInterleavedZeroBubble._calculate_single_rank_operations(me, rank)
+                              if a is not None]
+                    assert zero_bubble_actions(pp, virtual, micro_batches, rank) == theirs
+    assert all(sum(m.waiting_weights) == 0 for m in split_backward_moments(S.zero_bubble, 4, 2, 8, 0))
+    assert max(sum(m.waiting_weights) for m in split_backward_moments(S.zero_bubble, 4, 2, 8, 3)) == 3
 
 
 def test_zbv_ranks_count_the_gradients_their_deferred_weight_backwards_keep():

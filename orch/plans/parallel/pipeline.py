@@ -84,10 +84,10 @@ class PipelineStage:
     """Inputs and outputs of the micro-batches in flight, held during the step: an output lives
     until its backward, a received input until its gradient is sent back."""
     split_backward_bytes: int = 0
-    """With ZB-V, which splits backward, what the rank holds at its fullest input backward above
-    ``in_flight`` micro-batches through all its layers: the output gradients kept for the weight
-    backwards it defers into the drain, beside the activations those micro-batches still hold,
-    and its chunks' activations counted chunk by chunk
+    """With a schedule that splits backward (``zbv``, ``zero_bubble``), what the rank holds at its
+    fullest input backward above ``in_flight`` micro-batches through all its layers: the output
+    gradients kept for the weight backwards it defers into the drain, beside the activations those
+    micro-batches still hold, and its chunks' activations counted chunk by chunk
     (:func:`orch.plans.parallel.schedules.split_backward_moments`)."""
 
 
@@ -328,7 +328,7 @@ def stage_activations(whole: ActivationBytes, stage: PipelineStage, total_saved:
     # the models measured here: a stage without the loss peaks at what it saves.
     forward = scaled(whole.saved) + (whole.forward_peak - whole.saved if holds_loss else 0)
 
-    # ZB-V's fullest input backward holds more than its in-flight micro-batches' activations.
+    # A split backward's fullest input backward holds more than the in-flight micro-batches' activations.
     deferred = stage.split_backward_bytes if split_backward else 0
 
     def in_blocks(x: int) -> int:
@@ -374,7 +374,6 @@ def rank_stages(stages: list[PipelineStage], layers: list[PipelineLayer], *, sch
     (``_prepare_forward_infra`` / ``_prepare_backward_infra``): those are its buffers.
     """
     from orch.plans.parallel.schedules import micro_batches_in_flight, stages_of_rank
-    from orch.plans.spec import PipelineSchedule
 
     last = len(stages) - 1
     ranks = []
@@ -383,8 +382,8 @@ def rank_stages(stages: list[PipelineStage], layers: list[PipelineLayer], *, sch
         received = sum(layers[s.start - 1].output_bytes for s in mine if 0 < s.start <= len(layers))
         sent = sum(layers[s.stop - 1].output_bytes for s in mine if s.index < last and s.stop > s.start)
         held = micro_batches_in_flight(schedule, pp, virtual, micro_batches, rank)  # an average: may be fractional
-        split = (_split_backward_bytes(mine, layers, pp, micro_batches, rank, held)
-                 if schedule is PipelineSchedule.zbv else 0)
+        split = (_split_backward_bytes(mine, layers, schedule, pp, virtual, micro_batches, rank, held)
+                 if schedule.splits_backward else 0)
         ranks.append(PipelineStage(
             index=rank, start=min(s.start for s in mine), stop=max(s.stop for s in mine),
             layers=tuple(name for s in mine for name in s.layers), params=sum(s.params for s in mine),
@@ -396,13 +395,14 @@ def rank_stages(stages: list[PipelineStage], layers: list[PipelineLayer], *, sch
     return ranks
 
 
-def _split_backward_bytes(mine: list[PipelineStage], layers: list[PipelineLayer], pp: int, micro_batches: int,
-                          rank: int, in_flight: float) -> int:
-    """:attr:`PipelineStage.split_backward_bytes` of ZB-V rank ``rank``, whose stages (chunks) are
-    ``mine``: at each of its fullest input backwards, each chunk's held micro-batches' saved
-    bytes and its waiting weight backwards' output gradients, above ``in_flight`` micro-batches
-    through both chunks. The first stage keeps no gradients for later: torch runs its whole
-    backward in its weight pass, having no input to send a gradient to."""
+def _split_backward_bytes(mine: list[PipelineStage], layers: list[PipelineLayer], schedule, pp: int, virtual: int,
+                          micro_batches: int, rank: int, in_flight: float) -> int:
+    """:attr:`PipelineStage.split_backward_bytes` of rank ``rank`` of a schedule that splits
+    backward, whose stages (chunks) are ``mine``: at each of its fullest input backwards, each
+    chunk's held micro-batches' saved bytes and its waiting weight backwards' output gradients,
+    above ``in_flight`` micro-batches through all its chunks. The first stage keeps no gradients
+    for later: torch runs its whole backward in its weight pass, having no input to send a
+    gradient to."""
     from orch.plans.parallel.schedules import split_backward_moments
 
     saved = [stage.saved_bytes for stage in mine]
@@ -410,5 +410,5 @@ def _split_backward_bytes(mine: list[PipelineStage], layers: list[PipelineLayer]
             for stage in mine]
     fullest = max(sum(h * b for h, b in zip(moment.held, saved, strict=True))
                   + sum(w * b for w, b in zip(moment.waiting_weights, kept, strict=True))
-                  for moment in split_backward_moments(pp, micro_batches, rank))
+                  for moment in split_backward_moments(schedule, pp, virtual, micro_batches, rank))
     return max(0, round(fullest - in_flight * sum(saved)))

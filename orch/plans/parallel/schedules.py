@@ -150,19 +150,21 @@ def micro_batches_in_flight(schedule: PipelineSchedule, pp: int, virtual: int, m
     """Micro-batches whose activations (of all of a rank's stages) pipeline rank ``pp_rank`` holds
     at its peak, in units of one micro-batch through all its layers.
 
-    GPipe holds every micro-batch of the step; 1F1B ``pp - r``; interleaved 1F1B (and the
-    looped zero-bubble schedule, which defers only weight gradients) adds the warm-up of the
-    extra stages, ``pp + (pp - 1 - 2r) / v`` for rank ``r`` (Megatron-LM's
-    ``p (1 + (p - 1) / (p v))`` on rank 0); ZB-V holds what 1F1B's first rank does, ``pp``.
-    Never more than the step's micro-batches."""
+    GPipe holds every micro-batch of the step; 1F1B ``pp - r``; interleaved 1F1B adds the warm-up
+    of the extra stages, ``pp + (pp - 1 - 2r) / v`` for rank ``r`` (Megatron-LM's
+    ``p (1 + (p - 1) / (p v))`` on rank 0). The schedules that split backward are counted along
+    their own order (:func:`zbv_actions`, :func:`zero_bubble_actions`): ZB-V holds what 1F1B's
+    first rank does, ``pp``, given ``2 pp - 1`` micro-batches; the looped zero-bubble schedule's
+    warm-up is one forward a later rank shorter where interleaved 1F1B's is two. Never more than
+    the step's micro-batches."""
     if pp <= 1:
         return 1.0
+    if schedule.splits_backward:
+        return max(1.0, _walk_split_schedule(schedule, pp, virtual, micro_batches, pp_rank)[0])
     if schedule is PipelineSchedule.gpipe:
         held = float(micro_batches)
     elif schedule is PipelineSchedule.one_f_one_b:
         held = float(pp - pp_rank)
-    elif schedule is PipelineSchedule.zbv:
-        held = float(pp)
     else:
         held = pp + (pp - 1 - 2 * pp_rank) / virtual
     return max(1.0, min(held, float(micro_batches)))
@@ -230,16 +232,68 @@ def zbv_actions(pp: int, micro_batches: int, pp_rank: int) -> list[tuple[str, in
     return [action for action in order if action[2] < micro_batches]
 
 
+def zero_bubble_actions(pp: int, virtual: int, micro_batches: int, pp_rank: int) -> list[tuple[str, int, int]]:
+    """The order the looped zero-bubble schedule (torch's ``ScheduleInterleavedZeroBubble``) runs one
+    rank's work in, as :func:`zbv_actions` gives it; chunk ``c`` is the rank's stage ``c pp + r``.
+
+    Interleaved 1F1B's order (micro-batches in rounds of ``m / max(1, m // pp)``, each chunk
+    forwarding a round in turn; the warm-up one round per later chunk and ``pp - 1 - r`` forwards
+    more) with each backward split: rank ``r`` runs each weight backward ``r`` input backwards
+    after its own, and the last ``r`` in the drain."""
+    rounds = max(1, micro_batches // pp)
+    per_round = micro_batches // rounds
+    total = virtual * micro_batches
+    warmup = min((virtual - 1) * per_round + pp - 1 - pp_rank, total)
+    order: list[tuple[str, int, int]] = []
+    counts = {("F", c): 0 for c in range(virtual)} | {("I", c): 0 for c in range(virtual)}
+    counts |= {("W", c): 0 for c in range(virtual)}
+    backwards: list[int] = []
+
+    def run(kind: str, chunk: int) -> None:
+        order.append((kind, chunk, counts[kind, chunk]))
+        counts[kind, chunk] += 1
+
+    def weight_after(step: int) -> None:
+        if step - warmup >= pp_rank:
+            run("W", backwards[len(backwards) - 1 - pp_rank])
+
+    for step in range(total + warmup):
+        if step < total:
+            run("F", (step // per_round) % virtual)
+        if step >= warmup:
+            chunk = virtual - 1 - ((step - warmup) // per_round) % virtual
+            run("I", chunk)
+            backwards.append(chunk)
+            weight_after(step)
+    for chunk in backwards[len(backwards) - min(pp_rank, len(backwards)):]:
+        run("W", chunk)
+    return order
+
+
+def split_backward_moments(schedule: PipelineSchedule, pp: int, virtual: int, micro_batches: int,
+                           pp_rank: int) -> tuple[SplitBackwardMoment, ...]:
+    """The moments of a rank of a schedule that splits backward (:func:`zbv_actions`,
+    :func:`zero_bubble_actions`) that no other moment holds as much as, in every chunk: what its
+    memory can peak at during an input backward."""
+    return _walk_split_schedule(schedule, pp, virtual, micro_batches, pp_rank)[1]
+
+
 @functools.lru_cache(maxsize=4096)
-def split_backward_moments(pp: int, micro_batches: int, pp_rank: int) -> tuple[SplitBackwardMoment, ...]:
-    """The moments of a ZB-V rank (:func:`zbv_actions`) that no other moment holds as much as, in
-    every chunk: what its memory can peak at during an input backward. Cached: the tuner asks for
-    the same few degrees for every ZB-V plan it prices."""
-    held, waiting = [set(), set()], [set(), set()]
-    moments = set()
-    for kind, chunk, micro_batch in zbv_actions(pp, micro_batches, pp_rank):
+def _walk_split_schedule(schedule: PipelineSchedule, pp: int, virtual: int, micro_batches: int,
+                         pp_rank: int) -> tuple[float, tuple[SplitBackwardMoment, ...]]:
+    """One rank's order walked through: the most micro-batches it holds after a forward (through
+    all its chunks, an average over them) and :func:`split_backward_moments`. Cached: the tuner
+    asks for the same few degrees for every plan of the schedule it prices."""
+    actions = (zbv_actions(pp, micro_batches, pp_rank) if schedule is PipelineSchedule.zbv
+               else zero_bubble_actions(pp, virtual, micro_batches, pp_rank))
+    chunks = 2 if schedule is PipelineSchedule.zbv else virtual
+    held: list[set[int]] = [set() for _ in range(chunks)]
+    waiting: list[set[int]] = [set() for _ in range(chunks)]
+    most, moments = 0, set()
+    for kind, chunk, micro_batch in actions:
         if kind == "F":
             held[chunk].add(micro_batch)
+            most = max(most, sum(len(h) for h in held))
         elif kind == "I":
             moments.add(SplitBackwardMoment(held=tuple(len(h) for h in held),
                                             waiting_weights=tuple(len(w) for w in waiting)))
@@ -252,5 +306,6 @@ def split_backward_moments(pp: int, micro_batches: int, pp_rank: int) -> tuple[S
         return a != b and all(x >= y for x, y in zip(a.held + a.waiting_weights, b.held + b.waiting_weights,
                                                              strict=True))
 
-    return tuple(sorted((m for m in moments if not any(covers(o, m) for o in moments)),
-                        key=lambda m: (m.held, m.waiting_weights)))
+    fullest = tuple(sorted((m for m in moments if not any(covers(o, m) for o in moments)),
+                           key=lambda m: (m.held, m.waiting_weights)))
+    return most / chunks, fullest
