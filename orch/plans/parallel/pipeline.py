@@ -42,10 +42,11 @@ class PipelineLayer:
     tp_trainable: int = 0
     """The same, with ``requires_grad``."""
     weight_grad_bytes: int = 0
-    """Bytes of the output gradients of the layer's modules with trainable parameters of their own,
-    for one micro-batch: what a schedule that splits backward keeps between a micro-batch's input
-    backward and its weight backward (torch's ``stage_backward_input`` keeps the gradient arriving
-    at each node where a weight's gradient parts from the input's, to start the weight pass from)."""
+    """Bytes of the outputs of the layer's calls where a trainable weight meets the layer's input
+    (a linear's, a norm's, a tied head's logits), for one micro-batch: their gradients are what a
+    schedule that splits backward keeps between a micro-batch's input backward and its weight
+    backward (torch's ``stage_backward_input`` keeps the gradient arriving at each node where a
+    weight's gradient parts from the input's, to start the weight pass from)."""
 
 
 @dataclass(frozen=True, kw_only=True)
