@@ -38,8 +38,10 @@ def test_gpt_pipeline_schedules_give_the_unpipelined_losses(local_ray, sqlite_ur
     tokens, attention gathers the other rank's keys), interleaved 1F1B over 2 stages per rank with
     full recomputation of every 2nd block at tp=2 (4 workers: the tied embedding's copies on the
     first and last stage, on different ranks, both split over the vocabulary, their gradient shards
-    summed), and ZB-V (its two stages in a V, the tied embedding and head both on rank 0, saying
-    what was alive at its memory peak): the first 10 losses are the pp=1 run's."""
+    summed), the looped zero-bubble schedule over 2 stages per rank (each weight backward split
+    from its input backward and run later), and ZB-V (its two stages in a V, the tied embedding and
+    head both on rank 0, saying what was alive at its memory peak): the first 10 losses are the
+    pp=1 run's."""
     gpt = ["model.n_layer=4"]
     reference = train(sqlite_uri, *gpt, "cluster.devices_per_node=1")
     expected = losses(reference)
@@ -50,6 +52,8 @@ def test_gpt_pipeline_schedules_give_the_unpipelined_losses(local_ray, sqlite_ur
         "interleaved_1f1b": ["plan.pp_schedule=interleaved_1f1b", "plan.pp_virtual_stages=2",
                              "plan.activation_checkpointing=full", "plan.recompute_every_n_layers=2", "plan.tp=2",
                              "cluster.devices_per_node=4", "cluster.cpus_per_worker=0.5"],
+        "zero_bubble": ["plan.pp_schedule=zero_bubble", "plan.pp_virtual_stages=2",
+                        "plan.fsdp.reshard_after_forward=false"],
         "zbv": ["plan.pp_schedule=zbv", "plan.pp_virtual_stages=2", "plan.fsdp.reshard_after_forward=false",
                 "train.memory_probe_detail=true"],
     }
