@@ -67,14 +67,15 @@ def _storage_of(obj) -> torch.UntypedStorage | None:
         return None
 
 
-# How long the scan may hold the interpreter before another thread may ask for it back.
-_HELD_S = 1.0
+# How long the scan may hold the interpreter before another thread may ask for it back: a scan of
+# a large heap on a loaded 2-core machine took over a second (a test thread building tuples broke).
+_HELD_S = 5.0
 
 
 @contextlib.contextmanager
 def _other_threads_held() -> Iterator[None]:
     """Keep the interpreter from other Python threads while the block runs (it must be short,
-    under a second, and must not block).
+    under :data:`_HELD_S`, and must not block).
 
     ``gc.get_objects()`` also lists objects another thread is still building: a tuple made from a
     generator is built in place and resized as it grows, which CPython allows only while nothing
