@@ -32,7 +32,16 @@ def _other_parameters(module: torch.nn.Module) -> tuple[int, int]:
     earlier tests' models that a cache still holds, which a tracker counts as parameters too."""
     mine = {p.untyped_storage().data_ptr() for p in module.parameters()}
     params, grads = {}, {}
-    for obj in gc.get_objects():
+    # As the tracker scans: objects an earlier run moved to gc's permanent generation too.
+    thawed = gc.get_freeze_count() > 0
+    if thawed:
+        gc.unfreeze()
+    try:
+        objects = gc.get_objects()
+    finally:
+        if thawed:
+            gc.freeze()
+    for obj in objects:
         if isinstance(obj, torch.nn.Parameter) and obj.device.type != "meta":
             storage = obj.untyped_storage()
             if storage.data_ptr() and storage.data_ptr() not in mine:
