@@ -30,18 +30,12 @@ def _param_bytes(module: torch.nn.Module) -> int:
 def _other_parameters(module: torch.nn.Module) -> tuple[int, int]:
     """Bytes of the parameters alive in this process besides ``module``'s, and of their gradients:
     earlier tests' models that a cache still holds, which a tracker counts as parameters too."""
+    from orch.launchers.memory_probe import _tracked_tensors
+
     mine = {p.untyped_storage().data_ptr() for p in module.parameters()}
     params, grads = {}, {}
-    # As the tracker scans: objects an earlier run moved to gc's permanent generation too.
-    thawed = gc.get_freeze_count() > 0
-    if thawed:
-        gc.unfreeze()
-    try:
-        objects = gc.get_objects()
-    finally:
-        if thawed:
-            gc.freeze()
-    for obj in objects:
+    # The tensors the tracker scans: objects an earlier run moved to gc's permanent generation too.
+    for obj in _tracked_tensors():
         if isinstance(obj, torch.nn.Parameter) and obj.device.type != "meta":
             storage = obj.untyped_storage()
             if storage.data_ptr() and storage.data_ptr() not in mine:
